@@ -1,0 +1,140 @@
+"""Typed config groups and the one bridge between them and ``argparse``.
+
+Every subsystem owns a small ``@dataclass`` of its flags, defined next to the code that
+uses it (``RolloutConfig`` beside the rollout manager, ``GRPOConfig`` beside the GRPO
+math, ...).  Each field is declared with :func:`flag`, which records the help text and,
+where needed, the argparse details.  :mod:`slime.utils.arguments` only assembles the
+groups: :func:`add_group` turns a dataclass into an argparse argument group (so
+``--help`` is grouped), and :func:`build_group` turns the parsed namespace back into the
+dataclass, which runs its ``__post_init__`` validation.
+
+Conventions (the same as slime / Megatron flags):
+
+- the flag name is the field name with ``_`` replaced by ``-`` (``rollout_batch_size``
+  -> ``--rollout-batch-size``), unless ``name=`` overrides it;
+- a ``bool`` field defaulting to ``False`` is a ``store_true`` switch; one defaulting to
+  ``True`` also gets a ``--no-...`` form;
+- ``list[...]`` fields take ``nargs="+"`` unless ``nargs`` says otherwise.
+
+Validation errors raise :class:`ConfigError`, whose message names the flag, the bad value
+and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A flag value is invalid. The message names the flag, the value and the fix."""
+
+
+def flag(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    name: str | None = None,
+    choices: typing.Sequence[Any] | None = None,
+    nargs: str | int | None = None,
+    metavar: str | tuple[str, ...] | None = None,
+    type: typing.Callable[[str], Any] | None = None,
+    default_factory: typing.Callable[[], Any] | None = None,
+) -> Any:
+    """Declare one config field and the command-line flag that sets it.
+
+    Args:
+        default: default value; omit (with no ``default_factory``) to make the flag required.
+        help: the ``--help`` text. State the unit (tokens, samples, seconds, ...).
+        name: the flag spelling when it is not ``--`` + field name with dashes.
+        choices, nargs, metavar, type: passed to ``argparse.add_argument``.
+        default_factory: for mutable defaults (lists, dicts).
+    """
+    metadata = dict(help=help, name=name, choices=choices, nargs=nargs, metavar=metavar, type=type)
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    """The ``--flag-name`` of a dataclass field declared with :func:`flag`."""
+    return field.metadata.get("name") or "--" + field.name.replace("_", "-")
+
+
+def _scalar_type(tp: Any) -> Any:
+    """Strip ``Optional[...]`` / ``X | None`` and return the remaining type."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+        return args[0]
+    return tp
+
+
+def add_group(parser: argparse.ArgumentParser, cls: type, title: str, description: str | None = None) -> None:
+    """Add every field of dataclass ``cls`` as a flag in a new argument group ``title``.
+
+    Raises:
+        TypeError: a field was not declared with :func:`flag`.
+    """
+    group = parser.add_argument_group(title, description or (cls.__doc__ or "").strip().split("\n")[0])
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if "help" not in field.metadata:
+            raise TypeError(f"{cls.__name__}.{field.name} must be declared with slime.utils.config.flag()")
+        md = field.metadata
+        tp = _scalar_type(hints[field.name])
+        default = None if field.default is dataclasses.MISSING else field.default
+        if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = field.default_factory()  # type: ignore[misc]
+        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        kwargs: dict[str, Any] = dict(dest=field.name, help=md["help"])
+        if tp is bool:
+            if default:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["action"] = "store_true"
+            kwargs["default"] = bool(default)
+        else:
+            origin = typing.get_origin(tp)
+            if origin in (list, tuple):
+                (elem,) = [a for a in typing.get_args(tp) if a is not Ellipsis][:1] or (str,)
+                kwargs["nargs"] = md["nargs"] or "+"
+                kwargs["type"] = md["type"] or elem
+            else:
+                kwargs["type"] = md["type"] or (tp if tp in (int, float, str) else str)
+                if md["nargs"] is not None:
+                    kwargs["nargs"] = md["nargs"]
+            kwargs["default"] = default
+            kwargs["required"] = required
+            if md["choices"] is not None:
+                kwargs["choices"] = md["choices"]
+            if md["metavar"] is not None:
+                kwargs["metavar"] = md["metavar"]
+        group.add_argument(flag_name(field), **kwargs)
+
+
+def build_group(cls: type, namespace: argparse.Namespace) -> Any:
+    """Instantiate dataclass ``cls`` from the parsed ``namespace`` (runs its validation)."""
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
+    return cls(**values)
+
+
+def to_argv(cfg: Any) -> list[str]:
+    """The command-line flags that reproduce dataclass instance ``cfg`` (for logs and resume)."""
+    argv: list[str] = []
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        name = flag_name(field)
+        if isinstance(value, bool):
+            if value:
+                argv.append(name)
+            elif field.default is True:
+                argv.append("--no-" + name[2:])
+        elif value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [name, *map(str, value)]
+        else:
+            argv += [name, str(value)]
+    return argv
