@@ -1,0 +1,168 @@
+"""The rollout-engine interface, shaped after SGLang's HTTP server API.
+
+A rollout engine is one inference server, possibly spanning several GPUs
+(``--rollout-num-gpus-per-engine``); slime runs each engine inside a Ray actor and talks
+to all of them through :class:`slime.rollout.engine_group.RolloutEngineGroup`.  Two
+implementations exist, selected with ``--rollout-backend``:
+
+- ``sglang``: the production engine; each method maps onto one SGLang endpoint
+  (``/generate``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
+  ``/update_weights_from_distributed``, ``/release_memory_occupation``,
+  ``/resume_memory_occupation``, ``/flush_cache``, ``/pause_generation``,
+  ``/continue_generation``, ``/health``).
+- ``transformers``: an in-process Hugging Face model; the embedded default on machines
+  without a GPU and the fallback where SGLang is not installed.
+
+The request/response records mirror SGLang's ``/generate`` payload so that the same
+rollout code drives both engines: prompts travel as text plus base64 images
+(``image_data``), sampling parameters use SGLang's names, and the output carries the
+generated token ids, their log-probs and a ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Literal
+
+import torch
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling parameters, with SGLang's ``sampling_params`` names.
+
+    Attributes:
+        max_new_tokens: hard cap on generated tokens; a response that reaches it ends with
+            ``finish_reason == "length"``.
+        temperature: softmax temperature (> 0). Log-probs are reported under
+            ``logits / temperature``, as SGLang does.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 disables.
+        stop: extra stop strings (the EOS token always stops).
+        stop_token_ids: extra stop token ids.
+        no_stop_trim: keep the matched stop string in the text (SGLang semantics).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = True
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The ``sampling_params`` dict of an SGLang ``/generate`` request (``None`` fields dropped)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One prompt to complete (SGLang ``/generate`` with ``return_logprob=True``).
+
+    Attributes:
+        text: the chat-templated prompt, with one vision span per image.
+        image_data: base64 PNG images in placeholder order (already resized by the data
+            pipeline, so every engine derives the same number of image tokens).
+        sampling_params: how to sample.
+        expected_prompt_len: the prompt length in tokens that the data pipeline computed
+            locally (images expanded). An engine whose own tokenisation disagrees raises
+            :class:`PromptMismatchError` instead of silently training on other tokens.
+        rid: request id, for logs.
+    """
+
+    text: str
+    image_data: list[str]
+    sampling_params: SamplingParams
+    expected_prompt_len: int | None = None
+    rid: str | None = None
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """One completion (the fields of SGLang's ``/generate`` response that slime uses).
+
+    Attributes:
+        text: decoded response text.
+        output_ids: generated token ids (R), including the stop token when generation
+            stopped on one.
+        output_log_probs: log-probs of ``output_ids`` under the sampling distribution
+            (``logits / temperature``), natural log, length R (SGLang
+            ``meta_info.output_token_logprobs``).
+        finish_reason: ``"stop"`` (EOS or a stop token/string), ``"length"``
+            (``max_new_tokens`` reached) or ``"abort"``.
+        prompt_tokens: number of prompt tokens the engine saw (images expanded).
+    """
+
+    text: str
+    output_ids: list[int]
+    output_log_probs: list[float]
+    finish_reason: FinishReason
+    prompt_tokens: int
+
+
+class PromptMismatchError(RuntimeError):
+    """The engine tokenised a prompt to a different length than the data pipeline did."""
+
+
+class RolloutEngine(abc.ABC):
+    """One inference server. Instances live inside Ray actors (see ``engine_group``).
+
+    Implementations must be safe to call from one thread at a time; the engine group
+    never calls two methods of one engine concurrently.
+    """
+
+    @abc.abstractmethod
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Complete every request; the output list is in request order.
+
+        Raises:
+            PromptMismatchError: a request's ``expected_prompt_len`` disagrees with the
+                engine's tokenisation.
+        """
+
+    @abc.abstractmethod
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
+        """Load one bucket of weights, by Hugging Face parameter name.
+
+        Names are those of the HF checkpoint (``model.language_model.layers.0...``,
+        ``model.visual.blocks.0...``, ``lm_head.weight``); the vision tower keeps its HF
+        names. Tensors arrive on CPU (Ray object store) or, for colocated GPU engines,
+        as CUDA tensors the engine may read in place.
+
+        Raises:
+            KeyError: a name the engine's model does not have.
+            ValueError: a shape that does not match the engine's parameter.
+        """
+
+    @abc.abstractmethod
+    def release_memory_occupation(self) -> None:
+        """Free the engine's device memory (weights and KV cache) for a colocated trainer.
+
+        After :meth:`resume_memory_occupation` the weights must be pushed again
+        (SGLang behaviour without a weight backup), which the driver always does.
+        """
+
+    @abc.abstractmethod
+    def resume_memory_occupation(self) -> None:
+        """Re-allocate what :meth:`release_memory_occupation` freed."""
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes (the KV/radix cache), e.g. after a weight update."""
+
+    def pause_generation(self) -> None:
+        """Stop admitting requests (SGLang ``/pause_generation``), e.g. around a weight update."""
+
+    def continue_generation(self) -> None:
+        """Undo :meth:`pause_generation`."""
+
+    def health(self) -> bool:
+        """Whether the engine can serve requests."""
+        return True
+
+    def shutdown(self) -> None:
+        """Release every resource (server processes, device memory)."""

@@ -1,0 +1,74 @@
+"""Checkpoint folder layout, shared by the driver and every training backend.
+
+``--save DIR`` writes one folder per saved rollout step::
+
+    DIR/
+      latest_checkpointed_iteration.txt   # "7": the last COMPLETE checkpoint (Megatron's name)
+      iter_0000007/
+        model/            # Hugging Face folder (config, safetensors, tokenizer, processor):
+                          # loadable by transformers.from_pretrained, usable as --hf-checkpoint
+        trainer/          # backend-private: optimizer, LR scheduler, per-rank RNG state
+        rollout_state.pt  # driver: rollout id, data cursor, driver RNG state
+
+The marker file is written last, atomically, by the driver once every part is on disk, so
+a run killed in the middle of a save resumes from the previous complete checkpoint.
+``--load DIR`` resumes from the iteration the marker names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is missing or malformed; the message names the path."""
+
+
+def iteration_dir(root: str | os.PathLike, rollout_id: int) -> Path:
+    """``root/iter_<rollout_id:07d>``."""
+    return Path(root) / f"iter_{rollout_id:07d}"
+
+
+def model_dir(root: str | os.PathLike, rollout_id: int) -> Path:
+    """The Hugging Face model folder of one checkpoint."""
+    return iteration_dir(root, rollout_id) / "model"
+
+
+def trainer_dir(root: str | os.PathLike, rollout_id: int) -> Path:
+    """The backend-private folder (optimizer, scheduler, RNG) of one checkpoint."""
+    return iteration_dir(root, rollout_id) / "trainer"
+
+
+def rollout_state_path(root: str | os.PathLike, rollout_id: int) -> Path:
+    """The driver's state file (rollout id, data cursor, RNG) of one checkpoint."""
+    return iteration_dir(root, rollout_id) / "rollout_state.pt"
+
+
+def latest_iteration(root: str | os.PathLike) -> int | None:
+    """The rollout id of the last complete checkpoint under ``root``, or None if there is none.
+
+    Raises:
+        CheckpointError: the marker file exists but is malformed, or names a missing folder.
+    """
+    marker = Path(root) / LATEST_FILE
+    if not marker.exists():
+        return None
+    text = marker.read_text().strip()
+    try:
+        rollout_id = int(text)
+    except ValueError:
+        raise CheckpointError(f"{marker}: expected an integer rollout id, found {text!r}") from None
+    if not iteration_dir(root, rollout_id).is_dir():
+        raise CheckpointError(f"{marker} names rollout {rollout_id}, but {iteration_dir(root, rollout_id)} is missing")
+    return rollout_id
+
+
+def mark_latest(root: str | os.PathLike, rollout_id: int) -> None:
+    """Atomically record ``rollout_id`` as the last complete checkpoint under ``root``."""
+    marker = Path(root) / LATEST_FILE
+    tmp = marker.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(f"{rollout_id}\n")
+    os.replace(tmp, marker)
