@@ -104,6 +104,17 @@ class TrainerBackend(abc.ABC):
     def save(self, rollout_id: int, path: Path) -> None:
         """Write model (HF safetensors), optimizer and scheduler state under ``path``."""
 
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        """This rank's (data-parallel rank, data-parallel size).
+
+        The default suits pure data parallelism (FSDP): every rank is its own
+        data-parallel rank. Backends with tensor/pipeline/context parallelism override it
+        so that peers of one model replica receive the same samples.
+        """
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size()
+
     def offload(self) -> None:
         """Move weights and optimizer state off the GPU (colocated runs). No-op on CPU."""
 

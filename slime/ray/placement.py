@@ -1,0 +1,189 @@
+"""Ray start-up and placement groups: where trainer ranks and rollout engines run.
+
+Ray is slime's only orchestrator. :func:`init_ray` starts a local Ray instance, or joins
+an existing cluster (``--ray-address``; ``SLIME_SCRIPT_EXTERNAL_RAY=1`` in the launcher),
+which slime then never stops.  :func:`create_placement_groups` reserves one bundle per
+trainer rank and per rollout GPU:
+
+- GPU clusters: one bundle = one GPU (+1 CPU). ``--colocate`` puts trainers and engines on
+  the same bundles (fractional GPU requests, as upstream slime does: 0.4 per trainer, 0.2
+  per engine), and the driver releases/resumes memory around each phase. Without it they
+  get disjoint bundles (disaggregated).
+- Machines without GPUs: the same flags size CPU bundles (one CPU each), so
+  ``--actor-num-gpus-per-node 2`` still means two trainer ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime.ray.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+# Fractions of one GPU requested by colocated actors (upstream slime's split); only Ray's
+# bookkeeping, the processes themselves see the whole GPU.
+COLOCATED_TRAINER_GPU = 0.4
+COLOCATED_ENGINE_GPU = 0.2
+
+
+def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None) -> bool:
+    """Start or join Ray.
+
+    Args:
+        cluster: ``--ray-address`` decides: None starts a local instance sized for this
+            run; ``"auto"`` or ``host:port`` joins an existing cluster.
+        extra_env: environment variables for every Ray worker (e.g. ``PYTHONPATH``).
+
+    Returns:
+        True when this process started Ray (and must stop it), False when it joined one.
+    """
+    env = {"PYTHONPATH": os.pathsep.join(p for p in [_repo_root(), os.environ.get("PYTHONPATH", "")] if p)}
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "WANDB_MODE", "NCCL_NVLS_ENABLE",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env.update(extra_env or {})
+    runtime_env = {"env_vars": env}
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
+        logger.info("joined Ray cluster at %s: %s", cluster.ray_address, ray.cluster_resources())
+        return False
+    num_trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+    num_engines_gpus = cluster.rollout_num_gpus or 0
+    ray.init(
+        # Logical CPUs: at least one per actor even on a 2-core machine; torch threads
+        # are set per actor from the real core count (see ``cpu_threads_per_actor``).
+        num_cpus=max(os.cpu_count() or 1, num_trainers + num_engines_gpus + 1),
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+        # The default (30% of RAM) is far more than rollout batches need.
+        object_store_memory=int(os.environ.get("SLIME_RAY_OBJECT_STORE_BYTES", 1 << 30)),
+    )
+    return True
+
+
+def cluster_num_gpus() -> int:
+    """Number of GPUs Ray sees in the whole cluster."""
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def cpu_threads_per_actor(num_actors: int) -> int:
+    """torch intra-op threads for each of ``num_actors`` CPU actors sharing this machine."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_actors))
+
+
+@dataclasses.dataclass
+class Placement:
+    """Reserved resources for one run.
+
+    Attributes:
+        use_gpu: whether bundles are GPUs (else CPUs).
+        trainer_pg / trainer_bundles: the trainer ranks' placement group and bundle index
+            of each rank (rank order).
+        engine_pg / engine_bundles: the rollout engines' placement group and, per engine,
+            its first bundle index (an engine spans ``--rollout-num-gpus-per-engine``
+            consecutive bundles).
+        colocate: trainers and engines share bundles.
+    """
+
+    use_gpu: bool
+    colocate: bool
+    trainer_pg: PlacementGroup
+    trainer_bundles: list[int]
+    engine_pg: PlacementGroup
+    engine_bundles: list[int]
+    gpus_per_engine: int
+
+    @property
+    def num_trainers(self) -> int:
+        return len(self.trainer_bundles)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engine_bundles)
+
+    def trainer_options(self, rank: int) -> dict:
+        """``.options(...)`` for trainer rank ``rank``."""
+        gpu = (COLOCATED_TRAINER_GPU if self.colocate else 1) if self.use_gpu else 0
+        return dict(
+            num_cpus=0.5 if self.colocate else 1,
+            num_gpus=gpu,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.trainer_pg, self.trainer_bundles[rank]),
+        )
+
+    def engine_options(self, index: int) -> dict:
+        """``.options(...)`` for rollout engine ``index`` (placed on its first bundle)."""
+        gpu = (COLOCATED_ENGINE_GPU if self.colocate else 1) if self.use_gpu else 0
+        return dict(
+            num_cpus=0.5 if self.colocate else 1,
+            num_gpus=gpu,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.engine_pg, self.engine_bundles[index]),
+        )
+
+
+def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s: float = 600) -> Placement:
+    """Reserve bundles for trainers and engines and wait until Ray grants them.
+
+    Raises:
+        TimeoutError: the cluster cannot provide the bundles within ``timeout_s`` (the
+            message lists what was asked and what the cluster has).
+    """
+    num_trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+    gpus_per_engine = cluster.rollout_num_gpus_per_engine
+    unit = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    if cluster.colocate:
+        num_rollout = num_trainers
+        pg = _reserve([dict(unit) for _ in range(num_trainers)], "PACK", timeout_s)
+        trainer_pg = engine_pg = pg
+        trainer_bundles = list(range(num_trainers))
+        engine_bundles = list(range(0, num_rollout, gpus_per_engine))
+    else:
+        num_rollout = cluster.rollout_num_gpus
+        trainer_pg = _reserve([dict(unit) for _ in range(num_trainers)], "PACK", timeout_s)
+        engine_pg = _reserve([dict(unit) for _ in range(num_rollout)], "PACK", timeout_s)
+        trainer_bundles = list(range(num_trainers))
+        engine_bundles = list(range(0, num_rollout, gpus_per_engine))
+    logger.info(
+        "placement: %d trainer rank(s), %d engine(s) x %d %s, %s",
+        num_trainers, len(engine_bundles), gpus_per_engine, "GPU" if use_gpu else "CPU bundle",
+        "colocated" if cluster.colocate else "disaggregated",
+    )
+    return Placement(use_gpu, cluster.colocate, trainer_pg, trainer_bundles, engine_pg, engine_bundles, gpus_per_engine)
+
+
+def _reserve(bundles: list[dict], strategy: str, timeout_s: float) -> PlacementGroup:
+    pg = placement_group(bundles, strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise TimeoutError(
+            f"Ray could not reserve {len(bundles)} bundle(s) of {bundles[0]} within {timeout_s:.0f}s; "
+            f"cluster resources: {ray.cluster_resources()}. Lower --actor-num-gpus-per-node / --rollout-num-gpus "
+            f"or add nodes."
+        )
+    return pg
+
+
+def free_port() -> int:
+    """An unused TCP port on this host (for a torch.distributed rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    """This node's IP address as Ray knows it."""
+    return ray.util.get_node_ip_address()
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,0 +1,175 @@
+"""The trainer ranks as one object: the driver calls methods, the group hides the ranks.
+
+Each rank is a Ray actor (:class:`TrainerActor`) holding one
+:class:`slime.backends.base.TrainerBackend`. Every group method states how its input is
+split across ranks and how results are gathered:
+
+- :meth:`TrainerGroup.train`: the rollout's samples are cut into optimizer steps of
+  ``--global-batch-size`` samples, each step is split evenly over data-parallel ranks,
+  and the (already all-reduced) metrics of rank 0 are returned.
+- :meth:`TrainerGroup.update_weights`: every rank takes part in gathering the full
+  weights; rank 0 pushes each bucket to every engine.
+- the others (init, save, offload, onload) run on all ranks and wait for all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+import torch
+
+from slime.backends.base import RankInfo, TrainerBackend
+from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
+from slime.rollout.engine_group import RolloutEngineGroup
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_BUCKET_BYTES = 512 << 20
+
+
+@ray.remote
+class TrainerActor:
+    """Ray actor around one backend rank. Methods mirror :class:`TrainerBackend`."""
+
+    def __init__(self, backend_factory, rank_info: RankInfo, cpu_threads: int):
+        if rank_info.device == "cpu":
+            torch.set_num_threads(cpu_threads)
+        logging.basicConfig(level=logging.INFO, format=f"[trainer {rank_info.rank}] %(levelname)s %(name)s: %(message)s")
+        self.rank_info = rank_info
+        self.backend: TrainerBackend = backend_factory(rank_info)
+
+    def init(self) -> tuple[int, int, int]:
+        """Build the backend. Returns (next rollout id, data-parallel rank, data-parallel size)."""
+        start = self.backend.init()
+        dp_rank, dp_size = self.backend.data_parallel_rank_and_size()
+        return start, dp_rank, dp_size
+
+    def train(self, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
+        return self.backend.train(rollout_id, samples, num_steps)
+
+    def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
+        return self.backend.compute_log_probs(samples)
+
+    def push_weights(self, engines: list, bucket_bytes: int) -> int:
+        """Gather full weights (all ranks) and, on rank 0, load them into every engine.
+
+        Returns the number of tensors pushed (0 on other ranks).
+        """
+        pushed = 0
+        for bucket in self.backend.iter_weight_buckets(bucket_bytes):
+            ref = ray.put(bucket)
+            ray.get([engine.update_weights_from_tensor.remote(ref, False) for engine in engines])
+            pushed += len(bucket)
+        return pushed
+
+    def save(self, rollout_id: int, path: str) -> None:
+        self.backend.save(rollout_id, Path(path))
+
+    def offload(self) -> None:
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
+
+class TrainerGroup:
+    """All trainer ranks of one run.
+
+    Args:
+        placement: where the ranks go (one bundle each).
+        backend_factory: picklable callable ``RankInfo -> TrainerBackend`` (the backend
+            class with its configs bound, see :func:`slime.backends.registry.backend_factory`).
+        global_batch_size: samples per optimizer step (``--global-batch-size``).
+    """
+
+    def __init__(self, placement: Placement, backend_factory, global_batch_size: int):
+        self.global_batch_size = global_batch_size
+        device = "cuda" if placement.use_gpu else "cpu"
+        n = placement.num_trainers
+        threads = cpu_threads_per_actor(n + (0 if placement.colocate else placement.num_engines))
+        master_addr, master_port = ray.get(_rendezvous.options(**placement.trainer_options(0)).remote())
+        self.actors = [
+            TrainerActor.options(**placement.trainer_options(rank)).remote(
+                backend_factory, RankInfo(rank, n, master_addr, master_port, device), threads
+            )
+            for rank in range(n)
+        ]
+        self.dp_ranks: list[int] = []
+        self.dp_size = 0
+
+    def init(self) -> int:
+        """Build every rank; returns the first rollout id to run (after ``--load``)."""
+        results = ray.get([a.init.remote() for a in self.actors])
+        starts = {start for start, _, _ in results}
+        if len(starts) != 1:
+            raise RuntimeError(f"trainer ranks disagree on the resume point: {sorted(starts)}")
+        self.dp_ranks = [dp_rank for _, dp_rank, _ in results]
+        self.dp_size = results[0][2]
+        return starts.pop()
+
+    def split_by_rank(self, samples: list[Sample]) -> tuple[list[list[Sample]], int]:
+        """Cut ``samples`` into optimizer steps and each step evenly over data-parallel ranks.
+
+        Returns:
+            (per trainer rank: its samples, steps in order; number of optimizer steps).
+            Ranks with the same data-parallel rank (tensor/pipeline/context peers) get
+            the same samples.
+
+        Raises:
+            ValueError: the sample count is not a multiple of the global batch size, or
+                the global batch size not a multiple of the data-parallel size (both are
+                also refused at parse time).
+        """
+        gbs, dp = self.global_batch_size, self.dp_size
+        if len(samples) % gbs or gbs % dp:
+            raise ValueError(
+                f"{len(samples)} samples cannot be split into optimizer steps of --global-batch-size {gbs} "
+                f"over {dp} data-parallel ranks"
+            )
+        num_steps, per_rank = len(samples) // gbs, gbs // dp
+        shards = [[] for _ in range(dp)]
+        for step in range(num_steps):
+            chunk = samples[step * gbs : (step + 1) * gbs]
+            for r in range(dp):
+                shards[r].extend(chunk[r * per_rank : (r + 1) * per_rank])
+        return [shards[dp_rank] for dp_rank in self.dp_ranks], num_steps
+
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        """One rollout's optimizer steps on every rank; returns the reduced metrics."""
+        shards, num_steps = self.split_by_rank(samples)
+        results = ray.get([a.train.remote(rollout_id, shard, num_steps) for a, shard in zip(self.actors, shards)])
+        return results[0]
+
+    def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
+        """Current-policy log-probs of every sample's response (all ranks run the same samples)."""
+        return ray.get([a.compute_log_probs.remote(samples) for a in self.actors])[0]
+
+    def update_weights(self, engines: RolloutEngineGroup, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> None:
+        """Push the current weights to every rollout engine, then flush the engines' caches."""
+        counts = ray.get([a.push_weights.remote(engines.actors, bucket_bytes) for a in self.actors])
+        if counts[0] == 0:
+            raise RuntimeError("weight sync pushed no tensors: the backend yielded no buckets on rank 0")
+        engines.flush_cache()
+
+    def save(self, rollout_id: int, path: str | os.PathLike) -> None:
+        ray.get([a.save.remote(rollout_id, str(path)) for a in self.actors])
+
+    def offload(self) -> None:
+        ray.get([a.offload.remote() for a in self.actors])
+
+    def onload(self) -> None:
+        ray.get([a.onload.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """Address and free port on the node of trainer rank 0, for torch.distributed."""
+    return node_ip(), free_port()

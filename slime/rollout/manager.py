@@ -1,0 +1,208 @@
+"""The rollout manager: prompts -> engines -> n samples each -> rewards -> group advantages.
+
+It owns the training prompt stream (with its resumable cursor), the eval datasets, the
+reward scorer and a handle on the rollout engines. :meth:`RolloutManager.generate`
+returns one rollout step's samples, ready for the trainers; :meth:`evaluate` scores the
+``--eval-prompt-data`` sets and returns only metrics, so eval data never reaches training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import torch
+
+from slime.rollout.config import EvalConfig, RolloutConfig
+from slime.rollout.engine_group import RolloutEngineGroup
+from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.rollout.rm_hub import RewardConfig, RewardScorer
+from slime.utils.data import DataConfig, PromptDataset, load_eval_samples
+from slime.utils.ppo_utils import GRPOConfig, compute_advantages
+from slime.utils.processor import VLProcessor
+from slime.utils.types import Sample, SampleStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One rollout step's output.
+
+    Attributes:
+        samples: ``rollout_batch_size * n_samples_per_prompt`` samples; the n samples of
+            a prompt are contiguous and share ``group_index``.
+        metrics: ``rollout/*`` and ``data/*`` metrics of this step.
+    """
+
+    samples: list[Sample]
+    metrics: dict[str, float]
+
+
+class RolloutManager:
+    """Generates training rollouts and runs evaluation.
+
+    Args:
+        rollout, data, reward, grpo, evaluation: the flag groups it needs.
+        processor: the one processor (pixel bounds) shared by rollout and training.
+        engines: the rollout engines.
+        seed: ``--seed``; fixes the prompt order (with the epoch).
+        debug_dump: optional path template (``--save-debug-rollout-data``) for per-sample
+            JSONL dumps; ``{rollout_id}`` is substituted.
+    """
+
+    def __init__(
+        self,
+        *,
+        rollout: RolloutConfig,
+        data: DataConfig,
+        reward: RewardConfig,
+        grpo: GRPOConfig,
+        evaluation: EvalConfig,
+        processor: VLProcessor,
+        engines: RolloutEngineGroup,
+        seed: int,
+        debug_dump: str | None = None,
+    ):
+        self.cfg, self.grpo, self.eval_cfg = rollout, grpo, evaluation
+        self.engines = engines
+        self.debug_dump = debug_dump
+        self.dataset = PromptDataset(data, processor, seed=seed)
+        self.eval_sets = {
+            name: load_eval_samples(data, processor, path) for name, path in evaluation.eval_prompt_pairs
+        }
+        self.scorer = RewardScorer(reward)
+
+    # -- training rollouts -------------------------------------------------------------
+
+    def generate(self, rollout_id: int) -> RolloutBatch:
+        """Sample ``--n-samples-per-prompt`` responses for the next ``--rollout-batch-size`` prompts.
+
+        Rewards are scored against each prompt's label, then turned into group advantages
+        with the ``--advantage-estimator`` (shared GRPO math).
+        """
+        n = self.cfg.n_samples_per_prompt
+        prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
+        samples = []
+        for group_index, prompt in enumerate(prompts):
+            prompt.group_index = group_index
+            samples.extend(prompt.clone_prompt() for _ in range(n))
+        self._generate_and_score(samples, self._train_sampling_params())
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        advantages = compute_advantages(rewards, n, self.grpo)
+        for sample, advantage in zip(samples, advantages.tolist()):
+            sample.advantage = advantage
+        metrics = _sample_metrics("rollout", samples)
+        metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
+        metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
+        metrics.update({f"rollout/reward_{k}": v for k, v in self.scorer.stats.items()})
+        self._dump(rollout_id, samples)
+        return RolloutBatch(samples, metrics)
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """Accuracy and response statistics on every ``--eval-prompt-data`` set (no training)."""
+        e = self.eval_cfg
+        params = SamplingParams(
+            max_new_tokens=e.eval_max_response_len or self.cfg.rollout_max_response_len,
+            temperature=e.eval_temperature if e.eval_temperature is not None else self.cfg.rollout_temperature,
+            top_p=e.eval_top_p if e.eval_top_p is not None else self.cfg.rollout_top_p,
+            top_k=self.cfg.rollout_top_k,
+            stop=self.cfg.rollout_stop,
+            stop_token_ids=self.cfg.rollout_stop_token_ids,
+        )
+        metrics: dict[str, float] = {}
+        for name, prompts in self.eval_sets.items():
+            samples = [p.clone_prompt() for p in prompts for _ in range(e.n_samples_per_eval_prompt)]
+            self._generate_and_score(samples, params)
+            for key, value in _sample_metrics(f"eval/{name}", samples).items():
+                metrics[key] = value
+            logger.info("eval %s at rollout %d: accuracy %.4f over %d samples", name, rollout_id,
+                        metrics[f"eval/{name}/accuracy"], len(samples))
+        return metrics
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _train_sampling_params(self) -> SamplingParams:
+        c = self.cfg
+        return SamplingParams(
+            max_new_tokens=c.rollout_max_response_len,
+            temperature=c.rollout_temperature,
+            top_p=c.rollout_top_p,
+            top_k=c.rollout_top_k,
+            stop=c.rollout_stop,
+            stop_token_ids=c.rollout_stop_token_ids,
+        )
+
+    def _generate_and_score(self, samples: list[Sample], params: SamplingParams) -> None:
+        requests = [
+            GenerateRequest(
+                text=s.prompt,
+                image_data=s.images,
+                sampling_params=params,
+                expected_prompt_len=len(s.prompt_token_ids),
+                rid=f"{s.index}:{i}",
+            )
+            for i, s in enumerate(samples)
+        ]
+        for sample, out in zip(samples, self.engines.generate(requests)):
+            sample.response = out.text
+            sample.response_token_ids = list(out.output_ids)
+            sample.rollout_log_probs = list(out.output_log_probs)
+            sample.loss_mask = [1] * len(out.output_ids)
+            sample.status = {
+                "stop": SampleStatus.COMPLETED,
+                "length": SampleStatus.TRUNCATED,
+                "abort": SampleStatus.ABORTED,
+            }[out.finish_reason]
+        rewards = self.scorer.score([s.response for s in samples], [s.label for s in samples])
+        for sample, reward in zip(samples, rewards):
+            sample.reward = float(reward)
+
+    def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
+        if not self.debug_dump:
+            return
+        path = Path(self.debug_dump.format(rollout_id=rollout_id))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for s in samples:
+                f.write(json.dumps({
+                    "rollout_id": rollout_id, "index": s.index, "group_index": s.group_index, "label": s.label,
+                    "response": s.response, "reward": s.reward, "advantage": s.advantage, "status": s.status.value,
+                    "response_length": s.response_length, "prompt": s.prompt,
+                }) + "\n")
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the prompt cursor (epoch, position, skip counts)."""
+        return {"dataset": self.dataset.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
+    """Reward, accuracy (fraction of samples with reward >= 1, i.e. correct under a binary
+    reward), response length (tokens) and truncation statistics of ``samples``."""
+    rewards = [s.reward for s in samples]
+    lengths = [s.response_length for s in samples]
+    truncated = sum(s.status == SampleStatus.TRUNCATED for s in samples)
+    return {
+        f"{prefix}/reward_mean": statistics.fmean(rewards),
+        f"{prefix}/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        f"{prefix}/response_len_mean": statistics.fmean(lengths),
+        f"{prefix}/response_len_max": float(max(lengths)),
+        f"{prefix}/truncated_frac": truncated / len(samples),
+        f"{prefix}/truncated_count": float(truncated),
+        f"{prefix}/num_samples": float(len(samples)),
+    }
+
+
+def _zero_std_group_fraction(rewards: torch.Tensor, n: int) -> float:
+    """Fraction of groups whose rewards are all equal (they carry no GRPO signal)."""
+    groups = rewards.view(-1, n)
+    return (groups.max(dim=1).values == groups.min(dim=1).values).double().mean().item()

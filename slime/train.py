@@ -1,0 +1,188 @@
+"""The GRPO driver: ``python -m slime.train [flags]`` (``--help`` lists them by group).
+
+One rollout step, in the algorithm's order::
+
+    generate (n samples per prompt) -> reward -> group advantages   [rollout manager]
+    train on the global batch (optimizer steps x micro-batches)     [trainer ranks]
+    sync weights to the engines                                     [trainers -> engines]
+    eval every --eval-interval, save every --save-interval
+
+Where processes run, which backend trains and which engine samples are hidden in the
+worker groups (:mod:`slime.ray`, :mod:`slime.rollout.engine_group`); this file contains
+no backend or engine details.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from slime.backends.registry import TRAIN_BACKENDS
+from slime.ray.placement import Placement, cluster_num_gpus, cpu_threads_per_actor, create_placement_groups, init_ray
+from slime.ray.trainer_group import TrainerGroup
+from slime.rollout.engine_group import RolloutEngineGroup
+from slime.rollout.engines import ENGINES
+from slime.rollout.manager import RolloutManager
+from slime.utils import checkpoint as ckpt
+from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
+from slime.utils.env_check import check_environment
+from slime.utils.metrics import MetricsLogger, progress
+from slime.utils.processor import load_processor
+from slime.utils.timer import timed
+
+logger = logging.getLogger("slime")
+
+
+def train(cfg: SlimeConfig) -> Path:
+    """Run GRPO as configured; returns the run directory (metrics.jsonl, reward_curve.png)."""
+    run_dir = _run_dir(cfg)
+    started_ray = init_ray(cfg.cluster)
+    try:
+        use_gpu = cluster_num_gpus() > 0
+        if use_gpu:
+            validate(cfg, num_gpus_available=cluster_num_gpus())
+            check_environment()
+        placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
+        processor = load_processor(cfg.checkpoint.hf_checkpoint,
+                                   min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
+        engines = _start_engines(cfg, placement)
+        trainers = TrainerGroup(placement, _backend_factory(cfg), cfg.train.global_batch_size)
+        rollout_manager = RolloutManager(
+            rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
+            processor=processor, engines=engines, seed=cfg.cluster.seed,
+            debug_dump=cfg.logging.save_debug_rollout_data,
+        )
+        start = trainers.init()
+        if start > 0:
+            rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
+            logger.info("resumed from %s at rollout %d", cfg.checkpoint.load, start)
+        memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
+        with memory.sync_phase():
+            trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
+        num_rollout = _num_rollout(cfg, rollout_manager)
+
+        with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name, config={"argv": config_to_argv(cfg)}) as metrics_log:
+            if start == 0 and cfg.eval.eval_prompt_pairs and not cfg.eval.skip_eval_before_train:
+                metrics_log.log(0, rollout_manager.evaluate(0))
+            bar = progress(total=num_rollout, initial=start, disable=cfg.logging.no_progress_bar)
+            for rollout_id in range(start, num_rollout):
+                times: dict[str, float] = {}
+                with timed("rollout", times):
+                    batch = rollout_manager.generate(rollout_id)
+                with timed("train", times), memory.train_phase():
+                    train_metrics = trainers.train(rollout_id, batch.samples)
+                with timed("sync", times), memory.sync_phase():
+                    trainers.update_weights(engines)
+                eval_metrics = {}
+                if _due(rollout_id, cfg.eval.eval_interval, num_rollout) and cfg.eval.eval_prompt_pairs:
+                    with timed("eval", times):
+                        eval_metrics = rollout_manager.evaluate(rollout_id + 1)
+                if cfg.checkpoint.save and _due(rollout_id, cfg.checkpoint.save_interval, num_rollout):
+                    with timed("save", times):
+                        save(cfg, rollout_id, trainers, rollout_manager)
+                # x axis = policy version: rollout k samples the policy after k updates,
+                # the eval after it sees the policy after k + 1 updates.
+                step_metrics = {**batch.metrics, **train_metrics}
+                step_metrics.update({f"perf/{phase}_time_s": seconds for phase, seconds in times.items()})
+                metrics_log.log(rollout_id, step_metrics)
+                if eval_metrics:
+                    metrics_log.log(rollout_id + 1, eval_metrics)
+                bar.update(1, {**step_metrics, **eval_metrics})
+            bar.close()
+        rollout_manager.close()
+        logger.info("done: metrics in %s, reward curve in %s", run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
+        return run_dir
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_manager: RolloutManager) -> None:
+    """Write a complete checkpoint of ``rollout_id``, then mark it as the latest."""
+    root = cfg.checkpoint.save
+    trainers.save(rollout_id, ckpt.iteration_dir(root, rollout_id))
+    torch.save({"rollout_id": rollout_id, **rollout_manager.state_dict()}, ckpt.rollout_state_path(root, rollout_id))
+    ckpt.mark_latest(root, rollout_id)
+    logger.info("saved checkpoint of rollout %d to %s", rollout_id, ckpt.iteration_dir(root, rollout_id))
+
+
+class ColocatedMemory:
+    """Memory hand-over between colocated trainers and engines (GPU runs with ``--colocate``).
+
+    ``train_phase``: engines release their memory, trainers load theirs; on exit the
+    engines re-allocate. ``sync_phase``: after the weights are pushed, trainers offload.
+    Both are no-ops when trainers and engines do not share GPUs.
+    """
+
+    def __init__(self, trainers: TrainerGroup, engines: RolloutEngineGroup, enabled: bool):
+        self.trainers, self.engines, self.enabled = trainers, engines, enabled
+
+    @contextlib.contextmanager
+    def train_phase(self):
+        if self.enabled:
+            self.engines.release_memory_occupation()
+            self.trainers.onload()
+        yield
+        if self.enabled:
+            self.engines.resume_memory_occupation()
+
+    @contextlib.contextmanager
+    def sync_phase(self):
+        yield
+        if self.enabled:
+            self.trainers.offload()
+
+
+def _start_engines(cfg: SlimeConfig, placement: Placement) -> RolloutEngineGroup:
+    engine_cls = ENGINES.get(cfg.rollout.rollout_backend)
+    factory = functools.partial(engine_cls.from_config, cfg, use_gpu=placement.use_gpu)
+    options = [placement.engine_options(i) for i in range(placement.num_engines)]
+    threads = None if placement.use_gpu else cpu_threads_per_actor(
+        placement.num_engines + (0 if placement.colocate else placement.num_trainers)
+    )
+    return RolloutEngineGroup(options, factory, threads)
+
+
+def _backend_factory(cfg: SlimeConfig):
+    backend_cls = TRAIN_BACKENDS.get(cfg.train.train_backend)
+    return functools.partial(backend_cls.from_config, cfg)
+
+
+def _num_rollout(cfg: SlimeConfig, rollout_manager: RolloutManager) -> int:
+    if cfg.rollout.num_rollout is not None:
+        return cfg.rollout.num_rollout
+    return math.ceil(cfg.rollout.num_epoch * rollout_manager.dataset.num_rows / cfg.rollout.rollout_batch_size)
+
+
+def _due(rollout_id: int, interval: int | None, num_rollout: int) -> bool:
+    """Whether a periodic action (eval, save) runs after ``rollout_id``: every ``interval``
+    steps and after the last step."""
+    if interval is None:
+        return False
+    return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
+
+
+def _run_dir(cfg: SlimeConfig) -> Path:
+    name = cfg.logging.run_name or time.strftime("slime-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.logging.output_dir or Path("outputs") / name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = parse_args(argv)
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
