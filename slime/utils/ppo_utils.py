@@ -1,14 +1,65 @@
-"""GRPO math shared by every training backend.
+"""GRPO math shared by every training backend: advantages, clipped policy loss, KL, entropy, aggregation.
 
-(Module docstring to be completed with the papers followed: GRPO, DeepSeekMath, Shao et al. 2024;
-Dr.GRPO, Liu et al. 2025; DAPO clip-higher, Yu et al. 2025; KL estimators, Schulman 2020.)
+Pure torch and backend-neutral: tensors in, tensors out, no model, no ``torch.distributed``.
+Loss terms are computed in float32 (float64 inputs stay float64).
+
+What it follows:
+
+- GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, Sec. 4.1): each prompt is sampled
+  ``n`` times; a response's advantage is its reward minus the group mean, divided by the
+  group std, and is the same for every response token (outcome supervision).  The
+  objective averages token terms per response, then over responses (eq. 3): our default
+  "sample-mean" aggregation.
+- Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+  arXiv:2503.20783): no division by the group std (estimator ``dr_grpo``, or
+  ``--disable-grpo-std-normalization`` with ``grpo``).
+- PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347, eq. 7) with DAPO's
+  clip-higher (Yu et al. 2025, arXiv:2503.14476, Sec. 3.1): the ratio is clipped to
+  ``[1 - eps_clip, 1 + eps_clip_high]``.
+- KL estimators k1 / k2 / k3 (Schulman 2020, "Approximating KL Divergence",
+  http://joschu.net/blog/kl-approx.html); DeepSeekMath's KL term (eq. 4) is k3.
+
+Where it departs:
+
+- The group std is the unbiased one (Bessel, ``n - 1``), as ``torch.std`` in upstream
+  slime / verl; the paper does not say.  ``eps = 1e-6`` is added to the std (upstream).
+- A group whose rewards are all equal gets exactly 0 advantage (upstream leaves a rounding
+  residue, e.g. for fp32 rewards of 0.9, which the std division then amplifies).
+- A batch whose size is not a multiple of the group size raises (upstream slime silently
+  normalises the whole batch as one group).
+- Dr.GRPO's second change, summing token losses over a constant generation budget, is not
+  implemented; ``--calculate-per-token-loss`` (token mean) is the nearest option.
+- ``low_var_kl`` is k3 clamped to ``[-10, 10]`` (upstream slime / verl behaviour).
+- ``--kl-coef`` subtracts ``kl_coef * k1(pi_old, ref)`` from each token's advantage
+  (:func:`apply_kl_penalty_to_advantages`); upstream slime applies it to per-token rewards
+  of PPO / REINFORCE++ only and ignores it for GRPO.
+
+Token layouts: every per-token tensor of one call has the same shape, one of
+
+- padded ``[B, T]``: row ``b`` is sample ``b``, ``loss_mask`` is 0 on padding (HF models);
+- packed ``[T]``: samples concatenated, with ``cu_seqlens`` (int ``[S + 1]``, ``cu_seqlens[0]
+  == 0``, non-decreasing) giving sample ``s`` the tokens ``cu_seqlens[s]:cu_seqlens[s+1]``
+  (Megatron THD, varlen flash-attention).  Tokens after ``cu_seqlens[-1]`` (trailing
+  padding) must be masked out.  Without ``cu_seqlens`` a 1-D tensor is one sample.
+
+Masked-out tokens never enter the arithmetic (they are replaced by 0 before any ``exp``),
+so padding may hold garbage log-probs without producing NaN values or gradients.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
 
 from slime.utils.config import ConfigError, flag
+from slime.utils.registry import Registry
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOW_VAR_KL_BOUND = 10.0
+"""``low_var_kl`` is k3 clamped to ``[-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND]`` (upstream slime / verl)."""
 
 
 @dataclasses.dataclass
@@ -22,7 +73,7 @@ class GRPOConfig:
     use_kl_loss: bool = flag(False, help="Add a KL(policy || reference) term to the loss (needs a reference model).")
     kl_loss_coef: float = flag(0.0, help="Weight of the KL loss term; > 0 requires a reference model.")
     kl_loss_type: str = flag(
-        "low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"], help="KL estimator for the KL loss (Schulman 2020)."
+        "low_var_kl", choices=list(KL_TYPES), help="KL estimator for the KL loss (Schulman 2020)."
     )
     kl_coef: float = flag(0.0, help="KL penalty folded into the per-token advantage (reward shaping, k1 estimator).")
     entropy_coef: float = flag(0.0, help="Weight of the entropy bonus (subtracted from the loss).")
@@ -35,14 +86,438 @@ class GRPOConfig:
     def __post_init__(self):
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
-        for name in ("eps_clip", "eps_clip_high"):
+        for name in ("eps_clip", "eps_clip_high", "kl_loss_coef", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("kl_loss_coef", "kl_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.kl_loss_type not in KL_TYPES:
+            raise ConfigError(f"--kl-loss-type {self.kl_loss_type!r} is unknown; choose one of {', '.join(KL_TYPES)}")
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            raise ConfigError(
+                f"--kl-loss-coef {self.kl_loss_coef} has no effect without --use-kl-loss; "
+                "add --use-kl-loss or set --kl-loss-coef 0"
+            )
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(
+                f"--advantage-estimator {self.advantage_estimator!r} is unknown; "
+                f"choose one of {', '.join(ADVANTAGE_ESTIMATORS.names())} or a 'package.module:attr' path"
+            )
 
     @property
     def needs_ref_model(self) -> bool:
         """A reference model exists only when a KL coefficient is non-zero."""
         return (self.use_kl_loss and self.kl_loss_coef > 0) or self.kl_coef > 0
+
+
+def _float(x: Tensor) -> Tensor:
+    """``x`` promoted to at least float32 (bf16 / fp16 / int / bool -> float32; float64 kept)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_same_shape(**tensors: Tensor) -> None:
+    """Raise ``ValueError`` naming the arguments when the per-token tensors differ in shape."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"per-token tensors must have one shape, got {shapes}")
+
+
+# --- advantages ---------------------------------------------------------------------
+
+
+def compute_group_advantages(
+    rewards: Tensor, n_samples_per_prompt: int, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO outcome advantages: ``A_i = (r_i - mean(g)) / (std(g) + eps)`` per group ``g``.
+
+    Shao et al. 2024 (DeepSeekMath), Sec. 4.1.2; without the std division when
+    ``normalize_std`` is False (Dr.GRPO, Liu et al. 2025).  ``std`` is the unbiased sample
+    std (divides by ``n - 1``), as ``torch.std`` in upstream slime / verl.
+
+    Rewards are promoted to float64 before any arithmetic.  A group whose rewards are all
+    equal (``max == min``) gets exactly 0 for every member, whatever the value and dtype;
+    this covers ``n_samples_per_prompt == 1``, where every advantage is 0.
+
+    Args:
+        rewards: ``[num_prompts * n_samples_per_prompt]``, any real or bool dtype; the
+            ``n_samples_per_prompt`` samples of one prompt are contiguous.
+        n_samples_per_prompt: group size ``n`` (``--n-samples-per-prompt``), >= 1.
+        normalize_std: divide the centred rewards by ``std + eps``.
+        eps: added to the std (reward units).
+
+    Returns:
+        float32 ``[num_prompts * n_samples_per_prompt]``, one advantage per sample.
+
+    Raises:
+        ValueError: ``rewards`` is not 1-D, ``n_samples_per_prompt < 1``, its length is not a
+            multiple of ``n_samples_per_prompt``, or a reward is NaN / infinite.
+    """
+    n = n_samples_per_prompt
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [num_prompts * n_samples_per_prompt], got shape {tuple(rewards.shape)}")
+    if n < 1:
+        raise ValueError(f"n_samples_per_prompt (--n-samples-per-prompt) must be >= 1, got {n}")
+    if rewards.numel() % n != 0:
+        raise ValueError(
+            f"{rewards.numel()} rewards is not a multiple of n_samples_per_prompt={n} "
+            "(--n-samples-per-prompt): every prompt needs exactly n contiguous samples; "
+            "check that no sample was dropped from the batch"
+        )
+    r = rewards.detach().to(torch.float64)
+    non_finite = (~torch.isfinite(r)).nonzero()
+    if non_finite.numel() > 0:
+        i = int(non_finite[0])
+        raise ValueError(f"reward of sample {i} (group {i // n}) is {r[i].item()}; rewards must be finite")
+    groups = r.view(-1, n)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if normalize_std and n > 1:
+        centred = centred / (groups.std(dim=1, correction=1, keepdim=True) + eps)
+    all_equal = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+    return torch.where(all_equal, 0.0, centred).view(-1).to(torch.float32)
+
+
+AdvantageEstimator = Callable[[Tensor, int, GRPOConfig], Tensor]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "--advantage-estimator")
+"""Every entry maps ``(rewards [N], group_size, cfg) -> float32 advantages [N]``."""
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
+    """GRPO advantages (:func:`compute_group_advantages`); no std division with ``--disable-grpo-std-normalization``."""
+    return compute_group_advantages(rewards, group_size, normalize_std=not cfg.disable_grpo_std_normalization)
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
+    """Dr.GRPO advantages (Liu et al. 2025): group-centred rewards, never divided by the std."""
+    return compute_group_advantages(rewards, group_size, normalize_std=False)
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name`` (or a ``package.module:attr`` path).
+
+    Raises:
+        KeyError: unknown name; the message lists the valid ones.
+    """
+    return ADVANTAGE_ESTIMATORS.get(name)
+
+
+def compute_advantages(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
+    """Per-sample advantages ``[N]`` (float32) with the estimator ``cfg.advantage_estimator``."""
+    return get_advantage_estimator(cfg.advantage_estimator)(rewards, group_size, cfg)
+
+
+def apply_kl_penalty_to_advantages(
+    advantages: Tensor, old_log_probs: Tensor, ref_log_probs: Tensor, kl_coef: float, loss_mask: Tensor | None = None
+) -> Tensor:
+    """Per-token KL reward shaping: ``A_t - kl_coef * (log pi_old(y_t) - log pi_ref(y_t))`` (``--kl-coef``).
+
+    The penalty is the k1 estimate of ``KL(pi_old || pi_ref)`` at each sampled token
+    (Schulman 2020), applied to that token only: not accumulated over later tokens, not
+    group-normalised.  Used only when ``kl_coef > 0`` (then a reference model exists).
+
+    Args:
+        advantages: per-token advantages, ``[T]`` or ``[B, T]``.
+        old_log_probs, ref_log_probs: log-probs (nats) of the sampled tokens under the
+            rollout policy and the reference model, same shape.
+        kl_coef: penalty weight (advantage units per nat), >= 0.
+        loss_mask: optional, same shape; masked-out tokens keep their advantage.
+
+    Returns:
+        float32 (float64 if given float64) tensor of ``advantages``' shape.
+
+    Raises:
+        ValueError: ``kl_coef < 0`` or shapes differ.
+    """
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef (--kl-coef) must be >= 0, got {kl_coef}")
+    _check_same_shape(advantages=advantages, old_log_probs=old_log_probs)
+    return _float(advantages) - kl_coef * compute_approx_kl(old_log_probs, ref_log_probs, "k1", loss_mask)
+
+
+# --- per-token terms ----------------------------------------------------------------
+
+
+class PolicyLossTerms(NamedTuple):
+    """Per-token outputs of :func:`compute_policy_loss`, all 0 at masked-out tokens."""
+
+    loss: Tensor
+    """Clipped surrogate loss per token (to be minimised)."""
+    clipped: Tensor
+    """1.0 where the clipped branch is active (strictly larger), else 0.0."""
+    log_ratio: Tensor
+    """``log pi(y_t) - log pi_old(y_t)`` in nats; ``-log_ratio`` is the k1 estimate of KL(pi_old || pi)."""
+
+
+def compute_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> PolicyLossTerms:
+    """PPO clipped surrogate with asymmetric (clip-higher) range, per token.
+
+    ``ratio = exp(log_probs - old_log_probs)``;
+    ``loss_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_clip, 1 + eps_clip_high))``
+    (Schulman et al. 2017, eq. 7, negated; DAPO clip-higher, Yu et al. 2025, Sec. 3.1).
+    With ``A > 0`` the ratio is capped at ``1 + eps_clip_high``; with ``A < 0`` it is floored
+    at ``1 - eps_clip``; outside those the gradient is 0.  Aggregate ``clipped`` with
+    :func:`aggregate_loss` for the clip fraction, and ``-log_ratio`` for the approximate
+    KL(pi_old || pi) (k1 on samples of pi_old; upstream slime's ``ppo_kl``).
+
+    Args:
+        log_probs: current-policy log-probs of the sampled tokens (nats), ``[T]`` or ``[B, T]``.
+        old_log_probs: behaviour (rollout) policy log-probs, same shape.
+        advantages: per-token advantages, same shape.
+        loss_mask: 1 / True for tokens in the loss, same shape.
+        eps_clip, eps_clip_high: clip range (``--eps-clip``, ``--eps-clip-high``), >= 0.
+
+    Returns:
+        :class:`PolicyLossTerms` of float32 (float64 if given float64) tensors of the input shape.
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    _check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.bool()
+    log_ratio = torch.where(mask, _float(log_probs) - _float(old_log_probs), 0.0)
+    adv = torch.where(mask, _float(advantages), 0.0)
+    ratio = log_ratio.exp()
+    unclipped_loss = -adv * ratio
+    clipped_loss = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    return PolicyLossTerms(
+        loss=torch.maximum(unclipped_loss, clipped_loss),
+        clipped=(clipped_loss > unclipped_loss).to(ratio.dtype),
+        log_ratio=log_ratio,
+    )
+
+
+def compute_approx_kl(
+    log_probs: Tensor, ref_log_probs: Tensor, kl_type: str, loss_mask: Tensor | None = None
+) -> Tensor:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi`` (Schulman 2020).
+
+    With ``x = log pi(y) - log pi_ref(y)`` (nats) and ``r = pi_ref(y) / pi(y) = exp(-x)``:
+
+    - ``k1 = x``: unbiased, high variance, can be negative;
+    - ``k2 = x**2 / 2``: biased, low variance, >= 0;
+    - ``k3 = (r - 1) - log r = expm1(-x) + x``: unbiased and >= 0 pointwise (DeepSeekMath eq. 4);
+    - ``low_var_kl = clamp(k3, -10, 10)``: upstream slime / verl (k3 >= 0, so it caps at 10).
+
+    Args:
+        log_probs: log-probs under ``pi`` (the policy the tokens were sampled from), any shape.
+        ref_log_probs: log-probs under the reference policy, same shape.
+        kl_type: one of ``k1``, ``k2``, ``k3``, ``low_var_kl`` (``--kl-loss-type``).
+        loss_mask: optional, same shape; masked-out tokens give 0 and are never exponentiated.
+
+    Returns:
+        float32 (float64 if given float64) tensor of the input shape, nats.
+
+    Raises:
+        ValueError: unknown ``kl_type`` (the message lists the valid ones) or shapes differ.
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"unknown KL estimator {kl_type!r} (--kl-loss-type); valid: {', '.join(KL_TYPES)}")
+    _check_same_shape(log_probs=log_probs, ref_log_probs=ref_log_probs)
+    log_ratio = _float(log_probs) - _float(ref_log_probs)
+    if loss_mask is not None:
+        _check_same_shape(log_probs=log_probs, loss_mask=loss_mask)
+        log_ratio = torch.where(loss_mask.bool(), log_ratio, 0.0)
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "k2":
+        return 0.5 * log_ratio.square()
+    k3 = torch.expm1(-log_ratio) + log_ratio
+    if kl_type == "low_var_kl":
+        return k3.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
+    return k3
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` (nats) of ``softmax(logits)`` over the last dim.
+
+    ``log p = log_softmax(logits)`` (logsumexp-stabilised), in float32 whatever the input
+    dtype (float64 kept).  Pass the logits the tokens were sampled with (divided by the
+    rollout temperature).  Logits must be finite; a ``-inf`` logit gives NaN gradients.
+    Memory: about three float32 copies of ``logits``; chunk over tokens for large vocabularies.
+
+    Args:
+        logits: ``[..., V]`` any float dtype.
+
+    Returns:
+        ``[...]`` float32 entropies, one per token.
+    """
+    log_p = torch.log_softmax(_float(logits), dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+# --- aggregation ----------------------------------------------------------------------
+
+
+def _per_sample_sums(masked: Tensor, mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None) -> tuple[Tensor, Tensor]:
+    """Per-sample sums of ``masked`` and token counts of ``mask``, each ``[S]`` (see the module's layouts)."""
+    if masked.dim() == 2:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens is for packed 1-D tensors, got padded tensors of shape {tuple(masked.shape)}")
+        return masked.sum(dim=-1), mask.sum(dim=-1)
+    if masked.dim() != 1:
+        raise ValueError(f"per-token tensors must be [T] or [B, T], got shape {tuple(masked.shape)}")
+    if cu_seqlens is None:
+        return masked.sum().view(1), mask.sum().view(1)
+    cu = torch.as_tensor(cu_seqlens, device=masked.device)
+    bounds = cu.tolist() if cu.dim() == 1 else None
+    num_tokens = masked.numel()
+    if bounds is None or len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be 1-D [S + 1], start at 0 and be non-decreasing, got {cu.tolist()}")
+    if bounds[-1] > num_tokens:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed tensors have {num_tokens} tokens")
+    if mask[bounds[-1] :].any():
+        raise ValueError(
+            f"tokens {bounds[-1]}..{num_tokens - 1} lie after cu_seqlens[-1] (trailing padding) but have loss_mask 1"
+        )
+    sample_ids = torch.bucketize(torch.arange(bounds[-1], device=masked.device), cu[1:], right=True)
+    num_samples = len(bounds) - 1
+    sums = masked.new_zeros(num_samples).index_add(0, sample_ids, masked[: bounds[-1]])
+    counts = mask.new_zeros(num_samples, dtype=torch.int64).index_add(0, sample_ids, mask[: bounds[-1]].long())
+    return sums, counts
+
+
+def aggregate_loss(
+    values: Tensor,
+    loss_mask: Tensor,
+    *,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    per_token: bool = False,
+    global_normalizer: float | None = None,
+    sample_token_counts: Tensor | None = None,
+) -> Tensor:
+    """Reduce per-token values to one scalar: sample-mean (default) or token-mean.
+
+    - sample-mean (GRPO, DeepSeekMath eq. 3): ``sum_s [sum_{t in s} m_t v_t / n_s] / N``,
+      ``n_s`` the masked-token count of sample ``s`` (a sample with none contributes 0),
+      ``N`` the number of samples.
+    - token-mean (``per_token=True``, ``--calculate-per-token-loss``):
+      ``sum_t m_t v_t / N``, ``N`` the number of masked tokens.
+
+    Micro-batches: by default ``N`` counts this call's samples / tokens (so the result is
+    this micro-batch's mean).  Pass ``global_normalizer`` = ``N`` of the whole optimizer
+    step (all micro-batches of all data-parallel ranks): the result is then this
+    micro-batch's share, and summing it over micro-batches and ranks gives exactly the
+    global mean.  If the gradient reduction averages over ranks (FSDP / DDP default),
+    multiply the loss by the data-parallel size to undo that average.  With context
+    parallelism a rank holds part of each sample: pass ``sample_token_counts`` (every
+    sample's masked-token count over the whole sequence) so that ``n_s`` is right.
+
+    Args:
+        values: per-token values, ``[B, T]`` padded or ``[T]`` packed (module docstring).
+        loss_mask: 1 / True for tokens that count, same shape.
+        cu_seqlens: sample boundaries of packed ``[T]`` tensors, int ``[S + 1]``.
+        per_token: token-mean instead of sample-mean.
+        global_normalizer: ``N`` (samples, or tokens when ``per_token``), > 0.
+        sample_token_counts: ``[S]`` masked-token counts per sample (sample-mean only).
+
+    Returns:
+        0-d tensor of ``values``' float dtype (differentiable).
+
+    Raises:
+        ValueError: shapes differ, malformed ``cu_seqlens``, unmasked tokens after
+            ``cu_seqlens[-1]``, ``global_normalizer <= 0`` or a wrong ``sample_token_counts`` shape.
+    """
+    _check_same_shape(values=values, loss_mask=loss_mask)
+    if global_normalizer is not None and not global_normalizer > 0:
+        raise ValueError(f"global_normalizer must be > 0 (samples or tokens of the step), got {global_normalizer}")
+    mask = loss_mask.bool()
+    masked = torch.where(mask, _float(values), 0.0)
+    if per_token:
+        return masked.sum() / (global_normalizer or mask.sum().clamp(min=1))
+    sums, counts = _per_sample_sums(masked, mask, cu_seqlens)
+    if sample_token_counts is not None:
+        if tuple(sample_token_counts.shape) != tuple(sums.shape):
+            raise ValueError(
+                f"sample_token_counts must have one entry per sample, shape {tuple(sums.shape)}, "
+                f"got {tuple(sample_token_counts.shape)}"
+            )
+        counts = sample_token_counts.to(sums.device)
+    per_sample = sums / counts.clamp(min=1)
+    return per_sample.sum() / (global_normalizer or max(per_sample.numel(), 1))
+
+
+# --- the loss -------------------------------------------------------------------------
+
+
+def grpo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: GRPOConfig,
+    *,
+    ref_log_probs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    global_normalizer: float | None = None,
+    sample_token_counts: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO loss of one micro-batch: ``pg_loss + kl_loss_coef * kl_loss - entropy_coef * entropy``.
+
+    Each term is a per-token quantity reduced by :func:`aggregate_loss` (sample-mean, or
+    token-mean with ``cfg.calculate_per_token_loss``) with the same ``cu_seqlens`` /
+    ``global_normalizer`` / ``sample_token_counts``, so with a global normaliser the loss
+    and every metric sum over micro-batches to the step's value.
+
+    - ``pg_loss``: :func:`compute_policy_loss` with ``cfg.eps_clip`` / ``cfg.eps_clip_high``;
+    - ``kl_loss``: :func:`compute_approx_kl` (``cfg.kl_loss_type``) of ``log_probs`` vs
+      ``ref_log_probs``, when ``cfg.use_kl_loss`` and ``ref_log_probs`` is given;
+    - ``entropy``: the given per-token entropy (:func:`entropy_from_logits`), when given.
+
+    Args:
+        log_probs: current-policy log-probs of the sampled tokens (nats, with grad),
+            ``[B, T]`` padded or ``[T]`` packed (module docstring).
+        old_log_probs: rollout-policy log-probs, same shape.
+        advantages: per-token advantages, same shape.
+        loss_mask: 1 / True for response tokens in the loss, same shape.
+        cfg: the GRPO flags.
+        ref_log_probs: reference-model log-probs, same shape; required when
+            ``cfg.use_kl_loss`` and ``cfg.kl_loss_coef > 0``.
+        entropy: per-token entropy (nats, with grad), same shape; required when
+            ``cfg.entropy_coef != 0``.
+        cu_seqlens, global_normalizer, sample_token_counts: see :func:`aggregate_loss`.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a differentiable 0-d float32 tensor; ``metrics`` maps
+        to detached 0-d tensors (not python floats, so logging needs no sync): ``pg_loss``, ``pg_clipfrac`` (clipped
+        token fraction), ``ppo_kl`` (approx KL(pi_old || pi), k1 = ``old - new``), plus
+        ``kl_loss`` when the KL term is computed and ``entropy`` when ``entropy`` is given.
+
+    Raises:
+        ValueError: a required tensor is missing, or any error of :func:`aggregate_loss`.
+    """
+    if cfg.use_kl_loss and cfg.kl_loss_coef > 0 and ref_log_probs is None:
+        raise ValueError(f"--use-kl-loss with --kl-loss-coef {cfg.kl_loss_coef} needs ref_log_probs, got None")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"--entropy-coef {cfg.entropy_coef} needs the per-token entropy, got None")
+
+    def aggregate(values: Tensor) -> Tensor:
+        return aggregate_loss(
+            values,
+            loss_mask,
+            cu_seqlens=cu_seqlens,
+            per_token=cfg.calculate_per_token_loss,
+            global_normalizer=global_normalizer,
+            sample_token_counts=sample_token_counts,
+        )
+
+    terms = compute_policy_loss(log_probs, old_log_probs, advantages, loss_mask, cfg.eps_clip, cfg.eps_clip_high)
+    loss = pg_loss = aggregate(terms.loss)
+    with torch.no_grad():
+        metrics = {"pg_loss": pg_loss.detach(), "pg_clipfrac": aggregate(terms.clipped)}
+        metrics["ppo_kl"] = aggregate(-terms.log_ratio)
+    if cfg.use_kl_loss and ref_log_probs is not None:
+        kl_loss = aggregate(compute_approx_kl(log_probs, ref_log_probs, cfg.kl_loss_type, loss_mask))
+        loss = loss + cfg.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+    if entropy is not None:
+        mean_entropy = aggregate(entropy)
+        loss = loss - cfg.entropy_coef * mean_entropy
+        metrics["entropy"] = mean_entropy.detach()
+    return loss, metrics
