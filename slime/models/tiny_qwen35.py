@@ -1,0 +1,500 @@
+"""A tiny, seeded, random-initialised Qwen3.5-MoE vision-language checkpoint for CPU tests.
+
+The folder has the architecture of Qwen3.5-35B-A3B (``Qwen3_5MoeForConditionalGeneration``
+in transformers), scaled down to well under a million parameters:
+
+- text model: 4 layers in the released 3:1 pattern (three Gated-DeltaNet
+  ``linear_attention`` layers, then one gated ``full_attention`` layer), every layer a
+  sparse MoE block with a gated shared expert; 25 % partial, interleaved-mRoPE rotary
+  embedding with ``rope_theta`` 1e7 as in the released checkpoint;
+- vision tower: the Qwen3.5 ViT (patch 16, temporal patch 2, 2x2 spatial merge) with
+  2 blocks, whose merger projects straight to the text hidden size;
+- a byte-level BPE tokenizer trained here (or a word-level one for learning tests), the
+  Qwen chat format and special tokens, and the Qwen2-VL image-processor config with small
+  pixel bounds.
+
+The exact numbers are in :data:`TEXT_CONFIG` and :data:`VISION_CONFIG`;
+``scripts/models/qwen3.5-tiny.sh`` repeats them as Megatron flags.
+
+Weights are stored as float32 safetensors: CPU tests compare log-probs across backends
+and bf16 would add rounding noise on CPU, where bf16 matmuls are also slow.  GPU users
+load them with ``dtype=torch.bfloat16`` as they would a released checkpoint.
+
+Two fields that transformers does not write but SGLang reads are added to
+``config.json`` (real Qwen3.5 checkpoints carry both): ``text_config.full_attention_interval``
+(SGLang derives the layer pattern from it) and ``vision_config.deepstack_visual_indexes =
+[]`` (Qwen3.5 has no deepstack; without the field SGLang assumes Qwen3-VL's [8, 16, 24]).
+
+Tokenizer corpus (``tiny_tokenizer_corpus.txt``, 200 kB, shipped in this package): the
+400 Geometry3K problems of the project's sample (``problem`` text, ``choices`` and
+``answer``; Geometry3K, Lu et al. 2021, MIT licence, github.com/lupantech/InterGPS),
+followed by sentences generated for this project from fixed templates with a fixed seed
+(geometry statements with colour and shape words, LaTeX expressions such as
+``\\frac``, ``\\sqrt``, ``\\angle``, ``\\boxed{...}``, and numbers).
+
+Entry points: :func:`ensure_tiny_checkpoint` (cached, what tests use),
+:func:`build_tiny_checkpoint` (writes one folder) and the CLI
+``scripts/tools/make_tiny_qwen35.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE, WordLevel
+from tokenizers.trainers import BpeTrainer
+
+BUILDER_VERSION = 1
+"""Bump whenever the recipe changes (weights, configs, tokenizer): cached folders rebuild."""
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "tiny-qwen35"
+CORPUS_PATH = Path(__file__).with_name("tiny_tokenizer_corpus.txt")
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+"""Control tokens, each a single id, ``special=True`` (dropped by ``skip_special_tokens``)."""
+
+THINK_TOKENS = ("<think>", "</think>")
+"""Reasoning delimiters: single ids but ``special=False``, as in Qwen3/3.5, so decoding a
+response with ``skip_special_tokens=True`` keeps them (reward functions may look for them)."""
+
+WORD_LEVEL_UNK = "<unk>"
+WORD_LEVEL_BASE = ("\n", " ", "system", "user", "assistant")
+"""Pieces every word-level vocabulary holds so that the chat template encodes without ``<unk>``."""
+
+# Qwen's ChatML format, written for this project.  Generation prompt: Qwen3.5 is a thinking
+# model whose released template opens the assistant turn with "<think>\n" (the model then
+# writes its reasoning, "</think>", and the answer); ``enable_thinking=False`` pre-fills an
+# empty reasoning block instead, as Qwen3's template does.  Both keep the token counts of
+# the real model's prompts.  Content items {"type": "image"} (or with an "image" /
+# "image_url" key) become one vision span, {"type": "video"} likewise; the processor later
+# expands each <|image_pad|> to the image's token count.  Past assistant turns are rendered
+# verbatim (no stripping of their reasoning) and tools are not supported.
+CHAT_TEMPLATE = (
+    "{%- if tools is defined and tools %}"
+    "{{- raise_exception('the tiny Qwen3.5 chat template does not render tools') }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}"
+    "{{- message['content'] }}"
+    "{%- else %}"
+    "{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' or 'video' in item %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'text' %}"
+    "{{- item['text'] }}"
+    "{%- else %}"
+    "{{- raise_exception('unknown content item type: ' + item['type']) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}"
+    "{{- '<think>\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+TEXT_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    # Rotary dim = 32 * 0.25 = 8, i.e. 4 frequencies; mrope_section splits them over
+    # (temporal, height, width) and must sum to 4 (the released [11, 11, 10] sums to 256 * 0.25 / 2 = 32).
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[2, 1, 1],
+        mrope_interleaved=True,
+    ),
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    max_position_embeddings=8192,
+    router_aux_loss_coef=0.001,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    initializer_range=0.02,
+)
+"""Tiny text-model numbers (``Qwen3_5MoeTextConfig`` fields; vocab and token ids come from the tokenizer)."""
+
+FULL_ATTENTION_INTERVAL = 4
+"""Every 4th layer is full attention (SGLang's ``text_config.full_attention_interval``)."""
+
+VISION_CONFIG = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=128,
+    num_heads=2,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=TEXT_CONFIG["hidden_size"],
+    num_position_embeddings=256,  # a 16 x 16 learned grid, bilinearly resampled to each image's grid
+    hidden_act="gelu_pytorch_tanh",
+    initializer_range=0.02,
+    deepstack_visual_indexes=[],
+)
+"""Tiny vision-tower numbers (``Qwen3_5MoeVisionConfig`` fields)."""
+
+IMAGE_MEAN_STD = [0.5, 0.5, 0.5]
+"""Qwen3-VL / Qwen3.5 normalise pixels to [-1, 1]: (x / 255 - 0.5) / 0.5."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyQwen35Options:
+    """What a tiny checkpoint is built from; every field is part of the cache key.
+
+    Attributes:
+        seed: torch seed of the weight initialisation.
+        vocab_words: ``None`` for the byte-level BPE tokenizer; otherwise the words of a
+            word-level tokenizer (each one token; no whitespace inside a word).  The vocab
+            is then the special and think tokens, ``<unk>``, ``"\\n"``, ``" "``, the role
+            names and these words (about 16 + len(vocab_words) ids), which the model's
+            vocab_size matches exactly.
+        bpe_vocab_size: total vocab size of the BPE tokenizer, added tokens included.
+        min_pixels: the image processor's lower pixel bound (``size.shortest_edge``), pixels.
+        max_pixels: the image processor's upper pixel bound (``size.longest_edge``), pixels.
+
+    Raises:
+        ValueError: a field is out of range; the message names it.
+    """
+
+    seed: int = 0
+    vocab_words: tuple[str, ...] | None = None
+    bpe_vocab_size: int = 2048
+    min_pixels: int = 32 * 32
+    max_pixels: int = 128 * 128
+
+    def __post_init__(self):
+        if self.vocab_words is not None:
+            words = tuple(self.vocab_words)
+            object.__setattr__(self, "vocab_words", words)
+            reserved = set(SPECIAL_TOKENS) | set(THINK_TOKENS) | {WORD_LEVEL_UNK} | set(WORD_LEVEL_BASE)
+            if not words:
+                raise ValueError("vocab_words is empty; pass at least one word, or None for the BPE tokenizer")
+            for i, word in enumerate(words):
+                if not isinstance(word, str) or not word or any(ch.isspace() for ch in word):
+                    raise ValueError(
+                        f"vocab_words[{i}] = {word!r} must be a non-empty string without whitespace "
+                        "(the word-level tokenizer splits on whitespace)"
+                    )
+                if word in reserved:
+                    raise ValueError(f"vocab_words[{i}] = {word!r} is already in every word-level vocab; drop it")
+                if word in words[:i]:
+                    raise ValueError(f"vocab_words[{i}] = {word!r} is a duplicate; list each word once")
+        n_added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
+        if self.bpe_vocab_size < 256 + n_added + 1:
+            raise ValueError(
+                f"bpe_vocab_size = {self.bpe_vocab_size} is too small: the byte alphabet (256) and "
+                f"{n_added} added tokens need at least {256 + n_added + 1}"
+            )
+        factor = VISION_CONFIG["patch_size"] * VISION_CONFIG["spatial_merge_size"]
+        if self.min_pixels < factor * factor:
+            raise ValueError(
+                f"min_pixels = {self.min_pixels} is below one merged patch ({factor}x{factor} = {factor * factor})"
+            )
+        if self.max_pixels < self.min_pixels:
+            raise ValueError(f"max_pixels = {self.max_pixels} is below min_pixels = {self.min_pixels}")
+
+    def cache_name(self) -> str:
+        """Folder name under the cache dir: tokenizer kind + hash of the options and BUILDER_VERSION."""
+        payload = json.dumps({"builder_version": BUILDER_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        digest = hashlib.sha256(payload.encode()).hexdigest()[:16]
+        kind = "bpe" if self.vocab_words is None else "words"
+        return f"{kind}-seed{self.seed}-{digest}"
+
+
+def build_bpe_tokenizer(vocab_size: int = 2048) -> Tokenizer:
+    """Train a byte-level BPE tokenizer with Qwen3.5's pre-tokenization on the shipped corpus.
+
+    The pipeline equals transformers' ``Qwen3_5Tokenizer`` (NFC normaliser, Qwen3.5's split
+    regex, byte-level mapping without prefix space, byte-level decoder), so any text
+    encodes without unknown tokens.  Training is deterministic (same corpus -> same merges).
+    The added tokens (:data:`SPECIAL_TOKENS`, then :data:`THINK_TOKENS`) take the last ids,
+    after the learned vocab, as in Qwen's tokenizers.
+
+    Args:
+        vocab_size: total vocab size including the added tokens.
+
+    Returns:
+        A ``tokenizers.Tokenizer`` with exactly ``vocab_size`` ids.
+
+    Raises:
+        RuntimeError: the corpus is too small to learn ``vocab_size`` ids.
+    """
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    n_added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
+    trainer = BpeTrainer(
+        vocab_size=vocab_size - n_added,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    lines = CORPUS_PATH.read_text(encoding="utf-8").splitlines()
+    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+    _add_qwen_tokens(tok)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"BPE training on {CORPUS_PATH} reached {tok.get_vocab_size()} ids, not bpe_vocab_size = {vocab_size}; "
+            "lower bpe_vocab_size"
+        )
+    return tok
+
+
+def build_word_level_tokenizer(vocab_words: tuple[str, ...]) -> Tokenizer:
+    """A word-level tokenizer: every ``vocab_words`` entry is one token, anything else ``<unk>``.
+
+    Text is split into single whitespace characters and maximal runs of non-whitespace,
+    so ``"red green"`` -> ``["red", " ", "green"]``; decoding concatenates the pieces, so
+    in-vocabulary text round-trips exactly.  Ids: the Qwen special tokens first (so
+    ``<|endoftext|>`` is 0), then the think tokens, ``<unk>``, :data:`WORD_LEVEL_BASE`, and
+    ``vocab_words`` in the given order.
+
+    Args:
+        vocab_words: validated words (see :class:`TinyQwen35Options`).
+
+    Returns:
+        A ``tokenizers.Tokenizer`` with ``len(SPECIAL_TOKENS) + 3 + len(WORD_LEVEL_BASE) + len(vocab_words)`` ids.
+    """
+    pieces = [*SPECIAL_TOKENS, *THINK_TOKENS, WORD_LEVEL_UNK, *WORD_LEVEL_BASE, *vocab_words]
+    tok = Tokenizer(WordLevel({piece: i for i, piece in enumerate(pieces)}, unk_token=WORD_LEVEL_UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    _add_qwen_tokens(tok)
+    return tok
+
+
+def _add_qwen_tokens(tok: Tokenizer) -> None:
+    """Register the special and think tokens as added tokens (matched before pre-tokenization)."""
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+
+
+def _write_tokenizer(tok: Tokenizer, out_dir: Path, word_level: bool) -> None:
+    """Save through transformers so that ``AutoTokenizer`` reads exactly these files back.
+
+    ``tokenizer_class`` is ``TokenizersBackend``: transformers then uses ``tokenizer.json``
+    as is (a model-specific class would rebuild the pipeline, which is wrong for the
+    word-level vocab).  eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as in Qwen's
+    instruct tokenizers.
+    """
+    from transformers import TokenizersBackend
+
+    hf_tok = TokenizersBackend(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=WORD_LEVEL_UNK if word_level else None,
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=TEXT_CONFIG["max_position_embeddings"],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(out_dir)
+
+
+def _write_processor_configs(out_dir: Path, min_pixels: int, max_pixels: int) -> None:
+    """Write the image, video and processor configs in the layout of a released Qwen3.5 folder.
+
+    ``Qwen2VLImageProcessorFast`` is the name released checkpoints use; transformers maps it to
+    the torchvision backend when available and to ``Qwen2VLImageProcessorPil`` otherwise.
+    Video bounds count all frames (T * H * W pixels): at least one temporal patch at
+    ``min_pixels``, at most 16 frames at ``max_pixels``.
+    """
+    common = dict(
+        do_convert_rgb=True,
+        do_resize=True,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=IMAGE_MEAN_STD,
+        image_std=IMAGE_MEAN_STD,
+        resample=3,  # PIL bicubic
+        patch_size=VISION_CONFIG["patch_size"],
+        temporal_patch_size=VISION_CONFIG["temporal_patch_size"],
+        merge_size=VISION_CONFIG["spatial_merge_size"],
+        processor_class="Qwen3VLProcessor",
+    )
+    image = dict(
+        image_processor_type="Qwen2VLImageProcessorFast",
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        **common,
+    )
+    video = dict(
+        video_processor_type="Qwen3VLVideoProcessor",
+        size={"shortest_edge": min_pixels * VISION_CONFIG["temporal_patch_size"], "longest_edge": max_pixels * 16},
+        do_sample_frames=True,
+        fps=2,
+        min_frames=4,
+        max_frames=16,
+        **common,
+    )
+    _write_json(out_dir / "preprocessor_config.json", image)
+    _write_json(out_dir / "video_preprocessor_config.json", video)
+    _write_json(out_dir / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _model_config(tok: Tokenizer):
+    """The ``Qwen3_5MoeConfig`` of the tiny model, with token ids read from ``tok``."""
+    from transformers import Qwen3_5MoeConfig
+
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    text = dict(
+        copy.deepcopy(TEXT_CONFIG),
+        vocab_size=tok.get_vocab_size(),
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
+        dtype="float32",
+    )
+    config = Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=copy.deepcopy(VISION_CONFIG),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    # Read by SGLang (see the module docstring); transformers keeps unknown fields as attributes.
+    config.text_config.full_attention_interval = FULL_ATTENTION_INTERVAL
+    return config
+
+
+def build_tiny_checkpoint(out_dir: str | os.PathLike, options: TinyQwen35Options | None = None) -> Path:
+    """Write the tiny checkpoint folder ``out_dir`` (which must not exist or be empty).
+
+    Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32),
+    ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
+    ``preprocessor_config.json``, ``video_preprocessor_config.json``, ``processor_config.json``.
+    Same options -> bit-identical weights and identical files.  Takes a few seconds on CPU.
+
+    Args:
+        out_dir: destination folder.
+        options: the recipe; defaults to :class:`TinyQwen35Options` ``()``.
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty.
+    """
+    from transformers import GenerationConfig, Qwen3_5MoeForConditionalGeneration
+
+    options = options or TinyQwen35Options()
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose an empty folder or delete it first")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    word_level = options.vocab_words is not None
+    tok = build_word_level_tokenizer(options.vocab_words) if word_level else build_bpe_tokenizer(options.bpe_vocab_size)
+    config = _model_config(tok)
+
+    torch.manual_seed(options.seed)
+    model = Qwen3_5MoeForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
+        pad_token_id=config.text_config.pad_token_id,
+    )
+    model.save_pretrained(out_dir)
+    _write_tokenizer(tok, out_dir, word_level)
+    _write_processor_configs(out_dir, options.min_pixels, options.max_pixels)
+    return out_dir
+
+
+def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None, **options) -> Path:
+    """Return the cached tiny checkpoint for ``options``, building it on first use.
+
+    The folder is ``cache_dir / TinyQwen35Options(**options).cache_name()``, so a change
+    of options or of :data:`BUILDER_VERSION` gives a new folder.  The build goes into a
+    temporary sibling that is renamed into place (atomic on one file system): a reader
+    never sees a half-written folder, and when several processes race, the first rename
+    wins and the others discard their copy.
+
+    Args:
+        cache_dir: parent folder of the cached checkpoints; defaults to
+            ``<repo>/.cache/tiny-qwen35`` (git-ignored).
+        **options: fields of :class:`TinyQwen35Options` (``seed``, ``vocab_words``, ...).
+
+    Returns:
+        Path of the checkpoint folder.
+
+    Raises:
+        TypeError: an unknown option name.
+        ValueError: an invalid option value (see :class:`TinyQwen35Options`).
+    """
+    opts = TinyQwen35Options(**options)
+    cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    final = cache_dir / opts.cache_name()
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        build_tiny_checkpoint(tmp, opts)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():  # not a lost race: a real error
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
