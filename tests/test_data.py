@@ -435,3 +435,20 @@ def test_load_state_dict_rejects_other_dataset(processor):
     other = PromptDataset(geo3k_config(prompt_data=TRAIN), processor, seed=0)
     with pytest.raises(DatasetError, match="has 64 rows but the checkpoint's data cursor was saved for 16"):
         other.load_state_dict(state)
+
+
+def test_json_flags_name_the_flag(capsys):
+    import argparse
+
+    from slime.utils.config import add_group
+
+    parser = argparse.ArgumentParser()
+    add_group(parser, DataConfig, "data")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--multimodal-keys", "{image: images}"])
+    assert "argument --multimodal-keys: expected a JSON object" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--apply-chat-template-kwargs", "[1, 2]"])
+    assert "argument --apply-chat-template-kwargs: expected a JSON object {...}, got '[1, 2]'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--multimodal-keys image must name a column"):
+        DataConfig(multimodal_keys={"image": ""})

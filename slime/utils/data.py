@@ -46,6 +46,7 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -85,13 +86,14 @@ class DatasetError(ValueError):
     """A dataset row or file cannot be used; the message names the file, row and field."""
 
 
-def _json_dict(text: str) -> dict:
+def _json_object(text: str) -> dict:
+    """argparse ``type=`` for JSON-object flags; argparse prefixes the error with the flag name."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"expected a JSON object, got {text!r}: {e}") from None
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e}); quote it for the shell") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"expected a JSON object, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
     return value
 
 
@@ -110,13 +112,13 @@ class DataConfig:
     )
     multimodal_keys: dict | None = flag(
         None,
-        type=_json_dict,
+        type=_json_object,
         help='JSON map of modality -> column, e.g. \'{"image": "images"}\'. Only "image" is supported; the column '
         "holds a list of images (HF Image structs, paths, URLs, base64 / data URIs), one per <image> placeholder.",
     )
     apply_chat_template: bool = flag(False, help="Wrap the prompt in the model's chat template.")
     apply_chat_template_kwargs: dict = flag(
-        default_factory=dict, type=_json_dict, help="JSON kwargs for apply_chat_template, e.g. '{\"enable_thinking\": false}'."
+        default_factory=dict, type=_json_object, help="JSON kwargs for apply_chat_template, e.g. '{\"enable_thinking\": false}'."
     )
     rollout_shuffle: bool = flag(False, help="Shuffle prompts each epoch (deterministic in --seed and the epoch).")
     rollout_max_prompt_len: int | None = flag(
@@ -140,11 +142,19 @@ class DataConfig:
             raise ConfigError(
                 f"--image-min-pixels ({self.image_min_pixels}) must be <= --image-max-pixels ({self.image_max_pixels})"
             )
+        for name in ("multimodal_keys", "apply_chat_template_kwargs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a JSON object, got {value!r}")
         unknown = sorted(set(self.multimodal_keys or {}) - {"image"})
         if unknown:
             raise ConfigError(
                 f"--multimodal-keys has unsupported modalities {unknown} ({self.multimodal_keys}); only 'image' is "
                 "supported, e.g. '{\"image\": \"images\"}'"
+            )
+        if self.image_key is not None and (not isinstance(self.image_key, str) or not self.image_key):
+            raise ConfigError(
+                f"--multimodal-keys image must name a column, got {self.image_key!r}; e.g. '{{\"image\": \"images\"}}'"
             )
         if not self.input_key:
             raise ConfigError("--input-key must name the prompt column, got an empty string")
@@ -293,8 +303,10 @@ class PromptDataset:
 
     Args:
         cfg: the data flags (columns, chat template, limits, shuffle).
-        processor: the model's processor; the same instance (same pixel bounds) must be
-            used by the rollout engine and the trainer.
+        processor: the model's processor (:func:`slime.utils.processor.load_processor`
+            with ``--image-min-pixels`` / ``--image-max-pixels``).  Its pixel bounds fix the
+            size of the images sent to the engine and of the ``pixel_values`` the trainer
+            receives, so both see the same image tokens.
         seed: ``--seed``; with ``cfg.rollout_shuffle``, epoch ``e`` uses the permutation
             ``numpy.random.default_rng([seed, e]).permutation(num_rows)``.
         source: ``--prompt-data`` by default; pass an ``--eval-prompt-data`` path for evaluation.
@@ -510,17 +522,15 @@ class PromptDataset:
                 f"{self.row_name(row)}: the prompt has {num_placeholders} {IMAGE_PLACEHOLDER} placeholders but column "
                 f"{cfg.image_key!r} has {len(items)} images; each image needs one placeholder, in order"
             )
-        try:
-            images = [
-                self.processor.resize_image(
-                    decode_image(item, base_dir=self._base_dir, row=self.row_name(row), field=f"{cfg.image_key}[{k}]")
-                )
-                for k, item in enumerate(items)
-            ]
-        except ImageDecodeError as e:
-            return self._skip(row, "bad_image", str(e))
-        except ImageSizeError as e:  # e.g. aspect ratio above 200: no fixed-point size within the pixel bounds
-            return self._skip(row, "bad_image", f"{self.row_name(row)}, column {cfg.image_key!r}: {e}")
+        images = []
+        for k, item in enumerate(items):
+            field = f"{cfg.image_key}[{k}]"
+            try:
+                images.append(self.processor.resize_image(decode_image(item, base_dir=self._base_dir, field=field)))
+            except ImageDecodeError as e:  # its message names the field
+                return self._skip(row, "bad_image", str(e))
+            except ImageSizeError as e:  # e.g. aspect ratio above 200: no fixed-point size within the pixel bounds
+                return self._skip(row, "bad_image", f"field {field!r}: {e}")
 
         prompt = self._render_prompt(text)
         processed = self.processor(prompt, images)
