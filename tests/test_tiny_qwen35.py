@@ -119,7 +119,9 @@ def test_bpe_round_trips_geometry_text_and_keeps_think_tokens(tiny_ckpt):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
-    text = "<think>\nIn $\\triangle ABC$, x = \\frac{5}{3}\\sqrt{2} ≈ 2.36°.\n</think>\nAnswer: \\boxed{12}<|im_end|>"
+    text = (
+        "<think>\nIn $\\triangle ABC$, x = \\frac{5}{3}\\sqrt{2} ≈ 2.36°.\n</think>\nAnswer: \\boxed{12}<|im_end|>"
+    )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
     # <think> tokens are not "special" (as in Qwen3): they survive skip_special_tokens; <|im_end|> does not.
@@ -274,3 +276,34 @@ def test_ensure_is_safe_when_two_processes_race(tmp_path):
     (path,) = paths
     assert [p.name for p in tmp_path.iterdir()] == [Path(path).name]
     assert load_file(Path(path) / "model.safetensors")  # complete and readable
+
+
+def test_chat_template_rejects_unknown_content_and_tools(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    with pytest.raises(Exception, match="content items must be text, image or video; got keys type, audio"):
+        messages = [{"role": "user", "content": [{"type": "audio", "audio": "x.wav"}]}]
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(Exception, match="does not render tools"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"name": "f"}], tokenize=False)
+
+
+def test_cli_builds_into_out_and_needs_force_to_replace(tmp_path, capsys):
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    script = Path(__file__).parents[1] / "scripts" / "tools" / "make_tiny_qwen35.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_qwen35", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "tiny"
+    assert cli.main(["--out", str(out), "--vocab-words", "red", "green", "--max-pixels", "4096"]) == out
+    assert AutoConfig.from_pretrained(out).text_config.vocab_size == 16 + 2
+    with pytest.raises(SystemExit):
+        cli.main(["--out", str(out)])
+    assert "pass --force" in capsys.readouterr().err
+    cli.main(["--out", str(out), "--force"])
+    assert AutoConfig.from_pretrained(out).text_config.vocab_size == 2048
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]  # no temp dirs left

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> Path:
     defaults = TinyQwen35Options()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
-                        help="destination folder; default: the cache folder under .cache/tiny-qwen35/ (reused if built)")
+                        help="destination folder; default: a folder under .cache/tiny-qwen35/ (reused if built)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="torch seed of the weight initialisation")
     parser.add_argument("--vocab-words", nargs="+", default=None, metavar="WORD",

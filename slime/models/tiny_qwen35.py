@@ -25,12 +25,19 @@ Two fields that transformers does not write but SGLang reads are added to
 (SGLang derives the layer pattern from it) and ``vision_config.deepstack_visual_indexes =
 []`` (Qwen3.5 has no deepstack; without the field SGLang assumes Qwen3-VL's [8, 16, 24]).
 
-Tokenizer corpus (``tiny_tokenizer_corpus.txt``, 200 kB, shipped in this package): the
-400 Geometry3K problems of the project's sample (``problem`` text, ``choices`` and
-``answer``; Geometry3K, Lu et al. 2021, MIT licence, github.com/lupantech/InterGPS),
-followed by sentences generated for this project from fixed templates with a fixed seed
-(geometry statements with colour and shape words, LaTeX expressions such as
-``\\frac``, ``\\sqrt``, ``\\angle``, ``\\boxed{...}``, and numbers).
+Tokenizer corpus (``tiny_tokenizer_corpus.txt``, 200 kB, shipped in this package), made
+once by a throw-away script:
+
+- the 400 Geometry3K problems of the project's sample (train and test parquet), each as a
+  ChatML role line (``user``, or ``system`` for every 10th row, so that role names become
+  single tokens), the ``problem`` text without ``<image>``, ``Choices: A. .. D. ..``,
+  ``assistant`` and ``The answer is <letter>. Answer: \\boxed{<answer>}``.  Geometry3K:
+  Lu et al., "Inter-GPS", ACL 2021, MIT licence, github.com/lupantech/InterGPS;
+- then sentences generated for this project from fixed templates with a fixed seed:
+  geometry statements with colour and shape words, LaTeX expressions (``\\frac``,
+  ``\\sqrt``, ``\\angle``, ``\\boxed{...}``, ...), and numbers.
+
+BPE training on it (``min_frequency`` 1) learns at most about 2480 ids.
 
 Entry points: :func:`ensure_tiny_checkpoint` (cached, what tests use),
 :func:`build_tiny_checkpoint` (writes one folder) and the CLI
@@ -53,7 +60,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE, WordLevel
 from tokenizers.trainers import BpeTrainer
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 3
 """Bump whenever the recipe changes (weights, configs, tokenizer): cached folders rebuild."""
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,38 +95,38 @@ WORD_LEVEL_BASE = ("\n", " ", "system", "user", "assistant")
 # "image_url" key) become one vision span, {"type": "video"} likewise; the processor later
 # expands each <|image_pad|> to the image's token count.  Past assistant turns are rendered
 # verbatim (no stripping of their reasoning) and tools are not supported.
-CHAT_TEMPLATE = (
-    "{%- if tools is defined and tools %}"
-    "{{- raise_exception('the tiny Qwen3.5 chat template does not render tools') }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}"
-    "{{- message['content'] }}"
-    "{%- else %}"
-    "{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'video' or 'video' in item %}"
-    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'text' %}"
-    "{{- item['text'] }}"
-    "{%- else %}"
-    "{{- raise_exception('unknown content item type: ' + item['type']) }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}"
-    "{{- '<think>\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
+CHAT_TEMPLATE = """\
+{%- if tools is defined and tools %}
+    {{- raise_exception('the tiny Qwen3.5 chat template does not render tools') }}
+{%- endif %}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\\n' }}
+    {%- if message['content'] is string %}
+        {{- message['content'] }}
+    {%- else %}
+        {%- for item in message['content'] %}
+            {%- if item['type'] == 'image' or 'image' in item or 'image_url' in item %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif item['type'] == 'video' or 'video' in item %}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+            {%- elif 'text' in item %}
+                {{- item['text'] }}
+            {%- else %}
+                {{- raise_exception('content items must be text, image or video; got keys '
+                                    + (item | list | join(', '))) }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}
+{%- endif %}"""
 
 TEXT_CONFIG = dict(
     hidden_size=64,

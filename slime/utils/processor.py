@@ -241,10 +241,14 @@ def load_processor(
 
     folder = Path(hf_checkpoint)
     if not folder.is_dir():
-        raise FileNotFoundError(f"--hf-checkpoint {str(hf_checkpoint)!r} is not a folder; give a local checkpoint folder")
+        raise FileNotFoundError(
+            f"--hf-checkpoint {str(hf_checkpoint)!r} is not a folder; give a local checkpoint folder"
+        )
     for name in REQUIRED_FILES:
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"--hf-checkpoint {str(folder)!r} has no {name}; it is not a complete HF checkpoint")
+            raise FileNotFoundError(
+                f"--hf-checkpoint {str(folder)!r} has no {name}; it is not a complete HF checkpoint"
+            )
     if not any((folder / name).is_file() for name in TOKENIZER_MODEL_FILES):
         raise FileNotFoundError(
             f"--hf-checkpoint {str(folder)!r} has none of {' / '.join(TOKENIZER_MODEL_FILES)}; "
