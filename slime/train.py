@@ -91,12 +91,11 @@ def train(cfg: SlimeConfig) -> Path:
                         save(cfg, rollout_id, trainers, rollout_manager)
                 # x axis = policy version: rollout k samples the policy after k updates,
                 # the eval after it sees the policy after k + 1 updates.
-                step_metrics = {**batch.metrics, **train_metrics}
-                step_metrics.update({f"perf/{phase}_time_s": seconds for phase, seconds in times.items()})
+                step_metrics = {**batch.metrics, **train_metrics, **times}
                 metrics_log.log(rollout_id, step_metrics)
                 if eval_metrics:
                     metrics_log.log(rollout_id + 1, eval_metrics)
-                bar.update(1, {**step_metrics, **eval_metrics})
+                bar.update({**step_metrics, **eval_metrics})
             bar.close()
         rollout_manager.close()
         logger.info("done: metrics in %s, reward curve in %s", run_dir / "metrics.jsonl", run_dir / "reward_curve.png")

@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+#
+# GRPO on Geometry3K for Qwen3.5-35B-A3B (VLM single-turn RL).
+#
+#   bash examples/geo3k_vlm/run_geo3k_qwen35.sh [extra trainer flags...]
+#
+# Extra flags are passed on to `python -m slime.train` and override the defaults below,
+# e.g. `run_geo3k_qwen35.sh --num-rollout 2`.  With no GPU on the machine it runs the
+# embedded default instead: a tiny random Qwen3.5 checkpoint (built on demand), the
+# geo3k sample bundled in examples/geo3k_vlm/data, the transformers engine and the FSDP2
+# trainer over gloo.  See examples/geo3k_vlm/README.md for every variable.
+#
+# Variables (defaults in brackets):
+#   SLIME_SCRIPT_DATASET_NAME   [chenhegu/geo3k_imgurl] HF dataset name, local folder
+#                               (train.parquet/test.parquet) or parquet file
+#   SLIME_SCRIPT_NUM_GPUS       [8] GPUs on this node for trainers (and, colocated, engines)
+#   SLIME_SCRIPT_EXTERNAL_RAY   [0] 1: join the running Ray cluster ($RAY_ADDRESS or auto)
+#   SLIME_SCRIPT_MODEL_NAME     [Qwen3.5-35B-A3B] picks scripts/models/<lowercase name>.sh
+#   SLIME_SCRIPT_HF_CHECKPOINT  [$HOME/models/$SLIME_SCRIPT_MODEL_NAME] HF checkpoint folder
+#   SLIME_SCRIPT_TRAIN_BACKEND  [megatron] megatron | fsdp
+#   SLIME_SCRIPT_ROLLOUT_BACKEND [sglang] sglang | transformers
+#   SLIME_SCRIPT_OUTPUT_DIR     [outputs/geo3k-<model>-<time>] metrics, plot, checkpoints
+#   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
+#   WANDB_API_KEY               set -> --use-wandb (project slime-geo3k-vlm)
+
+set -euo pipefail
+
+SLIME_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$SLIME_DIR"
+
+DATASET_NAME=${SLIME_SCRIPT_DATASET_NAME:-"chenhegu/geo3k_imgurl"}
+NUM_GPUS=${SLIME_SCRIPT_NUM_GPUS:-8}
+EXTERNAL_RAY=${SLIME_SCRIPT_EXTERNAL_RAY:-0}
+MODEL_NAME=${SLIME_SCRIPT_MODEL_NAME:-"Qwen3.5-35B-A3B"}
+HF_CHECKPOINT=${SLIME_SCRIPT_HF_CHECKPOINT:-"$HOME/models/$MODEL_NAME"}
+TRAIN_BACKEND=${SLIME_SCRIPT_TRAIN_BACKEND:-"megatron"}
+ROLLOUT_BACKEND=${SLIME_SCRIPT_ROLLOUT_BACKEND:-"sglang"}
+OUTPUT_DIR=${SLIME_SCRIPT_OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]')-$(date +%Y%m%d-%H%M%S)"}
+FORCE_CPU=${SLIME_SCRIPT_FORCE_CPU:-0}
+
+# Set-up: create or reuse the virtualenv and install slime with its pins when missing.
+# shellcheck disable=SC1091
+source "$SLIME_DIR/scripts/setup_env.sh"
+export PYTHONUNBUFFERED=1
+# Never let NVLink multicast be used by NCCL / torch (it can take a shared host's GPUs down).
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+
+GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+
+if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
+   # -------------------------------------------------------------------------------
+   # Embedded default: no GPU here. Tiny Qwen3.5 + bundled geo3k sample, on CPU.
+   # -------------------------------------------------------------------------------
+   echo "[geo3k] no GPU found: running the embedded CPU default (tiny random Qwen3.5-MoE checkpoint, bundled geo3k sample, transformers engine, FSDP2 trainer over gloo)."
+   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+   TINY_CKPT=$(python scripts/tools/make_tiny_qwen35.py | tail -n 1)
+   DATA_DIR="$SLIME_DIR/examples/geo3k_vlm/data"
+   # shellcheck disable=SC1091
+   source "$SLIME_DIR/scripts/models/qwen3.5-tiny.sh"
+   ARGS=(
+      "${MODEL_ARGS[@]}"
+      --hf-checkpoint "$TINY_CKPT"
+      --save "$OUTPUT_DIR/checkpoints" --save-interval 3
+      --prompt-data "$DATA_DIR"
+      --input-key problem --label-key answer --multimodal-keys '{"image": "images"}'
+      --apply-chat-template --rollout-shuffle
+      --rm-type math
+      --num-rollout 10
+      --rollout-batch-size 4 --n-samples-per-prompt 4
+      --rollout-max-response-len 32 --rollout-temperature 1.0
+      --global-batch-size 8
+      --eval-interval 5 --eval-prompt-data geo3k "$DATA_DIR/test.parquet"
+      --n-samples-per-eval-prompt 1 --eval-max-response-len 32
+      --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
+      --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
+      --optimizer adam --lr 1e-5 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+      --train-backend fsdp --rollout-backend transformers
+      --micro-batch-size 1
+      --actor-num-nodes 1 --actor-num-gpus-per-node 2
+      --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1
+      --output-dir "$OUTPUT_DIR"
+   )
+else
+   # -------------------------------------------------------------------------------
+   # Full recipe on a GPU node (upstream structure).
+   # -------------------------------------------------------------------------------
+   MODEL_SH="$SLIME_DIR/scripts/models/$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]').sh"
+   if [ ! -f "$MODEL_SH" ]; then
+      echo "[geo3k] no model file $MODEL_SH for SLIME_SCRIPT_MODEL_NAME=$MODEL_NAME; add one under scripts/models/" >&2
+      exit 2
+   fi
+   # shellcheck disable=SC1090
+   source "$MODEL_SH"
+   if [ ! -d "$HF_CHECKPOINT" ]; then
+      echo "[geo3k] downloading Qwen/$MODEL_NAME to $HF_CHECKPOINT"
+      hf download "Qwen/$MODEL_NAME" --local-dir "$HF_CHECKPOINT"
+   fi
+   if [ -d "$DATASET_NAME" ]; then
+      TRAIN_DATA="$DATASET_NAME"; EVAL_DATA="$DATASET_NAME/test.parquet"
+   elif [ -f "$DATASET_NAME" ]; then
+      TRAIN_DATA="$DATASET_NAME"; EVAL_DATA=""
+   else
+      TRAIN_DATA="$DATASET_NAME@train"; EVAL_DATA="$DATASET_NAME@test"
+   fi
+   EVAL_ARGS=()
+   if [ -n "$EVAL_DATA" ]; then
+      EVAL_ARGS=(--eval-interval 20 --eval-prompt-data "$(basename "${DATASET_NAME%@*}")" "$EVAL_DATA"
+                 --n-samples-per-eval-prompt 1 --eval-max-response-len 4096)
+   fi
+   WANDB_ARGS=()
+   if [ -n "${WANDB_API_KEY:-}" ]; then
+      WANDB_ARGS=(--use-wandb --wandb-project slime-geo3k-vlm
+                  --wandb-group "$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]')-$TRAIN_BACKEND"
+                  --wandb-key "$WANDB_API_KEY" --disable-wandb-random-suffix)
+   fi
+   BACKEND_ARGS=(--train-backend "$TRAIN_BACKEND" --micro-batch-size 1)
+   if [ "$TRAIN_BACKEND" = "megatron" ]; then
+      BACKEND_ARGS+=(
+         --tensor-model-parallel-size 2 --sequence-parallel
+         --pipeline-model-parallel-size 1 --context-parallel-size 1
+         --expert-model-parallel-size "$NUM_GPUS" --expert-tensor-parallel-size 1
+         --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+         --attention-dropout 0.0 --hidden-dropout 0.0
+         --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 --attention-backend flash
+         --bf16
+      )
+   else
+      BACKEND_ARGS+=(--bf16 --gradient-checkpointing)
+   fi
+   ROLLOUT_GPUS_PER_ENGINE=$(( NUM_GPUS < 8 ? NUM_GPUS : 8 ))
+   SGLANG_ARGS=(--rollout-backend "$ROLLOUT_BACKEND" --rollout-num-gpus-per-engine "$ROLLOUT_GPUS_PER_ENGINE")
+   if [ "$ROLLOUT_BACKEND" = "sglang" ]; then
+      SGLANG_ARGS+=(--sglang-mem-fraction-static 0.7 --sglang-ep-size "$ROLLOUT_GPUS_PER_ENGINE"
+                    --sglang-max-running-requests 512 --sglang-disable-custom-all-reduce)
+   else
+      SGLANG_ARGS=(--rollout-backend "$ROLLOUT_BACKEND" --rollout-num-gpus-per-engine 1)
+   fi
+   ARGS=(
+      "${MODEL_ARGS[@]}"
+      --hf-checkpoint "$HF_CHECKPOINT"
+      --save "$OUTPUT_DIR/checkpoints" --save-interval 100
+      --prompt-data "$TRAIN_DATA"
+      --input-key problem --label-key answer --multimodal-keys '{"image": "images"}'
+      --apply-chat-template --rollout-shuffle
+      --rm-type math
+      --num-rollout 3000 --rollout-batch-size 64 --n-samples-per-prompt 8
+      --rollout-max-response-len 4096 --rollout-temperature 0.8
+      --global-batch-size 512
+      "${EVAL_ARGS[@]}"
+      --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
+      --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
+      --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+      "${SGLANG_ARGS[@]}"
+      "${WANDB_ARGS[@]}"
+      "${BACKEND_ARGS[@]}"
+      --actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_GPUS" --colocate
+      --output-dir "$OUTPUT_DIR"
+   )
+fi
+
+if [ "$EXTERNAL_RAY" != "0" ]; then
+   ARGS+=(--ray-address "${RAY_ADDRESS:-auto}")
+fi
+
+mkdir -p "$OUTPUT_DIR"
+printf '%q ' python -m slime.train "${ARGS[@]}" "$@" >"$OUTPUT_DIR/command.sh"
+echo >>"$OUTPUT_DIR/command.sh"
+
+# Run the driver in its own process group and, on any exit or signal, stop only that
+# group: the driver, the Ray instance it started and its actors. Unlike the upstream
+# script, nothing else on the machine is killed (no pkill of ray/sglang/redis).
+setsid python -m slime.train "${ARGS[@]}" "$@" &
+DRIVER_PID=$!
+cleanup() {
+   if kill -0 "$DRIVER_PID" 2>/dev/null; then
+      kill -TERM -- "-$DRIVER_PID" 2>/dev/null || true
+      for _ in $(seq 1 20); do kill -0 "$DRIVER_PID" 2>/dev/null || break; sleep 0.5; done
+      kill -KILL -- "-$DRIVER_PID" 2>/dev/null || true
+   fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+STATUS=0
+wait "$DRIVER_PID" || STATUS=$?
+if [ "$STATUS" = "0" ]; then
+   echo "[geo3k] done. Output: $OUTPUT_DIR"
+   echo "[geo3k]   metrics:      $OUTPUT_DIR/metrics.jsonl"
+   echo "[geo3k]   reward curve: $OUTPUT_DIR/reward_curve.png"
+   echo "[geo3k]   checkpoints:  $OUTPUT_DIR/checkpoints"
+fi
+exit "$STATUS"
