@@ -39,7 +39,6 @@ TOKENIZER_MODEL_FILES = ("tokenizer.json", "vocab.json")
 """At least one of these holds the tokenizer's vocabulary."""
 
 IMAGE_TOKEN = "<|image_pad|>"
-VIDEO_TOKEN = "<|video_pad|>"
 
 
 class ImageSizeError(ValueError):
