@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from typing import Any
 
@@ -121,7 +122,10 @@ def build_group(cls: type, namespace: argparse.Namespace) -> Any:
 
 
 def to_argv(cfg: Any) -> list[str]:
-    """The command-line flags that reproduce dataclass instance ``cfg`` (for logs and resume)."""
+    """The command-line flags that reproduce dataclass instance ``cfg`` (for logs and resume).
+
+    ``dict`` values (JSON flags such as ``--multimodal-keys``) are written as JSON.
+    """
     argv: list[str] = []
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
@@ -135,6 +139,26 @@ def to_argv(cfg: Any) -> list[str]:
             continue
         elif isinstance(value, (list, tuple)):
             argv += [name, *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [name, json.dumps(value)]
         else:
             argv += [name, str(value)]
     return argv
+
+
+def check_name_or_import_path(flag: str, value: str, names: typing.Sequence[str]) -> None:
+    """Check that ``value`` is one of ``names`` or a ``package.module:attr`` import path.
+
+    Only the form of an import path is checked here; importing it is left to the code that
+    uses it (the import may need packages that exist only on the GPU machines).
+
+    Raises:
+        ConfigError: ``value`` is neither; the message names ``flag`` and lists ``names``.
+    """
+    if value in names:
+        return
+    module, sep, attr = value.partition(":")
+    if sep and module and attr and all(part.isidentifier() for part in module.split(".")) and attr.isidentifier():
+        return
+    choices = f"one of {', '.join(names)} or " if names else ""
+    raise ConfigError(f"{flag} {value!r} is not valid; use {choices}a 'package.module:attr' import path")

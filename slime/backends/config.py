@@ -1,0 +1,397 @@
+"""Trainer flags: backend and parallelism (BACKEND_ARGS), optimizer (OPTIMIZER_ARGS),
+checkpoints (CKPT_ARGS) and the model architecture in Megatron's names (MODEL_ARGS).
+
+Flag names and meanings follow Megatron-LM (``megatron/training/arguments.py``) and upstream
+slime, so the ``MODEL_ARGS`` arrays of ``scripts/models/*.sh`` parse unchanged.  Every
+MODEL_ARGS flag is optional: the FSDP backend reads the architecture from ``--hf-checkpoint``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+from slime.utils.config import ConfigError, check_name_or_import_path, flag
+
+TRAIN_BACKENDS = ("fsdp", "megatron")
+"""Built-in training backends; ``--train-backend`` also takes a ``package.module:Class`` path."""
+
+
+def _check_positive(cfg, names: tuple[str, ...]) -> None:
+    """Raise ConfigError for the first field in ``names`` that is set and < 1."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """Training backend (BACKEND_ARGS): batch sizes, parallelism, recompute, precision."""
+
+    train_backend: str = flag(
+        "megatron",
+        help="Trainer: megatron (native Qwen3.5, all parallelisms), fsdp (HF model) or 'package.module:Class'.",
+    )
+    global_batch_size: int | None = flag(
+        None,
+        help="Samples per optimizer step (default: rollout_batch_size * n_samples_per_prompt, one step per "
+        "rollout); must divide the samples of a rollout step.",
+    )
+    micro_batch_size: int = flag(1, help="Samples per forward/backward pass on one data-parallel rank.")
+    use_dynamic_batch_size: bool = flag(
+        False, help="Pack micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples."
+    )
+    max_tokens_per_gpu: int | None = flag(
+        None, help="Token budget of one packed micro-batch per GPU (with --use-dynamic-batch-size), tokens."
+    )
+    tensor_model_parallel_size: int = flag(1, help="Tensor-parallel GPUs (Megatron TP).")
+    sequence_parallel: bool = flag(False, help="Split activations along the sequence across the TP group (Megatron).")
+    pipeline_model_parallel_size: int = flag(1, help="Pipeline stages (Megatron PP).")
+    context_parallel_size: int = flag(
+        1, help="Context-parallel GPUs splitting each sequence (Megatron CP, THD zigzag)."
+    )
+    expert_model_parallel_size: int = flag(1, help="Expert-parallel GPUs sharing out the MoE experts (Megatron EP).")
+    expert_tensor_parallel_size: int | None = flag(
+        None, help="Tensor-parallel GPUs inside each expert (Megatron ETP; default: --tensor-model-parallel-size)."
+    )
+    recompute_granularity: str | None = flag(
+        None, choices=["full", "selective"], help="Activation recomputation: full layers or selected modules."
+    )
+    recompute_method: str | None = flag(
+        None, choices=["uniform", "block"], help="With full recompute: spread over layers (uniform) or first N (block)."
+    )
+    recompute_num_layers: int | None = flag(
+        None, help="With full recompute: layers per recompute unit (uniform) or recomputed layers (block)."
+    )
+    attention_dropout: float = flag(
+        0.0, help="Dropout on attention probabilities; keep 0 in RL so training log-probs match the rollout's."
+    )
+    hidden_dropout: float = flag(0.0, help="Dropout on hidden states; keep 0 in RL so training log-probs match.")
+    accumulate_allreduce_grads_in_fp32: bool = flag(False, help="Accumulate and all-reduce gradients in fp32.")
+    attention_softmax_in_fp32: bool = flag(False, help="Compute the attention softmax in fp32.")
+    attention_backend: str = flag(
+        "auto", choices=["flash", "fused", "unfused", "local", "auto"], help="Megatron attention implementation."
+    )
+    qkv_format: str = flag(
+        "thd", choices=["thd", "bshd"], help="Sequence layout: thd (packed, no padding) or bshd (padded batch)."
+    )
+    bf16: bool = flag(False, help="Train in bfloat16 mixed precision (fp32 master weights); default: fp32.")
+    attn_implementation: str = flag(
+        "sdpa",
+        help="Hugging Face attention implementation for the FSDP backend: sdpa, eager, flash_attention_2, ...",
+    )
+    gradient_checkpointing: bool = flag(False, help="Recompute activations in the backward pass (FSDP backend).")
+
+    def __post_init__(self):
+        check_name_or_import_path("--train-backend", self.train_backend, TRAIN_BACKENDS)
+        _check_positive(
+            self,
+            (
+                "global_batch_size",
+                "micro_batch_size",
+                "max_tokens_per_gpu",
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "context_parallel_size",
+                "expert_model_parallel_size",
+                "expert_tensor_parallel_size",
+                "recompute_num_layers",
+            ),
+        )
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (tokens per packed micro-batch)")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        # Same rules as megatron.core TransformerConfig.__post_init__ (recompute section).
+        if self.recompute_granularity is None:
+            if self.recompute_method is not None or self.recompute_num_layers is not None:
+                raise ConfigError(
+                    "--recompute-method / --recompute-num-layers have no effect without --recompute-granularity; "
+                    "add --recompute-granularity full"
+                )
+        elif self.recompute_granularity == "full":
+            if self.recompute_method is None or self.recompute_num_layers is None:
+                raise ConfigError(
+                    "--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N"
+                )
+        elif self.recompute_num_layers is not None:
+            raise ConfigError(
+                f"--recompute-num-layers {self.recompute_num_layers} applies to --recompute-granularity full only; "
+                "drop it for selective"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """GPUs holding one replica of the dense layers: ``TP * PP * CP`` (Megatron)."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """Expert tensor-parallel size with Megatron's default applied (``ETP = TP`` when unset)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (OPTIMIZER_ARGS). Schedule lengths count optimizer steps."""
+
+    optimizer: str = flag("adam", choices=["adam"], help="Optimizer: adam (AdamW: decoupled weight decay).")
+    lr: float = flag(1e-6, help="Peak learning rate.")
+    min_lr: float = flag(0.0, help="Floor of the decayed learning rate (linear / cosine decay).")
+    lr_decay_style: str = flag(
+        "constant", choices=["constant", "linear", "cosine"], help="Learning-rate decay after warm-up."
+    )
+    lr_warmup_iters: int = flag(0, help="Linear warm-up from 0 to --lr, optimizer steps.")
+    lr_decay_iters: int | None = flag(
+        None, help="Optimizer steps over which the rate decays to --min-lr (default: all steps of the run)."
+    )
+    weight_decay: float = flag(0.01, help="Decoupled weight decay coefficient.")
+    adam_beta1: float = flag(0.9, help="Adam beta1 (first-moment decay).")
+    adam_beta2: float = flag(0.999, help="Adam beta2 (second-moment decay).")
+    adam_eps: float = flag(1e-8, help="Adam epsilon added to the denominator.")
+    clip_grad: float = flag(1.0, help="Clip the global gradient L2 norm to this value; 0 = no clipping.")
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError(f"--lr-warmup-iters must be >= 0 optimizer steps, got {self.lr_warmup_iters}")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            raise ConfigError(f"--lr-decay-iters must be >= 1 optimizer step, got {self.lr_decay_iters}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"--adam-eps must be > 0, got {self.adam_eps}")
+        for name in ("weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints (CKPT_ARGS): the Hugging Face model to start from, where to resume from and save to."""
+
+    hf_checkpoint: str = flag(
+        help="Hugging Face checkpoint folder (or hub name): architecture, tokenizer, processor, initial weights."
+    )
+    load: str | None = flag(
+        None, help="Resume from this slime checkpoint folder (default: start from --hf-checkpoint)."
+    )
+    save: str | None = flag(None, help="Save checkpoints under this folder.")
+    save_interval: int | None = flag(None, help="Save every this many rollout steps (needs --save).")
+    ref_load: str | None = flag(
+        None, help="Reference-model checkpoint for the KL terms (default: the initial weights of --hf-checkpoint)."
+    )
+    no_save_optim: bool = flag(False, help="Do not save optimizer state (smaller checkpoints; resume restarts Adam).")
+    no_load_optim: bool = flag(False, help="Do not load optimizer state when resuming from --load.")
+
+    def __post_init__(self):
+        if not self.hf_checkpoint.strip():
+            raise ConfigError("--hf-checkpoint must be a folder or hub name, got an empty string")
+        if self.save_interval is not None:
+            if self.save_interval < 1:
+                raise ConfigError(f"--save-interval must be >= 1 rollout step, got {self.save_interval}")
+            if self.save is None:
+                raise ConfigError(f"--save-interval {self.save_interval} needs a folder to save to: add --save DIR")
+
+
+def hf_checkpoint_layer_types(hf_checkpoint: str) -> list[str] | None:
+    """The per-layer attention kinds of a local Hugging Face checkpoint.
+
+    Reads ``layer_types`` from ``<hf_checkpoint>/config.json``, at the top level or in its
+    ``text_config`` (vision-language models), e.g. ``["linear_attention", ..., "full_attention"]``.
+
+    Returns:
+        The list, or ``None`` when the folder or its ``config.json`` does not exist (a hub name,
+        or a path made later) or the config has no ``layer_types``.
+
+    Raises:
+        ConfigError: ``config.json`` exists but is not a readable JSON object.
+    """
+    config_file = Path(hf_checkpoint) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: cannot read {config_file}: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: {config_file} is not a JSON object")
+    for section in (config, config.get("text_config")):
+        if isinstance(section, dict) and "layer_types" in section:
+            return list(section["layer_types"])
+    return None
+
+
+def _layer_pattern(flag_name: str, text: str | None, num_layers: int | None) -> int | list[int] | None:
+    """Parse a Megatron per-layer frequency flag: an int N, or a literal 0/1 list with one entry per layer.
+
+    Megatron also evaluates Python expressions such as ``([1]*3+[0])*10``; slime accepts only
+    literals (``ast.literal_eval``), so a launcher must expand them, as scripts/models/*.sh do.
+    """
+    if text is None:
+        return None
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        value = None
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise ConfigError(f"{flag_name} must be an integer or a list like '[1, 0, 1]', got {text!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"{flag_name} must be >= 1, got {value}")
+        return value
+    if not value or any(type(entry) is not int or entry not in (0, 1) for entry in value):
+        raise ConfigError(f"{flag_name} list must hold one 0 or 1 per layer, got {text!r}")
+    if num_layers is not None and len(value) != num_layers:
+        raise ConfigError(
+            f"{flag_name} lists {len(value)} layers but --num-layers is {num_layers}; give one entry per layer"
+        )
+    return value
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """Model architecture (MODEL_ARGS), Megatron names; all optional: unset values come from --hf-checkpoint."""
+
+    spec: list[str] | None = flag(
+        None, nargs=2, metavar=("MODULE", "FUNC"), help="Megatron layer-spec provider: module and function name."
+    )
+    num_layers: int | None = flag(None, help="Transformer layers.")
+    hidden_size: int | None = flag(None, help="Hidden size (model width).")
+    ffn_hidden_size: int | None = flag(None, help="Dense MLP intermediate size.")
+    num_attention_heads: int | None = flag(None, help="Query heads of the full-attention layers.")
+    group_query_attention: bool = flag(False, help="Use grouped-query attention (--num-query-groups KV heads).")
+    num_query_groups: int | None = flag(None, help="Key/value heads with --group-query-attention.")
+    kv_channels: int | None = flag(None, help="Head dimension of the full-attention layers.")
+    use_gated_attention: bool = flag(
+        False, help="Gate the attention output (upstream slime's alias of --attention-output-gate)."
+    )
+    normalization: str | None = flag(None, choices=["LayerNorm", "RMSNorm"], help="Normalization layer.")
+    apply_layernorm_1p: bool = flag(False, help="Zero-centred norm weight: the norm scales by (1 + weight).")
+    position_embedding_type: str | None = flag(
+        None, choices=["learned_absolute", "rope", "mrope", "relative", "none"], help="Position embedding."
+    )
+    norm_epsilon: float | None = flag(None, help="Epsilon of the normalization layers.")
+    rotary_percent: float | None = flag(
+        None, help="Fraction of each head dimension that is rotated by RoPE, in (0, 1]."
+    )
+    rotary_base: int | None = flag(None, help="RoPE base (theta).")
+    max_position_embeddings: int | None = flag(None, help="Longest sequence the position embedding covers, tokens.")
+    swiglu: bool = flag(False, help="SwiGLU MLP activation.")
+    untie_embeddings_and_output_weights: bool = flag(False, help="Separate input-embedding and output-layer weights.")
+    vocab_size: int | None = flag(None, help="Vocabulary size, tokens (embedding rows).")
+    disable_bias_linear: bool = flag(False, help="No bias in the linear layers.")
+    qk_layernorm: bool = flag(False, help="Normalize queries and keys per head before attention.")
+    moe_ffn_hidden_size: int | None = flag(None, help="Intermediate size of each routed expert.")
+    moe_shared_expert_intermediate_size: int | None = flag(None, help="Intermediate size of the shared expert.")
+    moe_shared_expert_gate: bool = flag(False, help="Gate the shared expert's output with a sigmoid.")
+    moe_router_score_function: str | None = flag(None, choices=["softmax", "sigmoid"], help="Router score function.")
+    moe_token_dispatcher_type: str | None = flag(
+        None, choices=["allgather", "alltoall", "flex"], help="How tokens reach their experts across EP ranks."
+    )
+    moe_router_topk: int | None = flag(None, help="Experts each token is routed to.")
+    moe_layer_freq: str | None = flag(
+        None,
+        help="Which layers are MoE: an integer N (every N-th layer, Megatron) or a 0/1 list with one entry per layer, "
+        "e.g. '[1, 1, 1]'.",
+    )
+    num_experts: int | None = flag(None, help="Routed experts per MoE layer.")
+    moe_grouped_gemm: bool = flag(False, help="Run the local experts as one grouped GEMM.")
+    moe_token_drop_policy: str | None = flag(
+        None, choices=["probs", "position"], help="Which tokens an over-capacity expert drops."
+    )
+    moe_router_dtype: str | None = flag(None, choices=["fp32", "fp64"], help="Precision of the router computation.")
+    moe_permute_fusion: bool = flag(False, help="Fused token permutation kernels.")
+    moe_aux_loss_coeff: float | None = flag(None, help="Weight of the MoE load-balancing loss; 0 = off.")
+    attention_output_gate: bool = flag(False, help="Gate the attention output with a sigmoid of the input (Qwen3.5).")
+    linear_attention_freq: str | None = flag(
+        None,
+        help="Hybrid linear attention (Gated DeltaNet): an integer N puts N-1 linear-attention layers before each "
+        "full-attention layer (Megatron), or a 0/1 list with 1 = linear attention, one entry per layer.",
+    )
+    linear_conv_kernel_dim: int | None = flag(
+        None, help="Short-convolution kernel size of the linear-attention layers, tokens."
+    )
+    linear_key_head_dim: int | None = flag(None, help="Key head dimension of the linear-attention layers.")
+    linear_value_head_dim: int | None = flag(None, help="Value head dimension of the linear-attention layers.")
+    linear_num_key_heads: int | None = flag(None, help="Key heads of the linear-attention layers.")
+    linear_num_value_heads: int | None = flag(None, help="Value heads of the linear-attention layers.")
+
+    def __post_init__(self):
+        _check_positive(
+            self,
+            (
+                "num_layers",
+                "hidden_size",
+                "ffn_hidden_size",
+                "num_attention_heads",
+                "num_query_groups",
+                "kv_channels",
+                "max_position_embeddings",
+                "vocab_size",
+                "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size",
+                "moe_router_topk",
+                "num_experts",
+                "linear_conv_kernel_dim",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+            ),
+        )
+        if self.num_query_groups is not None and self.num_attention_heads is not None:
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError(
+                    f"--num-attention-heads {self.num_attention_heads} is not a multiple of --num-query-groups "
+                    f"{self.num_query_groups}; each KV head must serve the same number of query heads"
+                )
+        topk, experts = self.moe_router_topk, self.num_experts
+        if topk is not None and experts is not None and topk > experts:
+            raise ConfigError(f"--moe-router-topk {topk} exceeds --num-experts {experts}; use <= {experts}")
+        if self.rotary_percent is not None and not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.norm_epsilon is not None and self.norm_epsilon <= 0:
+            raise ConfigError(f"--norm-epsilon must be > 0, got {self.norm_epsilon}")
+        if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        _layer_pattern("--moe-layer-freq", self.moe_layer_freq, self.num_layers)
+        _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
+
+    @property
+    def moe_layer_pattern(self) -> list[int] | None:
+        """1 for each MoE layer, 0 for each dense one (needs --num-layers for the integer form); None if unknown.
+
+        Integer N follows Megatron: layer ``i`` (from 0) is MoE when ``i % N == 0``.
+        """
+        value = _layer_pattern("--moe-layer-freq", self.moe_layer_freq, self.num_layers)
+        if isinstance(value, int):
+            return None if self.num_layers is None else [int(i % value == 0) for i in range(self.num_layers)]
+        return value
+
+    @property
+    def linear_attention_pattern(self) -> list[int] | None:
+        """1 for each linear-attention (Gated DeltaNet) layer, 0 for each full-attention one; None if unknown.
+
+        Integer N follows Megatron: layer ``i`` (from 0) is full attention when ``(i + 1) % N == 0``.
+        """
+        value = _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
+        if isinstance(value, int):
+            return None if self.num_layers is None else [int((i + 1) % value != 0) for i in range(self.num_layers)]
+        return value
+
+    @property
+    def is_hybrid_gdn(self) -> bool:
+        """Whether MODEL_ARGS describe a hybrid model with Gated DeltaNet (linear-attention) layers."""
+        value = _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
+        if isinstance(value, int):
+            return value > 1
+        return bool(value) and 1 in value

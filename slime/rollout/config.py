@@ -1,0 +1,247 @@
+"""Rollout flags: generation (ROLLOUT_ARGS), evaluation (EVAL_ARGS) and SGLang pass-through (SGLANG_ARGS).
+
+``RolloutConfig`` and ``EvalConfig`` are ordinary flag groups (see :mod:`slime.utils.config`).
+``SGLangConfig`` is different: SGLang has a few hundred server arguments and slime does not
+re-declare them.  Every ``--sglang-<name>`` flag on the command line is collected as is by
+:func:`extract_sglang_args` and handed to SGLang as ``--<name>`` (upstream slime's convention),
+so any SGLang server argument can be set without a change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from slime.utils.config import ConfigError, check_name_or_import_path, flag
+
+ROLLOUT_BACKENDS = ("sglang", "transformers")
+"""Built-in rollout engines; ``--rollout-backend`` also takes a ``package.module:Class`` path."""
+
+
+def _check_sampling(prefix: str, temperature: float | None, top_p: float | None) -> None:
+    """Shared sampling-parameter checks for the rollout and eval groups.
+
+    Raises:
+        ConfigError: temperature <= 0 (greedy decoding gives every sample of a GRPO group the
+            same response, hence zero advantage) or top_p outside (0, 1].
+    """
+    if temperature is not None and temperature <= 0:
+        raise ConfigError(
+            f"--{prefix}-temperature must be > 0, got {temperature}; GRPO needs sampled (not greedy) responses, "
+            "e.g. 1.0"
+        )
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"--{prefix}-top-p must be in (0, 1], got {top_p}; 1.0 disables nucleus sampling")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    """Rollout generation (ROLLOUT_ARGS): how many steps, how many prompts and samples, how to sample."""
+
+    rollout_backend: str = flag(
+        "sglang",
+        help="Rollout engine: sglang (SGLang servers on GPUs), transformers (Hugging Face generate; CPU or GPU, "
+        "for tests and small models) or a 'package.module:Class' path.",
+    )
+    num_rollout: int | None = flag(
+        None, help="Rollout steps to run (each one: generate, reward, train, sync weights). Give this or --num-epoch."
+    )
+    num_epoch: int | None = flag(
+        None,
+        help="Passes over the prompt data; the number of rollout steps is num_epoch * prompts // "
+        "rollout_batch_size, computed once the data is loaded. Give this or --num-rollout.",
+    )
+    rollout_batch_size: int = flag(help="Prompts per rollout step.")
+    n_samples_per_prompt: int = flag(
+        1, help="Responses sampled per prompt (the GRPO group size); a step yields rollout_batch_size * this samples."
+    )
+    rollout_max_response_len: int = flag(
+        help="Maximum response length, tokens (SGLang's max_new_tokens). Required: engines' own defaults are short."
+    )
+    rollout_temperature: float = flag(1.0, help="Sampling temperature during rollout; must be > 0.")
+    rollout_top_p: float = flag(1.0, help="Nucleus sampling mass during rollout, in (0, 1]; 1.0 = off.")
+    rollout_top_k: int = flag(-1, help="Sample only from the k most likely tokens during rollout; -1 = off.")
+    rollout_stop: list[str] | None = flag(None, help="Stop strings for rollout (the response ends before them).")
+    rollout_stop_token_ids: list[int] | None = flag(
+        None, help="Stop token ids for rollout, for special tokens that are awkward to type as strings."
+    )
+    rollout_seed: int = flag(42, help="Seed of the rollout sampler and of the prompt shuffle.")
+
+    def __post_init__(self):
+        check_name_or_import_path("--rollout-backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        if self.num_rollout is None and self.num_epoch is None:
+            raise ConfigError("give --num-rollout N (rollout steps) or --num-epoch N (passes over the prompt data)")
+        if self.num_rollout is not None and self.num_epoch is not None:
+            raise ConfigError(
+                f"--num-rollout {self.num_rollout} and --num-epoch {self.num_epoch} both given; keep one of them"
+            )
+        counts = ("num_rollout", "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len")
+        for name in counts:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        _check_sampling("rollout", self.rollout_temperature, self.rollout_top_p)
+        if self.rollout_top_k == 0 or self.rollout_top_k < -1:
+            raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
+
+    @property
+    def samples_per_rollout(self) -> int:
+        """Samples generated per rollout step: ``rollout_batch_size * n_samples_per_prompt``."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalConfig:
+    """Evaluation (EVAL_ARGS): which datasets, how often, how to sample. Unset sampling flags follow ROLLOUT_ARGS."""
+
+    eval_interval: int | None = flag(None, help="Evaluate every this many rollout steps; unset = never.")
+    eval_prompt_data: list[str] | None = flag(
+        None,
+        metavar="NAME PATH",
+        help="Evaluation datasets as name/path pairs, e.g. geo3k /data/geo3k/test.parquet aime /data/aime.jsonl.",
+    )
+    n_samples_per_eval_prompt: int = flag(1, help="Responses sampled per evaluation prompt.")
+    eval_max_response_len: int | None = flag(
+        None, help="Maximum evaluation response length, tokens (default: --rollout-max-response-len)."
+    )
+    eval_temperature: float | None = flag(
+        None, help="Sampling temperature for evaluation, > 0 (default: --rollout-temperature)."
+    )
+    eval_top_p: float | None = flag(
+        None, help="Nucleus sampling mass for evaluation, in (0, 1] (default: --rollout-top-p)."
+    )
+    skip_eval_before_train: bool = flag(False, help="Do not evaluate the initial model before the first step.")
+
+    def __post_init__(self):
+        if self.eval_prompt_data is not None:
+            if len(self.eval_prompt_data) % 2:
+                raise ConfigError(
+                    f"--eval-prompt-data takes NAME PATH pairs, got {len(self.eval_prompt_data)} values "
+                    f"{self.eval_prompt_data}; add the missing name or path"
+                )
+            names = self.eval_prompt_data[::2]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise ConfigError(f"--eval-prompt-data names must be unique; repeated: {', '.join(repeated)}")
+        if self.eval_interval is not None:
+            if self.eval_interval < 1:
+                raise ConfigError(f"--eval-interval must be >= 1 rollout step, got {self.eval_interval}")
+            if not self.eval_prompt_data:
+                raise ConfigError(
+                    f"--eval-interval {self.eval_interval} needs datasets to evaluate: add --eval-prompt-data NAME PATH"
+                )
+        for name in ("n_samples_per_eval_prompt", "eval_max_response_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        _check_sampling("eval", self.eval_temperature, self.eval_top_p)
+
+    @property
+    def eval_prompt_pairs(self) -> list[tuple[str, str]]:
+        """``--eval-prompt-data`` as ``[(name, path), ...]`` in command-line order (empty when unset)."""
+        values = self.eval_prompt_data or []
+        return list(zip(values[::2], values[1::2]))
+
+
+SGLANG_PREFIX = "--sglang-"
+
+SGLANG_ARGS_SET_BY_SLIME = {
+    "model_path": "--hf-checkpoint",
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "random_seed": "--rollout-seed",
+    "port": "(slime assigns a free port to each engine)",
+    "host": "(slime assigns each engine its node's address)",
+}
+"""SGLang server arguments that slime derives from its own flags; ``--sglang-<name>`` for them is refused."""
+
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+_SGLANG_NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+SGLangValue = str | list[str] | bool
+
+
+@dataclasses.dataclass
+class SGLangConfig:
+    """SGLang server arguments (SGLANG_ARGS), passed through: --sglang-<name> [VALUE ...] becomes SGLang's --<name>.
+
+    ``server_args`` maps the SGLang argument name (underscores) to its value as typed: a switch
+    with no value is ``True``, one value is a ``str``, several are a ``list[str]``; SGLang's own
+    parser converts the types.  E.g. ``--sglang-mem-fraction-static 0.7`` ->
+    ``{"mem_fraction_static": "0.7"}``, ``--sglang-cuda-graph-bs 1 2 4`` -> ``["1", "2", "4"]``,
+    ``--sglang-disable-custom-all-reduce`` -> ``True``.
+    """
+
+    server_args: dict[str, SGLangValue] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in self.server_args:
+            if name in SGLANG_ARGS_SET_BY_SLIME:
+                source = SGLANG_ARGS_SET_BY_SLIME[name]
+                fix = f"use {source}" if source.startswith("--") else source.strip("()")
+                raise ConfigError(f"--sglang-{name.replace('_', '-')} is set by slime, not passed through: {fix}")
+
+    def server_argv(self) -> list[str]:
+        """The SGLang server flags, e.g. ``["--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2"]``."""
+        return _render(self.server_args, "--")
+
+    def to_argv(self) -> list[str]:
+        """The slime flags that reproduce this config, e.g. ``["--sglang-mem-fraction-static", "0.7"]``."""
+        return _render(self.server_args, SGLANG_PREFIX)
+
+
+def _render(server_args: dict[str, SGLangValue], prefix: str) -> list[str]:
+    argv: list[str] = []
+    for name, value in server_args.items():
+        argv.append(prefix + name.replace("_", "-"))
+        if isinstance(value, list):
+            argv += value
+        elif value is not True:
+            argv.append(value)
+    return argv
+
+
+def _is_value(token: str) -> bool:
+    """A token that is a flag's value rather than the next flag (negative numbers are values)."""
+    return not token.startswith("-") or bool(_NEGATIVE_NUMBER.match(token))
+
+
+def extract_sglang_args(argv: list[str]) -> tuple[SGLangConfig, list[str]]:
+    """Split ``--sglang-*`` flags, with their values, out of a command line.
+
+    A flag's values are the tokens up to the next one that starts with ``-`` (negative numbers
+    such as ``-1`` count as values); ``--sglang-name=value`` is one value.
+
+    Args:
+        argv: the full command line (without the program name).
+
+    Returns:
+        ``(SGLangConfig, remaining argv)``; the remaining tokens keep their order.
+
+    Raises:
+        ConfigError: a malformed name (``--sglang-`` alone, capitals, underscores), a flag given
+            twice, or a flag that slime sets itself (see ``SGLANG_ARGS_SET_BY_SLIME``).
+    """
+    server_args: dict[str, SGLangValue] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith(SGLANG_PREFIX):
+            rest.append(token)
+            continue
+        name, has_inline_value, inline_value = token[len(SGLANG_PREFIX) :].partition("=")
+        if not _SGLANG_NAME.match(name):
+            raise ConfigError(
+                f"{token!r} is not a valid SGLang flag; write --sglang-<server-arg> with the SGLang name in "
+                "lower-case words joined by '-', e.g. --sglang-mem-fraction-static 0.7"
+            )
+        values = [inline_value] if has_inline_value else []
+        while not has_inline_value and i < len(argv) and _is_value(argv[i]):
+            values.append(argv[i])
+            i += 1
+        key = name.replace("-", "_")
+        if key in server_args:
+            raise ConfigError(f"{SGLANG_PREFIX}{name} is given twice; keep one")
+        server_args[key] = True if not values else values[0] if len(values) == 1 else values
+    return SGLangConfig(server_args), rest

@@ -1,0 +1,361 @@
+"""The command line: one parser assembled from the subsystems' flag groups, and the cross-group checks.
+
+Each subsystem declares its flags as a dataclass next to its code (:mod:`slime.utils.config`
+explains how); this module only
+
+1. assembles them into one ``argparse`` parser, one argument group per dataclass, titled after
+   the arrays of the upstream launcher scripts (``MODEL_ARGS``, ``ROLLOUT_ARGS``, ...);
+2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
+   collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
+3. runs the checks that span several groups (:func:`validate`): batch sizes against the
+   parallel layout, Gated-DeltaNet batching, SGLang flags against the engine; and warns about
+   flags that do nothing (KL flags without a KL term, GRPO groups of one response).
+
+Every error is raised at parse time and names the flag(s), the value(s) and a fix.
+The one check that needs the real cluster (enough GPUs) runs when the driver calls
+``validate(cfg, num_gpus_available=...)`` once Ray is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import logging
+import sys
+
+from slime.backends.config import CheckpointConfig, ModelConfig, OptimizerConfig, TrainConfig, hf_checkpoint_layer_types
+from slime.ray.config import ClusterConfig
+from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extract_sglang_args
+from slime.rollout.rm_hub import RewardConfig
+from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
+from slime.utils.data import DataConfig
+from slime.utils.metrics import LoggingConfig, WandbConfig
+from slime.utils.ppo_utils import GRPOConfig
+
+logger = logging.getLogger(__name__)
+
+GROUPS: tuple[tuple[str, type, str], ...] = (
+    # (SlimeConfig attribute, dataclass, --help title), in the order of the upstream launcher.
+    ("model", ModelConfig, "MODEL_ARGS"),
+    ("checkpoint", CheckpointConfig, "CKPT_ARGS"),
+    ("data", DataConfig, "ROLLOUT_ARGS (prompt data)"),
+    ("rollout", RolloutConfig, "ROLLOUT_ARGS (generation)"),
+    ("reward", RewardConfig, "ROLLOUT_ARGS (reward)"),
+    ("eval", EvalConfig, "EVAL_ARGS"),
+    ("grpo", GRPOConfig, "GRPO_ARGS"),
+    ("optimizer", OptimizerConfig, "OPTIMIZER_ARGS"),
+    ("sglang", SGLangConfig, "SGLANG_ARGS"),
+    ("wandb", WandbConfig, "WANDB_ARGS"),
+    ("train", TrainConfig, "BACKEND_ARGS"),
+    ("cluster", ClusterConfig, "MISC_ARGS (cluster)"),
+    ("logging", LoggingConfig, "MISC_ARGS (logging)"),
+)
+
+SGLANG_HELP = (
+    "SGLang server arguments, passed through. Any SGLang server argument, written --sglang-<name> [VALUE ...], "
+    "is passed to every SGLang engine as --<name> [VALUE ...]; e.g. --sglang-mem-fraction-static 0.7 "
+    "--sglang-cuda-graph-bs 1 2 4 --sglang-disable-custom-all-reduce. slime sets the model path "
+    "(--hf-checkpoint), the tensor-parallel size (--rollout-num-gpus-per-engine), the seed (--rollout-seed), "
+    "host and port itself."
+)
+
+SECRET_FLAGS = ("--wandb-key",)
+"""Flags whose values :func:`config_to_argv` hides when asked to redact (for logs)."""
+
+
+@dataclasses.dataclass
+class SlimeConfig:
+    """Every flag group of a run. Each subsystem is handed its own group, never the whole config.
+
+    ``train.global_batch_size`` left unset is filled here with the samples of one rollout step
+    (``rollout_batch_size * n_samples_per_prompt``: one optimizer step per rollout).
+    """
+
+    model: ModelConfig
+    checkpoint: CheckpointConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    reward: RewardConfig
+    eval: EvalConfig
+    grpo: GRPOConfig
+    optimizer: OptimizerConfig
+    sglang: SGLangConfig
+    wandb: WandbConfig
+    logging: LoggingConfig
+    cluster: ClusterConfig
+    train: TrainConfig
+
+    def __post_init__(self):
+        if self.train.global_batch_size is None:
+            self.train.global_batch_size = self.rollout.samples_per_rollout
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``slime`` argument parser, one argument group per config dataclass (so ``--help`` is grouped).
+
+    ``--sglang-*`` flags are not argparse options: :func:`parse_args` takes them out first
+    (see :func:`slime.rollout.config.extract_sglang_args`); their group only documents them.
+    Abbreviated flags are refused (``allow_abbrev=False``) so that logged command lines are exact.
+    """
+    parser = argparse.ArgumentParser(
+        prog="slime",
+        usage="%(prog)s --hf-checkpoint DIR --rollout-batch-size N --rollout-max-response-len TOKENS "
+        "(--num-rollout N | --num-epoch N) [FLAG ...]",
+        description="GRPO post-training of vision-language models (Ray + SGLang/transformers + Megatron/FSDP). "
+        "Flags are grouped like the arrays of the upstream launcher scripts.",
+        allow_abbrev=False,
+    )
+    for _, cls, title in GROUPS:
+        if cls is SGLangConfig:
+            parser.add_argument_group(title, SGLANG_HELP)
+        else:
+            add_group(parser, cls, title)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> SlimeConfig:
+    """Parse and check a command line; every check except the GPU count runs here.
+
+    Args:
+        argv: the flags (default: ``sys.argv[1:]``).
+
+    Returns:
+        The :class:`SlimeConfig`.
+
+    Raises:
+        SystemExit: code 2 on any bad input, after printing the usage and an ``error:`` line
+            that names the flag, the value and the fix (argparse's behaviour); code 0 after ``--help``.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        sglang, rest = extract_sglang_args(argv)
+    except ConfigError as e:
+        parser.error(str(e))
+    namespace, unknown = parser.parse_known_args(rest)
+    if unknown:
+        parser.error(_unrecognized(unknown))
+    try:
+        groups = {attr: build_group(cls, namespace) for attr, cls, _ in GROUPS if cls is not SGLangConfig}
+        cfg = SlimeConfig(sglang=sglang, **groups)
+        validate(cfg)
+    except ConfigError as e:
+        parser.error(str(e))
+    return cfg
+
+
+def _known_flags() -> list[str]:
+    flags = ["--help"]
+    for _, cls, _ in GROUPS:
+        if cls is SGLangConfig:
+            continue
+        for field in dataclasses.fields(cls):
+            flags.append(flag_name(field))
+            if field.default is True:
+                flags.append("--no-" + flag_name(field)[2:])
+    return flags
+
+
+def _unrecognized(unknown: list[str]) -> str:
+    """argparse's "unrecognized arguments" message, with the closest known flags for each unknown one:
+    those it abbreviates (abbreviations are refused), else the most similar spelling (difflib)."""
+    known = _known_flags()
+    hints = []
+    for token in unknown:
+        if token.startswith("--"):
+            name = token.partition("=")[0]
+            close = [flag for flag in known if flag.startswith(name)][:3] or difflib.get_close_matches(name, known, n=1)
+            if close:
+                hints.append(f"{token} -> did you mean {' or '.join(close)}?")
+    return f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None:
+    """Checks that involve more than one flag group (each group checks its own fields when built).
+
+    Args:
+        cfg: the parsed config.
+        num_gpus_available: GPUs in the Ray cluster (CPU bundles on a machine without GPUs);
+            when given, the run must fit in them. :func:`parse_args` leaves it out.
+
+    Raises:
+        ConfigError: the message names the flags, their values and a fix.
+    """
+    _check_gdn_batching(cfg.model, cfg.checkpoint, cfg.train)
+    _check_parallel_sizes(cfg.train, cfg.cluster, cfg.model)
+    _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster)
+    _check_group_size(cfg.rollout, cfg.grpo)
+    _check_kl(cfg.grpo, cfg.checkpoint)
+    _check_sglang(cfg.sglang, cfg.rollout)
+    if num_gpus_available is not None:
+        _check_resources(cfg.cluster, num_gpus_available)
+
+
+def _check_gdn_batching(model: ModelConfig, checkpoint: CheckpointConfig, train: TrainConfig) -> None:
+    """Hybrid Gated-DeltaNet models train one sequence per micro-batch (upstream geo3k_vlm recipe:
+    "For GDN training, use --micro-batch-size 1 and remove --use-dynamic-batch-size")."""
+    if train.micro_batch_size == 1 and not train.use_dynamic_batch_size:
+        return
+    if model.is_hybrid_gdn:
+        source = f"--linear-attention-freq {model.linear_attention_freq}"
+    else:
+        layer_types = hf_checkpoint_layer_types(checkpoint.hf_checkpoint) or []
+        if "linear_attention" not in layer_types:
+            return
+        source = f"layer_types of {checkpoint.hf_checkpoint}/config.json"
+    got = "--use-dynamic-batch-size" if train.use_dynamic_batch_size else f"--micro-batch-size {train.micro_batch_size}"
+    raise ConfigError(
+        f"the model has Gated-DeltaNet (linear-attention) layers ({source}), which train one sequence per "
+        f"micro-batch, but got {got}; use --micro-batch-size 1 and remove --use-dynamic-batch-size"
+    )
+
+
+def _check_parallel_sizes(train: TrainConfig, cluster: ClusterConfig, model: ModelConfig) -> None:
+    """Megatron's rules for laying the trainer ranks out as TP x CP x DP x PP (and ETP x EP x DP x PP)."""
+    world = cluster.actor_num_gpus
+    tp, pp, cp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size, train.context_parallel_size
+    ep, etp = train.expert_model_parallel_size, train.expert_tensor_parallel
+    gpus = f"--actor-num-nodes {cluster.actor_num_nodes} * --actor-num-gpus-per-node {cluster.actor_num_gpus_per_node}"
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"the trainer's {world} GPUs ({gpus}) are not a multiple of --tensor-model-parallel-size {tp} * "
+            f"--pipeline-model-parallel-size {pp} * --context-parallel-size {cp} = {tp * pp * cp}; "
+            "change the parallel sizes or the GPU count"
+        )
+    # megatron-core 0.16 parallel_state.initialize_model_parallel lays the expert layers out as
+    # ETP x EP x expert-DP x PP and raises unless world_size % (ETP * EP * PP) == 0 (ETP defaults to TP).
+    if world % (etp * ep * pp):
+        raise ConfigError(
+            f"the trainer's {world} GPUs ({gpus}) are not a multiple of --expert-tensor-parallel-size {etp} * "
+            f"--expert-model-parallel-size {ep} * --pipeline-model-parallel-size {pp} = {etp * ep * pp} "
+            "(megatron-core's expert layout); change the parallel sizes or the GPU count"
+        )
+    # megatron.core ModelParallelConfig.__post_init__: EP > 1 with TP > 1 needs sequence parallelism.
+    if ep > 1 and tp > 1 and not train.sequence_parallel:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+            "(Megatron); add it"
+        )
+    # megatron/training/arguments.py: experts are split evenly over the EP ranks.
+    if model.num_experts is not None and model.num_experts % ep:
+        raise ConfigError(
+            f"--num-experts {model.num_experts} is not a multiple of --expert-model-parallel-size {ep}; "
+            "each EP rank must hold the same number of experts"
+        )
+    # megatron.core TransformerConfig.__post_init__: heads and KV groups are split over the TP ranks.
+    for name in ("num_attention_heads", "num_query_groups"):
+        value = getattr(model, name)
+        if value is not None and value % tp:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {value} is not a multiple of --tensor-model-parallel-size {tp}; "
+                "each TP rank must hold the same number of heads"
+            )
+
+
+def _fitting_batch_sizes(samples: int, step: int) -> list[int]:
+    """Global batch sizes that divide ``samples`` and are multiples of ``step``."""
+    return [gbs for gbs in range(step, samples + 1, step) if samples % gbs == 0]
+
+
+def _check_batch_sizes(rollout: RolloutConfig, train: TrainConfig, cluster: ClusterConfig) -> None:
+    """A rollout step's samples split into whole optimizer steps, and each step into whole micro-batches per rank.
+
+    Data-parallel size = trainer GPUs / (TP * PP * CP) (Megatron); with --use-dynamic-batch-size the
+    micro-batches are packed by tokens, so only the data-parallel split must be even.
+    """
+    samples = rollout.samples_per_rollout
+    gbs = train.global_batch_size
+    dp = cluster.actor_num_gpus // train.model_parallel_size
+    per_rank = 1 if train.use_dynamic_batch_size else train.micro_batch_size
+    step = dp * per_rank
+    fits = _fitting_batch_sizes(samples, step)
+    fix = (
+        f"e.g. --global-batch-size {min(fits, key=lambda g: (abs(g - gbs), g))}"
+        if fits
+        else f"make --rollout-batch-size * --n-samples-per-prompt a multiple of {step}"
+    )
+    rollout_samples = (
+        f"--rollout-batch-size {rollout.rollout_batch_size} * --n-samples-per-prompt {rollout.n_samples_per_prompt} "
+        f"= {samples} samples per rollout step"
+    )
+    if samples % gbs:
+        raise ConfigError(f"{rollout_samples} is not a multiple of --global-batch-size {gbs}; {fix}")
+    if gbs % step:
+        layout = (
+            f"data-parallel size {dp} (= {cluster.actor_num_gpus} trainer GPUs / (TP {train.tensor_model_parallel_size}"
+            f" * PP {train.pipeline_model_parallel_size} * CP {train.context_parallel_size}))"
+        )
+        per_rank_text = "" if train.use_dynamic_batch_size else f" * --micro-batch-size {train.micro_batch_size}"
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not a multiple of {layout}{per_rank_text} = {step}; {fix}"
+        )
+
+
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo")
+"""Advantage estimators that compare the responses of one prompt (``slime.utils.ppo_utils``)."""
+
+
+def _check_group_size(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
+    """Warn when a group-relative estimator gets groups of one response: every advantage is then 0."""
+    if grpo.advantage_estimator in GROUP_RELATIVE_ESTIMATORS and rollout.n_samples_per_prompt == 1:
+        logger.warning(
+            "--advantage-estimator %s with --n-samples-per-prompt 1: each group has one response, so every "
+            "advantage is 0 and the policy-gradient term vanishes; use --n-samples-per-prompt >= 2 (e.g. 8)",
+            grpo.advantage_estimator,
+        )
+
+
+def _check_kl(grpo: GRPOConfig, checkpoint: CheckpointConfig) -> None:
+    """Warn about KL flags that do nothing. (``--kl-loss-coef > 0`` without ``--use-kl-loss`` is
+    an error raised by :class:`GRPOConfig` itself: a coefficient must never be silently ignored.)"""
+    if grpo.use_kl_loss and grpo.kl_loss_coef == 0:
+        logger.warning(
+            "--use-kl-loss with --kl-loss-coef 0 adds no KL term; set --kl-loss-coef > 0 or drop --use-kl-loss"
+        )
+    if checkpoint.ref_load is not None and not grpo.needs_ref_model:
+        logger.warning(
+            "--ref-load %s is unused: no KL term is active (--use-kl-loss with --kl-loss-coef > 0, or --kl-coef > 0)",
+            checkpoint.ref_load,
+        )
+
+
+def _check_sglang(sglang: SGLangConfig, rollout: RolloutConfig) -> None:
+    """``--sglang-*`` flags only mean something to the SGLang engine."""
+    if sglang.server_args and rollout.rollout_backend == "transformers":
+        flags = " ".join(arg for arg in sglang.to_argv() if arg.startswith("--"))
+        raise ConfigError(
+            f"--rollout-backend transformers does not run SGLang, so {flags} would be ignored; "
+            "remove them or use --rollout-backend sglang"
+        )
+
+
+def _check_resources(cluster: ClusterConfig, num_gpus_available: int) -> None:
+    needed = cluster.num_gpus_needed
+    if needed <= num_gpus_available:
+        return
+    layout = (
+        f"{cluster.actor_num_gpus} trainer GPUs shared with the engines (--colocate)"
+        if cluster.colocate
+        else f"{cluster.actor_num_gpus} trainer GPUs + --rollout-num-gpus {cluster.rollout_num_gpus}"
+    )
+    raise ConfigError(
+        f"the run needs {needed} GPUs ({layout}) but the cluster has {num_gpus_available}; lower "
+        "--actor-num-nodes / --actor-num-gpus-per-node / --rollout-num-gpus, or add --colocate"
+    )
+
+
+def config_to_argv(cfg: SlimeConfig, *, redact: bool = False) -> list[str]:
+    """The flags that reproduce ``cfg``: ``parse_args(config_to_argv(cfg)) == cfg``.
+
+    Args:
+        cfg: the config.
+        redact: replace the values of secret flags (``SECRET_FLAGS``: the wandb key) with
+            ``<redacted>``, for logs; the result then no longer reproduces ``cfg``.
+    """
+    argv: list[str] = []
+    for attr, _, _ in GROUPS:
+        argv += getattr(cfg, attr).to_argv() if attr == "sglang" else to_argv(getattr(cfg, attr))
+    if redact:
+        argv = ["<redacted>" if i and argv[i - 1] in SECRET_FLAGS else arg for i, arg in enumerate(argv)]
+    return argv

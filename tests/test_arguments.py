@@ -1,0 +1,540 @@
+"""The command line: grouping, the upstream launcher's flags, pass-through SGLang flags, and every
+parse-time check (each bad input exits with code 2 and a message naming the flag and the fix)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slime.rollout.config import SGLangConfig, extract_sglang_args
+from slime.utils.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
+from slime.utils.config import ConfigError, flag_name
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_SCRIPT = ROOT / "scripts" / "models" / "qwen3.5-35B-A3B.sh"
+
+# MODEL_ARGS of Qwen3.5-35B-A3B as upstream's scripts/models/qwen3.5-35B-A3B.sh passes them
+# (40 layers, all MoE; every 4th layer full attention, the others Gated DeltaNet).
+QWEN35_35B_A3B_MODEL_ARGS = [
+    "--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec",
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention",
+    "--num-attention-heads", "16", "--num-query-groups", "2", "--kv-channels", "256",
+    "--num-layers", "40", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--use-gated-attention",
+    "--normalization", "RMSNorm", "--apply-layernorm-1p", "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6", "--rotary-percent", "0.25", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "248320", "--rotary-base", "10000000",
+    "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size", "512",
+    "--moe-router-score-function", "softmax", "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "8",
+    "--moe-layer-freq", "[" + ", ".join(["1"] * 40) + "]",
+    "--num-experts", "256", "--moe-grouped-gemm", "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32",
+    "--moe-permute-fusion", "--moe-aux-loss-coeff", "0",
+    "--attention-output-gate", "--moe-shared-expert-gate", "--linear-attention-freq", "4",
+    "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "128", "--linear-value-head-dim", "128",
+    "--linear-num-key-heads", "16", "--linear-num-value-heads", "32",
+]  # fmt: skip
+
+# The rest of the command line of upstream's examples/geo3k_vlm launcher (8 GPUs, colocated).
+UPSTREAM_ARGS = shlex.split(
+    """--hf-checkpoint X --load X --prompt-data P --input-key problem --label-key answer --apply-chat-template
+    --rollout-shuffle --rm-type math --num-rollout 3000 --rollout-batch-size 64 --n-samples-per-prompt 8
+    --rollout-max-response-len 4096 --rollout-temperature 0.8 --global-batch-size 512
+    --multimodal-keys '{"image": "images"}' --eval-interval 20 --eval-prompt-data geo3k_imgurl T
+    --n-samples-per-eval-prompt 1 --eval-max-response-len 4096 --advantage-estimator grpo --kl-loss-coef 0.00
+    --kl-loss-type low_var_kl --kl-coef 0.00 --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
+    --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+    --rollout-num-gpus-per-engine 8 --sglang-mem-fraction-static 0.7 --sglang-ep-size 8
+    --sglang-cuda-graph-bs 1 2 4 8 16 --sglang-max-running-requests 512 --sglang-disable-custom-all-reduce
+    --use-wandb --wandb-project slime-geo3k-vlm --wandb-group g --wandb-key k --disable-wandb-random-suffix
+    --train-backend megatron --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1
+    --context-parallel-size 1 --expert-model-parallel-size 8 --expert-tensor-parallel-size 1
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --attention-dropout 0.0
+    --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 --attention-backend flash
+    --micro-batch-size 1 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate"""
+)
+
+# A small valid run: 4 prompts x 2 samples per step on one colocated GPU; the checkpoint is not on disk.
+BASE = shlex.split(
+    "--hf-checkpoint not-on-disk/ckpt --num-rollout 2 --rollout-batch-size 4 --n-samples-per-prompt 2 "
+    "--rollout-max-response-len 64 --colocate"
+)
+
+
+def with_flags(*extra: str, base: list[str] = BASE) -> list[str]:
+    """``base`` with ``extra`` flags; a flag given in both takes ``extra``'s value (flags here take one value)."""
+    argv = list(base)
+    extra_list = list(extra)
+    for token in extra_list:
+        if token.startswith("--") and token in argv:
+            j = argv.index(token)
+            takes_value = j + 1 < len(argv) and not argv[j + 1].startswith("--")
+            del argv[j : j + 1 + takes_value]
+    return argv + extra_list
+
+
+def parse_error(argv: list[str], capsys) -> str:
+    """The stderr of a command line that must be refused with argparse's exit code 2."""
+    with pytest.raises(SystemExit) as excinfo:
+        parse_args(argv)
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    return err
+
+
+def model_args_from_script() -> list[str]:
+    """MODEL_ARGS of scripts/models/qwen3.5-35B-A3B.sh, read by sourcing it with bash."""
+    out = subprocess.run(
+        ["bash", "-c", 'source "$1" && printf "%s\\0" "${MODEL_ARGS[@]}"', "bash", str(MODEL_SCRIPT)],
+        capture_output=True,
+        check=True,
+    )
+    return out.stdout.decode().split("\0")[:-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing the upstream command line
+
+
+def test_minimal_command_fills_defaults():
+    cfg = parse_args(BASE)
+    assert cfg.train.global_batch_size == 4 * 2  # one optimizer step per rollout
+    assert cfg.cluster.rollout_num_gpus == cfg.cluster.actor_num_gpus == 1  # --colocate shares the trainer GPU
+    assert cfg.model.num_layers is None and not cfg.model.is_hybrid_gdn  # MODEL_ARGS come from the checkpoint
+    assert cfg.rollout.rollout_backend == "sglang" and cfg.train.train_backend == "megatron"
+    assert cfg.sglang.server_args == {}
+    assert cfg.eval.eval_prompt_pairs == []
+
+
+def test_upstream_geo3k_command_line_lands_in_the_right_groups():
+    cfg = parse_args(QWEN35_35B_A3B_MODEL_ARGS + UPSTREAM_ARGS)
+
+    m = cfg.model
+    assert m.spec == ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size) == (40, 2048, 5632, 248320)
+    assert (m.num_attention_heads, m.num_query_groups, m.kv_channels) == (16, 2, 256)
+    assert m.group_query_attention and m.use_gated_attention and m.attention_output_gate and m.qk_layernorm
+    assert (m.normalization, m.position_embedding_type, m.norm_epsilon) == ("RMSNorm", "rope", 1e-6)
+    assert (m.rotary_percent, m.rotary_base) == (0.25, 10_000_000)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (256, 8, 512)
+    assert (m.moe_router_score_function, m.moe_token_dispatcher_type) == ("softmax", "alltoall")
+    assert m.moe_router_dtype == "fp32"
+    assert m.moe_aux_loss_coeff == 0 and m.moe_shared_expert_gate and m.moe_grouped_gemm and m.moe_permute_fusion
+    assert m.moe_layer_pattern == [1] * 40
+    assert m.linear_attention_pattern == [0 if i % 4 == 3 else 1 for i in range(40)]  # 30 GDN + 10 full attention
+    assert m.is_hybrid_gdn
+    assert (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim) == (16, 32, 128)
+
+    assert (cfg.checkpoint.hf_checkpoint, cfg.checkpoint.load) == ("X", "X")
+    d = cfg.data
+    assert (d.prompt_data, d.input_key, d.label_key) == ("P", "problem", "answer")
+    assert d.multimodal_keys == {"image": "images"} and d.apply_chat_template and d.rollout_shuffle
+    r = cfg.rollout
+    assert (r.num_rollout, r.rollout_batch_size, r.n_samples_per_prompt) == (3000, 64, 8)
+    assert (r.rollout_max_response_len, r.rollout_temperature) == (4096, 0.8)
+    assert cfg.reward.rm_type == "math"
+    e = cfg.eval
+    assert e.eval_interval == 20 and e.eval_prompt_pairs == [("geo3k_imgurl", "T")]
+    assert (e.n_samples_per_eval_prompt, e.eval_max_response_len) == (1, 4096)
+    g = cfg.grpo
+    assert (g.advantage_estimator, g.kl_loss_type, g.kl_loss_coef, g.kl_coef) == ("grpo", "low_var_kl", 0.0, 0.0)
+    assert (g.eps_clip, g.eps_clip_high, g.entropy_coef) == (0.2, 0.28, 0.0) and not g.needs_ref_model
+    o = cfg.optimizer
+    assert (o.optimizer, o.lr, o.lr_decay_style, o.weight_decay) == ("adam", 1e-6, "constant", 0.1)
+    assert (o.adam_beta1, o.adam_beta2) == (0.9, 0.98)
+    assert cfg.sglang.server_args == {
+        "mem_fraction_static": "0.7",
+        "ep_size": "8",
+        "cuda_graph_bs": ["1", "2", "4", "8", "16"],
+        "max_running_requests": "512",
+        "disable_custom_all_reduce": True,
+    }
+    w = cfg.wandb
+    assert w.use_wandb and (w.wandb_project, w.wandb_group, w.wandb_key) == ("slime-geo3k-vlm", "g", "k")
+    assert w.disable_wandb_random_suffix
+    t = cfg.train
+    assert t.train_backend == "megatron" and t.global_batch_size == 512 and t.micro_batch_size == 1
+    assert (t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size) == (2, 1, 1)
+    assert (t.expert_model_parallel_size, t.expert_tensor_parallel_size) == (8, 1) and t.sequence_parallel
+    assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == ("full", "uniform", 1)
+    assert (t.attention_dropout, t.hidden_dropout, t.attention_backend) == (0.0, 0.0, "flash")
+    assert t.accumulate_allreduce_grads_in_fp32 and t.attention_softmax_in_fp32
+    c = cfg.cluster
+    assert (c.actor_num_nodes, c.actor_num_gpus_per_node, c.colocate) == (1, 8, True)
+    assert (c.rollout_num_gpus, c.rollout_num_gpus_per_engine, c.num_rollout_engines) == (8, 8, 1)
+
+
+@pytest.mark.skipif(not MODEL_SCRIPT.exists(), reason="scripts/models/qwen3.5-35B-A3B.sh is not written yet")
+def test_project_model_script_parses_with_the_upstream_command_line():
+    cfg = parse_args(model_args_from_script() + UPSTREAM_ARGS)
+    m = cfg.model
+    # the released Qwen3.5-35B-A3B text model: 40 layers, every 4th full attention, 256 experts (top 8)
+    assert (m.num_layers, m.hidden_size, m.vocab_size) == (40, 2048, 248320)
+    assert (m.num_attention_heads, m.num_query_groups, m.kv_channels) == (16, 2, 256)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (
+        256, 8, 512, 512,
+    )  # fmt: skip
+    assert m.moe_layer_pattern == [1] * 40
+    assert m.linear_attention_pattern == [0 if i % 4 == 3 else 1 for i in range(40)]
+    assert (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim) == (
+        16, 32, 128, 128,
+    )  # fmt: skip
+    assert m.attention_output_gate or m.use_gated_attention
+    assert cfg.train.tensor_model_parallel_size == 2 and cfg.sglang.server_args["ep_size"] == "8"
+
+
+def test_config_to_argv_round_trips_and_redacts():
+    cfg = parse_args(QWEN35_35B_A3B_MODEL_ARGS + UPSTREAM_ARGS + ["--rollout-stop", "</answer>", "\n\n"])
+    argv = config_to_argv(cfg)
+    assert parse_args(argv) == cfg
+    assert argv[argv.index("--wandb-key") + 1] == "k"
+    redacted = config_to_argv(cfg, redact=True)
+    assert redacted[redacted.index("--wandb-key") + 1] == "<redacted>" and "k" not in redacted
+    minimal = parse_args(BASE)
+    assert parse_args(config_to_argv(minimal)) == minimal
+
+
+# ---------------------------------------------------------------------------------------------
+# --help and unknown flags
+
+
+def test_help_lists_every_flag_under_its_group_title():
+    text = build_parser().format_help()
+    body = text[text.index("\noptions:") :]  # skip the usage line, which lists every flag too
+    starts = [body.index(f"\n{title}:\n") for _, _, title in GROUPS]
+    assert starts == sorted(starts), "groups appear in the launcher's order"
+    for (attr, cls, _), start, end in zip(GROUPS, starts, starts[1:] + [len(body)]):
+        section = body[start:end]
+        if cls is SGLangConfig:
+            assert "--sglang-mem-fraction-static 0.7" in section
+            continue
+        for field in dataclasses.fields(cls):
+            assert re.search(rf"(^|\s|/){re.escape(flag_name(field))}(\s|,|$)", section, re.M), (attr, field.name)
+    for array in ("MODEL_ARGS", "CKPT_ARGS", "ROLLOUT_ARGS", "EVAL_ARGS", "GRPO_ARGS", "OPTIMIZER_ARGS",
+                  "SGLANG_ARGS", "WANDB_ARGS", "BACKEND_ARGS", "MISC_ARGS"):  # fmt: skip
+        assert f"\n{array}" in body
+
+
+def test_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        parse_args(["--help"])
+    assert excinfo.value.code == 0
+    assert "BACKEND_ARGS" in capsys.readouterr().out
+
+
+def test_unknown_flag_is_named_with_the_closest_known_flag(capsys):
+    err = parse_error(with_flags("--rollout-temp", "0.8"), capsys)  # abbreviations are refused too
+    assert "unrecognized arguments: --rollout-temp 0.8" in err
+    assert "did you mean --rollout-temperature?" in err
+    err = parse_error(with_flags("--rollout-temprature", "0.8"), capsys)  # misspelt
+    assert "did you mean --rollout-temperature?" in err
+
+
+def test_missing_required_flag_is_named(capsys):
+    err = parse_error(BASE[2:], capsys)  # without --hf-checkpoint
+    assert "--hf-checkpoint" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang pass-through
+
+
+def test_extract_sglang_args_value_forms_and_order():
+    sglang, rest = extract_sglang_args(
+        ["--lr", "1e-6", "--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs", "1", "2", "4",
+         "--sglang-disable-custom-all-reduce", "--colocate", "--sglang-chunked-prefill-size", "-1",
+         "--sglang-attention-backend=triton"]
+    )  # fmt: skip
+    assert rest == ["--lr", "1e-6", "--colocate"]
+    assert sglang.server_args == {
+        "mem_fraction_static": "0.7",
+        "cuda_graph_bs": ["1", "2", "4"],
+        "disable_custom_all_reduce": True,
+        "chunked_prefill_size": "-1",
+        "attention_backend": "triton",
+    }
+    assert sglang.server_argv() == [
+        "--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2", "4", "--disable-custom-all-reduce",
+        "--chunked-prefill-size", "-1", "--attention-backend", "triton",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--sglang-tp-size", "2"], "--rollout-num-gpus-per-engine"),
+        (["--sglang-model-path", "m"], "--hf-checkpoint"),
+        (["--sglang-ep-size", "8", "--sglang-ep-size", "4"], "--sglang-ep-size is given twice"),
+        (["--sglang-", "1"], "not a valid SGLang flag"),
+        (["--sglang-Mem_Fraction", "1"], "not a valid SGLang flag"),
+    ],
+)
+def test_bad_sglang_flags_are_refused(argv, fragment, capsys):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        extract_sglang_args(argv)
+    assert fragment in parse_error(BASE + argv, capsys)
+
+
+def test_sglang_flags_with_the_transformers_engine_are_refused(capsys):
+    err = parse_error(with_flags("--rollout-backend", "transformers", "--sglang-mem-fraction-static", "0.7"), capsys)
+    assert "--sglang-mem-fraction-static" in err and "--rollout-backend sglang" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet batching
+
+
+def write_hf_config(folder: Path, config: dict) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+GDN_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+@pytest.mark.parametrize(
+    "bad_batching",
+    [["--micro-batch-size", "2"], ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"]],
+)
+@pytest.mark.parametrize("source", ["model_args", "text_config", "top_level"])
+def test_gdn_model_refuses_micro_batches_above_one(source, bad_batching, tmp_path, capsys):
+    if source == "model_args":
+        argv = with_flags("--num-layers", "4", "--linear-attention-freq", "4")
+    else:
+        config = {"layer_types": GDN_LAYERS}
+        if source == "text_config":
+            config = {"text_config": config}
+        argv = with_flags("--hf-checkpoint", write_hf_config(tmp_path / "ckpt", config))
+    parse_args(argv)  # micro-batch size 1 is fine
+    err = parse_error(argv + bad_batching, capsys)
+    assert "Gated-DeltaNet" in err
+    assert "use --micro-batch-size 1 and remove --use-dynamic-batch-size" in err
+    got = "got --micro-batch-size 2" if bad_batching[0] == "--micro-batch-size" else "got --use-dynamic-batch-size"
+    assert got in err
+    assert ("config.json" in err) == (source != "model_args")
+
+
+@pytest.mark.parametrize(
+    "model_flags, layer_types",
+    [([], ["full_attention"] * 4), (["--num-layers", "4", "--linear-attention-freq", "1"], None)],
+)
+def test_models_without_linear_attention_allow_larger_micro_batches(model_flags, layer_types, tmp_path):
+    ckpt = write_hf_config(tmp_path / "ckpt", {"text_config": {"layer_types": layer_types}} if layer_types else {})
+    cfg = parse_args(with_flags("--hf-checkpoint", ckpt, "--micro-batch-size", "2", *model_flags))
+    assert cfg.train.micro_batch_size == 2 and not cfg.model.is_hybrid_gdn
+
+
+def test_unreadable_checkpoint_config_is_named(tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    err = parse_error(with_flags("--hf-checkpoint", str(folder), "--micro-batch-size", "2"), capsys)
+    assert f"--hf-checkpoint {folder}" in err and "config.json" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch sizes and parallel layout
+
+
+def suggested_batch_size(err: str) -> int:
+    return int(re.search(r"e\.g\. --global-batch-size (\d+)", err)[1])
+
+
+def test_rollout_samples_must_split_into_global_batches(capsys):
+    err = parse_error(with_flags("--global-batch-size", "3"), capsys)  # 4 prompts x 2 samples = 8
+    assert "--rollout-batch-size 4 * --n-samples-per-prompt 2 = 8 samples" in err
+    assert "--global-batch-size 3" in err
+    fix = suggested_batch_size(err)
+    assert 8 % fix == 0 and fix in (2, 4)  # the divisors of 8 closest to 3
+
+
+@pytest.mark.parametrize(
+    "gpus, tp, mbs, gbs, dp",
+    [
+        (4, 1, 1, 6, 4),  # 6 samples cannot split over 4 data-parallel ranks
+        (4, 2, 2, 6, 2),  # dp = 4 GPUs / TP 2 = 2 ranks, 2 samples each per micro-batch: multiples of 4
+    ],
+)
+def test_global_batch_must_split_over_data_parallel_micro_batches(gpus, tp, mbs, gbs, dp, capsys):
+    flags = [
+        "--rollout-batch-size", "6", "--n-samples-per-prompt", "4",
+        "--actor-num-gpus-per-node", str(gpus), "--tensor-model-parallel-size", str(tp), "--micro-batch-size", str(mbs),
+    ]  # fmt: skip
+    err = parse_error(with_flags(*flags, "--global-batch-size", str(gbs)), capsys)
+    assert f"data-parallel size {dp}" in err and f"= {dp * mbs};" in err
+    fix = suggested_batch_size(err)
+    assert 24 % fix == 0 and fix % (dp * mbs) == 0  # 6 prompts x 4 samples = 24
+    assert parse_args(with_flags(*flags, "--global-batch-size", str(fix))).train.global_batch_size == fix
+
+
+def test_dynamic_batch_size_ignores_micro_batch_size():
+    flags = ["--actor-num-gpus-per-node", "2", "--global-batch-size", "2", "--micro-batch-size", "4"]
+    cfg = parse_args(with_flags(*flags, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1000"))
+    assert cfg.train.global_batch_size == 2
+    with pytest.raises(SystemExit):
+        parse_args(with_flags(*flags))  # 2 samples cannot fill 2 ranks x 4 samples
+
+
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "3"], ["4 GPUs", "= 3"]),
+        (["--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "4"],
+         ["--context-parallel-size 4 = 8"]),
+        # TP*PP*CP = 4 divides 8, but the expert layout ETP(=TP 2) * EP 8 * PP 1 = 16 does not
+        (["--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+          "--expert-model-parallel-size", "8", "--sequence-parallel"], ["--expert-tensor-parallel-size 2", "= 16"]),
+        (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+          "--expert-tensor-parallel-size", "1"], ["needs --sequence-parallel"]),
+        (["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2", "--num-experts", "3"],
+         ["--num-experts 3", "--expert-model-parallel-size 2"]),
+        (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3"],
+         ["--num-attention-heads 3"]),
+    ],
+)  # fmt: skip
+def test_parallel_sizes_must_fit_the_trainer_gpus(flags, fragments, capsys):
+    err = parse_error(with_flags(*flags), capsys)
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_expert_layout_that_fits_is_accepted():
+    # 8 GPUs: TP 2 x CP 2 x DP 2 for dense layers, ETP 1 x EP 8 for experts (8 % (1 * 8 * 1) == 0)
+    cfg = parse_args(with_flags(
+        "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+        "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1", "--sequence-parallel",
+        "--rollout-batch-size", "8",
+    ))  # fmt: skip
+    assert cfg.train.expert_tensor_parallel == 1 and cfg.train.model_parallel_size == 4
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--rollout-num-gpus", "2"], "--rollout-num-gpus must equal"),  # colocated with 1 trainer GPU
+        (["--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "4"], "not a multiple of --rollout-num-gpus-per"),
+    ],
+)
+def test_rollout_gpu_counts(flags, fragment, capsys):
+    colocate = "--rollout-num-gpus-per-engine" not in flags
+    argv = with_flags(*flags) if colocate else [t for t in with_flags(*flags) if t != "--colocate"]
+    assert fragment in parse_error(argv, capsys)
+
+
+def test_rollout_gpus_required_without_colocate(capsys):
+    no_colocate = [t for t in BASE if t != "--colocate"]
+    assert "--rollout-num-gpus is required without --colocate" in parse_error(no_colocate, capsys)
+    cfg = parse_args(no_colocate + ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"])
+    assert cfg.cluster.num_gpus_needed == 1 + 2 and cfg.cluster.num_rollout_engines == 1
+
+
+@pytest.mark.parametrize(
+    "colocate, available, fits", [(True, 8, True), (True, 7, False), (False, 12, True), (False, 11, False)]
+)
+def test_requested_gpus_must_fit_the_cluster(colocate, available, fits):
+    # 8 trainer GPUs; without --colocate 4 more for two 2-GPU engines: 12
+    flags = ["--actor-num-gpus-per-node", "8", "--rollout-batch-size", "8"]
+    if colocate:
+        argv = with_flags(*flags)
+    else:
+        argv = [t for t in with_flags(*flags) if t != "--colocate"]
+        argv += ["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"]
+    cfg = parse_args(argv)
+    if fits:
+        validate(cfg, num_gpus_available=available)
+    else:
+        with pytest.raises(ConfigError, match=rf"needs {8 if colocate else 12} GPUs .* has {available}"):
+            validate(cfg, num_gpus_available=available)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field checks, one bad input each
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--rollout-temperature", "0"], "--rollout-temperature must be > 0, got 0.0"),
+        (["--rollout-temperature", "-0.5"], "--rollout-temperature must be > 0, got -0.5"),
+        (["--eval-temperature", "0"], "--eval-temperature must be > 0"),
+        (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1], got 0.0"),
+        (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1], got 1.5"),
+        (["--eval-top-p", "0"], "--eval-top-p must be in (0, 1]"),
+        (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or >= 1"),
+        (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1, got 0"),
+        (["--num-epoch", "1"], "--num-rollout 2 and --num-epoch 1 both given"),
+        (["--eval-interval", "5"], "--eval-interval 5 needs datasets to evaluate: add --eval-prompt-data"),
+        (["--eval-prompt-data", "geo3k", "a.parquet", "aime"], "NAME PATH pairs, got 3 values"),
+        (["--eval-prompt-data", "a", "x", "a", "y"], "names must be unique; repeated: a"),
+        (["--save-interval", "10"], "--save-interval 10 needs a folder to save to: add --save"),
+        (["--rm-type", "nope"], "--rm-type 'nope'"),
+        (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1 has no effect without --use-kl-loss"),
+        (["--train-backend", "deepspeed"], "--train-backend 'deepspeed' is not valid; use one of fsdp, megatron"),
+        (["--rollout-backend", "vllm"], "--rollout-backend 'vllm' is not valid; use one of sglang, transformers"),
+        (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+        (["--recompute-granularity", "full"], "needs --recompute-method {uniform,block} and --recompute-num-layers"),
+        (["--recompute-method", "uniform"], "have no effect without --recompute-granularity"),
+        (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], "full only"),
+        (["--attention-dropout", "1.0"], "--attention-dropout must be in [0, 1), got 1.0"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--min-lr", "1e-3"], "--min-lr must be in [0, --lr"),
+        (["--num-layers", "3", "--moe-layer-freq", "[1, 1]"], "--moe-layer-freq lists 2 layers but --num-layers is 3"),
+        (["--moe-layer-freq", "[1, 2]"], "one 0 or 1 per layer"),
+        (["--linear-attention-freq", "every4"], "--linear-attention-freq must be an integer or a list"),
+        (["--num-attention-heads", "16", "--num-query-groups", "3"], "not a multiple of --num-query-groups 3"),
+        (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk 8 exceeds --num-experts 4"),
+    ],
+)
+def test_bad_flag_values_are_refused_with_the_flag_and_fix(flags, fragment, capsys):
+    assert fragment in parse_error(with_flags(*flags), capsys)
+
+
+def test_num_rollout_or_num_epoch_is_required(capsys):
+    argv = [t for i, t in enumerate(BASE) if t != "--num-rollout" and BASE[i - 1] != "--num-rollout"]
+    assert "give --num-rollout N" in parse_error(argv, capsys)
+    assert parse_args(argv + ["--num-epoch", "3"]).rollout.num_epoch == 3
+
+
+def test_unknown_rm_type_lists_the_registered_names(capsys):
+    err = parse_error(with_flags("--rm-type", "nope"), capsys)
+    for name in ("math", "deepscaler", "geo3k"):
+        assert name in err
+    custom = "my_rewards.geometry:score"
+    assert parse_args(with_flags("--rm-type", custom)).reward.rm_type == custom
+
+
+def test_kl_flags(caplog):
+    cfg = parse_args(with_flags("--use-kl-loss", "--kl-loss-coef", "0.01"))
+    assert cfg.grpo.needs_ref_model
+    with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+        cfg = parse_args(with_flags("--use-kl-loss", "--ref-load", "ref/"))
+    assert not cfg.grpo.needs_ref_model
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "--use-kl-loss with --kl-loss-coef 0 adds no KL term" in messages
+    assert "--ref-load ref/ is unused" in messages
+
+
+def test_grpo_groups_of_one_response_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+        parse_args(with_flags("--n-samples-per-prompt", "1"))
+    assert "every advantage is 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+        parse_args(BASE)  # 2 samples per prompt
+    assert "every advantage is 0" not in caplog.text
+
+
+def test_layer_patterns_follow_megatron():
+    cfg = parse_args(with_flags("--num-layers", "8", "--linear-attention-freq", "4", "--moe-layer-freq", "2"))
+    # linear attention: layer i is full attention when (i + 1) % 4 == 0; MoE: layer i when i % 2 == 0
+    assert cfg.model.linear_attention_pattern == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert cfg.model.moe_layer_pattern == [1, 0, 1, 0, 1, 0, 1, 0]
+    cfg = parse_args(with_flags("--num-layers", "3", "--linear-attention-freq", "[0, 1, 0]", "--micro-batch-size", "1"))
+    assert cfg.model.linear_attention_pattern == [0, 1, 0] and cfg.model.is_hybrid_gdn
