@@ -204,7 +204,8 @@ def test_config_to_argv_round_trips_and_redacts():
 # --help and unknown flags
 
 
-def test_help_lists_every_flag_under_its_group_title():
+def test_help_lists_every_flag_under_its_group_title(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps to the terminal width, also at hyphens
     text = build_parser().format_help()
     body = text[text.index("\noptions:") :]  # skip the usage line, which lists every flag too
     starts = [body.index(f"\n{title}:\n") for _, _, title in GROUPS]
