@@ -70,7 +70,7 @@ def train(cfg: SlimeConfig) -> Path:
             trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
         num_rollout = _num_rollout(cfg, rollout_manager)
 
-        with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name, config={"argv": config_to_argv(cfg)}) as metrics_log:
+        with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name, config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
             if start == 0 and cfg.eval.eval_prompt_pairs and not cfg.eval.skip_eval_before_train:
                 metrics_log.log(0, rollout_manager.evaluate(0))
             bar = progress(total=num_rollout, initial=start, disable=cfg.logging.no_progress_bar)

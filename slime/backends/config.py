@@ -47,6 +47,11 @@ class TrainConfig:
     max_tokens_per_gpu: int | None = flag(
         None, help="Token budget of one packed micro-batch per GPU (with --use-dynamic-batch-size), tokens."
     )
+    use_rollout_logprobs: bool = flag(
+        False,
+        help="Use the engines' rollout log-probs as the PPO ratio's old log-probs instead of a trainer forward pass "
+        "before the update (saves one forward pass; exact only when rollout and training numerics agree).",
+    )
     tensor_model_parallel_size: int = flag(1, help="Tensor-parallel GPUs (Megatron TP).")
     sequence_parallel: bool = flag(False, help="Split activations along the sequence across the TP group (Megatron).")
     pipeline_model_parallel_size: int = flag(1, help="Pipeline stages (Megatron PP).")
