@@ -1,0 +1,121 @@
+"""Final-answer extraction and parsing shared by every reward function.
+
+A response states its final answer as ``\\boxed{...}`` (or ``\\fbox{...}``), the format the
+geo3k recipe asks for (the seed README's SFT data is ``Answer: \\boxed{<answer>}``).  This
+module finds that answer and turns answer strings into SymPy objects with ``math-verify``
+(pinned 0.9.0):
+
+- :func:`last_boxed` returns the content of the last box, braces balanced;
+- :func:`parse_latex` parses an answer (a gold label or a boxed content) as LaTeX math;
+- :func:`numeric_value` evaluates a parsed answer to a float, for the tolerance of the
+  ``geo3k`` reward.
+
+None of these functions has a timeout: SymPy can run for ever on an answer such as
+``9^{9^{9^{9^{9}}}}``.  The scorer (:mod:`slime.rollout.rm_hub.scorer`) calls them in
+worker processes under a ``SIGALRM`` timer and a hard deadline.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import sympy
+from math_verify import parse
+
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+"""``\\boxed{`` or ``\\fbox{``, optionally with spaces before the brace (``\\boxed {5}``)."""
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text``.
+
+    Braces are matched, so nested groups come back whole:
+    ``"so \\boxed{\\frac{1}{2}}."`` gives ``"\\frac{1}{2}"``.  Escaped braces (``\\{``,
+    ``\\}``) do not count.  Only the last box is read (a response that changes its mind
+    is graded on its final answer), and a last box that is never closed (a response cut
+    at the length limit) gives ``None``, not an earlier box: this is how upstream slime's
+    ``last_boxed_only_string`` treats both cases.  ``\\boxed 5`` (no braces) is not
+    recognised.
+
+    Args:
+        text: a model response (any string).
+
+    Returns:
+        The content between the braces, not stripped, or ``None`` when there is no
+        complete last box.
+    """
+    openings = list(_BOX_OPEN.finditer(text))
+    if not openings:
+        return None
+    opening = openings[-1]
+    depth = 1
+    position = opening.end()
+    while position < len(text):
+        char = text[position]
+        if char == "\\":
+            position += 2  # an escaped character, e.g. \{ or \}, is not a brace
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[opening.end() : position]
+        position += 1
+    return None
+
+
+def parse_latex(answer: str) -> list:
+    """Parse one answer string as LaTeX math with math-verify, after wrapping it in ``$...$``.
+
+    The wrapping matters: math-verify's ``parse`` looks for a math environment and, when
+    there is none, falls back to a plain-expression regex that reads only the leading
+    number, so ``parse("8\\sqrt{3}")`` is ``[8, "8"]`` while ``parse("$8\\sqrt{3}$")`` is
+    ``[8*sqrt(3), "8\\sqrt{3}"]``.  Gold labels (``5\\sqrt{3}``, ``\\frac{5}{3}\\pi``) and
+    boxed contents are both bare LaTeX, so both are parsed the same way here.
+
+    math-verify's own normalisation handles ``\\dfrac``/``\\tfrac``, ``\\sqrt3``,
+    degrees (``^\\circ``, ``^{\\circ}``, ``°``), ``\\text{...}`` units, thousands
+    separators (``1,200``) and assignments (``x = 5`` parses as ``Eq(x, 5)``, which
+    ``verify`` compares by its right side).
+
+    Its parsing timeout is disabled (``parsing_timeout=None``): it relies on
+    ``signal.alarm`` with whole seconds and swallows the timeout, so the scorer applies
+    one timer around the whole reward call instead (see :mod:`.scorer`).
+
+    Args:
+        answer: bare LaTeX, e.g. ``"\\frac{40}{3}"``.
+
+    Returns:
+        math-verify's parse result: usually ``[sympy_expr, normalised_string]``; ``[]``
+        when nothing could be extracted (an empty or blank answer).
+    """
+    return parse(f"${answer}$", parsing_timeout=None)
+
+
+def numeric_value(parsed: list) -> float | None:
+    """The real number a parsed answer stands for, or ``None`` when it is not one number.
+
+    Takes the first SymPy object of ``parsed`` (math-verify puts the expression before
+    its string form); an assignment ``x = 5`` counts as its right side.  The expression
+    must have no free symbols and evaluate (``evalf`` to 30 significant digits) to a
+    finite real number.
+
+    Args:
+        parsed: the output of :func:`parse_latex`.
+
+    Returns:
+        A float (e.g. ``13.856406460551018`` for ``8\\sqrt{3}``), or ``None`` for sets,
+        intervals, symbols, complex or non-finite values, and strings that did not parse.
+    """
+    expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
+    if isinstance(expr, sympy.Eq):
+        expr = expr.rhs
+    if not isinstance(expr, sympy.Expr) or expr.free_symbols:
+        return None
+    value = expr.evalf(30)
+    if not value.is_real:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None

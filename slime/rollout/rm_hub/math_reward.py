@@ -1,0 +1,67 @@
+"""The ``math`` reward (the default ``--rm-type``): 1 if the last boxed answer equals the label.
+
+Source: upstream slime's default ``math`` reward model for the geo3k recipe (the seed
+README: "we use the default math RM"), graded here with ``math-verify`` (pinned 0.9.0).
+math-verify's ``verify`` compares the parsed gold and prediction numerically (rounded to
+6 decimals when one side is a decimal, to 15 significant digits otherwise) and then
+symbolically (``simplify(gold - pred) == 0``), so ``\\frac{1}{2}`` = ``0.5``,
+``\\sqrt{75}`` = ``5\\sqrt{3}``, ``\\frac{5\\pi}{3}`` = ``\\frac{5}{3}\\pi`` and
+``60^\\circ`` = ``60``; but ``13.86`` != ``8\\sqrt{3}`` (= 13.8564...).
+
+The reward is binary, 0.0 or 1.0, on purpose: the seed README ("Numerical Precision with
+Non-Binary Rewards") reports that a 0 / 0.9 "format score" left ``reward - mean``
+non-zero in fp32 for groups whose rewards were all equal, which gave a spurious
+gradient; 0 and 1 are exact in every float type.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from math_verify import verify
+
+from slime.rollout.rm_hub.answer import last_boxed, parse_latex
+
+if TYPE_CHECKING:
+    from slime.rollout.rm_hub import RewardConfig
+
+
+class EmptyLabelError(ValueError):
+    """A label is empty or blank, so no response can match it."""
+
+
+def answers_match(predicted: str, label: str) -> bool:
+    """Whether answer ``predicted`` (bare LaTeX, e.g. a boxed content) equals ``label``.
+
+    Both strings are parsed with :func:`~slime.rollout.rm_hub.answer.parse_latex` and
+    compared with ``math_verify.verify(gold, prediction)`` (gold first: math-verify's
+    comparison is not symmetric for assignments and relations), with its timeout disabled
+    (the scorer times the whole reward call).
+    """
+    return verify(parse_latex(label), parse_latex(predicted), timeout_seconds=None)
+
+
+def math_reward(response: str, label: str, cfg: RewardConfig) -> float:
+    """1.0 if the last ``\\boxed{}``/``\\fbox{}`` of ``response`` equals ``label``, else 0.0.
+
+    A response without a complete box scores 0.0.  The label is checked first, so an
+    empty label raises whatever the response.  ``cfg`` is unused (every reward
+    function takes it, so the registry has one signature).
+
+    Args:
+        response: the generated text.
+        label: the gold answer, bare LaTeX (geo3k: ``5\\sqrt{3}``, ``\\frac{40}{3}``, ``129.9``).
+        cfg: the reward flags.
+
+    Returns:
+        0.0 or 1.0.
+
+    Raises:
+        EmptyLabelError: ``label`` is empty or blank.
+    """
+    if not label.strip():
+        raise EmptyLabelError(f"label {label!r} is empty: every dataset row needs a non-empty answer")
+    predicted = last_boxed(response)
+    if predicted is None:
+        return 0.0
+    return 1.0 if answers_match(predicted, label) else 0.0

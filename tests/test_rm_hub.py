@@ -1,0 +1,529 @@
+"""Tests of slime.rollout.rm_hub: answer extraction, the math / deepscaler / geo3k rewards,
+custom reward functions, the process-pool scorer (timeouts, kills, worker deaths) and the CLI.
+
+Expected rewards are worked out by hand from the reward definitions, or, for the Geometry3K
+rows, from the float64 value of each label computed by a small LaTeX-to-SymPy converter
+written here (independent of math-verify).  CPU-only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from math_verify import parse
+from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
+
+from slime.rollout.rm_hub import (
+    REWARD_FUNCTIONS,
+    EmptyLabelError,
+    RewardConfig,
+    RewardScorer,
+    deepscaler_reward,
+    geo3k_reward,
+    math_reward,
+    resolve_reward_function,
+)
+from slime.rollout.rm_hub.answer import last_boxed, numeric_value, parse_latex
+from slime.utils.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+GEO3K_SAMPLE = REPO / "examples" / "geo3k_vlm" / "data"
+MATH = RewardConfig(rm_type="math")
+GEO3K = RewardConfig(rm_type="geo3k")
+GEO3K_STRICT = RewardConfig(rm_type="geo3k", rm_tolerance=0.0)
+DEEPSCALER = RewardConfig(rm_type="deepscaler")
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    """One pool for the whole module (each test passes its own cfg to ``score``)."""
+    with RewardScorer(RewardConfig(rm_num_workers=2)) as shared:
+        yield shared
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so the answer is \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
+        (r"\boxed{a_{b_{c}}} done", r"a_{b_{c}}"),
+        (r"first \boxed{3}, then \boxed{5}", "5"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed{1} and \fbox{2}", "2"),
+        (r"\boxed {42}", "42"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+        (r"\boxed{\boxed{9}}", "9"),
+        ("The answer is 5.", None),
+        ("", None),
+        (r"\boxed{3} but then \boxed{4", None),  # the last box was cut off: no answer
+        (r"\boxed 5", None),
+    ],
+)
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+def test_unwrapped_math_verify_reads_only_the_leading_number_so_answers_are_wrapped():
+    # The fact that makes the $...$ wrapping necessary (math-verify 0.9.0):
+    unwrapped = parse(r"8\sqrt{3}", parsing_timeout=None)
+    assert float(unwrapped[0]) == 8.0
+    # The wrapped parse is used for gold labels and boxed predictions alike.
+    assert float(parse_latex(r"8\sqrt{3}")[0]) == pytest.approx(8 * math.sqrt(3), rel=1e-15)
+    # Gold side: a bare "8" must not match label 8\sqrt{3}.  Prediction side: a boxed
+    # 8\sqrt{3} must not match label 8.  Both would be 1.0 without the wrapping.
+    assert math_reward(r"\boxed{8}", r"8\sqrt{3}", MATH) == 0.0
+    assert math_reward(r"\boxed{8\sqrt{3}}", "8", MATH) == 0.0
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        (r"8\sqrt{3}", 8 * math.sqrt(3)),
+        (r"\frac{5}{3}\pi", 5 / 3 * math.pi),
+        ("129.9", 129.9),
+        (r"60^\circ", 60.0),
+        ("x = 12", 12.0),
+        ("-2.5", -2.5),
+        ("x", None),
+        (r"\{1, 2\}", None),
+        (r"\sqrt{-1}", None),
+        ("1000!", None),  # ~4e2567: not a finite float
+    ],
+)
+def test_numeric_value(answer, expected):
+    value = numeric_value(parse_latex(answer))
+    if expected is None:
+        assert value is None
+    else:
+        assert value == pytest.approx(expected, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- math reward
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+        (r"\boxed{\dfrac{40}{3}}", r"\frac{40}{3}", 1.0),
+        (r"\boxed{13\frac{1}{3}}", r"\frac{40}{3}", 1.0),
+        (r"\boxed{\frac{40}{3}}", r"\frac{41}{3}", 0.0),
+        (r"\boxed{60^\circ}", "60", 1.0),
+        (r"\boxed{60^{\circ}}", "60", 1.0),
+        (r"\boxed{60°}", "60", 1.0),
+        (r"\boxed{61^\circ}", "60", 0.0),
+        (r"\boxed{\frac{5\pi}{3}}", r"\frac{5}{3}\pi", 1.0),
+        (r"\boxed{\frac{5}{3}}", r"\frac{5}{3}\pi", 0.0),
+        (r"\boxed{5.236}", r"\frac{5}{3}\pi", 0.0),  # 5.235987...: decimals are compared to 6 places
+        (r"\boxed{5\sqrt{3}}", r"5\sqrt{3}", 1.0),
+        (r"\boxed{\sqrt{75}}", r"5\sqrt{3}", 1.0),
+        (r"\boxed{5\sqrt{2}}", r"5\sqrt{3}", 0.0),
+        (r"\boxed{129.9}", "129.9", 1.0),
+        (r"\boxed{129.90}", "129.9", 1.0),
+        (r"\boxed{129.904}", "129.9", 0.0),
+        (r"\boxed{13.86}", r"8\sqrt{3}", 0.0),
+        (r"\boxed{x = 5}", "5", 1.0),
+        (r"The length is \boxed{12} units.", "12", 1.0),
+        (r"\fbox{7}", "7", 1.0),
+        (r"\boxed{3} ... on reflection \boxed{5}", "5", 1.0),
+        (r"\boxed{3} ... on reflection \boxed{5}", "3", 0.0),
+        (r"\boxed{5} ... wait, \boxed{", "5", 0.0),
+        ("The answer is 5.", "5", 0.0),
+        ("", "5", 0.0),
+        ("}{ \\ $$ ^^ \\frac{", "5", 0.0),
+        (r"\boxed{}", "5", 0.0),
+        (r"\boxed{C}", "5", 0.0),
+    ],
+)
+def test_math_reward_hand_cases(response, label, expected):
+    assert math_reward(response, label, MATH) == expected
+
+
+@pytest.mark.parametrize("label", ["", "   "])
+def test_empty_label_raises(label):
+    for reward in (math_reward, geo3k_reward, deepscaler_reward):
+        with pytest.raises(EmptyLabelError, match="label .* is empty"):
+            reward("no think, no box", label, GEO3K)
+
+
+# ----------------------------------------------------------------------------- deepscaler reward
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        (r"<think>4 + 1</think> The answer is \boxed{5}.", 1.0),
+        (r"<think>4 + 1</think> The answer is \boxed{6}.", 0.0),
+        (r"<think>4 + 1 ... \boxed{5}</think> so five.", 0.0),  # the box is inside the thinking
+        (r"\boxed{5}", 0.0),  # right answer, but the thinking never ended
+        (r"<think>4 + 1 ... \boxed{5}", 0.0),  # cut off inside the thinking
+        (r"<think>a</think> \boxed{6} <think>b</think> \boxed{5}", 1.0),  # after the last marker
+    ],
+)
+def test_deepscaler_reward(response, expected):
+    assert deepscaler_reward(response, "5", DEEPSCALER) == expected
+
+
+# ----------------------------------------------------------------------------- geo3k reward
+
+
+def test_geo3k_tolerance_accepts_rounded_decimal_that_math_rejects():
+    # 8*sqrt(3) = 13.8564...; |13.86 - 13.8564| / 13.8564 = 2.6e-4 <= 0.05.
+    assert geo3k_reward(r"\boxed{13.86}", r"8\sqrt{3}", GEO3K) == 1.0
+    assert math_reward(r"\boxed{13.86}", r"8\sqrt{3}", MATH) == 0.0
+    assert geo3k_reward(r"\boxed{13.86}", r"8\sqrt{3}", GEO3K_STRICT) == 0.0
+    # and the other way round: label 129.9 rounds 75*sqrt(3) = 129.9038...
+    assert geo3k_reward(r"\boxed{75\sqrt{3}}", "129.9", GEO3K) == 1.0
+    assert math_reward(r"\boxed{75\sqrt{3}}", "129.9", MATH) == 0.0
+
+
+@pytest.mark.parametrize(
+    "response, label, tolerance, expected",
+    [
+        (r"\boxed{104.9}", "100", 0.05, 1.0),  # 4.9 % off
+        (r"\boxed{105.1}", "100", 0.05, 0.0),  # 5.1 % off
+        (r"\boxed{95.1}", "100", 0.05, 1.0),
+        (r"\boxed{94.9}", "100", 0.05, 0.0),
+        (r"\boxed{109}", "100", 0.1, 1.0),
+        (r"\boxed{100.001}", "100", 0.0, 0.0),
+        (r"\boxed{-2.04}", "-2", 0.05, 1.0),  # |g| in the bound
+        (r"\boxed{2}", "-2", 0.05, 0.0),
+        (r"\boxed{0.001}", "0", 0.05, 0.0),  # g = 0 needs p = 0
+        (r"\boxed{0}", "0", 0.05, 1.0),
+        (r"\boxed{x}", "5", 0.05, 0.0),  # not a number
+        (r"\boxed{\{5, 6\}}", "5", 0.05, 0.0),
+        ("5 without a box", "5", 0.05, 0.0),
+    ],
+)
+def test_geo3k_relative_tolerance(response, label, tolerance, expected):
+    assert geo3k_reward(response, label, RewardConfig(rm_type="geo3k", rm_tolerance=tolerance)) == expected
+
+
+@pytest.mark.parametrize(
+    "response, label",
+    [
+        (r"\boxed{13.86}", r"8\sqrt{3}"),
+        (r"\boxed{13.856406}", r"8\sqrt{3}"),
+        (r"\boxed{0.5}", r"\frac{1}{2}"),
+        (r"\boxed{60^\circ}", "60"),
+        (r"\boxed{129.904}", "129.9"),
+        (r"\boxed{3} \boxed{5}", "5"),
+        ("no box", "5"),
+    ],
+)
+def test_geo3k_with_zero_tolerance_is_math(response, label):
+    assert geo3k_reward(response, label, GEO3K_STRICT) == math_reward(response, label, MATH)
+
+
+# ----------------------------------------------------------------------------- Geometry3K rows
+
+
+def _latex_to_float(latex: str) -> float:
+    """float64 value of a Geometry3K compact answer (``5\\sqrt{3}``, ``\\frac{17\\sqrt{2}}{2}``, ...),
+    via SymPy's Python-syntax parser: an independent reference for math-verify's LaTeX parse."""
+    text = re.sub(r"\\sqrt(\d)", r"sqrt(\1)", latex)
+    while True:
+        rewritten = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", text)
+        rewritten = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", rewritten)
+        if rewritten == text:
+            break
+        text = rewritten
+    text = text.replace(r"\pi", " pi ")
+    if "\\" in text or "{" in text:
+        raise ValueError(f"the test converter does not handle {latex!r} (got {text!r})")
+    return float(parse_expr(text, transformations=standard_transformations + (implicit_multiplication_application,)))
+
+
+def _geo3k_rows() -> pd.DataFrame:
+    paths = [GEO3K_SAMPLE / "train.parquet", GEO3K_SAMPLE / "test.parquet"]
+    if not all(path.exists() for path in paths):
+        pytest.skip(f"bundled Geometry3K sample missing: {paths}")
+    return pd.concat([pd.read_parquet(path, columns=["id", "answer", "choices"]) for path in paths])
+
+
+def test_geo3k_rows_answer_scores_1_and_distant_wrong_choices_score_0(scorer):
+    rows = _geo3k_rows()
+    responses, labels, expected = [], [], []
+    for answer, choices in zip(rows["answer"], rows["choices"]):
+        gold = _latex_to_float(answer)
+        responses.append(rf"<think>...</think> The answer is \boxed{{{answer}}}.")
+        labels.append(answer)
+        expected.append(1.0)
+        for choice in choices:
+            if abs(_latex_to_float(choice) - gold) > 0.05 * abs(gold):
+                responses.append(rf"\boxed{{{choice}}}")
+                labels.append(answer)
+                expected.append(0.0)
+    assert expected.count(0.0) >= 2 * len(rows) > 0  # the check is not vacuous
+
+    scorer.reset_stats()
+    assert scorer.score(responses, labels, MATH) == expected
+    assert scorer.score(responses, labels, GEO3K) == expected
+    assert scorer.stats.failed == 0
+    answers_only = [r for r, e in zip(responses, expected) if e == 1.0]
+    assert scorer.score(answers_only, list(rows["answer"]), DEEPSCALER) == [1.0] * len(rows)
+
+
+def test_geo3k_rows_two_decimal_rounding_within_tolerance(scorer):
+    rows = _geo3k_rows()
+    responses, expected = [], []
+    for answer in rows["answer"]:
+        gold = _latex_to_float(answer)
+        rounded = round(gold, 2)
+        responses.append(rf"\boxed{{{rounded:.2f}}}")
+        expected.append(1.0 if abs(rounded - gold) <= 0.05 * abs(gold) else 0.0)
+    assert scorer.score(responses, list(rows["answer"]), GEO3K) == expected
+
+
+# ----------------------------------------------------------------------------- registry and flags
+
+
+def test_registry_lists_builtin_rewards():
+    assert {"math", "deepscaler", "geo3k"} <= set(REWARD_FUNCTIONS.names())
+    assert "math" in REWARD_FUNCTIONS and "my_pkg.rewards:score" in REWARD_FUNCTIONS
+    assert "nonexistent" not in REWARD_FUNCTIONS
+    assert RewardConfig().rm_type == "math"
+    assert resolve_reward_function(RewardConfig(rm_type="geo3k")) is geo3k_reward
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(rm_type="nonexistent"), "--rm-type 'nonexistent'"),
+        (dict(custom_rm_path="no_colon_here"), "--custom-rm-path 'no_colon_here'"),
+        (dict(custom_rm_path=":function"), "--custom-rm-path"),
+        (dict(rm_tolerance=-0.1), "--rm-tolerance"),
+        (dict(rm_tolerance=1.0), "--rm-tolerance"),
+        (dict(rm_tolerance=float("nan")), "--rm-tolerance"),
+        (dict(rm_timeout=0.0), "--rm-timeout"),
+        (dict(rm_timeout=float("inf")), "--rm-timeout"),
+        (dict(rm_num_workers=0), "--rm-num-workers"),
+    ],
+)
+def test_bad_flags_raise_config_error(kwargs, flag):
+    with pytest.raises(ConfigError, match=re.escape(flag)):
+        RewardConfig(**kwargs)
+
+
+def test_unknown_rm_type_lists_valid_names():
+    with pytest.raises(ConfigError, match="deepscaler, geo3k, math"):
+        RewardConfig(rm_type="mth")
+
+
+# Custom reward functions for the tests below, imported by path in the workers.
+
+
+def reward_length_parity(response: str, label: str, cfg: RewardConfig) -> float:
+    """1.0 when the response and the label have lengths of the same parity."""
+    return float(len(response) % 2 == len(label) % 2)
+
+
+def reward_two_args(response: str, label: str) -> float:
+    return 1.0
+
+
+NOT_A_FUNCTION = 3
+
+
+def chaos_reward(response: str, label: str, cfg: RewardConfig) -> float:
+    """Misbehaves on command: 'hang' ignores SIGALRM and sleeps (like a long C call), 'die'
+    kills its process, 'raise' raises, 'nan' returns NaN, 'text' returns a string; else math."""
+    if response == "hang":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(600)
+    if response == "die":
+        os._exit(3)
+    if response == "raise":
+        raise RuntimeError("bad reward")
+    if response == "nan":
+        return float("nan")
+    if response == "text":
+        return "1.0"  # type: ignore[return-value]
+    return math_reward(response, label, cfg)
+
+
+def _path(function) -> str:
+    return f"{function.__module__}:{function.__name__}"
+
+
+def test_custom_reward_function_via_flag(scorer):
+    cfg = RewardConfig(rm_type="math", custom_rm_path=_path(reward_length_parity))
+    assert resolve_reward_function(cfg) is reward_length_parity
+    # lengths: 3 vs 1 (same parity), 2 vs 1 (different), 0 vs 2 (same)
+    assert scorer.score(["abc", "ab", ""], ["x", "y", "zz"], cfg) == [1.0, 0.0, 1.0]
+    # --rm-type also takes a path
+    assert scorer.score(["abc"], ["x"], RewardConfig(rm_type=_path(reward_length_parity))) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("no_such_module_xyz:score", "cannot be imported"),
+        (f"{__name__}:no_such_function", "cannot be imported"),
+        (f"{__name__}:NOT_A_FUNCTION", "not a function"),
+        (f"{__name__}:reward_two_args", r"must\s+accept \(response: str, label: str, cfg: RewardConfig\)"),
+    ],
+)
+def test_bad_custom_reward_function_fails_at_start(path, message):
+    cfg = RewardConfig(custom_rm_path=path)
+    with pytest.raises(ConfigError, match=message):
+        RewardScorer(cfg)
+
+
+# ----------------------------------------------------------------------------- scorer
+
+
+def test_scorer_keeps_input_order_across_workers(scorer):
+    labels = [str(n) for n in range(40)]
+    responses = [rf"\boxed{{{n if n % 3 else n + 1}}}" for n in range(40)]
+    expected = [0.0 if n % 3 == 0 else 1.0 for n in range(40)]
+    assert scorer.score(responses, labels, MATH) == expected
+    assert scorer.score([], [], MATH) == []
+
+
+def test_pathological_answers_time_out_to_zero(scorer):
+    cfg = RewardConfig(rm_type="geo3k", rm_timeout=0.5)
+    responses = [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{(10^{10})!}", r"\boxed{5}"]
+    scorer.reset_stats()
+    start = time.monotonic()
+    rewards = scorer.score(responses, ["5", "5", "5"], cfg)
+    elapsed = time.monotonic() - start
+    assert rewards == [0.0, 0.0, 1.0]
+    assert (scorer.stats.responses, scorer.stats.timeouts, scorer.stats.failed) == (3, 2, 2)
+    # Soft limit 0.5 s, two workers in parallel; a loaded 2-core machine gets slack.
+    assert elapsed < 15.0
+
+
+def test_scoring_from_a_thread_keeps_the_timeout(scorer):
+    # math-verify's signal-based timeout fails outside a main thread; the workers' does not care.
+    cfg = RewardConfig(rm_type="math", rm_timeout=0.5)
+    scorer.reset_stats()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
+        rewards = thread.submit(scorer.score, [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{\frac{1}{2}}"], ["5", "0.5"], cfg)
+        assert rewards.result(timeout=60) == [0.0, 1.0]
+    assert scorer.stats.timeouts == 1
+
+
+def test_stuck_dead_and_failing_reward_calls_score_zero_and_are_counted(scorer, caplog):
+    cfg = RewardConfig(custom_rm_path=_path(chaos_reward), rm_timeout=0.5)
+    responses = [r"\boxed{1}", "hang", "die", "raise", "nan", "text", r"\boxed{2}"]
+    scorer.reset_stats()
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="slime.rollout.rm_hub.scorer"):
+        rewards = scorer.score(responses, ["1", "1", "1", "1", "1", "1", "2"], cfg)
+    elapsed = time.monotonic() - start
+    assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    stats = scorer.stats
+    assert (stats.responses, stats.killed, stats.worker_deaths, stats.errors, stats.timeouts) == (7, 1, 1, 3, 0)
+    assert "5 of 7 responses scored 0.0" in caplog.text and "RuntimeError: bad reward" in caplog.text
+    # The hard deadline is 2 * 0.5 + 1 = 2 s, plus two worker restarts.
+    assert elapsed < 60.0
+    # The restarted workers score the next batch.
+    assert scorer.score([r"\boxed{3}", r"\boxed{4}"], ["3", "5"], MATH) == [1.0, 0.0]
+
+
+def test_empty_label_is_a_counted_error(scorer):
+    scorer.reset_stats()
+    assert scorer.score([r"\boxed{5}", r"\boxed{5}"], ["", "5"], MATH) == [0.0, 1.0]
+    assert scorer.stats.errors == 1
+
+
+def test_reset_stats_returns_counts_and_restarts_them(scorer):
+    scorer.reset_stats()
+    scorer.score(["raise", r"\boxed{1}"], ["1", "1"], RewardConfig(custom_rm_path=_path(chaos_reward)))
+    previous = scorer.reset_stats()
+    assert (previous.responses, previous.errors) == (2, 1)
+    assert (scorer.stats.responses, scorer.stats.failed) == (0, 0)
+
+
+def test_score_rejects_mismatched_or_non_string_input(scorer):
+    with pytest.raises(ValueError, match="2 responses but 1 labels"):
+        scorer.score(["a", "b"], ["1"])
+    with pytest.raises(TypeError, match=r"responses\[1\] is a NoneType"):
+        scorer.score(["a", None], ["1", "2"])
+    with pytest.raises(TypeError, match=r"labels\[0\] is a float"):
+        scorer.score(["a"], [1.5])
+
+
+def test_worker_that_cannot_start_gives_a_clear_error():
+    # A script read from stdin cannot be re-imported by a spawned worker, so workers die at start.
+    script = (
+        "from slime.rollout.rm_hub import RewardConfig, RewardScorer\n"
+        "RewardScorer(RewardConfig()).score(['x'], ['1'])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode == 1
+    assert "RuntimeError: a reward worker process exited while starting" in run.stderr
+
+
+def test_workers_start_on_first_score_and_stop_on_close():
+    before = set(multiprocessing.active_children())
+    with RewardScorer(RewardConfig(rm_num_workers=1)) as own:
+        assert set(multiprocessing.active_children()) == before  # nothing started yet
+        assert own.score([r"\boxed{2}"], ["2"]) == [1.0]
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 1
+        assert own.score([r"\boxed{2}"], ["3"]) == [0.0]
+        assert set(multiprocessing.active_children()) - before == workers  # reused
+    assert not any(worker.is_alive() for worker in workers)
+
+
+def test_closed_scorer_refuses_to_score():
+    with RewardScorer(MATH) as closed:  # no worker starts before the first score()
+        pass
+    with pytest.raises(RuntimeError, match="after close"):
+        closed.score(["x"], ["1"])
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "slime.rollout.rm_hub", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def test_cli_prints_one_reward_per_response():
+    responses = [r"\boxed{13.86}", "no box", r"<think></think>\boxed{8\sqrt{3}}"]
+    common = ["--rm-type", "geo3k", "--rm-num-workers", "1", "--label", r"8\sqrt{3}"]
+    geo3k = _cli(*common, *responses)
+    assert geo3k.returncode == 0, geo3k.stderr
+    assert geo3k.stdout.splitlines() == ["1.0", "0.0", "1.0"]
+    strict = _cli(*common, "--rm-tolerance", "0", *responses)
+    assert strict.returncode == 0, strict.stderr
+    assert strict.stdout.splitlines() == ["0.0", "0.0", "1.0"]
+
+
+def test_cli_help_and_bad_flag():
+    help_run = _cli("--help")
+    assert help_run.returncode == 0 and "--rm-tolerance" in help_run.stdout and "--label" in help_run.stdout
+    bad = _cli("--rm-type", "nope", "--label", "1", "x")
+    assert bad.returncode == 2 and "--rm-type 'nope' is not a reward function" in bad.stderr
