@@ -98,7 +98,7 @@ class RolloutManager:
         metrics = _sample_metrics("rollout", samples)
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
         metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
-        metrics.update({f"rollout/reward_{k}": v for k, v in self.scorer.stats.items()})
+        metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
         self._dump(rollout_id, samples)
         return RolloutBatch(samples, metrics)
 
