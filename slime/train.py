@@ -58,7 +58,7 @@ def train(cfg: SlimeConfig) -> Path:
         trainers = TrainerGroup(placement, _backend_factory(cfg), cfg.train.global_batch_size)
         rollout_manager = RolloutManager(
             rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
-            processor=processor, engines=engines, seed=cfg.cluster.seed,
+            processor=processor, engines=engines, seed=cfg.rollout.rollout_seed,
             debug_dump=cfg.logging.save_debug_rollout_data,
         )
         start = trainers.init()

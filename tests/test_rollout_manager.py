@@ -1,0 +1,157 @@
+"""RolloutManager with a scripted engine group (no Ray): rewards, group advantages,
+truncation and skip counters, eval isolation.
+
+The engine stand-in answers ``\\boxed{5}`` to odd-numbered requests and ``\\boxed{7}`` to
+even ones, so every expected reward and advantage is worked out by hand below.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from slime.rollout.engines.base import GenerateOutput
+from slime.rollout.manager import RolloutManager
+from slime.utils.arguments import parse_args
+from slime.utils.types import SampleStatus
+
+
+def _png(colour) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 40), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write_rows(path, rows):
+    """rows: (problem, answer, image bytes or None)."""
+    table = pa.table(
+        {
+            "problem": [p for p, _, _ in rows],
+            "answer": [a for _, a, _ in rows],
+            "images": [[{"bytes": b, "path": None}] if b is not None else [] for _, _, b in rows],
+        }
+    )
+    pq.write_table(table, path)
+
+
+class ScriptedEngines:
+    """Duck-typed RolloutEngineGroup: request i of a call answers 5 if i is odd, else 7;
+    every ``truncate_every``-th request ends by length."""
+
+    def __init__(self, truncate_every: int = 0):
+        self.truncate_every = truncate_every
+        self.calls = []
+
+    def generate(self, requests):
+        self.calls.append(requests)
+        outs = []
+        for i, req in enumerate(requests):
+            assert req.expected_prompt_len and req.expected_prompt_len > 0
+            truncated = bool(self.truncate_every) and i % self.truncate_every == 0
+            text = "\\boxed{5}" if i % 2 else "\\boxed{7}"
+            ids = [11, 12, 13] if truncated else [11, 12]
+            outs.append(GenerateOutput(text, ids, [-0.5] * len(ids), "length" if truncated else "stop", 10))
+        return outs
+
+
+def _manager(tmp_path, tiny_ckpt, engines, extra=()):
+    train = tmp_path / "train.parquet"
+    test = tmp_path / "test.parquet"
+    red, blue = _png((255, 0, 0)), _png((0, 0, 255))
+    _write_rows(
+        train,
+        [
+            ("<image>What is x?", "5", red),
+            ("<image>What is y?", "5", blue),
+            ("<image>Broken image", "5", b"not a png"),
+            ("<image>No label", "", red),
+            ("<image>What is z?", "7", blue),
+            ("<image>What is w?", "7", red),
+        ],
+    )
+    _write_rows(test, [("<image>Eval one", "5", red), ("<image>Eval two", "7", blue)])
+    cfg = parse_args(
+        [
+            "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(train),
+            "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
+            "--apply-chat-template", "--rm-type", "math", "--num-rollout", "2",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "3",
+            "--global-batch-size", "8", "--eval-prompt-data", "held_out", str(test),
+            "--train-backend", "fsdp", "--rollout-backend", "transformers",
+            "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", *extra,
+        ]
+    )
+    from slime.utils.processor import load_processor
+
+    return RolloutManager(
+        rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
+        processor=load_processor(tiny_ckpt), engines=engines, seed=cfg.rollout.rollout_seed,
+    )
+
+
+def test_rewards_and_group_advantages(tmp_path, tiny_ckpt):
+    manager = _manager(tmp_path, tiny_ckpt, ScriptedEngines())
+    try:
+        batch = manager.generate(0)
+    finally:
+        manager.close()
+    samples = batch.samples
+    assert len(samples) == 8
+    assert [s.group_index for s in samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # Both prompts of the first batch (file order, no shuffle) have label 5: odd requests
+    # answer 5 (reward 1), even ones 7 (reward 0) -> each group is [0, 1, 0, 1].
+    assert [s.label for s in samples] == ["5"] * 8
+    assert [s.reward for s in samples] == [0.0, 1.0] * 4
+    # GRPO: (r - 0.5) / (unbiased std + 1e-6); std of [0, 1, 0, 1] = sqrt(1/3).
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    for s in samples:
+        assert s.advantage == pytest.approx(expected if s.reward == 1.0 else -expected, rel=1e-6)
+        assert s.loss_mask == [1] * len(s.response_token_ids)
+        assert s.rollout_log_probs == [-0.5] * len(s.response_token_ids)
+        assert s.status == SampleStatus.COMPLETED
+    assert batch.metrics["rollout/reward_mean"] == pytest.approx(0.5)
+    assert batch.metrics["rollout/accuracy"] == pytest.approx(0.5)
+    assert batch.metrics["rollout/zero_std_group_frac"] == 0.0
+    assert batch.metrics["rollout/truncated_count"] == 0
+
+
+def test_truncation_and_skip_counters(tmp_path, tiny_ckpt):
+    engines = ScriptedEngines(truncate_every=3)
+    manager = _manager(tmp_path, tiny_ckpt, engines)
+    try:
+        manager.generate(0)  # rows 0, 1
+        batch = manager.generate(1)  # rows 2 (bad image) and 3 (empty label) are skipped -> rows 4, 5
+    finally:
+        manager.close()
+    # Request indices 0, 3, 6 of the 8 are cut by length.
+    truncated = [s for s in batch.samples if s.status == SampleStatus.TRUNCATED]
+    assert len(truncated) == 3 and all(s.response_length == 3 for s in truncated)
+    assert batch.metrics["rollout/truncated_count"] == 3
+    assert batch.metrics["rollout/truncated_frac"] == pytest.approx(3 / 8)
+    assert batch.metrics["data/skipped_bad_image"] == 1
+    assert batch.metrics["data/skipped_empty_label"] == 1
+    assert [s.label for s in batch.samples] == ["7"] * 8
+    # Label 7: the even requests (answer 7) are right.
+    assert [s.reward for s in batch.samples] == [1.0, 0.0] * 4
+
+
+def test_eval_uses_held_out_rows_and_leaves_training_cursor(tmp_path, tiny_ckpt):
+    engines = ScriptedEngines()
+    manager = _manager(tmp_path, tiny_ckpt, engines)
+    try:
+        before = manager.state_dict()
+        metrics = manager.evaluate(0)
+        assert manager.state_dict() == before
+    finally:
+        manager.close()
+    # Two eval prompts, one sample each: request 0 answers 7 (label 5: wrong), request 1
+    # answers 5 (label 7: wrong).
+    assert metrics["eval/held_out/num_samples"] == 2
+    assert metrics["eval/held_out/accuracy"] == 0.0
+    (requests,) = engines.calls
+    assert all("Eval" in r.text for r in requests)
