@@ -1,0 +1,187 @@
+"""One micro-batch of samples -> Hugging Face model inputs -> per-token log-probs of the responses.
+
+Layout: right-padded ``[B, T]`` rows, row ``b`` = ``prompt_token_ids + response_token_ids``
+of sample ``b``.  The logit at position ``t`` predicts token ``t + 1``, so sample ``b``'s
+response tokens ``y_0 .. y_{R-1}`` (at positions ``P .. P+R-1``) are predicted by the
+logits at ``P-1 .. P+R-2``.  Only the positions from the first sample's ``P-1`` to the last
+response token are put through the LM head (``logits_to_keep``), which spares the large
+vocabulary projection over the (long, image-heavy) prompts.
+
+Images: ``pixel_values`` of the micro-batch's samples are concatenated in sample order
+and ``image_grid_thw`` likewise; ``mm_token_type_ids`` (1 at image tokens) lets the model
+build the 3-D mRoPE positions.  A vision-language model always runs its vision tower:
+a micro-batch without images gets one blank dummy image (one merged token) appended after
+the last token of row 0.  The model is causal, so tokens after the response change no
+logit that is used (no log-prob, no gradient), but every FSDP rank then gathers and
+reduces the vision blocks in every micro-batch: with text-only prompts on one rank and
+images on another, the ranks would otherwise issue different collectives and hang.
+
+Generated placeholder tokens: the model treats every ``image_token_id`` / ``video_token_id``
+in ``input_ids`` as a slot for vision features, so a response that contains one (a policy
+may sample any id) cannot be fed as is.  Such response tokens are replaced by
+:data:`PAD_TOKEN_ID` in the model *input* (logged); the log-prob *targets* keep the
+generated ids.  Only the tokens after the replaced one see a different context than the
+engine did (which embedded the id as text), so their log-probs may differ from the
+rollout's; the trainer's own old log-probs see the same substitution, so the PPO ratio is
+unaffected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from slime.backends.batching import gather_log_probs, pad_per_token
+from slime.utils.ppo_utils import entropy_from_logits
+from slime.utils.processor import mm_token_type_ids
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN_ID = 0
+"""Id written into padding positions (masked out and causal, so any id works) and in place of
+image / video placeholder ids that a response generated (module docstring)."""
+
+
+@dataclasses.dataclass
+class ModelInputs:
+    """A micro-batch ready for ``model(**model_kwargs)``.
+
+    Attributes:
+        model_kwargs: ``input_ids`` int64 ``[B, T]``; ``attention_mask`` int64 ``[B, T]`` (only
+            when ``B > 1``; one row needs no mask); ``logits_to_keep`` int64 ``[K]``, the
+            positions whose logits are computed; for vision-language models also
+            ``pixel_values`` float32 ``[num_patches, C*T*P*P]``, ``image_grid_thw`` int64
+            ``[num_images, 3]`` and ``mm_token_type_ids`` int64 ``[B, T]``.
+        response_index: int64 ``[B, R_max]``, index into the ``K`` kept logits of the logit
+            predicting each response token (0 on padding).
+        response_tokens: int64 ``[B, R_max]`` response token ids (0 on padding).
+        response_mask: bool ``[B, R_max]``, True on real response tokens.
+    """
+
+    model_kwargs: dict[str, Tensor]
+    response_index: Tensor
+    response_tokens: Tensor
+    response_mask: Tensor
+
+
+def dummy_image(vision_config) -> tuple[Tensor, Tensor]:
+    """A blank image of one merged token: ``(pixel_values [m*m, C*T*P*P] zeros, image_grid_thw [[1, m, m]])``,
+    ``m`` the spatial merge size, ``C, T, P`` channels, temporal patch and patch size of ``vision_config``."""
+    m = vision_config.spatial_merge_size
+    patch_dim = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    return torch.zeros(m * m, patch_dim), torch.tensor([[1, m, m]], dtype=torch.int64)
+
+
+def build_model_inputs(samples: Sequence[Sample], config, device: torch.device | str) -> ModelInputs:
+    """Pad ``samples`` into one micro-batch for a Hugging Face causal (vision-)language model.
+
+    Args:
+        samples: checked samples (:func:`slime.backends.batching.check_train_sample`).
+        config: the model's ``PretrainedConfig``; ``vision_config``, ``image_token_id`` and
+            ``video_token_id`` mark a vision-language model.
+        device: device of the returned tensors.
+
+    Returns:
+        :class:`ModelInputs`.
+
+    Raises:
+        ValueError: a sample has ``pixel_values`` without ``image_grid_thw`` or the reverse.
+    """
+    placeholders = {getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)} - {None}
+    rows = [list(s.prompt_token_ids) + _replace_placeholders(s, placeholders) for s in samples]
+    prompt_lens = [len(s.prompt_token_ids) for s in samples]
+    response_lens = [s.response_length for s in samples]
+    model_kwargs: dict[str, Tensor] = {}
+
+    if getattr(config, "vision_config", None) is not None:
+        pixel_values, grids = [], []
+        for s in samples:
+            mm = s.multimodal_inputs
+            if ("pixel_values" in mm) != ("image_grid_thw" in mm):
+                raise ValueError(
+                    f"sample {s.index}: multimodal_inputs has {sorted(mm)}; pixel_values and image_grid_thw come "
+                    "together (both from the processor) or not at all"
+                )
+            if "pixel_values" in mm:
+                pixel_values.append(mm["pixel_values"])
+                grids.append(mm["image_grid_thw"])
+        if not pixel_values:
+            pixels, grid = dummy_image(config.vision_config)
+            pixel_values, grids = [pixels], [grid]
+            rows[0] = rows[0] + [config.image_token_id]
+        model_kwargs["pixel_values"] = torch.cat(pixel_values).to(device=device, dtype=torch.float32)
+        model_kwargs["image_grid_thw"] = torch.cat(grids).to(device=device, dtype=torch.int64)
+
+    input_ids = pad_per_token(rows, torch.int64, device, pad=PAD_TOKEN_ID)
+    attention_mask = pad_per_token([[1] * len(row) for row in rows], torch.int64, device)
+    model_kwargs["input_ids"] = input_ids
+    if len(rows) > 1:
+        model_kwargs["attention_mask"] = attention_mask
+    if "pixel_values" in model_kwargs:
+        model_kwargs["mm_token_type_ids"] = mm_token_type_ids(
+            input_ids, config.image_token_id, getattr(config, "video_token_id", None)
+        ) * attention_mask
+
+    first = min(p - 1 for p in prompt_lens)
+    last = max(p + r - 1 for p, r in zip(prompt_lens, response_lens))
+    model_kwargs["logits_to_keep"] = torch.arange(first, last, device=device)
+    response_index = pad_per_token(
+        [range(p - 1 - first, p - 1 - first + r) for p, r in zip(prompt_lens, response_lens)], torch.int64, device
+    )
+    return ModelInputs(
+        model_kwargs=model_kwargs,
+        response_index=response_index,
+        response_tokens=pad_per_token([s.response_token_ids for s in samples], torch.int64, device),
+        response_mask=pad_per_token([[1] * r for r in response_lens], torch.bool, device),
+    )
+
+
+def _replace_placeholders(sample: Sample, placeholders: set[int]) -> list[int]:
+    """The sample's response ids with vision placeholder ids replaced by :data:`PAD_TOKEN_ID` (logged)."""
+    ids = list(sample.response_token_ids)
+    hits = [i for i, token in enumerate(ids) if token in placeholders]
+    if hits:
+        logger.warning(
+            "sample %d: the response contains %d image/video placeholder token(s) (first at response position %d); "
+            "they are fed to the model as token %d (log-prob targets unchanged)",
+            sample.index,
+            len(hits),
+            hits[0],
+            PAD_TOKEN_ID,
+        )
+        for i in hits:
+            ids[i] = PAD_TOKEN_ID
+    return ids
+
+
+def response_log_probs(
+    model: nn.Module, inputs: ModelInputs, temperature: float, *, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``.
+
+    Log-probs follow :func:`slime.backends.batching.gather_log_probs`; entropies
+    :func:`slime.utils.ppo_utils.entropy_from_logits` of the same temperature-scaled
+    distribution.  Both are differentiable when grad mode is on.
+
+    Args:
+        model: a Hugging Face causal LM taking ``logits_to_keep`` (plain or FSDP-sharded).
+        inputs: from :func:`build_model_inputs`.
+        temperature: ``--rollout-temperature``, > 0.
+        with_entropy: also return the per-token entropy (nats).
+
+    Returns:
+        ``(log_probs, entropy)``: float32 ``[B, R_max]`` each (garbage on padding: mask with
+        ``inputs.response_mask``); ``entropy`` is None unless asked for.
+    """
+    logits = model(**inputs.model_kwargs, use_cache=False).logits  # [B, K, V]
+    batch = logits.shape[0]
+    if batch > 1:
+        logits = logits[torch.arange(batch, device=logits.device)[:, None], inputs.response_index]
+    log_probs = gather_log_probs(logits, inputs.response_tokens, temperature)
+    entropy = entropy_from_logits(logits.float() / temperature) if with_entropy else None
+    return log_probs, entropy

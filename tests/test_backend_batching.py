@@ -1,0 +1,126 @@
+"""Backend-neutral trainer helpers: slime.backends.batching and slime.backends.train_metrics (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.backends.batching import (
+    SampleError,
+    bucket_by_bytes,
+    check_train_sample,
+    check_train_samples,
+    gather_log_probs,
+    loss_normalizer,
+    pad_per_token,
+    split_into_micro_batches,
+    split_into_steps,
+)
+from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
+from slime.utils.types import Sample
+
+def sample(index=0, response=(5, 6, 7), loss_mask=None, rollout=None, images=()) -> Sample:
+    return Sample(
+        index=index,
+        prompt="p",
+        label="1",
+        images=list(images),
+        prompt_token_ids=[1, 2],
+        response_token_ids=list(response),
+        loss_mask=list(loss_mask) if loss_mask is not None else [1] * len(response),
+        rollout_log_probs=list(rollout) if rollout is not None else [],
+    )
+
+def test_split_into_steps_and_micro_batches_keep_order():
+    items = list(range(12))
+    assert split_into_steps(items, 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert split_into_micro_batches(items[:5], 2) == [[0, 1], [2, 3], [4]]
+
+@pytest.mark.parametrize("n, steps", [(7, 2), (0, 1), (4, 0)])
+def test_split_into_steps_refuses_uneven_chunks(n, steps):
+    with pytest.raises(ValueError, match="equal optimizer steps"):
+        split_into_steps(list(range(n)), steps)
+
+def test_micro_batch_size_must_be_positive():
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        split_into_micro_batches([1, 2], 0)
+
+def test_pad_per_token_right_pads():
+    out = pad_per_token([[1.0, 2.0], [], [3.0]], torch.float32, pad=-1)
+    assert out.tolist() == [[1.0, 2.0], [-1.0, -1.0], [3.0, -1.0]]
+
+def test_gather_log_probs_matches_float64_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, dtype=torch.bfloat16) * 4
+    tokens = torch.randint(0, 11, (2, 5))
+    for temperature in (1.0, 0.7):
+        expected = torch.log_softmax(logits.double() / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
+        got = gather_log_probs(logits, tokens, temperature)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+
+def test_gather_log_probs_bad_input():
+    with pytest.raises(ValueError, match="temperature"):
+        gather_log_probs(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), 0.0)
+    with pytest.raises(ValueError, match="must agree"):
+        gather_log_probs(torch.zeros(3, 4), torch.zeros(2, dtype=torch.long))
+
+def test_loss_normalizer_counts_samples_or_masked_tokens_without_distributed():
+    batch = [sample(response=(1, 2, 3), loss_mask=(1, 0, 1)), sample(response=(4,), loss_mask=(1,))]
+    assert loss_normalizer(batch, per_token=False) == 2.0
+    assert loss_normalizer(batch, per_token=True) == 3.0
+    with pytest.raises(ValueError, match="no loss-masked response tokens"):
+        loss_normalizer([sample(response=(1,), loss_mask=(0,))], per_token=True)
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(response=()), "no response tokens"),
+        (dict(loss_mask=(1,)), "loss_mask has 1 entries but the response has 3"),
+        (dict(rollout=(-1.0,)), "rollout_log_probs has 1 entries"),
+    ],
+)
+def test_check_train_sample_names_the_sample_and_field(bad, match):
+    with pytest.raises(SampleError, match=match) as info:
+        check_train_sample(sample(index=17, **bad))
+    assert "sample 17" in str(info.value)
+
+def test_check_train_samples_requires_rollout_log_probs_when_asked():
+    check_train_samples([sample()])  # fine without
+    with pytest.raises(SampleError, match="--use-rollout-logprobs"):
+        check_train_samples([sample()], need_rollout_log_probs=True)
+
+def test_bucket_by_bytes_never_splits_a_group():
+    def group(name, n):
+        return [(f"{name}.{i}", torch.zeros(n, dtype=torch.float32)) for i in range(2)]  # 8n bytes
+
+    groups = [group("a", 10), group("b", 10), group("c", 100), group("d", 1)]  # 80, 80, 800, 8 bytes
+    names = [[n.split(".")[0] for n, _ in bucket] for bucket in bucket_by_bytes(groups, 150)]
+    assert names == [["a", "a", "b", "b"], ["c", "c"], ["d", "d"]]
+    assert len(list(bucket_by_bytes(groups, 1))) == 4
+    assert len(list(bucket_by_bytes(groups, 10**9))) == 1
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(bucket_by_bytes(groups, 0))
+
+def test_logprob_gap_is_token_weighted_per_prompt_kind_and_omits_empty_splits():
+    samples = [
+        sample(0, response=(1, 2), loss_mask=(1, 1), rollout=(-1.0, -2.0), images=["img"]),
+        sample(1, response=(3, 4, 5), loss_mask=(1, 0, 1), rollout=(-1.0, -1.0, -1.0)),
+        sample(2, response=(6,), rollout=None),  # no rollout log-probs: left out
+    ]
+    train = [torch.tensor([-1.5, -2.0]), torch.tensor([-1.25, -9.0, -0.5]), torch.tensor([-3.0])]
+    sums = all_reduce_sums(logprob_gap_sums(samples, train))
+    metrics = logprob_gap_metrics(sums)
+    # image: |0.5| + |0| over 2 tokens; text: |0.25| + |0.5| over 2 masked tokens.
+    assert metrics == {
+        "train/logprob_abs_diff_image": pytest.approx(0.25),
+        "train/logprob_abs_diff_text": pytest.approx(0.375),
+        "train/logprob_abs_diff": pytest.approx(1.25 / 4),
+    }
+    text_only = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[1:2], train[1:2])))
+    assert set(text_only) == {"train/logprob_abs_diff_text", "train/logprob_abs_diff"}
+    assert logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[2:], train[2:]))) == {}
+
+def test_all_reduce_sums_without_distributed_returns_floats():
+    out = all_reduce_sums({"b": torch.tensor(2.5), "a": 1})
+    assert out == {"a": 1.0, "b": 2.5} and all(isinstance(v, float) for v in out.values())
