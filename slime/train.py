@@ -15,10 +15,10 @@ no backend or engine details.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +35,7 @@ from slime.rollout.manager import RolloutManager
 from slime.utils import checkpoint as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
 from slime.utils.env_check import check_environment
-from slime.utils.metrics import MetricsLogger, progress
+from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
 from slime.utils.processor import load_processor
 from slime.utils.timer import timed
 
@@ -47,62 +47,107 @@ def train(cfg: SlimeConfig) -> Path:
     run_dir = _run_dir(cfg)
     started_ray = init_ray(cfg.cluster)
     try:
-        use_gpu = cluster_num_gpus() > 0
-        if use_gpu:
-            validate(cfg, num_gpus_available=cluster_num_gpus())
-            check_environment()
-        placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
-        processor = load_processor(cfg.checkpoint.hf_checkpoint,
-                                   min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
-        engines = _start_engines(cfg, placement)
-        trainers = TrainerGroup(placement, _backend_factory(cfg), cfg.train.global_batch_size)
-        rollout_manager = RolloutManager(
-            rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
-            processor=processor, engines=engines, seed=cfg.rollout.rollout_seed,
-            debug_dump=cfg.logging.save_debug_rollout_data,
-        )
-        start = trainers.init()
-        if start > 0:
-            rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
-            logger.info("resumed from %s at rollout %d", cfg.checkpoint.load, start)
-        memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
-        with memory.sync_phase():
-            trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
-        num_rollout = _num_rollout(cfg, rollout_manager)
-
-        with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name, config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
-            if start == 0 and cfg.eval.eval_prompt_pairs and not cfg.eval.skip_eval_before_train:
-                metrics_log.log(0, rollout_manager.evaluate(0))
-            bar = progress(total=num_rollout, initial=start, disable=cfg.logging.no_progress_bar)
-            for rollout_id in range(start, num_rollout):
-                times: dict[str, float] = {}
-                with timed("rollout", times):
-                    batch = rollout_manager.generate(rollout_id)
-                with timed("train", times), memory.train_phase():
-                    train_metrics = trainers.train(rollout_id, batch.samples)
-                with timed("sync", times), memory.sync_phase():
-                    trainers.update_weights(engines)
-                eval_metrics = {}
-                if _due(rollout_id, cfg.eval.eval_interval, num_rollout) and cfg.eval.eval_prompt_pairs:
-                    with timed("eval", times):
-                        eval_metrics = rollout_manager.evaluate(rollout_id + 1)
-                if cfg.checkpoint.save and _due(rollout_id, cfg.checkpoint.save_interval, num_rollout):
-                    with timed("save", times):
-                        save(cfg, rollout_id, trainers, rollout_manager)
-                # x axis = policy version: rollout k samples the policy after k updates,
-                # the eval after it sees the policy after k + 1 updates.
-                step_metrics = {**batch.metrics, **train_metrics, **times}
-                metrics_log.log(rollout_id, step_metrics)
-                if eval_metrics:
-                    metrics_log.log(rollout_id + 1, eval_metrics)
-                bar.update({**step_metrics, **eval_metrics})
-            bar.close()
-        rollout_manager.close()
-        logger.info("done: metrics in %s, reward curve in %s", run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
+        run = setup(cfg)
+        with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name,
+                           config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
+            loop(cfg, run, metrics_log)
+        run.rollout_manager.close()
+        logger.info("done: metrics in %s, reward curve in %s", run_dir / METRICS_FILE, run_dir / PLOT_FILE)
         return run_dir
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
+    """The rollout steps ``run.start .. run.num_rollout - 1`` (metrics x axis: policy version).
+
+    Rollout ``k`` samples the policy after ``k`` updates and is logged at step ``k``; the
+    eval after it sees the policy after ``k + 1`` updates and is logged at step ``k + 1``.
+    """
+    rollout_manager, trainers, engines, memory = run.rollout_manager, run.trainers, run.engines, run.memory
+    if run.start == 0 and cfg.eval.eval_prompt_pairs and not cfg.eval.skip_eval_before_train:
+        metrics_log.log(0, rollout_manager.evaluate(0))
+    bar = progress(total=run.num_rollout, initial=run.start, disable=cfg.logging.no_progress_bar)
+    for rollout_id in range(run.start, run.num_rollout):
+        times: dict[str, float] = {}
+        with timed("rollout", times):
+            batch = rollout_manager.generate(rollout_id)
+        with timed("train", times), memory.train_phase():
+            train_metrics = trainers.train(rollout_id, batch.samples)
+        with timed("sync", times), memory.sync_phase():
+            trainers.update_weights(engines)
+        eval_metrics = {}
+        if cfg.eval.eval_prompt_pairs and _due(rollout_id, cfg.eval.eval_interval, run.num_rollout):
+            with timed("eval", times):
+                eval_metrics = rollout_manager.evaluate(rollout_id + 1)
+        if cfg.checkpoint.save and _due(rollout_id, cfg.checkpoint.save_interval, run.num_rollout):
+            with timed("save", times):
+                save(cfg, rollout_id, trainers, rollout_manager)
+        step_metrics = {**batch.metrics, **train_metrics, **times}
+        metrics_log.log(rollout_id, step_metrics)
+        if eval_metrics:
+            metrics_log.log(rollout_id + 1, eval_metrics)
+        bar.update({**step_metrics, **eval_metrics})
+    bar.close()
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything :func:`loop` drives, built by :func:`setup`."""
+
+    placement: Placement
+    engines: RolloutEngineGroup
+    trainers: TrainerGroup
+    rollout_manager: RolloutManager
+    memory: ColocatedMemory
+    start: int
+    num_rollout: int
+
+
+def setup(cfg: SlimeConfig) -> Run:
+    """Reserve resources, start engines and trainers, resume from ``--load``, sync weights.
+
+    Needs a running Ray (:func:`slime.ray.placement.init_ray`).
+    """
+    use_gpu = cluster_num_gpus() > 0
+    if use_gpu:
+        validate(cfg, num_gpus_available=cluster_num_gpus())
+        check_environment()
+    placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
+    engines, trainers = start_workers(cfg, placement)
+    processor = load_processor(cfg.checkpoint.hf_checkpoint,
+                               min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
+    rollout_manager = RolloutManager(
+        rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
+        processor=processor, engines=engines, seed=cfg.rollout.rollout_seed,
+        debug_dump=cfg.logging.save_debug_rollout_data,
+    )
+    start = trainers.init()
+    if start > 0:
+        rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
+        dropped = truncate_metrics(_run_dir(cfg) / METRICS_FILE, keep=lambda r: _logged_before(r, start))
+        logger.info("resumed from %s at rollout %d (%d metrics records after the checkpoint dropped)",
+                    cfg.checkpoint.load, start, dropped)
+    memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
+    with memory.sync_phase():
+        trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
+    return Run(placement, engines, trainers, rollout_manager, memory, start, _num_rollout(cfg, rollout_manager))
+
+
+def start_workers(cfg: SlimeConfig, placement: Placement) -> tuple[RolloutEngineGroup, TrainerGroup]:
+    """Start the rollout engines and the trainer ranks (not yet initialised) on ``placement``."""
+    engine_cls = ENGINES.get(cfg.rollout.rollout_backend)
+    engine_factory = functools.partial(engine_cls.from_config, cfg, use_gpu=placement.use_gpu)
+    engine_threads = None if placement.use_gpu else cpu_threads_per_actor(
+        placement.num_engines + (0 if placement.colocate else placement.num_trainers)
+    )
+    engines = RolloutEngineGroup(
+        [placement.engine_options(i) for i in range(placement.num_engines)], engine_factory, engine_threads
+    )
+    backend_cls = TRAIN_BACKENDS.get(cfg.train.train_backend)
+    trainers = TrainerGroup(placement, functools.partial(backend_cls.from_config, cfg), cfg.train.global_batch_size)
+    return engines, trainers
 
 
 def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_manager: RolloutManager) -> None:
@@ -141,19 +186,11 @@ class ColocatedMemory:
             self.trainers.offload()
 
 
-def _start_engines(cfg: SlimeConfig, placement: Placement) -> RolloutEngineGroup:
-    engine_cls = ENGINES.get(cfg.rollout.rollout_backend)
-    factory = functools.partial(engine_cls.from_config, cfg, use_gpu=placement.use_gpu)
-    options = [placement.engine_options(i) for i in range(placement.num_engines)]
-    threads = None if placement.use_gpu else cpu_threads_per_actor(
-        placement.num_engines + (0 if placement.colocate else placement.num_trainers)
-    )
-    return RolloutEngineGroup(options, factory, threads)
-
-
-def _backend_factory(cfg: SlimeConfig):
-    backend_cls = TRAIN_BACKENDS.get(cfg.train.train_backend)
-    return functools.partial(backend_cls.from_config, cfg)
+def _logged_before(record: dict, start: int) -> bool:
+    """Whether a metrics record belongs to the history before resuming at rollout ``start``:
+    rollout records of steps < start, eval records of steps <= start (see :func:`loop`)."""
+    is_eval = any(key.startswith("eval/") for key in record)
+    return record["step"] <= start if is_eval else record["step"] < start
 
 
 def _num_rollout(cfg: SlimeConfig, rollout_manager: RolloutManager) -> int:
@@ -171,16 +208,16 @@ def _due(rollout_id: int, interval: int | None, num_rollout: int) -> bool:
 
 
 def _run_dir(cfg: SlimeConfig) -> Path:
-    name = cfg.logging.run_name or time.strftime("slime-%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.logging.output_dir or Path("outputs") / name)
+    if cfg.logging.output_dir is None:
+        cfg.logging.output_dir = str(Path("outputs") / (cfg.logging.run_name or time.strftime("slime-%Y%m%d-%H%M%S")))
+    run_dir = Path(cfg.logging.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = parse_args(argv)
-    train(cfg)
+    train(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Callable, IO, Any
 
 from tqdm import tqdm
 
@@ -172,6 +172,29 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
                     record[key] = _NON_FINITE[value]
             records.append(record)
     return records
+
+
+def truncate_metrics(path: str | os.PathLike, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Rewrite ``path`` keeping only the records for which ``keep(record)`` is true.
+
+    A resumed run calls this before logging again, so that steps re-run after the last
+    checkpoint appear once. The file is replaced atomically; lines that cannot be read are
+    dropped (with the warning of :func:`read_metrics`).
+
+    Returns:
+        The number of records dropped.
+    """
+    path = Path(path)
+    records = read_metrics(path)
+    kept = [r for r in records if keep(r)]
+    if len(kept) == len(records) and path.exists():
+        return 0
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in kept:
+            f.write(json.dumps({k: _json_value(v) for k, v in record.items()}, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return len(records) - len(kept)
 
 
 def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:

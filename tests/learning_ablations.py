@@ -1,0 +1,56 @@
+"""Ablations of the learning task (:mod:`tests.learning_task`), each removing one link of the loop.
+
+Used through ``--rollout-backend`` / ``--train-backend`` import paths, the way users plug
+in their own engine or trainer:
+
+- :class:`BlindEngine`: the rollout engine sees a grey image instead of the real one;
+- :class:`BlindTrainer`: the trainer sees grey pixels instead of the real ones;
+- :class:`FrozenEngine`: the engine ignores weight updates (weight sync skipped).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import torch
+from PIL import Image
+
+from slime.backends.fsdp.backend import FSDPBackend
+from slime.rollout.engines.hf_engine import TransformersEngine
+from tests.learning_task import GREY
+
+
+def _grey_like(image_b64: str) -> str:
+    size = Image.open(io.BytesIO(base64.b64decode(image_b64))).size
+    buf = io.BytesIO()
+    Image.new("RGB", size, GREY).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class BlindEngine(TransformersEngine):
+    """Rollout without pixels: every image is replaced by a grey one of the same size."""
+
+    def generate(self, requests):
+        for request in requests:
+            request.image_data = [_grey_like(image) for image in request.image_data]
+        return super().generate(requests)
+
+
+class BlindTrainer(FSDPBackend):
+    """Training without pixels: every sample's pixel values become the grey image's."""
+
+    def train(self, rollout_id, samples, num_steps):
+        for sample in samples:
+            pixels = sample.multimodal_inputs.get("pixel_values")
+            if pixels is not None:
+                # 0 is mid-grey after the processor's (x - 0.5) / 0.5 normalisation.
+                sample.multimodal_inputs = {**sample.multimodal_inputs, "pixel_values": torch.zeros_like(pixels)}
+        return super().train(rollout_id, samples, num_steps)
+
+
+class FrozenEngine(TransformersEngine):
+    """An engine that drops every weight update: the policy it samples never changes."""
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache=True):
+        return None

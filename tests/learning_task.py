@@ -1,0 +1,46 @@
+"""A task the tiny random policy can learn only by looking at the image.
+
+Each prompt is a solid-colour image and the word ``colour``; the answer is the colour's
+name, one word of a tiny word-level vocabulary (about 20 ids). A random policy names the
+right colour about 5 % of the time, so GRPO groups of 8 carry signal from the first step;
+text alone cannot beat one in three (the prompt text is the same for every colour).
+
+This module stays light (no torch): the reward runs in the reward-scorer processes.
+The ablations live in :mod:`tests.learning_ablations`.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+VOCAB_WORDS = [*COLOURS, "colour"]
+GREY = (128, 128, 128)
+
+
+def _png(rgb, size=64) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_colour_dataset(path, rows_per_colour: int = 4) -> None:
+    """Parquet with ``problem`` / ``answer`` / ``images`` columns (the geo3k schema)."""
+    problems, answers, images = [], [], []
+    for _ in range(rows_per_colour):
+        for name, rgb in COLOURS.items():
+            problems.append("<image>colour")
+            answers.append(name)
+            images.append([{"bytes": _png(rgb), "path": None}])
+    pq.write_table(pa.table({"problem": problems, "answer": answers, "images": images}), path)
+
+
+def colour_reward(response: str, label: str, cfg) -> float:
+    """1 if the response's first word is the label's colour, else 0 (``--custom-rm-path``)."""
+    words = response.split()
+    return 1.0 if words and words[0] == label else 0.0
+
