@@ -8,7 +8,13 @@
 #                     the current python as it is (e.g. inside a prepared GPU image).
 #   SLIME_PYTHON      interpreter that creates the venv (default: python3, must be >= 3.11).
 #   SLIME_EXTRAS      pip extras to install, comma-separated (default: test).
+#   SLIME_SKIP_SETUP  1: install nothing; use the current python as it is (an offline, prepared
+#                     image: put the repo on PYTHONPATH yourself).
 set -euo pipefail
+
+if [ "${SLIME_SKIP_SETUP:-0}" = "1" ]; then
+  return 0 2>/dev/null || exit 0
+fi
 
 SLIME_ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
 SLIME_VENV="${SLIME_VENV:-$SLIME_ROOT/.venv}"

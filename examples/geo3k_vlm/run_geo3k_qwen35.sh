@@ -21,6 +21,7 @@
 #   SLIME_SCRIPT_ROLLOUT_BACKEND [sglang] sglang | transformers
 #   SLIME_SCRIPT_OUTPUT_DIR     [outputs/geo3k-<model>-<time>] metrics, plot, checkpoints
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
+#   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
 #   WANDB_API_KEY               set -> --use-wandb (project slime-geo3k-vlm)
 
 set -euo pipefail
@@ -35,8 +36,9 @@ MODEL_NAME=${SLIME_SCRIPT_MODEL_NAME:-"Qwen3.5-35B-A3B"}
 HF_CHECKPOINT=${SLIME_SCRIPT_HF_CHECKPOINT:-"$HOME/models/$MODEL_NAME"}
 TRAIN_BACKEND=${SLIME_SCRIPT_TRAIN_BACKEND:-"megatron"}
 ROLLOUT_BACKEND=${SLIME_SCRIPT_ROLLOUT_BACKEND:-"sglang"}
-OUTPUT_DIR=${SLIME_SCRIPT_OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]')-$(date +%Y%m%d-%H%M%S)"}
+OUTPUT_DIR=${SLIME_SCRIPT_OUTPUT_DIR:-""}
 FORCE_CPU=${SLIME_SCRIPT_FORCE_CPU:-0}
+DRY_RUN=${SLIME_SCRIPT_DRY_RUN:-0}
 
 # Set-up: create or reuse the virtualenv and install slime with its pins when missing.
 # shellcheck disable=SC1091
@@ -53,6 +55,7 @@ if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    # -------------------------------------------------------------------------------
    echo "[geo3k] no GPU found: running the embedded CPU default (tiny random Qwen3.5-MoE checkpoint, bundled geo3k sample, transformers engine, FSDP2 trainer over gloo)."
    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+   OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-tiny-cpu-$(date +%Y%m%d-%H%M%S)"}
    TINY_CKPT=$(python scripts/tools/make_tiny_qwen35.py | tail -n 1)
    DATA_DIR="$SLIME_DIR/examples/geo3k_vlm/data"
    # shellcheck disable=SC1091
@@ -84,6 +87,7 @@ else
    # -------------------------------------------------------------------------------
    # Full recipe on a GPU node (upstream structure).
    # -------------------------------------------------------------------------------
+   OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]')-$(date +%Y%m%d-%H%M%S)"}
    MODEL_SH="$SLIME_DIR/scripts/models/$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]').sh"
    if [ ! -f "$MODEL_SH" ]; then
       echo "[geo3k] no model file $MODEL_SH for SLIME_SCRIPT_MODEL_NAME=$MODEL_NAME; add one under scripts/models/" >&2
@@ -104,7 +108,7 @@ else
    fi
    EVAL_ARGS=()
    if [ -n "$EVAL_DATA" ]; then
-      EVAL_ARGS=(--eval-interval 20 --eval-prompt-data "$(basename "${DATASET_NAME%@*}")" "$EVAL_DATA"
+      EVAL_ARGS=(--eval-interval 20 --eval-prompt-data geo3k "$EVAL_DATA"
                  --n-samples-per-eval-prompt 1 --eval-max-response-len 4096)
    fi
    WANDB_ARGS=()
@@ -162,6 +166,10 @@ if [ "$EXTERNAL_RAY" != "0" ]; then
    ARGS+=(--ray-address "${RAY_ADDRESS:-auto}")
 fi
 
+if [ "$DRY_RUN" = "1" ]; then
+   printf '%q ' python -m slime.train "${ARGS[@]}" "$@"; echo
+   exit 0
+fi
 mkdir -p "$OUTPUT_DIR"
 printf '%q ' python -m slime.train "${ARGS[@]}" "$@" >"$OUTPUT_DIR/command.sh"
 echo >>"$OUTPUT_DIR/command.sh"
