@@ -472,6 +472,21 @@ def test_cuda_bf16_release_frees_memory_and_resume_restores_it(tiny_ckpt, proces
         np.testing.assert_allclose(out.output_log_probs, ref.numpy(), atol=0.1, rtol=0)
 
 
+def test_from_config_reads_the_run_flags(tiny_ckpt, processor):
+    from slime.utils.arguments import parse_args
+
+    cfg = parse_args(
+        f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
+        "--rollout-seed 40 --image-max-pixels 4096 --colocate".split()
+    )
+    engine = TransformersEngine.from_config(cfg, 2, use_gpu=False)
+    assert engine.device == torch.device("cpu") and engine.model.dtype == torch.float32
+    assert engine.processor.max_pixels == 4096
+    requests = _mixed_requests(processor, max_new_tokens=4, temperature=1.0)
+    expected = TransformersEngine(str(tiny_ckpt), seed=42, max_pixels=4096).generate(requests)
+    assert [o.output_ids for o in engine.generate(requests)] == [o.output_ids for o in expected]
+
+
 def test_registry_and_import_do_not_pull_sglang():
     from slime.rollout.engines import ENGINES
 

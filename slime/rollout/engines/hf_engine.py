@@ -155,6 +155,24 @@ class TransformersEngine(RolloutEngine):
         self._released = False
         self._shut_down = False
 
+    @classmethod
+    def from_config(cls, cfg, engine_index: int, *, use_gpu: bool) -> "TransformersEngine":
+        """Build engine ``engine_index`` of a run from its :class:`slime.utils.arguments.SlimeConfig`
+        (what the driver's engine factory calls inside each engine's Ray actor).
+
+        ``--hf-checkpoint``, ``--image-min-pixels`` / ``--image-max-pixels`` (so that the engine's
+        prompts match the data pipeline's), seed ``--rollout-seed + engine_index`` (engines draw
+        different samples for the same prompts); bfloat16 on the actor's GPU, float32 on CPU.
+        """
+        return cls(
+            cfg.checkpoint.hf_checkpoint,
+            device="cuda" if use_gpu else "cpu",
+            dtype=torch.bfloat16 if use_gpu else torch.float32,
+            min_pixels=cfg.data.image_min_pixels,
+            max_pixels=cfg.data.image_max_pixels,
+            seed=cfg.rollout.rollout_seed + engine_index,
+        )
+
     # ---------------------------------------------------------------- generation
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
