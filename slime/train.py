@@ -34,6 +34,7 @@ from slime.rollout.engines import ENGINES
 from slime.rollout.manager import RolloutManager
 from slime.utils import checkpoint as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
+from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
 from slime.utils.processor import load_processor
@@ -43,11 +44,17 @@ logger = logging.getLogger("slime")
 
 
 def train(cfg: SlimeConfig) -> Path:
-    """Run GRPO as configured; returns the run directory (metrics.jsonl, reward_curve.png)."""
+    """Run GRPO as configured; returns the run directory (metrics.jsonl, reward_curve.png).
+
+    Raises:
+        ConfigError: the ``--rollout-backend`` / ``--train-backend`` cannot be loaded here
+            (checked before anything starts).
+    """
+    components = resolve_components(cfg)
     run_dir = _run_dir(cfg)
     started_ray = init_ray(cfg.cluster)
     try:
-        run = setup(cfg)
+        run = setup(cfg, components)
         with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name,
                            config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
             loop(cfg, run, metrics_log)
@@ -105,17 +112,48 @@ class Run:
     num_rollout: int
 
 
-def setup(cfg: SlimeConfig) -> Run:
+@dataclasses.dataclass
+class Components:
+    """The classes a run uses, resolved from ``--rollout-backend`` and ``--train-backend``."""
+
+    engine_cls: type
+    backend_cls: type
+
+
+def resolve_components(cfg: SlimeConfig) -> Components:
+    """Look up (and import) the rollout engine and training backend classes.
+
+    Called before Ray starts, so an engine or backend that is unknown or cannot be imported
+    on this machine (e.g. megatron-core missing) fails at once, not after start-up.
+
+    Raises:
+        ConfigError: naming the flag, the value, the valid names and the import error.
+    """
+    lookups = (("--rollout-backend", cfg.rollout.rollout_backend, ENGINES),
+               ("--train-backend", cfg.train.train_backend, TRAIN_BACKENDS))
+    found = []
+    for flag, name, registry in lookups:
+        try:
+            found.append(registry.get(name))
+        except KeyError as e:
+            raise ConfigError(f"{flag} {name}: not available in this installation ({e.args[0]})") from None
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{flag} {name}: cannot be imported here: {e}") from e
+    return Components(*found)
+
+
+def setup(cfg: SlimeConfig, components: Components | None = None) -> Run:
     """Reserve resources, start engines and trainers, resume from ``--load``, sync weights.
 
     Needs a running Ray (:func:`slime.ray.placement.init_ray`).
     """
+    components = components or resolve_components(cfg)
     use_gpu = cluster_num_gpus() > 0
     if use_gpu:
         validate(cfg, num_gpus_available=cluster_num_gpus())
         check_environment()
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
-    engines, trainers = start_workers(cfg, placement)
+    engines, trainers = start_workers(cfg, placement, components)
     processor = load_processor(cfg.checkpoint.hf_checkpoint,
                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
     rollout_manager = RolloutManager(
@@ -135,18 +173,20 @@ def setup(cfg: SlimeConfig) -> Run:
     return Run(placement, engines, trainers, rollout_manager, memory, start, _num_rollout(cfg, rollout_manager))
 
 
-def start_workers(cfg: SlimeConfig, placement: Placement) -> tuple[RolloutEngineGroup, TrainerGroup]:
+def start_workers(
+    cfg: SlimeConfig, placement: Placement, components: Components | None = None
+) -> tuple[RolloutEngineGroup, TrainerGroup]:
     """Start the rollout engines and the trainer ranks (not yet initialised) on ``placement``."""
-    engine_cls = ENGINES.get(cfg.rollout.rollout_backend)
-    engine_factory = functools.partial(engine_cls.from_config, cfg, use_gpu=placement.use_gpu)
+    components = components or resolve_components(cfg)
+    engine_factory = functools.partial(components.engine_cls.from_config, cfg, use_gpu=placement.use_gpu)
     engine_threads = None if placement.use_gpu else cpu_threads_per_actor(
         placement.num_engines + (0 if placement.colocate else placement.num_trainers)
     )
     engines = RolloutEngineGroup(
         [placement.engine_options(i) for i in range(placement.num_engines)], engine_factory, engine_threads
     )
-    backend_cls = TRAIN_BACKENDS.get(cfg.train.train_backend)
-    trainers = TrainerGroup(placement, functools.partial(backend_cls.from_config, cfg), cfg.train.global_batch_size)
+    backend_factory = functools.partial(components.backend_cls.from_config, cfg)
+    trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size)
     return engines, trainers
 
 
@@ -217,7 +257,11 @@ def _run_dir(cfg: SlimeConfig) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    train(parse_args(argv))
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    except ConfigError as e:
+        sys.exit(f"slime: error: {e}")
 
 
 if __name__ == "__main__":
