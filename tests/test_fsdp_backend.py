@@ -85,18 +85,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, port: int, args: tuple) -> None:
+def _entry(rank: int, fn, port: int, device: str, args: tuple) -> None:
     torch.set_num_threads(1)
     try:
-        fn(RankInfo(rank, WORLD, "127.0.0.1", port, "cpu"), *args)
+        fn(RankInfo(rank, WORLD, "127.0.0.1", port, device), *args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn(fn, *args) -> None:
-    """Run ``fn(rank_info, *args)`` on 2 CPU ranks; re-raises a rank's exception."""
-    mp.spawn(_entry, args=(fn, _free_port(), args), nprocs=WORLD, join=True)
+def spawn(fn, *args, device: str = "cpu") -> None:
+    """Run ``fn(rank_info, *args)`` on 2 ranks (``device`` "cpu" or "cuda"); re-raises a rank's exception.
+
+    The rendezvous port is free when picked but may be taken before rank 0 binds it (other
+    test runs share the machine): such a start is retried with a new port, twice at most.
+    """
+    for attempt in range(3):
+        try:
+            mp.spawn(_entry, args=(fn, _free_port(), device, args), nprocs=WORLD, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
 
 
 def make_backend(rank_info: RankInfo, ckpt_dir, *, train=None, optimizer=None, checkpoint=None, **kwargs):
@@ -568,3 +578,77 @@ def test_registry_resolves_fsdp_lazily():
     assert TRAIN_BACKENDS.get("fsdp") is FSDPBackend
     with pytest.raises(KeyError, match="fsdp"):
         TRAIN_BACKENDS.get("deepspeed")
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: NCCL, bf16 mixed precision, offload / onload (skipped on CPU machines)
+# ---------------------------------------------------------------------------------------
+
+
+def _job_gpu(rank_info, ckpt_dir, samples, out):
+    backend = make_backend(rank_info, ckpt_dir, train={"bf16": True})
+    backend.init()
+    log_probs = backend.compute_log_probs(samples)
+    metrics = backend.train(0, rank_share(samples, rank_info.rank, 1), num_steps=1)
+    master_dtypes = {p.dtype for p in backend.model.parameters()}
+    params = full_params(backend.model)
+
+    def tensors():  # parameter shards and Adam moments (not Adam's scalar step count)
+        moments = [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
+        return list(backend.model.parameters()) + moments
+
+    shard_bytes = sum(t.to_local().numel() * t.element_size() for t in tensors())
+    on_gpu = torch.cuda.memory_allocated()
+    backend.offload()
+    offloaded = torch.cuda.memory_allocated()
+    devices_offloaded = {t.device.type for t in tensors()}
+    backend.onload()
+    devices_onloaded = {t.device.type for t in tensors()}
+    params_after = full_params(backend.model)
+    assert all(torch.equal(params[name], params_after[name]) for name in params)
+    # The optimizer still steps the model's own parameter objects, so training goes on.
+    optimized = {id(p) for group in backend.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in backend.model.parameters()}
+    metrics_after = backend.train(1, rank_share(samples, rank_info.rank, 1), num_steps=1)
+    trained = full_params(backend.model)
+    assert not torch.equal(trained["lm_head.weight"], params_after["lm_head.weight"])
+    buckets = [[(name, t.dtype, t.device.type) for name, t in bucket] for bucket in backend.iter_weight_buckets(1 << 20)]
+    backend.save(0, ckpt.iteration_dir(out / "ckpt", 0))
+    if rank_info.rank == 0:
+        torch.save(
+            dict(
+                log_probs=log_probs,
+                metrics=[metrics, metrics_after],
+                master_dtypes=master_dtypes,
+                memory=(on_gpu - offloaded, shard_bytes),
+                devices=(devices_offloaded, devices_onloaded),
+                buckets=buckets,
+            ),
+            out / "gpu.pt",
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_bf16_training_offload_and_weight_sync(tiny_ckpt, tmp_path):
+    samples = make_samples(tiny_ckpt, [5, 3, 6, 4], images=[True, False, True, False])
+    spawn(_job_gpu, tiny_ckpt, samples, tmp_path, device="cuda")
+    result = torch.load(tmp_path / "gpu.pt")
+
+    model = hf_model(tiny_ckpt)
+    with torch.no_grad():
+        for sample, got in zip(samples, result["log_probs"]):
+            # bf16 compute vs the float32 reference: log-probs agree to bf16 precision.
+            expected = reference_log_probs(model, sample)
+            assert (torch.tensor(got, dtype=torch.float64) - expected).abs().max() < 0.1
+    assert result["master_dtypes"] == {torch.float32}
+    freed, shard_bytes = result["memory"]
+    assert freed >= shard_bytes > 0, result["memory"]  # the shards and Adam moments left the GPU
+    assert result["devices"] == ({"cpu"}, {"cuda"})
+    for metrics in result["metrics"]:
+        assert all(np.isfinite(v) for v in metrics.values()), metrics
+    with safe_open(Path(tiny_ckpt) / "model.safetensors", "pt") as f:
+        assert sorted(name for bucket in result["buckets"] for name, _, _ in bucket) == sorted(f.keys())
+    assert {(dtype, device) for bucket in result["buckets"] for _, dtype, device in bucket} == {(torch.bfloat16, "cpu")}
+    loaded = hf_model(ckpt.model_dir(tmp_path / "ckpt", 0))
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}

@@ -26,6 +26,7 @@ biases, norm weights and other 1-D parameters get no decay (Megatron-LM's defaul
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import random
@@ -122,6 +123,7 @@ class FSDPBackend(TrainerBackend):
         self.optimizer_steps = 0
         self.device = torch.device("cpu")
         self.compute_dtype = torch.float32
+        self.mesh = None
         self.model = None
         self.ref_model = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -359,9 +361,9 @@ class FSDPBackend(TrainerBackend):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the step's GRPO loss (differentiable) and metric terms."""
         inputs = build_model_inputs(samples, self.model.config, self.device)
-        log_probs, entropy = response_log_probs(self.model, inputs, self.temperature, with_entropy=True)
-        if self.grpo.entropy_coef == 0:
-            entropy = entropy.detach()  # reported, not trained on
+        log_probs, entropy = response_log_probs(
+            self.model, inputs, self.temperature, with_entropy=True, entropy_grad=self.grpo.entropy_coef != 0
+        )
         loss_mask = pad_per_token([s.loss_mask for s in samples], torch.float32, self.device)
         old = pad_per_token(old_log_probs, torch.float32, self.device)
         ref = None if ref_log_probs is None else pad_per_token(ref_log_probs, torch.float32, self.device)
@@ -412,12 +414,7 @@ class FSDPBackend(TrainerBackend):
         on GPU, else float32), ready to be pickled through Ray.
         """
         self._require_init()
-        groups = iter_hf_weight_groups(self.model, self.compute_dtype)
-        if dist.get_rank() != 0:
-            for _ in groups:
-                pass
-            return
-        yield from bucket_by_bytes(groups, bucket_bytes)
+        yield from bucket_by_bytes(iter_hf_weight_groups(self.model, self.compute_dtype), bucket_bytes)
 
     def save(self, rollout_id: int, path: Path) -> None:
         """Write ``path/model`` (HF folder) and ``path/trainer`` (optimizer, scheduler, RNG). Collective.
@@ -448,8 +445,7 @@ class FSDPBackend(TrainerBackend):
         if rank == 0:
             save_hf_folder(groups, model_out, self.ckpt_cfg.hf_checkpoint, MAX_SHARD_BYTES)
         else:
-            for _ in groups:
-                pass
+            collections.deque(groups, maxlen=0)  # take part in the gathers; only rank 0 receives groups
         if not self.ckpt_cfg.no_save_optim:
             dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=trainer_out / "optimizer")
         if rank == 0:

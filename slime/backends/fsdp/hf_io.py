@@ -148,13 +148,15 @@ def fsdp_unit_prefixes(model: nn.Module) -> list[str]:
 
 
 def iter_hf_weight_groups(model: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> Iterator[WeightGroup]:
-    """Full weights by checkpoint name, one FSDP unit at a time. Collective (all-gathers shards).
+    """Full weights by checkpoint name, one FSDP unit at a time.
 
-    Groups come in this order: every unit below the root (one decoder layer / vision block
-    each), then the root's own parameters.  Each group is converted to checkpoint names
-    with ``revert_weight_conversion`` (fused experts -> one tensor per expert, per layer,
-    so a group holds whole layers); vision-tower names pass through unchanged.  Every rank
-    receives the full tensors (an all-gather); callers on other ranks may drop them.
+    Collective: every rank must exhaust the iterator (each group is all-gathered), but only
+    rank 0 (or the only process, without ``torch.distributed``) yields the groups; on the
+    other ranks the iterator is empty.  Groups come in this order: every unit below the
+    root (one decoder layer / vision block each), then the root's own parameters.  Each
+    group is converted to checkpoint names with ``revert_weight_conversion`` (fused experts
+    -> one tensor per expert, per layer, so a group holds whole layers); vision-tower names
+    pass through unchanged.
 
     Args:
         model: the sharded model (plain tensors are passed through as they are).
@@ -163,13 +165,14 @@ def iter_hf_weight_groups(model: nn.Module, dtype: torch.dtype, device: torch.de
         device: where the yielded tensors live.
 
     Yields:
-        Lists of ``(checkpoint name, contiguous tensor)``.
+        On rank 0: lists of ``(checkpoint name, contiguous tensor)``.
     """
     if isinstance(model, FSDPModule):
         model.reshard()  # a root gathered by a forward without backward would expose unsharded (compute-dtype) tensors
     units = fsdp_unit_prefixes(model)
     groups: dict[str, list[str]] = {unit: [] for unit in units}
     groups[""] = []
+    receiver = not dist.is_initialized() or dist.get_rank() == 0
     state = model.state_dict()
     for name in state:
         owner = max((u for u in units if name.startswith(u + ".")), key=len, default="")
@@ -183,6 +186,8 @@ def iter_hf_weight_groups(model: nn.Module, dtype: torch.dtype, device: torch.de
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             full[name] = tensor.detach()
+        if not receiver:
+            continue
         converted = revert_weight_conversion(model, full)
         yield [(name, t.to(device=device, dtype=dtype).contiguous()) for name, t in converted.items()]
 

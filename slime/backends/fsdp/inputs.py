@@ -60,13 +60,11 @@ class ModelInputs:
         response_index: int64 ``[B, R_max]``, index into the ``K`` kept logits of the logit
             predicting each response token (0 on padding).
         response_tokens: int64 ``[B, R_max]`` response token ids (0 on padding).
-        response_mask: bool ``[B, R_max]``, True on real response tokens.
     """
 
     model_kwargs: dict[str, Tensor]
     response_index: Tensor
     response_tokens: Tensor
-    response_mask: Tensor
 
 
 def dummy_image(vision_config) -> tuple[Tensor, Tensor]:
@@ -137,7 +135,6 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
         model_kwargs=model_kwargs,
         response_index=response_index,
         response_tokens=pad_per_token([s.response_token_ids for s in samples], torch.int64, device),
-        response_mask=pad_per_token([[1] * r for r in response_lens], torch.bool, device),
     )
 
 
@@ -160,7 +157,7 @@ def _replace_placeholders(sample: Sample, placeholders: set[int]) -> list[int]:
 
 
 def response_log_probs(
-    model: nn.Module, inputs: ModelInputs, temperature: float, *, with_entropy: bool = False
+    model: nn.Module, inputs: ModelInputs, temperature: float, *, with_entropy: bool = False, entropy_grad: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``.
 
@@ -173,15 +170,20 @@ def response_log_probs(
         inputs: from :func:`build_model_inputs`.
         temperature: ``--rollout-temperature``, > 0.
         with_entropy: also return the per-token entropy (nats).
+        entropy_grad: False computes the entropy without autograd (a metric only), which
+            spares the vocabulary-sized tensors its backward would keep.
 
     Returns:
-        ``(log_probs, entropy)``: float32 ``[B, R_max]`` each (garbage on padding: mask with
-        ``inputs.response_mask``); ``entropy`` is None unless asked for.
+        ``(log_probs, entropy)``: float32 ``[B, R_max]`` each, row ``b`` valid in its first
+        ``R_b`` entries (garbage after: mask it); ``entropy`` is None unless asked for.
     """
     logits = model(**inputs.model_kwargs, use_cache=False).logits  # [B, K, V]
     batch = logits.shape[0]
     if batch > 1:
         logits = logits[torch.arange(batch, device=logits.device)[:, None], inputs.response_index]
     log_probs = gather_log_probs(logits, inputs.response_tokens, temperature)
-    entropy = entropy_from_logits(logits.float() / temperature) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = entropy_from_logits(logits.float() / temperature)
     return log_probs, entropy
