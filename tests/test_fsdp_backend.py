@@ -131,7 +131,7 @@ def rank_share(samples: list[Sample], rank: int, num_steps: int) -> list[Sample]
     """What the trainer group sends to ``rank``: its slice of every optimizer step, in order."""
     per_step = len(samples) // num_steps
     per_rank = per_step // WORLD
-    return [s for k in range(num_steps) for s in samples[k * per_step + rank * per_rank : k * per_step + (rank + 1) * per_rank]]
+    return [s for k in range(num_steps) for s in samples[k * per_step + rank * per_rank :][:per_rank]]
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -190,7 +190,9 @@ def _job_train(rank_info, ckpt_dir, samples, out, overrides):
     [(False, 1, False), (True, 2, True)],
     ids=["per-sample,mbs1", "per-token,mbs2,gradient-checkpointing"],
 )
-def test_two_optimizer_steps_match_single_process_reference(tiny_ckpt, tmp_path, per_token, micro_batch_size, recompute):
+def test_two_optimizer_steps_match_single_process_reference(
+    tiny_ckpt, tmp_path, per_token, micro_batch_size, recompute
+):
     # 8 samples, 2 steps of 4; in every step rank 0 gets two long responses, rank 1 two short
     # ones, so a per-rank mean would weigh tokens differently from the global mean.
     lens = [9, 7, 2, 3, 8, 6, 3, 2]
@@ -342,9 +344,30 @@ def test_log_probs_equal_plain_hf_forward_and_see_the_image(tiny_ckpt, tmp_path,
             expected = reference_log_probs(model, sample)
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), expected, rtol=0, atol=2e-5)
             if sample.images:
-                assert (torch.tensor(got_changed) - torch.tensor(got)).abs().max() > 1e-3, "pixels must reach the policy"
+                change = (torch.tensor(got_changed) - torch.tensor(got)).abs().max()
+                assert change > 1e-3, "pixels must reach the policy"
             else:
                 torch.testing.assert_close(torch.tensor(got_changed), torch.tensor(got))
+
+
+def test_generated_image_placeholder_is_scored_without_breaking_the_forward(tiny_ckpt):
+    from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
+
+    model = hf_model(tiny_ckpt).eval()
+    sample = make_samples(tiny_ckpt, [6], images=[True])[0]
+    k = 3
+    sample.response_token_ids[k] = model.config.image_token_id  # a policy may sample any id
+    with torch.no_grad():
+        got, _ = response_log_probs(model, build_model_inputs([sample], model.config, "cpu"), TEMPERATURE)
+        # Independent: response tokens 0..k are predicted from inputs before the placeholder.
+        p = len(sample.prompt_token_ids)
+        ids = torch.tensor([sample.prompt_token_ids + sample.response_token_ids[:k]])
+        mm = dict(sample.multimodal_inputs, mm_token_type_ids=(ids == model.config.image_token_id).long())
+        logits = model(input_ids=ids, **mm).logits[0, p - 1 : p + k]
+        targets = torch.tensor(sample.response_token_ids[: k + 1])
+        expected = torch.log_softmax(logits.double() / TEMPERATURE, -1).gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(got[0, : k + 1].double(), expected, rtol=0, atol=2e-5)
+    assert torch.isfinite(got).all()
 
 
 # ---------------------------------------------------------------------------------------
@@ -445,7 +468,8 @@ def test_save_then_load_restores_params_optimizer_and_lr(tiny_ckpt, tmp_path):
     assert result["lr1"] == pytest.approx(1e-3 * 2 / 3)  # warm-up step 1 of 3
 
     model_dir = ckpt.model_dir(tmp_path, 0)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"):
+    side_files = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    for name in (*side_files, "preprocessor_config.json", "generation_config.json"):
         assert (model_dir / name).read_bytes() == (Path(tiny_ckpt) / name).read_bytes(), name
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     with safe_open(Path(tiny_ckpt) / "model.safetensors", "pt") as f:
@@ -530,7 +554,25 @@ def test_reference_model_exists_only_with_a_nonzero_kl_coefficient(tiny_ckpt, tm
     # advantages equal the plain ones (same loss as without the penalty).
     assert found["kl_loss"]["metrics"]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
     assert "train/kl_loss" not in found["default"]["metrics"]
-    assert found["kl_penalty"]["metrics"]["train/loss"] == pytest.approx(found["default"]["metrics"]["train/loss"], rel=1e-6)
+    plain_loss = found["default"]["metrics"]["train/loss"]
+    assert found["kl_penalty"]["metrics"]["train/loss"] == pytest.approx(plain_loss, rel=1e-6)
+
+
+def test_reference_weights_come_from_ref_load_or_the_initial_checkpoint(tmp_path):
+    from slime.backends.fsdp.backend import reference_weights
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    root = tmp_path / "run"
+    for rollout_id in (3, 7):
+        ckpt.model_dir(root, rollout_id).mkdir(parents=True)
+    ckpt.mark_latest(root, 3)
+    assert reference_weights(None, hf) == hf
+    assert reference_weights(str(hf), tmp_path / "other") == hf
+    assert reference_weights(str(root), hf) == root / "iter_0000003" / "model"
+    with pytest.raises(FileNotFoundError, match="--ref-load"):
+        reference_weights(str(tmp_path / "missing"), hf)
 
 
 # ---------------------------------------------------------------------------------------
@@ -612,7 +654,7 @@ def _job_gpu(rank_info, ckpt_dir, samples, out):
     metrics_after = backend.train(1, rank_share(samples, rank_info.rank, 1), num_steps=1)
     trained = full_params(backend.model)
     assert not torch.equal(trained["lm_head.weight"], params_after["lm_head.weight"])
-    buckets = [[(name, t.dtype, t.device.type) for name, t in bucket] for bucket in backend.iter_weight_buckets(1 << 20)]
+    buckets = [[(n, t.dtype, t.device.type) for n, t in bucket] for bucket in backend.iter_weight_buckets(1 << 20)]
     backend.save(0, ckpt.iteration_dir(out / "ckpt", 0))
     if rank_info.rank == 0:
         torch.save(

@@ -56,7 +56,9 @@ def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False) -> 
             "give one 0/1 per response token"
         )
     if sample.rollout_log_probs and len(sample.rollout_log_probs) != r:
-        raise SampleError(f"{where}: rollout_log_probs has {len(sample.rollout_log_probs)} entries but the response has {r} tokens")
+        raise SampleError(
+            f"{where}: rollout_log_probs has {len(sample.rollout_log_probs)} entries but the response has {r} tokens"
+        )
     if need_rollout_log_probs and not sample.rollout_log_probs:
         raise SampleError(
             f"{where} has no rollout_log_probs, which --use-rollout-logprobs needs; "
@@ -192,7 +194,9 @@ def gather_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -
     if not temperature > 0:
         raise ValueError(f"--rollout-temperature must be > 0, got {temperature}")
     if logits.shape[:-1] != tokens.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must agree up to the vocab dim")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must agree up to the vocab dim"
+        )
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 

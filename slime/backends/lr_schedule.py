@@ -61,7 +61,9 @@ class LRSchedule:
 
     def __post_init__(self):
         if self.decay_style not in DECAY_STYLES:
-            raise ConfigError(f"--lr-decay-style {self.decay_style!r} is unknown; choose one of {', '.join(DECAY_STYLES)}")
+            raise ConfigError(
+                f"--lr-decay-style {self.decay_style!r} is unknown; choose one of {', '.join(DECAY_STYLES)}"
+            )
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:

@@ -182,7 +182,7 @@ class FSDPBackend(TrainerBackend):
         self.optimizer = self._build_optimizer()
         if self.grpo.needs_ref_model:
             self.ref_model = load_sharded_model(
-                self._ref_weights(hf_folder),
+                reference_weights(self.ckpt_cfg.ref_load, hf_folder),
                 mesh=self.mesh,
                 device=self.device,
                 dtype=self.compute_dtype,
@@ -232,17 +232,6 @@ class FSDPBackend(TrainerBackend):
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
         )
-
-    def _ref_weights(self, hf_folder: Path) -> Path:
-        """The reference model's folder: ``--ref-load`` (a slime checkpoint root -> its latest
-        ``model/``, or an HF folder), else the initial ``--hf-checkpoint``."""
-        ref_load = self.ckpt_cfg.ref_load
-        if ref_load is None:
-            return hf_folder
-        latest = ckpt.latest_iteration(ref_load)
-        if latest is not None:
-            return ckpt.model_dir(ref_load, latest)
-        return hf_checkpoint_folder(ref_load, "--ref-load")
 
     # ------------------------------------------------------------------------------------
     # log-probs and training
@@ -447,7 +436,8 @@ class FSDPBackend(TrainerBackend):
         else:
             collections.deque(groups, maxlen=0)  # take part in the gathers; only rank 0 receives groups
         if not self.ckpt_cfg.no_save_optim:
-            dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=trainer_out / "optimizer")
+            optimizer_state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.save(optimizer_state, checkpoint_id=trainer_out / "optimizer")
         if rank == 0:
             torch.save({"optimizer_steps": self.optimizer_steps}, trainer_out / "scheduler.pt")
         torch.save(_rng_state(), trainer_out / f"rng_rank{rank:05d}.pt")
@@ -511,6 +501,26 @@ class FSDPBackend(TrainerBackend):
     def _require_init(self) -> None:
         if self.model is None:
             raise RuntimeError("FSDPBackend.init() must run before train / compute_log_probs / save / weight sync")
+
+
+def reference_weights(ref_load: str | None, hf_checkpoint: Path) -> Path:
+    """The folder the reference model is loaded from.
+
+    Args:
+        ref_load: ``--ref-load``: a slime checkpoint root (its latest complete checkpoint's
+            ``model/`` is used) or a Hugging Face checkpoint folder; None for the default.
+        hf_checkpoint: ``--hf-checkpoint`` (the initial policy weights), the default.
+
+    Raises:
+        FileNotFoundError: ``ref_load`` is neither a slime checkpoint root nor an HF folder.
+        CheckpointError: ``ref_load``'s latest-checkpoint marker is malformed.
+    """
+    if ref_load is None:
+        return Path(hf_checkpoint)
+    latest = ckpt.latest_iteration(ref_load)
+    if latest is not None:
+        return ckpt.model_dir(ref_load, latest)
+    return hf_checkpoint_folder(ref_load, "--ref-load")
 
 
 def _rng_state() -> dict:

@@ -147,7 +147,9 @@ def fsdp_unit_prefixes(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if name and isinstance(module, FSDPModule)]
 
 
-def iter_hf_weight_groups(model: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> Iterator[WeightGroup]:
+def iter_hf_weight_groups(
+    model: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Iterator[WeightGroup]:
     """Full weights by checkpoint name, one FSDP unit at a time.
 
     Collective: every rank must exhaust the iterator (each group is all-gathered), but only
