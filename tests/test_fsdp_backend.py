@@ -606,6 +606,22 @@ def test_malformed_samples_raise_naming_the_sample(tiny_ckpt, tmp_path):
     assert "another trainer rank" in errors_rank1["bad_mask"]
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("tensor_model_parallel_size", 2),
+        ("expert_model_parallel_size", 2),
+        ("sequence_parallel", True),
+        ("recompute_granularity", "selective"),
+    ],
+)
+def test_megatron_only_flags_are_refused(tiny_ckpt, flag, value):
+    from slime.utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
+        make_backend(RankInfo(0, 1, "127.0.0.1", 0, "cpu"), tiny_ckpt, train={flag: value})
+
+
 def test_unknown_checkpoint_folder_is_refused(tmp_path):
     from slime.backends.fsdp.hf_io import hf_checkpoint_folder
 

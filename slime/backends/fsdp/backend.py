@@ -59,6 +59,7 @@ from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
+from slime.utils.config import ConfigError
 from slime.utils.ppo_utils import GRPOConfig, apply_kl_penalty_to_advantages, grpo_loss
 from slime.utils.types import Sample
 
@@ -90,7 +91,8 @@ class FSDPBackend(TrainerBackend):
         seed: base seed; rank ``r`` seeds torch with ``seed + r``.
 
     Raises:
-        ConfigError: an inconsistent LR schedule (see :class:`LRSchedule`).
+        ConfigError: a Megatron-only flag (model / sequence parallelism, recompute, dynamic
+            batching) is set, or an inconsistent LR schedule (see :class:`LRSchedule`).
         ValueError: ``rollout_temperature <= 0`` or ``num_steps_per_rollout < 1``.
     """
 
@@ -111,6 +113,7 @@ class FSDPBackend(TrainerBackend):
             raise ValueError(f"--rollout-temperature must be > 0, got {rollout_temperature}")
         if num_steps_per_rollout < 1:
             raise ValueError(f"num_steps_per_rollout must be >= 1, got {num_steps_per_rollout}")
+        check_fsdp_flags(train)
         self.rank_info = rank_info
         self.train_cfg = train
         self.optim_cfg = optimizer
@@ -501,6 +504,39 @@ class FSDPBackend(TrainerBackend):
     def _require_init(self) -> None:
         if self.model is None:
             raise RuntimeError("FSDPBackend.init() must run before train / compute_log_probs / save / weight sync")
+
+
+MEGATRON_ONLY_FLAGS = {
+    "tensor_model_parallel_size": (1,),
+    "pipeline_model_parallel_size": (1,),
+    "context_parallel_size": (1,),
+    "expert_model_parallel_size": (1,),
+    "expert_tensor_parallel_size": (None, 1),
+    "sequence_parallel": (False,),
+    "recompute_granularity": (None,),
+    "use_dynamic_batch_size": (False,),
+}
+"""BACKEND_ARGS the FSDP backend does not implement, with the values that mean "off"."""
+
+
+def check_fsdp_flags(train: TrainConfig) -> None:
+    """Refuse Megatron-only flags instead of silently ignoring them.
+
+    The FSDP backend is data-parallel only (every rank holds a shard of every parameter),
+    recomputes with ``--gradient-checkpointing`` and batches by ``--micro-batch-size``.
+
+    Raises:
+        ConfigError: naming the first such flag that is set, and what to use instead.
+    """
+    for name, off in MEGATRON_ONLY_FLAGS.items():
+        value = getattr(train, name)
+        if value not in off:
+            flag_name = "--" + name.replace("_", "-")
+            hint = "--gradient-checkpointing" if name == "recompute_granularity" else "--train-backend megatron"
+            raise ConfigError(
+                f"{flag_name} {value} is not supported by --train-backend fsdp (data parallelism over all ranks, "
+                f"micro-batches of --micro-batch-size samples); drop it, or use {hint}"
+            )
 
 
 def reference_weights(ref_load: str | None, hf_checkpoint: Path) -> Path:
