@@ -43,8 +43,9 @@ class ScriptedEngines:
     """Duck-typed RolloutEngineGroup: request i of a call answers 5 if i is odd, else 7;
     every ``truncate_every``-th request ends by length."""
 
-    def __init__(self, truncate_every: int = 0):
+    def __init__(self, truncate_every: int = 0, extra_token: int | None = None):
         self.truncate_every = truncate_every
+        self.extra_token = extra_token
         self.calls = []
 
     def generate(self, requests):
@@ -55,6 +56,8 @@ class ScriptedEngines:
             truncated = bool(self.truncate_every) and i % self.truncate_every == 0
             text = "\\boxed{5}" if i % 2 else "\\boxed{7}"
             ids = [11, 12, 13] if truncated else [11, 12]
+            if self.extra_token is not None and i % 4 == 1:
+                ids = [self.extra_token] + ids[1:]
             outs.append(GenerateOutput(text, ids, [-0.5] * len(ids), "length" if truncated else "stop", 10))
         return outs
 
@@ -118,6 +121,21 @@ def test_rewards_and_group_advantages(tmp_path, tiny_ckpt):
     assert batch.metrics["rollout/accuracy"] == pytest.approx(0.5)
     assert batch.metrics["rollout/zero_std_group_frac"] == 0.0
     assert batch.metrics["rollout/truncated_count"] == 0
+    assert batch.metrics["rollout/vision_token_responses"] == 0
+
+
+def test_generated_image_placeholders_are_counted(tmp_path, tiny_ckpt):
+    from slime.utils.processor import load_processor
+
+    image_token = load_processor(tiny_ckpt).image_token_id
+    manager = _manager(tmp_path, tiny_ckpt, ScriptedEngines(extra_token=image_token))
+    try:
+        batch = manager.generate(0)
+    finally:
+        manager.close()
+    # Requests 1 and 5 of 8 start with the image placeholder id.
+    assert [s.response_token_ids[0] == image_token for s in batch.samples] == [False, True, False, False] * 2
+    assert batch.metrics["rollout/vision_token_responses"] == 2
 
 
 def test_truncation_and_skip_counters(tmp_path, tiny_ckpt):

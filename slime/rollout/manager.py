@@ -75,6 +75,8 @@ class RolloutManager:
             name: load_eval_samples(data, processor, path) for name, path in evaluation.eval_prompt_pairs
         }
         self.scorer = RewardScorer(reward)
+        video_pad = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        self.vision_token_ids = {processor.image_token_id} | ({video_pad} if isinstance(video_pad, int) else set())
 
     # -- training rollouts -------------------------------------------------------------
 
@@ -97,6 +99,10 @@ class RolloutManager:
             sample.advantage = advantage
         metrics = _sample_metrics("rollout", samples)
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
+        # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/inputs.py).
+        metrics["rollout/vision_token_responses"] = float(
+            sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in samples)
+        )
         metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
         metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
         self._dump(rollout_id, samples)

@@ -41,6 +41,7 @@ from slime.utils.processor import mm_token_type_ids
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
+_placeholder_warned = False
 
 PAD_TOKEN_ID = 0
 """Id written into padding positions (masked out and causal, so any id works) and in place of
@@ -139,18 +140,26 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
 
 
 def _replace_placeholders(sample: Sample, placeholders: set[int]) -> list[int]:
-    """The sample's response ids with vision placeholder ids replaced by :data:`PAD_TOKEN_ID` (logged)."""
+    """The sample's response ids with vision placeholder ids replaced by :data:`PAD_TOKEN_ID`.
+
+    Logged as a warning the first time per process, then at debug level (a random policy
+    emits such ids often; the rollout manager counts them in ``rollout/vision_token_responses``).
+    """
+    global _placeholder_warned
     ids = list(sample.response_token_ids)
     hits = [i for i, token in enumerate(ids) if token in placeholders]
     if hits:
-        logger.warning(
+        logger.log(
+            logging.DEBUG if _placeholder_warned else logging.WARNING,
             "sample %d: the response contains %d image/video placeholder token(s) (first at response position %d); "
-            "they are fed to the model as token %d (log-prob targets unchanged)",
+            "they are fed to the model as token %d (log-prob targets unchanged)%s",
             sample.index,
             len(hits),
             hits[0],
             PAD_TOKEN_ID,
+            "" if _placeholder_warned else "; further cases are logged at debug level",
         )
+        _placeholder_warned = True
         for i in hits:
             ids[i] = PAD_TOKEN_ID
     return ids
