@@ -429,7 +429,18 @@ def test_wandb_offline_run_holds_the_logged_metrics_and_resumes(tmp_path, monkey
     assert history[0]["rollout/reward_mean"] == 0.25 and math.isnan(history[0]["train/grad_norm"])
     assert history[1] == {"rollout/reward_mean": 0.5, "eval/geo3k/accuracy": 0.375}
 
-    assert _wandb_history(_wandb_records(second_dir / f"run-{run_id}.wandb")) == {2: {"rollout/reward_mean": 0.75}}
+    # wandb's service process may still be appending to the resumed run's file right after
+    # finish() returns on a loaded machine: poll (bounded) before judging its contents.
+    second_file = second_dir / f"run-{run_id}.wandb"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if _wandb_history(_wandb_records(second_file)):
+                break
+        except Exception:  # a record still being written
+            pass
+        time.sleep(0.5)
+    assert _wandb_history(_wandb_records(second_file)) == {2: {"rollout/reward_mean": 0.75}}
 
 
 # ---------------------------------------------------------------- progress
