@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, valid
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
+from slime.utils.data import load_table
 from slime.utils.processor import load_processor
 from slime.utils.timer import timed
 
@@ -88,13 +88,16 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
         if cfg.eval.eval_prompt_pairs and _due(rollout_id, cfg.eval.eval_interval, run.num_rollout):
             with timed("eval", times):
                 eval_metrics = rollout_manager.evaluate(rollout_id + 1)
-        if cfg.checkpoint.save and _due(rollout_id, cfg.checkpoint.save_interval, run.num_rollout):
+        saving = cfg.checkpoint.save and _due(rollout_id, cfg.checkpoint.save_interval, run.num_rollout)
+        if saving:
             with timed("save", times):
                 save(cfg, rollout_id, trainers, rollout_manager)
         step_metrics = {**batch.metrics, **train_metrics, **times}
         metrics_log.log(rollout_id, step_metrics)
         if eval_metrics:
             metrics_log.log(rollout_id + 1, eval_metrics)
+        if saving:  # only now: a run killed before this resumes at (and re-logs) this step
+            ckpt.mark_latest(cfg.checkpoint.save, rollout_id)
         bar.update({**step_metrics, **eval_metrics})
     bar.close()
 
@@ -148,6 +151,7 @@ def setup(cfg: SlimeConfig, components: Components | None = None) -> Run:
     Needs a running Ray (:func:`slime.ray.placement.init_ray`).
     """
     components = components or resolve_components(cfg)
+    _resolve_num_rollout(cfg)
     use_gpu = cluster_num_gpus() > 0
     if use_gpu:
         validate(cfg, num_gpus_available=cluster_num_gpus())
@@ -170,7 +174,7 @@ def setup(cfg: SlimeConfig, components: Components | None = None) -> Run:
     memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
     with memory.sync_phase():
         trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
-    return Run(placement, engines, trainers, rollout_manager, memory, start, _num_rollout(cfg, rollout_manager))
+    return Run(placement, engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout)
 
 
 def start_workers(
@@ -191,11 +195,14 @@ def start_workers(
 
 
 def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_manager: RolloutManager) -> None:
-    """Write a complete checkpoint of ``rollout_id``, then mark it as the latest."""
+    """Write every part of the checkpoint of ``rollout_id``, without marking it as the latest.
+
+    :func:`loop` marks it (:func:`slime.utils.checkpoint.mark_latest`) once the step's metrics
+    records are on disk, so that a resume, which starts after the marked step, never misses them.
+    """
     root = cfg.checkpoint.save
     trainers.save(rollout_id, ckpt.iteration_dir(root, rollout_id))
     torch.save({"rollout_id": rollout_id, **rollout_manager.state_dict()}, ckpt.rollout_state_path(root, rollout_id))
-    ckpt.mark_latest(root, rollout_id)
     logger.info("saved checkpoint of rollout %d to %s", rollout_id, ckpt.iteration_dir(root, rollout_id))
 
 
@@ -233,10 +240,13 @@ def _logged_before(record: dict, start: int) -> bool:
     return record["step"] <= start if is_eval else record["step"] < start
 
 
-def _num_rollout(cfg: SlimeConfig, rollout_manager: RolloutManager) -> int:
-    if cfg.rollout.num_rollout is not None:
-        return cfg.rollout.num_rollout
-    return math.ceil(cfg.rollout.num_epoch * rollout_manager.dataset.num_rows / cfg.rollout.rollout_batch_size)
+def _resolve_num_rollout(cfg: SlimeConfig) -> None:
+    """Turn ``--num-epoch`` into ``--num-rollout`` (``epochs * rows // rollout_batch_size``, rows
+    counted before skips, at least 1), so every worker, e.g. the LR schedule, sees the run's length."""
+    if cfg.rollout.num_rollout is None:
+        rows = load_table(cfg.data.prompt_data, default_split="train").table.num_rows
+        cfg.rollout.num_rollout = max(1, cfg.rollout.num_epoch * rows // cfg.rollout.rollout_batch_size)
+        logger.info("--num-epoch %s over %d rows: %d rollout steps", cfg.rollout.num_epoch, rows, cfg.rollout.num_rollout)
 
 
 def _due(rollout_id: int, interval: int | None, num_rollout: int) -> bool:

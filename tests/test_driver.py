@@ -1,0 +1,86 @@
+"""Driver helpers without Ray: schedules, resume bookkeeping, batch split, start-up errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slime.ray.trainer_group import TrainerGroup
+from slime.train import _due, _logged_before, _resolve_num_rollout, resolve_components
+from slime.utils.arguments import parse_args
+from slime.utils.config import ConfigError
+from slime.utils.types import Sample
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+
+
+def _cfg(tiny_ckpt, *extra):
+    return parse_args(
+        [
+            "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--rollout-batch-size", "5",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--rollout-num-gpus", "1", *extra,
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "rollout_id, interval, num_rollout, due",
+    [(0, 2, 10, False), (1, 2, 10, True), (3, 2, 10, True), (4, 3, 10, False), (9, 4, 10, True), (2, None, 3, False)],
+)
+def test_periodic_actions_run_every_interval_and_after_the_last_step(rollout_id, interval, num_rollout, due):
+    assert _due(rollout_id, interval, num_rollout) is due
+
+
+def test_resume_keeps_rollout_records_before_start_and_eval_records_up_to_it():
+    # Resuming at rollout 3: rollouts 0..2 were trained, and the eval after rollout 2 is step 3.
+    assert _logged_before({"step": 2, "rollout/reward_mean": 0.1}, 3)
+    assert not _logged_before({"step": 3, "rollout/reward_mean": 0.1}, 3)
+    assert _logged_before({"step": 3, "eval/geo3k/accuracy": 0.5}, 3)
+    assert not _logged_before({"step": 4, "eval/geo3k/accuracy": 0.5}, 3)
+
+
+def test_num_epoch_becomes_num_rollout_from_the_row_count(tiny_ckpt):
+    cfg = _cfg(tiny_ckpt, "--num-epoch", "2", "--rollout-backend", "transformers", "--train-backend", "fsdp")
+    _resolve_num_rollout(cfg)
+    assert cfg.rollout.num_rollout == 2 * 64 // 5  # the bundled sample has 64 train rows
+
+
+def test_unavailable_engine_fails_before_anything_starts(tiny_ckpt):
+    cfg = _cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "sglang", "--train-backend", "fsdp")
+    with pytest.raises(ConfigError, match="--rollout-backend sglang.*valid: transformers"):
+        resolve_components(cfg)
+
+
+def test_unimportable_backend_names_the_flag(tiny_ckpt):
+    cfg = _cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers",
+               "--train-backend", "no_such_pkg.backend:Trainer")
+    with pytest.raises(ConfigError, match="--train-backend no_such_pkg.backend:Trainer: cannot be imported"):
+        resolve_components(cfg)
+
+
+def _group(global_batch_size, dp_ranks, dp_size):
+    group = TrainerGroup.__new__(TrainerGroup)  # no actors: only the split is exercised
+    group.global_batch_size, group.dp_ranks, group.dp_size = global_batch_size, dp_ranks, dp_size
+    return group
+
+
+def _samples(n):
+    return [Sample(index=i, prompt="", label="") for i in range(n)]
+
+
+def test_samples_split_into_optimizer_steps_then_data_parallel_ranks():
+    shards, steps = _group(4, [0, 1], 2).split_by_rank(_samples(8))
+    assert steps == 2
+    # Step 0 is samples 0-3 (rank 0: 0, 1; rank 1: 2, 3); step 1 is samples 4-7.
+    assert [[s.index for s in shard] for shard in shards] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_model_parallel_peers_get_the_same_samples():
+    shards, _ = _group(4, [0, 0, 1, 1], 2).split_by_rank(_samples(4))
+    assert [[s.index for s in shard] for shard in shards] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def test_uneven_split_is_refused():
+    with pytest.raises(ValueError, match="--global-batch-size 4"):
+        _group(4, [0, 1], 2).split_by_rank(_samples(6))
