@@ -174,17 +174,21 @@ mkdir -p "$OUTPUT_DIR"
 printf '%q ' python -m slime.train "${ARGS[@]}" "$@" >"$OUTPUT_DIR/command.sh"
 echo >>"$OUTPUT_DIR/command.sh"
 
-# Run the driver in its own process group and, on any exit or signal, stop only that
-# group: the driver, the Ray instance it started and its actors. Unlike the upstream
-# script, nothing else on the machine is killed (no pkill of ray/sglang/redis).
+# Run the driver in its own session and, on any exit or signal, stop only that session: the
+# driver, the Ray instance it started and its actors, then wait until they are gone. The
+# session, not the driver's process group: Ray gives every worker a process group of its own.
+# Only processes started by the driver are in the session, so nothing else on the machine is
+# touched (unlike the upstream script: no pkill of ray/sglang/redis by name).
 setsid python -m slime.train "${ARGS[@]}" "$@" &
 DRIVER_PID=$!
+run_alive() { ps -o stat= -s "$DRIVER_PID" 2>/dev/null | grep -qv '^Z'; }  # a zombie has exited
 cleanup() {
-   if kill -0 "$DRIVER_PID" 2>/dev/null; then
-      kill -TERM -- "-$DRIVER_PID" 2>/dev/null || true
-      for _ in $(seq 1 20); do kill -0 "$DRIVER_PID" 2>/dev/null || break; sleep 0.5; done
-      kill -KILL -- "-$DRIVER_PID" 2>/dev/null || true
-   fi
+   local sig
+   for sig in TERM KILL; do
+      run_alive || return 0
+      pkill "-$sig" -s "$DRIVER_PID" 2>/dev/null || true
+      for _ in $(seq 1 20); do run_alive || return 0; sleep 0.5; done
+   done
 }
 trap cleanup EXIT
 trap 'exit 130' INT

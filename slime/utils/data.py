@@ -120,7 +120,9 @@ class DataConfig:
     apply_chat_template_kwargs: dict = flag(
         default_factory=dict, type=_json_object, help="JSON kwargs for apply_chat_template, e.g. '{\"enable_thinking\": false}'."
     )
-    rollout_shuffle: bool = flag(False, help="Shuffle prompts each epoch (deterministic in --seed and the epoch).")
+    rollout_shuffle: bool = flag(
+        False, help="Shuffle prompts each epoch (deterministic in --rollout-seed and the epoch)."
+    )
     rollout_max_prompt_len: int | None = flag(
         None, help="Skip (and count) rows whose prompt, images expanded, is longer than this many tokens."
     )
@@ -307,7 +309,7 @@ class PromptDataset:
             with ``--image-min-pixels`` / ``--image-max-pixels``).  Its pixel bounds fix the
             size of the images sent to the engine and of the ``pixel_values`` the trainer
             receives, so both see the same image tokens.
-        seed: ``--seed``; with ``cfg.rollout_shuffle``, epoch ``e`` uses the permutation
+        seed: ``--rollout-seed``; with ``cfg.rollout_shuffle``, epoch ``e`` uses the permutation
             ``numpy.random.default_rng([seed, e]).permutation(num_rows)``.
         source: ``--prompt-data`` by default; pass an ``--eval-prompt-data`` path for evaluation.
         split: default split for folders and hub names (``"train"``; ``"test"`` for eval).
@@ -471,8 +473,8 @@ class PromptDataset:
             raise DatasetError(f"invalid data cursor in the checkpoint: epoch {state['epoch']}, position {state['position']}")
         if (state["seed"], state["shuffle"]) != (self.seed, self.cfg.rollout_shuffle):
             logger.warning(
-                "resuming %s with --seed %s / --rollout-shuffle %s, but the checkpoint used %s / %s: the remaining "
-                "order differs from the original run",
+                "resuming %s with --rollout-seed %s / --rollout-shuffle %s, but the checkpoint used %s / %s: the "
+                "remaining order differs from the original run",
                 self.source, self.seed, self.cfg.rollout_shuffle, state["seed"], state["shuffle"],
             )  # fmt: skip
         self._epoch, self._position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,194 @@
+"""The launcher, ``examples/geo3k_vlm/run_geo3k_qwen35.sh``, as a user runs it (CPU default).
+
+- The acceptance run: ``--num-rollout 3`` on the bundled geo3k rows with 2 trainer ranks and
+  1 engine leaves a metrics JSONL, a PNG reward curve and a checkpoint that transformers
+  loads, and nothing of its Ray instance running afterwards.
+- ``SLIME_SCRIPT_DRY_RUN=1`` prints a command that the argument parser accepts; extra
+  arguments come last and win.
+- SIGTERM to the launcher mid-run stops the driver and every process of its Ray instance
+  before the launcher exits, and nothing else (decoys named like Ray's processes survive).
+
+The launcher runs with ``SLIME_SKIP_SETUP=1`` and this interpreter first on ``PATH`` (no
+install, no download), ``SLIME_SCRIPT_FORCE_CPU=1`` and ``SLIME_SCRIPT_OUTPUT_DIR`` in tmp.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from slime.utils import checkpoint as ckpt
+from slime.utils.arguments import parse_args
+from slime.utils.metrics import read_metrics
+from tests.process_tree import all_processes, kill_session, session_members, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = REPO / "examples" / "geo3k_vlm" / "run_geo3k_qwen35.sh"
+DATA_DIR = REPO / "examples" / "geo3k_vlm" / "data"
+RUN_TIMEOUT_S = 600
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+STEP_KEYS = (
+    "rollout/reward_mean", "rollout/truncated_frac", "rollout/num_samples",
+    "train/logprob_abs_diff", "train/logprob_abs_diff_image",
+    "perf/rollout_time_s", "perf/train_time_s", "perf/sync_time_s",
+)  # fmt: skip
+
+
+def _env(out_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SLIME_SCRIPT_EXTERNAL_RAY", "SLIME_SCRIPT_DRY_RUN")}
+    env.update(
+        SLIME_SKIP_SETUP="1",
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+        PYTHONPATH=os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p),
+        SLIME_SCRIPT_FORCE_CPU="1",
+        SLIME_SCRIPT_OUTPUT_DIR=str(out_dir),
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE="offline",
+        RAY_USAGE_STATS_ENABLED="0",
+        **extra,
+    )
+    return env
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            ["bash", str(LAUNCHER), *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def _driver_of(launcher: subprocess.Popen):
+    """The launcher's driver process (``python -m slime.train``, leader of its own session), or None."""
+    for proc in all_processes():
+        if proc.ppid == launcher.pid and "slime.train" in proc.cmdline and proc.sid == proc.pid:
+            return proc
+    return None
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.mark.slow
+def test_cpu_default_run_leaves_metrics_plot_and_checkpoint(tiny_ckpt, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher = _start(["--num-rollout", "3"], _env(out), log)
+    driver = None
+    try:
+        driver = wait_for(lambda: _driver_of(launcher), RUN_TIMEOUT_S, "the driver to start", launcher)
+        assert launcher.wait(timeout=RUN_TIMEOUT_S) == 0, _tail(log)
+        survivors = session_members(driver.sid)
+        assert not survivors, "processes of the finished run still run:\n" + "\n".join(map(str, survivors))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if driver is not None:
+            kill_session(driver.sid)
+    text = log.read_text()
+    assert f"[geo3k] done. Output: {out}" in text
+
+    # The command it ran: the bundled data, 2 trainer ranks, >= 1 engine, our extra flag last.
+    argv = shlex.split((out / "command.sh").read_text())
+    assert argv[:3] == ["python", "-m", "slime.train"] and argv[-2:] == ["--num-rollout", "3"]
+    cfg = parse_args(argv[3:])
+    assert Path(cfg.data.prompt_data) == DATA_DIR
+    assert cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node == 2
+    assert cfg.cluster.rollout_num_gpus >= 1 and cfg.rollout.num_rollout == 3
+    placement = re.search(r"placement: (\d+) trainer rank\(s\), (\d+) engine\(s\)", text)
+    assert placement and int(placement[1]) == 2 and int(placement[2]) >= 1, text[-2000:]
+
+    # Metrics: one record per rollout step 0..2 with reward, truncation, log-prob gap and timing keys.
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in records if "rollout/reward_mean" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2], records
+    for record in steps:
+        missing = [key for key in STEP_KEYS if key not in record]
+        assert not missing, (missing, record)
+        assert all(math.isfinite(record[key]) for key in STEP_KEYS), record
+        assert record["rollout/num_samples"] == cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+        assert record["data/skipped_bad_image"] == record["data/skipped_prompt_too_long"] == 0, record
+        # fp32 engine and fp32 trainer at the same (synced) weights: only summation order differs.
+        assert record["train/logprob_abs_diff_image"] < 1e-4, record
+    assert "perf/save_time_s" in steps[-1]
+    assert [r["step"] for r in records if "eval/geo3k/accuracy" in r] == [0, 3]  # before training, after the last
+
+    # The reward curve is a real PNG image.
+    plot = out / "reward_curve.png"
+    assert plot.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(plot) as image:
+        image.verify()
+        assert image.format == "PNG" and min(image.size) > 100
+
+    # The checkpoint: the last step, an HF folder transformers loads, with the initial model's tensors.
+    from transformers import AutoModelForImageTextToText
+
+    root = Path(cfg.checkpoint.save)
+    assert ckpt.latest_iteration(root) == 2
+    trained = AutoModelForImageTextToText.from_pretrained(ckpt.model_dir(root, 2))
+    initial = AutoModelForImageTextToText.from_pretrained(tiny_ckpt)
+    shapes = {name: tuple(t.shape) for name, t in initial.state_dict().items()}
+    assert {name: tuple(t.shape) for name, t in trained.state_dict().items()} == shapes
+    assert (ckpt.trainer_dir(root, 2) / "scheduler.pt").is_file()
+
+
+def test_dry_run_prints_a_parsable_command_with_extra_args_last(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        ["bash", str(LAUNCHER), "--num-rollout", "2", "--rollout-seed", "5"],
+        cwd=REPO, env=_env(out, SLIME_SCRIPT_DRY_RUN="1"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert argv[:3] == ["python", "-m", "slime.train"]
+    assert argv[-4:] == ["--num-rollout", "2", "--rollout-seed", "5"]
+    assert argv.count("--num-rollout") == 2  # the default, then ours
+    cfg = parse_args(argv[3:])
+    assert cfg.rollout.num_rollout == 2 and cfg.rollout.rollout_seed == 5
+    assert Path(cfg.checkpoint.hf_checkpoint) == Path(tiny_ckpt)
+    assert Path(cfg.logging.output_dir) == out
+    assert not out.exists()  # a dry run writes nothing
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_and_nothing_else(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "launcher.log"
+    # Unrelated processes named like Ray's, in sessions of their own.
+    decoys = [
+        subprocess.Popen(["bash", "-c", f"exec -a {shlex.quote(name)} sleep 600"], start_new_session=True)
+        for name in ("raylet", "gcs_server", "ray::IDLE", "python -m slime.train")
+    ]
+    small = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+             "--rollout-max-response-len", "8", "--skip-eval-before-train", "--num-rollout", "50"]  # fmt: skip
+    launcher = _start(small, _env(out), log)
+    driver = None
+    try:
+        driver = wait_for(lambda: _driver_of(launcher), RUN_TIMEOUT_S, "the driver to start", launcher)
+        wait_for(lambda: read_metrics(out / "metrics.jsonl"), RUN_TIMEOUT_S, "the first rollout step", launcher)
+        run = session_members(driver.sid)
+        assert {"gcs_server", "raylet"} <= {p.comm for p in run}, [str(p) for p in run]
+        assert any(p.comm.startswith("ray::TrainerAct") for p in run), [str(p) for p in run]
+
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 128 + signal.SIGTERM, _tail(log)
+        # The launcher returns only once everything it started is gone.
+        survivors = session_members(driver.sid)
+        assert not survivors, "processes of the stopped run survived:\n" + "\n".join(map(str, survivors))
+        assert all(decoy.poll() is None for decoy in decoys), "the launcher killed an unrelated process"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if driver is not None:
+            kill_session(driver.sid)
+        for decoy in decoys:
+            decoy.kill()
+            decoy.wait()
