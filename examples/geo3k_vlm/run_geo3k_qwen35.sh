@@ -181,13 +181,23 @@ echo >>"$OUTPUT_DIR/command.sh"
 # touched (unlike the upstream script: no pkill of ray/sglang/redis by name).
 setsid python -m slime.train "${ARGS[@]}" "$@" &
 DRIVER_PID=$!
-run_alive() { ps -o stat= -s "$DRIVER_PID" 2>/dev/null | grep -qv '^Z'; }  # a zombie has exited
+run_pids() {  # live processes of the driver's session, read from /proc (zombies have exited)
+   local stat line fields
+   for stat in /proc/[0-9]*/stat; do
+      read -r line 2>/dev/null <"$stat" || continue
+      read -r -a fields <<<"${line##*) }"  # after "pid (comm) ": state ppid pgrp session ...
+      if [ "${fields[3]:-}" = "$DRIVER_PID" ] && [ "${fields[0]:-}" != "Z" ]; then
+         stat=${stat#/proc/}; echo "${stat%/stat}"
+      fi
+   done
+}
 cleanup() {
-   local sig
+   local sig pids
    for sig in TERM KILL; do
-      run_alive || return 0
-      pkill "-$sig" -s "$DRIVER_PID" 2>/dev/null || true
-      for _ in $(seq 1 20); do run_alive || return 0; sleep 0.5; done
+      pids=$(run_pids); [ -n "$pids" ] || return 0
+      # shellcheck disable=SC2086
+      kill "-$sig" $pids 2>/dev/null || true
+      for _ in $(seq 1 20); do [ -n "$(run_pids)" ] || return 0; sleep 0.5; done
    done
 }
 trap cleanup EXIT
