@@ -116,7 +116,8 @@ def test_engine_log_probs_match_trainer_only_after_sync(workers):
     # One real GRPO step (rollout, mixed rewards, non-zero advantages) changes only the trainer.
     batch = manager.generate(0)
     advantages = [s.advantage for s in batch.samples]
-    assert [s.reward for s in batch.samples] == [0.0, 1.0, 0.0, 1.0]
+    rewards = [s.reward for s in batch.samples]
+    assert rewards == [0.0, 1.0, 0.0, 1.0], f"{rewards}: does the scorer still score a batch in order, one at a time?"
     assert all(abs(a) > 0.5 for a in advantages), advantages
     metrics = trainers.train(0, batch.samples)
     assert metrics["train/grad_norm"] > 0, metrics
