@@ -49,7 +49,7 @@ class RolloutManager:
         rollout, data, reward, grpo, evaluation: the flag groups it needs.
         processor: the one processor (pixel bounds) shared by rollout and training.
         engines: the rollout engines.
-        seed: ``--seed``; fixes the prompt order (with the epoch).
+        seed: ``--rollout-seed``; fixes the prompt order (with the epoch).
         debug_dump: optional path template (``--save-debug-rollout-data``) for per-sample
             JSONL dumps; ``{rollout_id}`` is substituted.
     """

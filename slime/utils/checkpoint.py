@@ -8,7 +8,12 @@
         model/            # Hugging Face folder (config, safetensors, tokenizer, processor):
                           # loadable by transformers.from_pretrained, usable as --hf-checkpoint
         trainer/          # backend-private: optimizer, LR scheduler, per-rank RNG state
-        rollout_state.pt  # driver: rollout id, data cursor, driver RNG state
+        rollout_state.pt  # driver: rollout id and data cursor (epoch, position, skip counts)
+
+Randomness: the prompt order is a pure function of ``--rollout-seed`` and the epoch, so the
+data cursor restores it exactly; each trainer rank's torch/numpy/python RNG is in
+``trainer/``. Rollout engines are seeded from ``--rollout-seed`` when they start, so the
+responses sampled after a resume are fresh samples, not replays of the killed run.
 
 The marker file is written last, atomically, by the driver once every part is on disk, so
 a run killed in the middle of a save resumes from the previous complete checkpoint.
@@ -43,7 +48,7 @@ def trainer_dir(root: str | os.PathLike, rollout_id: int) -> Path:
 
 
 def rollout_state_path(root: str | os.PathLike, rollout_id: int) -> Path:
-    """The driver's state file (rollout id, data cursor, RNG) of one checkpoint."""
+    """The driver's state file (rollout id, data cursor) of one checkpoint."""
     return iteration_dir(root, rollout_id) / "rollout_state.pt"
 
 
