@@ -36,7 +36,7 @@ from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, valid
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
-from slime.utils.data import load_table
+from slime.utils.data import DatasetError, load_table
 from slime.utils.processor import load_processor
 from slime.utils.timer import timed
 
@@ -51,10 +51,11 @@ def train(cfg: SlimeConfig) -> Path:
             (checked before anything starts).
     """
     components = resolve_components(cfg)
+    rollout_manager = prepare(cfg)
     run_dir = _run_dir(cfg)
     started_ray = init_ray(cfg.cluster)
     try:
-        run = setup(cfg, components)
+        run = setup(cfg, components, rollout_manager)
         with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name,
                            config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
             loop(cfg, run, metrics_log)
@@ -145,26 +146,41 @@ def resolve_components(cfg: SlimeConfig) -> Components:
     return Components(*found)
 
 
-def setup(cfg: SlimeConfig, components: Components | None = None) -> Run:
+def prepare(cfg: SlimeConfig) -> RolloutManager:
+    """Everything that can be checked before Ray starts, so bad input fails in seconds.
+
+    Checks ``--hf-checkpoint`` and ``--load``, resolves ``--num-epoch``, loads the processor
+    (pixel bounds), the training and eval data (placeholders, columns) and the reward
+    function, and returns the rollout manager without engines.
+
+    Raises:
+        CheckpointError, ConfigError, DatasetError, FileNotFoundError: naming the flag / file / row.
+    """
+    ckpt.check_hf_folder(cfg.checkpoint.hf_checkpoint)
+    if cfg.checkpoint.load:
+        _check_load(cfg.checkpoint.load)
+    _resolve_num_rollout(cfg)
+    processor = load_processor(cfg.checkpoint.hf_checkpoint,
+                               min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
+    return RolloutManager(
+        rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
+        processor=processor, engines=None, seed=cfg.rollout.rollout_seed,
+        debug_dump=cfg.logging.save_debug_rollout_data,
+    )
+
+
+def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutManager) -> Run:
     """Reserve resources, start engines and trainers, resume from ``--load``, sync weights.
 
-    Needs a running Ray (:func:`slime.ray.placement.init_ray`).
+    Needs a running Ray (:func:`slime.ray.placement.init_ray`) and the output of :func:`prepare`.
     """
-    components = components or resolve_components(cfg)
-    _resolve_num_rollout(cfg)
     use_gpu = cluster_num_gpus() > 0
     if use_gpu:
         validate(cfg, num_gpus_available=cluster_num_gpus())
         check_environment()
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
     engines, trainers = start_workers(cfg, placement, components)
-    processor = load_processor(cfg.checkpoint.hf_checkpoint,
-                               min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
-    rollout_manager = RolloutManager(
-        rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
-        processor=processor, engines=engines, seed=cfg.rollout.rollout_seed,
-        debug_dump=cfg.logging.save_debug_rollout_data,
-    )
+    rollout_manager.engines = engines
     start = trainers.init()
     if start > 0:
         rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
@@ -240,6 +256,20 @@ def _logged_before(record: dict, start: int) -> bool:
     return record["step"] <= start if is_eval else record["step"] < start
 
 
+def _check_load(root: str) -> None:
+    """``--load``: a missing folder starts from ``--hf-checkpoint`` (the ``--save D --load D``
+    auto-resume pattern), with a warning in case it is a typo; a present one must hold a
+    complete latest checkpoint, or none yet."""
+    if not Path(root).exists():
+        logger.warning("--load %s does not exist: starting from --hf-checkpoint", root)
+        return
+    latest = ckpt.latest_iteration(root)
+    if latest is None:
+        logger.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", root)
+    else:
+        ckpt.check_complete(root, latest)
+
+
 def _resolve_num_rollout(cfg: SlimeConfig) -> None:
     """Turn ``--num-epoch`` into ``--num-rollout`` (``epochs * rows // rollout_batch_size``, rows
     counted before skips, at least 1), so every worker, e.g. the LR schedule, sees the run's length."""
@@ -251,10 +281,10 @@ def _resolve_num_rollout(cfg: SlimeConfig) -> None:
 
 def _due(rollout_id: int, interval: int | None, num_rollout: int) -> bool:
     """Whether a periodic action (eval, save) runs after ``rollout_id``: every ``interval``
-    steps and after the last step."""
-    if interval is None:
-        return False
-    return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
+    steps (never when ``interval`` is None) and always after the last step."""
+    if rollout_id + 1 == num_rollout:
+        return True
+    return interval is not None and (rollout_id + 1) % interval == 0
 
 
 def _run_dir(cfg: SlimeConfig) -> Path:
@@ -270,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     try:
         train(cfg)
-    except ConfigError as e:
+    except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError) as e:
         sys.exit(f"slime: error: {e}")
 
 

@@ -26,7 +26,7 @@ def _cfg(tiny_ckpt, *extra):
 
 @pytest.mark.parametrize(
     "rollout_id, interval, num_rollout, due",
-    [(0, 2, 10, False), (1, 2, 10, True), (3, 2, 10, True), (4, 3, 10, False), (9, 4, 10, True), (2, None, 3, False)],
+    [(0, 2, 10, False), (1, 2, 10, True), (3, 2, 10, True), (4, 3, 10, False), (9, 4, 10, True), (2, None, 3, True), (1, None, 3, False)],
 )
 def test_periodic_actions_run_every_interval_and_after_the_last_step(rollout_id, interval, num_rollout, due):
     assert _due(rollout_id, interval, num_rollout) is due
@@ -84,3 +84,33 @@ def test_model_parallel_peers_get_the_same_samples():
 def test_uneven_split_is_refused():
     with pytest.raises(ValueError, match="--global-batch-size 4"):
         _group(4, [0, 1], 2).split_by_rank(_samples(6))
+
+
+def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
+    from slime.train import prepare
+    from slime.utils.checkpoint import CheckpointError
+
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    (folder / "config.json").write_text((Path(tiny_ckpt) / "config.json").read_text())
+    cfg = _cfg(folder, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp")
+    with pytest.raises(CheckpointError, match=r"--hf-checkpoint .*no_weights: no weights"):
+        prepare(cfg)
+
+
+def test_load_folder_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_ckpt):
+    from slime.train import prepare
+    from slime.utils.checkpoint import CheckpointError
+
+    load = tmp_path / "garbage"
+    (load / "iter_0000001").mkdir(parents=True)
+    (load / "latest_checkpointed_iteration.txt").write_text("1\n")
+    cfg = _cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp",
+               "--load", str(load))
+    with pytest.raises(CheckpointError, match=r"--load .*garbage: the latest checkpoint \(rollout 1\) lacks .*model"):
+        prepare(cfg)
+
+
+def test_debug_dump_template_with_unknown_placeholder_is_refused_at_parse_time(tiny_ckpt):
+    with pytest.raises(SystemExit):
+        _cfg(tiny_ckpt, "--num-rollout", "1", "--save-debug-rollout-data", "/tmp/x_{bogus}.jsonl")

@@ -47,77 +47,68 @@ export PYTHONUNBUFFERED=1
 # Never let NVLink multicast be used by NCCL / torch (it can take a shared host's GPUs down).
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 
-GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+lower() { echo "$1" | tr '[:upper:]' '[:lower:]'; }
 
+# scripts/models/<name>.sh for a model name, compared without case (Qwen3.5-35B-A3B -> qwen3.5-35B-A3B.sh).
+model_file() {
+   local f
+   for f in "$SLIME_DIR"/scripts/models/*.sh; do
+      if [ "$(lower "$(basename "$f" .sh)")" = "$(lower "$1")" ]; then echo "$f"; return 0; fi
+   done
+   echo "[geo3k] no model file for SLIME_SCRIPT_MODEL_NAME=$1 in scripts/models/ ($(cd "$SLIME_DIR/scripts/models" && ls *.sh | tr '\n' ' ')); add one" >&2
+   return 1
+}
+
+# Training data and the eval set for a dataset name, folder or file.
+if [ -d "$DATASET_NAME" ]; then
+   TRAIN_DATA="$DATASET_NAME"; EVAL_DATA="$DATASET_NAME/test.parquet"
+   [ -e "$EVAL_DATA" ] || EVAL_DATA=""
+elif [ -f "$DATASET_NAME" ]; then
+   TRAIN_DATA="$DATASET_NAME"; EVAL_DATA=""
+else
+   TRAIN_DATA="$DATASET_NAME@train"; EVAL_DATA="$DATASET_NAME@test"
+fi
+
+GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+NEED_DOWNLOAD=0
 if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    # -------------------------------------------------------------------------------
    # Embedded default: no GPU here. Tiny Qwen3.5 + bundled geo3k sample, on CPU.
+   # A variable set explicitly still applies (dataset, checkpoint, model file, ranks).
    # -------------------------------------------------------------------------------
-   echo "[geo3k] no GPU found: running the embedded CPU default (tiny random Qwen3.5-MoE checkpoint, bundled geo3k sample, transformers engine, FSDP2 trainer over gloo)."
-   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+   export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
    OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-tiny-cpu-$(date +%Y%m%d-%H%M%S)"}
-   TINY_CKPT=$(python scripts/tools/make_tiny_qwen35.py | tail -n 1)
-   DATA_DIR="$SLIME_DIR/examples/geo3k_vlm/data"
-   # shellcheck disable=SC1091
-   source "$SLIME_DIR/scripts/models/qwen3.5-tiny.sh"
-   ARGS=(
-      "${MODEL_ARGS[@]}"
-      --hf-checkpoint "$TINY_CKPT"
-      --save "$OUTPUT_DIR/checkpoints" --save-interval 3
-      --prompt-data "$DATA_DIR"
-      --input-key problem --label-key answer --multimodal-keys '{"image": "images"}'
-      --apply-chat-template --rollout-shuffle
-      --rm-type math
-      --num-rollout 10
-      --rollout-batch-size 4 --n-samples-per-prompt 4
-      --rollout-max-response-len 32 --rollout-temperature 1.0
-      --global-batch-size 8
-      --eval-interval 5 --eval-prompt-data geo3k "$DATA_DIR/test.parquet"
-      --n-samples-per-eval-prompt 1 --eval-max-response-len 32
-      --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
-      --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
-      --optimizer adam --lr 1e-5 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
-      --train-backend fsdp --rollout-backend transformers
-      --micro-batch-size 1
-      --actor-num-nodes 1 --actor-num-gpus-per-node 2
-      --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1
-      --output-dir "$OUTPUT_DIR"
-   )
+   if [ -z "${SLIME_SCRIPT_DATASET_NAME+x}" ]; then
+      TRAIN_DATA="$SLIME_DIR/examples/geo3k_vlm/data"; EVAL_DATA="$TRAIN_DATA/test.parquet"
+   fi
+   if [ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ]; then
+      HF_CHECKPOINT=$(python scripts/tools/make_tiny_qwen35.py | tail -n 1)
+      MODEL_SH="$SLIME_DIR/scripts/models/qwen3.5-tiny.sh"
+   elif [ -n "${SLIME_SCRIPT_MODEL_NAME+x}" ]; then
+      MODEL_SH=$(model_file "$MODEL_NAME")
+   else
+      MODEL_SH=""  # architecture from the checkpoint's config.json
+   fi
+   NUM_RANKS=${SLIME_SCRIPT_NUM_GPUS:-2}
+   echo "[geo3k] no GPU found: running the embedded CPU default ($([ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ] && echo "tiny random Qwen3.5-MoE checkpoint" || echo "$HF_CHECKPOINT"), data $TRAIN_DATA, transformers engine, $NUM_RANKS FSDP2 trainer ranks over gloo)."
+   ROLLOUT_ARGS=(--num-rollout 10 --rollout-batch-size 4 --n-samples-per-prompt 4
+                 --rollout-max-response-len 32 --rollout-temperature 1.0 --global-batch-size 8)
+   EVAL_SETTINGS=(--eval-interval 5 --eval-max-response-len 32)
+   BACKEND_ARGS=(--train-backend fsdp --micro-batch-size 1)
+   ROLLOUT_ENGINE_ARGS=(--rollout-backend transformers --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
+   MISC_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_RANKS" --save-interval 3)
+   BACKEND_NAME=fsdp
 else
    # -------------------------------------------------------------------------------
    # Full recipe on a GPU node (upstream structure).
    # -------------------------------------------------------------------------------
-   OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]')-$(date +%Y%m%d-%H%M%S)"}
-   MODEL_SH="$SLIME_DIR/scripts/models/$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]').sh"
-   if [ ! -f "$MODEL_SH" ]; then
-      echo "[geo3k] no model file $MODEL_SH for SLIME_SCRIPT_MODEL_NAME=$MODEL_NAME; add one under scripts/models/" >&2
-      exit 2
-   fi
-   # shellcheck disable=SC1090
-   source "$MODEL_SH"
-   if [ ! -d "$HF_CHECKPOINT" ]; then
-      echo "[geo3k] downloading Qwen/$MODEL_NAME to $HF_CHECKPOINT"
-      hf download "Qwen/$MODEL_NAME" --local-dir "$HF_CHECKPOINT"
-   fi
-   if [ -d "$DATASET_NAME" ]; then
-      TRAIN_DATA="$DATASET_NAME"; EVAL_DATA="$DATASET_NAME/test.parquet"
-   elif [ -f "$DATASET_NAME" ]; then
-      TRAIN_DATA="$DATASET_NAME"; EVAL_DATA=""
-   else
-      TRAIN_DATA="$DATASET_NAME@train"; EVAL_DATA="$DATASET_NAME@test"
-   fi
-   EVAL_ARGS=()
-   if [ -n "$EVAL_DATA" ]; then
-      EVAL_ARGS=(--eval-interval 20 --eval-prompt-data geo3k "$EVAL_DATA"
-                 --n-samples-per-eval-prompt 1 --eval-max-response-len 4096)
-   fi
-   WANDB_ARGS=()
-   if [ -n "${WANDB_API_KEY:-}" ]; then
-      WANDB_ARGS=(--use-wandb --wandb-project slime-geo3k-vlm
-                  --wandb-group "$(echo "$MODEL_NAME" | tr '[:upper:]' '[:lower:]')-$TRAIN_BACKEND"
-                  --wandb-key "$WANDB_API_KEY" --disable-wandb-random-suffix)
-   fi
-   BACKEND_ARGS=(--train-backend "$TRAIN_BACKEND" --micro-batch-size 1)
+   OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-$(lower "$MODEL_NAME")-$(date +%Y%m%d-%H%M%S)"}
+   MODEL_SH=$(model_file "$MODEL_NAME")
+   [ -d "$HF_CHECKPOINT" ] || NEED_DOWNLOAD=1
+   ROLLOUT_ARGS=(--num-rollout 3000 --rollout-batch-size 64 --n-samples-per-prompt 8
+                 --rollout-max-response-len 4096 --rollout-temperature 0.8 --global-batch-size 512)
+   EVAL_SETTINGS=(--eval-interval 20 --eval-max-response-len 4096)
+   BACKEND_ARGS=(--train-backend "$TRAIN_BACKEND" --micro-batch-size 1 --bf16)
    if [ "$TRAIN_BACKEND" = "megatron" ]; then
       BACKEND_ARGS+=(
          --tensor-model-parallel-size 2 --sequence-parallel
@@ -126,42 +117,57 @@ else
          --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
          --attention-dropout 0.0 --hidden-dropout 0.0
          --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 --attention-backend flash
-         --bf16
       )
    else
-      BACKEND_ARGS+=(--bf16 --gradient-checkpointing)
+      BACKEND_ARGS+=(--gradient-checkpointing)
    fi
-   ROLLOUT_GPUS_PER_ENGINE=$(( NUM_GPUS < 8 ? NUM_GPUS : 8 ))
-   SGLANG_ARGS=(--rollout-backend "$ROLLOUT_BACKEND" --rollout-num-gpus-per-engine "$ROLLOUT_GPUS_PER_ENGINE")
    if [ "$ROLLOUT_BACKEND" = "sglang" ]; then
-      SGLANG_ARGS+=(--sglang-mem-fraction-static 0.7 --sglang-ep-size "$ROLLOUT_GPUS_PER_ENGINE"
-                    --sglang-max-running-requests 512 --sglang-disable-custom-all-reduce)
+      GPUS_PER_ENGINE=$(( NUM_GPUS < 8 ? NUM_GPUS : 8 ))
+      ROLLOUT_ENGINE_ARGS=(--rollout-backend sglang --rollout-num-gpus-per-engine "$GPUS_PER_ENGINE"
+                           --sglang-mem-fraction-static 0.7 --sglang-ep-size "$GPUS_PER_ENGINE"
+                           --sglang-max-running-requests 512 --sglang-disable-custom-all-reduce)
    else
-      SGLANG_ARGS=(--rollout-backend "$ROLLOUT_BACKEND" --rollout-num-gpus-per-engine 1)
+      ROLLOUT_ENGINE_ARGS=(--rollout-backend "$ROLLOUT_BACKEND" --rollout-num-gpus-per-engine 1)
    fi
-   ARGS=(
-      "${MODEL_ARGS[@]}"
-      --hf-checkpoint "$HF_CHECKPOINT"
-      --save "$OUTPUT_DIR/checkpoints" --save-interval 100
-      --prompt-data "$TRAIN_DATA"
-      --input-key problem --label-key answer --multimodal-keys '{"image": "images"}'
-      --apply-chat-template --rollout-shuffle
-      --rm-type math
-      --num-rollout 3000 --rollout-batch-size 64 --n-samples-per-prompt 8
-      --rollout-max-response-len 4096 --rollout-temperature 0.8
-      --global-batch-size 512
-      "${EVAL_ARGS[@]}"
-      --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
-      --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
-      --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
-      "${SGLANG_ARGS[@]}"
-      "${WANDB_ARGS[@]}"
-      "${BACKEND_ARGS[@]}"
-      --actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_GPUS" --colocate
-      --output-dir "$OUTPUT_DIR"
-   )
+   MISC_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_GPUS" --colocate --save-interval 100)
+   BACKEND_NAME=$TRAIN_BACKEND
 fi
 
+MODEL_ARGS=()
+if [ -n "$MODEL_SH" ]; then
+   # shellcheck disable=SC1090
+   source "$MODEL_SH"
+fi
+EVAL_ARGS=()
+if [ -n "$EVAL_DATA" ]; then
+   EVAL_ARGS=(--eval-prompt-data geo3k "$EVAL_DATA" --n-samples-per-eval-prompt 1 "${EVAL_SETTINGS[@]}")
+fi
+WANDB_ARGS=()
+if [ -n "${WANDB_API_KEY:-}" ]; then
+   # The key stays in the environment (wandb reads WANDB_API_KEY): never on the command line,
+   # where ps and command.sh would show it.
+   WANDB_ARGS=(--use-wandb --wandb-project slime-geo3k-vlm --wandb-group "$(lower "$MODEL_NAME")-$BACKEND_NAME"
+               --disable-wandb-random-suffix)
+fi
+ARGS=(
+   "${MODEL_ARGS[@]}"
+   --hf-checkpoint "$HF_CHECKPOINT"
+   --save "$OUTPUT_DIR/checkpoints"
+   --prompt-data "$TRAIN_DATA"
+   --input-key problem --label-key answer --multimodal-keys '{"image": "images"}'
+   --apply-chat-template --rollout-shuffle
+   --rm-type math
+   "${ROLLOUT_ARGS[@]}"
+   "${EVAL_ARGS[@]}"
+   --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
+   --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
+   --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+   "${ROLLOUT_ENGINE_ARGS[@]}"
+   "${WANDB_ARGS[@]}"
+   "${BACKEND_ARGS[@]}"
+   "${MISC_ARGS[@]}"
+   --output-dir "$OUTPUT_DIR"
+)
 if [ "$EXTERNAL_RAY" != "0" ]; then
    ARGS+=(--ray-address "${RAY_ADDRESS:-auto}")
 fi
@@ -169,6 +175,10 @@ fi
 if [ "$DRY_RUN" = "1" ]; then
    printf '%q ' python -m slime.train "${ARGS[@]}" "$@"; echo
    exit 0
+fi
+if [ "$NEED_DOWNLOAD" = "1" ]; then
+   echo "[geo3k] downloading Qwen/$MODEL_NAME to $HF_CHECKPOINT"
+   hf download "Qwen/$MODEL_NAME" --local-dir "$HF_CHECKPOINT"
 fi
 mkdir -p "$OUTPUT_DIR"
 printf '%q ' python -m slime.train "${ARGS[@]}" "$@" >"$OUTPUT_DIR/command.sh"
@@ -209,6 +219,5 @@ if [ "$STATUS" = "0" ]; then
    echo "[geo3k] done. Output: $OUTPUT_DIR"
    echo "[geo3k]   metrics:      $OUTPUT_DIR/metrics.jsonl"
    echo "[geo3k]   reward curve: $OUTPUT_DIR/reward_curve.png"
-   echo "[geo3k]   checkpoints:  $OUTPUT_DIR/checkpoints"
 fi
 exit "$STATUS"

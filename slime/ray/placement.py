@@ -53,12 +53,22 @@ def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None)
     env.update(extra_env or {})
     runtime_env = {"env_vars": env}
     if cluster.ray_address:
-        ray.init(address=cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
+        try:
+            ray.init(address=cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
+        except (ConnectionError, RuntimeError) as e:
+            raise ConnectionError(
+                f"--ray-address {cluster.ray_address}: cannot join the Ray cluster ({e}). Check that it runs "
+                "(`ray status`), that RAY_ADDRESS / --ray-address point at its head, and that both sides use the "
+                "same Ray version and authentication settings (RAY_AUTH_MODE)"
+            ) from e
         logger.info("joined Ray cluster at %s: %s", cluster.ray_address, ray.cluster_resources())
         return False
     num_trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
     num_engines_gpus = cluster.rollout_num_gpus or 0
     ray.init(
+        # Always a new local instance: never join a cluster that RAY_ADDRESS or a stale
+        # /tmp/ray/ray_current_cluster file points at (joining is --ray-address's job).
+        address="local",
         # Logical CPUs: at least one per actor even on a 2-core machine; torch threads
         # are set per actor from the real core count (see ``cpu_threads_per_actor``).
         num_cpus=max(os.cpu_count() or 1, num_trainers + num_engines_gpus + 1),

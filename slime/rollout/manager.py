@@ -48,7 +48,8 @@ class RolloutManager:
     Args:
         rollout, data, reward, grpo, evaluation: the flag groups it needs.
         processor: the one processor (pixel bounds) shared by rollout and training.
-        engines: the rollout engines.
+        engines: the rollout engines; may be attached later (``manager.engines = ...``), so
+            that data and reward errors surface before any engine starts.
         seed: ``--rollout-seed``; fixes the prompt order (with the epoch).
         debug_dump: optional path template (``--save-debug-rollout-data``) for per-sample
             JSONL dumps; ``{rollout_id}`` is substituted.
@@ -63,7 +64,7 @@ class RolloutManager:
         grpo: GRPOConfig,
         evaluation: EvalConfig,
         processor: VLProcessor,
-        engines: RolloutEngineGroup,
+        engines: RolloutEngineGroup | None,
         seed: int,
         debug_dump: str | None = None,
     ):
@@ -127,6 +128,7 @@ class RolloutManager:
                 metrics[key] = value
             logger.info("eval %s at rollout %d: accuracy %.4f over %d samples", name, rollout_id,
                         metrics[f"eval/{name}/accuracy"], len(samples))
+        metrics.update({f"eval/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
         return metrics
 
     # -- helpers -----------------------------------------------------------------------
@@ -143,6 +145,8 @@ class RolloutManager:
         )
 
     def _generate_and_score(self, samples: list[Sample], params: SamplingParams) -> None:
+        if self.engines is None:
+            raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         requests = [
             GenerateRequest(
                 text=s.prompt,

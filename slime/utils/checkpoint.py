@@ -77,3 +77,33 @@ def mark_latest(root: str | os.PathLike, rollout_id: int) -> None:
     tmp = marker.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(f"{rollout_id}\n")
     os.replace(tmp, marker)
+
+
+def check_complete(root: str | os.PathLike, rollout_id: int) -> None:
+    """Check that the checkpoint of ``rollout_id`` under ``root`` has every part a resume reads.
+
+    Raises:
+        CheckpointError: naming the first missing part and the ``--load`` folder.
+    """
+    for part in (model_dir(root, rollout_id), trainer_dir(root, rollout_id), rollout_state_path(root, rollout_id)):
+        if not part.exists():
+            raise CheckpointError(
+                f"--load {root}: the latest checkpoint (rollout {rollout_id}) lacks {part}; the folder is not a slime "
+                f"checkpoint or was damaged. Point --load at the --save folder of a run, or remove {Path(root) / LATEST_FILE} "
+                "to start from --hf-checkpoint"
+            )
+
+
+def check_hf_folder(path: str | os.PathLike, flag: str = "--hf-checkpoint") -> None:
+    """Check that ``path`` is a local Hugging Face model folder with a config and weights.
+
+    Raises:
+        CheckpointError: naming ``flag``, the folder and what is missing.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{flag} {path}: no such folder (download the model there, e.g. `hf download <repo> --local-dir {path}`)")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{flag} {path}: config.json is missing; this is not a Hugging Face model folder")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise CheckpointError(f"{flag} {path}: no weights (*.safetensors or *.bin) in the folder")

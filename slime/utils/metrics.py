@@ -107,8 +107,16 @@ class LoggingConfig:
     no_progress_bar: bool = flag(False, help="Disable the progress bar over rollout steps (e.g. for log files).")
 
     def __post_init__(self):
-        if self.save_debug_rollout_data is not None and not self.save_debug_rollout_data.strip():
-            raise ConfigError("--save-debug-rollout-data must be a non-empty path")
+        if self.save_debug_rollout_data is not None:
+            if not self.save_debug_rollout_data.strip():
+                raise ConfigError("--save-debug-rollout-data must be a non-empty path")
+            try:
+                self.save_debug_rollout_data.format(rollout_id=0)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(
+                    f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: the only placeholder allowed is "
+                    f"{{rollout_id}} ({type(e).__name__}: {e}); double other braces"
+                ) from None
 
 
 def _to_scalar(key: str, value: Any) -> int | float:

@@ -2,16 +2,17 @@
 
 A rollout engine is one inference server, possibly spanning several GPUs
 (``--rollout-num-gpus-per-engine``); slime runs each engine inside a Ray actor and talks
-to all of them through :class:`slime.rollout.engine_group.RolloutEngineGroup`.  Two
-implementations exist, selected with ``--rollout-backend``:
+to all of them through :class:`slime.rollout.engine_group.RolloutEngineGroup`.  Engines are
+selected with ``--rollout-backend`` (registry: :mod:`slime.rollout.engines`):
 
-- ``sglang``: the production engine; each method maps onto one SGLang endpoint
+- ``sglang`` (the production engine, next on the roadmap, not in this version): each
+  method maps onto one SGLang endpoint
   (``/generate``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
   ``/update_weights_from_distributed``, ``/release_memory_occupation``,
   ``/resume_memory_occupation``, ``/flush_cache``, ``/pause_generation``,
   ``/continue_generation``, ``/health``).
 - ``transformers``: an in-process Hugging Face model; the embedded default on machines
-  without a GPU and the fallback where SGLang is not installed.
+  without a GPU, and usable on one GPU with small models.
 
 The request/response records mirror SGLang's ``/generate`` payload so that the same
 rollout code drives both engines: prompts travel as text plus base64 images
