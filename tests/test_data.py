@@ -26,6 +26,7 @@ from PIL import Image
 
 from slime.utils.config import ConfigError
 from slime.utils.data import DataConfig, DatasetError, PromptDataset, load_eval_samples, resolve_source
+from slime.utils.image import decode_image
 from slime.utils.processor import load_processor
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -275,6 +276,34 @@ def test_malformed_jsonl_line(tmp_path, processor):
         PromptDataset(geo3k_config(prompt_data=str(path), multimodal_keys=None), processor, seed=0)
 
 
+def test_jsonl_labels_keep_their_text(tmp_path, processor):
+    """A JSON number label is its token as written in the file; a JSON string label is its text."""
+    written = ["3", "3.5", '"3"', "1e-3", "3.50", "-0", "2E+2", '"\\\\frac{1}{2}"']
+    expected = ["3", "3.5", "3", "1e-3", "3.50", "-0", "2E+2", "\\frac{1}{2}"]  # by hand
+    path = tmp_path / "labels.jsonl"
+    lines = [f'{{"id": {k}, "question": "q{k}", "answer": {label}}}\n' for k, label in enumerate(written)]
+    path.write_text("".join(lines))
+    cfg = DataConfig(prompt_data=str(path), input_key="question", label_key="answer")
+    samples = PromptDataset(cfg, processor, seed=0).eval_samples()
+    assert [s.label for s in samples] == expected
+    assert [s.metadata["id"] for s in samples] == list(range(len(written)))  # other columns keep their JSON types
+
+    # the same column through hand-written lines with ints and floats only (the Arrow-coercion case)
+    path.write_text('{"question": "a", "answer": 3}\n{"question": "b", "answer": 3.5}\n')
+    assert [s.label for s in PromptDataset(cfg, processor, seed=0).next_batch(2)] == ["3", "3.5"]
+
+
+def test_jsonl_columns_from_every_line(tmp_path, processor):
+    path = tmp_path / "later.jsonl"
+    path.write_text('{"question": "a", "answer": "1"}\n{"question": "b", "answer": "2", "source": "x"}\n')
+    cfg = DataConfig(prompt_data=str(path), input_key="question", label_key="answer")
+    samples = PromptDataset(cfg, processor, seed=0).next_batch(2)
+    assert [s.metadata for s in samples] == [{"source": None}, {"source": "x"}]
+    path.write_text('{"question": "a", "answer": "1", "source": "x"}\n{"question": "b", "answer": "2", "source": [1]}')
+    with pytest.raises(DatasetError, match=r"later\.jsonl: column 'source' holds values of different types"):
+        PromptDataset(cfg, processor, seed=0)
+
+
 def test_unsupported_modality_flag():
     with pytest.raises(ConfigError, match=r"--multimodal-keys has unsupported modalities \['video'\]"):
         geo3k_config(multimodal_keys={"image": "images", "video": "videos"})
@@ -284,14 +313,105 @@ def test_unsupported_modality_flag():
 
 
 @pytest.mark.parametrize("problem", ["<image><image>Find x.", "Find x."], ids=["two-for-one", "none-for-one"])
-def test_placeholder_count_mismatch_names_row(tmp_path, processor, problem):
+def test_placeholder_count_mismatch_names_row_at_load(tmp_path, processor, problem):
     rows = sample_rows(n=3)
     rows[2]["problem"] = problem
     path = write_parquet(tmp_path / "mismatch.parquet", rows)
-    dataset = PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)
     expected_count = problem.count("<image>")
-    with pytest.raises(DatasetError, match=rf"row 2 \(id {rows[2]['id']}\): the prompt has {expected_count} <image>"):
-        dataset.next_batch(3)
+    with pytest.raises(DatasetError) as info:
+        PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)  # found before any row is drawn
+    message = str(info.value)
+    assert message.startswith(f"--prompt-data {path}: in 1 of 3 rows ")
+    assert f"row 2 (id {rows[2]['id']}): {expected_count} placeholders, 1 images" in message
+
+
+def test_placeholder_scan_lists_ten_bad_rows_then_counts(tmp_path, processor):
+    rows = sample_rows()
+    image_a, image_b = rows[0]["images"][0], rows[1]["images"][0]
+    for position in (3, 9, 17, 20, 21):
+        rows[position]["problem"] += " <image>"  # one placeholder too many
+    for position in (5, 30, 41):
+        rows[position]["images"] = [image_a, image_b]  # one image too many
+    for position in (11, 44):
+        rows[position]["images"] = None  # no images, one placeholder
+    for position in (50, 58, 63):
+        rows[position]["problem"] = rows[position]["problem"].replace("<image>", "")
+    rows[7]["problem"] = "Compare <image> and <image>."
+    rows[7]["images"] = [image_a, image_b]  # two and two: fine
+    path = write_parquet(tmp_path / "many.parquet", rows)
+
+    # the reference: count in Python, row by row
+    bad = []
+    for k, row in enumerate(rows):
+        placeholders, images = row["problem"].count("<image>"), len(row["images"] or [])
+        if placeholders != images:
+            bad.append(f"row {k} (id {row['id']}): {placeholders} placeholders, {images} images")
+    assert len(bad) == 13
+
+    for load in (
+        lambda: PromptDataset(geo3k_config(prompt_data=path), processor, seed=0),
+        lambda: load_eval_samples(geo3k_config(), processor, path),
+    ):
+        with pytest.raises(DatasetError) as info:
+            load()
+        message = str(info.value)
+        assert "in 13 of 64 rows" in message and "column 'problem'" in message and "column 'images'" in message
+        assert "; ".join(bad[:10]) + "; and 3 more. " in message
+        assert not any(entry in message for entry in bad[10:])
+    assert str(info.value).startswith(f"--eval-prompt-data {path}: ")
+
+
+def test_placeholder_scan_decodes_no_image(tmp_path, processor, monkeypatch):
+    """Loading reads only text and list lengths; images are decoded when their row is drawn."""
+    import slime.utils.data as data_module
+
+    decoded = []
+
+    def counting_decode(item, **kwargs):
+        decoded.append(kwargs["field"])
+        return decode_image(item, **kwargs)
+
+    monkeypatch.setattr(data_module, "decode_image", counting_decode)
+    path, _ = _skip_fixture(tmp_path, {1: {"images": [{"bytes": b"not an image", "path": None}]}})
+    dataset = PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)
+    assert decoded == []
+    assert [s.index for s in dataset.next_batch(1)] == [0]
+    assert decoded == ["images[0]"]
+
+
+def test_placeholder_scan_other_image_column_forms(tmp_path, processor):
+    """A single image per row (not a list) counts as one, null as none; text-only data has none."""
+    png = base64.b64encode(sample_rows(n=1)[0]["images"][0]["bytes"]).decode()
+    single = tmp_path / "single.jsonl"
+    lines = [
+        {"id": "a", "problem": "<image>Find x.", "answer": "1", "image": png},
+        {"id": "b", "problem": "Find y.", "answer": "2", "image": None},
+        {"id": "c", "problem": "<image>Find z.", "answer": "3", "image": None},
+    ]
+    single.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(DatasetError, match=r"in 1 of 3 rows .*: row 2 \(id c\): 1 placeholders, 0 images\. "):
+        PromptDataset(geo3k_config(prompt_data=str(single), multimodal_keys={"image": "image"}), processor, seed=0)
+    single.write_text("".join(json.dumps(line) + "\n" for line in lines[:2]))
+    cfg = geo3k_config(prompt_data=str(single), multimodal_keys={"image": "image"})
+    dataset = PromptDataset(cfg, processor, seed=0)
+    assert [len(s.images) for s in dataset.next_batch(2)] == [1, 0]
+
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text(json.dumps({"problem": "See <image>.", "answer": "1"}) + "\n")
+    with pytest.raises(DatasetError, match=r"no image column.*: row 0: 1 placeholders, 0 images\. "):
+        PromptDataset(geo3k_config(prompt_data=str(text_only), multimodal_keys=None), processor, seed=0)
+
+
+def test_null_or_non_text_prompts_found_at_load(tmp_path, processor):
+    rows = sample_rows(n=3)
+    rows[1]["problem"] = None
+    path = write_parquet(tmp_path / "null_prompt.parquet", rows)
+    with pytest.raises(DatasetError, match=rf"in 1 of 3 rows .*: row 1 \(id {rows[1]['id']}\): the prompt is null\. "):
+        PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text(json.dumps({"problem": 7, "answer": "1"}) + "\n")
+    with pytest.raises(DatasetError, match=r"--input-key column 'problem' holds int64 values, expected the prompt"):
+        PromptDataset(geo3k_config(prompt_data=str(numbers), multimodal_keys=None), processor, seed=0)
 
 
 def _skip_fixture(tmp_path, rows_by_position: dict[int, dict]) -> tuple[str, list[dict]]:
@@ -373,6 +493,20 @@ def test_every_row_skipped_raises(tmp_path, processor):
     dataset = PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)
     with pytest.raises(DatasetError, match=r"last 4 rows drawn .* were all skipped.*'empty_label': 4"):
         dataset.next_batch(1)
+
+
+def test_eval_set_with_every_row_skipped_raises(tmp_path, processor):
+    rows = [row | {"answer": ""} for row in sample_rows(TEST, n=3)] + [sample_rows(TEST, n=4)[3] | {"answer": None}]
+    path = write_parquet(tmp_path / "bad_eval.parquet", rows)
+    with pytest.raises(DatasetError) as info:
+        load_eval_samples(geo3k_config(), processor, path)
+    message = str(info.value)
+    assert message.startswith(f"--eval-prompt-data {path!r}: all 4 rows")
+    assert "'empty_label': 4" in message and "'bad_image': 0" in message
+    # one usable row is enough
+    rows[2] = sample_rows(TEST, n=3)[2]
+    write_parquet(tmp_path / "bad_eval.parquet", rows)
+    assert [s.index for s in load_eval_samples(geo3k_config(), processor, path)] == [2]
 
 
 def test_empty_dataset_raises(tmp_path, processor):

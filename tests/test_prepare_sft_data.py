@@ -8,11 +8,14 @@ compared row by row, every column, plus the parquet schema and its HF feature me
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -123,3 +126,90 @@ def test_cli_help():
     assert result.returncode == 0, result.stderr
     for option in ("--input", "--split", "--output"):
         assert option in result.stdout
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _run_expecting_error(module, capsys, *argv: str) -> str:
+    """main(argv) must stop with a usage error; returns its stderr."""
+    with pytest.raises(SystemExit) as info:
+        module.main(list(argv))
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_answers_are_an_error_naming_the_rows(tmp_path, capsys):
+    rows = pq.read_table(os.path.join(SAMPLE_DIR, "train.parquet")).to_pylist()
+    blank = {2: "", 5: None, 9: "  ", 13: "\n"}
+    for position, answer in blank.items():
+        rows[position]["answer"] = answer
+    rows[20]["problem"] = None
+    source = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(os.path.join(SAMPLE_DIR, "train.parquet"))), source)
+    out = tmp_path / "o.parquet"
+
+    err = _run_expecting_error(_load_script(), capsys, "--input", str(source), "--output", str(out))
+    assert f"--input {str(source)!r}: 5 of 64 rows cannot be formatted" in err
+    for position, answer in blank.items():
+        assert f"row {position} (id {rows[position]['id']}): --answer-key 'answer' is {answer!r}" in err
+    assert f"row 20 (id {rows[20]['id']}): --problem-key 'problem' is None, not text" in err
+    assert "row 0 " not in err and not out.exists()
+
+
+def test_more_than_ten_bad_rows_are_counted(tmp_path, capsys):
+    lines = [{"id": f"r{k}", "problem": f"<image>Find x{k}.", "answer": "" if k % 2 else "1"} for k in range(30)]
+    source = tmp_path / "many.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    err = _run_expecting_error(_load_script(), capsys, "--input", str(source), "--output", str(tmp_path / "o.parquet"))
+    listed = "; ".join(f"row {k} (id r{k}): --answer-key 'answer' is ''" for k in range(1, 21, 2))  # the first 10
+    assert f"15 of 30 rows cannot be formatted: {listed}; and 5 more." in err
+
+
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("zero_bytes.parquet", b"", r"zero_bytes\.parquet is not a readable parquet file"),
+        ("garbage.parquet", b"not parquet at all", r"garbage\.parquet is not a readable parquet file"),
+        ("no_rows.parquet", None, r"no_rows\.parquet has no rows"),
+        ("empty.jsonl", b"\n\n", r"empty\.jsonl has no rows"),
+        ("broken.jsonl", b'{"problem": "a", "answer": "1"}\n{"problem": \n', r"broken\.jsonl line 2: invalid JSON"),
+        ("list.jsonl", b'{"problem": "a", "answer": "1"}\n\n[1, 2]\n', r"list\.jsonl line 3: expected a JSON object"),
+    ],
+)
+def test_unreadable_or_empty_input_names_the_file(tmp_path, capsys, name, content, expected):
+    source = tmp_path / name
+    if content is None:  # a valid parquet file with the sample's schema and no rows
+        pq.write_table(pq.read_table(os.path.join(SAMPLE_DIR, "test.parquet")).slice(0, 0), source)
+    else:
+        source.write_bytes(content)
+    err = _run_expecting_error(_load_script(), capsys, "--input", str(source), "--output", str(tmp_path / "o.parquet"))
+    assert re.search(r"--input '.*" + expected, err), err
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_jsonl_input_keeps_answers_as_written(tmp_path):
+    source = tmp_path / "rows.jsonl"
+    source.write_text(
+        '{"problem": "<image>A", "answer": 3, "images": ["a.png"]}\n'
+        '{"problem": "<image>B", "answer": 3.5, "images": ["b.png"]}\n'
+        '{"problem": "<image>C", "answer": "3", "images": ["c.png"]}\n'
+        '{"problem": "<image>D", "answer": 1e-3, "images": ["d.png"]}\n'
+    )
+    out = tmp_path / "sft.parquet"
+    assert _load_script().main(["--input", str(source), "--output", str(out)]) == 0
+    written = pq.read_table(out).to_pylist()
+    assert [row["messages"][1]["content"] for row in written] == [
+        "Answer: \\boxed{3}", "Answer: \\boxed{3.5}", "Answer: \\boxed{3}", "Answer: \\boxed{1e-3}",
+    ]  # fmt: skip
+    assert [row["messages"][0]["content"] for row in written] == ["<image>A", "<image>B", "<image>C", "<image>D"]
+    assert [row["images"] for row in written] == [["a.png"], ["b.png"], ["c.png"], ["d.png"]]
+
+
+@pytest.mark.parametrize("output", ["x.csv", "x.parquet.json", "x"])
+def test_output_must_be_parquet(tmp_path, capsys, output):
+    err = _run_expecting_error(
+        _load_script(), capsys, "--input", SAMPLE_DIR, "--split", "test", "--output", str(tmp_path / output)
+    )
+    assert f"--output {str(tmp_path / output)!r}" in err and "ending in .parquet" in err
+    assert list(tmp_path.iterdir()) == []

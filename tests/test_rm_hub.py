@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+import types
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pandas as pd
@@ -459,23 +461,34 @@ def test_score_rejects_mismatched_or_non_string_input(scorer):
         scorer.score(["a"], [1.5])
 
 
-def test_worker_that_cannot_start_gives_a_clear_error():
-    # A script read from stdin cannot be re-imported by a spawned worker, so workers die at start.
-    script = (
-        "from slime.rollout.rm_hub import RewardConfig, RewardScorer\n"
-        "RewardScorer(RewardConfig()).score(['x'], ['1'])\n"
-    )
-    run = subprocess.run(
-        [sys.executable, "-"],
-        input=script,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert run.returncode == 1
-    assert "RuntimeError: a reward worker process exited while starting" in run.stderr
+def test_worker_that_cannot_start_gives_a_clear_error(tmp_path):
+    """A spawned worker re-imports the driver's main module; if it cannot, score() says so.
+
+    ``python -`` (a script piped to stdin) leaves ``__main__.__file__ = '<stdin>'``, a path that
+    no worker can run, so every worker dies while starting.  The same main module is set up
+    here, in-process, and the exception is checked as an object (type, message, cause), not
+    read back from a stderr that the dying workers write to at the same time.
+    """
+    unimportable_main = types.ModuleType("__main__")  # __spec__ is None, as for stdin
+    unimportable_main.__file__ = str(tmp_path / "<stdin>")
+    before = set(multiprocessing.active_children())
+    scorer = RewardScorer(RewardConfig(rm_num_workers=2))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "__main__", unimportable_main)
+        with pytest.raises(RuntimeError) as info:
+            scorer.score(["x"], ["1"])
+    assert type(info.value) is RuntimeError  # not the bare BrokenProcessPool (itself a RuntimeError)
+    assert str(info.value).startswith("a reward worker process exited while starting")
+    assert "run the driver from a file or with -m" in str(info.value)
+    assert isinstance(info.value.__cause__, BrokenProcessPool)
+
+    # No worker is left behind, and the same scorer starts fresh ones once the main module is importable.
+    deadline = time.monotonic() + 60
+    while set(multiprocessing.active_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(multiprocessing.active_children()) - before == set()
+    with scorer:
+        assert scorer.score([r"\boxed{1}", r"\boxed{2}"], ["1", "1"]) == [1.0, 0.0]
 
 
 def test_workers_start_on_first_score_and_stop_on_close():

@@ -18,7 +18,9 @@ How a row becomes a prompt (:meth:`PromptDataset.make_sample`):
 
 1. the ``--input-key`` text holds one :data:`IMAGE_PLACEHOLDER` per image of the
    ``--multimodal-keys`` ``image`` column, in order (the hiyouga/geometry3k convention,
-   also used by slime); a count mismatch is an error naming the row;
+   also used by slime).  Every row is checked when the dataset is loaded (placeholder
+   count against the image list's length; nothing decoded), and a mismatch is one error
+   naming the bad rows, so it cannot surface hours into a run;
 2. each image is decoded to RGB (:func:`slime.utils.image.decode_image`) and resized
    **once** with ``processor.resize_image`` to the processor's pixel bounds.  The resize is
    a fixed point of the processor, and the base64 PNGs sent to the engine are of the
@@ -29,6 +31,9 @@ How a row becomes a prompt (:meth:`PromptDataset.make_sample`):
    each placeholder is replaced by the model's vision span (:data:`VISION_SPAN`);
 4. the processor tokenises the prompt and expands the image tokens, giving
    ``prompt_token_ids`` and ``pixel_values`` / ``image_grid_thw``.
+
+Labels are strings: a .jsonl label keeps its text as written, numbers included
+(:func:`read_jsonl`).
 
 Rows are skipped, never silently: an unreadable image, an empty or missing label, or a
 prompt longer than ``--rollout-max-prompt-len`` tokens (images expanded).  Every skip is
@@ -51,10 +56,12 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from slime.utils.config import ConfigError, flag
@@ -80,6 +87,9 @@ SKIP_REASONS = ("bad_image", "empty_label", "prompt_too_long")
 
 LOCAL_SUFFIXES = (".parquet", ".jsonl")
 """File types ``--prompt-data`` reads directly."""
+
+LISTED_ROWS = 10
+"""Bad rows named in one error message; the rest are counted."""
 
 
 class DatasetError(ValueError):
@@ -108,7 +118,9 @@ class DataConfig:
     )
     input_key: str = flag("input", help="Column holding the prompt text (may contain <image> placeholders).")
     label_key: str | None = flag(
-        "label", help="Column holding the ground-truth answer; rows whose label is missing or empty are skipped."
+        "label",
+        help="Column holding the ground-truth answer; rows whose label is missing or empty are skipped. A .jsonl "
+        "number keeps its text as written (3 -> '3', 1e-3 -> '1e-3').",
     )
     multimodal_keys: dict | None = flag(
         None,
@@ -242,29 +254,52 @@ class LoadedTable:
     base_dir: str | None
 
 
-def load_table(spec: str, *, default_split: str, flag_name: str = "--prompt-data") -> LoadedTable:
+def load_table(
+    spec: str, *, default_split: str, flag_name: str = "--prompt-data", text_columns: Collection[str] = ()
+) -> LoadedTable:
     """Load the rows that ``spec`` names (resolved by :func:`resolve_source`).
 
-    Local files are read with pyarrow (parquet memory-mapped, .jsonl one JSON object per
-    line); hub datasets through ``datasets.load_dataset(name, split=split)`` (which uses the
+    Local files are read with pyarrow (parquet memory-mapped) or :func:`read_jsonl`; hub
+    datasets through ``datasets.load_dataset(name, split=split)`` (which uses the
     ``datasets`` cache), with their Image columns read undecoded.
+
+    Args:
+        spec, default_split, flag_name: see :func:`resolve_source`.
+        text_columns: columns whose JSON numbers keep their text in a .jsonl file (the
+            label column; see :func:`read_jsonl`).  Parquet and hub data keep their stored types.
 
     Raises:
         ConfigError: see :func:`resolve_source`; or the hub dataset cannot be loaded (the
             message carries the ``datasets`` error).
-        DatasetError: a malformed .jsonl line.
+        DatasetError: a malformed .jsonl line, or a .jsonl column whose values cannot share one type.
     """
     source = resolve_source(spec, default_split=default_split, flag_name=flag_name)
-    if source.path is not None:
-        return LoadedTable(
-            table=_read_file(source.path), source=source, base_dir=os.path.dirname(os.path.abspath(source.path))
-        )
-    return LoadedTable(table=_read_hub(source, spec=spec, flag_name=flag_name), source=source, base_dir=None)
+    if source.path is None:
+        return LoadedTable(table=_read_hub(source, spec=spec, flag_name=flag_name), source=source, base_dir=None)
+    if source.path.endswith(".parquet"):
+        table = pq.read_table(source.path, memory_map=True)
+    else:
+        table = read_jsonl(source.path, text_columns=text_columns)
+    return LoadedTable(table=table, source=source, base_dir=os.path.dirname(os.path.abspath(source.path)))
 
 
-def _read_file(path: str) -> pa.Table:
-    if path.endswith(".parquet"):
-        return pq.read_table(path, memory_map=True)
+def read_jsonl(path: str, *, text_columns: Collection[str] = ()) -> pa.Table:
+    """Read a JSON-lines file (one JSON object per line; blank lines ignored) into an Arrow table.
+
+    The columns are every key that appears on any line, in order of first appearance; a
+    line without a key has null there.  Each column's type is inferred from all its values.
+
+    In ``text_columns`` a value is kept *as written*: a JSON string is its decoded text
+    (``"3"`` -> ``3``), and a JSON number is its token exactly as it appears on the line,
+    not a float or int re-formatted (``3`` -> ``3``, ``3.50`` -> ``3.50``, ``1e-3`` ->
+    ``1e-3``, ``-0`` -> ``-0``; likewise Python's ``NaN`` / ``Infinity`` extensions).
+    Without this, a column holding both ``3`` and ``3.5`` becomes float64 and ``3`` reads
+    back as ``"3.0"``.  Other JSON values (``true``, lists, objects) are left as parsed.
+
+    Raises:
+        DatasetError: a line that is not valid JSON or not an object (the message gives the
+            line number), or a column whose values cannot share one Arrow type (it names the column).
+    """
     rows = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
@@ -276,11 +311,28 @@ def _read_file(path: str) -> pa.Table:
                 raise DatasetError(f"{path} line {line_number}: invalid JSON ({e}); fix or remove the line") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{path} line {line_number}: expected a JSON object, got {type(row).__name__}")
+            if any(_is_json_number(row.get(column)) for column in text_columns):
+                # Parse again with every number kept as its token; only the text columns take it.
+                as_written = json.loads(line, parse_int=str, parse_float=str, parse_constant=str)
+                for column in text_columns:
+                    if _is_json_number(row.get(column)):
+                        row[column] = as_written[column]
             rows.append(row)
-    try:
-        return pa.Table.from_pylist(rows)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise DatasetError(f"{path}: a column holds values of different types across lines ({e}); make them agree") from None
+    names = list(dict.fromkeys(name for row in rows for name in row))
+    columns = {}
+    for name in names:
+        try:
+            columns[name] = pa.array([row.get(name) for row in rows])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise DatasetError(
+                f"{path}: column {name!r} holds values of different types across lines ({e}); make them agree"
+            ) from None
+    return pa.table(columns)
+
+
+def _is_json_number(value: Any) -> bool:
+    """Whether ``json.loads`` produced ``value`` from a JSON number (bool is a JSON literal, not a number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _read_hub(source: DataSource, *, spec: str, flag_name: str) -> pa.Table:
@@ -319,7 +371,10 @@ class PromptDataset:
         ConfigError: no source, a source that does not load (see :func:`load_table`), or a
             configured column (``--input-key``, ``--label-key``, ``--multimodal-keys``)
             missing from the data; the message lists the columns that exist.
-        DatasetError: the dataset has no rows.
+        DatasetError: the dataset has no rows; or, from a scan of every row at load (no
+            image decoded), the ``--input-key`` column is not text, or rows have a null
+            prompt or a placeholder count that differs from their image count (the message
+            names up to :data:`LISTED_ROWS` of them, with index and id, and counts the rest).
     """
 
     def __init__(
@@ -338,11 +393,13 @@ class PromptDataset:
         self.cfg = cfg
         self.processor = processor
         self.seed = seed
-        loaded = load_table(source, default_split=split, flag_name=flag_name)
+        label_columns = () if cfg.label_key is None else (cfg.label_key,)
+        loaded = load_table(source, default_split=split, flag_name=flag_name, text_columns=label_columns)
         self.source, self._base_dir, self._table = str(loaded.source), loaded.base_dir, loaded.table
         if self._table.num_rows == 0:
             raise DatasetError(f"{self.source} has no rows; {flag_name} must name a non-empty split")
         self._check_columns()
+        self._check_placeholders(flag_name)
         self._epoch = 0
         self._position = 0
         self._skip_counts = dict.fromkeys(SKIP_REASONS, 0)
@@ -360,6 +417,55 @@ class PromptDataset:
                     f"{flag_name} {column!r}: no such column in {self.source}; its columns are {columns}. "
                     f"Set {flag_name.split()[0]} to one of them"
                 )
+
+    def _check_placeholders(self, flag_name: str) -> None:
+        """Check every row's :data:`IMAGE_PLACEHOLDER` count against its number of images, at load.
+
+        Only the prompt strings and the image lists' lengths are read (Arrow kernels over
+        two columns); no image is decoded.  Images per row are counted as
+        :meth:`make_sample` sees them: a list's length, 0 for null, 1 for a single value.
+
+        Raises:
+            DatasetError: the ``--input-key`` column is not text, or rows whose prompt is
+                null or whose placeholder count differs from their image count; the message
+                lists the first :data:`LISTED_ROWS` of them (index and id) and counts the rest.
+        """
+        cfg = self.cfg
+        text = self._table.column(cfg.input_key)
+        if pa.types.is_string_view(text.type):
+            text = text.cast(pa.large_string())
+        if pa.types.is_null(text.type):  # every prompt is null
+            placeholders = np.full(self.num_rows, -1)
+        elif pa.types.is_string(text.type) or pa.types.is_large_string(text.type):
+            placeholders = pc.fill_null(pc.count_substring(text, IMAGE_PLACEHOLDER), -1).to_numpy()
+        else:
+            raise DatasetError(
+                f"{flag_name} {self.source}: --input-key column {cfg.input_key!r} holds {text.type} values, expected "
+                "the prompt text (strings); set --input-key to the text column"
+            )
+        images = np.zeros(self.num_rows, dtype=np.int64)
+        if cfg.image_key is not None:
+            column = self._table.column(cfg.image_key)
+            if _is_list_type(column.type):
+                images = pc.fill_null(pc.list_value_length(column), 0).to_numpy()
+            else:
+                images = pc.is_valid(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        bad_rows = np.flatnonzero(placeholders != images)
+        if bad_rows.size == 0:
+            return
+        image_column = f"column {cfg.image_key!r}" if cfg.image_key else "no image column: --multimodal-keys is unset"
+        problems = []
+        for row in bad_rows[:LISTED_ROWS].tolist():
+            if placeholders[row] < 0:
+                problems.append(f"{self._row_label(row)}: the prompt is null")
+            else:
+                problems.append(f"{self._row_label(row)}: {placeholders[row]} placeholders, {images[row]} images")
+        raise DatasetError(
+            f"{flag_name} {self.source}: in {bad_rows.size} of {self.num_rows} rows the number of {IMAGE_PLACEHOLDER} "
+            f"placeholders (--input-key column {cfg.input_key!r}) differs from the number of images ({image_column}): "
+            f"{list_rows(problems, bad_rows.size)}. Each image needs one placeholder, in order; fix or remove these "
+            "rows"
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -484,10 +590,13 @@ class PromptDataset:
 
     def row_name(self, row: int) -> str:
         """``"<source> row <index> (id <id>)"`` for messages; the id only when the data has an ``id`` column."""
-        name = f"{self.source} row {row}"
+        return f"{self.source} {self._row_label(row)}"
+
+    def _row_label(self, row: int) -> str:
+        """``"row <index> (id <id>)"``; the id only when the data has an ``id`` column."""
         if "id" in self._table.column_names:
-            name += f" (id {self._table.column('id')[row].as_py()})"
-        return name
+            return f"row {row} (id {self._table.column('id')[row].as_py()})"
+        return f"row {row}"
 
     def make_sample(self, row: int) -> Sample | None:
         """Turn row ``row`` into a prompt sample, or skip it (log, count, return ``None``).
@@ -503,7 +612,8 @@ class PromptDataset:
 
         Raises:
             DatasetError: the prompt is not a string, or the number of
-                :data:`IMAGE_PLACEHOLDER` in it differs from the number of images.
+                :data:`IMAGE_PLACEHOLDER` in it differs from the number of images (both
+                already checked for every row when the dataset was loaded).
         """
         record = self._table.slice(row, 1).to_pylist()[0]
         cfg = self.cfg
@@ -580,8 +690,33 @@ class PromptDataset:
 
 
 def _label_text(value: Any) -> str:
-    """The label as a string, unchanged ("" when missing); numbers are formatted with ``str``."""
+    """The label as a string, unchanged ("" when missing).
+
+    A .jsonl label is already its text as written (:func:`read_jsonl`); a number from a
+    parquet or hub column is formatted with ``str`` (float64 ``3.0`` -> ``"3.0"``).
+    """
     return "" if value is None else str(value)
+
+
+def _is_list_type(data_type: pa.DataType) -> bool:
+    """Arrow list types (``list_value_length`` gives their lengths)."""
+    return any(
+        check(data_type)
+        for check in (
+            pa.types.is_list,
+            pa.types.is_large_list,
+            pa.types.is_fixed_size_list,
+            pa.types.is_list_view,
+            pa.types.is_large_list_view,
+        )
+    )
+
+
+def list_rows(descriptions: list[str], total: int, limit: int = LISTED_ROWS) -> str:
+    """``"a; b; c"``, at most ``limit`` of ``descriptions``, then ``"; and N more"`` up to ``total`` rows."""
+    shown = "; ".join(descriptions[:limit])
+    more = total - min(len(descriptions), limit)
+    return shown + (f"; and {more} more" if more > 0 else "")
 
 
 def _image_items(value: Any) -> list:
@@ -603,9 +738,16 @@ def load_eval_samples(cfg: DataConfig, processor: VLProcessor, path: str) -> lis
 
     Raises:
         ConfigError, DatasetError: as :class:`PromptDataset` and :meth:`PromptDataset.make_sample`.
+        DatasetError: every row was skipped (the message names ``path`` and gives the skip
+            counts), rather than an empty eval set failing later in the metrics.
     """
     dataset = PromptDataset(cfg, processor, seed=0, source=path, split="test", flag_name="--eval-prompt-data")
     samples = dataset.eval_samples()
+    if not samples:
+        raise DatasetError(
+            f"--eval-prompt-data {path!r}: all {dataset.num_rows} rows of {dataset.source} were skipped (skip counts: "
+            f"{dataset.skip_counts}); check --label-key, the images and --rollout-max-prompt-len, or drop this eval set"
+        )
     logger.info(
         "eval data %s: %d prompts from %d rows (skipped: %s)", dataset.source, len(samples), dataset.num_rows,
         dataset.skip_counts,
