@@ -1,0 +1,89 @@
+"""End to end: with ``--ray-address`` (what ``SLIME_SCRIPT_EXTERNAL_RAY=1`` passes) the driver joins
+a running Ray cluster, trains on it, and leaves it running: it never starts or stops one.
+
+The cluster is a ``ray start --head --block`` started here in a session of its own, so the
+test can check afterwards that every process of that session is still alive and then stop
+exactly those processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slime.utils.metrics import read_metrics
+from tests.process_tree import kill_session, session_members, wait_session_gone
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = REPO / "examples" / "geo3k_vlm" / "data"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli() -> str:
+    return shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+
+
+def test_driver_joins_an_external_cluster_and_leaves_it_running(tmp_path, tiny_ckpt):
+    port = _free_port()
+    # One authentication mode for the head, `ray status` and the driver (Ray 2.60 defaults differ
+    # between `ray start` and clients).
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen(
+        [_ray_cli(), "start", "--head", "--block", "--port", str(port), "--num-cpus", "4",
+         "--include-dashboard", "false", "--node-ip-address", "127.0.0.1"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    try:
+        address = f"127.0.0.1:{port}"
+        status = None
+        for _ in range(120):  # the head takes seconds to come up on a busy machine
+            status = subprocess.run([_ray_cli(), "status", "--address", address], env=env,
+                                    capture_output=True, text=True)
+            if status.returncode == 0:
+                break
+            time.sleep(1)
+        assert status is not None and status.returncode == 0, f"ray head did not start:\n{status.stdout}{status.stderr}"
+        cluster_before = {p.pid for p in session_members(head.pid)}
+
+        out = tmp_path / "run"
+        proc = subprocess.run(
+            [sys.executable, "-m", "slime.train",
+             "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR),
+             "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
+             "--apply-chat-template", "--num-rollout", "1", "--rollout-batch-size", "2",
+             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
+             "--skip-eval-before-train", "--train-backend", "fsdp", "--rollout-backend", "transformers",
+             "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--no-progress-bar",
+             "--ray-address", address, "--output-dir", str(out)],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "joined Ray cluster" in proc.stderr
+        assert "Started a local Ray instance" not in proc.stderr  # it never starts one of its own
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "rollout/reward_mean" in r] == [0]
+
+        # The cluster survived the driver: the head process group answers, and every process
+        # it had before the run still runs.
+        status = subprocess.run([_ray_cli(), "status", "--address", address], env=env, capture_output=True, text=True)
+        assert status.returncode == 0, status.stderr
+        assert head.poll() is None
+        assert cluster_before <= {p.pid for p in session_members(head.pid)}
+    finally:
+        kill_session(head.pid)
+        wait_session_gone(head.pid, timeout_s=60)
