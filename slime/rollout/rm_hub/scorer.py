@@ -131,6 +131,12 @@ def _init_worker() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGALRM, _raise_timeout)
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # Warm math-verify's lazily built parsers (a fraction of a second, several on a busy
+    # machine) before the worker counts as started, so that a fresh worker's first response
+    # is not charged for them against the hard deadline.
+    from slime.rollout.rm_hub import RewardConfig, math_reward
+
+    math_reward("\\boxed{\\frac{1}{2}}", "0.5", RewardConfig())
 
 
 def _score_in_worker(response: str, label: str, cfg: RewardConfig) -> tuple[float, _Outcome, str]:
