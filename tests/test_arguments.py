@@ -19,6 +19,7 @@ from slime.utils.config import ConfigError, flag_name
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_SCRIPT = ROOT / "scripts" / "models" / "qwen3.5-35B-A3B.sh"
+TINY_MODEL_SCRIPT = ROOT / "scripts" / "models" / "qwen3.5-tiny.sh"
 
 # MODEL_ARGS of Qwen3.5-35B-A3B as upstream's scripts/models/qwen3.5-35B-A3B.sh passes them
 # (40 layers, all MoE; every 4th layer full attention, the others Gated DeltaNet).
@@ -88,10 +89,10 @@ def parse_error(argv: list[str], capsys) -> str:
     return err
 
 
-def model_args_from_script() -> list[str]:
-    """MODEL_ARGS of scripts/models/qwen3.5-35B-A3B.sh, read by sourcing it with bash."""
+def model_args_from_script(script: Path = MODEL_SCRIPT) -> list[str]:
+    """MODEL_ARGS of a scripts/models/*.sh file (default: qwen3.5-35B-A3B.sh), read by sourcing it with bash."""
     out = subprocess.run(
-        ["bash", "-c", 'source "$1" && printf "%s\\0" "${MODEL_ARGS[@]}"', "bash", str(MODEL_SCRIPT)],
+        ["bash", "-c", 'source "$1" && printf "%s\\0" "${MODEL_ARGS[@]}"', "bash", str(script)],
         capture_output=True,
         check=True,
     )
@@ -327,7 +328,9 @@ def test_gdn_model_refuses_micro_batches_above_one(source, bad_batching, tmp_pat
     [([], ["full_attention"] * 4), (["--num-layers", "4", "--linear-attention-freq", "1"], None)],
 )
 def test_models_without_linear_attention_allow_larger_micro_batches(model_flags, layer_types, tmp_path):
-    ckpt = write_hf_config(tmp_path / "ckpt", {"text_config": {"layer_types": layer_types}} if layer_types else {})
+    # without layer_types every layer is full attention; --num-layers 4 must match the checkpoint's count
+    text = {"layer_types": layer_types} if layer_types else {"num_hidden_layers": 4}
+    ckpt = write_hf_config(tmp_path / "ckpt", {"text_config": text})
     cfg = parse_args(with_flags("--hf-checkpoint", ckpt, "--micro-batch-size", "2", *model_flags))
     assert cfg.train.micro_batch_size == 2 and not cfg.model.is_hybrid_gdn
 
@@ -539,3 +542,269 @@ def test_layer_patterns_follow_megatron():
     assert cfg.model.moe_layer_pattern == [1, 0, 1, 0, 1, 0, 1, 0]
     cfg = parse_args(with_flags("--num-layers", "3", "--linear-attention-freq", "[0, 1, 0]", "--micro-batch-size", "1"))
     assert cfg.model.linear_attention_pattern == [0, 1, 0] and cfg.model.is_hybrid_gdn
+
+
+# ---------------------------------------------------------------------------------------------
+# MODEL_ARGS against the checkpoint's config.json
+
+
+def replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with the value after ``flag`` replaced (the flag must be there, with one value)."""
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def test_tiny_model_script_matches_the_tiny_checkpoint(tiny_ckpt):
+    text = json.loads((tiny_ckpt / "config.json").read_text())["text_config"]
+    cfg = parse_args(model_args_from_script(TINY_MODEL_SCRIPT) + with_flags("--hf-checkpoint", str(tiny_ckpt)))
+    assert (cfg.model.num_layers, cfg.model.hidden_size) == (text["num_hidden_layers"], text["hidden_size"])
+
+
+def test_model_args_that_disagree_with_the_checkpoint_are_listed(tiny_ckpt, capsys):
+    text = json.loads((tiny_ckpt / "config.json").read_text())["text_config"]
+    argv = replace_flag(model_args_from_script(TINY_MODEL_SCRIPT), "--num-layers", "40")
+    argv = replace_flag(argv, "--hidden-size", "2048")
+    err = parse_error(argv + with_flags("--hf-checkpoint", str(tiny_ckpt)), capsys)
+    assert f"--hf-checkpoint {tiny_ckpt}" in err
+    assert f"--num-layers 40 vs text_config.num_hidden_layers {text['num_hidden_layers']}" in err
+    assert f"--hidden-size 2048 vs text_config.hidden_size {text['hidden_size']}" in err
+    # --linear-attention-freq 4 still fits the checkpoint's layers: only the two flags above are listed
+    assert err.count(" vs ") == 2
+
+
+def test_35b_model_script_matches_the_transformers_config(tmp_path):
+    from transformers import Qwen3_5MoeConfig
+
+    config = Qwen3_5MoeConfig().to_dict()
+    # the released Qwen3.5-35B-A3B differs from transformers' defaults in these two fields
+    config["text_config"]["rope_parameters"]["rope_theta"] = 1e7
+    config["text_config"]["max_position_embeddings"] = 262144
+    ckpt = write_hf_config(tmp_path / "ckpt", config)
+    cfg = parse_args(model_args_from_script() + with_flags("--hf-checkpoint", ckpt))
+    assert cfg.model.num_layers == 40
+    argv = replace_flag(model_args_from_script(), "--rotary-base", "10000")
+    with pytest.raises(SystemExit):
+        parse_args(argv + with_flags("--hf-checkpoint", ckpt))
+
+
+# A hand-made Qwen3.5-style text config with a distinct value in every field, and the flags that describe it.
+HAND_TEXT_CONFIG = {
+    "num_hidden_layers": 6, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 24,
+    "num_experts": 10, "num_experts_per_tok": 3, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 48,
+    "rope_parameters": {"rope_theta": 500000.0, "partial_rotary_factor": 0.5}, "vocab_size": 1024,
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "linear_conv_kernel_dim": 3, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+    "layer_types": ["linear_attention", "full_attention"] * 3, "tie_word_embeddings": False,
+}  # fmt: skip
+HAND_MODEL_ARGS = [
+    "--num-layers", "6", "--hidden-size", "96", "--num-attention-heads", "6", "--group-query-attention",
+    "--num-query-groups", "3", "--kv-channels", "24", "--num-experts", "10", "--moe-router-topk", "3",
+    "--moe-ffn-hidden-size", "40", "--moe-shared-expert-intermediate-size", "48", "--rotary-base", "500000",
+    "--rotary-percent", "0.5", "--vocab-size", "1024", "--norm-epsilon", "0.00001",  # = 1e-5, spelt differently
+    "--max-position-embeddings", "4096", "--linear-conv-kernel-dim", "3", "--linear-key-head-dim", "8",
+    "--linear-value-head-dim", "12", "--linear-num-key-heads", "2", "--linear-num-value-heads", "6",
+    "--linear-attention-freq", "2", "--untie-embeddings-and-output-weights",
+]  # fmt: skip
+
+
+def test_hand_made_config_and_its_flags_agree(tmp_path):
+    ckpt = write_hf_config(tmp_path / "ckpt", {"model_type": "qwen3_5_moe", "text_config": HAND_TEXT_CONFIG})
+    cfg = parse_args(HAND_MODEL_ARGS + with_flags("--hf-checkpoint", ckpt))
+    assert cfg.model.linear_attention_pattern == [1, 0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "flag, bad, expected",
+    [
+        ("--num-layers", "7", "--num-layers 7 vs text_config.num_hidden_layers 6"),
+        ("--hidden-size", "128", "--hidden-size 128 vs text_config.hidden_size 96"),
+        ("--num-attention-heads", "12", "--num-attention-heads 12 vs text_config.num_attention_heads 6"),
+        ("--num-query-groups", "2", "--num-query-groups 2 vs text_config.num_key_value_heads 3"),
+        ("--kv-channels", "32", "--kv-channels 32 vs text_config.head_dim 24"),
+        ("--num-experts", "12", "--num-experts 12 vs text_config.num_experts 10"),
+        ("--moe-router-topk", "2", "--moe-router-topk 2 vs text_config.num_experts_per_tok 3"),
+        ("--moe-ffn-hidden-size", "64", "--moe-ffn-hidden-size 64 vs text_config.moe_intermediate_size 40"),
+        ("--moe-shared-expert-intermediate-size", "64",
+         "--moe-shared-expert-intermediate-size 64 vs text_config.shared_expert_intermediate_size 48"),
+        ("--rotary-percent", "0.25", "--rotary-percent 0.25 vs text_config.rope_parameters.partial_rotary_factor 0.5"),
+        ("--rotary-base", "10000", "--rotary-base 10000 vs text_config.rope_parameters.rope_theta 500000.0"),
+        ("--vocab-size", "1000", "--vocab-size 1000 vs text_config.vocab_size 1024"),  # no padding tolerance
+        ("--norm-epsilon", "1e-6", "--norm-epsilon 1e-06 vs text_config.rms_norm_eps 1e-05"),
+        ("--max-position-embeddings", "8192",
+         "--max-position-embeddings 8192 vs text_config.max_position_embeddings 4096"),
+        ("--linear-conv-kernel-dim", "4", "--linear-conv-kernel-dim 4 vs text_config.linear_conv_kernel_dim 3"),
+        ("--linear-key-head-dim", "16", "--linear-key-head-dim 16 vs text_config.linear_key_head_dim 8"),
+        ("--linear-value-head-dim", "16", "--linear-value-head-dim 16 vs text_config.linear_value_head_dim 12"),
+        ("--linear-num-key-heads", "4", "--linear-num-key-heads 4 vs text_config.linear_num_key_heads 2"),
+        ("--linear-num-value-heads", "4", "--linear-num-value-heads 4 vs text_config.linear_num_value_heads 6"),
+        # Megatron: layer i (from 0) is full attention when (i + 1) % 3 == 0, i.e. layers 2 and 5
+        ("--linear-attention-freq", "3",
+         "--linear-attention-freq 3 = [1, 1, 0, 1, 1, 0] vs text_config.layer_types [1, 0, 1, 0, 1, 0]"),
+        ("--linear-attention-freq", "[1, 1, 0, 0, 1, 0]",
+         "--linear-attention-freq [1, 1, 0, 0, 1, 0] vs text_config.layer_types [1, 0, 1, 0, 1, 0]"),
+    ],
+)  # fmt: skip
+def test_each_model_arg_is_compared_with_its_checkpoint_field(flag, bad, expected, tmp_path, capsys):
+    ckpt = write_hf_config(tmp_path / "ckpt", {"text_config": HAND_TEXT_CONFIG})
+    err = parse_error(replace_flag(HAND_MODEL_ARGS, flag, bad) + with_flags("--hf-checkpoint", ckpt), capsys)
+    assert expected in err and err.count(" vs ") == 1, err
+
+
+def test_untie_switch_is_compared_with_tie_word_embeddings(tmp_path, capsys):
+    ckpt = write_hf_config(tmp_path / "ckpt", {"text_config": HAND_TEXT_CONFIG})
+    tied_flags = [t for t in HAND_MODEL_ARGS if t != "--untie-embeddings-and-output-weights"]
+    err = parse_error(tied_flags + with_flags("--hf-checkpoint", ckpt), capsys)
+    assert "--untie-embeddings-and-output-weights not given (tied) vs text_config.tie_word_embeddings false" in err
+    tied = write_hf_config(tmp_path / "tied", {"text_config": {**HAND_TEXT_CONFIG, "tie_word_embeddings": True}})
+    err = parse_error(HAND_MODEL_ARGS + with_flags("--hf-checkpoint", tied), capsys)
+    assert "--untie-embeddings-and-output-weights given vs text_config.tie_word_embeddings true" in err
+    assert parse_args(tied_flags + with_flags("--hf-checkpoint", tied)).model.num_layers == 6
+
+
+def test_fields_absent_from_the_checkpoint(tmp_path, capsys):
+    # a dense, full-attention config at the top level, without head_dim, partial_rotary_factor, layer_types
+    dense = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "tie_word_embeddings": True}
+    ckpt = write_hf_config(tmp_path / "ckpt", dense)
+    # implied by Hugging Face: head_dim = 64 // 4 = 16, rotary fraction 1, every layer full attention
+    flags = ["--kv-channels", "16", "--rotary-percent", "1", "--linear-attention-freq", "1"]
+    assert parse_args(flags + with_flags("--hf-checkpoint", ckpt)).model.kv_channels == 16
+    err = parse_error(["--kv-channels", "32", "--num-experts", "8"] + with_flags("--hf-checkpoint", ckpt), capsys)
+    assert "--kv-channels 32 vs head_dim (absent; implied) 16" in err
+    assert "--num-experts 8 vs num_experts absent" in err
+
+
+def test_model_args_are_not_checked_without_a_local_config(tmp_path):
+    # a hub name or a folder that does not exist yet: nothing to compare with
+    cfg = parse_args(HAND_MODEL_ARGS + with_flags("--hf-checkpoint", "Qwen/Qwen3.5-35B-A3B"))
+    assert cfg.model.num_layers == 6
+    (tmp_path / "empty").mkdir()
+    assert parse_args(HAND_MODEL_ARGS + with_flags("--hf-checkpoint", str(tmp_path / "empty"))).model.num_layers == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# --train-backend fsdp refuses Megatron-only flags at parse time
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size 2"]),  # 1 GPU: still the fsdp error
+        (["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"],
+         ["--pipeline-model-parallel-size 2"]),
+        (["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"], ["--context-parallel-size 2"]),
+        (["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"], ["--expert-model-parallel-size 2"]),
+        (["--actor-num-gpus-per-node", "2", "--expert-tensor-parallel-size", "2"], ["--expert-tensor-parallel-size 2"]),
+        (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"], ["--use-dynamic-batch-size ("]),
+        (["--megatron-to-hf-mode", "bridge"], ["--megatron-to-hf-mode bridge"]),
+        (["--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"],
+         ["--sequence-parallel (", "--recompute-granularity full (use --gradient-checkpointing)"]),
+    ],
+)  # fmt: skip
+def test_fsdp_backend_refuses_megatron_only_flags_at_parse_time(flags, named, capsys):
+    err = parse_error(with_flags("--train-backend", "fsdp", *flags), capsys)
+    assert "--train-backend fsdp does not implement" in err and "--train-backend megatron" in err
+    for fragment in named:
+        assert fragment in err
+
+
+def test_megatron_only_flags_are_accepted_by_megatron_and_off_values_by_fsdp():
+    cfg = parse_args(with_flags("--megatron-to-hf-mode", "bridge", "--sequence-parallel"))
+    assert cfg.checkpoint.megatron_to_hf_mode == "bridge" and cfg.train.train_backend == "megatron"
+    off = ["--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size", "1", "--megatron-to-hf-mode", "raw"]
+    cfg = parse_args(with_flags("--train-backend", "fsdp", *off, "--gradient-checkpointing"))
+    assert cfg.train.train_backend == "fsdp" and cfg.checkpoint.megatron_to_hf_mode == "raw"
+
+
+def test_megatron_to_hf_mode_defaults_to_raw_and_takes_two_values(capsys):
+    assert parse_args(BASE).checkpoint.megatron_to_hf_mode == "raw"
+    err = parse_error(with_flags("--megatron-to-hf-mode", "hf"), capsys)
+    assert "--megatron-to-hf-mode" in err and "'raw', 'bridge'" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults in --help
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """{flag: its help text} of a ``--help`` output printed with a wide COLUMNS (no wrapping)."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("  --"):
+            current = re.match(r"\s+(--[\w-]+)", line)[1]  # "--on, --no-on" -> "--on"
+            invocation = re.match(r"\s+--\S+(?: [^ ]+)*?(?:\s{2,}|$)", line)[0]
+            entries[current] = line[len(invocation) :].strip()
+        elif current and line.startswith("    "):  # argparse moves the help of a long invocation to the next line
+            entries[current] = (entries[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return entries
+
+
+def test_help_appends_each_default_once(monkeypatch):
+    from slime.utils.config import flag
+
+    @dataclasses.dataclass(kw_only=True)
+    class Demo:
+        """Demo."""
+
+        count: int = flag(3, help="Count.")
+        rate: float = flag(1e-6, help="Rate.")
+        zero: float = flag(0.0, help="Zero is shown.")
+        name: str = flag("a b", help="Name.")
+        percent: str = flag("50%", help="Percent.")
+        ids: list[int] = flag(default_factory=lambda: [1, 2], help="Ids.")
+        keys: dict = flag(default_factory=lambda: {"image": "images"}, type=json.loads, help="Keys.")
+        on: bool = flag(True, help="On.")
+        off: bool = flag(False, help="Off.")
+        unset: int | None = flag(None, help="Unset.")
+        empty: list[str] = flag(default_factory=list, help="Empty.")
+        said: str = flag("x", help="Said (default: x, the usual).")
+        needed: int = flag(help="Required.")
+
+    import argparse
+
+    from slime.utils.config import add_group
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag
+    parser = argparse.ArgumentParser(prog="p")
+    add_group(parser, Demo, "GROUP")
+    entries = help_entries(parser.format_help())
+    assert entries["--count"] == "Count. (default: 3)"
+    assert entries["--rate"] == "Rate. (default: 1e-06)"
+    assert entries["--zero"] == "Zero is shown. (default: 0.0)"
+    assert entries["--name"] == "Name. (default: 'a b')"
+    assert entries["--percent"] == "Percent. (default: 50%)"
+    assert entries["--ids"] == "Ids. (default: 1 2)"
+    assert entries["--keys"] == 'Keys. (default: {"image":"images"})'
+    assert entries["--on"] == "On. (default: on)"
+    assert entries["--off"] == "Off."
+    assert entries["--unset"] == "Unset."
+    assert entries["--empty"] == "Empty."
+    assert entries["--said"] == "Said (default: x, the usual)."
+    assert entries["--needed"] == "Required."
+
+
+def test_real_help_shows_defaults(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")
+    text = build_parser().format_help()
+    lines = help_entries(text)
+    assert lines["--lr"] == "Peak learning rate. (default: 1e-06)" and "  --lr FLOAT " in text
+    assert lines["--rollout-temperature"].endswith("(default: 1.0)")
+    assert lines["--train-backend"].endswith("(default: megatron)")
+    assert lines["--megatron-to-hf-mode"].endswith("(default: raw)")
+    assert lines["--apply-chat-template-kwargs"].endswith("(default: {})")
+    assert "math (default)" in lines["--rm-type"] and "(default: math)" not in lines["--rm-type"]
+    assert "(default" not in lines["--num-layers"]  # None: taken from the checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop token ids
+
+
+def test_negative_stop_token_ids_are_refused(capsys):
+    err = parse_error(with_flags("--rollout-stop-token-ids", "2", "-5"), capsys)
+    assert "--rollout-stop-token-ids must be token ids >= 0, got -5" in err
+    assert parse_args(with_flags("--rollout-stop-token-ids", "0", "7")).rollout.rollout_stop_token_ids == [0, 7]

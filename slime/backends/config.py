@@ -3,7 +3,12 @@ checkpoints (CKPT_ARGS) and the model architecture in Megatron's names (MODEL_AR
 
 Flag names and meanings follow Megatron-LM (``megatron/training/arguments.py``) and upstream
 slime, so the ``MODEL_ARGS`` arrays of ``scripts/models/*.sh`` parse unchanged.  Every
-MODEL_ARGS flag is optional: the FSDP backend reads the architecture from ``--hf-checkpoint``.
+MODEL_ARGS flag is optional: the FSDP backend reads the architecture from ``--hf-checkpoint``;
+the values that are given must agree with it (:mod:`slime.models.qwen35_args`, at parse time).
+
+:func:`check_fsdp_flags` refuses the BACKEND_ARGS / CKPT_ARGS that only the Megatron backend
+implements; ``slime.utils.arguments.validate`` calls it at parse time and
+:class:`slime.backends.fsdp.backend.FSDPBackend` again when built directly.
 """
 
 from __future__ import annotations
@@ -196,6 +201,13 @@ class CheckpointConfig:
     )
     no_save_optim: bool = flag(False, help="Do not save optimizer state (smaller checkpoints; resume restarts Adam).")
     no_load_optim: bool = flag(False, help="Do not load optimizer state when resuming from --load.")
+    megatron_to_hf_mode: str = flag(
+        "raw",
+        choices=["raw", "bridge"],
+        help="Megatron backend only (upstream slime's flag): how Megatron weights are converted to and from "
+        "Hugging Face names and layouts (loading --hf-checkpoint, weight sync to the engines): raw = slime's own "
+        "converters, bridge = Megatron-Bridge. --train-backend fsdp trains the HF model itself and refuses bridge.",
+    )
 
     def __post_init__(self):
         if not self.hf_checkpoint.strip():
@@ -205,6 +217,67 @@ class CheckpointConfig:
                 raise ConfigError(f"--save-interval must be >= 1 rollout step, got {self.save_interval}")
             if self.save is None:
                 raise ConfigError(f"--save-interval {self.save_interval} needs a folder to save to: add --save DIR")
+
+
+FSDP_UNSUPPORTED_FLAGS: tuple[tuple[str, str, tuple, str], ...] = (
+    # (config group, field, the values that mean "off", what --train-backend fsdp does instead)
+    ("train", "tensor_model_parallel_size", (1,), "FSDP shards every parameter over all ranks"),
+    ("train", "pipeline_model_parallel_size", (1,), "FSDP shards every parameter over all ranks"),
+    ("train", "context_parallel_size", (1,), "each rank holds whole sequences"),
+    ("train", "expert_model_parallel_size", (1,), "FSDP shards every parameter over all ranks"),
+    ("train", "expert_tensor_parallel_size", (None, 1), "FSDP shards every parameter over all ranks"),
+    ("train", "sequence_parallel", (False,), "each rank holds whole sequences"),
+    ("train", "recompute_granularity", (None,), "use --gradient-checkpointing"),
+    ("train", "use_dynamic_batch_size", (False,), "micro-batches hold --micro-batch-size samples"),
+    ("checkpoint", "megatron_to_hf_mode", ("raw",), "the trained model is the Hugging Face model itself"),
+)
+"""Flags that only the Megatron backend implements, with their "off" values and the FSDP alternative."""
+
+
+def check_fsdp_flags(train: TrainConfig, checkpoint: CheckpointConfig) -> None:
+    """Refuse Megatron-only flags for ``--train-backend fsdp`` instead of silently ignoring them.
+
+    The FSDP backend is data-parallel only (every rank holds a shard of every parameter),
+    recomputes with ``--gradient-checkpointing``, batches by ``--micro-batch-size`` and trains
+    the Hugging Face model directly (see :data:`FSDP_UNSUPPORTED_FLAGS`).
+
+    Raises:
+        ConfigError: naming every such flag that is set, its value and what to do instead.
+    """
+    groups = {"train": train, "checkpoint": checkpoint}
+    refused = []
+    for group, name, off, instead in FSDP_UNSUPPORTED_FLAGS:
+        value = getattr(groups[group], name)
+        if value not in off:
+            given = "--" + name.replace("_", "-") + ("" if value is True else f" {value}")
+            refused.append(f"{given} ({instead})")
+    if refused:
+        raise ConfigError(
+            f"--train-backend fsdp does not implement {'; '.join(refused)}; drop these flags, "
+            "or use --train-backend megatron"
+        )
+
+
+def read_hf_config(hf_checkpoint: str) -> dict | None:
+    """``<hf_checkpoint>/config.json`` of a local Hugging Face checkpoint, as a dict.
+
+    Returns:
+        The config, or ``None`` when the folder or its ``config.json`` does not exist (a hub
+        name, or a path made later).
+
+    Raises:
+        ConfigError: ``config.json`` exists but is not a readable JSON object.
+    """
+    config_file = Path(hf_checkpoint) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: cannot read {config_file}: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: {config_file} is not a JSON object")
+    return config
 
 
 def hf_checkpoint_layer_types(hf_checkpoint: str) -> list[str] | None:
@@ -220,15 +293,9 @@ def hf_checkpoint_layer_types(hf_checkpoint: str) -> list[str] | None:
     Raises:
         ConfigError: ``config.json`` exists but is not a readable JSON object.
     """
-    config_file = Path(hf_checkpoint) / "config.json"
-    if not config_file.is_file():
+    config = read_hf_config(hf_checkpoint)
+    if config is None:
         return None
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: cannot read {config_file}: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: {config_file} is not a JSON object")
     for section in (config, config.get("text_config")):
         if isinstance(section, dict) and "layer_types" in section:
             return list(section["layer_types"])
@@ -264,7 +331,10 @@ def _layer_pattern(flag_name: str, text: str | None, num_layers: int | None) -> 
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
-    """Model architecture (MODEL_ARGS), Megatron names; all optional: unset values come from --hf-checkpoint."""
+    """Model architecture (MODEL_ARGS), Megatron names; unset ones come from --hf-checkpoint, given ones must match it.
+
+    The comparison with ``<hf_checkpoint>/config.json`` is :func:`slime.models.qwen35_args.check_model_args`.
+    """
 
     spec: list[str] | None = flag(
         None, nargs=2, metavar=("MODULE", "FUNC"), help="Megatron layer-spec provider: module and function name."
@@ -292,7 +362,11 @@ class ModelConfig:
     max_position_embeddings: int | None = flag(None, help="Longest sequence the position embedding covers, tokens.")
     swiglu: bool = flag(False, help="SwiGLU MLP activation.")
     untie_embeddings_and_output_weights: bool = flag(False, help="Separate input-embedding and output-layer weights.")
-    vocab_size: int | None = flag(None, help="Vocabulary size, tokens (embedding rows).")
+    vocab_size: int | None = flag(
+        None,
+        help="Vocabulary size, tokens: the embedding rows, i.e. the vocab_size of --hf-checkpoint's config, which "
+        "counts the checkpoint's padding rows beyond the tokenizer's ids (248320 for Qwen3.5-35B-A3B); must equal it.",
+    )
     disable_bias_linear: bool = flag(False, help="No bias in the linear layers.")
     qk_layernorm: bool = flag(False, help="Normalize queries and keys per head before attention.")
     moe_ffn_hidden_size: int | None = flag(None, help="Intermediate size of each routed expert.")
@@ -388,9 +462,14 @@ class ModelConfig:
 
         Integer N follows Megatron: layer ``i`` (from 0) is full attention when ``(i + 1) % N == 0``.
         """
+        return self.linear_attention_layers(self.num_layers)
+
+    def linear_attention_layers(self, num_layers: int | None) -> list[int] | None:
+        """:attr:`linear_attention_pattern` with the integer form expanded over ``num_layers`` layers
+        (e.g. the checkpoint's count when --num-layers is unset); None if unknown."""
         value = _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
         if isinstance(value, int):
-            return None if self.num_layers is None else [int((i + 1) % value != 0) for i in range(self.num_layers)]
+            return None if num_layers is None else [int((i + 1) % value != 0) for i in range(num_layers)]
         return value
 
     @property

@@ -63,7 +63,7 @@ class RolloutConfig:
     rollout_top_k: int = flag(-1, help="Sample only from the k most likely tokens during rollout; -1 = off.")
     rollout_stop: list[str] | None = flag(None, help="Stop strings for rollout (the response ends before them).")
     rollout_stop_token_ids: list[int] | None = flag(
-        None, help="Stop token ids for rollout, for special tokens that are awkward to type as strings."
+        None, help="Stop token ids for rollout (>= 0), for special tokens that are awkward to type as strings."
     )
     rollout_seed: int = flag(42, help="Seed of the rollout sampler and of the prompt shuffle.")
 
@@ -83,6 +83,12 @@ class RolloutConfig:
         _check_sampling("rollout", self.rollout_temperature, self.rollout_top_p)
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
+        negative = [token_id for token_id in self.rollout_stop_token_ids or [] if token_id < 0]
+        if negative:
+            raise ConfigError(
+                f"--rollout-stop-token-ids must be token ids >= 0, got {' '.join(map(str, negative))} in "
+                f"{' '.join(map(str, self.rollout_stop_token_ids))}; use the tokenizer's id of the stop token"
+            )
 
     @property
     def samples_per_rollout(self) -> int:

@@ -7,9 +7,10 @@ explains how); this module only
    the arrays of the upstream launcher scripts (``MODEL_ARGS``, ``ROLLOUT_ARGS``, ...);
 2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
    collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
-3. runs the checks that span several groups (:func:`validate`): batch sizes against the
-   parallel layout, Gated-DeltaNet batching, SGLang flags against the engine; and warns about
-   flags that do nothing (KL flags without a KL term, GRPO groups of one response).
+3. runs the checks that span several groups (:func:`validate`): Megatron-only flags with
+   ``--train-backend fsdp``, MODEL_ARGS against the checkpoint's ``config.json``, batch sizes
+   against the parallel layout, Gated-DeltaNet batching, SGLang flags against the engine; and
+   warns about flags that do nothing (KL flags without a KL term, GRPO groups of one response).
 
 Every error is raised at parse time and names the flag(s), the value(s) and a fix.
 The one check that needs the real cluster (enough GPUs) runs when the driver calls
@@ -24,7 +25,15 @@ import difflib
 import logging
 import sys
 
-from slime.backends.config import CheckpointConfig, ModelConfig, OptimizerConfig, TrainConfig, hf_checkpoint_layer_types
+from slime.backends.config import (
+    CheckpointConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+    check_fsdp_flags,
+    hf_checkpoint_layer_types,
+)
+from slime.models.qwen35_args import check_model_args
 from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extract_sglang_args
 from slime.rollout.rm_hub import RewardConfig
@@ -182,6 +191,9 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     Raises:
         ConfigError: the message names the flags, their values and a fix.
     """
+    if cfg.train.train_backend == "fsdp":
+        check_fsdp_flags(cfg.train, cfg.checkpoint)
+    check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint)
     _check_gdn_batching(cfg.model, cfg.checkpoint, cfg.train)
     _check_parallel_sizes(cfg.train, cfg.cluster, cfg.model)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster)

@@ -14,7 +14,10 @@ Conventions (the same as slime / Megatron flags):
   -> ``--rollout-batch-size``), unless ``name=`` overrides it;
 - a ``bool`` field defaulting to ``False`` is a ``store_true`` switch; one defaulting to
   ``True`` also gets a ``--no-...`` form;
-- ``list[...]`` fields take ``nargs="+"`` unless ``nargs`` says otherwise.
+- ``list[...]`` fields take ``nargs="+"`` unless ``nargs`` says otherwise;
+- ``int`` / ``float`` values are shown as ``INT`` / ``FLOAT`` in ``--help`` unless ``metavar`` says otherwise;
+- ``--help`` ends each flag's text with its default, `` (default: X)``, unless the default is
+  ``None``, ``False`` or empty, or the text already speaks of a default (see :func:`default_text`).
 
 Validation errors raise :class:`ConfigError`, whose message names the flag, the bad value
 and the fix.
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
+import shlex
 import typing
 from typing import Any
 
@@ -72,8 +77,36 @@ def _scalar_type(tp: Any) -> Any:
     return tp
 
 
+_MENTIONS_DEFAULT = re.compile(r"\bdefaults?\b", re.IGNORECASE)
+"""A help text that already says what happens by default (``(default: --rollout-top-p)``)."""
+
+
+def default_text(value: Any) -> str | None:
+    """How ``--help`` writes a default, in command-line form; ``None`` when there is none to show.
+
+    ``None``, ``False`` and empty lists show nothing (the flag is simply off / unset); ``True``
+    is ``on``; a list is its values separated by spaces (as typed after the flag); a dict is
+    compact JSON (as typed for JSON flags, ``{}`` included); strings are shell-quoted only when
+    they need it; numbers are Python's ``repr`` (``1e-06``, ``0.0``).
+    """
+    if value is None or value is False or (isinstance(value, (list, tuple)) and not value):
+        return None
+    if value is True:
+        return "on"
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, (list, tuple)):
+        return " ".join(default_text(v) or repr(v) for v in value)
+    if isinstance(value, str):
+        return shlex.quote(value)
+    return repr(value)
+
+
 def add_group(parser: argparse.ArgumentParser, cls: type, title: str, description: str | None = None) -> None:
     """Add every field of dataclass ``cls`` as a flag in a new argument group ``title``.
+
+    Each flag's help gets `` (default: X)`` appended (:func:`default_text`), unless its text
+    already mentions a default.
 
     Raises:
         TypeError: a field was not declared with :func:`flag`.
@@ -112,7 +145,12 @@ def add_group(parser: argparse.ArgumentParser, cls: type, title: str, descriptio
                 kwargs["choices"] = md["choices"]
             if md["metavar"] is not None:
                 kwargs["metavar"] = md["metavar"]
-        group.add_argument(flag_name(field), **kwargs)
+            elif md["choices"] is None and kwargs["type"] in (int, float):
+                kwargs["metavar"] = kwargs["type"].__name__.upper()  # --num-layers INT, not NUM_LAYERS
+        action = group.add_argument(flag_name(field), **kwargs)
+        shown = None if required else default_text(default)
+        if shown is not None and not _MENTIONS_DEFAULT.search(action.help or ""):
+            action.help = f"{action.help} (default: {shown.replace('%', '%%')})"  # argparse %-formats help
 
 
 def build_group(cls: type, namespace: argparse.Namespace) -> Any:

@@ -53,13 +53,12 @@ from slime.backends.batching import (
     split_into_micro_batches,
     split_into_steps,
 )
-from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
+from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig, check_fsdp_flags
 from slime.backends.fsdp.hf_io import hf_checkpoint_folder, iter_hf_weight_groups, load_sharded_model, save_hf_folder
 from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
-from slime.utils.config import ConfigError
 from slime.utils.ppo_utils import GRPOConfig, apply_kl_penalty_to_advantages, grpo_loss
 from slime.utils.types import Sample
 
@@ -92,7 +91,9 @@ class FSDPBackend(TrainerBackend):
 
     Raises:
         ConfigError: a Megatron-only flag (model / sequence parallelism, recompute, dynamic
-            batching) is set, or an inconsistent LR schedule (see :class:`LRSchedule`).
+            batching, ``--megatron-to-hf-mode bridge``; see
+            :func:`slime.backends.config.check_fsdp_flags`) is set, or an inconsistent LR
+            schedule (see :class:`LRSchedule`).
         ValueError: ``rollout_temperature <= 0`` or ``num_steps_per_rollout < 1``.
     """
 
@@ -113,7 +114,7 @@ class FSDPBackend(TrainerBackend):
             raise ValueError(f"--rollout-temperature must be > 0, got {rollout_temperature}")
         if num_steps_per_rollout < 1:
             raise ValueError(f"num_steps_per_rollout must be >= 1, got {num_steps_per_rollout}")
-        check_fsdp_flags(train)
+        check_fsdp_flags(train, checkpoint)  # also run at parse time (slime.utils.arguments.validate)
         self.rank_info = rank_info
         self.train_cfg = train
         self.optim_cfg = optimizer
@@ -504,39 +505,6 @@ class FSDPBackend(TrainerBackend):
     def _require_init(self) -> None:
         if self.model is None:
             raise RuntimeError("FSDPBackend.init() must run before train / compute_log_probs / save / weight sync")
-
-
-MEGATRON_ONLY_FLAGS = {
-    "tensor_model_parallel_size": (1,),
-    "pipeline_model_parallel_size": (1,),
-    "context_parallel_size": (1,),
-    "expert_model_parallel_size": (1,),
-    "expert_tensor_parallel_size": (None, 1),
-    "sequence_parallel": (False,),
-    "recompute_granularity": (None,),
-    "use_dynamic_batch_size": (False,),
-}
-"""BACKEND_ARGS the FSDP backend does not implement, with the values that mean "off"."""
-
-
-def check_fsdp_flags(train: TrainConfig) -> None:
-    """Refuse Megatron-only flags instead of silently ignoring them.
-
-    The FSDP backend is data-parallel only (every rank holds a shard of every parameter),
-    recomputes with ``--gradient-checkpointing`` and batches by ``--micro-batch-size``.
-
-    Raises:
-        ConfigError: naming the first such flag that is set, and what to use instead.
-    """
-    for name, off in MEGATRON_ONLY_FLAGS.items():
-        value = getattr(train, name)
-        if value not in off:
-            flag_name = "--" + name.replace("_", "-")
-            hint = "--gradient-checkpointing" if name == "recompute_granularity" else "--train-backend megatron"
-            raise ConfigError(
-                f"{flag_name} {value} is not supported by --train-backend fsdp (data parallelism over all ranks, "
-                f"micro-batches of --micro-batch-size samples); drop it, or use {hint}"
-            )
 
 
 def reference_weights(ref_load: str | None, hf_checkpoint: Path) -> Path:
