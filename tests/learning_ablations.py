@@ -11,6 +11,7 @@ in their own engine or trainer:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 
 import torch
@@ -29,22 +30,23 @@ def _grey_like(image_b64: str) -> str:
 
 
 class BlindEngine(TransformersEngine):
-    """Rollout without pixels: every image is replaced by a grey one of the same size."""
+    """Rollout without pixels: every image is replaced by a grey one of the same size
+    (same image-token count, so the prompt-length check still passes)."""
 
     def generate(self, requests):
-        for request in requests:
-            request.image_data = [_grey_like(image) for image in request.image_data]
-        return super().generate(requests)
+        blind = [dataclasses.replace(r, image_data=[_grey_like(image) for image in r.image_data]) for r in requests]
+        return super().generate(blind)
 
 
 class BlindTrainer(FSDPBackend):
-    """Training without pixels: every sample's pixel values become the grey image's."""
+    """Training without pixels: every sample's ``pixel_values`` become 0, a uniform mid-grey
+    image after the processor's ``(x - 0.5) / 0.5`` normalisation (same patch grid), for the
+    old log-probs and for every optimizer step."""
 
     def train(self, rollout_id, samples, num_steps):
         for sample in samples:
             pixels = sample.multimodal_inputs.get("pixel_values")
             if pixels is not None:
-                # 0 is mid-grey after the processor's (x - 0.5) / 0.5 normalisation.
                 sample.multimodal_inputs = {**sample.multimodal_inputs, "pixel_values": torch.zeros_like(pixels)}
         return super().train(rollout_id, samples, num_steps)
 

@@ -1,12 +1,13 @@
-"""A task the tiny random policy can learn only by looking at the image.
+"""A task the tiny policy can learn only by looking at the image.
 
 Each prompt is a solid-colour image and the word ``colour``; the answer is the colour's
-name, one word of a tiny word-level vocabulary (about 20 ids). A random policy names the
-right colour about 5 % of the time, so GRPO groups of 8 carry signal from the first step;
-text alone cannot beat one in three (the prompt text is the same for every colour).
+name, one word of a tiny word-level vocabulary (about 20 ids, so a uniformly random
+policy names the right colour about 5 % of the time).  The prompt text is the same for
+every colour, so on a batch that holds each colour equally often no text-only policy
+scores more than 1/3 on average: whatever it says, it says it for every image.
 
 This module stays light (no torch): the reward runs in the reward-scorer processes.
-The ablations live in :mod:`tests.learning_ablations`.
+The ablations live in :mod:`tests.learning_ablations`, the test in :mod:`tests.test_learning`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ def _png(rgb, size=64) -> bytes:
 
 
 def write_colour_dataset(path, rows_per_colour: int = 4) -> None:
-    """Parquet with ``problem`` / ``answer`` / ``images`` columns (the geo3k schema)."""
+    """Parquet with ``problem`` / ``answer`` / ``images`` columns (the geo3k schema).
+
+    Rows go red, green, blue, repeated ``rows_per_colour`` times, so that without
+    ``--rollout-shuffle`` any ``--rollout-batch-size`` that is a multiple of 3 holds every
+    colour equally often, in that order.
+    """
     problems, answers, images = [], [], []
     for _ in range(rows_per_colour):
         for name, rgb in COLOURS.items():
