@@ -26,7 +26,14 @@ import ray
 import torch
 
 from slime.backends.registry import TRAIN_BACKENDS
-from slime.ray.placement import Placement, cluster_num_gpus, cpu_threads_per_actor, create_placement_groups, init_ray
+from slime.ray.placement import (
+    Placement,
+    PlacementError,
+    cluster_num_gpus,
+    cpu_threads_per_actor,
+    create_placement_groups,
+    init_ray,
+)
 from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engine_group import RolloutEngineGroup
 from slime.rollout.engines import ENGINES
@@ -299,8 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_args(argv)
     try:
+        if cfg.logging.check_only:
+            components = resolve_components(cfg)
+            print(f"slime: flags OK (engine {components.engine_cls.__name__}, trainer {components.backend_cls.__name__})")
+            return
         train(cfg)
-    except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError) as e:
+    except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError) as e:
         sys.exit(f"slime: error: {e}")
 
 

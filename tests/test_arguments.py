@@ -171,7 +171,6 @@ def test_upstream_geo3k_command_line_lands_in_the_right_groups():
     assert (c.rollout_num_gpus, c.rollout_num_gpus_per_engine, c.num_rollout_engines) == (8, 8, 1)
 
 
-@pytest.mark.skipif(not MODEL_SCRIPT.exists(), reason="scripts/models/qwen3.5-35B-A3B.sh is not written yet")
 def test_project_model_script_parses_with_the_upstream_command_line():
     cfg = parse_args(model_args_from_script() + UPSTREAM_ARGS)
     m = cfg.model

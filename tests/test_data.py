@@ -276,6 +276,20 @@ def test_malformed_jsonl_line(tmp_path, processor):
         PromptDataset(geo3k_config(prompt_data=str(path), multimodal_keys=None), processor, seed=0)
 
 
+@pytest.mark.parametrize(
+    "name, content, kind",
+    [("broken.parquet", b"not a parquet file\n", "a parquet"),
+     ("truncated.parquet", b"PAR1" + b"\x00" * 16, "a parquet"),
+     ("binary.jsonl", b"\xff\xfe\x00garbage", "a UTF-8 JSON-lines")],
+)
+def test_unreadable_file_names_flag_and_file(tmp_path, processor, name, content, kind):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DatasetError) as info:
+        PromptDataset(geo3k_config(prompt_data=str(path), multimodal_keys=None), processor, seed=0)
+    assert str(info.value).startswith(f"--prompt-data {path}: {path} cannot be read as {kind} file (")
+
+
 def test_jsonl_labels_keep_their_text(tmp_path, processor):
     """A JSON number label is its token as written in the file; a JSON string label is its text."""
     written = ["3", "3.5", '"3"', "1e-3", "3.50", "-0", "2E+2", '"\\\\frac{1}{2}"']

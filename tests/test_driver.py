@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from slime.ray.trainer_group import TrainerGroup
-from slime.train import _due, _logged_before, _resolve_num_rollout, resolve_components
+from slime.train import _due, _logged_before, _resolve_num_rollout, main, resolve_components
 from slime.utils.arguments import parse_args
 from slime.utils.config import ConfigError
 from slime.utils.types import Sample
@@ -57,6 +57,19 @@ def test_unimportable_backend_names_the_flag(tiny_ckpt):
                "--train-backend", "no_such_pkg.backend:Trainer")
     with pytest.raises(ConfigError, match="--train-backend no_such_pkg.backend:Trainer: cannot be imported"):
         resolve_components(cfg)
+
+
+def test_check_only_validates_and_exits_without_reading_the_checkpoint(tmp_path, capsys):
+    # A checkpoint folder that does not exist yet (the launcher checks before downloading).
+    argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp"]
+    main([*argv, "--rollout-backend", "transformers", "--check-only"])
+    assert capsys.readouterr().out.strip() == "slime: flags OK (engine TransformersEngine, trainer FSDPBackend)"
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--rollout-backend", "sglang", "--check-only"])
+    assert str(info.value.code).startswith("slime: error: --rollout-backend sglang: not available")
+    assert list(tmp_path.iterdir()) == []  # nothing read or written
 
 
 def _group(global_batch_size, dp_ranks, dp_size):

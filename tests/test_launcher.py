@@ -159,6 +159,21 @@ def test_dry_run_prints_a_parsable_command_with_extra_args_last(tiny_ckpt, tmp_p
     assert not out.exists()  # a dry run writes nothing
 
 
+def test_dry_run_num_epoch_replaces_the_default_num_rollout_and_save_moves_checkpoints(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        ["bash", str(LAUNCHER), "--num-epoch", "2", "--save", str(tmp_path / "ckpts")],
+        cwd=REPO, env=_env(out, SLIME_SCRIPT_DRY_RUN="1"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert "--num-rollout" not in argv
+    cfg = parse_args(argv[3:])  # would raise "--num-rollout and --num-epoch both given"
+    assert cfg.rollout.num_epoch == 2 and cfg.rollout.num_rollout is None
+    assert cfg.checkpoint.save == str(tmp_path / "ckpts")
+    assert argv.count(str(tmp_path / "ckpts")) == 2  # the script's --save now agrees with ours
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_run_and_nothing_else(tmp_path):
     out, log = tmp_path / "run", tmp_path / "launcher.log"

@@ -18,6 +18,7 @@ from slime.utils.metrics import (
     RolloutProgress,
     WandbConfig,
     read_metrics,
+    reward_curve_figure,
     resolve_wandb_mode,
 )
 
@@ -484,3 +485,18 @@ def test_disabled_progress_prints_nothing():
 def test_progress_initial_beyond_total_raises():
     with pytest.raises(ValueError, match="initial=5, total=4"):
         RolloutProgress(total=4, initial=5)
+
+
+def test_plot_ticks_whole_steps_and_keeps_overlapping_eval_points_visible():
+    records = [{"step": 0, "rollout/reward_mean": 0.25, "eval/geo3k/accuracy": 0.25},
+               {"step": 1, "rollout/reward_mean": 0.5}, {"step": 2, "rollout/reward_mean": 0.75}]
+    fig = reward_curve_figure(records)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    reward, evaluation = ax.get_lines()
+    assert (reward.get_label(), evaluation.get_label()) == ("train reward", "eval geo3k accuracy")
+    assert list(evaluation.get_xydata()[0]) == list(reward.get_xydata()[0]) == [0.0, 0.25]  # same point...
+    assert evaluation.get_marker() != reward.get_marker() and evaluation.get_markersize() > reward.get_markersize()
+    assert evaluation.get_markerfacecolor() == "none"  # ...drawn hollow and larger, so the dot shows through

@@ -143,9 +143,9 @@ def test_narrower_bounds_override_the_checkpoint(tiny_ckpt):
 @pytest.mark.parametrize(
     "bounds, match",
     [
-        (dict(max_pixels=256 * 256), "max_pixels = 65536 is above the checkpoint's 16384"),
-        (dict(min_pixels=16 * 16), "min_pixels = 256 is below the checkpoint's 1024"),
-        (dict(min_pixels=100 * 100, max_pixels=64 * 64), "min_pixels = 10000 is above max_pixels = 4096"),
+        (dict(max_pixels=256 * 256), "--image-max-pixels 65536 is above the checkpoint's 16384"),
+        (dict(min_pixels=16 * 16), "--image-min-pixels 256 is below the checkpoint's 1024"),
+        (dict(min_pixels=100 * 100, max_pixels=64 * 64), "--image-min-pixels 10000 is above --image-max-pixels 4096"),
     ],
 )
 def test_widening_or_inverted_bounds_raise(tiny_ckpt, bounds, match):

@@ -62,9 +62,10 @@ class ScriptedEngines:
         return outs
 
 
-def _manager(tmp_path, tiny_ckpt, engines, extra=()):
+def _manager(tmp_path, tiny_ckpt, engines, extra=(), eval_labels=None):
+    """``eval_labels``: {dataset name: labels} for eval sets of one image prompt per label
+    (default: ``held_out`` with labels 5 and 7)."""
     train = tmp_path / "train.parquet"
-    test = tmp_path / "test.parquet"
     red, blue = _png((255, 0, 0)), _png((0, 0, 255))
     _write_rows(
         train,
@@ -77,14 +78,18 @@ def _manager(tmp_path, tiny_ckpt, engines, extra=()):
             ("<image>What is w?", "7", red),
         ],
     )
-    _write_rows(test, [("<image>Eval one", "5", red), ("<image>Eval two", "7", blue)])
+    eval_args = []
+    for name, labels in (eval_labels or {"held_out": ["5", "7"]}).items():
+        test = tmp_path / f"{name}.parquet"
+        _write_rows(test, [(f"<image>Eval {i}", label, red) for i, label in enumerate(labels)])
+        eval_args += [name, str(test)]
     cfg = parse_args(
         [
             "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(train),
             "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
             "--apply-chat-template", "--rm-type", "math", "--num-rollout", "2",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "3",
-            "--global-batch-size", "8", "--eval-prompt-data", "held_out", str(test),
+            "--global-batch-size", "8", "--eval-prompt-data", *eval_args,
             "--train-backend", "fsdp", "--rollout-backend", "transformers",
             "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", *extra,
         ]
@@ -173,3 +178,19 @@ def test_eval_uses_held_out_rows_and_leaves_training_cursor(tmp_path, tiny_ckpt)
     assert metrics["eval/held_out/accuracy"] == 0.0
     (requests,) = engines.calls
     assert all("Eval" in r.text for r in requests)
+
+
+def test_eval_accuracy_per_dataset(tmp_path, tiny_ckpt):
+    # The scripted engine answers 7, 5, 7, 5, ... in request order, whether the two sets are
+    # sent in one call or one call each: set "a" (labels 7, 7, 7) gets 7, 5, 7 -> 2/3 right;
+    # set "b" (labels 5, 5) gets one 5 and one 7 in either order -> 1/2.
+    engines = ScriptedEngines()
+    manager = _manager(tmp_path, tiny_ckpt, engines, eval_labels={"a": ["7", "7", "7"], "b": ["5", "5"]})
+    try:
+        metrics = manager.evaluate(3)
+    finally:
+        manager.close()
+    assert metrics["eval/a/num_samples"] == 3 and metrics["eval/b/num_samples"] == 2
+    assert metrics["eval/a/accuracy"] == pytest.approx(2 / 3)
+    assert metrics["eval/b/accuracy"] == pytest.approx(1 / 2)
+    assert sum(len(call) for call in engines.calls) == 5

@@ -133,6 +133,20 @@ else
    BACKEND_NAME=$TRAIN_BACKEND
 fi
 
+# Extra arguments override the script's (argparse keeps the last value), with two that need help:
+# --num-epoch excludes the script's --num-rollout, and --save moves the checkpoints.
+SAVE_DIR="$OUTPUT_DIR/checkpoints"
+PREV=""
+for arg in "$@"; do
+   case "$arg" in
+      --num-epoch|--num-epoch=*)
+         [ "${ROLLOUT_ARGS[0]}" = "--num-rollout" ] && ROLLOUT_ARGS=("${ROLLOUT_ARGS[@]:2}") ;;
+      --save=*) SAVE_DIR=${arg#--save=} ;;
+   esac
+   [ "$PREV" = "--save" ] && SAVE_DIR=$arg
+   PREV=$arg
+done
+
 MODEL_ARGS=()
 if [ -n "$MODEL_SH" ]; then
    # shellcheck disable=SC1090
@@ -152,7 +166,7 @@ fi
 ARGS=(
    "${MODEL_ARGS[@]}"
    --hf-checkpoint "$HF_CHECKPOINT"
-   --save "$OUTPUT_DIR/checkpoints"
+   --save "$SAVE_DIR"
    --prompt-data "$TRAIN_DATA"
    --input-key problem --label-key answer --multimodal-keys '{"image": "images"}'
    --apply-chat-template --rollout-shuffle
@@ -177,6 +191,8 @@ if [ "$DRY_RUN" = "1" ]; then
    exit 0
 fi
 if [ "$NEED_DOWNLOAD" = "1" ]; then
+   # Refuse bad flags or a backend missing here before a download of tens of GB.
+   python -m slime.train "${ARGS[@]}" "$@" --check-only >/dev/null || exit $?
    echo "[geo3k] downloading Qwen/$MODEL_NAME to $HF_CHECKPOINT"
    hf download "Qwen/$MODEL_NAME" --local-dir "$HF_CHECKPOINT"
 fi
@@ -219,5 +235,6 @@ if [ "$STATUS" = "0" ]; then
    echo "[geo3k] done. Output: $OUTPUT_DIR"
    echo "[geo3k]   metrics:      $OUTPUT_DIR/metrics.jsonl"
    echo "[geo3k]   reward curve: $OUTPUT_DIR/reward_curve.png"
+   echo "[geo3k]   checkpoints:  $SAVE_DIR (resume: add --load $SAVE_DIR)"
 fi
 exit "$STATUS"

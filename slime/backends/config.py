@@ -18,18 +18,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from slime.utils.config import ConfigError, check_name_or_import_path, flag
+from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
 
 TRAIN_BACKENDS = ("fsdp", "megatron")
 """Built-in training backends; ``--train-backend`` also takes a ``package.module:Class`` path."""
-
-
-def _check_positive(cfg, names: tuple[str, ...]) -> None:
-    """Raise ConfigError for the first field in ``names`` that is set and < 1."""
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -97,19 +89,17 @@ class TrainConfig:
 
     def __post_init__(self):
         check_name_or_import_path("--train-backend", self.train_backend, TRAIN_BACKENDS)
-        _check_positive(
+        check_at_least_one(
             self,
-            (
-                "global_batch_size",
-                "micro_batch_size",
-                "max_tokens_per_gpu",
-                "tensor_model_parallel_size",
-                "pipeline_model_parallel_size",
-                "context_parallel_size",
-                "expert_model_parallel_size",
-                "expert_tensor_parallel_size",
-                "recompute_num_layers",
-            ),
+            "global_batch_size",
+            "micro_batch_size",
+            "max_tokens_per_gpu",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+            "recompute_num_layers",
         )
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (tokens per packed micro-batch)")
@@ -189,7 +179,8 @@ class CheckpointConfig:
     """Checkpoints (CKPT_ARGS): the Hugging Face model to start from, where to resume from and save to."""
 
     hf_checkpoint: str = flag(
-        help="Hugging Face checkpoint folder (or hub name): architecture, tokenizer, processor, initial weights."
+        help="Local Hugging Face checkpoint folder: architecture, tokenizer, processor, initial weights "
+        "(download a hub model first: hf download Qwen/Qwen3.5-35B-A3B --local-dir DIR; the geo3k launcher does)."
     )
     load: str | None = flag(
         None, help="Resume from this slime checkpoint folder (default: start from --hf-checkpoint)."
@@ -211,7 +202,7 @@ class CheckpointConfig:
 
     def __post_init__(self):
         if not self.hf_checkpoint.strip():
-            raise ConfigError("--hf-checkpoint must be a folder or hub name, got an empty string")
+            raise ConfigError("--hf-checkpoint must be a checkpoint folder, got an empty string")
         if self.save_interval is not None:
             if self.save_interval < 1:
                 raise ConfigError(f"--save-interval must be >= 1 rollout step, got {self.save_interval}")
@@ -405,27 +396,25 @@ class ModelConfig:
     linear_num_value_heads: int | None = flag(None, help="Value heads of the linear-attention layers.")
 
     def __post_init__(self):
-        _check_positive(
+        check_at_least_one(
             self,
-            (
-                "num_layers",
-                "hidden_size",
-                "ffn_hidden_size",
-                "num_attention_heads",
-                "num_query_groups",
-                "kv_channels",
-                "max_position_embeddings",
-                "vocab_size",
-                "moe_ffn_hidden_size",
-                "moe_shared_expert_intermediate_size",
-                "moe_router_topk",
-                "num_experts",
-                "linear_conv_kernel_dim",
-                "linear_key_head_dim",
-                "linear_value_head_dim",
-                "linear_num_key_heads",
-                "linear_num_value_heads",
-            ),
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "max_position_embeddings",
+            "vocab_size",
+            "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+            "moe_router_topk",
+            "num_experts",
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
         )
         if self.num_query_groups is not None and self.num_attention_heads is not None:
             if self.num_attention_heads % self.num_query_groups:

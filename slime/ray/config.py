@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from slime.utils.config import ConfigError, flag
+from slime.utils.config import ConfigError, check_at_least_one, flag
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -39,9 +39,7 @@ class ClusterConfig:
     seed: int = flag(1234, help="Seed of the trainer (model init, dropout, data order on the trainer side).")
 
     def __post_init__(self):
-        for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        check_at_least_one(self, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine")
         if self.colocate:
             if self.rollout_num_gpus is None:
                 self.rollout_num_gpus = self.actor_num_gpus
@@ -57,8 +55,7 @@ class ClusterConfig:
                 "--rollout-num-gpus is required without --colocate (the engines get their own GPUs); "
                 "give it, or add --colocate to share the trainer GPUs"
             )
-        if self.rollout_num_gpus < 1:
-            raise ConfigError(f"--rollout-num-gpus must be >= 1, got {self.rollout_num_gpus}")
+        check_at_least_one(self, "rollout_num_gpus")
         per_engine = self.rollout_num_gpus_per_engine
         if self.rollout_num_gpus % per_engine:
             raise ConfigError(

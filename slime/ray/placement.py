@@ -34,6 +34,10 @@ COLOCATED_TRAINER_GPU = 0.4
 COLOCATED_ENGINE_GPU = 0.2
 
 
+class PlacementError(RuntimeError):
+    """The Ray cluster cannot host the requested trainer ranks and rollout engines."""
+
+
 def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None) -> bool:
     """Start or join Ray.
 
@@ -143,13 +147,20 @@ class Placement:
 def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s: float = 600) -> Placement:
     """Reserve bundles for trainers and engines and wait until Ray grants them.
 
+    Every bundle is ``{"GPU": 1, "CPU": 1}`` on GPU clusters, ``{"CPU": 1}`` otherwise:
+    ``--actor-num-nodes * --actor-num-gpus-per-node`` trainer bundles, plus (without
+    ``--colocate``) ``--rollout-num-gpus`` engine bundles.
+
     Raises:
-        TimeoutError: the cluster cannot provide the bundles within ``timeout_s`` (the
-            message lists what was asked and what the cluster has).
+        PlacementError: at once when the cluster's total resources are fewer than the
+            bundles need (e.g. joining a small external cluster), or when Ray cannot grant
+            them within ``timeout_s`` (other jobs hold them); the message lists what was
+            asked and what the cluster has.
     """
     num_trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
     gpus_per_engine = cluster.rollout_num_gpus_per_engine
     unit = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    _check_cluster_fits(num_trainers if cluster.colocate else num_trainers + cluster.rollout_num_gpus, unit, cluster)
     if cluster.colocate:
         num_rollout = num_trainers
         pg = _reserve([dict(unit) for _ in range(num_trainers)], "PACK", timeout_s)
@@ -170,12 +181,30 @@ def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s:
     return Placement(use_gpu, cluster.colocate, trainer_pg, trainer_bundles, engine_pg, engine_bundles, gpus_per_engine)
 
 
+def _check_cluster_fits(num_bundles: int, unit: dict[str, float], cluster: ClusterConfig) -> None:
+    """Refuse at once a request that the whole cluster could never grant."""
+    total = ray.cluster_resources()
+    short = {k: (v * num_bundles, total.get(k, 0)) for k, v in unit.items() if v * num_bundles > total.get(k, 0)}
+    if short:
+        asked = ", ".join(f"{need:g} {k} (cluster total {have:g})" for k, (need, have) in short.items())
+        trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+        engines = f"--rollout-num-gpus {cluster.rollout_num_gpus}"
+        if cluster.colocate:
+            engines = "shared with the trainers (--colocate)"
+        raise PlacementError(
+            f"the Ray cluster is too small for this run: it needs {asked} for {trainers} trainer rank(s) "
+            f"(--actor-num-nodes {cluster.actor_num_nodes} x --actor-num-gpus-per-node "
+            f"{cluster.actor_num_gpus_per_node}) and rollout bundles {engines}. Lower those flags, use --colocate, "
+            "or add nodes"
+        )
+
+
 def _reserve(bundles: list[dict], strategy: str, timeout_s: float) -> PlacementGroup:
     pg = placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)
-        raise TimeoutError(
+        raise PlacementError(
             f"Ray could not reserve {len(bundles)} bundle(s) of {bundles[0]} within {timeout_s:.0f}s; "
             f"cluster resources: {ray.cluster_resources()}. Lower --actor-num-gpus-per-node / --rollout-num-gpus "
             f"or add nodes."

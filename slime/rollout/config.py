@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from slime.utils.config import ConfigError, check_name_or_import_path, flag
+from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
 
 ROLLOUT_BACKENDS = ("sglang", "transformers")
 """Built-in rollout engines; ``--rollout-backend`` also takes a ``package.module:Class`` path."""
@@ -75,11 +75,9 @@ class RolloutConfig:
             raise ConfigError(
                 f"--num-rollout {self.num_rollout} and --num-epoch {self.num_epoch} both given; keep one of them"
             )
-        counts = ("num_rollout", "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len")
-        for name in counts:
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        check_at_least_one(
+            self, "num_rollout", "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"
+        )
         _check_sampling("rollout", self.rollout_temperature, self.rollout_top_p)
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
@@ -100,7 +98,8 @@ class RolloutConfig:
 class EvalConfig:
     """Evaluation (EVAL_ARGS): which datasets, how often, how to sample. Unset sampling flags follow ROLLOUT_ARGS."""
 
-    eval_interval: int | None = flag(None, help="Evaluate every this many rollout steps; unset = never.")
+    eval_interval: int | None = flag(None, help="Evaluate every this many rollout steps. With --eval-prompt-data, the eval also runs before training "
+        "(unless --skip-eval-before-train) and after the last step, so unset = only then.")
     eval_prompt_data: list[str] | None = flag(
         None,
         metavar="NAME PATH",
@@ -136,10 +135,7 @@ class EvalConfig:
                 raise ConfigError(
                     f"--eval-interval {self.eval_interval} needs datasets to evaluate: add --eval-prompt-data NAME PATH"
                 )
-        for name in ("n_samples_per_eval_prompt", "eval_max_response_len"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        check_at_least_one(self, "n_samples_per_eval_prompt", "eval_max_response_len")
         _check_sampling("eval", self.eval_temperature, self.eval_top_p)
 
     @property

@@ -184,6 +184,19 @@ def to_argv(cfg: Any) -> list[str]:
     return argv
 
 
+def check_at_least_one(cfg: Any, *names: str) -> None:
+    """Refuse a count flag below 1: for each field of the config dataclass ``cfg`` in
+    ``names`` that is set (not None) and < 1.
+
+    Raises:
+        ConfigError: ``--<name> must be >= 1, got <value>`` for the first such field.
+    """
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def check_name_or_import_path(flag: str, value: str, names: typing.Sequence[str]) -> None:
     """Check that ``value`` is one of ``names`` or a ``package.module:attr`` import path.
 

@@ -271,15 +271,20 @@ def load_table(
     Raises:
         ConfigError: see :func:`resolve_source`; or the hub dataset cannot be loaded (the
             message carries the ``datasets`` error).
-        DatasetError: a malformed .jsonl line, or a .jsonl column whose values cannot share one type.
+        DatasetError: a malformed .jsonl line, or a .jsonl column whose values cannot share one
+            type; or a file that is not parquet / UTF-8 text (the message names the flag and file).
     """
     source = resolve_source(spec, default_split=default_split, flag_name=flag_name)
     if source.path is None:
         return LoadedTable(table=_read_hub(source, spec=spec, flag_name=flag_name), source=source, base_dir=None)
-    if source.path.endswith(".parquet"):
-        table = pq.read_table(source.path, memory_map=True)
-    else:
-        table = read_jsonl(source.path, text_columns=text_columns)
+    try:
+        if source.path.endswith(".parquet"):
+            table = pq.read_table(source.path, memory_map=True)
+        else:
+            table = read_jsonl(source.path, text_columns=text_columns)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+        kind = "a parquet" if source.path.endswith(".parquet") else "a UTF-8 JSON-lines"
+        raise DatasetError(f"{flag_name} {spec}: {source.path} cannot be read as {kind} file ({e})") from None
     return LoadedTable(table=table, source=source, base_dir=os.path.dirname(os.path.abspath(source.path)))
 
 

@@ -93,7 +93,7 @@ class WandbConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    """Run directory and logging (part of MISC_ARGS)."""
+    """Run directory, logging and check-only mode (part of MISC_ARGS)."""
 
     output_dir: str | None = flag(
         None, help="Run directory for metrics.jsonl, reward_curve.png and logs (default: outputs/<run-name>)."
@@ -105,6 +105,11 @@ class LoggingConfig:
         "'{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl.",
     )
     no_progress_bar: bool = flag(False, help="Disable the progress bar over rollout steps (e.g. for log files).")
+    check_only: bool = flag(
+        False,
+        help="Parse and validate the flags and check that --rollout-backend and --train-backend can be imported "
+        "here, then exit (0 = OK); reads no data or checkpoint, so it can run before a model is downloaded.",
+    )
 
     def __post_init__(self):
         if self.save_debug_rollout_data is not None:
@@ -211,16 +216,32 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, ti
     Series: ``rollout/reward_mean`` ("train reward") and each ``eval/<name>/accuracy``
     ("eval <name> accuracy").  When a step appears more than once (a run resumed from a
     checkpoint older than its last logged step), the later value wins.  Non-finite values
-    are left out.  The y axis is fixed to [0, 1], the range of the geo3k reward and of
-    accuracies.  With no points the axes are drawn with a note saying so.  The file is
-    replaced atomically, so a reader never sees a half-written PNG.
+    are left out.  The y axis is fixed to [0, 1] (plus a margin), the range of the geo3k
+    reward and of accuracies; :func:`reward_curve_figure` draws it.  With no points the
+    axes are drawn with a note saying so.  The file is replaced atomically, so a reader
+    never sees a half-written PNG.
 
     Args:
         records: metric records as returned by :func:`read_metrics`.
         path: the PNG to write.
         title: run name shown in the title.
     """
+    fig = reward_curve_figure(records, title)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+
+
+def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
+    """The :func:`plot_reward_curve` figure (a ``matplotlib.figure.Figure``, Agg canvas), not saved.
+
+    Train reward is a line with dots; each eval accuracy a dashed line with hollow squares,
+    so that an eval point on the same step and value as a reward point stays visible.  The
+    x axis ticks whole rollout steps only.
+    """
     from matplotlib.figure import Figure  # Agg canvas, without touching pyplot's global backend
+    from matplotlib.ticker import MaxNLocator
 
     series: dict[str, dict[int, float]] = {}
     for record in records:
@@ -239,7 +260,10 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, ti
     ax = fig.add_subplot()
     for label, points in series.items():
         steps = sorted(points)
-        ax.plot(steps, [points[s] for s in steps], marker="o", markersize=3, label=label)
+        style = dict(marker="o", markersize=3) if label == "train reward" else dict(
+            marker="s", markersize=7, markerfacecolor="none", linestyle="--"
+        )
+        ax.plot(steps, [points[s] for s in steps], label=label, **style)
     if series:
         ax.legend(loc="best")
     else:
@@ -247,12 +271,10 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, ti
     ax.set_title(f"{title}: reward and eval accuracy" if title else "Reward and eval accuracy")
     ax.set_xlabel("rollout step")
     ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(0.0, 1.0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(-0.03, 1.03)  # points at exactly 0 or 1 stay whole
     ax.grid(alpha=0.3)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    return fig
 
 
 def resolve_wandb_mode(cfg: WandbConfig) -> str:

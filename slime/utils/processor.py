@@ -267,16 +267,17 @@ def load_processor(
     new_max = ckpt_max if max_pixels is None else max_pixels
     if new_min < ckpt_min:
         raise ConfigError(
-            f"min_pixels = {new_min} is below the checkpoint's {ckpt_min} (preprocessor_config.json "
+            f"--image-min-pixels {new_min} is below the checkpoint's {ckpt_min} (preprocessor_config.json "
             f"size.shortest_edge): the engine would enlarge such images again; use a value >= {ckpt_min}"
         )
     if new_max > ckpt_max:
         raise ConfigError(
-            f"max_pixels = {new_max} is above the checkpoint's {ckpt_max} (preprocessor_config.json "
+            f"--image-max-pixels {new_max} is above the checkpoint's {ckpt_max} (preprocessor_config.json "
             f"size.longest_edge): the engine would shrink such images again; use a value <= {ckpt_max}"
         )
     if new_min > new_max:
-        raise ConfigError(f"min_pixels = {new_min} is above max_pixels = {new_max}; make min_pixels <= max_pixels")
+        raise ConfigError(f"--image-min-pixels {new_min} is above --image-max-pixels {new_max} (after defaults from "
+            "preprocessor_config.json); make min <= max")
     if (new_min, new_max) != (ckpt_min, ckpt_max):
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(
             folder, size={"shortest_edge": new_min, "longest_edge": new_max}

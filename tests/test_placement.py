@@ -1,0 +1,80 @@
+"""Placement groups on a real local Ray with 4 logical CPUs and no GPUs (CPU bundles).
+
+Expected bundle layouts are worked out by hand from the flags (see
+:func:`slime.ray.placement.create_placement_groups`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+from slime.ray.config import ClusterConfig
+from slime.ray.placement import PlacementError, create_placement_groups
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=100 << 20)
+    yield
+    ray.shutdown()
+
+
+def _bundles(pg) -> list[dict]:
+    table = placement_group_table(pg)
+    return [table["bundles"][i] for i in sorted(table["bundles"])]
+
+
+def test_disaggregated_gets_separate_bundles(local_ray):
+    # 1 node x 2 trainer ranks; 2 rollout "GPUs", 1 per engine -> 2 engines on their own group.
+    cluster = ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=2)
+    placement = create_placement_groups(cluster, use_gpu=False)
+    try:
+        assert not placement.colocate and placement.trainer_pg != placement.engine_pg
+        assert placement.trainer_bundles == [0, 1] and placement.engine_bundles == [0, 1]
+        assert _bundles(placement.trainer_pg) == [{"CPU": 1.0}] * 2
+        assert _bundles(placement.engine_pg) == [{"CPU": 1.0}] * 2
+        assert placement.trainer_options(1)["num_cpus"] == 1 and placement.trainer_options(1)["num_gpus"] == 0
+    finally:
+        ray.util.remove_placement_group(placement.trainer_pg)
+        ray.util.remove_placement_group(placement.engine_pg)
+
+
+def test_colocated_engines_share_the_trainer_bundles(local_ray):
+    # 4 trainer ranks, engines of 2 "GPUs" each on the same 4 bundles -> engines start at bundles 0 and 2.
+    cluster = ClusterConfig(actor_num_gpus_per_node=4, rollout_num_gpus_per_engine=2, colocate=True)
+    placement = create_placement_groups(cluster, use_gpu=False)
+    try:
+        assert placement.colocate and placement.trainer_pg == placement.engine_pg
+        assert placement.trainer_bundles == [0, 1, 2, 3] and placement.engine_bundles == [0, 2]
+        assert _bundles(placement.trainer_pg) == [{"CPU": 1.0}] * 4
+        # Half a CPU each, so a trainer rank and an engine fit in one bundle.
+        assert placement.trainer_options(3)["num_cpus"] == 0.5 and placement.engine_options(1)["num_cpus"] == 0.5
+    finally:
+        ray.util.remove_placement_group(placement.trainer_pg)
+
+
+def test_too_small_cluster_fails_at_once_naming_the_flags(local_ray):
+    # 3 trainer + 2 engine bundles = 5 CPUs > 4: refused before any placement group is made.
+    cluster = ClusterConfig(actor_num_gpus_per_node=3, rollout_num_gpus=2)
+    with pytest.raises(PlacementError) as info:
+        create_placement_groups(cluster, use_gpu=False, timeout_s=1)
+    message = str(info.value)
+    assert "needs 5 CPU (cluster total 4)" in message
+    assert "--actor-num-gpus-per-node 3" in message and "--rollout-num-gpus 2" in message
+    assert placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in placement_group_table().values()
+    )
+
+
+def test_bundles_held_by_another_job_time_out_with_placement_error(local_ray):
+    from ray.util.placement_group import placement_group
+
+    other_job = placement_group([{"CPU": 1}] * 4)
+    ray.get(other_job.ready(), timeout=30)
+    try:
+        with pytest.raises(PlacementError, match=r"could not reserve 2 bundle\(s\) of \{'CPU': 1\} within 1s"):
+            create_placement_groups(ClusterConfig(actor_num_gpus_per_node=2, colocate=True), use_gpu=False, timeout_s=1)
+    finally:
+        ray.util.remove_placement_group(other_job)
