@@ -19,6 +19,7 @@ import sys
 import time
 import types
 from concurrent.futures.process import BrokenProcessPool
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import pandas as pd
@@ -37,6 +38,7 @@ from slime.rollout.rm_hub import (
     resolve_reward_function,
 )
 from slime.rollout.rm_hub.answer import last_boxed, numeric_value, parse_latex
+from slime.rollout.rm_hub.geo3k import decimal_places
 from slime.utils.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,29 +188,129 @@ def test_deepscaler_reward(response, expected):
 def test_geo3k_tolerance_accepts_rounded_decimal_that_math_rejects():
     # 8*sqrt(3) = 13.8564...; |13.86 - 13.8564| / 13.8564 = 2.6e-4 <= 0.05.
     assert geo3k_reward(r"\boxed{13.86}", r"8\sqrt{3}", GEO3K) == 1.0
+    assert geo3k_reward(r"\boxed{8\sqrt{3}}", "13.86", GEO3K) == 1.0
     assert math_reward(r"\boxed{13.86}", r"8\sqrt{3}", MATH) == 0.0
+    assert math_reward(r"\boxed{8\sqrt{3}}", "13.86", MATH) == 0.0
     assert geo3k_reward(r"\boxed{13.86}", r"8\sqrt{3}", GEO3K_STRICT) == 0.0
+    assert geo3k_reward(r"\boxed{8\sqrt{3}}", "13.86", GEO3K_STRICT) == 0.0
     # and the other way round: label 129.9 rounds 75*sqrt(3) = 129.9038...
     assert geo3k_reward(r"\boxed{75\sqrt{3}}", "129.9", GEO3K) == 1.0
     assert math_reward(r"\boxed{75\sqrt{3}}", "129.9", MATH) == 0.0
 
 
 @pytest.mark.parametrize(
+    "answer, places",
+    [
+        ("13.86", 2),
+        ("48.0", 1),
+        ("-2.5", 1),
+        (".5", 1),
+        ("129.904", 3),
+        ("14", 0),
+        (r"8\sqrt{3}", 0),
+        (r"\frac{40}{3}", 0),
+        (r"\frac{5}{3}\pi", 0),
+        (r"60^\circ", 0),
+        (r"60.5^{\circ}", 1),
+        ("x = 14.1", 1),
+        (r"14.1\text{ cm}", 1),
+        (r"2\cdot 7.05", 2),
+        ("1,200.5", 1),
+    ],
+)
+def test_decimal_places(answer, places):
+    assert decimal_places(answer) == places
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        # Same decimal places (both integers, or both decimals with k digits): math only.
+        # The reviewer's cases: Geometry3K distractors within 5 % of the right option.
+        (r"\boxed{94}", "96", 0.0),
+        (r"\boxed{98}", "96", 0.0),
+        (r"\boxed{100}", "96", 0.0),
+        (r"\boxed{96}", "98", 0.0),
+        (r"\boxed{110}", "105", 0.0),
+        (r"\boxed{105}", "110", 0.0),
+        (r"\boxed{14.1}", "14.6", 0.0),
+        (r"\boxed{15.1}", "14.6", 0.0),
+        (r"\boxed{14.6}", "14.1", 0.0),
+        (r"\boxed{48.0}", "50.2", 0.0),  # a trailing zero is a written decimal place
+        (r"\boxed{50.2}", "48.0", 0.0),
+        (r"\boxed{6.78}", "6.79", 0.0),
+        (r"\boxed{x = 14.1}", "14.6", 0.0),  # decorations do not make a decimal "exact"
+        (r"\boxed{14.1\text{ cm}}", "14.6", 0.0),
+        (r"\boxed{96}", "96", 1.0),
+        (r"\boxed{14.6}", "14.6", 1.0),
+        (r"\boxed{x = 14.6}", "14.6", 1.0),
+        # No decimals on either side (integers, exact expressions): math only.
+        (r"\boxed{14}", r"8\sqrt{3}", 0.0),  # 13.856...: the reviewer's repro
+        (r"\boxed{8\sqrt{3}}", "14", 0.0),
+        (r"\boxed{13}", r"\frac{40}{3}", 0.0),
+        (r"\boxed{\frac{40}{3}}", "13", 0.0),
+        (r"\boxed{\sqrt{190}}", r"8\sqrt{3}", 0.0),  # 13.78
+        (r"\boxed{\sqrt{10}}", r"\sqrt{11}", 0.0),
+        (r"\boxed{61^\circ}", "60", 0.0),
+        (r"\boxed{60^\circ}", "60", 1.0),
+        (r"\boxed{\sqrt{192}}", r"8\sqrt{3}", 1.0),
+        # Different decimal places: one side is a rounded decimal, so the tolerance applies.
+        (r"\boxed{13.86}", r"8\sqrt{3}", 1.0),
+        (r"\boxed{8\sqrt{3}}", "13.86", 1.0),
+        (r"\boxed{x = 13.86}", r"8\sqrt{3}", 1.0),
+        (r"\boxed{13.86^\circ}", r"8\sqrt{3}", 1.0),
+        (r"\boxed{13.9}", r"8\sqrt{3}", 1.0),  # 13.856 rounds to 13.9: |error| 0.044 <= 0.05
+        (r"\boxed{13.8}", r"8\sqrt{3}", 0.0),  # within 5 %, but 0.056 > half a unit (0.05)
+        (r"\boxed{75\sqrt{3}}", "129.9", 1.0),
+        (r"\boxed{129.9}", r"75\sqrt{3}", 1.0),
+        (r"\boxed{129.904}", "129.9", 1.0),
+        (r"\boxed{129.9}", "129.904", 1.0),
+        (r"\boxed{6.8}", "6.79", 1.0),
+        (r"\boxed{6.79}", "6.8", 1.0),
+        (r"\boxed{\frac{5}{3}\pi}", "5.24", 1.0),
+        (r"\boxed{5.24}", r"\frac{5}{3}\pi", 1.0),
+        (r"\boxed{14.6}", r"8\sqrt{3}", 0.0),  # 5.4 % off: outside the tolerance
+        (r"\boxed{8\sqrt{3}}", "14.6", 0.0),
+        (r"\boxed{x}", "13.86", 0.0),  # not a number
+        # What the tolerance still accepts, by design: a different precision within 5 %.
+        # 9 is what 8.6 rounds to; 11.5 rounds to 12 (Geometry3K rows 715 and 2516).
+        (r"\boxed{9}", "8.6", 1.0),
+        (r"\boxed{11.5}", "12", 1.0),
+        # More digits do not buy the 5 %: the error must also be within half a unit of the coarser
+        # plain number (the reviewer's repro 14.5, and distractors written with an extra 0).
+        (r"\boxed{14.5}", r"8\sqrt{3}", 0.0),  # 4.6 % off, but 0.64 > 0.05
+        (r"\boxed{94.0}", "96", 0.0),  # 2 > 0.5
+        (r"\boxed{36.0}", "37", 0.0),  # 1 > 0.5
+        (r"\boxed{96.4}", "96", 1.0),  # 96.4 rounds to 96
+        (r"\boxed{14.10}", "14.6", 0.0),  # 0.5 > 0.05
+        (r"\boxed{14.63}", "14.6", 1.0),
+    ],
+)
+def test_geo3k_tolerance_only_between_different_precisions(response, label, expected):
+    assert geo3k_reward(response, label, GEO3K) == expected
+    assert geo3k_reward(response, label, GEO3K_STRICT) == math_reward(response, label, MATH)
+
+
+@pytest.mark.parametrize(
     "response, label, tolerance, expected",
     [
-        (r"\boxed{104.9}", "100", 0.05, 1.0),  # 4.9 % off
-        (r"\boxed{105.1}", "100", 0.05, 0.0),  # 5.1 % off
-        (r"\boxed{95.1}", "100", 0.05, 1.0),
-        (r"\boxed{94.9}", "100", 0.05, 0.0),
-        (r"\boxed{109}", "100", 0.1, 1.0),
+        # 5/6 = 0.8333 vs 0.8: 4.2 % off, within half a unit (0.05) of 0.8, so the relative bound decides.
+        (r"\boxed{\frac{5}{6}}", "0.8", 0.05, 1.0),
+        (r"\boxed{\frac{5}{6}}", "0.8", 0.04, 0.0),
+        (r"\boxed{\frac{5}{6}}", "0.8", 0.0, 0.0),
+        (r"\boxed{-\frac{5}{6}}", "-0.8", 0.05, 1.0),  # |g| in the bound
+        (r"\boxed{\frac{5}{6}}", "-0.8", 0.05, 0.0),
+        (r"\boxed{100.4}", "100", 0.05, 1.0),  # 0.4 % off, within 0.5
+        (r"\boxed{100.6}", "100", 0.05, 0.0),  # 0.6 % off, but 0.6 > 0.5
+        (r"\boxed{100.4}", "100", 0.001, 0.0),  # 0.4 % > 0.1 %
+        (r"\boxed{109}", "100", 0.1, 0.0),  # two integers: never a tolerance
         (r"\boxed{100.001}", "100", 0.0, 0.0),
-        (r"\boxed{-2.04}", "-2", 0.05, 1.0),  # |g| in the bound
-        (r"\boxed{2}", "-2", 0.05, 0.0),
         (r"\boxed{0.001}", "0", 0.05, 0.0),  # g = 0 needs p = 0
+        (r"\boxed{0.0}", "0", 0.05, 1.0),
         (r"\boxed{0}", "0", 0.05, 1.0),
-        (r"\boxed{x}", "5", 0.05, 0.0),  # not a number
-        (r"\boxed{\{5, 6\}}", "5", 0.05, 0.0),
-        ("5 without a box", "5", 0.05, 0.0),
+        (r"\boxed{x}", "5.5", 0.05, 0.0),  # not a number
+        (r"\boxed{\{5.5, 6\}}", "5", 0.05, 0.0),
+        ("5.0 without a box", "5", 0.05, 0.0),
     ],
 )
 def test_geo3k_relative_tolerance(response, label, tolerance, expected):
@@ -223,6 +325,7 @@ def test_geo3k_relative_tolerance(response, label, tolerance, expected):
         (r"\boxed{0.5}", r"\frac{1}{2}"),
         (r"\boxed{60^\circ}", "60"),
         (r"\boxed{129.904}", "129.9"),
+        (r"\boxed{14.5}", r"8\sqrt{3}"),
         (r"\boxed{3} \boxed{5}", "5"),
         ("no box", "5"),
     ],
@@ -250,32 +353,83 @@ def _latex_to_float(latex: str) -> float:
     return float(parse_expr(text, transformations=standard_transformations + (implicit_multiplication_application,)))
 
 
+def _written_places(answer: str) -> tuple[int, bool]:
+    """(decimal places, whether a plain number) of a Geometry3K compact answer, by Python's
+    ``decimal`` (independent of ``decimal_places``): a plain literal's fractional digits;
+    (0, False) for an exact expression."""
+    try:
+        return -min(Decimal(answer).as_tuple().exponent, 0), True
+    except InvalidOperation:
+        assert "." not in answer, answer  # every compact non-literal in the sample is exact
+        return 0, False
+
+
+def _expected_geo3k(choice: str, answer: str, tol: float = 0.05) -> float:
+    """The geo3k rule, worked out with the test's own converters: equal; or at different
+    precision, within ``tol`` relative and half a unit of the coarser plain number."""
+    gold = _latex_to_float(answer)
+    error = abs(_latex_to_float(choice) - gold)
+    if error <= 1e-9 * abs(gold):
+        return 1.0
+    (choice_places, choice_plain), (answer_places, answer_plain) = _written_places(choice), _written_places(answer)
+    if choice_places == answer_places:
+        return 0.0
+    plain = [k for k, is_plain in ((choice_places, choice_plain), (answer_places, answer_plain)) if is_plain]
+    half_unit = 0.5 * 10.0 ** -min(plain) if plain else float("inf")
+    return 1.0 if error <= tol * abs(gold) and error <= half_unit * (1 + 1e-9) else 0.0
+
+
 def _geo3k_rows() -> pd.DataFrame:
     paths = [GEO3K_SAMPLE / "train.parquet", GEO3K_SAMPLE / "test.parquet"]
     if not all(path.exists() for path in paths):
         pytest.skip(f"bundled Geometry3K sample missing: {paths}")
-    return pd.concat([pd.read_parquet(path, columns=["id", "answer", "choices"]) for path in paths])
+    columns = ["id", "answer", "choices", "answer_letter"]
+    return pd.concat([pd.read_parquet(path, columns=columns) for path in paths])
 
 
-def test_geo3k_rows_answer_scores_1_and_distant_wrong_choices_score_0(scorer):
+def test_geo3k_rows_answer_scores_1_and_no_wrong_choice_scores_1(scorer):
+    """Every row's answer scores 1; every other choice scores 0 under geo3k, near ones included.
+
+    The expected reward of each wrong choice comes from the rule worked out independently
+    (:func:`_expected_geo3k`: ``_latex_to_float`` and ``_written_places``, not math-verify
+    or ``decimal_places``).  In the bundled sample no wrong choice meets it, so all score
+    0, including the nine that lie within 5 % of the answer, which a plain relative
+    tolerance accepts (label 96 with choices 94, 98, 100; 14.6 with 14.1, 15.1; 105 with
+    110; ...), and the same choices written with one more digit (``94.0``, ``14.10``),
+    which would otherwise buy the tolerance.  The team's 400-row copy has three that meet
+    it by design (8.6 vs 9, 12 vs 11.5 and 12.5: see
+    ``test_geo3k_tolerance_only_between_different_precisions``).
+    """
     rows = _geo3k_rows()
-    responses, labels, expected = [], [], []
-    for answer, choices in zip(rows["answer"], rows["choices"]):
+    responses, labels, expected, near, accepted = [], [], [], [], []
+    for row_id, answer, choices, letter in zip(rows["id"], rows["answer"], rows["choices"], rows["answer_letter"]):
+        assert choices["ABCD".index(letter)] == answer
         gold = _latex_to_float(answer)
         responses.append(rf"<think>...</think> The answer is \boxed{{{answer}}}.")
         labels.append(answer)
         expected.append(1.0)
-        for choice in choices:
-            if abs(_latex_to_float(choice) - gold) > 0.05 * abs(gold):
-                responses.append(rf"\boxed{{{choice}}}")
+        for index, choice in enumerate(choices):
+            if index == "ABCD".index(letter):
+                continue
+            error = abs(_latex_to_float(choice) - gold)
+            if 0 < error <= 0.05 * abs(gold):
+                near.append((row_id, answer, choice))
+            padded = [choice + ("0" if "." in choice else ".0")] if _written_places(choice)[1] else []
+            for written in [choice, *padded]:
+                reward = _expected_geo3k(written, answer)
+                accepted += [(row_id, answer, written)] if reward else []
+                responses.append(rf"\boxed{{{written}}}")
                 labels.append(answer)
-                expected.append(0.0)
-    assert expected.count(0.0) >= 2 * len(rows) > 0  # the check is not vacuous
+                expected.append(reward)
+    assert accepted == []
+    assert expected.count(0.0) > 3 * len(rows) > 0  # the check is not vacuous
+    assert len(near) == 9 and (539, "96", "98") in near and (1315, "14.6", "14.1") in near
 
     scorer.reset_stats()
-    assert scorer.score(responses, labels, MATH) == expected
     assert scorer.score(responses, labels, GEO3K) == expected
+    assert scorer.score(responses, labels, MATH) == expected
     assert scorer.stats.failed == 0
+    assert _expected_geo3k("94.0", "96") == 0.0 and _expected_geo3k("13.86", r"8\sqrt{3}") == 1.0  # the rule itself
     answers_only = [r for r, e in zip(responses, expected) if e == 1.0]
     assert scorer.score(answers_only, list(rows["answer"]), DEEPSCALER) == [1.0] * len(rows)
 
@@ -525,14 +679,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_prints_one_reward_per_response():
-    responses = [r"\boxed{13.86}", "no box", r"<think></think>\boxed{8\sqrt{3}}"]
+    responses = [r"\boxed{13.86}", "no box", r"<think></think>\boxed{8\sqrt{3}}", r"\boxed{14}"]
     common = ["--rm-type", "geo3k", "--rm-num-workers", "1", "--label", r"8\sqrt{3}"]
     geo3k = _cli(*common, *responses)
     assert geo3k.returncode == 0, geo3k.stderr
-    assert geo3k.stdout.splitlines() == ["1.0", "0.0", "1.0"]
+    assert geo3k.stdout.splitlines() == ["1.0", "0.0", "1.0", "0.0"]
     strict = _cli(*common, "--rm-tolerance", "0", *responses)
     assert strict.returncode == 0, strict.stderr
-    assert strict.stdout.splitlines() == ["0.0", "0.0", "1.0"]
+    assert strict.stdout.splitlines() == ["0.0", "0.0", "1.0", "0.0"]
 
 
 def test_cli_help_and_bad_flag():
