@@ -14,7 +14,6 @@ no backend or engine details.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -26,6 +25,7 @@ import ray
 import torch
 
 from slime.backends.registry import TRAIN_BACKENDS
+from slime.ray.colocate import ColocatedMemory
 from slime.ray.placement import (
     Placement,
     PlacementError,
@@ -188,13 +188,14 @@ def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutMana
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
     engines, trainers = start_workers(cfg, placement, components)
     rollout_manager.engines = engines
-    start = trainers.init()
+    memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
+    with memory.startup_phase():
+        start = trainers.init()
     if start > 0:
         rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
         dropped = truncate_metrics(_run_dir(cfg) / METRICS_FILE, keep=lambda r: _logged_before(r, start))
         logger.info("resumed from %s at rollout %d (%d metrics records after the checkpoint dropped)",
                     cfg.checkpoint.load, start, dropped)
-    memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
     with memory.sync_phase():
         trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
     return Run(placement, engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout)
@@ -227,33 +228,6 @@ def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_mana
     trainers.save(rollout_id, ckpt.iteration_dir(root, rollout_id))
     torch.save({"rollout_id": rollout_id, **rollout_manager.state_dict()}, ckpt.rollout_state_path(root, rollout_id))
     logger.info("saved checkpoint of rollout %d to %s", rollout_id, ckpt.iteration_dir(root, rollout_id))
-
-
-class ColocatedMemory:
-    """Memory hand-over between colocated trainers and engines (GPU runs with ``--colocate``).
-
-    ``train_phase``: engines release their memory, trainers load theirs; on exit the
-    engines re-allocate. ``sync_phase``: after the weights are pushed, trainers offload.
-    Both are no-ops when trainers and engines do not share GPUs.
-    """
-
-    def __init__(self, trainers: TrainerGroup, engines: RolloutEngineGroup, enabled: bool):
-        self.trainers, self.engines, self.enabled = trainers, engines, enabled
-
-    @contextlib.contextmanager
-    def train_phase(self):
-        if self.enabled:
-            self.engines.release_memory_occupation()
-            self.trainers.onload()
-        yield
-        if self.enabled:
-            self.engines.resume_memory_occupation()
-
-    @contextlib.contextmanager
-    def sync_phase(self):
-        yield
-        if self.enabled:
-            self.trainers.offload()
 
 
 def _logged_before(record: dict, start: int) -> bool:

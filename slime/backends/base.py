@@ -115,8 +115,18 @@ class TrainerBackend(abc.ABC):
 
         return dist.get_rank(), dist.get_world_size()
 
-    def offload(self) -> None:
-        """Move weights and optimizer state off the GPU (colocated runs). No-op on CPU."""
+    def offload(self, keep_weights: bool = False) -> None:
+        """Move this rank's training memory off the GPU for colocated engines. No-op on CPU.
+
+        Args:
+            keep_weights: keep the policy weights on the GPU, where :meth:`iter_weight_buckets`
+                gathers them for the weight sync, and move everything else (optimizer state,
+                gradients, a reference model); ``False`` moves everything.  Calling it again
+                with ``False`` moves the rest.
+
+        Collective.  :class:`slime.ray.colocate.ColocatedMemory` calls ``offload(keep_weights=True)``
+        after training and ``offload()`` after the weight sync.
+        """
 
     def onload(self) -> None:
-        """Undo :meth:`offload`."""
+        """Undo :meth:`offload` (everything back on the GPU, ready to train). Collective."""

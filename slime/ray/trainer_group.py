@@ -69,8 +69,8 @@ class TrainerActor:
     def save(self, rollout_id: int, path: str) -> None:
         self.backend.save(rollout_id, Path(path))
 
-    def offload(self) -> None:
-        self.backend.offload()
+    def offload(self, keep_weights: bool = False) -> None:
+        self.backend.offload(keep_weights)
 
     def onload(self) -> None:
         self.backend.onload()
@@ -158,10 +158,13 @@ class TrainerGroup:
     def save(self, rollout_id: int, path: str | os.PathLike) -> None:
         ray.get([a.save.remote(rollout_id, str(path)) for a in self.actors])
 
-    def offload(self) -> None:
-        ray.get([a.offload.remote() for a in self.actors])
+    def offload(self, keep_weights: bool = False) -> None:
+        """Every rank moves its training memory off the GPU; with ``keep_weights`` the policy
+        weights stay for the weight sync (see :meth:`TrainerBackend.offload`)."""
+        ray.get([a.offload.remote(keep_weights) for a in self.actors])
 
     def onload(self) -> None:
+        """Every rank moves everything :meth:`offload` moved back to the GPU."""
         ray.get([a.onload.remote() for a in self.actors])
 
     def shutdown(self) -> None:

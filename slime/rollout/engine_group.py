@@ -35,11 +35,11 @@ class EngineActor:
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
         self.engine.update_weights_from_tensor(named_tensors, flush_cache=flush_cache)
 
-    def release_memory_occupation(self) -> None:
-        self.engine.release_memory_occupation()
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.engine.release_memory_occupation(tags)
 
-    def resume_memory_occupation(self) -> None:
-        self.engine.resume_memory_occupation()
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.engine.resume_memory_occupation(tags)
 
     def flush_cache(self) -> None:
         self.engine.flush_cache()
@@ -82,11 +82,15 @@ class RolloutEngineGroup:
         ]
         return [out for chunk in ray.get(futures) for out in chunk]
 
-    def release_memory_occupation(self) -> None:
-        ray.get([a.release_memory_occupation.remote() for a in self.actors])
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every engine frees the memory regions ``tags`` (SGLang tags; ``None``: all), see
+        :meth:`RolloutEngine.release_memory_occupation`."""
+        ray.get([a.release_memory_occupation.remote(tags) for a in self.actors])
 
-    def resume_memory_occupation(self) -> None:
-        ray.get([a.resume_memory_occupation.remote() for a in self.actors])
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every engine re-allocates the regions ``tags`` (``None``: all), see
+        :meth:`RolloutEngine.resume_memory_occupation`."""
+        ray.get([a.resume_memory_occupation.remote(tags) for a in self.actors])
 
     def flush_cache(self) -> None:
         ray.get([a.flush_cache.remote() for a in self.actors])

@@ -476,24 +476,32 @@ class FSDPBackend(TrainerBackend):
     # colocated memory
     # ------------------------------------------------------------------------------------
 
-    def offload(self) -> None:
-        """Move the policy and reference shards and the AdamW state to CPU and free the GPU cache.
+    def offload(self, keep_weights: bool = False) -> None:
+        """Move the AdamW state and the reference shards to CPU, and the policy shards too unless
+        ``keep_weights``; then free the GPU cache.
 
-        For colocated runs, where the engines use the GPU while the trainer waits.  A no-op on
-        CPU.  Gradients are already freed after each optimizer step.
+        For colocated runs, where the engines use the GPU while the trainer waits
+        (``keep_weights=True`` during the weight sync, which gathers the policy shards).  A no-op
+        on CPU.  Gradients need no move: ``zero_grad(set_to_none=True)`` frees them after each
+        optimizer step.
         """
-        self._move_to(torch.device("cpu"))
+        self._move_to(torch.device("cpu"), policy=not keep_weights)
 
     def onload(self) -> None:
         """Undo :meth:`offload` (a no-op on CPU)."""
-        self._move_to(self.device)
+        self._move_to(self.device, policy=True)
 
-    def _move_to(self, device: torch.device) -> None:
+    def _move_to(self, device: torch.device, *, policy: bool) -> None:
+        """Move the optimizer state and the reference model to ``device``, and the policy if ``policy``.
+
+        Moving what is already there costs nothing, so every combination of offload and onload is safe.
+        """
         if self.device.type != "cuda" or self.model is None:
             return
-        for model in (self.model, self.ref_model):
-            if model is not None:
-                model.to(device)
+        if policy:
+            self.model.to(device)
+        if self.ref_model is not None:
+            self.ref_model.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, Tensor):

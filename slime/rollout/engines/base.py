@@ -18,6 +18,12 @@ The request/response records mirror SGLang's ``/generate`` payload so that the s
 rollout code drives both engines: prompts travel as text plus base64 images
 (``image_data``), sampling parameters use SGLang's names, and the output carries the
 generated token ids, their log-probs and a ``finish_reason``.
+
+Memory tags: ``/release_memory_occupation`` and ``/resume_memory_occupation`` take
+``{"tags": [...]}`` naming regions of the engine's GPU memory (SGLang's
+``sglang.srt.constants.GPU_MEMORY_TYPE_*``; ``None`` or ``[]`` means every region).
+Colocated runs free everything before training and bring the regions back one at a time
+around the weight sync (:mod:`slime.ray.colocate`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,30 @@ import dataclasses
 from typing import Any, Literal
 
 import torch
+
+# GPU memory regions, by SGLang's tag strings (``sglang.srt.constants``).
+GPU_MEMORY_TYPE_WEIGHTS = "weights"
+"""The model weights."""
+GPU_MEMORY_TYPE_KV_CACHE = "kv_cache"
+"""The KV cache pool (and, in SGLang, the radix cache over it)."""
+GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
+"""Captured CUDA graphs and their memory pool (a separate tag in newer SGLang versions)."""
+GPU_MEMORY_TYPES = (GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_CUDA_GRAPH)
+"""Every tag of this interface; ``tags=None`` means all of them."""
+
+
+def memory_tags(tags: list[str] | None) -> tuple[str, ...]:
+    """The tags a memory call acts on: ``None`` or ``[]`` means :data:`GPU_MEMORY_TYPES` (SGLang semantics).
+
+    Raises:
+        ValueError: naming every unknown tag and the known ones.
+    """
+    if not tags:
+        return GPU_MEMORY_TYPES
+    unknown = [t for t in tags if t not in GPU_MEMORY_TYPES]
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}; known tags: {list(GPU_MEMORY_TYPES)} (None means all)")
+    return tuple(dict.fromkeys(tags))
 
 
 @dataclasses.dataclass
@@ -141,16 +171,32 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def release_memory_occupation(self) -> None:
-        """Free the engine's device memory (weights and KV cache) for a colocated trainer.
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the device memory of the regions ``tags`` for a colocated trainer
+        (SGLang ``POST /release_memory_occupation {"tags": tags}``).
 
-        After :meth:`resume_memory_occupation` the weights must be pushed again
-        (SGLang behaviour without a weight backup), which the driver always does.
+        Args:
+            tags: :data:`GPU_MEMORY_TYPE_WEIGHTS`, :data:`GPU_MEMORY_TYPE_KV_CACHE`,
+                :data:`GPU_MEMORY_TYPE_CUDA_GRAPH`; ``None`` (or ``[]``) releases all of them.
+
+        The engine must not generate until every released region is resumed.  After the
+        weights are resumed they must be pushed again (SGLang without a weight backup keeps
+        no copy), which :class:`slime.ray.colocate.ColocatedMemory` always does.
+
+        Raises:
+            ValueError: an unknown tag (the message names it).
         """
 
     @abc.abstractmethod
-    def resume_memory_occupation(self) -> None:
-        """Re-allocate what :meth:`release_memory_occupation` freed."""
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Re-allocate the regions ``tags`` that :meth:`release_memory_occupation` freed
+        (SGLang ``POST /resume_memory_occupation {"tags": tags}``; ``None`` or ``[]``: all).
+
+        Callers resume only released regions: SGLang raises for a tag that is not released.
+
+        Raises:
+            ValueError: an unknown tag (the message names it).
+        """
 
     def flush_cache(self) -> None:
         """Drop cached prefixes (the KV/radix cache), e.g. after a weight update."""

@@ -44,11 +44,13 @@ import dataclasses
 import torch
 
 from slime.rollout.engines.base import (
+    GPU_MEMORY_TYPE_WEIGHTS,
     GenerateOutput,
     GenerateRequest,
     PromptMismatchError,
     RolloutEngine,
     SamplingParams,
+    memory_tags,
 )
 from slime.utils.image import decode_image
 from slime.utils.processor import load_processor, mm_token_type_ids
@@ -152,7 +154,7 @@ class TransformersEngine(RolloutEngine):
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._weights = _CheckpointWeights(self.model)
         self._paused = False
-        self._released = False
+        self._released: set[str] = set()  # memory tags released and not yet resumed
         self._shut_down = False
 
     @classmethod
@@ -201,7 +203,9 @@ class TransformersEngine(RolloutEngine):
         if self._paused:
             raise RuntimeError("generation is paused (pause_generation); call continue_generation() first")
         if self._released:
-            raise RuntimeError("the engine's memory is released; call resume_memory_occupation() first")
+            raise RuntimeError(
+                f"the engine's memory is released ({sorted(self._released)}); call resume_memory_occupation() first"
+            )
         incomplete = self._weights.incomplete_parameters()
         if incomplete:
             raise RuntimeError(
@@ -368,25 +372,51 @@ class TransformersEngine(RolloutEngine):
         self._check_not_shut_down()
         self._weights.load(named_tensors)
 
-    def release_memory_occupation(self) -> None:
-        """Free device memory for a colocated trainer: on CUDA the weights move to CPU and the CUDA
-        cache is emptied; on CPU nothing moves.  Generation raises until :meth:`resume_memory_occupation`.
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free device memory for a colocated trainer, by SGLang tag (``None``: all); generation
+        raises until every released tag is resumed.
 
-        Unlike SGLang without a weight backup, the weights survive; pushing them again after a
-        resume (as the driver does) is still correct.
+        - ``"weights"``: on CUDA the model moves to CPU; on CPU nothing moves.  Unlike SGLang
+          without a weight backup, the weights survive, so pushing them again after the resume
+          (as :class:`slime.ray.colocate.ColocatedMemory` does) is correct but not needed.
+          Weight updates are accepted meanwhile and land in the CPU copy.
+        - ``"kv_cache"``: this engine keeps no KV cache between :meth:`generate` calls (each call
+          builds and drops its own ``DynamicCache``), so nothing is held; on CUDA the blocks the
+          last call left in PyTorch's caching allocator go back to the driver, where the trainer
+          (another process) can use them.
+        - ``"cuda_graph"``: this engine captures no CUDA graphs; nothing to free.
+
+        Releasing an already released tag does nothing.
+
+        Raises:
+            RuntimeError: the engine was shut down.
+            ValueError: an unknown tag (named in the message); nothing is released then.
         """
         self._check_not_shut_down()
-        if self.device.type == "cuda" and not self._released:
-            self.model.to("cpu")
+        tags = memory_tags(tags)
+        if self.device.type == "cuda":
+            if GPU_MEMORY_TYPE_WEIGHTS in tags and GPU_MEMORY_TYPE_WEIGHTS not in self._released:
+                self.model.to("cpu")
+            # "kv_cache" (and the weights just moved): hand cached allocator blocks back to the driver.
             torch.cuda.empty_cache()
-        self._released = True
+        self._released.update(tags)
 
-    def resume_memory_occupation(self) -> None:
-        """Move the weights back to ``device`` (a no-op on CPU) and allow generation again."""
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`release_memory_occupation` for ``tags`` (``None``: all): ``"weights"`` moves
+        the model back to ``device`` (a no-op on CPU); ``"kv_cache"`` and ``"cuda_graph"`` hold no
+        memory here.  A tag that is not released is skipped (SGLang would raise; the driver never
+        does this).
+
+        Raises:
+            RuntimeError: the engine was shut down.
+            ValueError: an unknown tag (named in the message); nothing is resumed then.
+        """
         self._check_not_shut_down()
-        if self.device.type == "cuda" and self._released:
+        tags = memory_tags(tags)
+        if self.device.type == "cuda" and GPU_MEMORY_TYPE_WEIGHTS in tags and GPU_MEMORY_TYPE_WEIGHTS in self._released:
             self.model.to(self.device)
-        self._released = False
+        # "kv_cache": the next generate() call allocates its own cache; "cuda_graph": none captured.
+        self._released.difference_update(tags)
 
     def flush_cache(self) -> None:
         """No-op: the KV cache lives only inside one :meth:`generate` call, so nothing is cached across calls."""
