@@ -78,3 +78,28 @@ def test_bundles_held_by_another_job_time_out_with_placement_error(local_ray):
             create_placement_groups(ClusterConfig(actor_num_gpus_per_node=2, colocate=True), use_gpu=False, timeout_s=1)
     finally:
         ray.util.remove_placement_group(other_job)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on exit: nothing listens there
+
+
+def test_unreachable_ray_address_fails_in_seconds(monkeypatch):
+    import time
+
+    from slime.ray import placement
+
+    port = _closed_port()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"--ray-address 127\.0\.0\.1:{port}: no Ray head answers"):
+        placement.init_ray(ClusterConfig(rollout_num_gpus=1, ray_address=f"127.0.0.1:{port}"))
+    assert time.monotonic() - started < 15  # ray.init alone would retry for ever
+
+    # "auto" resolves through RAY_ADDRESS, and the message says so.
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match=rf"--ray-address auto \(resolved to 127\.0\.0\.1:{port}\)"):
+        placement.init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1, ray_address="auto"))

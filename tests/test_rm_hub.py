@@ -264,18 +264,29 @@ def test_decimal_places(answer, places):
         (r"\boxed{75\sqrt{3}}", "129.9", 1.0),
         (r"\boxed{129.9}", r"75\sqrt{3}", 1.0),
         (r"\boxed{129.904}", "129.9", 1.0),
-        (r"\boxed{129.9}", "129.904", 1.0),
-        (r"\boxed{6.8}", "6.79", 1.0),
+        (r"\boxed{129.9}", "129.904", 0.0),  # coarser than the label asks: 0.004 > 0.0005
+        (r"\boxed{6.8}", "6.79", 0.0),  # likewise: 0.01 > 0.005
         (r"\boxed{6.79}", "6.8", 1.0),
+        (r"\boxed{15}", "14.6", 0.0),  # dropping digits does not buy a tolerance (15.1 is a choice)
+        (r"\boxed{13}", "12.7", 0.0),
+        (r"\boxed{130}", "129.9", 0.0),
+        # An expression with a decimal in it is not a rounding of an exact label.
+        (r"\boxed{14\cdot1.0}", r"8\sqrt{3}", 0.0),
+        (r"\boxed{8.1\sqrt{3}}", r"8\sqrt{3}", 0.0),
+        (r"\boxed{8\sqrt{3}+0.004}", r"8\sqrt{3}", 0.0),
+        (r"\boxed{13.1\cdot1}", r"\frac{40}{3}", 0.0),
+        (r"\boxed{13.3}", r"\frac{40}{3}", 1.0),
         (r"\boxed{\frac{5}{3}\pi}", "5.24", 1.0),
         (r"\boxed{5.24}", r"\frac{5}{3}\pi", 1.0),
         (r"\boxed{14.6}", r"8\sqrt{3}", 0.0),  # 5.4 % off: outside the tolerance
         (r"\boxed{8\sqrt{3}}", "14.6", 0.0),
         (r"\boxed{x}", "13.86", 0.0),  # not a number
-        # What the tolerance still accepts, by design: a different precision within 5 %.
-        # 9 is what 8.6 rounds to; 11.5 rounds to 12 (Geometry3K rows 715 and 2516).
-        (r"\boxed{9}", "8.6", 1.0),
+        # 9 is what 8.6 rounds to, but the label asks for tenths (Geometry3K row 715: 9 is a wrong choice).
+        (r"\boxed{9}", "8.6", 0.0),
+        # Accepted at the edge, by design: 11.5 and 12.5 lie exactly half a unit from 12 (row 2516).
         (r"\boxed{11.5}", "12", 1.0),
+        (r"\boxed{12.5}", "12", 1.0),
+        (r"\boxed{12.6}", "12", 0.0),
         # More digits do not buy the 5 %: the error must also be within half a unit of the coarser
         # plain number (the reviewer's repro 14.5, and distractors written with an extra 0).
         (r"\boxed{14.5}", r"8\sqrt{3}", 0.0),  # 4.6 % off, but 0.64 > 0.05
@@ -366,7 +377,8 @@ def _written_places(answer: str) -> tuple[int, bool]:
 
 def _expected_geo3k(choice: str, answer: str, tol: float = 0.05) -> float:
     """The geo3k rule, worked out with the test's own converters: equal; or at different
-    precision, within ``tol`` relative and half a unit of the coarser plain number."""
+    precision, within ``tol`` relative and half a unit of the rounded side (the answer if
+    it is a plain number, else the choice if it is)."""
     gold = _latex_to_float(answer)
     error = abs(_latex_to_float(choice) - gold)
     if error <= 1e-9 * abs(gold):
@@ -374,9 +386,13 @@ def _expected_geo3k(choice: str, answer: str, tol: float = 0.05) -> float:
     (choice_places, choice_plain), (answer_places, answer_plain) = _written_places(choice), _written_places(answer)
     if choice_places == answer_places:
         return 0.0
-    plain = [k for k, is_plain in ((choice_places, choice_plain), (answer_places, answer_plain)) if is_plain]
-    half_unit = 0.5 * 10.0 ** -min(plain) if plain else float("inf")
-    return 1.0 if error <= tol * abs(gold) and error <= half_unit * (1 + 1e-9) else 0.0
+    if answer_plain:  # the rounded side: the label if plain, else the choice if plain
+        places = answer_places
+    elif choice_plain:
+        places = choice_places
+    else:
+        return 0.0
+    return 1.0 if error <= tol * abs(gold) and error <= 0.5 * 10.0**-places * (1 + 1e-9) else 0.0
 
 
 def _geo3k_rows() -> pd.DataFrame:
@@ -395,9 +411,10 @@ def test_geo3k_rows_answer_scores_1_and_no_wrong_choice_scores_1(scorer):
     or ``decimal_places``).  In the bundled sample no wrong choice meets it, so all score
     0, including the nine that lie within 5 % of the answer, which a plain relative
     tolerance accepts (label 96 with choices 94, 98, 100; 14.6 with 14.1, 15.1; 105 with
-    110; ...), and the same choices written with one more digit (``94.0``, ``14.10``),
-    which would otherwise buy the tolerance.  The team's 400-row copy has three that meet
-    it by design (8.6 vs 9, 12 vs 11.5 and 12.5: see
+    110; ...), and the same choices written with one more digit (``94.0``, ``14.10``) or
+    rounded to a whole number (``15`` for choice 15.1, label 14.6), which would otherwise
+    buy the tolerance.  The team's 400-row copy has two that meet
+    it by design (12 vs 11.5 and 12.5, half a unit away: see
     ``test_geo3k_tolerance_only_between_different_precisions``).
     """
     rows = _geo3k_rows()
@@ -414,8 +431,12 @@ def test_geo3k_rows_answer_scores_1_and_no_wrong_choice_scores_1(scorer):
             error = abs(_latex_to_float(choice) - gold)
             if 0 < error <= 0.05 * abs(gold):
                 near.append((row_id, answer, choice))
-            padded = [choice + ("0" if "." in choice else ".0")] if _written_places(choice)[1] else []
-            for written in [choice, *padded]:
+            variants = []  # the same wrong value with more digits, and rounded to a whole number
+            if _written_places(choice)[1]:
+                variants.append(choice + ("0" if "." in choice else ".0"))
+                if "." in choice:
+                    variants.append(str(round(float(choice))))
+            for written in [choice, *variants]:
                 reward = _expected_geo3k(written, answer)
                 accepted += [(row_id, answer, written)] if reward else []
                 responses.append(rf"\boxed{{{written}}}")

@@ -57,6 +57,7 @@ def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None)
     env.update(extra_env or {})
     runtime_env = {"env_vars": env}
     if cluster.ray_address:
+        _check_reachable(cluster.ray_address)
         try:
             ray.init(address=cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
         except (ConnectionError, RuntimeError) as e:
@@ -210,6 +211,45 @@ def _reserve(bundles: list[dict], strategy: str, timeout_s: float) -> PlacementG
             f"or add nodes."
         )
     return pg
+
+
+RAY_CURRENT_CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
+"""Where ``ray start --head`` writes the head's GCS address, read by ``address="auto"``."""
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast when the Ray head's GCS port cannot be reached: ``ray.init`` itself retries an
+    unreachable GCS for ever, logging a warning every few seconds.
+
+    ``"auto"`` is resolved the way Ray resolves it (``RAY_ADDRESS``, else
+    :data:`RAY_CURRENT_CLUSTER_FILE`); ``ray://`` client addresses and anything without a
+    ``host:port`` are left to Ray.
+
+    Raises:
+        ConnectionError: no TCP connection to ``host:port`` within ``timeout_s``; the message
+            names ``--ray-address`` and the resolved address.
+    """
+    resolved = address
+    if address == "auto":
+        resolved = os.environ.get("RAY_ADDRESS", "")
+        if not resolved or resolved == "auto":
+            try:
+                with open(RAY_CURRENT_CLUSTER_FILE) as f:
+                    resolved = f.read().strip()
+            except OSError:
+                return  # Ray says "no running cluster found" itself, at once
+    host, sep, port = resolved.rpartition(":")
+    if "://" in resolved or not sep or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        via = "" if resolved == address else f" (resolved to {resolved})"
+        raise ConnectionError(
+            f"--ray-address {address}{via}: no Ray head answers at {resolved} ({e}). Start one with "
+            "`ray start --head`, or fix the address (RAY_ADDRESS / --ray-address; `ray status` on the head prints it)"
+        ) from None
 
 
 def free_port() -> int:

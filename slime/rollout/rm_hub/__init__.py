@@ -11,8 +11,8 @@ RewardConfig) -> float``, and is registered in :data:`REWARD_FUNCTIONS`:
     last one (:mod:`.deepscaler`; upstream slime's DeepScaleR rule).
 ``geo3k``
     ``math``, or 1.0 when the answers are numbers written at different decimal precision
-    whose difference is within ``--rm-tolerance`` relative error and half a rounding
-    unit, for Geometry3K's rounded labels (:mod:`.geo3k`; the seed README's geo3k RM).
+    whose difference is within ``--rm-tolerance`` relative error and one rounds to the
+    other, for Geometry3K's rounded labels (:mod:`.geo3k`; the seed README's geo3k RM).
 ``package.module:function``
     a user function with the same signature, given as ``--rm-type`` or (overriding it)
     ``--custom-rm-path``.
@@ -81,10 +81,9 @@ class RewardConfig:
     rm_tolerance: float = flag(
         0.05,
         help="Relative tolerance of the geo3k reward, |pred - gold| <= tol * |gold|, applied only when the "
-        "answer and the label are written at different decimal precision, i.e. one is a rounded decimal "
-        "(13.86 vs 8\\sqrt{3}, 129.9 vs 129.904; not 14.1 vs 14.6 or 94 vs 96), and capped at half a unit of "
-        "the coarser number's last digit (94.0 vs 96 scores 0) (dimensionless; 0 = strict, the same as the "
-        "math reward).",
+        "answer and the label are written at different decimal precision and one rounds to the other at the "
+        "label's precision (answer vs label: 13.86 vs 8\\sqrt{3} and 129.904 vs 129.9 score 1; 14.1, 14.10 or 15 "
+        "vs 14.6 and 94.0 vs 96 score 0) (dimensionless; 0 = strict, the same as the math reward).",
     )
     rm_timeout: float = flag(
         5.0,

@@ -5,39 +5,43 @@ Many Geometry3K labels are rounded to one or two decimals (``129.9`` for ``75\\s
 differently; and the reverse (label ``8\\sqrt{3}``, answer ``13.86``).  math-verify
 compares decimals to 6 places, so ``math`` scores those 0.  ``geo3k`` scores 1 when
 ``math`` does, or when the two answers are **written at different decimal precision**,
-evaluate to real numbers ``p`` (prediction) and ``g`` (gold), and differ by no more than
-rounding explains:
+evaluate to real numbers ``p`` (prediction) and ``g`` (gold), and one is a rounding of
+the other at the rounded side's precision:
 
     |p - g| <= tol * |g|,    tol = --rm-tolerance (default 0.05), and
-    |p - g| <= u / 2,        u = 10^-k, k = the decimal places of the coarser plain number.
+    |p - g| <= u / 2,        u = 10^-k, k = the decimal places of the *rounded side*:
+                             the label if it is a plain number, else the answer if it
+                             is; if neither is, ``math`` only.
 
 Precision: the decimal places of an answer are the most digits after a decimal point in
 any number it contains (``13.86`` has 2, ``48.0`` 1, ``x = 14.1`` and
 ``14.1\\text{ cm}`` 1); an integer or an exact expression without a decimal point
 (``14``, ``60^\\circ``, ``8\\sqrt{3}``, ``\\frac{40}{3}``, ``\\pi``) has 0.  A *plain
 number* is an answer that parses to a bare integer or decimal (``96``, ``13.86``,
-``x = 14.1``), not an exact expression (``8\\sqrt{3}``, ``\\frac{40}{3}``).
+``x = 14.1``), not an expression (``8\\sqrt{3}``, ``\\frac{40}{3}``, ``14\\cdot1.0``).
 
 - Same decimal places (``14.6`` vs ``14.1``, ``96`` vs ``98``, ``8\\sqrt{3}`` vs ``14``):
   ``math`` only.  Neither side is a rounding of the other: two integers, or two decimals
   with the same digits, are the same answer or different ones; and Geometry3K's integer
   labels are exact (its problems ask to round to tenths or hundredths, almost never to
-  whole numbers), so ``14`` is not ``8\\sqrt{3}``.  A tolerance here would only accept
-  wrong answers, and Geometry3K's multiple-choice distractors are often within 5 % of the
-  right option (label ``96``, choices ``94``, ``98``, ``100``; label ``14.6``, choices
-  ``14.1``, ``15.1``; label ``105``, choice ``110``).
-- Different decimal places (``13.86`` vs ``8\\sqrt{3}``, ``129.9`` vs ``129.904``,
-  ``6.79`` vs ``6.8``): one side is a rounded decimal, so the tolerance applies, capped
-  at half a unit of the coarser plain number.  The cap is what a rounding can explain
-  (``13.86`` stands for [13.855, 13.865]), and it stops a policy from buying the 5 % by
-  writing more digits: label ``96`` vs ``94.0`` (cap 0.5), label ``14.6`` vs ``14.10``
-  (cap 0.05), label ``8\\sqrt{3}`` = 13.856 vs ``14.5`` (cap 0.05) all score 0.
+  whole numbers), so ``14`` is not ``8\\sqrt{3}``.  Geometry3K's multiple-choice
+  distractors are often within 5 % of the right option (label ``96``, choices ``94``,
+  ``98``, ``100``; label ``14.6``, choices ``14.1``, ``15.1``; label ``105``, choice ``110``).
+- Label a plain number (``129.9``, ``14.6``, ``96``): the answer must round to it at the
+  label's precision, the precision the problem asked for ("round to the nearest
+  tenth").  ``75\\sqrt{3}`` = 129.904 and ``129.904`` score 1 for ``129.9``; ``15``
+  (rounded further), ``14.10`` or ``14.5`` for ``14.6``, and ``94.0`` for ``96`` score 0,
+  so neither dropping nor adding digits buys a tolerance.  ``96.4`` for ``96`` scores 1.
+- Label exact (``8\\sqrt{3}`` = 13.856): the answer must be a plain decimal that is a
+  rounding of it at its own precision: ``13.86`` and ``13.9`` score 1, ``13.8`` and
+  ``14.5`` score 0; an expression with a decimal in it (``14\\cdot1.0``,
+  ``8.1\\sqrt{3}``) gets ``math`` only.
 
 Counting decimals in the text rather than requiring a plain literal keeps a decorated
-decimal (``x = 14.1``, ``14.1\\text{ cm}``) from passing as an exact expression.  Still
-accepted, as roundings of each other: label ``8.6`` vs ``9``, label ``12`` vs ``11.5``
-(|p - g| = u / 2 exactly).  Not accepted: a label that was itself rounded in the middle of
-a calculation and lies more than half a unit from the exact value.
+decimal (``x = 14.1``, ``14.1\\text{ cm}``) from passing as an exact expression.
+Accepted at the edge: label ``12`` vs ``11.5`` or ``12.5`` (|p - g| = u / 2 exactly).  Not
+accepted: a label that was itself rounded in the middle of a calculation and lies more
+than half a unit from the exact value.
 
 Source: the seed README's "geo3k-specific RM with tolerance=0.05 (to handle rounding in
 ground truth labels)", which upstream compared with a strict one (tolerance 0.0) and with
@@ -51,7 +55,6 @@ Unlike upstream's geo3k verifier, there is no 0.1 "format score": the reward is 
 
 from __future__ import annotations
 
-import math
 import re
 from typing import TYPE_CHECKING
 
@@ -91,13 +94,15 @@ def plain_number_places(parsed: list, answer: str) -> int | None:
 
 def geo3k_reward(response: str, label: str, cfg: RewardConfig) -> float:
     """1.0 if ``math`` gives 1.0, or the boxed answer and the label are at different decimal
-    precision and within ``cfg.rm_tolerance`` (relative) and half a rounding unit of each other.
+    precision, within ``cfg.rm_tolerance`` (relative) of each other, and one rounds to the
+    other (within half a unit of the label's last digit, or the answer's when the label is exact).
 
     Numbers come from math-verify's parse and SymPy ``evalf``
     (:func:`~slime.rollout.rm_hub.answer.numeric_value`), never from ``eval`` of text;
     an answer that is not a single real number (a set, a symbol, text) gets only the
     ``math`` verdict, and so does an answer with as many decimal places as the label
-    (:func:`decimal_places`; see the module docstring).
+    (:func:`decimal_places`) or a pair where neither side is a plain number (see the
+    module docstring).
 
     Args:
         response: the generated text.
@@ -120,8 +125,13 @@ def geo3k_reward(response: str, label: str, cfg: RewardConfig) -> float:
     p, g = numeric_value(p_parsed), numeric_value(g_parsed)
     if p is None or g is None:
         return 0.0
+    # The rounded side sets the precision: the label if it is a plain number, else the answer.
+    places = plain_number_places(g_parsed, label)
+    if places is None:
+        places = plain_number_places(p_parsed, predicted)
+    if places is None:
+        return 0.0  # two expressions: no side is a rounding
     error = abs(p - g)
-    plain = [k for k in (plain_number_places(p_parsed, predicted), plain_number_places(g_parsed, label)) if k is not None]
-    half_unit = 0.5 * 10.0 ** -min(plain) if plain else math.inf
+    half_unit = 0.5 * 10.0**-places
     # The 1e-9 slack keeps |p - g| = u / 2 exactly (12 vs 11.5) from failing on float error.
     return 1.0 if error <= cfg.rm_tolerance * abs(g) and error <= half_unit * (1 + 1e-9) else 0.0
