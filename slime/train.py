@@ -29,6 +29,7 @@ from slime.ray.colocate import ColocatedMemory
 from slime.ray.placement import (
     Placement,
     PlacementError,
+    check_cpu_memory,
     cluster_num_gpus,
     cpu_threads_per_actor,
     create_placement_groups,
@@ -142,14 +143,16 @@ def resolve_components(cfg: SlimeConfig) -> Components:
     """
     lookups = (("--rollout-backend", cfg.rollout.rollout_backend, ENGINES),
                ("--train-backend", cfg.train.train_backend, TRAIN_BACKENDS))
-    found = []
-    for flag, name, registry in lookups:
+    found, problems = [], []
+    for flag, name, registry in lookups:  # check both, so that one run reports every problem
         try:
             found.append(registry.get(name))
         except KeyError as e:
-            raise ConfigError(f"{flag} {name}: not available in this installation ({e.args[0]})") from None
+            problems.append(f"{flag} {name}: not available in this installation ({e.args[0]})")
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{flag} {name}: cannot be imported here: {e}") from e
+            problems.append(f"{flag} {name}: cannot be imported here: {e}")
+    if problems:
+        raise ConfigError("; ".join(problems))
     return Components(*found)
 
 
@@ -185,6 +188,8 @@ def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutMana
     if use_gpu:
         validate(cfg, num_gpus_available=cluster_num_gpus())
         check_environment()
+    else:
+        check_cpu_memory(cfg.cluster, ckpt.weights_bytes(cfg.checkpoint.hf_checkpoint))
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
     engines, trainers = start_workers(cfg, placement, components)
     rollout_manager.engines = engines

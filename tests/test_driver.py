@@ -69,6 +69,11 @@ def test_check_only_validates_and_exits_without_reading_the_checkpoint(tmp_path,
     with pytest.raises(SystemExit) as info:
         main([*argv, "--rollout-backend", "sglang", "--check-only"])
     assert str(info.value.code).startswith("slime: error: --rollout-backend sglang: not available")
+    with pytest.raises(SystemExit) as info:  # both backends wrong: both named in one run
+        main([*argv[:-2], "--train-backend", "no_such_pkg.mod:Trainer", "--rollout-backend", "sglang", "--check-only"])
+    message = str(info.value.code)
+    assert "--rollout-backend sglang: not available" in message
+    assert "; --train-backend no_such_pkg.mod:Trainer: cannot be imported here" in message
     assert list(tmp_path.iterdir()) == []  # nothing read or written
 
 

@@ -159,6 +159,19 @@ def test_dry_run_prints_a_parsable_command_with_extra_args_last(tiny_ckpt, tmp_p
     assert not out.exists()  # a dry run writes nothing
 
 
+@pytest.mark.parametrize("form", ["separate", "equals"])
+def test_dry_run_output_dir_moves_the_run_and_its_default_checkpoints(tiny_ckpt, tmp_path, form):
+    mine = tmp_path / "mine"
+    extra = ["--output-dir", str(mine)] if form == "separate" else [f"--output-dir={mine}"]
+    result = subprocess.run(
+        ["bash", str(LAUNCHER), *extra],
+        cwd=REPO, env=_env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    cfg = parse_args(shlex.split(result.stdout.strip().splitlines()[-1])[3:])
+    assert Path(cfg.logging.output_dir) == mine and Path(cfg.checkpoint.save) == mine / "checkpoints"
+
+
 def test_dry_run_num_epoch_replaces_the_default_num_rollout_and_save_moves_checkpoints(tiny_ckpt, tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(

@@ -500,3 +500,7 @@ def test_plot_ticks_whole_steps_and_keeps_overlapping_eval_points_visible():
     assert list(evaluation.get_xydata()[0]) == list(reward.get_xydata()[0]) == [0.0, 0.25]  # same point...
     assert evaluation.get_marker() != reward.get_marker() and evaluation.get_markersize() > reward.get_markersize()
     assert evaluation.get_markerfacecolor() == "none"  # ...drawn hollow and larger, so the dot shows through
+    # Series order (so colours) does not depend on which was logged first, e.g. after a resume.
+    eval_first = reward_curve_figure([{"step": 3, "eval/geo3k/accuracy": 0.5}, {"step": 3, "rollout/reward_mean": 0.1}])
+    assert [line.get_label() for line in eval_first.axes[0].get_lines()] == ["train reward", "eval geo3k accuracy"]
+    assert eval_first.axes[0].get_lines()[0].get_color() == reward.get_color()

@@ -103,3 +103,32 @@ def test_unreachable_ray_address_fails_in_seconds(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     with pytest.raises(ConnectionError, match=rf"--ray-address auto \(resolved to 127\.0\.0\.1:{port}\)"):
         placement.init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1, ray_address="auto"))
+
+
+def test_cpu_layout_that_cannot_fit_in_ram_is_refused(monkeypatch):
+    from slime.ray import placement
+
+    gib = 1 << 30
+    monkeypatch.setattr(placement, "host_memory_available", lambda: 24 * gib)
+    # 64 trainer ranks + 64 one-"GPU" engines, 0.1 GiB of weights: 128 x (0.5 + 0.2) GiB = 89.6 GiB > 24 GiB.
+    big = ClusterConfig(actor_num_gpus_per_node=64, rollout_num_gpus=64)
+    with pytest.raises(PlacementError) as info:
+        placement.check_cpu_memory(big, weights_bytes=gib // 10)
+    message = str(info.value)
+    assert "128 of them (64 trainer ranks" in message and "64 engines" in message
+    assert "need at least 89.6 GiB, and 24.0 GiB of RAM is available" in message
+    # 2 ranks + 1 engine of the same model: 3 x 0.7 = 2.1 GiB fits.
+    placement.check_cpu_memory(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=1), weights_bytes=gib // 10)
+    # Colocated on CPU, engines are still processes of their own: 8 ranks + 4 engines of 2 "GPUs".
+    colocated = ClusterConfig(actor_num_gpus_per_node=8, rollout_num_gpus_per_engine=2, colocate=True)
+    monkeypatch.setattr(placement, "host_memory_available", lambda: int(11.9 * 0.5 * gib))
+    with pytest.raises(PlacementError, match="12 of them"):
+        placement.check_cpu_memory(colocated, weights_bytes=0)
+
+
+def test_host_memory_available_reads_meminfo():
+    from slime.ray.placement import host_memory_available
+
+    with open("/proc/meminfo") as f:
+        expected = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert abs(host_memory_available() - expected) < 256 << 20  # it moves a little between the reads

@@ -77,7 +77,7 @@ if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    # A variable set explicitly still applies (dataset, checkpoint, model file, ranks).
    # -------------------------------------------------------------------------------
    export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
-   OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-tiny-cpu-$(date +%Y%m%d-%H%M%S)"}
+   DEFAULT_OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-tiny-cpu-$(date +%Y%m%d-%H%M%S)"}
    if [ -z "${SLIME_SCRIPT_DATASET_NAME+x}" ]; then
       TRAIN_DATA="$SLIME_DIR/examples/geo3k_vlm/data"; EVAL_DATA="$TRAIN_DATA/test.parquet"
    fi
@@ -102,7 +102,7 @@ else
    # -------------------------------------------------------------------------------
    # Full recipe on a GPU node (upstream structure).
    # -------------------------------------------------------------------------------
-   OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-$(lower "$MODEL_NAME")-$(date +%Y%m%d-%H%M%S)"}
+   DEFAULT_OUTPUT_DIR=${OUTPUT_DIR:-"$SLIME_DIR/outputs/geo3k-$(lower "$MODEL_NAME")-$(date +%Y%m%d-%H%M%S)"}
    MODEL_SH=$(model_file "$MODEL_NAME")
    [ -d "$HF_CHECKPOINT" ] || NEED_DOWNLOAD=1
    ROLLOUT_ARGS=(--num-rollout 3000 --rollout-batch-size 64 --n-samples-per-prompt 8
@@ -133,19 +133,23 @@ else
    BACKEND_NAME=$TRAIN_BACKEND
 fi
 
-# Extra arguments override the script's (argparse keeps the last value), with two that need help:
-# --num-epoch excludes the script's --num-rollout, and --save moves the checkpoints.
-SAVE_DIR="$OUTPUT_DIR/checkpoints"
-PREV=""
-for arg in "$@"; do
-   case "$arg" in
-      --num-epoch|--num-epoch=*)
-         [ "${ROLLOUT_ARGS[0]}" = "--num-rollout" ] && ROLLOUT_ARGS=("${ROLLOUT_ARGS[@]:2}") ;;
-      --save=*) SAVE_DIR=${arg#--save=} ;;
-   esac
-   [ "$PREV" = "--save" ] && SAVE_DIR=$arg
-   PREV=$arg
-done
+# Extra arguments override the script's (argparse keeps the last value), with three that need
+# help: --num-epoch excludes the script's --num-rollout, --output-dir moves the run (metrics, plot,
+# command.sh, default checkpoints) and --save the checkpoints.
+arg_value() {  # the last value of flag $1 in the remaining arguments, or nothing
+   local flag=$1 prev="" value="" arg; shift
+   for arg in "$@"; do
+      [ "$prev" = "$flag" ] && value=$arg
+      case "$arg" in "$flag"=*) value=${arg#"$flag"=} ;; esac
+      prev=$arg
+   done
+   printf '%s' "$value"
+}
+OUTPUT_DIR=$(arg_value --output-dir "$@"); OUTPUT_DIR=${OUTPUT_DIR:-$DEFAULT_OUTPUT_DIR}
+SAVE_DIR=$(arg_value --save "$@"); SAVE_DIR=${SAVE_DIR:-$OUTPUT_DIR/checkpoints}
+if [ -n "$(arg_value --num-epoch "$@")" ] && [ "${ROLLOUT_ARGS[0]}" = "--num-rollout" ]; then
+   ROLLOUT_ARGS=("${ROLLOUT_ARGS[@]:2}")
+fi
 
 MODEL_ARGS=()
 if [ -n "$MODEL_SH" ]; then
@@ -235,6 +239,7 @@ if [ "$STATUS" = "0" ]; then
    echo "[geo3k] done. Output: $OUTPUT_DIR"
    echo "[geo3k]   metrics:      $OUTPUT_DIR/metrics.jsonl"
    echo "[geo3k]   reward curve: $OUTPUT_DIR/reward_curve.png"
-   echo "[geo3k]   checkpoints:  $SAVE_DIR (resume: add --load $SAVE_DIR)"
+   echo "[geo3k]   checkpoints:  $SAVE_DIR"
+   echo "[geo3k] resume or extend (same metrics file): SLIME_SCRIPT_OUTPUT_DIR=$OUTPUT_DIR bash $0 --load $SAVE_DIR --num-rollout N"
 fi
 exit "$STATUS"

@@ -213,6 +213,47 @@ def _reserve(bundles: list[dict], strategy: str, timeout_s: float) -> PlacementG
     return pg
 
 
+CPU_ACTOR_BASE_BYTES = 512 << 20
+"""Resident memory of one idle CPU actor process (Python + torch + transformers), about 0.5 GiB."""
+
+
+def host_memory_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cpu_memory(cluster: ClusterConfig, weights_bytes: int) -> None:
+    """On a machine without GPUs, refuse at once a layout whose actor processes cannot fit in RAM.
+
+    Lower bound per actor (trainer rank or engine): :data:`CPU_ACTOR_BASE_BYTES` plus one
+    float32 copy of the weights (``2 * weights_bytes`` for a bf16 checkpoint; trainers hold
+    more: gradients and Adam state).  Without this check, e.g. 128 actors on a 24 GiB machine
+    start one by one for minutes and then die in Ray's out-of-memory killer.
+
+    Raises:
+        PlacementError: the bound exceeds ``MemAvailable``; names the flags and both figures.
+    """
+    available = host_memory_available()
+    num_actors = cluster.actor_num_gpus + cluster.num_rollout_engines  # colocated or not: separate processes
+    need = num_actors * (CPU_ACTOR_BASE_BYTES + 2 * weights_bytes)
+    if available is not None and need > available:
+        gib = 1 << 30
+        raise PlacementError(
+            f"no GPUs here, so every trainer rank and engine is a CPU process: {num_actors} of them "
+            f"({cluster.actor_num_gpus} trainer ranks = --actor-num-nodes x --actor-num-gpus-per-node, "
+            f"{cluster.num_rollout_engines} engines = --rollout-num-gpus / --rollout-num-gpus-per-engine) need at "
+            f"least {need / gib:.1f} GiB, and {available / gib:.1f} GiB of RAM "
+            "is available. Use fewer ranks (e.g. --actor-num-gpus-per-node 2 --rollout-num-gpus 1)"
+        )
+
+
 RAY_CURRENT_CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
 """Where ``ray start --head`` writes the head's GCS address, read by ``address="auto"``."""
 

@@ -107,3 +107,9 @@ def check_hf_folder(path: str | os.PathLike, flag: str = "--hf-checkpoint") -> N
         raise CheckpointError(f"{flag} {path}: config.json is missing; this is not a Hugging Face model folder")
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise CheckpointError(f"{flag} {path}: no weights (*.safetensors or *.bin) in the folder")
+
+
+def weights_bytes(path: str | os.PathLike) -> int:
+    """Total size in bytes of the weight files (``*.safetensors``, ``*.bin``) of a Hugging Face folder."""
+    folder = Path(path)
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))

@@ -236,7 +236,8 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, ti
 def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
     """The :func:`plot_reward_curve` figure (a ``matplotlib.figure.Figure``, Agg canvas), not saved.
 
-    Train reward is a line with dots; each eval accuracy a dashed line with hollow squares,
+    Train reward (always the first colour) is a line with dots; each eval accuracy (the next
+    colours, by dataset name) a dashed line with hollow squares,
     so that an eval point on the same step and value as a reward point stays visible.  The
     x axis ticks whole rollout steps only.
     """
@@ -258,7 +259,8 @@ def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
 
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.add_subplot()
-    for label, points in series.items():
+    # Train reward first, evals by name: the same colour per series in every redraw and after a resume.
+    for label, points in sorted(series.items(), key=lambda item: (item[0] != "train reward", item[0])):
         steps = sorted(points)
         style = dict(marker="o", markersize=3) if label == "train reward" else dict(
             marker="s", markersize=7, markerfacecolor="none", linestyle="--"
