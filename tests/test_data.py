@@ -272,7 +272,7 @@ def test_missing_column_names_flag_and_columns(processor, override, flag_name, c
 def test_malformed_jsonl_line(tmp_path, processor):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"problem": "a", "answer": "1"}\n{"problem": \n')
-    with pytest.raises(DatasetError, match=r"bad\.jsonl line 2: invalid JSON"):
+    with pytest.raises(DatasetError, match=rf"^--prompt-data {path}: {path} line 2: invalid JSON"):
         PromptDataset(geo3k_config(prompt_data=str(path), multimodal_keys=None), processor, seed=0)
 
 

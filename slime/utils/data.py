@@ -285,6 +285,8 @@ def load_table(
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         kind = "a parquet" if source.path.endswith(".parquet") else "a UTF-8 JSON-lines"
         raise DatasetError(f"{flag_name} {spec}: {source.path} cannot be read as {kind} file ({e})") from None
+    except DatasetError as e:  # read_jsonl names the file and line; add the flag
+        raise DatasetError(f"{flag_name} {spec}: {e}") from None
     return LoadedTable(table=table, source=source, base_dir=os.path.dirname(os.path.abspath(source.path)))
 
 
