@@ -104,7 +104,7 @@ class ColocatedMemory:
     @contextlib.contextmanager
     def sync_phase(self) -> Iterator[None]:
         """Steps 4-6: engine weights in, weights pushed, trainers out, engine KV cache in."""
-        resume = self.enabled and self._engines_released
+        resume = self._engines_released  # only ever set when enabled
         if resume:
             self.engines.resume_memory_occupation(list(RESUMED_FOR_SYNC))  # 4
         yield  # 4. push the weights

@@ -188,7 +188,7 @@ def _check_cluster_fits(num_bundles: int, unit: dict[str, float], cluster: Clust
     short = {k: (v * num_bundles, total.get(k, 0)) for k, v in unit.items() if v * num_bundles > total.get(k, 0)}
     if short:
         asked = ", ".join(f"{need:g} {k} (cluster total {have:g})" for k, (need, have) in short.items())
-        trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+        trainers = cluster.actor_num_gpus
         engines = f"--rollout-num-gpus {cluster.rollout_num_gpus}"
         if cluster.colocate:
             engines = "shared with the trainers (--colocate)"

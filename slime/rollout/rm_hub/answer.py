@@ -94,6 +94,13 @@ def parse_latex(answer: str) -> list:
     return parse(f"${answer}$", parsing_timeout=None)
 
 
+def parsed_expression(parsed: list) -> sympy.Basic | None:
+    """The first SymPy object of a :func:`parse_latex` result (math-verify puts the expression
+    before its string form), with an assignment ``x = 5`` taken as its right side; None if there is none."""
+    expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
+    return expr.rhs if isinstance(expr, sympy.Eq) else expr
+
+
 def numeric_value(parsed: list) -> float | None:
     """The real number a parsed answer stands for, or ``None`` when it is not one number.
 
@@ -109,9 +116,7 @@ def numeric_value(parsed: list) -> float | None:
         A float (e.g. ``13.856406460551018`` for ``8\\sqrt{3}``), or ``None`` for sets,
         intervals, symbols, complex or non-finite values, and strings that did not parse.
     """
-    expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
-    if isinstance(expr, sympy.Eq):
-        expr = expr.rhs
+    expr = parsed_expression(parsed)
     if not isinstance(expr, sympy.Expr) or expr.free_symbols:
         return None
     value = expr.evalf(30)

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 
 import sympy
 
-from slime.rollout.rm_hub.answer import last_boxed, numeric_value, parse_latex
+from slime.rollout.rm_hub.answer import last_boxed, numeric_value, parse_latex, parsed_expression
 from slime.rollout.rm_hub.math_reward import math_reward
 
 if TYPE_CHECKING:
@@ -84,10 +84,7 @@ def plain_number_places(parsed: list, answer: str) -> int | None:
     :func:`~slime.rollout.rm_hub.answer.parse_latex`) to a bare integer or decimal, an
     assignment ``x = 14.1`` included; None for an exact expression (``8\\sqrt{3}``,
     ``\\frac{40}{3}``) or anything else."""
-    expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
-    if isinstance(expr, sympy.Eq):
-        expr = expr.rhs
-    if isinstance(expr, (sympy.Integer, sympy.Float)):  # -2.5 parses to Float(-2.5) too
+    if isinstance(parsed_expression(parsed), (sympy.Integer, sympy.Float)):  # -2.5 parses to Float(-2.5) too
         return decimal_places(answer)
     return None
 
