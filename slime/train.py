@@ -47,6 +47,7 @@ from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress
 from slime.utils.data import DatasetError, load_table
 from slime.utils.processor import load_processor
 from slime.utils.timer import timed
+from slime.weight_sync import make_transport
 
 logger = logging.getLogger("slime")
 
@@ -168,7 +169,7 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     """
     ckpt.check_hf_folder(cfg.checkpoint.hf_checkpoint)
     if cfg.checkpoint.load:
-        _check_load(cfg.checkpoint.load)
+        _check_load(cfg.checkpoint.load, cfg.train_backend_config.checkpoint_parts())
     _resolve_num_rollout(cfg)
     processor = load_processor(cfg.checkpoint.hf_checkpoint,
                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
@@ -219,7 +220,10 @@ def start_workers(
         [placement.engine_options(i) for i in range(placement.num_engines)], engine_factory, engine_threads
     )
     backend_factory = functools.partial(components.backend_cls.from_config, cfg)
-    trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size)
+    transport = make_transport(
+        components.engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate
+    )
+    trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size, transport)
     return engines, trainers
 
 
@@ -242,10 +246,10 @@ def _logged_before(record: dict, start: int) -> bool:
     return record["step"] <= start if is_eval else record["step"] < start
 
 
-def _check_load(root: str) -> None:
+def _check_load(root: str, backend_parts: tuple[str, ...]) -> None:
     """``--load``: a missing folder starts from ``--hf-checkpoint`` (the ``--save D --load D``
     auto-resume pattern), with a warning in case it is a typo; a present one must hold a
-    complete latest checkpoint, or none yet."""
+    complete latest checkpoint (the backend's ``backend_parts`` and the driver's state), or none yet."""
     if not Path(root).exists():
         logger.warning("--load %s does not exist: starting from --hf-checkpoint", root)
         return
@@ -253,7 +257,7 @@ def _check_load(root: str) -> None:
     if latest is None:
         logger.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", root)
     else:
-        ckpt.check_complete(root, latest)
+        ckpt.check_complete(root, latest, backend_parts)
 
 
 def _resolve_num_rollout(cfg: SlimeConfig) -> None:

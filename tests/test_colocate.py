@@ -85,7 +85,8 @@ def _run_loop(tmp_path: Path, enabled: bool) -> list[tuple]:
     over 2 rollout steps."""
     cfg = parse_args(
         "--hf-checkpoint unused --num-rollout 2 --rollout-batch-size 2 --n-samples-per-prompt 2 "
-        "--rollout-max-response-len 8 --global-batch-size 4 --colocate --no-progress-bar".split()
+        "--rollout-max-response-len 8 --global-batch-size 4 --colocate --no-progress-bar "
+        "--train-backend fsdp --rollout-backend transformers".split()
     )
     rec = _Recorder()
     memory = ColocatedMemory(rec, rec, enabled=enabled)
@@ -271,7 +272,8 @@ def _offload_job(rank: int, port: int, device: str, ckpt_dir: Path, samples, out
             return torch.cuda.memory_allocated() if device == "cuda" else 0
 
         def sync() -> dict[str, torch.Tensor]:
-            return {name: t.clone() for bucket in backend.iter_weight_buckets(1 << 20) for name, t in bucket}
+            buckets = backend.iter_weight_buckets(1 << 20, device="cpu")
+            return {name: t.clone() for bucket in buckets for name, t in bucket}
 
         def nbytes(tensors) -> int:
             return sum(t.to_local().numel() * t.element_size() for t in tensors)

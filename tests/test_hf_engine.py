@@ -477,7 +477,8 @@ def test_from_config_reads_the_run_flags(tiny_ckpt, processor):
 
     cfg = parse_args(
         f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
-        "--rollout-seed 40 --image-max-pixels 4096 --colocate".split()
+        "--rollout-seed 40 --image-max-pixels 4096 --colocate "
+        "--train-backend fsdp --rollout-backend transformers".split()
     )
     engine = TransformersEngine.from_config(cfg, 2, use_gpu=False)
     assert engine.device == torch.device("cpu") and engine.model.dtype == torch.float32

@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from slime.rollout.engines import ENGINES
 from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
-
-ROLLOUT_BACKENDS = ("sglang", "transformers")
-"""Built-in rollout engines; ``--rollout-backend`` also takes a ``package.module:Class`` path."""
 
 
 def _check_sampling(prefix: str, temperature: float | None, top_p: float | None) -> None:
@@ -68,7 +66,7 @@ class RolloutConfig:
     rollout_seed: int = flag(42, help="Seed of the rollout sampler and of the prompt shuffle.")
 
     def __post_init__(self):
-        check_name_or_import_path("--rollout-backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        check_name_or_import_path("--rollout-backend", self.rollout_backend, ENGINES.names())
         if self.num_rollout is None and self.num_epoch is None:
             raise ConfigError("give --num-rollout N (rollout steps) or --num-epoch N (passes over the prompt data)")
         if self.num_rollout is not None and self.num_epoch is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -144,8 +144,15 @@ class RolloutEngine(abc.ABC):
     """One inference server. Instances live inside Ray actors (see ``engine_group``).
 
     Implementations must be safe to call from one thread at a time; the engine group
-    never calls two methods of one engine concurrently.
+    never calls two methods of one engine concurrently.  Weight updates may come from several
+    trainer ranks in one sync (each sends the tensors it is the source of), one call after
+    another in any order.
     """
+
+    weight_transports: ClassVar[tuple[str, ...]] = ("object_store",)
+    """The weight-sync transports this engine accepts (:mod:`slime.weight_sync`), best first.  Every engine
+    takes the object store (CPU tensors into :meth:`update_weights_from_tensor`); the SGLang engine is to add
+    ``"cuda_ipc"`` (colocated) and ``"nccl"`` (disaggregated), see :mod:`slime.weight_sync.base`."""
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:

@@ -490,7 +490,8 @@ class _CheckpointWeights:
 
     A bucket may end in the middle of a fused group (e.g. half the experts of a layer): the
     received tensors are buffered until the group is complete, then fused and copied in.  A
-    tensor sent twice before its group completes replaces the earlier one.
+    tensor sent twice before its group completes replaces the earlier one.  So buckets from
+    several trainer ranks (each sending the tensors it is the source of) may arrive in any order.
     """
 
     def __init__(self, model: torch.nn.Module):

@@ -8,8 +8,8 @@ symbolically (``simplify(gold - pred) == 0``), so ``\\frac{1}{2}`` = ``0.5``,
 ``\\sqrt{75}`` = ``5\\sqrt{3}``, ``\\frac{5\\pi}{3}`` = ``\\frac{5}{3}\\pi`` and
 ``60^\\circ`` = ``60``; but ``13.86`` != ``8\\sqrt{3}`` (= 13.8564...).
 
-The reward is binary, 0.0 or 1.0, on purpose: the seed README ("Numerical Precision with
-Non-Binary Rewards") reports that a 0 / 0.9 "format score" left ``reward - mean``
+The reward is binary, 0.0 or 1.0, on purpose: upstream slime's ``examples/geo3k_vlm/README.md``
+("Numerical Precision with Non-Binary Rewards") reports that a 0 / 0.9 "format score" left ``reward - mean``
 non-zero in fp32 for groups whose rewards were all equal, which gave a spurious
 gradient; 0 and 1 are exact in every float type.
 """
