@@ -128,8 +128,10 @@ def vocab_parallel_log_probs(
             ``[S, B, V_p]`` output, or the rows predicting the response tokens).
         tokens: int64 ``[...]`` global token ids (the same on every rank of ``group``).
         temperature: ``--rollout-temperature``, > 0.
-        group: the tensor-parallel process group; None: the default group, or a single
-            rank holding the whole vocabulary when ``torch.distributed`` is not initialised.
+        group: the tensor-parallel process group (Megatron:
+            ``parallel_state.get_tensor_model_parallel_group()``); None: the default group, or
+            a single rank holding the whole vocabulary when ``torch.distributed`` is not
+            initialised.
         vocab_size: the real vocabulary size ``V``; columns of global id ``>= V`` (Megatron's
             padding) are left out of the softmax.  None: every column counts.
         with_entropy: also return the per-token entropy.

@@ -602,9 +602,9 @@ def grpo_micro_batch_loss(
       ``global_normalizer`` (and, under context parallelism, ``sample_token_counts`` of the
       whole sequences), a ``loss_func`` is::
 
-          def loss_func(output_tensor):  # this TP rank's logits [S, B, V/tp] of the micro-batch
-              log_probs, entropy = vocab_parallel_log_probs(
-                  output_tensor[pos], targets, temperature, tp_group, vocab_size=V, with_entropy=True)
+          def loss_func(output_tensor):  # GPTModel without labels: this TP rank's [1, T, V/tp] logits (THD)
+              log_probs, entropy = vocab_parallel_log_probs(  # targets [T]: the next token at each position
+                  output_tensor[0], targets, temperature, tp_group, vocab_size=V, with_entropy=True)
               loss, metrics = grpo_micro_batch_loss(
                   log_probs, old, advantages, loss_mask, cfg, global_normalizer=N,
                   ref_log_probs=ref, entropy=entropy, cu_seqlens=cu_seqlens)
@@ -612,6 +612,8 @@ def grpo_micro_batch_loss(
               return loss * scale, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
       (``vocab_parallel_log_probs`` is :func:`slime.backends.log_probs.vocab_parallel_log_probs`.)
+      Megatron's own ``config.calculate_per_token_loss`` stays False: ``--calculate-per-token-loss``
+      (``cfg``) is already in ``global_normalizer``.
 
     Args:
         log_probs: current-policy log-probs of the sampled tokens (nats, with grad),
