@@ -1,7 +1,7 @@
 """--train-backend fsdp on CPU: 2 ranks over gloo against single-process references.
 
-Each test spawns its own 2 ranks (torch.multiprocessing, gloo on 127.0.0.1, a free port)
-that build :class:`FSDPBackend` on the tiny Qwen3.5-MoE checkpoint and write what they
+Each test spawns its own 2 ranks (:func:`tests.spawn_ranks.spawn_ranks`: gloo, a FileStore
+rendezvous, no port) that build :class:`FSDPBackend` on the tiny Qwen3.5-MoE checkpoint and write what they
 computed into ``tmp_path``; the test process then compares it with a reference written
 here independently: the plain Hugging Face model, log-probs by ``log_softmax`` in float64,
 the GRPO loss by hand, ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW``.
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from PIL import Image
 from safetensors import safe_open
 
@@ -30,6 +28,7 @@ from slime.utils.image import encode_image_base64
 from slime.utils.ppo_utils import GRPOConfig
 from slime.utils.processor import load_processor
 from slime.utils.types import Sample
+from tests.spawn_ranks import spawn_ranks
 
 WORLD = 2
 TEMPERATURE = 0.8
@@ -80,34 +79,15 @@ def make_samples(ckpt_dir: Path, response_lens: list[int], images: list[bool], s
     return samples
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, port: int, device: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    try:
-        fn(RankInfo(rank, WORLD, "127.0.0.1", port, device), *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _entry(rank: int, fn, device: str, args: tuple) -> None:
+    # The process group already exists (spawn_ranks), so the backend joins it and never uses
+    # the rendezvous address of its RankInfo.
+    fn(RankInfo(rank, WORLD, "127.0.0.1", 0, device), *args)
 
 
 def spawn(fn, *args, device: str = "cpu") -> None:
-    """Run ``fn(rank_info, *args)`` on 2 ranks (``device`` "cpu" or "cuda"); re-raises a rank's exception.
-
-    The rendezvous port is free when picked but may be taken before rank 0 binds it (other
-    test runs share the machine): such a start is retried with a new port, twice at most.
-    """
-    for attempt in range(3):
-        try:
-            mp.spawn(_entry, args=(fn, _free_port(), device, args), nprocs=WORLD, join=True)
-            return
-        except mp.ProcessRaisedException as e:
-            if "Address already in use" not in str(e) or attempt == 2:
-                raise
+    """Run ``fn(rank_info, *args)`` on 2 ranks (``device`` "cpu" or "cuda"); re-raises a rank's exception."""
+    spawn_ranks(_entry, fn, device, args, world_size=WORLD, device=device)
 
 
 def make_backend(

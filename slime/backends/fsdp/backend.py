@@ -9,7 +9,7 @@ NCCL for CUDA tensors plus gloo for CPU tensors on GPU machines).  What a rollou
    slime); reference log-probs likewise when a KL term needs them;
 2. ``num_steps`` optimizer steps, each over one equal chunk of the samples, cut into
    micro-batches of ``--micro-batch-size``; each micro-batch's GRPO loss
-   (:func:`slime.utils.ppo_utils.grpo_loss`) is normalised by the step's global sample
+   (:func:`slime.utils.ppo_utils.grpo_micro_batch_loss`) is normalised by the step's global sample
    (or token) count and multiplied by the data-parallel size, so that the gradients summed
    over micro-batches and averaged by FSDP over ranks are those of the step's global mean;
 3. per step: clip the global gradient norm (``--clip-grad``), AdamW step with the rate of
@@ -65,7 +65,7 @@ from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
-from slime.utils.ppo_utils import GRPOConfig, apply_kl_penalty_to_advantages, grpo_loss
+from slime.utils.ppo_utils import GRPOConfig, grpo_micro_batch_loss
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -367,18 +367,15 @@ class FSDPBackend(TrainerBackend):
         old = pad_per_token(old_log_probs, torch.float32, self.device)
         ref = None if ref_log_probs is None else pad_per_token(ref_log_probs, torch.float32, self.device)
         advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device)
-        advantages = advantages[:, None].expand_as(loss_mask)
-        if self.grpo.kl_coef > 0:
-            advantages = apply_kl_penalty_to_advantages(advantages, old, ref, self.grpo.kl_coef, loss_mask)
-        return grpo_loss(
+        return grpo_micro_batch_loss(
             log_probs,
             old,
             advantages,
             loss_mask,
             self.grpo,
+            global_normalizer=normalizer,
             ref_log_probs=ref,
             entropy=entropy,
-            global_normalizer=normalizer,
         )
 
     def _clip_grad_norm(self, rollout_id: int) -> float:
