@@ -234,7 +234,8 @@ def start_workers(
     Raises:
         EngineStartError: an engine failed to start or was not healthy in time (named in the message).
     """
-    engines = RolloutEngineGroup(placement, functools.partial(components.engine_cls.from_config, cfg))
+    engine_cls = components.engine_cls
+    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg), engine_cls.max_concurrent_calls)
     cleanup.callback(engines.shutdown)
     backend_factory = functools.partial(components.backend_cls.from_config, cfg)
     trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size)

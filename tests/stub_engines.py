@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,6 +94,41 @@ class SlowSecondEngine(EchoEngine):
     def delay(self) -> None:
         if self.resources.index == 1:
             time.sleep(self.SLOW_S)
+
+
+class ConcurrentEchoEngine(EchoEngine):
+    """Like a continuous-batching server: 4 requests in flight, one per call, 4 calls at once, each
+    taking :attr:`CALL_S` seconds; outputs also carry ``"overlap"``, the most calls seen running at once."""
+
+    CAPACITY = 4
+    CALL_S = 1.0
+    max_concurrent_calls = 4
+
+    def __init__(self, resources: EngineResources):
+        super().__init__(resources)
+        self.lock = threading.Lock()
+        self.running = self.overlap = 0
+
+    @property
+    def max_requests_per_call(self) -> int:
+        return 1
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        with self.lock:
+            self.running += 1
+            self.overlap = max(self.overlap, self.running)
+        try:
+            if len(requests) > self.max_requests_per_call:
+                raise RuntimeError(f"got {len(requests)} requests in one call, more than 1")
+            time.sleep(self.CALL_S)
+            outputs = super().generate(requests)
+            with self.lock:
+                for out in outputs:
+                    out.text = json.dumps({**json.loads(out.text), "overlap": self.overlap})
+            return outputs
+        finally:
+            with self.lock:
+                self.running -= 1
 
 
 class NeverHealthyEngine(EchoEngine):

@@ -53,7 +53,7 @@ def _start(cfg, timeout_s: float = START_TIMEOUT_S):
     """(placement, engines) as the driver builds them; the caller removes the placement."""
     engine_cls = resolve_components(cfg).engine_cls  # through the registry's module:Class path
     placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg))
+    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg), engine_cls.max_concurrent_calls)
     try:
         engines.wait_until_healthy(timeout_s)
     except BaseException:
@@ -154,6 +154,23 @@ def test_one_engine_gets_full_batches_in_order_and_pause_reaches_it(local_ray, t
     finally:
         engines.shutdown()
         placement.remove()
+
+
+def test_a_continuous_batching_engine_gets_requests_one_per_call_up_to_its_capacity(local_ray, tmp_path):
+    from tests.stub_engines import ConcurrentEchoEngine
+
+    cfg = _cfg(tmp_path, "ConcurrentEchoEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    placement, engines = _start(cfg)
+    try:
+        records = _records(engines.generate(_requests(8)))
+    finally:
+        engines.shutdown()
+        placement.remove()
+    assert [r["rid"] for r in records] == [f"r{i}" for i in range(8)]
+    # 8 calls of one request each (the stub refuses more), at most capacity = 4 of them at once,
+    # and 4 at once while the queue was full (each call lasts 1 s, far longer than sending the next).
+    assert sorted(r["call"] for r in records) == list(range(1, 9))
+    assert max(r["overlap"] for r in records) == ConcurrentEchoEngine.CAPACITY == 4
 
 
 def test_engine_that_never_turns_healthy_fails_start_up_within_the_timeout(local_ray, tmp_path):

@@ -7,12 +7,15 @@ of all its bundles; :meth:`RolloutEngineGroup.wait_until_healthy` then polls eve
 tail) when one raises or is not healthy within the timeout.
 
 Generation: :meth:`RolloutEngineGroup.generate` keeps the step's requests in one queue and
-feeds whichever engine is idle: an idle engine gets the next
-``min(capacity, ceil(queued / idle engines))`` requests (its ``capacity`` is the batch it
-works on at once), so equally fast engines share the requests equally and a slow engine
-serves fewer of them instead of holding the step.  Outputs come back in request order, one
-per request.  With one engine this is today's schedule: batches of ``capacity`` requests,
-one after the other.
+keeps feeding every engine that has free capacity (requests in flight below its
+``capacity``).  Each round fills the engines least-free first, each with
+``min(free capacity, ceil(queued / engines left))`` requests (water-filling), sent in calls of
+at most ``max_requests_per_call``; whenever a call returns, its engine's capacity is free
+again and the next requests go out.  So equally fast engines get equal shares, and once the
+step has more requests than the engines take at once, a slow engine serves fewer of them
+instead of holding the step.  Outputs come back in request order, one per request.  With one
+engine that batches per call (transformers: capacity = batch size, one call at a time) the
+schedule is the engine's own: batches of ``capacity`` requests, one after the other.
 
 Everything else (weights, memory, cache, pause/continue) goes to every engine and waits for
 all.  :meth:`RolloutEngineGroup.shutdown` stops every engine and its processes; it is
@@ -22,6 +25,7 @@ idempotent and never raises, so it can run in the driver's ``finally``.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import os
@@ -55,12 +59,14 @@ class EngineError(RuntimeError):
     """A rollout engine failed while serving requests; the message names the engine and the requests."""
 
 
-@ray.remote(concurrency_groups={"control": 1})
 class EngineActor:
-    """Ray actor around one :class:`RolloutEngine`; methods mirror the engine's.
+    """The Ray actor around one :class:`RolloutEngine` (made remote by :func:`engine_actor_class`);
+    methods mirror the engine's.
 
     ``health``, ``log_tail`` and ``shutdown`` run in a concurrency group of their own, so they
-    are answered while a ``generate`` call is running; every other method runs one at a time.
+    are answered while a ``generate`` call is running; ``generate`` calls run in the
+    ``"generate"`` group, ``RolloutEngine.max_concurrent_calls`` at once; every other method
+    runs one at a time.
     """
 
     def __init__(self, engine_factory: Callable[[EngineResources], RolloutEngine], resources: EngineResources):
@@ -76,9 +82,11 @@ class EngineActor:
             kill_descendants(os.getpid())  # what a failing constructor started would outlive the actor
             raise
 
-    def capacity(self) -> int:
-        return self.engine.capacity
+    def limits(self) -> tuple[int, int]:
+        """``(capacity, max_requests_per_call)`` of the engine."""
+        return self.engine.capacity, self.engine.max_requests_per_call
 
+    @ray.method(concurrency_group="generate")
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
         return self.engine.generate(requests)
 
@@ -120,6 +128,13 @@ class EngineActor:
         finally:
             leftovers = kill_descendants(os.getpid())
         return leftovers
+
+
+@functools.lru_cache(maxsize=None)
+def engine_actor_class(max_concurrent_calls: int):
+    """:class:`EngineActor` as a Ray actor class running ``max_concurrent_calls`` ``generate`` calls
+    at once (Ray fixes concurrency groups per class, not per ``.options()``)."""
+    return ray.remote(concurrency_groups={"control": 1, "generate": max_concurrent_calls})(EngineActor)
 
 
 def kill_descendants(pid: int) -> list[str]:
@@ -166,15 +181,28 @@ class RolloutEngineGroup:
         placement: where the engines go (:attr:`Placement.engine_resources`, :meth:`Placement.engine_options`).
         engine_factory: picklable ``(EngineResources) -> RolloutEngine``, run inside each actor,
             e.g. ``functools.partial(engine_cls.from_config, cfg)``.
+        max_concurrent_calls: the engine class's :attr:`RolloutEngine.max_concurrent_calls`.
     """
 
-    def __init__(self, placement: Placement, engine_factory: Callable[[EngineResources], RolloutEngine]):
+    def __init__(
+        self,
+        placement: Placement,
+        engine_factory: Callable[[EngineResources], RolloutEngine],
+        max_concurrent_calls: int = 1,
+    ):
+        if not isinstance(max_concurrent_calls, int) or max_concurrent_calls < 1:
+            raise ValueError(f"max_concurrent_calls must be an int >= 1, got {max_concurrent_calls!r}")
         self.resources: list[EngineResources] = list(placement.engine_resources)
         self.actors = []
-        self._capacities: list[int] | None = None
+        self._limits: list[tuple[int, int]] | None = None
         self._shut_down = False
-        for i, resources in enumerate(self.resources):
-            self.actors.append(EngineActor.options(**placement.engine_options(i)).remote(engine_factory, resources))
+        actor_class = engine_actor_class(max_concurrent_calls)
+        try:
+            for i, resources in enumerate(self.resources):
+                self.actors.append(actor_class.options(**placement.engine_options(i)).remote(engine_factory, resources))
+        except BaseException:
+            self.shutdown()  # the ones already started
+            raise
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -232,15 +260,15 @@ class RolloutEngineGroup:
             raise EngineStartError(
                 f"{len(reasons)} of {len(self.actors)} rollout engine(s) failed to start:\n" + "\n".join(lines)
             )
-        capacities = ray.get([a.capacity.remote() for a in self.actors])
-        bad = [(i, c) for i, c in enumerate(capacities) if not isinstance(c, int) or c < 1]
+        limits = ray.get([a.limits.remote() for a in self.actors])
+        bad = [(i, lim) for i, lim in enumerate(limits) if not all(isinstance(v, int) and v >= 1 for v in lim)]
         if bad:
             self.shutdown()
             raise EngineStartError(
-                "rollout engine capacity must be an int >= 1 (requests per generate call), got "
-                + ", ".join(f"{c!r} from {self.resources[i].describe()}" for i, c in bad)
+                "a rollout engine's capacity and max_requests_per_call must be ints >= 1, got "
+                + ", ".join(f"{lim!r} from {self.resources[i].describe()}" for i, lim in bad)
             )
-        self._capacities = capacities
+        self._limits = limits
 
     def _log_tail(self, index: int, state: str | None) -> str:
         """``"; log tail: ..."`` from an engine that answers (its constructor returned), else ``""``."""
@@ -256,10 +284,13 @@ class RolloutEngineGroup:
 
     @property
     def capacities(self) -> list[int]:
-        """Per engine, the most requests one ``generate`` call takes (after :meth:`wait_until_healthy`)."""
-        if self._capacities is None:
+        """Per engine, the most requests in flight at it (after :meth:`wait_until_healthy`)."""
+        return [capacity for capacity, _ in self._checked_limits()]
+
+    def _checked_limits(self) -> list[tuple[int, int]]:
+        if self._limits is None:
             raise RuntimeError("the rollout engines have not been checked yet; call wait_until_healthy() first")
-        return self._capacities
+        return self._limits
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
         """Complete ``requests`` on all engines (see the module docstring for the schedule).
@@ -271,20 +302,24 @@ class RolloutEngineGroup:
             EngineError: an engine raised or died, or returned a wrong number of outputs; the
                 message names the engine and the first request ids of its call.
         """
-        capacities = self.capacities
+        limits = self._checked_limits()
         outputs: list[GenerateOutput | None] = [None] * len(requests)
         queue = collections.deque(range(len(requests)))
-        idle = list(range(len(self.actors)))
+        in_flight = [0] * len(self.actors)  # requests sent to each engine and not yet back
         running: dict[ray.ObjectRef, tuple[int, list[int]]] = {}
         while queue or running:
-            while queue and idle:
-                engine = idle.pop(0)
-                take = min(capacities[engine], math.ceil(len(queue) / (len(idle) + 1)))
-                batch = [queue.popleft() for _ in range(take)]
-                ref = self.actors[engine].generate.remote([requests[i] for i in batch])
-                running[ref] = (engine, batch)
+            free = sorted((limits[e][0] - in_flight[e], e) for e in range(len(self.actors)))
+            free = [(room, e) for room, e in free if room > 0]
+            for k, (room, engine) in enumerate(free):  # least free first: water-filling
+                share = min(room, math.ceil(len(queue) / (len(free) - k)))
+                while share > 0:
+                    batch = [queue.popleft() for _ in range(min(share, limits[engine][1]))]
+                    running[self.actors[engine].generate.remote([requests[i] for i in batch])] = (engine, batch)
+                    in_flight[engine] += len(batch)
+                    share -= len(batch)
             (ref,), _ = ray.wait(list(running), num_returns=1)
             engine, batch = running.pop(ref)
+            in_flight[engine] -= len(batch)
             try:
                 results = ray.get(ref)
             except Exception as e:
@@ -300,8 +335,6 @@ class RolloutEngineGroup:
             for i, out in zip(batch, results):
                 out.engine_index = engine
                 outputs[i] = out
-            idle.append(engine)
-            idle.sort()
         return outputs  # every index was in exactly one batch, and each batch filled its own
 
     # -- broadcasts ---------------------------------------------------------------------------

@@ -37,8 +37,10 @@ Lifecycle, as :class:`slime.rollout.engine_group.RolloutEngineGroup` drives it:
    ``--rollout-engine-start-timeout`` seconds; an engine that raises, or is not healthy in
    time, fails the start-up with an error naming it (index, node, bundles, exception and
    :meth:`RolloutEngine.log_tail`).
-3. :meth:`RolloutEngine.generate` receives at most :attr:`RolloutEngine.capacity` requests
-   per call; an idle engine gets the next requests of the step's shared queue.
+3. The step's requests form one queue; an engine with free :attr:`RolloutEngine.capacity`
+   (requests in flight) gets the next ones, in calls of at most
+   :attr:`RolloutEngine.max_requests_per_call`, and up to
+   :attr:`RolloutEngine.max_concurrent_calls` calls at once.
 4. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
    driver's ``finally``, also after errors and when the run joined an external Ray cluster.
 """
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -257,11 +259,18 @@ class EngineResources:
 class RolloutEngine(abc.ABC):
     """One inference server. Instances live inside Ray actors (see ``engine_group``).
 
-    Implementations need to be safe for one thread at a time: the engine group never calls
-    two methods of one engine concurrently, except :meth:`health`, :meth:`log_tail` and
-    :meth:`shutdown`, which may arrive from another thread while a method runs (a health
-    poll, a shutdown after Ctrl-C during generation).
+    Threads: the engine group calls one method at a time, with two exceptions.
+    :meth:`health`, :meth:`log_tail` and :meth:`shutdown` may arrive from another thread while
+    a method runs (a health poll, a shutdown after Ctrl-C during generation); and up to
+    :attr:`max_concurrent_calls` :meth:`generate` calls may run at once when an engine sets it
+    above 1 (never together with a weight, memory or cache call).
     """
+
+    max_concurrent_calls: ClassVar[int] = 1
+    """:meth:`generate` calls the engine's actor runs at once, each in its own thread (read from
+    the class when the actor is created).  1 for an engine that batches per call (transformers);
+    more for a thread-safe client of a continuous-batching server (SGLang), so that a request
+    that finishes frees its slot for the next one at once instead of waiting for its call."""
 
     @classmethod
     @abc.abstractmethod
@@ -279,20 +288,27 @@ class RolloutEngine(abc.ABC):
 
     @property
     def capacity(self) -> int:
-        """The most requests one :meth:`generate` call takes (>= 1): the batch the engine works
-        on at once.  The engine group never sends more, and gives an idle engine the next
-        ``min(capacity, fair share)`` requests of the step's queue.
+        """The most requests the engine works on at once, over all its :meth:`generate` calls (>= 1).
 
-        An engine that batches per call (transformers) gives its batch size; a server with
-        continuous batching (SGLang) the requests it keeps in flight
-        (``--sglang-server-concurrency`` upstream).  Default 1: one request per call.
+        The engine group never has more in flight at the engine.  An engine that batches per
+        call (transformers) gives its batch size; a continuous-batching server (SGLang) the
+        requests it keeps in flight (upstream slime's ``--sglang-server-concurrency``).
+        Default 1.
         """
         return 1
 
+    @property
+    def max_requests_per_call(self) -> int:
+        """The most requests in one :meth:`generate` call (>= 1); default :attr:`capacity` (one
+        call is one batch).  A continuous-batching server with :attr:`max_concurrent_calls` > 1
+        sets it small (e.g. 1), so that requests come back one by one as they finish."""
+        return self.capacity
+
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete every request (at most :attr:`capacity`); the output list is in request order,
-        one output per request, each with the engine's :attr:`GenerateOutput.prompt_tokens`."""
+        """Complete every request (at most :attr:`max_requests_per_call`); the output list is in
+        request order, one output per request, each with the engine's
+        :attr:`GenerateOutput.prompt_tokens`."""
 
     @abc.abstractmethod
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:

@@ -189,7 +189,8 @@ class TransformersEngine(RolloutEngine):
 
     @property
     def capacity(self) -> int:
-        """``max_batch_size``: one call is one forward batch, so the engine group sends at most that many."""
+        """``max_batch_size``: one call is one forward batch (:attr:`max_requests_per_call` is the same),
+        and calls run one at a time (``max_concurrent_calls = 1``)."""
         return self.max_batch_size
 
     # ---------------------------------------------------------------- generation
