@@ -235,7 +235,8 @@ def start_workers(
         EngineStartError: an engine failed to start or was not healthy in time (named in the message).
     """
     engine_cls = components.engine_cls
-    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg), engine_cls.max_concurrent_calls)
+    engine_factory = functools.partial(engine_cls.from_config, cfg)
+    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
     cleanup.callback(engines.shutdown)
     backend_factory = functools.partial(components.backend_cls.from_config, cfg)
     trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size)

@@ -44,7 +44,8 @@ def local_ray():
 def _cfg(tmp_path, engine: str, *cluster: str):
     return parse_args([
         "--hf-checkpoint", str(tmp_path), "--prompt-data", str(DATA), "--num-rollout", "1",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--train-backend", "fsdp",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+        "--train-backend", "fsdp",
         "--rollout-backend", f"tests.stub_engines:{engine}", *cluster,
     ])  # fmt: skip
 
@@ -53,7 +54,8 @@ def _start(cfg, timeout_s: float = START_TIMEOUT_S):
     """(placement, engines) as the driver builds them; the caller removes the placement."""
     engine_cls = resolve_components(cfg).engine_cls  # through the registry's module:Class path
     placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg), engine_cls.max_concurrent_calls)
+    engine_factory = functools.partial(engine_cls.from_config, cfg)
+    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
     try:
         engines.wait_until_healthy(timeout_s)
     except BaseException:
@@ -63,7 +65,8 @@ def _start(cfg, timeout_s: float = START_TIMEOUT_S):
 
 
 def _requests(n: int) -> list[GenerateRequest]:
-    return [GenerateRequest(f"prompt {i}" + "!" * i, [], SamplingParams(max_new_tokens=1), rid=f"r{i}") for i in range(n)]
+    params = SamplingParams(max_new_tokens=1)
+    return [GenerateRequest(f"prompt {i}" + "!" * i, [], params, rid=f"r{i}") for i in range(n)]
 
 
 def _records(outputs) -> list[dict]:

@@ -39,7 +39,8 @@ def test_disaggregated_gets_separate_bundles(local_ray):
         # Each engine is told where its bundle is (probed inside it): this node, no GPU, 1 CPU.
         for index, resources in enumerate(placement.engine_resources):
             assert resources.index == index and not resources.use_gpu and not resources.colocated
-            assert [(b.node_ip, b.gpu_ids, b.num_cpus) for b in resources.bundles] == [(ray.util.get_node_ip_address(), (), 1.0)]
+            here = ray.util.get_node_ip_address()
+            assert [(b.node_ip, b.gpu_ids, b.num_cpus) for b in resources.bundles] == [(here, (), 1.0)]
         assert "runtime_env" not in placement.engine_options(0)  # CPU engines: nothing for Ray to leave alone
     finally:
         placement.remove()

@@ -213,6 +213,7 @@ def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s:
             raise
         num_rollout = cluster.rollout_num_gpus
     total_bundles = num_trainers + (0 if cluster.colocate else num_rollout)
+    probed = _probe_bundles(engine_pg, num_rollout, unit)
     engine_resources = [
         EngineResources(
             index=i,
@@ -221,7 +222,7 @@ def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s:
             colocated=cluster.colocate,
             cpu_threads=None if use_gpu else cpu_threads_for_bundles(gpus_per_engine, total_bundles),
         )
-        for i, bundles in enumerate(assign_engine_bundles(_probe_bundles(engine_pg, num_rollout, unit), gpus_per_engine))
+        for i, bundles in enumerate(assign_engine_bundles(probed, gpus_per_engine))
     ]
     for resources in engine_resources:
         if len(resources.node_ips) > 1:

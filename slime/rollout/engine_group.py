@@ -70,7 +70,8 @@ class EngineActor:
     """
 
     def __init__(self, engine_factory: Callable[[EngineResources], RolloutEngine], resources: EngineResources):
-        logging.basicConfig(level=logging.INFO, format=f"[engine {resources.index}] %(levelname)s %(name)s: %(message)s")
+        prefix = f"[engine {resources.index}]"
+        logging.basicConfig(level=logging.INFO, format=f"{prefix} %(levelname)s %(name)s: %(message)s")
         if resources.cpu_threads is not None:
             torch.set_num_threads(resources.cpu_threads)
         if resources.local_gpu_ids:  # Ray left CUDA_VISIBLE_DEVICES to us (NOSET): all the engine's GPUs here
