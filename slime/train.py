@@ -14,9 +14,11 @@ no backend or engine details.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,14 +33,13 @@ from slime.ray.placement import (
     PlacementError,
     check_cpu_memory,
     cluster_num_gpus,
-    cpu_threads_per_actor,
     create_placement_groups,
     init_ray,
 )
 from slime.ray.trainer_group import TrainerGroup
-from slime.rollout.engine_group import RolloutEngineGroup
+from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
-from slime.rollout.manager import RolloutManager
+from slime.rollout.manager import PromptMismatchError, RolloutManager
 from slime.utils import checkpoint as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError
@@ -55,6 +56,11 @@ logger = logging.getLogger("slime")
 def train(cfg: SlimeConfig) -> Path:
     """Run GRPO as configured; returns the run directory (metrics.jsonl, reward_curve.png).
 
+    Whatever ends the run (success, an error, Ctrl-C), the engines (and every process they
+    started), the trainer ranks, the placement groups and the reward workers are stopped
+    before this returns or raises, also on a Ray cluster joined with ``--ray-address``, which
+    itself keeps running.  Clean-up problems are logged and never replace the original error.
+
     Raises:
         ConfigError: the ``--rollout-backend`` / ``--train-backend`` cannot be loaded here
             (checked before anything starts).
@@ -63,17 +69,24 @@ def train(cfg: SlimeConfig) -> Path:
     rollout_manager = prepare(cfg)
     run_dir = _run_dir(cfg)
     started_ray = init_ray(cfg.cluster)
-    try:
-        run = setup(cfg, components, rollout_manager)
+    with contextlib.ExitStack() as cleanup:  # callbacks run last-registered first
+        if started_ray:
+            cleanup.callback(_quietly, ray.shutdown, "stopping Ray")
+        cleanup.callback(_quietly, rollout_manager.close, "stopping the reward workers")
+        run = setup(cfg, components, rollout_manager, cleanup)
         with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name,
                            config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
             loop(cfg, run, metrics_log)
-        run.rollout_manager.close()
         logger.info("done: metrics in %s, reward curve in %s", run_dir / METRICS_FILE, run_dir / PLOT_FILE)
         return run_dir
-    finally:
-        if started_ray:
-            ray.shutdown()
+
+
+def _quietly(action, what: str) -> None:
+    """Run a clean-up ``action``; log instead of raise, so the error that ended the run stays the one raised."""
+    try:
+        action()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("%s failed: %s", what, e)
 
 
 def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
@@ -116,7 +129,6 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
 class Run:
     """Everything :func:`loop` drives, built by :func:`setup`."""
 
-    placement: Placement
     engines: RolloutEngineGroup
     trainers: TrainerGroup
     rollout_manager: RolloutManager
@@ -180,10 +192,13 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     )
 
 
-def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutManager) -> Run:
+def setup(
+    cfg: SlimeConfig, components: Components, rollout_manager: RolloutManager, cleanup: contextlib.ExitStack
+) -> Run:
     """Reserve resources, start engines and trainers, resume from ``--load``, sync weights.
 
     Needs a running Ray (:func:`slime.ray.placement.init_ray`) and the output of :func:`prepare`.
+    Everything started is stopped when ``cleanup`` closes, also if this function raises.
     """
     use_gpu = cluster_num_gpus() > 0
     if use_gpu:
@@ -192,7 +207,8 @@ def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutMana
     else:
         check_cpu_memory(cfg.cluster, ckpt.weights_bytes(cfg.checkpoint.hf_checkpoint))
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
-    engines, trainers = start_workers(cfg, placement, components)
+    cleanup.callback(placement.remove)
+    engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
     memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
     with memory.startup_phase():
@@ -204,26 +220,32 @@ def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutMana
                     cfg.checkpoint.load, start, dropped)
     with memory.sync_phase():
         trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
-    return Run(placement, engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout)
+    return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout)
 
 
 def start_workers(
-    cfg: SlimeConfig, placement: Placement, components: Components | None = None
+    cfg: SlimeConfig, placement: Placement, components: Components, cleanup: contextlib.ExitStack
 ) -> tuple[RolloutEngineGroup, TrainerGroup]:
-    """Start the rollout engines and the trainer ranks (not yet initialised) on ``placement``."""
-    components = components or resolve_components(cfg)
-    engine_factory = functools.partial(components.engine_cls.from_config, cfg, use_gpu=placement.use_gpu)
-    engine_threads = None if placement.use_gpu else cpu_threads_per_actor(
-        placement.num_engines + (0 if placement.colocate else placement.num_trainers)
-    )
-    engines = RolloutEngineGroup(
-        [placement.engine_options(i) for i in range(placement.num_engines)], engine_factory, engine_threads
-    )
+    """Start the rollout engines and the trainer ranks (not yet initialised) on ``placement``.
+
+    The engines load their models while the trainer ranks start; returns once every engine is
+    healthy (``--rollout-engine-start-timeout``).  Both groups are shut down when ``cleanup``
+    closes, registered as soon as each one exists.
+
+    Raises:
+        EngineStartError: an engine failed to start or was not healthy in time (named in the message).
+    """
+    engine_cls = components.engine_cls
+    engine_factory = functools.partial(engine_cls.from_config, cfg)
+    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
+    cleanup.callback(engines.shutdown)
     backend_factory = functools.partial(components.backend_cls.from_config, cfg)
     transport = make_transport(
-        components.engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate
+        engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate
     )
     trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size, transport)
+    cleanup.callback(trainers.shutdown)
+    engines.wait_until_healthy(cfg.rollout.rollout_engine_start_timeout)
     return engines, trainers
 
 
@@ -293,9 +315,27 @@ def main(argv: list[str] | None = None) -> None:
             components = resolve_components(cfg)
             print(f"slime: flags OK (engine {components.engine_cls.__name__}, trainer {components.backend_cls.__name__})")
             return
-        train(cfg)
-    except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError) as e:
+        with _sigterm_raises():
+            train(cfg)
+    except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
+            EngineStartError, PromptMismatchError) as e:
         sys.exit(f"slime: error: {e}")
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Turn the first SIGTERM (the launcher's stop, a cluster scheduler's cancel) into ``SystemExit(143)``,
+    so that :func:`train` stops its engines and trainers on the way out; a second SIGTERM kills at once."""
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

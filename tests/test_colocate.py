@@ -92,9 +92,7 @@ def _run_loop(tmp_path: Path, enabled: bool) -> list[tuple]:
         rec.calls.append(("trainers.init",))
     with memory.sync_phase():  # train.setup: engines start from --hf-checkpoint and catch up
         rec.update_weights(rec)
-    run = train.Run(
-        placement=None, engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=2
-    )
+    run = train.Run(engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=2)
     with MetricsLogger(tmp_path, cfg.wandb, run_name="colocate") as metrics_log:
         train.loop(cfg, run, metrics_log)
     return rec.calls

@@ -130,3 +130,51 @@ def test_load_folder_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_ckpt):
 def test_debug_dump_template_with_unknown_placeholder_is_refused_at_parse_time(tiny_ckpt):
     with pytest.raises(SystemExit):
         _cfg(tiny_ckpt, "--num-rollout", "1", "--save-debug-rollout-data", "/tmp/x_{bogus}.jsonl")
+
+
+def test_clean_up_runs_on_error_and_keeps_the_original_error(tiny_ckpt, tmp_path, monkeypatch, caplog):
+    """train() stops what setup started, last started first, whatever fails; a failing clean-up
+    step is logged and the error that ended the run is the one raised."""
+    import contextlib
+    import logging
+
+    from slime import train as driver
+
+    calls = []
+
+    class Manager:
+        def close(self):
+            calls.append("reward workers")
+            raise RuntimeError("scorer pool already broken")
+
+    def setup(cfg, components, rollout_manager, cleanup: contextlib.ExitStack):
+        cleanup.callback(calls.append, "placement groups")
+        cleanup.callback(calls.append, "engines")
+        cleanup.callback(calls.append, "trainers")
+        raise ValueError("trainer rank 1 died")
+
+    monkeypatch.setattr(driver, "resolve_components", lambda cfg: None)
+    monkeypatch.setattr(driver, "prepare", lambda cfg: Manager())
+    monkeypatch.setattr(driver, "init_ray", lambda cluster: True)
+    monkeypatch.setattr(driver.ray, "shutdown", lambda: calls.append("ray"))
+    monkeypatch.setattr(driver, "setup", setup)
+    cfg = _cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp")
+    cfg.logging.output_dir = str(tmp_path / "run")
+    with caplog.at_level(logging.WARNING, logger="slime"), pytest.raises(ValueError, match="trainer rank 1 died"):
+        driver.train(cfg)
+    assert calls == ["trainers", "engines", "placement groups", "reward workers", "ray"]
+    assert "stopping the reward workers failed: scorer pool already broken" in caplog.text
+
+
+def test_sigterm_becomes_system_exit_during_a_run():
+    import os
+    import signal
+
+    from slime.train import _sigterm_raises
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as info, _sigterm_raises():
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+        raise AssertionError("SIGTERM did not raise")
+    assert info.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before  # restored after the run

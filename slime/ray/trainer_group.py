@@ -216,8 +216,17 @@ class TrainerGroup:
         ray.get([a.onload.remote() for a in self.actors])
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
+        """Kill every rank's actor (its process and the process group it held).
+
+        Idempotent, and never raises: problems are logged, so that it can run in the driver's
+        ``finally`` without hiding the error that ended the run.
+        """
+        actors, self.actors = self.actors, []
+        for rank, a in enumerate(actors):
+            try:
+                ray.kill(a)
+            except Exception as e:  # noqa: BLE001 - clean-up goes on
+                logger.warning("could not kill trainer rank %d: %s", rank, e)
 
 
 @ray.remote(num_cpus=0)

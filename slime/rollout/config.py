@@ -64,6 +64,11 @@ class RolloutConfig:
         None, help="Stop token ids for rollout (>= 0), for special tokens that are awkward to type as strings."
     )
     rollout_seed: int = flag(42, help="Seed of the rollout sampler and of the prompt shuffle.")
+    rollout_engine_start_timeout: float = flag(
+        1800.0,
+        help="Seconds the rollout engines may take to start (load weights, capture CUDA graphs) until their "
+        "health check passes; an engine that is not healthy by then stops the run with its index, node and bundles.",
+    )
 
     def __post_init__(self):
         check_name_or_import_path("--rollout-backend", self.rollout_backend, ENGINES.names())
@@ -77,6 +82,11 @@ class RolloutConfig:
             self, "num_rollout", "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"
         )
         _check_sampling("rollout", self.rollout_temperature, self.rollout_top_p)
+        if not self.rollout_engine_start_timeout > 0:  # also refuses NaN
+            raise ConfigError(
+                f"--rollout-engine-start-timeout must be > 0 seconds, got {self.rollout_engine_start_timeout}; "
+                "e.g. 1800 for a large model"
+            )
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
         negative = [token_id for token_id in self.rollout_stop_token_ids or [] if token_id < 0]
