@@ -9,6 +9,8 @@ holds exactly the perturbed weights (before, it held the original ones).
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -125,7 +127,7 @@ def _engine_state(engines) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
     from slime.ray.placement import create_placement_groups, init_ray
-    from slime.train import start_workers
+    from slime.train import resolve_components, start_workers
     from slime.utils import checkpoint as ckpt
     from slime.utils.arguments import parse_args
 
@@ -139,9 +141,11 @@ def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
         "--update-weight-buffer-size", "1",  # every FSDP unit is a bucket of its own: 7, over both ranks
     ])  # fmt: skip
     started_ray = init_ray(cfg.cluster)
+    cleanup = contextlib.ExitStack()  # stops the engines and trainers, then frees the bundles
     try:
         placement = create_placement_groups(cfg.cluster, use_gpu=False)
-        engines, trainers = start_workers(cfg, placement)
+        cleanup.callback(placement.remove)
+        engines, trainers = start_workers(cfg, placement, resolve_components(cfg), cleanup)
         assert trainers.transport.name == "object_store"
         assert trainers.init() == 1  # resumed after the checkpoint of rollout 0
         before = _engine_state(engines)
@@ -161,5 +165,6 @@ def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
 
         assert trainers.update_weights(engines) == sources  # a second sync: the same tensors from the same ranks
     finally:
+        cleanup.close()
         if started_ray:
             ray.shutdown()

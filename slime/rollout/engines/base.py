@@ -263,8 +263,15 @@ class RolloutEngine(abc.ABC):
     :meth:`health`, :meth:`log_tail` and :meth:`shutdown` may arrive from another thread while
     a method runs (a health poll, a shutdown after Ctrl-C during generation); and up to
     :attr:`max_concurrent_calls` :meth:`generate` calls may run at once when an engine sets it
-    above 1 (never together with a weight, memory or cache call).
+    above 1 (never together with a weight, memory or cache call).  Weight updates may come from
+    several trainer ranks in one sync (each sends the tensors it is the source of), one call after
+    another in any order.
     """
+
+    weight_transports: ClassVar[tuple[str, ...]] = ("object_store",)
+    """The weight-sync transports this engine accepts (:mod:`slime.weight_sync`), best first.  Every engine
+    takes the object store (CPU tensors into :meth:`update_weights_from_tensor`); the SGLang engine is to add
+    ``"cuda_ipc"`` (colocated) and ``"nccl"`` (disaggregated), see :mod:`slime.weight_sync.base`."""
 
     max_concurrent_calls: ClassVar[int] = 1
     """:meth:`generate` calls the engine's actor runs at once, each in its own thread (read from
