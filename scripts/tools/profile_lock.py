@@ -15,7 +15,7 @@ Sections: ``torch`` (torch and what GPU images ship with it: triton, CUDA librar
 section is installed with ``pip install --no-deps`` from its pins alone, because its packages'
 declared closure is not installable next to the rest (see the allow lines in the lock).
 
-  profile_lock.py sections LOCK --extras test,megatron       sections those extras need
+  profile_lock.py sections LOCK --extras test,megatron [--no-deps]   sections those extras need
   profile_lock.py pins LOCK --sections sglang [--skip-have FREEZE]
   profile_lock.py pin LOCK torch                              the pinned version of one package
   profile_lock.py check LOCK [--resolve]                      needs a package index (see --help)
@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("sections", help="sections that a list of slime extras needs")
     p.add_argument("lock")
     p.add_argument("--extras", default="", help="comma-separated slime extras, e.g. test,megatron,sglang")
+    p.add_argument("--no-deps", action="store_true", help="only the selected sections installed with --no-deps")
     p = sub.add_parser("pins", help="print name==version for some sections")
     p.add_argument("lock")
     p.add_argument("--sections", default="", help="comma-separated; default: all")
@@ -379,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lock = read_lock(args.lock)
         if args.cmd == "sections":
-            print(" ".join(sections_for(lock, [e for e in args.extras.split(",") if e])))
+            names = sections_for(lock, [e for e in args.extras.split(",") if e])
+            print(" ".join(n for n in names if lock.sections[n].no_deps or not args.no_deps))
         elif args.cmd == "pins":
             names = [s for s in args.sections.split(",") if s] or None
             have = read_freeze(args.skip_have) if args.skip_have else {}
