@@ -139,7 +139,11 @@ _slime_want="$_slime_profile-$(cat "$SLIME_ROOT/pyproject.toml" "$_slime_lock" |
 if [ "$_slime_dry_run" = 1 ]; then
   echo "[setup] python: $(command -v "$_slime_py") ($_slime_pyver)"
   echo "[setup] extras: $_slime_extras (sections: $_slime_sections${_slime_nodeps:+; installed with --no-deps: $_slime_nodeps})"
-  echo "[setup] packages from: ${SLIME_WHEELHOUSE:+wheelhouse $SLIME_WHEELHOUSE ($SLIME_WH_FORM)}${SLIME_WHEELHOUSE:-the package index}"
+  if [ -n "${SLIME_WHEELHOUSE:-}" ]; then
+    echo "[setup] packages from: wheelhouse $SLIME_WHEELHOUSE ($SLIME_WH_FORM${SLIME_WH_LINKS:+: $SLIME_WH_LINKS}${SLIME_WH_SITE:+: $SLIME_WH_SITE}), no index"
+  else
+    echo "[setup] packages from: the package index"
+  fi
   echo "[setup] torch: $_slime_torch_plan"
   if [ -f "$_slime_stamp" ] && [ "$(cat "$_slime_stamp")" = "$_slime_want" ]; then
     echo "[setup] state: up to date (nothing to install)"

@@ -29,8 +29,8 @@ What each form leaves out:
            carry (SGLang alone: 84.5 MB against 219 MB of wheels), but pip does not see it: it
            shadows the environment's packages through PYTHONPATH, and `pip check` cannot vouch for it.
 With --part-size the result is split into folders OUTDIR/part-000, part-001, ... of at most that
-size each (for transfers with a size limit); copy every part folder's files into one folder on
-the node and point SLIME_WHEELHOUSE at it.
+size each (for transfers with a size limit; part-000 also holds the manifest); copy every part
+folder's files into one folder on the node (`cp part-*/* DIR`) and point SLIME_WHEELHOUSE at it.
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ def build(args: argparse.Namespace) -> dict:
             manifest["archive_sha256"] = sha256_of(payload)
             manifest["archive_bytes"] = payload[0].stat().st_size
             manifest["parts"] = split_file(payload[0], outdir, args.part_size)
-            for folder in sorted(outdir.glob("part-*")):
-                (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            # One manifest, in the first part (identical copies would collide in `cp part-*/* DIR`).
+            (outdir / "part-000" / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         else:
             for f in payload:
                 shutil.move(str(f), outdir / f.name)
@@ -233,12 +233,13 @@ def known_extras(lock) -> set[str]:
 
 
 def build_requirements(lock) -> dict[str, str]:
-    """slime's [build-system] requirements at the lock's versions (an editable install from a
-    wheelhouse builds slime in an isolated environment that needs them as wheels)."""
+    """The lock's build section plus slime's [build-system] requirements at the lock's versions: pip
+    builds an editable install from a wheelhouse in an isolated environment that needs them (and
+    their closure, which the build section lists) as wheels."""
     import tomllib
     reqs = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
     pins = lock.pins()
-    out = {}
+    out = dict(lock.sections["build"].pins) if "build" in lock.sections else {}
     for text in reqs:
         name = normalize(re.split(r"[<>=!~;\[ ]", text, 1)[0])
         if name not in pins:
@@ -328,6 +329,8 @@ def prepare(folder: Path, site_dir: Path | None, python_version: str) -> dict[st
         raise BundleError(f"SLIME_WHEELHOUSE={folder}: no such folder")
     mpath = folder / MANIFEST
     if not mpath.exists():
+        if any(folder.glob("*.tar*.[0-9][0-9][0-9]")):
+            raise BundleError(f"SLIME_WHEELHOUSE={folder} has parts but no {MANIFEST}: it travels in part-000, copy it too")
         if not any(folder.glob("*.whl")):
             raise BundleError(f"SLIME_WHEELHOUSE={folder}: no {MANIFEST} and no .whl files "
                               "(build one with scripts/offline_bundle.sh)")

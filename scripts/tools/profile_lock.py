@@ -315,6 +315,16 @@ def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_vers
                 used_allows.add(key)
                 continue
             problems.append(f"[{'+'.join(names)}] {pkg} needs {req}, the lock has {have}")
+    if "build" in lock.sections:  # pip's isolated build environment holds the build section alone
+        build = lock.sections["build"].pins
+        import tomllib
+        for text in tomllib.loads(pyproject.read_text())["build-system"]["requires"]:
+            req = Requirement(text)
+            have = build.get(normalize(req.name))
+            if have is None or not req.specifier.contains(Version(have), prereleases=True):
+                problems.append(f"slime's build requirement {req} is not in the build section (it has {have or 'nothing'})")
+        for pkg, req, have in unmet_requirements({n: metadata[n] for n in build if n in metadata}, {}, python_version):
+            problems.append(f"[build] {pkg} needs {req}, the build section has {have}")
     for key in sorted(set(lock.allows) - used_allows):
         problems.append(f"'#! allow {key[0]} {key[1]}' is not needed any more: remove it")
     return problems
