@@ -196,7 +196,7 @@ def build(args: argparse.Namespace) -> dict:
             archive = work / "site.tar.xz"
             site = work / "site"
             proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
-                                   "--no-compile", "--ignore-requires-python", "--target", str(site),
+                                   "--no-compile", "--target", str(site),
                                    *pip_target_args(python_version, args.platform), *map(str, files)],
                                   text=True, capture_output=True)
             if proc.returncode != 0:

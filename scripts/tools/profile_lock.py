@@ -174,7 +174,9 @@ def platform_tags(platform: str) -> list[str]:
 def pip_target_args(python_version: str, platform: str) -> list[str]:
     """Arguments that make pip choose wheels for CPython ``python_version`` on ``platform``."""
     nodot = python_version.replace(".", "")
-    args = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+    # --ignore-requires-python: older pips check Requires-Python against the running interpreter even
+    # with --python-version; `check` tests each pin's Requires-Python against the target itself.
+    args = ["--only-binary=:all:", "--ignore-requires-python", "--python-version", python_version, "--implementation", "cp",
             "--abi", f"cp{nodot}", "--abi", "abi3", "--abi", "none"]
     for tag in platform_tags(platform) + ["any"]:
         args += ["--platform", tag]
@@ -194,6 +196,14 @@ def _packaging():
         from pip._vendor.packaging.requirements import Requirement  # type: ignore
         from pip._vendor.packaging.version import Version  # type: ignore
     return Requirement, Version
+
+
+def _packaging_specifier():
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:
+        from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore
+    return SpecifierSet
 
 
 def _pip(args: list[str], python: str) -> subprocess.CompletedProcess:
@@ -296,9 +306,13 @@ def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_vers
         metadata.update(resolved)
     rest = {n: v for n, v in all_pins.items() if metadata.get(n, {}).get("version") != v}
     metadata.update(fetch_metadata(rest, python_version, platform, pip_args))
+    from_spec = _packaging_specifier()
     for pkg, ver in all_pins.items():
         if pkg not in metadata:
             problems.append(f"{pkg}=={ver}: no wheel for the target")
+        elif metadata[pkg].get("requires_python") and not from_spec(metadata[pkg]["requires_python"]).contains(
+                Version(python_version + ".0")):
+            problems.append(f"{pkg}=={ver} requires Python {metadata[pkg]['requires_python']}, the target is {python_version}")
     used_allows = set()
     for extras in extras_sets:
         names = sections_for(lock, extras)
