@@ -18,7 +18,7 @@ prepare DIR`, which gathers split parts, checks their sha256 and unpacks them.
 
 What each form leaves out:
   wheels   the torch section with --no-torch (torch, torchvision, torchaudio, triton, the CUDA
-           libraries: GPU images ship them, 3+ GB); with --have FREEZE every pin that the target's
+           libraries: GPU images ship them; torch alone is 531 MB); with --have FREEZE every pin that the target's
            `pip freeze` already has at the same version; sglang-kernel's FA3 (flash_ops) and
            sm100 builds unless --keep-fa3 (383 MB -> 25 MB: serve with the triton attention
            backends, never fa3); SGLang's optional kernels that requirements/gpu.txt leaves out
