@@ -327,7 +327,8 @@ def installed(venv: Path) -> dict[str, str]:
 
 
 def setup(repo: Path, venv: Path, wheelhouse: Path, **extra: str) -> subprocess.CompletedProcess:
-    env = clean_env(SLIME_PROFILE="gpu", SLIME_VENV=str(venv), SLIME_WHEELHOUSE=str(wheelhouse), **extra)
+    env = clean_env(SLIME_PROFILE="gpu", SLIME_VENV=str(venv), SLIME_WHEELHOUSE=str(wheelhouse),
+                    TMPDIR=str(venv.parent), **extra)  # unpacked parts land next to the venv
     return subprocess.run(["bash", str(repo / "scripts" / "setup_env.sh")], env=env, capture_output=True,
                           text=True, timeout=600)
 
