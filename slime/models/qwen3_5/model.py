@@ -28,6 +28,21 @@ from slime.models.qwen3_5.vision import build_vision_tower, image_features, scat
 
 
 @dataclasses.dataclass
+class Qwen35Document:
+    """One sequence (prompt + response) before packing.
+
+    Attributes:
+        input_ids: ``[L]`` int64 token ids, image placeholders expanded (one per merged token).
+        pixel_values: ``[P_i, C * temporal_patch * patch**2]`` of this sequence's images, or ``None``.
+        image_grid_thw: ``[num_images_i, 3]`` int64 patch grids, or ``None``.
+    """
+
+    input_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
 class Qwen35Inputs:
     """One packed (THD) micro-batch for :class:`Qwen35Model`.
 
@@ -50,6 +65,47 @@ class Qwen35Inputs:
     image_grid_thw: torch.Tensor | None = None
     image_tokens_per_document: list[int] | None = None
 
+    @classmethod
+    def pack(cls, documents: "list[Qwen35Document]", arch, *, pad_to_multiple_of: int = 1, pad_token_id: int = 0
+             ) -> "Qwen35Inputs":
+        """Pack sequences into one THD micro-batch: ids end to end, MRoPE positions per document.
+
+        Args:
+            documents: the sequences, in order.
+            arch: the model's :class:`~slime.models.qwen3_5.config.Qwen35Arch` (token ids, merge size).
+            pad_to_multiple_of: pad ``T`` (one extra padding document) to a multiple, e.g. TP under SP.
+            pad_token_id: the padding document's token.
+
+        Raises:
+            slime.models.qwen3_5.rope.PositionError: a document's image tokens and grids disagree
+                (naming the document).
+        """
+        from slime.models.qwen3_5.packing import pack_sequences
+        from slime.models.qwen3_5.rope import packed_position_ids
+
+        ids, packing = pack_sequences([d.input_ids for d in documents], pad_to_multiple_of=pad_to_multiple_of,
+                                      pad_value=pad_token_id)
+        grids = [d.image_grid_thw for d in documents]
+        positions = packed_position_ids([d.input_ids for d in documents], grids, image_token_id=arch.image_token_id,
+                                        spatial_merge_size=arch.spatial_merge_size,
+                                        video_token_id=arch.video_token_id, num_padding=packing.num_padding)
+        merge = arch.spatial_merge_size**2
+        counts = [0 if g is None else int(g.prod(-1).sum()) // merge for g in grids] + [0] * (packing.num_padding > 0)
+        pixels = [d.pixel_values for d in documents if d.pixel_values is not None]
+        used = [g for g in grids if g is not None and g.numel()]
+        return cls(
+            input_ids=ids, position_ids=positions, cu_seqlens=packing.cu_seqlens, max_seqlen=packing.max_seqlen,
+            pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(used) if used else None,
+            image_tokens_per_document=counts if pixels else None,
+        )
+
+    def to(self, device) -> "Qwen35Inputs":
+        """The same micro-batch with its tensors on ``device`` (``cu_seqlens`` too)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return dataclasses.replace(self, input_ids=move(self.input_ids), position_ids=move(self.position_ids),
+                                   cu_seqlens=move(self.cu_seqlens), pixel_values=move(self.pixel_values),
+                                   image_grid_thw=move(self.image_grid_thw))
+
     def packed_seq_params(self):
         """megatron-core's ``PackedSeqParams`` (THD) of these boundaries."""
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -57,6 +113,19 @@ class Qwen35Inputs:
         cu = self.cu_seqlens.to(torch.int32)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=self.max_seqlen,
                                max_seqlen_kv=self.max_seqlen)
+
+
+def megatron_without_transformer_engine() -> None:
+    """Let megatron-core 0.16.1's MoE router run without TransformerEngine.
+
+    ``megatron.core.transformer.moe.moe_utils`` imports ``te_general_gemm`` only when TE imports and
+    then tests ``te_general_gemm is not None``; without TE the name is undefined (``NameError`` in the
+    router GEMM).  Defining it as ``None`` selects megatron-core's own torch path.  Idempotent.
+    """
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _megatron_module():
@@ -88,6 +157,7 @@ class Qwen35Model(_megatron_module()):
 
         from slime.models.qwen3_5.spec import qwen35_block_spec
 
+        megatron_without_transformer_engine()
         tc = config.transformer
         super().__init__(config=tc)
         self.qwen_config = config

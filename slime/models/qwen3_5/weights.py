@@ -187,7 +187,8 @@ class ParamRule:
 
     Attributes:
         name: the native parameter name (``model.named_parameters()``).
-        hf_names: the Hugging Face tensors it holds (part of).
+        hf_names: the Hugging Face tensors it is read from (the fused expert tensors for a
+            fused checkpoint; export always writes per-expert tensors).
         local_shape: the parameter's shape on this rank.
         group: the group whose shards make the full tensors: ``"tp"``, ``"etp"`` or ``"none"``
             (replicated: any rank's copy is the full tensor).
@@ -343,8 +344,8 @@ def _expert_rules(prefix: str, hf: str, arch: Qwen35Arch, ranks: Ranks, fused: b
     def export2(shards):
         return {dn: torch.cat([s[j] for s in shards], 1) for j, (_, _, dn) in enumerate(per_expert)}
 
-    names1 = tuple(n for g, u, _ in per_expert for n in (g, u))
-    names2 = tuple(dn for _, _, dn in per_expert)
+    names1 = (gate_up,) if fused else tuple(n for g, u, _ in per_expert for n in (g, u))
+    names2 = (down,) if fused else tuple(dn for _, _, dn in per_expert)
     return [ParamRule(f"{prefix}weight1", names1, (el, 2 * ir, h), "etp", load1, export1),
             ParamRule(f"{prefix}weight2", names2, (el, h, ir), "etp", load2, export2)]
 
