@@ -148,6 +148,24 @@ def test_chunked_torch_path_matches_float64_recurrence_packed():
     assert ((ours.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
+def test_chunked_torch_path_gradients_match_float64_recurrence():
+    """Gradients of q, k, v, beta and of the decay parameter A_log (heads from slow to fast decay)."""
+    q, k, v, _, beta, packing = _gdn_inputs([150, 41], heads=4, dk=32, dv=32, seed=2)
+    a = torch.randn(q.shape[0], 4, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(q.shape[0], 4, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    grads = {}
+    for name, dtype in (("ours", torch.float32), ("ref", torch.float64)):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, beta)]
+        a_log = torch.tensor([0.02, 1.0, 8.0, 16.0], dtype=dtype).log().requires_grad_()
+        g = -a_log.exp() * F.softplus(a.to(dtype))
+        run = chunk_gated_delta_rule_torch if name == "ours" else (
+            lambda *x: recurrent_gated_delta_rule_f64(*x[:5], packing.cu_seqlens))
+        (run(*leaves[:3], g, leaves[3], packing).double() * w).sum().backward()
+        grads[name] = [x.grad.double() for x in (*leaves, a_log)]
+    for ours, ref in zip(grads["ours"], grads["ref"]):
+        assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
+
+
 def test_chunked_torch_path_packed_equals_per_document():
     q, k, v, g, beta, packing = _gdn_inputs([50, 129, 3], seed=1)
     packed = chunk_gated_delta_rule_torch(q, k, v, g, beta, packing)
