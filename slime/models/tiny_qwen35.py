@@ -164,7 +164,7 @@ TEXT_CONFIG = dict(
 """Tiny text-model numbers (``Qwen3_5MoeTextConfig`` fields; vocab and token ids come from the tokenizer)."""
 
 REAL_GEOMETRY_TEXT_CONFIG = dict(
-    num_attention_heads=8,
+    num_attention_heads=16,
     num_key_value_heads=2,
     head_dim=256,
     # Rotary dim = 256 * 0.25 = 64, i.e. 32 frequencies split [11, 11, 10] over (T, H, W), interleaved:
@@ -178,10 +178,13 @@ REAL_GEOMETRY_TEXT_CONFIG = dict(
     ),
     linear_key_head_dim=128,
     linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
 )
 """What ``TinyQwen35Options(real_geometry=True)`` changes in :data:`TEXT_CONFIG`: Qwen3.5-35B-A3B's
-attention geometry (head_dim 256, 25 % rotary, interleaved ``mrope_section`` [11, 11, 10], GDN head
-dims 128, 4:1 query:KV heads) at the tiny width, depth and expert count.  For parity tests whose
+attention and GDN geometry (16 query / 2 KV heads of head_dim 256, 25 % rotary, interleaved
+``mrope_section`` [11, 11, 10]; 16 key / 32 value GDN heads of 128 dims) at the tiny width, depth and
+expert count; the kernels then run at the real model's head shapes.  For parity tests whose
 position bugs must be visible (the default's 8 rotary dims with sections [2, 1, 1] turn image
 heights and widths by ~1e-3 rad)."""
 
@@ -223,7 +226,7 @@ class TinyQwen35Options:
         bpe_vocab_size: total vocab size of the BPE tokenizer, added tokens included.
         min_pixels: the image processor's lower pixel bound (``size.shortest_edge``), pixels.
         max_pixels: the image processor's upper pixel bound (``size.longest_edge``), pixels.
-        real_geometry: use :data:`REAL_GEOMETRY_TEXT_CONFIG` (Qwen3.5-35B-A3B's attention geometry);
+        real_geometry: use :data:`REAL_GEOMETRY_TEXT_CONFIG` (Qwen3.5-35B-A3B's head geometry);
             pair it with a ``max_pixels`` that gives images of a few hundred merged tokens (one merged
             token per 32 x 32 pixels, e.g. ``max_pixels = 512 * 512`` -> up to 256).
 

@@ -515,9 +515,8 @@ def load_hf_checkpoint(model, hf_checkpoint: str | Path | TensorReader, ranks: R
     if unmapped:
         raise WeightMappingError(f"model parameters without a checkpoint rule: {unmapped[:5]}")
     if any(p.is_meta for p in params.values()):
-        model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+        materialize(model, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
         params = dict(model.named_parameters())
-        _reset_buffers(model)
     state = read_rank_state(reader, rules)
     for name, tensor in state.items():
         params[name].copy_(tensor.to(params[name].dtype))
@@ -529,8 +528,27 @@ def load_hf_checkpoint(model, hf_checkpoint: str | Path | TensorReader, ranks: R
     return report
 
 
-def _reset_buffers(model) -> None:
-    """Recompute the non-persistent buffers that ``to_empty`` left uninitialised."""
+def materialize(model, device) -> None:
+    """Give a meta-device ``Qwen35Model`` real (uninitialised) storage on ``device``, before a load.
+
+    The language-model parts get ``to_empty`` and their non-persistent buffers recomputed
+    (``reset_buffers``); the transformers vision tower is rebuilt on ``device`` instead, so that its
+    own non-persistent buffers (rotary frequencies) are computed by transformers.
+    """
+    from slime.models.qwen3_5.vision import build_vision_tower
+
+    for name, child in model.named_children():
+        if name == "visual":
+            continue
+        if any(t.is_meta for t in (*child.parameters(), *child.buffers())):
+            child.to_empty(device=device)
+    for buffer_name, buffer in list(model.named_buffers(recurse=False)):
+        if buffer.is_meta:
+            setattr(model, buffer_name, torch.empty_like(buffer, device=device))
+    visual = getattr(model, "visual", None)
+    if visual is not None and any(p.is_meta for p in visual.parameters()):
+        arch, dtype = model.qwen_config.arch, next(visual.parameters()).dtype
+        model.visual = build_vision_tower(arch.vision_config, dtype=dtype, device=device)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
