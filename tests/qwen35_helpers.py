@@ -24,7 +24,7 @@ def recurrent_gated_delta_rule_f64(q, k, v, g, beta, cu_seqlens) -> torch.Tensor
     out = torch.zeros_like(v)
     bounds = [int(b) for b in cu_seqlens]
     for start, end in zip(bounds[:-1], bounds[1:]):
-        state = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float64)
+        state = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float64, device=q.device)
         for t in range(start, end):
             state = state * g[t].exp()[:, None, None]
             predicted = torch.einsum("hk,hkv->hv", k[t], state)
