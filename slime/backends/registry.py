@@ -33,7 +33,7 @@ TRAIN_BACKENDS: Registry[type[TrainerBackend]] = Registry(
         "megatron": Builtin(
             target=None,
             # The `megatron` extra of pyproject.toml.
-            requires=("megatron-core==0.16.1", "flash-linear-attention==0.6.0"),
+            requires=("megatron-core==0.16.1", "flash-linear-attention==0.6.0", "fla-core==0.6.0", "tilelang==0.1.15"),
             config="slime.backends.megatron.config:MegatronConfig",
             planned="the native Megatron Qwen3.5 backend is next on the roadmap; use --train-backend fsdp meanwhile",
         ),
