@@ -20,6 +20,7 @@ from slime.rollout.config import EvalConfig, RolloutConfig
 from slime.rollout.engine_group import RolloutEngineGroup
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub import RewardConfig, RewardScorer
+from slime.rollout.seeds import sampling_seed
 from slime.utils.data import DataConfig, PromptDataset, load_eval_samples
 from slime.utils.ppo_utils import GRPOConfig, compute_advantages
 from slime.utils.processor import VLProcessor
@@ -50,7 +51,8 @@ class RolloutManager:
         processor: the one processor (pixel bounds) shared by rollout and training.
         engines: the rollout engines; may be attached later (``manager.engines = ...``), so
             that data and reward errors surface before any engine starts.
-        seed: ``--rollout-seed``; fixes the prompt order (with the epoch).
+        seed: ``--rollout-seed``; fixes the prompt order (with the epoch) and, with the rollout
+            id and each request's position, the request's sampling seed (:mod:`slime.rollout.seeds`).
         debug_dump: optional path template (``--save-debug-rollout-data``) for per-sample
             JSONL dumps; ``{rollout_id}`` is substituted.
     """
@@ -69,6 +71,7 @@ class RolloutManager:
         debug_dump: str | None = None,
     ):
         self.cfg, self.grpo, self.eval_cfg = rollout, grpo, evaluation
+        self.seed = seed
         self.engines = engines
         self.debug_dump = debug_dump
         self.dataset = PromptDataset(data, processor, seed=seed)
@@ -85,7 +88,9 @@ class RolloutManager:
         """Sample ``--n-samples-per-prompt`` responses for the next ``--rollout-batch-size`` prompts.
 
         Rewards are scored against each prompt's label, then turned into group advantages
-        with the ``--advantage-estimator`` (shared GRPO math).
+        with the ``--advantage-estimator`` (shared GRPO math).  Sample ``i`` of the step
+        (``group_index * n + j``) is drawn with ``sampling_seed(--rollout-seed, rollout_id, i)``,
+        so the step's responses do not depend on the engines' history (exact resume).
         """
         n = self.cfg.n_samples_per_prompt
         prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
@@ -93,7 +98,7 @@ class RolloutManager:
         for group_index, prompt in enumerate(prompts):
             prompt.group_index = group_index
             samples.extend(prompt.clone_prompt() for _ in range(n))
-        self._generate_and_score(samples, self._train_sampling_params())
+        self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         advantages = compute_advantages(rewards, n, self.grpo)
         for sample, advantage in zip(samples, advantages.tolist()):
@@ -123,7 +128,7 @@ class RolloutManager:
         metrics: dict[str, float] = {}
         for name, prompts in self.eval_sets.items():
             samples = [p.clone_prompt() for p in prompts for _ in range(e.n_samples_per_eval_prompt)]
-            self._generate_and_score(samples, params)
+            self._generate_and_score(samples, params, rollout_id, f"eval/{name}")
             for key, value in _sample_metrics(f"eval/{name}", samples).items():
                 metrics[key] = value
             logger.info("eval %s at rollout %d: accuracy %.4f over %d samples", name, rollout_id,
@@ -144,14 +149,16 @@ class RolloutManager:
             stop_token_ids=c.rollout_stop_token_ids,
         )
 
-    def _generate_and_score(self, samples: list[Sample], params: SamplingParams) -> None:
+    def _generate_and_score(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str) -> None:
+        """Generate one response per sample (request ``i`` seeded by :func:`sampling_seed` of its
+        position ``i``), record it on the sample and score it."""
         if self.engines is None:
             raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         requests = [
             GenerateRequest(
                 text=s.prompt,
                 image_data=s.images,
-                sampling_params=params,
+                sampling_params=dataclasses.replace(params, sampling_seed=sampling_seed(self.seed, rollout_id, i, stream)),
                 expected_prompt_len=len(s.prompt_token_ids),
                 rid=f"{s.index}:{i}",
             )
