@@ -17,6 +17,7 @@ from slime.backends.batching import (
     split_into_steps,
 )
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
+from slime.utils.ppo_utils import aggregate_loss
 from slime.utils.types import Sample
 
 def sample(index=0, response=(5, 6, 7), loss_mask=None, rollout=None, images=()) -> Sample:
@@ -69,8 +70,19 @@ def test_loss_normalizer_counts_samples_or_masked_tokens_without_distributed():
     batch = [sample(response=(1, 2, 3), loss_mask=(1, 0, 1)), sample(response=(4,), loss_mask=(1,))]
     assert loss_normalizer(batch, per_token=False) == 2.0
     assert loss_normalizer(batch, per_token=True) == 3.0
-    with pytest.raises(ValueError, match="no loss-masked response tokens"):
-        loss_normalizer([sample(response=(1,), loss_mask=(0,))], per_token=True)
+    with pytest.raises(ValueError, match="no samples"):
+        loss_normalizer([], per_token=True)
+
+
+def test_a_step_with_every_token_masked_has_zero_loss_not_an_error(caplog):
+    """--overlong-filter can mask a whole step: N = 1, so the (all-zero) loss stays 0 and finite."""
+    masked = [sample(response=(1, 2), loss_mask=(0, 0)), sample(response=(3,), loss_mask=(0,))]
+    assert loss_normalizer(masked, per_token=True) == 1.0
+    assert "masked out of the loss" in caplog.text
+    values = torch.tensor([[5.0, -2.0]], requires_grad=True)
+    loss = aggregate_loss(values, torch.zeros(1, 2), per_token=True, global_normalizer=1.0)
+    loss.backward()
+    assert loss.item() == 0.0 and values.grad.abs().sum().item() == 0.0
 
 @pytest.mark.parametrize(
     "bad, match",

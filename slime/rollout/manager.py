@@ -87,8 +87,10 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutBatch:
         """Sample ``--n-samples-per-prompt`` responses for the next ``--rollout-batch-size`` prompts.
 
-        Rewards are scored against each prompt's label, then turned into group advantages
-        with the ``--advantage-estimator`` (shared GRPO math).  Sample ``i`` of the step
+        Rewards are scored against each prompt's label, truncated samples are treated as
+        ``--stop-properly-penalty-coef`` / ``--overlong-filter`` say (:func:`_apply_truncation_options`),
+        and the rewards are turned into group advantages with the ``--advantage-estimator``
+        (shared GRPO math).  Sample ``i`` of the step
         (``group_index * n + j``) is drawn with ``sampling_seed(--rollout-seed, rollout_id, i)``,
         so the step's responses do not depend on the engines' history (exact resume).
         """
@@ -99,11 +101,12 @@ class RolloutManager:
             prompt.group_index = group_index
             samples.extend(prompt.clone_prompt() for _ in range(n))
         self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
+        metrics = _sample_metrics("rollout", samples)  # the reward function's verdicts, before shaping
+        metrics.update(_apply_truncation_options(samples, self.grpo))
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         advantages = compute_advantages(rewards, n, self.grpo)
         for sample, advantage in zip(samples, advantages.tolist()):
             sample.advantage = advantage
-        metrics = _sample_metrics("rollout", samples)
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
         # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/inputs.py).
         metrics["rollout/vision_token_responses"] = float(
@@ -217,6 +220,46 @@ def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
         f"{prefix}/truncated_count": float(truncated),
         f"{prefix}/num_samples": float(len(samples)),
     }
+
+
+def _apply_truncation_options(samples: list[Sample], grpo: GRPOConfig) -> dict[str, float]:
+    """Treat the truncated samples (status ``TRUNCATED``: cut at ``--rollout-max-response-len``)
+    of a training step as the flags say, in place, and count them.
+
+    - default: nothing changes; a truncated response that already holds a correct box keeps
+      its reward 1 (upstream slime).
+    - ``--stop-properly-penalty-coef c``: ``reward <- c * reward`` (ProRL, Liu et al. 2025,
+      "stop properly" penalty; OpenRLHF's flag), before advantages, so with ``c = 0`` a
+      truncated sample ranks with the wrong answers of its group.
+    - ``--overlong-filter``: ``loss_mask <- 0`` on every response token (DAPO, Yu et al. 2025,
+      "overlong filtering"); the sample gives no gradient, but its reward still enters its
+      group's mean and std.  Under the default per-sample loss it still counts in the number
+      of samples that normalises the loss (as a sample whose tokens are all masked does).
+
+    Returns:
+        ``rollout/truncated_rewarded_count`` (truncated samples the reward function gave a
+        reward > 0), ``rollout/truncated_reward_penalized_count`` (rewards the coefficient
+        changed), ``rollout/loss_masked_samples`` (samples ``--overlong-filter`` masked), and
+        with a coefficient, ``rollout/shaped_reward_mean`` (the mean reward advantages see).
+    """
+    truncated = [s for s in samples if s.status == SampleStatus.TRUNCATED]
+    metrics = {
+        "rollout/truncated_rewarded_count": float(sum(s.reward > 0 for s in truncated)),
+        "rollout/truncated_reward_penalized_count": 0.0,
+        "rollout/loss_masked_samples": 0.0,
+    }
+    coef = grpo.stop_properly_penalty_coef
+    if coef is not None:
+        for sample in truncated:
+            shaped = coef * sample.reward
+            metrics["rollout/truncated_reward_penalized_count"] += float(shaped != sample.reward)
+            sample.reward = shaped
+        metrics["rollout/shaped_reward_mean"] = statistics.fmean(s.reward for s in samples)
+    if grpo.overlong_filter:
+        for sample in truncated:
+            sample.loss_mask = [0] * sample.response_length
+        metrics["rollout/loss_masked_samples"] = float(len(truncated))
+    return metrics
 
 
 def _zero_std_group_fraction(rewards: torch.Tensor, n: int) -> float:
