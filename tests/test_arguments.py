@@ -502,7 +502,7 @@ def test_bad_flag_values_are_refused_with_the_flag_and_fix(flags, fragment, caps
 
 def test_eval_temperature_zero_is_greedy_evaluation_and_help_says_what_it_ignores(capsys):
     cfg = parse_args(with_flags("--eval-temperature", "0"))
-    assert cfg.eval.eval_temperature == 0.0 and cfg.rollout.rollout_temperature == 0.8
+    assert cfg.eval.eval_temperature == 0.0 and cfg.rollout.rollout_temperature > 0
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())

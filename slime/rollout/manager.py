@@ -90,9 +90,9 @@ class RolloutManager:
         Rewards are scored against each prompt's label, truncated samples are treated as
         ``--stop-properly-penalty-coef`` / ``--overlong-filter`` say (:func:`_apply_truncation_options`),
         and the rewards are turned into group advantages with the ``--advantage-estimator``
-        (shared GRPO math).  Sample ``i`` of the step
-        (``group_index * n + j``) is drawn with ``sampling_seed(--rollout-seed, rollout_id, i)``,
-        so the step's responses do not depend on the engines' history (exact resume).
+        (shared GRPO math).  Sample ``i = group_index * n + j`` of the step is drawn with
+        ``sampling_seed(--rollout-seed, rollout_id, i)``, so the step's responses depend neither
+        on the engines' history nor on which engine serves which request (exact resume).
         """
         n = self.cfg.n_samples_per_prompt
         prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
