@@ -272,3 +272,16 @@ def test_every_request_carries_the_seed_of_its_position(tmp_path, tiny_ckpt):
     assert train1 == [sampling_seed(9, 1, i) for i in range(8)]
     assert held_out == [sampling_seed(9, 2, i, "eval/held_out") for i in range(2)]
     assert len(set(train0 + train1 + held_out)) == 18
+
+
+def test_eval_temperature_zero_sends_greedy_requests_and_training_keeps_sampling(tmp_path, tiny_ckpt):
+    engines = ScriptedEngines()
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--eval-temperature", "0", "--rollout-temperature", "0.7"))
+    try:
+        manager.evaluate(0)
+        manager.generate(0)
+    finally:
+        manager.close()
+    held_out, train0 = engines.calls
+    assert {r.sampling_params.temperature for r in held_out} == {0.0}
+    assert {r.sampling_params.temperature for r in train0} == {0.7}
