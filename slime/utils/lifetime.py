@@ -13,7 +13,8 @@ passes its PID (``--parent-pid $$``) and the driver watches it (:func:`watch_par
    :class:`ParentExited`, a ``KeyboardInterrupt`` (``ray.get`` breaks out too), so the driver
    unwinds as after Ctrl-C: its ``finally`` blocks stop the engines and trainers
    and the Ray instance it started (an external cluster, ``--ray-address``, is only left; Ray
-   then kills the job's actors itself).  No checkpoint is written or marked on this path.
+   then kills the job's actors itself).  No checkpoint is started or marked complete on this
+   path; one being written at that moment stays unmarked, so a resume uses the one before it.
 3. If the driver is still alive ``grace_s`` seconds later (a hung clean-up), the thread ends the
    process with ``os._exit``; Ray's processes follow it (a local Ray instance shares the
    driver's fate; a cluster kills a dead driver's actors).
