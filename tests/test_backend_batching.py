@@ -128,10 +128,28 @@ def test_logprob_gap_is_token_weighted_per_prompt_kind_and_omits_empty_splits():
         "train/logprob_abs_diff_image": pytest.approx(0.25),
         "train/logprob_abs_diff_text": pytest.approx(0.375),
         "train/logprob_abs_diff": pytest.approx(1.25 / 4),
+        "train/logprob_gap_altered_tokens": 0.0,
     }
     text_only = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[1:2], train[1:2])))
-    assert set(text_only) == {"train/logprob_abs_diff_text", "train/logprob_abs_diff"}
-    assert logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[2:], train[2:]))) == {}
+    assert set(text_only) == {"train/logprob_abs_diff_text", "train/logprob_abs_diff", "train/logprob_gap_altered_tokens"}
+    assert logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[2:], train[2:]))) == {
+        "train/logprob_gap_altered_tokens": 0.0
+    }
+
+
+def test_logprob_gap_leaves_out_the_tokens_after_a_generated_placeholder():
+    """The trainer feeds a generated image placeholder (id 9 here) as a pad token, so the tokens
+    after it see another context than the engine's: left out of the gap, and counted."""
+    samples = [sample(0, response=(1, 9, 2, 3), loss_mask=(1, 1, 1, 0), rollout=(-1.0, -1.0, -1.0, -1.0), images=["i"])]
+    train = [torch.tensor([-1.5, -1.25, -7.0, -9.0])]  # tokens 2 and 3 (after the 9) differ a lot
+    metrics = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples, train, placeholder_ids={9})))
+    # Kept: token 0 (|0.5|) and the placeholder itself (|0.25|, its context is unchanged); left out:
+    # token 2 (masked in) and token 3 (masked out, so not counted).
+    assert metrics == {
+        "train/logprob_abs_diff_image": pytest.approx(0.375),
+        "train/logprob_abs_diff": pytest.approx(0.375),
+        "train/logprob_gap_altered_tokens": 1.0,
+    }
 
 def test_all_reduce_sums_without_distributed_returns_floats():
     out = all_reduce_sums({"b": torch.tensor(2.5), "a": 1})
