@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.utils.lifetime import WAKE_SIGNAL, ParentExited, watch_parent
+from slime.utils.lifetime import WAKE_SIGNAL, watch_parent
 from tests.process_tree import read_proc, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,9 +32,10 @@ CHILD = textwrap.dedent("""
     report, mode, pid = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     if mode.endswith("-poll"):
         lifetime._open_pidfd = lambda pid: None  # the fallback without pidfds
-    watch = lifetime.watch_parent(pid, grace_s=1.0 if mode.startswith("stuck") else 60.0, poll_s=0.1).start()
+    watch = lifetime.watch_parent(pid, grace_s=1.0 if mode.startswith("stuck") else 60.0, poll_s=0.1)
     report.write_text("watching\\n")
     try:
+        watch.start()
         time.sleep(600)
     except KeyboardInterrupt:
         with report.open("a") as f:
@@ -102,14 +103,14 @@ def test_a_child_that_does_not_stop_is_ended_after_the_grace_period(tmp_path):
             os.kill(child_pid, signal.SIGKILL)
 
 
-def test_a_watched_process_that_is_already_gone_fires_at_once():
+def test_a_watched_process_that_is_already_gone_fires_at_once(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    watch = watch_parent(dead.pid, poll_s=0.05)
-    with pytest.raises(ParentExited):  # time.sleep is woken by the signal
-        with watch:
-            time.sleep(NOTICE_S)
-    assert watch.fired.is_set()
+    report = tmp_path / "report.txt"
+    child = subprocess.run([sys.executable, "-c", CHILD, str(report), "pidfd", str(dead.pid)], env=_env(),
+                           timeout=60)  # fmt: skip
+    assert child.returncode == 3  # the child's exit after the interrupt
+    assert report.read_text() == "watching\ninterrupted fired=True\n"
 
 
 def test_no_parent_pid_watches_nothing_and_a_stopped_watch_never_fires():

@@ -107,7 +107,13 @@ class ParentWatch:
         return self
 
     def stop(self) -> None:
-        """Stop watching (the run ended by itself); the thread exits within ``poll_s``."""
+        """Stop watching (the run ended by itself); the thread exits within ``poll_s``.
+
+        Once the watch has fired, this changes nothing: the process is on its way out and is
+        ended ``grace_s`` seconds after the firing if it is still alive.
+        """
+        if self.fired.is_set():
+            return
         self._stopped.set()
         if self._previous_handler is not None and threading.get_ident() == self._main_thread:
             signal.signal(WAKE_SIGNAL, self._previous_handler)
@@ -132,6 +138,10 @@ class ParentWatch:
                 return
         if self._stopped.is_set():
             return
+        self._fire()
+
+    def _fire(self) -> None:
+        """Interrupt the main thread, then end the process if it is still alive after ``grace_s``."""
         logger.error(
             "the launcher (pid %d, --parent-pid) has exited: stopping this run (engines, trainers and the Ray "
             "instance it started); nothing more is written to the checkpoint folder", self.pid,
