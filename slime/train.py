@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         if not parent.fired.is_set():
             raise
-        sys.exit(f"slime: error: the launcher (--parent-pid {parent.pid}) exited, so the run stopped; resume it with --load")
+        sys.exit(f"slime: error: the launcher (--parent-pid {parent.pid}) exited, so the run stopped; "
+                 "resume it with --load")
     except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
             RunDirError) as e:
         sys.exit(f"slime: error: {e}")

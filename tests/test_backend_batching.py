@@ -131,7 +131,9 @@ def test_logprob_gap_is_token_weighted_per_prompt_kind_and_omits_empty_splits():
         "train/logprob_gap_altered_tokens": 0.0,
     }
     text_only = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[1:2], train[1:2])))
-    assert set(text_only) == {"train/logprob_abs_diff_text", "train/logprob_abs_diff", "train/logprob_gap_altered_tokens"}
+    assert set(text_only) == {
+        "train/logprob_abs_diff_text", "train/logprob_abs_diff", "train/logprob_gap_altered_tokens"
+    }
     assert logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[2:], train[2:]))) == {
         "train/logprob_gap_altered_tokens": 0.0
     }

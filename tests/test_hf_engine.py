@@ -256,12 +256,15 @@ def test_inverse_cdf_sampling_by_hand():
     assert draw(0.99, top_k=3, top_p=0.3, temperature=0.0) == pytest.approx((2, math.log(0.5)), abs=1e-6)
     # The log-prob is the unfiltered one (0.3, not 0.3 / 0.8 after top-k), under the temperature.
     assert draw(0.9, top_k=2) == pytest.approx((0, math.log(0.3)), abs=1e-6)
-    assert draw(0.9, temperature=2.0) == pytest.approx((1, math.log(0.2**0.5 / sum(p**0.5 for p in (0.5, 0.3, 0.2)))), abs=1e-6)
+    at_t2 = 0.2**0.5 / sum(p**0.5 for p in (0.5, 0.3, 0.2))  # p^(1/T), renormalised
+    assert draw(0.9, temperature=2.0) == pytest.approx((1, math.log(at_t2)), abs=1e-6)
 
 
 def _seeded(requests: list[GenerateRequest], seeds: list[int]) -> list[GenerateRequest]:
     return [
-        GenerateRequest(r.text, r.image_data, dataclasses.replace(r.sampling_params, sampling_seed=s), r.expected_prompt_len)
+        GenerateRequest(
+            r.text, r.image_data, dataclasses.replace(r.sampling_params, sampling_seed=s), r.expected_prompt_len
+        )
         for r, s in zip(requests, seeds)
     ]
 

@@ -48,7 +48,8 @@ def test_a_live_runs_folders_are_refused_naming_its_pid(tmp_path, holder):
     run, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
     record = json.loads((run / LOCK_FILE).read_text())
     assert record["pid"] == holder.pid and record["command"] == "holder run"
-    with pytest.raises(RunDirError, match=rf"--output-dir {run} is in use by another slime run \(pid {holder.pid} on host"):
+    in_use = rf"--output-dir {run} is in use by another slime run \(pid {holder.pid} on host"
+    with pytest.raises(RunDirError, match=in_use):
         claim_run_dirs(run, tmp_path / "elsewhere", None)
     with pytest.raises(RunDirError, match=rf"--save {ckpt} is in use .*pid {holder.pid}.*kill {holder.pid}"):
         claim_run_dirs(tmp_path / "other_run", ckpt, None)
@@ -94,7 +95,8 @@ def _used_run(root: Path) -> tuple[Path, Path]:
 
 def test_a_used_run_directory_is_refused_without_load(tmp_path):
     run, ckpt = _used_run(tmp_path)
-    with pytest.raises(RunDirError, match=rf"--output-dir {run} already holds the metrics of a run .*2 records.*--load"):
+    used = rf"--output-dir {run} already holds the metrics of a run .*2 records.*--load"
+    with pytest.raises(RunDirError, match=used):
         claim_run_dirs(run, ckpt, None)
     (run / "metrics.jsonl").write_text("")  # only the checkpoints are left
     with pytest.raises(RunDirError, match=rf"--save {ckpt} already holds checkpoints \(iter_0000001, iter_0000003, "

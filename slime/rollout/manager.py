@@ -161,7 +161,7 @@ class RolloutManager:
             GenerateRequest(
                 text=s.prompt,
                 image_data=s.images,
-                sampling_params=dataclasses.replace(params, sampling_seed=sampling_seed(self.seed, rollout_id, i, stream)),
+                sampling_params=dataclasses.replace(params, sampling_seed=self._seed(rollout_id, i, stream)),
                 expected_prompt_len=len(s.prompt_token_ids),
                 rid=f"{s.index}:{i}",
             )
@@ -180,6 +180,9 @@ class RolloutManager:
         rewards = self.scorer.score([s.response for s in samples], [s.label for s in samples])
         for sample, reward in zip(samples, rewards):
             sample.reward = float(reward)
+
+    def _seed(self, rollout_id: int, sample_index: int, stream: str) -> int:
+        return sampling_seed(self.seed, rollout_id, sample_index, stream)
 
     def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
         if not self.debug_dump:

@@ -140,7 +140,7 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
 
 
 def vision_placeholder_ids(config) -> set[int]:
-    """The model's image / video placeholder token ids (``image_token_id``, ``video_token_id``); empty for text models."""
+    """The model's image / video placeholder ids (``image_token_id``, ``video_token_id``); empty for text models."""
     return {getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)} - {None}
 
 

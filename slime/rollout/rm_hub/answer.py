@@ -26,7 +26,7 @@ from math_verify import parse
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 """``\\boxed{`` or ``\\fbox{``, optionally with spaces before the brace (``\\boxed {5}``)."""
 _TEXT_OPEN = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mbox)\s*\{")
-"""The text-mode groups :func:`unwrap_math_text` may unwrap: ``\\text{``, ``\\textrm{``, ``\\textnormal{``, ``\\mbox{``."""
+"""The text-mode groups :func:`unwrap_math_text` may unwrap (``\\text{``, ``\\textrm{``, ``\\mbox{``, ...)."""
 
 
 def last_boxed(text: str) -> str | None:
