@@ -14,9 +14,11 @@ no backend or engine details.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,14 +33,13 @@ from slime.ray.placement import (
     PlacementError,
     check_cpu_memory,
     cluster_num_gpus,
-    cpu_threads_per_actor,
     create_placement_groups,
     init_ray,
 )
 from slime.ray.trainer_group import TrainerGroup
-from slime.rollout.engine_group import RolloutEngineGroup
+from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
-from slime.rollout.manager import RolloutManager
+from slime.rollout.manager import PromptMismatchError, RolloutManager
 from slime.utils import checkpoint as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError
@@ -49,12 +50,18 @@ from slime.utils.processor import load_processor
 from slime.utils.lifetime import watch_parent
 from slime.utils.run_lock import RunDirError, claim_run_dirs
 from slime.utils.timer import timed
+from slime.weight_sync import make_transport
 
 logger = logging.getLogger("slime")
 
 
 def train(cfg: SlimeConfig) -> Path:
     """Run GRPO as configured; returns the run directory (metrics.jsonl, reward_curve.png).
+
+    Whatever ends the run (success, an error, Ctrl-C), the engines (and every process they
+    started), the trainer ranks, the placement groups and the reward workers are stopped
+    before this returns or raises, also on a Ray cluster joined with ``--ray-address``, which
+    itself keeps running.  Clean-up problems are logged and never replace the original error.
 
     Raises:
         ConfigError: the ``--rollout-backend`` / ``--train-backend`` cannot be loaded here
@@ -64,17 +71,24 @@ def train(cfg: SlimeConfig) -> Path:
     rollout_manager = prepare(cfg)
     run_dir = _run_dir(cfg)
     started_ray = init_ray(cfg.cluster)
-    try:
-        run = setup(cfg, components, rollout_manager)
+    with contextlib.ExitStack() as cleanup:  # callbacks run last-registered first
+        if started_ray:
+            cleanup.callback(_quietly, ray.shutdown, "stopping Ray")
+        cleanup.callback(_quietly, rollout_manager.close, "stopping the reward workers")
+        run = setup(cfg, components, rollout_manager, cleanup)
         with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name,
                            config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
             loop(cfg, run, metrics_log)
-        run.rollout_manager.close()
         logger.info("done: metrics in %s, reward curve in %s", run_dir / METRICS_FILE, run_dir / PLOT_FILE)
         return run_dir
-    finally:
-        if started_ray:
-            ray.shutdown()
+
+
+def _quietly(action, what: str) -> None:
+    """Run a clean-up ``action``; log instead of raise, so the error that ended the run stays the one raised."""
+    try:
+        action()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("%s failed: %s", what, e)
 
 
 def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
@@ -117,7 +131,6 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
 class Run:
     """Everything :func:`loop` drives, built by :func:`setup`."""
 
-    placement: Placement
     engines: RolloutEngineGroup
     trainers: TrainerGroup
     rollout_manager: RolloutManager
@@ -170,7 +183,7 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     """
     ckpt.check_hf_folder(cfg.checkpoint.hf_checkpoint)
     if cfg.checkpoint.load:
-        _check_load(cfg.checkpoint.load)
+        _check_load(cfg.checkpoint.load, cfg.train_backend_config.checkpoint_parts())
     _resolve_num_rollout(cfg)
     processor = load_processor(cfg.checkpoint.hf_checkpoint,
                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
@@ -181,10 +194,13 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     )
 
 
-def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutManager) -> Run:
+def setup(
+    cfg: SlimeConfig, components: Components, rollout_manager: RolloutManager, cleanup: contextlib.ExitStack
+) -> Run:
     """Reserve resources, start engines and trainers, resume from ``--load``, sync weights.
 
     Needs a running Ray (:func:`slime.ray.placement.init_ray`) and the output of :func:`prepare`.
+    Everything started is stopped when ``cleanup`` closes, also if this function raises.
     """
     use_gpu = cluster_num_gpus() > 0
     if use_gpu:
@@ -193,7 +209,8 @@ def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutMana
     else:
         check_cpu_memory(cfg.cluster, ckpt.weights_bytes(cfg.checkpoint.hf_checkpoint))
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
-    engines, trainers = start_workers(cfg, placement, components)
+    cleanup.callback(placement.remove)
+    engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
     memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
     with memory.startup_phase():
@@ -206,23 +223,32 @@ def setup(cfg: SlimeConfig, components: Components, rollout_manager: RolloutMana
                     cfg.checkpoint.load, start, dropped)
     with memory.sync_phase():
         trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
-    return Run(placement, engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout)
+    return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout)
 
 
 def start_workers(
-    cfg: SlimeConfig, placement: Placement, components: Components | None = None
+    cfg: SlimeConfig, placement: Placement, components: Components, cleanup: contextlib.ExitStack
 ) -> tuple[RolloutEngineGroup, TrainerGroup]:
-    """Start the rollout engines and the trainer ranks (not yet initialised) on ``placement``."""
-    components = components or resolve_components(cfg)
-    engine_factory = functools.partial(components.engine_cls.from_config, cfg, use_gpu=placement.use_gpu)
-    engine_threads = None if placement.use_gpu else cpu_threads_per_actor(
-        placement.num_engines + (0 if placement.colocate else placement.num_trainers)
-    )
-    engines = RolloutEngineGroup(
-        [placement.engine_options(i) for i in range(placement.num_engines)], engine_factory, engine_threads
-    )
+    """Start the rollout engines and the trainer ranks (not yet initialised) on ``placement``.
+
+    The engines load their models while the trainer ranks start; returns once every engine is
+    healthy (``--rollout-engine-start-timeout``).  Both groups are shut down when ``cleanup``
+    closes, registered as soon as each one exists.
+
+    Raises:
+        EngineStartError: an engine failed to start or was not healthy in time (named in the message).
+    """
+    engine_cls = components.engine_cls
+    engine_factory = functools.partial(engine_cls.from_config, cfg)
+    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
+    cleanup.callback(engines.shutdown)
     backend_factory = functools.partial(components.backend_cls.from_config, cfg)
-    trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size)
+    transport = make_transport(
+        engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate
+    )
+    trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size, transport)
+    cleanup.callback(trainers.shutdown)
+    engines.wait_until_healthy(cfg.rollout.rollout_engine_start_timeout)
     return engines, trainers
 
 
@@ -246,10 +272,10 @@ def _logged_before(record: dict, start: int) -> bool:
     return 0 < start and (record["step"] <= start if is_eval else record["step"] < start)
 
 
-def _check_load(root: str) -> None:
+def _check_load(root: str, backend_parts: tuple[str, ...]) -> None:
     """``--load``: a missing folder starts from ``--hf-checkpoint`` (the ``--save D --load D``
     auto-resume pattern), with a warning in case it is a typo; a present one must hold a
-    complete latest checkpoint, or none yet."""
+    complete latest checkpoint (the backend's ``backend_parts`` and the driver's state), or none yet."""
     if not Path(root).exists():
         logger.warning("--load %s does not exist: starting from --hf-checkpoint", root)
         return
@@ -257,7 +283,7 @@ def _check_load(root: str) -> None:
     if latest is None:
         logger.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", root)
     else:
-        ckpt.check_complete(root, latest)
+        ckpt.check_complete(root, latest, backend_parts)
 
 
 def _resolve_num_rollout(cfg: SlimeConfig) -> None:
@@ -296,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         # One writer per --output-dir / --save; the run stops when --parent-pid exits.
         with claim_run_dirs(_run_dir(cfg), cfg.checkpoint.save, cfg.checkpoint.load,
-                            overwrite=cfg.logging.overwrite_output_dir), parent:
+                            overwrite=cfg.logging.overwrite_output_dir), parent, _sigterm_raises():
             train(cfg)
     except KeyboardInterrupt:
         if not parent.fired.is_set():
@@ -304,8 +330,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"slime: error: the launcher (--parent-pid {parent.pid}) exited, so the run stopped; "
                  "resume it with --load")
     except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
-            RunDirError) as e:
+            EngineStartError, PromptMismatchError, RunDirError) as e:
         sys.exit(f"slime: error: {e}")
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Turn the first SIGTERM (the launcher's stop, a cluster scheduler's cancel) into ``SystemExit(143)``,
+    so that :func:`train` stops its engines and trainers on the way out; a second SIGTERM kills at once."""
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

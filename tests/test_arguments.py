@@ -1,5 +1,11 @@
 """The command line: grouping, the upstream launcher's flags, pass-through SGLang flags, and every
-parse-time check (each bad input exits with code 2 and a message naming the flag and the fix)."""
+parse-time check (each bad input exits with code 2 and a message naming the flag and the fix).
+
+Upstream's command lines select the Megatron backend and SGLang engines, which are declared but
+not in this version, so ``parse_args`` would stop at its last check (``tests/test_registry.py``
+tests that refusal).  The autouse fixture below declares both built and installed, so that
+every test here reaches the end of ``parse_args`` and tests the flags themselves.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from slime.backends.registry import TRAIN_BACKENDS
 from slime.rollout.config import SGLangConfig, extract_sglang_args
+from slime.rollout.engines import ENGINES
 from slime.utils.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError, flag_name
 
@@ -65,6 +73,15 @@ BASE = shlex.split(
     "--hf-checkpoint not-on-disk/ckpt --num-rollout 2 --rollout-batch-size 4 --n-samples-per-prompt 2 "
     "--rollout-max-response-len 64 --colocate"
 )
+
+
+@pytest.fixture(autouse=True)
+def planned_backends_installed(monkeypatch):
+    """Declare ``--train-backend megatron`` and ``--rollout-backend sglang`` built, with nothing to install
+    (their targets are never imported here: parsing only asks whether they can run)."""
+    for registry, name in ((TRAIN_BACKENDS, "megatron"), (ENGINES, "sglang")):
+        entry = dataclasses.replace(registry.builtins[name], target=f"{__name__}:not_imported", requires=())
+        monkeypatch.setitem(registry.builtins, name, entry)
 
 
 def with_flags(*extra: str, base: list[str] = BASE) -> list[str]:
@@ -159,8 +176,9 @@ def test_upstream_geo3k_command_line_lands_in_the_right_groups():
     w = cfg.wandb
     assert w.use_wandb and (w.wandb_project, w.wandb_group, w.wandb_key) == ("slime-geo3k-vlm", "g", "k")
     assert w.disable_wandb_random_suffix
-    t = cfg.train
-    assert t.train_backend == "megatron" and t.global_batch_size == 512 and t.micro_batch_size == 1
+    assert cfg.train.train_backend == "megatron" and cfg.train.global_batch_size == 512
+    assert cfg.train.micro_batch_size == 1
+    t = cfg.megatron
     assert (t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size) == (2, 1, 1)
     assert (t.expert_model_parallel_size, t.expert_tensor_parallel_size) == (8, 1) and t.sequence_parallel
     assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == ("full", "uniform", 1)
@@ -186,7 +204,7 @@ def test_project_model_script_parses_with_the_upstream_command_line():
         16, 32, 128, 128,
     )  # fmt: skip
     assert m.attention_output_gate or m.use_gated_attention
-    assert cfg.train.tensor_model_parallel_size == 2 and cfg.sglang.server_args["ep_size"] == "8"
+    assert cfg.megatron.tensor_model_parallel_size == 2 and cfg.sglang.server_args["ep_size"] == "8"
 
 
 def test_config_to_argv_round_trips_and_redacts():
@@ -415,7 +433,7 @@ def test_expert_layout_that_fits_is_accepted():
         "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1", "--sequence-parallel",
         "--rollout-batch-size", "8",
     ))  # fmt: skip
-    assert cfg.train.expert_tensor_parallel == 1 and cfg.train.model_parallel_size == 4
+    assert cfg.megatron.expert_tensor_parallel == 1 and cfg.megatron.model_parallel_size == 4
 
 
 @pytest.mark.parametrize(
@@ -472,6 +490,8 @@ def test_requested_gpus_must_fit_the_cluster(colocate, available, fits):
         (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1], got 1.5"),
         (["--eval-top-p", "0"], "--eval-top-p must be in (0, 1]"),
         (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or >= 1"),
+        (["--rollout-engine-start-timeout", "0"], "--rollout-engine-start-timeout must be > 0 seconds, got 0.0"),
+        (["--rollout-engine-start-timeout", "nan"], "--rollout-engine-start-timeout must be > 0 seconds, got nan"),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1, got 0"),
         (["--num-epoch", "1"], "--num-rollout 2 and --num-epoch 1 both given"),
         (["--eval-interval", "5"], "--eval-interval 5 needs datasets to evaluate: add --eval-prompt-data"),
@@ -709,6 +729,10 @@ def test_model_args_are_not_checked_without_a_local_config(tmp_path):
         (["--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
           "--recompute-num-layers", "1"],
          ["--sequence-parallel (", "--recompute-granularity full (use --gradient-checkpointing)"]),
+        # Megatron flags that the FSDP backend used to ignore silently
+        (["--attention-backend", "flash", "--accumulate-allreduce-grads-in-fp32", "--attention-dropout", "0.1"],
+         ["--attention-backend flash (use --attn-implementation)",
+          "--accumulate-allreduce-grads-in-fp32 (a flag of --train-backend megatron)", "--attention-dropout 0.1 ("]),
     ],
 )  # fmt: skip
 def test_fsdp_backend_refuses_megatron_only_flags_at_parse_time(flags, named, capsys):
@@ -720,14 +744,45 @@ def test_fsdp_backend_refuses_megatron_only_flags_at_parse_time(flags, named, ca
 
 def test_megatron_only_flags_are_accepted_by_megatron_and_off_values_by_fsdp():
     cfg = parse_args(with_flags("--megatron-to-hf-mode", "bridge", "--sequence-parallel"))
-    assert cfg.checkpoint.megatron_to_hf_mode == "bridge" and cfg.train.train_backend == "megatron"
+    assert cfg.megatron.megatron_to_hf_mode == "bridge" and cfg.train.train_backend == "megatron"
     off = ["--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size", "1", "--megatron-to-hf-mode", "raw"]
     cfg = parse_args(with_flags("--train-backend", "fsdp", *off, "--gradient-checkpointing"))
-    assert cfg.train.train_backend == "fsdp" and cfg.checkpoint.megatron_to_hf_mode == "raw"
+    assert cfg.train.train_backend == "fsdp" and cfg.megatron.megatron_to_hf_mode == "raw"
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--gradient-checkpointing"], ["--gradient-checkpointing (use --recompute-granularity full"]),
+        (["--attn-implementation", "eager"], ["--attn-implementation eager (use --attention-backend)"]),
+    ],
+)
+def test_megatron_backend_refuses_fsdp_only_flags(flags, named, capsys):
+    err = parse_error(with_flags(*flags), capsys)  # the default --train-backend megatron
+    assert "--train-backend megatron does not implement" in err and "--train-backend fsdp" in err
+    for fragment in named:
+        assert fragment in err
+
+
+def test_fsdp_data_parallel_size_is_every_trainer_gpu(capsys):
+    # 4 FSDP ranks, 2 samples each per micro-batch: optimizer steps of 8, 16, ... samples
+    flags = ["--train-backend", "fsdp", "--actor-num-gpus-per-node", "4", "--micro-batch-size", "2",
+             "--rollout-batch-size", "8"]  # fmt: skip
+    err = parse_error(with_flags(*flags, "--global-batch-size", "4"), capsys)
+    assert "data-parallel size 4 (= the 4 trainer GPUs) * --micro-batch-size 2 = 8" in err
+    assert parse_args(with_flags(*flags, "--global-batch-size", "8")).train.global_batch_size == 8
+
+
+def test_weight_sync_bucket_size_is_a_byte_count(capsys):
+    assert parse_args(BASE).weight_sync.update_weight_buffer_size == 512 * 1024**2  # upstream's default
+    cfg = parse_args(with_flags("--update-weight-buffer-size", "1048576"))
+    assert cfg.weight_sync.update_weight_buffer_size == 1 << 20
+    err = parse_error(with_flags("--update-weight-buffer-size", "0"), capsys)
+    assert "--update-weight-buffer-size must be >= 1, got 0" in err
 
 
 def test_megatron_to_hf_mode_defaults_to_raw_and_takes_two_values(capsys):
-    assert parse_args(BASE).checkpoint.megatron_to_hf_mode == "raw"
+    assert parse_args(BASE).megatron.megatron_to_hf_mode == "raw"
     err = parse_error(with_flags("--megatron-to-hf-mode", "hf"), capsys)
     assert "--megatron-to-hf-mode" in err and "'raw', 'bridge'" in err
 

@@ -10,7 +10,6 @@ from slime.backends.batching import (
     bucket_by_bytes,
     check_train_sample,
     check_train_samples,
-    gather_log_probs,
     loss_normalizer,
     pad_per_token,
     split_into_micro_batches,
@@ -49,22 +48,6 @@ def test_micro_batch_size_must_be_positive():
 def test_pad_per_token_right_pads():
     out = pad_per_token([[1.0, 2.0], [], [3.0]], torch.float32, pad=-1)
     assert out.tolist() == [[1.0, 2.0], [-1.0, -1.0], [3.0, -1.0]]
-
-def test_gather_log_probs_matches_float64_log_softmax():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 5, 11, dtype=torch.bfloat16) * 4
-    tokens = torch.randint(0, 11, (2, 5))
-    for temperature in (1.0, 0.7):
-        expected = torch.log_softmax(logits.double() / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
-        got = gather_log_probs(logits, tokens, temperature)
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
-
-def test_gather_log_probs_bad_input():
-    with pytest.raises(ValueError, match="temperature"):
-        gather_log_probs(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), 0.0)
-    with pytest.raises(ValueError, match="must agree"):
-        gather_log_probs(torch.zeros(3, 4), torch.zeros(2, dtype=torch.long))
 
 def test_loss_normalizer_counts_samples_or_masked_tokens_without_distributed():
     batch = [sample(response=(1, 2, 3), loss_mask=(1, 0, 1)), sample(response=(4,), loss_mask=(1,))]

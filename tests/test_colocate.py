@@ -5,13 +5,10 @@ No Ray; the CUDA variants are skipped on CPU machines."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from slime import train
@@ -22,6 +19,7 @@ from slime.rollout.manager import RolloutBatch
 from slime.utils.arguments import parse_args
 from slime.utils.metrics import MetricsLogger
 from slime.utils.ppo_utils import GRPOConfig
+from tests.spawn_ranks import spawn_ranks
 
 CUDA = pytest.param(
     "cuda",
@@ -85,7 +83,8 @@ def _run_loop(tmp_path: Path, enabled: bool) -> list[tuple]:
     over 2 rollout steps."""
     cfg = parse_args(
         "--hf-checkpoint unused --num-rollout 2 --rollout-batch-size 2 --n-samples-per-prompt 2 "
-        "--rollout-max-response-len 8 --global-batch-size 4 --colocate --no-progress-bar".split()
+        "--rollout-max-response-len 8 --global-batch-size 4 --colocate --no-progress-bar "
+        "--train-backend fsdp --rollout-backend transformers".split()
     )
     rec = _Recorder()
     memory = ColocatedMemory(rec, rec, enabled=enabled)
@@ -93,9 +92,7 @@ def _run_loop(tmp_path: Path, enabled: bool) -> list[tuple]:
         rec.calls.append(("trainers.init",))
     with memory.sync_phase():  # train.setup: engines start from --hf-checkpoint and catch up
         rec.update_weights(rec)
-    run = train.Run(
-        placement=None, engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=2
-    )
+    run = train.Run(engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=2)
     with MetricsLogger(tmp_path, cfg.wandb, run_name="colocate") as metrics_log:
         train.loop(cfg, run, metrics_log)
     return rec.calls
@@ -238,71 +235,62 @@ def test_engine_unknown_tag_raises_and_changes_nothing(method, tiny_ckpt):
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _offload_job(rank: int, port: int, device: str, ckpt_dir: Path, samples, out: Path) -> None:
+def _offload_job(rank: int, device: str, ckpt_dir: Path, samples, out: Path) -> None:
     """One FSDP rank (world size 1) with a reference model: train, offload(keep_weights=True),
     sync, offload(), onload(), train; records where each kind of tensor is after each step."""
     from tests.test_fsdp_backend import make_backend
 
-    torch.set_num_threads(1)
-    try:
-        backend = make_backend(
-            RankInfo(rank, 1, "127.0.0.1", port, device), ckpt_dir, grpo=GRPOConfig(use_kl_loss=True, kl_loss_coef=0.1)
-        )
-        backend.init()
-        backend.train(0, samples, num_steps=1)  # creates the AdamW moments
+    # The process group exists (spawn_ranks), so the rendezvous address is never used.
+    backend = make_backend(
+        RankInfo(rank, 1, "127.0.0.1", 0, device), ckpt_dir, grpo=GRPOConfig(use_kl_loss=True, kl_loss_coef=0.1)
+    )
+    backend.init()
+    backend.train(0, samples, num_steps=1)  # creates the AdamW moments
 
-        def moments():
-            return [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
+    def moments():
+        return [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
 
-        def where() -> dict[str, set[str]]:
-            return {
-                "policy": {p.device.type for p in backend.model.parameters()},
-                "reference": {p.device.type for p in backend.ref_model.parameters()},
-                "optimizer": {t.device.type for t in moments()},
-            }
+    def where() -> dict[str, set[str]]:
+        return {
+            "policy": {p.device.type for p in backend.model.parameters()},
+            "reference": {p.device.type for p in backend.ref_model.parameters()},
+            "optimizer": {t.device.type for t in moments()},
+        }
 
-        def allocated() -> int:
-            return torch.cuda.memory_allocated() if device == "cuda" else 0
+    def allocated() -> int:
+        return torch.cuda.memory_allocated() if device == "cuda" else 0
 
-        def sync() -> dict[str, torch.Tensor]:
-            return {name: t.clone() for bucket in backend.iter_weight_buckets(1 << 20) for name, t in bucket}
+    def sync() -> dict[str, torch.Tensor]:
+        buckets = backend.iter_weight_buckets(1 << 20, device="cpu")
+        return {name: t.clone() for bucket in buckets for name, t in bucket}
 
-        def nbytes(tensors) -> int:
-            return sum(t.to_local().numel() * t.element_size() for t in tensors)
+    def nbytes(tensors) -> int:
+        return sum(t.to_local().numel() * t.element_size() for t in tensors)
 
-        weights = sync()
-        placements, memory = {"trained": where()}, {"trained": allocated()}
-        backend.offload(keep_weights=True)
-        placements["kept"], memory["kept"] = where(), allocated()
-        synced = sync()
-        same_weights = weights.keys() == synced.keys() and all(torch.equal(synced[n], w) for n, w in weights.items())
-        backend.offload()
-        placements["offloaded"], memory["offloaded"] = where(), allocated()
-        backend.onload()
-        placements["onloaded"] = where()
-        metrics = backend.train(1, samples, num_steps=1)
-        torch.save(
-            dict(
-                placements=placements,
-                memory=memory,
-                bytes={
-                    "policy": nbytes(backend.model.parameters()),
-                    "rest": nbytes(backend.ref_model.parameters()) + nbytes(moments()),
-                },
-                same_weights=same_weights,
-                metrics=metrics,
-            ),
-            out / "offload.pt",
-        )
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    weights = sync()
+    placements, memory = {"trained": where()}, {"trained": allocated()}
+    backend.offload(keep_weights=True)
+    placements["kept"], memory["kept"] = where(), allocated()
+    synced = sync()
+    same_weights = weights.keys() == synced.keys() and all(torch.equal(synced[n], w) for n, w in weights.items())
+    backend.offload()
+    placements["offloaded"], memory["offloaded"] = where(), allocated()
+    backend.onload()
+    placements["onloaded"] = where()
+    metrics = backend.train(1, samples, num_steps=1)
+    torch.save(
+        dict(
+            placements=placements,
+            memory=memory,
+            bytes={
+                "policy": nbytes(backend.model.parameters()),
+                "rest": nbytes(backend.ref_model.parameters()) + nbytes(moments()),
+            },
+            same_weights=same_weights,
+            metrics=metrics,
+        ),
+        out / "offload.pt",
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -312,13 +300,7 @@ def test_fsdp_offload_keep_weights_moves_all_but_the_policy(device, tiny_ckpt, t
     from tests.test_fsdp_backend import make_samples
 
     samples = make_samples(tiny_ckpt, [5, 3, 6, 4], images=[True, False, True, False])
-    for attempt in range(3):  # the free port may be taken before the rank binds it
-        try:
-            mp.spawn(_offload_job, args=(_free_port(), device, tiny_ckpt, samples, tmp_path), nprocs=1, join=True)
-            break
-        except mp.ProcessRaisedException as e:
-            if "Address already in use" not in str(e) or attempt == 2:
-                raise
+    spawn_ranks(_offload_job, device, tiny_ckpt, samples, tmp_path, world_size=1, device=device)
     result = torch.load(tmp_path / "offload.pt")
 
     assert result["same_weights"]  # the sync after offload(keep_weights=True) reads the trained weights

@@ -49,6 +49,11 @@ def test_decode_cudnn_version_rejects_non_versions(bad):
         ("2.9.0+cu128", 91002, ["upgrade to torch 2.9.1", "nvidia-cudnn-cu12==9.16.0.29"]),
         ("2.9.0+cu128", 91600, ["torch 2.9.0+cu128 with cuDNN 9.16.0", "upgrade to torch 2.9.1"]),
         ("2.9.0a0+gitabc123", 91002, ["upgrade to torch 2.9.1"]),
+        # later releases keep 2.9.1's run-time bypass: affected whenever cuDNN 9.8 - 9.14 is installed
+        ("2.10.0+cu128", 91002, ["cuDNN 9.10.2", "nvidia-cudnn-cu12==9.16.0.29"]),
+        ("2.11.0+cu130", 91400, ["cuDNN 9.14.0", "nvidia-cudnn-cu13==9.16.0.29"]),  # the GPU image's torch
+        ("2.13.0+cu130", 90800, ["cuDNN 9.8.0"]),  # the newest pinned torch
+        ("2.12.0.dev20260301+cu130", 91300, ["cuDNN 9.13.0"]),  # a nightly
     ],
 )
 def test_known_bad_pairs_warn_with_the_fix(torch_version, cudnn, fragments):
@@ -67,9 +72,11 @@ def test_known_bad_pairs_warn_with_the_fix(torch_version, cudnn, fragments):
         ("2.9.1+cu130", 92000),
         ("2.9.1+cu128", 90705),  # below 9.8 torch 2.9 keeps using cuDNN
         ("2.9.1+cu118", 8907),
-        ("2.8.0+cu128", 91002),  # other torch releases are not affected
-        ("2.10.0+cu128", 91002),
+        ("2.8.0+cu128", 91002),  # torch before 2.9 never bypasses cuDNN for this
+        ("1.13.1+cu117", 8907),
+        ("2.10.0+cu128", 91501),  # 2.10's own cuDNN pin (9.15.1)
         ("2.11.0+cu130", 91900),  # the GPU image
+        ("2.13.0+cu130", 90705),
         ("2.13.0+cpu", None),
         ("2.9.1+cu128", None),  # no cuDNN: nothing to judge
     ],

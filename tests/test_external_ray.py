@@ -1,14 +1,19 @@
 """End to end: with ``--ray-address`` (what ``SLIME_SCRIPT_EXTERNAL_RAY=1`` passes) the driver joins
-a running Ray cluster, trains on it, and leaves it running: it never starts or stops one.  When
-its launcher (``--parent-pid``) is SIGKILLed, the driver and the run's actors go, the cluster stays.
+a running Ray cluster, trains on it, and leaves it running: it never starts or stops one.  It
+does stop everything it started there: the trainer and engine actors and the engine's server.
+When its launcher (``--parent-pid``) is SIGKILLed, the driver and the run's actors go, the
+cluster stays.
 
 The cluster is a ``ray start --head --block`` started here in a session of its own, so the
 test can check afterwards that every process of that session is still alive and then stop
-exactly those processes.
+exactly those processes.  The engine is the transformers engine plus a "server" process that
+Ray's own clean-up of a finished job does not reach (:class:`tests.stub_engines.ServerEngine`):
+only the run's shutdown stops it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,7 +25,15 @@ from pathlib import Path
 import pytest
 
 from slime.utils.metrics import read_metrics
-from tests.process_tree import all_processes, kill_session, session_members, wait_for, wait_session_gone
+from tests.process_tree import (
+    all_processes,
+    is_alive,
+    kill_session,
+    read_proc,
+    session_members,
+    wait_for,
+    wait_session_gone,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -112,44 +125,55 @@ def test_sigkill_of_the_launcher_stops_the_run_on_an_external_cluster_and_leaves
 
 
 def test_driver_joins_an_external_cluster_and_leaves_it_running(tmp_path, tiny_ckpt):
-    port = _free_port()
     # One authentication mode for the head, `ray status` and the driver (Ray 2.60 defaults differ
     # between `ray start` and clients).
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
            "RAY_AUTH_MODE": "disabled"}
-    head = subprocess.Popen(
-        [_ray_cli(), "start", "--head", "--block", "--port", str(port), "--num-cpus", "4",
-         "--include-dashboard", "false", "--node-ip-address", "127.0.0.1"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
+    head, address = _start_head(env)
     try:
-        address = f"127.0.0.1:{port}"
-        status = None
-        for _ in range(120):  # the head takes seconds to come up on a busy machine
-            status = subprocess.run([_ray_cli(), "status", "--address", address], env=env,
-                                    capture_output=True, text=True)
-            if status.returncode == 0:
-                break
-            time.sleep(1)
-        assert status is not None and status.returncode == 0, f"ray head did not start:\n{status.stdout}{status.stderr}"
         cluster_before = {p.pid for p in session_members(head.pid)}
 
         out = tmp_path / "run"
-        proc = subprocess.run(
+        driver = subprocess.Popen(
             [sys.executable, "-m", "slime.train",
              "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR),
              "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
              "--apply-chat-template", "--num-rollout", "1", "--rollout-batch-size", "2",
              "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
-             "--skip-eval-before-train", "--train-backend", "fsdp", "--rollout-backend", "transformers",
+             "--skip-eval-before-train", "--train-backend", "fsdp",
+             "--rollout-backend", "tests.stub_engines:ServerEngine",
              "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--no-progress-bar",
              "--ray-address", address, "--output-dir", str(out)],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
+            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        assert "joined Ray cluster" in proc.stderr
-        assert "Started a local Ray instance" not in proc.stderr  # it never starts one of its own
+        # While the run goes on, note its processes: the actors (Ray names them "ray::<class>..."), and
+        # the engine's server once the engine has written its pid.
+        seen: dict[int, object] = {}
+        record = out / "engine-0.json"
+
+        def note_run_processes():
+            seen.update({p.pid: p for p in session_members(head.pid)  # the cluster's workers, not other tests'
+                         if p.cmdline.startswith(("ray::TrainerActor", "ray::EngineActor"))})
+            if record.exists() and record.stat().st_size:
+                server = read_proc(json.loads(record.read_text())["server_pid"])
+                if server is not None:
+                    seen[server.pid] = server
+
+        stderr = _collect_while_running(driver, note_run_processes, timeout_s=900)
+        assert driver.returncode == 0, stderr[-4000:]
+        assert "joined Ray cluster" in stderr
+        assert "Started a local Ray instance" not in stderr  # it never starts one of its own
         assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "rollout/reward_mean" in r] == [0]
+
+        # No process of the run is left: the 2 trainer ranks, the engine and its server (which would
+        # outlive an actor that Ray kills at the end of the job).
+        pids = json.loads(record.read_text())
+        trainers = [p for p in seen.values() if p.cmdline.startswith("ray::TrainerActor")]
+        assert len(trainers) == 2 and pids["actor_pid"] in seen and pids["server_pid"] in seen, seen
+        deadline = time.monotonic() + 60  # Ray reaps a finished job's workers asynchronously
+        while any(is_alive(p) for p in seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(is_alive(p) for p in seen.values()), [str(p) for p in seen.values() if is_alive(p)]
 
         # The cluster survived the driver: the head process group answers, and every process
         # it had before the run still runs.
@@ -160,3 +184,22 @@ def test_driver_joins_an_external_cluster_and_leaves_it_running(tmp_path, tiny_c
     finally:
         kill_session(head.pid)
         wait_session_gone(head.pid, timeout_s=60)
+
+
+def _collect_while_running(process: subprocess.Popen, sample, timeout_s: float, interval_s: float = 0.5) -> str:
+    """Call ``sample()`` every ``interval_s`` until ``process`` exits; return its stderr (read in a
+    thread, so that a full pipe never blocks it)."""
+    import threading
+
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(process.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None:
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"the driver did not finish within {timeout_s:.0f}s")
+        sample()
+        time.sleep(interval_s)
+    reader.join(timeout=30)
+    return "".join(chunks)

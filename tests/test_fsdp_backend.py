@@ -1,7 +1,7 @@
 """--train-backend fsdp on CPU: 2 ranks over gloo against single-process references.
 
-Each test spawns its own 2 ranks (torch.multiprocessing, gloo on 127.0.0.1, a free port)
-that build :class:`FSDPBackend` on the tiny Qwen3.5-MoE checkpoint and write what they
+Each test spawns its own 2 ranks (:func:`tests.spawn_ranks.spawn_ranks`: gloo, a FileStore
+rendezvous, no port) that build :class:`FSDPBackend` on the tiny Qwen3.5-MoE checkpoint and write what they
 computed into ``tmp_path``; the test process then compares it with a reference written
 here independently: the plain Hugging Face model, log-probs by ``log_softmax`` in float64,
 the GRPO loss by hand, ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW``.
@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from PIL import Image
 from safetensors import safe_open
 
 from slime.backends.base import RankInfo
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
+from slime.backends.fsdp.config import FSDPConfig
 from slime.utils import checkpoint as ckpt
 from slime.utils.image import encode_image_base64
 from slime.utils.ppo_utils import GRPOConfig
 from slime.utils.processor import load_processor
 from slime.utils.types import Sample
+from tests.spawn_ranks import spawn_ranks
 
 WORLD = 2
 TEMPERATURE = 0.8
@@ -79,40 +79,23 @@ def make_samples(ckpt_dir: Path, response_lens: list[int], images: list[bool], s
     return samples
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, port: int, device: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    try:
-        fn(RankInfo(rank, WORLD, "127.0.0.1", port, device), *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _entry(rank: int, fn, device: str, args: tuple) -> None:
+    # The process group already exists (spawn_ranks), so the backend joins it and never uses
+    # the rendezvous address of its RankInfo.
+    fn(RankInfo(rank, WORLD, "127.0.0.1", 0, device), *args)
 
 
 def spawn(fn, *args, device: str = "cpu") -> None:
-    """Run ``fn(rank_info, *args)`` on 2 ranks (``device`` "cpu" or "cuda"); re-raises a rank's exception.
-
-    The rendezvous port is free when picked but may be taken before rank 0 binds it (other
-    test runs share the machine): such a start is retried with a new port, twice at most.
-    """
-    for attempt in range(3):
-        try:
-            mp.spawn(_entry, args=(fn, _free_port(), device, args), nprocs=WORLD, join=True)
-            return
-        except mp.ProcessRaisedException as e:
-            if "Address already in use" not in str(e) or attempt == 2:
-                raise
+    """Run ``fn(rank_info, *args)`` on 2 ranks (``device`` "cpu" or "cuda"); re-raises a rank's exception."""
+    spawn_ranks(_entry, fn, device, args, world_size=WORLD, device=device)
 
 
-def make_backend(rank_info: RankInfo, ckpt_dir, *, train=None, optimizer=None, checkpoint=None, **kwargs):
+def make_backend(
+    rank_info: RankInfo, ckpt_dir, *, train=None, fsdp=None, optimizer=None, checkpoint=None, **kwargs
+):
     """An FSDPBackend on the tiny checkpoint (float32, micro-batch 1, AdamW lr 1e-3, wd 0.1, clip 1.0).
 
-    ``train`` / ``optimizer`` / ``checkpoint``: dicts of config fields to override; ``kwargs``
+    ``train`` / ``fsdp`` / ``optimizer`` / ``checkpoint``: dicts of config fields to override; ``kwargs``
     override the other constructor arguments (``grpo``, ``rollout_temperature``, ...).
     """
     from slime.backends.fsdp.backend import FSDPBackend
@@ -121,6 +104,7 @@ def make_backend(rank_info: RankInfo, ckpt_dir, *, train=None, optimizer=None, c
     return FSDPBackend(
         rank_info,
         train=TrainConfig(**{"train_backend": "fsdp", "micro_batch_size": 1, "bf16": False, **(train or {})}),
+        fsdp=FSDPConfig(**(fsdp or {})),
         optimizer=OptimizerConfig(**{"lr": 1e-3, "weight_decay": 0.1, "clip_grad": 1.0, **(optimizer or {})}),
         checkpoint=CheckpointConfig(**{"hf_checkpoint": str(ckpt_dir), **(checkpoint or {})}),
         **{**args, **kwargs},
@@ -202,8 +186,8 @@ def test_two_optimizer_steps_match_single_process_reference(
     # gradient is ~1e-9 (float32 noise level), and the 1e-7-relative gradient differences of
     # a sharded vs a plain computation become update differences of ~1% there.
     optimizer = {"clip_grad": 0.5, "adam_eps": 1e-4}
-    train = {"micro_batch_size": micro_batch_size, "gradient_checkpointing": recompute}
-    overrides = dict(grpo=grpo, train=train, optimizer=optimizer)
+    train = {"micro_batch_size": micro_batch_size}
+    overrides = dict(grpo=grpo, train=train, fsdp={"gradient_checkpointing": recompute}, optimizer=optimizer)
     spawn(_job_train, tiny_ckpt, samples, tmp_path, overrides)
     result = torch.load(tmp_path / "result.pt")
 
@@ -379,14 +363,13 @@ def _job_buckets(rank_info, ckpt_dir, out, sizes):
     backend = make_backend(rank_info, ckpt_dir)
     backend.init()
     for size in sizes:
-        buckets = list(backend.iter_weight_buckets(size))
-        if rank_info.rank == 0:
-            torch.save(buckets, out / f"buckets{size}.pt")
-        else:
-            assert buckets == [], "only rank 0 yields"
+        buckets = list(backend.iter_weight_buckets(size, device="cpu"))
+        torch.save(buckets, out / f"buckets{size}_rank{rank_info.rank}.pt")
 
 
 def test_weight_buckets_carry_checkpoint_names_and_tensors(tiny_ckpt, tmp_path):
+    """Each rank yields the rounds it is the source of (round k: rank k % 2), in lockstep; the union is
+    the checkpoint, each name once, every tensor equal to the safetensors on disk."""
     sizes = [1, 300_000, 1 << 30]
     spawn(_job_buckets, tiny_ckpt, tmp_path, sizes)
 
@@ -396,23 +379,31 @@ def test_weight_buckets_carry_checkpoint_names_and_tensors(tiny_ckpt, tmp_path):
             on_disk.update({key: f.get_tensor(key) for key in f.keys()})
     counts = []
     for size in sizes:
-        buckets = torch.load(tmp_path / f"buckets{size}.pt")
-        names = [name for bucket in buckets for name, _ in bucket]
+        by_rank = [torch.load(tmp_path / f"buckets{size}_rank{rank}.pt") for rank in range(WORLD)]
+        assert len(by_rank[0]) == len(by_rank[1]), "lockstep: every rank yields once per round"
+        rounds = len(by_rank[0])
+        for k in range(rounds):
+            source = k % WORLD
+            assert by_rank[source][k], f"round {k} at size {size} is empty on its source rank {source}"
+            assert by_rank[1 - source][k] == [], f"round {k} at size {size} also yielded by rank {1 - source}"
+        names = [name for buckets in by_rank for bucket in buckets for name, _ in bucket]
         assert sorted(names) == sorted(on_disk), f"bucket_bytes={size}"
         assert len(names) == len(set(names))
-        for bucket in buckets:
-            for name, tensor in bucket:
-                assert tensor.device.type == "cpu" and tensor.dtype == torch.float32
-                torch.testing.assert_close(tensor, on_disk[name], rtol=0, atol=0, msg=name)
-        # A decoder layer (with all its experts) or a vision block never straddles two buckets.
+        for buckets in by_rank:
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    assert tensor.device.type == "cpu" and tensor.dtype == torch.float32
+                    torch.testing.assert_close(tensor, on_disk[name], rtol=0, atol=0, msg=name)
+        # A decoder layer (with all its experts) or a vision block never straddles two rounds.
         owner = {}
-        for i, bucket in enumerate(buckets):
-            for name, _ in bucket:
+        for k in range(rounds):
+            for name, _ in by_rank[k % WORLD][k]:
                 if name.startswith(("model.language_model.layers.", "model.visual.blocks.")):
                     unit = ".".join(name.split(".")[:4])  # e.g. model.language_model.layers.3
-                    assert owner.setdefault(unit, i) == i, f"{unit} split across buckets at size {size}"
-        counts.append(len(buckets))
-    # 4 decoder layers + 2 vision blocks + the root's parameters: one bucket each at 1 byte.
+                    assert owner.setdefault(unit, k) == k, f"{unit} split across rounds at size {size}"
+        counts.append(rounds)
+    # 4 decoder layers + 2 vision blocks + the root's parameters: one round each at 1 byte (so both
+    # ranks are sources: 4 rounds on rank 0, 3 on rank 1); all in one round at 1 GiB.
     assert counts[0] == 7 and counts[-1] == 1 and counts[0] > counts[1] > 1
 
 
@@ -606,20 +597,14 @@ def test_malformed_samples_raise_naming_the_sample(tiny_ckpt, tmp_path):
     assert "another trainer rank" in errors_rank1["bad_mask"]
 
 
-@pytest.mark.parametrize(
-    "flag, value",
-    [
-        ("tensor_model_parallel_size", 2),
-        ("expert_model_parallel_size", 2),
-        ("sequence_parallel", True),
-        ("recompute_granularity", "selective"),
-    ],
-)
-def test_megatron_only_flags_are_refused(tiny_ckpt, flag, value):
+def test_dynamic_batching_is_refused_when_built_directly(tiny_ckpt):
+    # Megatron's flags never reach FSDPBackend (they live in MegatronConfig); the shared one it does not
+    # implement is refused by the backend itself too, not only at parse time.
     from slime.utils.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
-        make_backend(RankInfo(0, 1, "127.0.0.1", 0, "cpu"), tiny_ckpt, train={flag: value})
+    train = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 1024}
+    with pytest.raises(ConfigError, match="--use-dynamic-batch-size"):
+        make_backend(RankInfo(0, 1, "127.0.0.1", 0, "cpu"), tiny_ckpt, train=train)
 
 
 def test_unknown_checkpoint_folder_is_refused(tmp_path):
@@ -670,7 +655,11 @@ def _job_gpu(rank_info, ckpt_dir, samples, out):
     metrics_after = backend.train(1, rank_share(samples, rank_info.rank, 1), num_steps=1)
     trained = full_params(backend.model)
     assert not torch.equal(trained["lm_head.weight"], params_after["lm_head.weight"])
-    buckets = [[(n, t.dtype, t.device.type) for n, t in bucket] for bucket in backend.iter_weight_buckets(1 << 20)]
+    buckets = [
+        [(n, t.dtype, t.device.type) for n, t in bucket]
+        for bucket in backend.iter_weight_buckets(1 << 20, device="cpu")
+    ]
+    torch.save(buckets, out / f"gpu_buckets{rank_info.rank}.pt")
     backend.save(0, ckpt.iteration_dir(out / "ckpt", 0))
     if rank_info.rank == 0:
         torch.save(
@@ -680,7 +669,6 @@ def _job_gpu(rank_info, ckpt_dir, samples, out):
                 master_dtypes=master_dtypes,
                 memory=(on_gpu - offloaded, shard_bytes),
                 devices=(devices_offloaded, devices_onloaded),
-                buckets=buckets,
             ),
             out / "gpu.pt",
         )
@@ -705,8 +693,9 @@ def test_gpu_bf16_training_offload_and_weight_sync(tiny_ckpt, tmp_path):
     assert result["devices"] == ({"cpu"}, {"cuda"})
     for metrics in result["metrics"]:
         assert all(np.isfinite(v) for v in metrics.values()), metrics
+    buckets = [bucket for rank in range(WORLD) for bucket in torch.load(tmp_path / f"gpu_buckets{rank}.pt")]
     with safe_open(Path(tiny_ckpt) / "model.safetensors", "pt") as f:
-        assert sorted(name for bucket in result["buckets"] for name, _, _ in bucket) == sorted(f.keys())
-    assert {(dtype, device) for bucket in result["buckets"] for _, dtype, device in bucket} == {(torch.bfloat16, "cpu")}
+        assert sorted(name for bucket in buckets for name, _, _ in bucket) == sorted(f.keys())
+    assert {(dtype, device) for bucket in buckets for _, dtype, device in bucket} == {(torch.bfloat16, "cpu")}
     loaded = hf_model(ckpt.model_dir(tmp_path / "ckpt", 0))
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from slime.rollout.engines.base import GenerateRequest, PromptMismatchError, SamplingParams
+from slime.rollout.engines.base import BundleResources, EngineResources, GenerateRequest, SamplingParams
 from slime.rollout.engines.hf_engine import TransformersEngine, sample_next_tokens
 from slime.rollout.seeds import sampling_seed, uniform
 from slime.utils.image import decode_image, encode_image_base64
@@ -262,9 +262,7 @@ def test_inverse_cdf_sampling_by_hand():
 
 def _seeded(requests: list[GenerateRequest], seeds: list[int]) -> list[GenerateRequest]:
     return [
-        GenerateRequest(
-            r.text, r.image_data, dataclasses.replace(r.sampling_params, sampling_seed=s), r.expected_prompt_len
-        )
+        dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, sampling_seed=s))
         for r, s in zip(requests, seeds)
     ]
 
@@ -376,14 +374,12 @@ def test_stop_strings_end_and_trim_the_response(greedy_engine, processor):
         assert out.text == expected_text
 
 
-def test_prompt_length_mismatch_names_the_request(greedy_engine, processor):
-    req = _request(processor, "Find x.", 1, seed=0, rid="geo3k-17")
-    true_len = len(processor(req.text, [decode_image(req.image_data[0])]).input_ids)
-    req.expected_prompt_len = true_len + 1
-    with pytest.raises(PromptMismatchError, match=rf"geo3k-17.*{true_len} tokens.*expected {true_len + 1}"):
-        greedy_engine.generate([req])
-    req.expected_prompt_len = true_len
-    assert greedy_engine.generate([req])[0].prompt_tokens == true_len
+def test_engine_reports_the_prompt_length_it_saw(greedy_engine, processor):
+    # The rollout manager checks it against the data pipeline's count (tests/test_rollout_manager.py).
+    requests = [_request(processor, "Find x.", 1, seed=0), _request(processor, "Which angle is larger?", 2, seed=2)]
+    expected = [len(processor(r.text, [decode_image(b) for b in r.image_data]).input_ids) for r in requests]
+    assert [out.prompt_tokens for out in greedy_engine.generate(requests)] == expected
+    assert greedy_engine.capacity == greedy_engine.max_batch_size == 32
 
 
 @pytest.mark.parametrize(
@@ -596,14 +592,30 @@ def test_from_config_reads_the_run_flags(tiny_ckpt, processor):
 
     cfg = parse_args(
         f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
-        "--rollout-seed 40 --image-max-pixels 4096 --colocate".split()
+        "--rollout-seed 40 --image-max-pixels 4096 --colocate "
+        "--train-backend fsdp --rollout-backend transformers".split()
     )
-    engine = TransformersEngine.from_config(cfg, 2, use_gpu=False)
+    engine = TransformersEngine.from_config(cfg, _resources(index=2))
     assert engine.device == torch.device("cpu") and engine.model.dtype == torch.float32
     assert engine.processor.max_pixels == 4096
     requests = _mixed_requests(processor, max_new_tokens=4, temperature=1.0)
     expected = TransformersEngine(str(tiny_ckpt), seed=42, max_pixels=4096).generate(requests)
     assert [o.output_ids for o in engine.generate(requests)] == [o.output_ids for o in expected]
+
+
+def _resources(index: int, gpu_ids: tuple[str, ...] = ()) -> EngineResources:
+    bundle = BundleResources(0, "127.0.0.1", "node", gpu_ids[:1], 1.0)
+    more = [BundleResources(i, "127.0.0.1", "node", (gpu,), 1.0) for i, gpu in enumerate(gpu_ids[1:], start=1)]
+    return EngineResources(index, (bundle, *more), use_gpu=bool(gpu_ids))
+
+
+def test_from_config_refuses_more_than_one_gpu(tiny_ckpt):
+    from slime.utils.arguments import parse_args
+
+    cfg = parse_args(f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 "
+                     "--rollout-max-response-len 8 --colocate".split())
+    with pytest.raises(ValueError, match="--rollout-num-gpus-per-engine 2: the transformers engine runs on one GPU"):
+        TransformersEngine.from_config(cfg, _resources(0, gpu_ids=("0", "1")))
 
 
 def test_registry_and_import_do_not_pull_sglang():

@@ -32,13 +32,20 @@ def test_disaggregated_gets_separate_bundles(local_ray):
     placement = create_placement_groups(cluster, use_gpu=False)
     try:
         assert not placement.colocate and placement.trainer_pg != placement.engine_pg
-        assert placement.trainer_bundles == [0, 1] and placement.engine_bundles == [0, 1]
+        assert placement.trainer_bundles == [0, 1] and placement.engine_bundles == [[0], [1]]
         assert _bundles(placement.trainer_pg) == [{"CPU": 1.0}] * 2
         assert _bundles(placement.engine_pg) == [{"CPU": 1.0}] * 2
         assert placement.trainer_options(1)["num_cpus"] == 1 and placement.trainer_options(1)["num_gpus"] == 0
+        # Each engine is told where its bundle is (probed inside it): this node, no GPU, 1 CPU.
+        for index, resources in enumerate(placement.engine_resources):
+            assert resources.index == index and not resources.use_gpu and not resources.colocated
+            here = ray.util.get_node_ip_address()
+            assert [(b.node_ip, b.gpu_ids, b.num_cpus) for b in resources.bundles] == [(here, (), 1.0)]
+        assert "runtime_env" not in placement.engine_options(0)  # CPU engines: nothing for Ray to leave alone
     finally:
-        ray.util.remove_placement_group(placement.trainer_pg)
-        ray.util.remove_placement_group(placement.engine_pg)
+        placement.remove()
+        placement.remove()  # idempotent
+        assert {pg["state"] for pg in placement_group_table().values()} == {"REMOVED"}
 
 
 def test_colocated_engines_share_the_trainer_bundles(local_ray):
@@ -47,12 +54,15 @@ def test_colocated_engines_share_the_trainer_bundles(local_ray):
     placement = create_placement_groups(cluster, use_gpu=False)
     try:
         assert placement.colocate and placement.trainer_pg == placement.engine_pg
-        assert placement.trainer_bundles == [0, 1, 2, 3] and placement.engine_bundles == [0, 2]
+        assert placement.trainer_bundles == [0, 1, 2, 3] and placement.engine_bundles == [[0, 1], [2, 3]]
         assert _bundles(placement.trainer_pg) == [{"CPU": 1.0}] * 4
-        # Half a CPU each, so a trainer rank and an engine fit in one bundle.
+        assert all(r.colocated for r in placement.engine_resources)
+        # Half a CPU each, so a trainer rank and an engine fit in one bundle; the engine's actor goes
+        # on its first bundle.
         assert placement.trainer_options(3)["num_cpus"] == 0.5 and placement.engine_options(1)["num_cpus"] == 0.5
+        assert placement.engine_options(1)["scheduling_strategy"].placement_group_bundle_index == 2
     finally:
-        ray.util.remove_placement_group(placement.trainer_pg)
+        placement.remove()
 
 
 def test_too_small_cluster_fails_at_once_naming_the_flags(local_ray):
@@ -132,3 +142,37 @@ def test_host_memory_available_reads_meminfo():
     with open("/proc/meminfo") as f:
         expected = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     assert abs(host_memory_available() - expected) < 256 << 20  # it moves a little between the reads
+
+
+def test_engines_take_neighbouring_gpus_of_one_node_whatever_the_bundle_numbering():
+    from slime.ray.placement import COLOCATED_ENGINE_GPU, NOSET_CUDA_VISIBLE_DEVICES, Placement, assign_engine_bundles
+    from slime.rollout.engines.base import BundleResources, EngineResources
+
+    # Two nodes of 4 GPUs, bundles numbered by Ray in no particular order; GPU ids "10" and "2"
+    # sort as numbers. By hand: node A holds bundles 5 (GPU 2), 1 (GPU 10), 3 (GPU 0), 6 (GPU 1);
+    # node B bundles 0, 2, 4, 7 with GPUs 3, 1, 0, 2.
+    layout = {0: ("10.0.0.2", "3"), 1: ("10.0.0.1", "10"), 2: ("10.0.0.2", "1"), 3: ("10.0.0.1", "0"),
+              4: ("10.0.0.2", "0"), 5: ("10.0.0.1", "2"), 6: ("10.0.0.1", "1"), 7: ("10.0.0.2", "2")}
+    bundles = [BundleResources(i, ip, f"node-{ip}", (gpu,), 1.0) for i, (ip, gpu) in layout.items()]
+    engines = assign_engine_bundles(bundles, per_engine=2)
+    assert [[b.bundle_index for b in engine] for engine in engines] == [[3, 6], [5, 1], [4, 2], [7, 0]]
+
+    resources = [EngineResources(i, engine, use_gpu=True, colocated=True) for i, engine in enumerate(engines)]
+    assert resources[1].gpu_ids == ["2", "10"] and resources[1].local_cuda_visible_devices == "2,10"
+    assert resources[2].node_ip == "10.0.0.2" and resources[2].num_gpus == 2
+    assert resources[1].describe() == "engine 1 (node 10.0.0.1, bundles [5, 1], GPUs 2,10)"
+
+    # The engine actor goes on its first bundle, with a fraction of its GPU (colocated) and Ray told
+    # to leave CUDA_VISIBLE_DEVICES to it.
+    placement = Placement(use_gpu=True, colocate=True, trainer_pg=None, trainer_bundles=list(range(8)),
+                          engine_pg=None, engine_resources=resources)
+    options = placement.engine_options(1)
+    assert options["scheduling_strategy"].placement_group_bundle_index == 5
+    assert options["num_gpus"] == COLOCATED_ENGINE_GPU
+    assert options["runtime_env"] == {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+
+    # An engine larger than a node spans both; the GPUs of its actor's node are the local ones.
+    (big,) = assign_engine_bundles(bundles, per_engine=8)
+    spanning = EngineResources(0, big, use_gpu=True)
+    assert spanning.node_ips == ["10.0.0.1", "10.0.0.2"]
+    assert spanning.local_cuda_visible_devices == "0,1,2,10" and spanning.num_gpus == 8

@@ -22,9 +22,10 @@ from slime.utils.ppo_utils import (
     compute_approx_kl,
     compute_group_advantages,
     compute_policy_loss,
-    entropy_from_logits,
     get_advantage_estimator,
     grpo_loss,
+    grpo_micro_batch_loss,
+    per_token_advantages,
 )
 
 EPS = 1e-6
@@ -398,32 +399,6 @@ def test_kl_unknown_type_lists_valid():
         compute_approx_kl(torch.zeros(2), torch.zeros(2), "kl")
 
 
-# --------------------------------------------------------------------------- entropy
-
-
-def test_entropy_matches_float64_loop():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 4, 50, generator=gen, dtype=torch.float64) * 4
-    logits[0, 0] += 1e4  # a large shift must not overflow (logsumexp)
-    logits[1, 2, 7] = 80.0  # nearly one-hot
-    logits = logits.float().double()  # the reference sees exactly the float32 inputs
-    expected = torch.empty(3, 4, dtype=torch.float64)
-    for i in range(3):
-        for j in range(4):
-            row = logits[i, j].tolist()
-            top = max(row)
-            z = math.fsum(math.exp(v - top) for v in row)
-            probs = [math.exp(v - top) / z for v in row]
-            expected[i, j] = -math.fsum(pv * math.log(pv) for pv in probs if pv > 0)
-    out = entropy_from_logits(logits.float())
-    assert out.dtype == torch.float32 and out.shape == (3, 4)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    bf16 = entropy_from_logits(logits.bfloat16())
-    assert bf16.dtype == torch.float32
-    # uniform logits: H = log V
-    assert entropy_from_logits(torch.zeros(7, dtype=torch.bfloat16)).item() == pytest.approx(math.log(7), rel=1e-6)
-
-
 # --------------------------------------------------------------------------- aggregation
 
 
@@ -573,3 +548,123 @@ def test_grpo_loss_metric_keys_and_missing_inputs():
         grpo_loss(lp, lp, lp, mask, GRPOConfig(use_kl_loss=True, kl_loss_coef=0.1))
     with pytest.raises(ValueError, match="--entropy-coef 0.01 needs the per-token entropy"):
         grpo_loss(lp, lp, lp, mask, GRPOConfig(entropy_coef=0.01))
+
+
+# --------------------------------------------------------------------------- the micro-batch loss
+
+
+def _tiny_padded() -> dict:
+    """Two samples: A (advantage 0.5, two tokens, the second with ratio 1.5), B (advantage -1.0,
+    one token and one padding slot holding garbage)."""
+    nan = float("nan")
+    return dict(
+        log_probs=torch.tensor([[-1.0, -2.0 + math.log(1.5)], [-0.5, 9.0]], dtype=torch.float64).requires_grad_(),
+        old_log_probs=torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], dtype=torch.float64),
+        advantages=torch.tensor([0.5, -1.0], dtype=torch.float64),
+        loss_mask=torch.tensor([[1, 1], [1, 0]]),
+        ref_log_probs=torch.tensor([[-1.2, -1.6], [-1.5, nan]], dtype=torch.float64),  # old - ref: 0.2, -0.4; 1.0
+        entropy=torch.tensor([[1.0, 2.0], [3.0, 7.0]], dtype=torch.float64),
+    )
+
+
+def _packed(padded: dict) -> dict:
+    """The same two samples packed THD-style, [A0, A1, B0, trailing padding], cu_seqlens [0, 2, 3]."""
+    keep = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]])  # (row, column) of each packed token
+    out = {k: v.detach()[keep[:, 0], keep[:, 1]] for k, v in padded.items() if k != "advantages"}
+    out["log_probs"].requires_grad_()
+    return dict(out, advantages=padded["advantages"], cu_seqlens=torch.tensor([0, 2, 3]))
+
+
+def test_micro_batch_loss_by_hand_padded_and_packed():
+    # --kl-coef 0.1 shapes the advantages with old - ref:
+    #   A: 0.5 - 0.1 * 0.2 = 0.48, 0.5 - 0.1 * (-0.4) = 0.54;  B: -1.0 - 0.1 * 1.0 = -1.1
+    # token losses: -0.48 (ratio 1); max(-0.54 * 1.5, -0.54 * 1.2) = -0.648 (clipped); 1.1 (ratio 1)
+    # pg_loss (sample-mean) = ((-0.48 - 0.648) / 2 + 1.1) / 2 = 0.268
+    # entropy = ((1 + 2) / 2 + 3) / 2 = 2.25;  loss = 0.268 - 0.01 * 2.25 = 0.2455
+    # pg_clipfrac = ((0 + 1) / 2 + 0) / 2 = 0.25;  ppo_kl = ((0 - ln 1.5) / 2 + 0) / 2
+    cfg = GRPOConfig(kl_coef=0.1, entropy_coef=0.01)
+    padded = _tiny_padded()
+    packed = _packed(padded)
+    for normalizer, share in ((None, 1.0), (4, 0.5)):  # 2 of the step's 4 samples: half of it
+        for inputs in (padded, packed):
+            loss, metrics = grpo_micro_batch_loss(cfg=cfg, global_normalizer=normalizer, **inputs)
+            assert loss.item() == pytest.approx(0.2455 * share, rel=1e-12)
+            assert metrics["pg_loss"].item() == pytest.approx(0.268 * share, rel=1e-12)
+            assert metrics["entropy"].item() == pytest.approx(2.25 * share, rel=1e-12)
+            assert metrics["pg_clipfrac"].item() == pytest.approx(0.25 * share, rel=1e-12)
+            assert metrics["ppo_kl"].item() == pytest.approx(-math.log(1.5) / 4 * share, rel=1e-12)
+    # d loss / d lp: A0: -0.48 / (2 * 2) (ratio 1, unclipped); A1: 0 (clipped); B0: 1.1 / (1 * 2)
+    loss, _ = grpo_micro_batch_loss(cfg=cfg, global_normalizer=None, **padded)
+    loss.backward()
+    packed_loss, _ = grpo_micro_batch_loss(cfg=cfg, global_normalizer=None, **packed)
+    packed_loss.backward()
+    expected = torch.tensor([[-0.12, 0.0], [0.55, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(padded["log_probs"].grad, expected)
+    torch.testing.assert_close(packed["log_probs"].grad, torch.tensor([-0.12, 0.0, 0.55, 0.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_micro_batch_loss_packed_equals_padded_and_float64_reference(per_token):
+    rng = random.Random(5)
+    samples = random_samples(rng, [3, 7, 1, 5])
+    cfg = GRPOConfig(**{**CFG_KW, "kl_coef": 0.05, "calculate_per_token_loss": per_token})
+    advantages = [s["adv"][0] for s in samples]  # one per sample
+    # the reference sees the shaped per-token advantages, computed here by hand
+    shaped = [
+        dict(s, adv=[a - cfg.kl_coef * (old - ref) for old, ref in zip(s["old"], s["ref"])])
+        for s, a in zip(samples, advantages)
+    ]
+    normalizer = 11.0
+    expected = ref_grpo_loss(shaped, cfg, normalizer)
+
+    packed = packed_inputs(samples)
+    del packed["advantages"]
+    trailing = dict(log_probs=3.0, old_log_probs=-1e4, loss_mask=0, ref_log_probs=5.0, entropy=9.0)  # 2 pad tokens
+    for key, fill in trailing.items():
+        packed[key] = torch.cat([packed[key].detach(), torch.full((2,), fill, dtype=packed[key].dtype)])
+    packed["log_probs"].requires_grad_()
+    padded = dict(
+        log_probs=pad(samples, "lp", 30.0).requires_grad_(),
+        old_log_probs=pad(samples, "old", -1e4),
+        loss_mask=pad(samples, "mask", 0, torch.bool),
+        ref_log_probs=pad(samples, "ref", float("nan")),
+        entropy=pad(samples, "ent", 7.0),
+    )
+    adv = torch.tensor(advantages, dtype=torch.float64)
+    results = [
+        grpo_micro_batch_loss(advantages=adv, cfg=cfg, global_normalizer=normalizer, **inputs)
+        for inputs in (packed, padded)
+    ]
+    for loss, metrics in results:
+        assert loss.item() == pytest.approx(expected["loss"], rel=1e-10)
+        for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy"):
+            assert metrics[key].item() == pytest.approx(expected[key], rel=1e-10, abs=1e-12), key
+        loss.backward()
+    # the same gradient at the same tokens; none into padding
+    num_tokens, real = sum(len(s["mask"]) for s in samples), pad(samples, "mask", -1) >= 0
+    torch.testing.assert_close(packed["log_probs"].grad[:num_tokens], padded["log_probs"].grad[real])
+    assert torch.all(packed["log_probs"].grad[num_tokens:] == 0) and torch.all(padded["log_probs"].grad[~real] == 0)
+
+
+def test_per_token_advantages_layouts():
+    adv = torch.tensor([2.0, -1.0, 0.5])
+    torch.testing.assert_close(
+        per_token_advantages(adv, torch.ones(3, 2)), torch.tensor([[2.0, 2.0], [-1.0, -1.0], [0.5, 0.5]])
+    )
+    packed = per_token_advantages(adv, torch.ones(7), cu_seqlens=[0, 2, 2, 5])  # an empty sample, 2 trailing tokens
+    assert packed.tolist() == [2.0, 2.0, 0.5, 0.5, 0.5, 0.0, 0.0]
+    assert per_token_advantages(torch.tensor([3.0]), torch.ones(4)).tolist() == [3.0] * 4  # one packed sample
+    assert per_token_advantages(adv.bfloat16(), torch.ones(3, 1)).dtype == torch.float32
+
+
+def test_micro_batch_loss_bad_input():
+    padded = _tiny_padded()
+    with pytest.raises(ValueError, match=r"one value per sample, shape \(2,\), got \(2, 2\)"):
+        grpo_micro_batch_loss(**{**padded, "advantages": torch.ones(2, 2)}, cfg=GRPOConfig(), global_normalizer=None)
+    with pytest.raises(ValueError, match=r"one value per sample, shape \(2,\), got \(3,\)"):
+        per_token_advantages(torch.ones(3), torch.ones(5), cu_seqlens=[0, 2, 5])
+    with pytest.raises(ValueError, match="--kl-coef 0.1 needs ref_log_probs"):
+        grpo_micro_batch_loss(**{**padded, "ref_log_probs": None}, cfg=GRPOConfig(kl_coef=0.1), global_normalizer=None)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        per_token_advantages(torch.ones(2), torch.ones(5), cu_seqlens=[0, 3, 2])
+

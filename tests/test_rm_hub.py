@@ -9,6 +9,7 @@ written here (independent of math-verify).  CPU-only.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -50,10 +51,21 @@ DEEPSCALER = RewardConfig(rm_type="deepscaler")
 
 
 @pytest.fixture(scope="module")
-def scorer():
-    """One pool for the whole module (each test passes its own cfg to ``score``)."""
-    with RewardScorer(RewardConfig(rm_num_workers=2)) as shared:
-        yield shared
+def scorers():
+    """``scorers(cfg)``: the module's scorer for the reward flags ``cfg``, with 2 workers, started on first
+    use and shared by the tests that use the same flags (a scorer scores with its own flags only)."""
+    pools: dict[str, RewardScorer] = {}
+
+    def scorer_for(cfg: RewardConfig) -> RewardScorer:
+        key = repr(cfg)
+        if key not in pools:
+            pools[key] = RewardScorer(dataclasses.replace(cfg, rm_num_workers=2))
+            pools[key].score([], [])  # starts the workers, so that no test times their start-up
+        return pools[key]
+
+    yield scorer_for
+    for pool in pools.values():
+        pool.close()
 
 
 # ----------------------------------------------------------------------------- extraction
@@ -453,7 +465,7 @@ def _geo3k_rows() -> pd.DataFrame:
     return pd.concat([pd.read_parquet(path, columns=columns) for path in paths])
 
 
-def test_geo3k_rows_answer_scores_1_and_no_wrong_choice_scores_1(scorer):
+def test_geo3k_rows_answer_scores_1_and_no_wrong_choice_scores_1(scorers):
     """Every row's answer scores 1; every other choice scores 0 under geo3k, near ones included.
 
     The expected reward of each wrong choice comes from the rule worked out independently
@@ -496,16 +508,17 @@ def test_geo3k_rows_answer_scores_1_and_no_wrong_choice_scores_1(scorer):
     assert expected.count(0.0) > 3 * len(rows) > 0  # the check is not vacuous
     assert len(near) == 9 and (539, "96", "98") in near and (1315, "14.6", "14.1") in near
 
-    scorer.reset_stats()
-    assert scorer.score(responses, labels, GEO3K) == expected
-    assert scorer.score(responses, labels, MATH) == expected
-    assert scorer.stats.failed == 0
+    geo3k, math_scorer = scorers(GEO3K), scorers(MATH)
+    geo3k.reset_stats(), math_scorer.reset_stats()
+    assert geo3k.score(responses, labels) == expected
+    assert math_scorer.score(responses, labels) == expected
+    assert geo3k.stats.failed == 0 and math_scorer.stats.failed == 0
     assert _expected_geo3k("94.0", "96") == 0.0 and _expected_geo3k("13.86", r"8\sqrt{3}") == 1.0  # the rule itself
     answers_only = [r for r, e in zip(responses, expected) if e == 1.0]
-    assert scorer.score(answers_only, list(rows["answer"]), DEEPSCALER) == [1.0] * len(rows)
+    assert scorers(DEEPSCALER).score(answers_only, list(rows["answer"])) == [1.0] * len(rows)
 
 
-def test_geo3k_rows_two_decimal_rounding_within_tolerance(scorer):
+def test_geo3k_rows_two_decimal_rounding_within_tolerance(scorers):
     rows = _geo3k_rows()
     responses, expected = [], []
     for answer in rows["answer"]:
@@ -513,7 +526,7 @@ def test_geo3k_rows_two_decimal_rounding_within_tolerance(scorer):
         rounded = round(gold, 2)
         responses.append(rf"\boxed{{{rounded:.2f}}}")
         expected.append(1.0 if abs(rounded - gold) <= 0.05 * abs(gold) else 0.0)
-    assert scorer.score(responses, list(rows["answer"]), GEO3K) == expected
+    assert scorers(GEO3K).score(responses, list(rows["answer"])) == expected
 
 
 # ----------------------------------------------------------------------------- registry and flags
@@ -587,13 +600,17 @@ def _path(function) -> str:
     return f"{function.__module__}:{function.__name__}"
 
 
-def test_custom_reward_function_via_flag(scorer):
+CHAOS = RewardConfig(custom_rm_path=_path(chaos_reward), rm_timeout=0.5)
+"""The chaos reward (math for ordinary answers) with a 0.5 s soft limit, for the scorer's failure paths."""
+
+
+def test_custom_reward_function_via_flag(scorers):
     cfg = RewardConfig(rm_type="math", custom_rm_path=_path(reward_length_parity))
     assert resolve_reward_function(cfg) is reward_length_parity
     # lengths: 3 vs 1 (same parity), 2 vs 1 (different), 0 vs 2 (same)
-    assert scorer.score(["abc", "ab", ""], ["x", "y", "zz"], cfg) == [1.0, 0.0, 1.0]
+    assert scorers(cfg).score(["abc", "ab", ""], ["x", "y", "zz"]) == [1.0, 0.0, 1.0]
     # --rm-type also takes a path
-    assert scorer.score(["abc"], ["x"], RewardConfig(rm_type=_path(reward_length_parity))) == [1.0]
+    assert scorers(RewardConfig(rm_type=_path(reward_length_parity))).score(["abc"], ["x"]) == [1.0]
 
 
 @pytest.mark.parametrize(
@@ -614,20 +631,20 @@ def test_bad_custom_reward_function_fails_at_start(path, message):
 # ----------------------------------------------------------------------------- scorer
 
 
-def test_scorer_keeps_input_order_across_workers(scorer):
+def test_scorer_keeps_input_order_across_workers(scorers):
     labels = [str(n) for n in range(40)]
     responses = [rf"\boxed{{{n if n % 3 else n + 1}}}" for n in range(40)]
     expected = [0.0 if n % 3 == 0 else 1.0 for n in range(40)]
-    assert scorer.score(responses, labels, MATH) == expected
-    assert scorer.score([], [], MATH) == []
+    assert scorers(MATH).score(responses, labels) == expected
+    assert scorers(MATH).score([], []) == []
 
 
-def test_pathological_answers_time_out_to_zero(scorer):
-    cfg = RewardConfig(rm_type="geo3k", rm_timeout=0.5)
+def test_pathological_answers_time_out_to_zero(scorers):
+    scorer = scorers(CHAOS)  # math_reward for these answers, --rm-timeout 0.5
     responses = [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{(10^{10})!}", r"\boxed{5}"]
     scorer.reset_stats()
     start = time.monotonic()
-    rewards = scorer.score(responses, ["5", "5", "5"], cfg)
+    rewards = scorer.score(responses, ["5", "5", "5"])
     elapsed = time.monotonic() - start
     assert rewards == [0.0, 0.0, 1.0]
     assert (scorer.stats.responses, scorer.stats.timeouts, scorer.stats.failed) == (3, 2, 2)
@@ -635,23 +652,23 @@ def test_pathological_answers_time_out_to_zero(scorer):
     assert elapsed < 15.0
 
 
-def test_scoring_from_a_thread_keeps_the_timeout(scorer):
+def test_scoring_from_a_thread_keeps_the_timeout(scorers):
     # math-verify's signal-based timeout fails outside a main thread; the workers' does not care.
-    cfg = RewardConfig(rm_type="math", rm_timeout=0.5)
+    scorer = scorers(CHAOS)  # math_reward for these answers, --rm-timeout 0.5
     scorer.reset_stats()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
-        rewards = thread.submit(scorer.score, [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{\frac{1}{2}}"], ["5", "0.5"], cfg)
+        rewards = thread.submit(scorer.score, [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{\frac{1}{2}}"], ["5", "0.5"])
         assert rewards.result(timeout=60) == [0.0, 1.0]
     assert scorer.stats.timeouts == 1
 
 
-def test_stuck_dead_and_failing_reward_calls_score_zero_and_are_counted(scorer, caplog):
-    cfg = RewardConfig(custom_rm_path=_path(chaos_reward), rm_timeout=0.5)
+def test_stuck_dead_and_failing_reward_calls_score_zero_and_are_counted(scorers, caplog):
+    scorer = scorers(CHAOS)
     responses = [r"\boxed{1}", "hang", "die", "raise", "nan", "text", r"\boxed{2}"]
     scorer.reset_stats()
     start = time.monotonic()
     with caplog.at_level("WARNING", logger="slime.rollout.rm_hub.scorer"):
-        rewards = scorer.score(responses, ["1", "1", "1", "1", "1", "1", "2"], cfg)
+        rewards = scorer.score(responses, ["1", "1", "1", "1", "1", "1", "2"])
     elapsed = time.monotonic() - start
     assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     stats = scorer.stats
@@ -660,24 +677,27 @@ def test_stuck_dead_and_failing_reward_calls_score_zero_and_are_counted(scorer, 
     # The hard deadline is 2 * 0.5 + 1 = 2 s, plus two worker restarts.
     assert elapsed < 60.0
     # The restarted workers score the next batch.
-    assert scorer.score([r"\boxed{3}", r"\boxed{4}"], ["3", "5"], MATH) == [1.0, 0.0]
+    assert scorer.score([r"\boxed{3}", r"\boxed{4}"], ["3", "5"]) == [1.0, 0.0]
 
 
-def test_empty_label_is_a_counted_error(scorer):
+def test_empty_label_is_a_counted_error(scorers):
+    scorer = scorers(MATH)
     scorer.reset_stats()
-    assert scorer.score([r"\boxed{5}", r"\boxed{5}"], ["", "5"], MATH) == [0.0, 1.0]
+    assert scorer.score([r"\boxed{5}", r"\boxed{5}"], ["", "5"]) == [0.0, 1.0]
     assert scorer.stats.errors == 1
 
 
-def test_reset_stats_returns_counts_and_restarts_them(scorer):
+def test_reset_stats_returns_counts_and_restarts_them(scorers):
+    scorer = scorers(CHAOS)
     scorer.reset_stats()
-    scorer.score(["raise", r"\boxed{1}"], ["1", "1"], RewardConfig(custom_rm_path=_path(chaos_reward)))
+    scorer.score(["raise", r"\boxed{1}"], ["1", "1"])
     previous = scorer.reset_stats()
     assert (previous.responses, previous.errors) == (2, 1)
     assert (scorer.stats.responses, scorer.stats.failed) == (0, 0)
 
 
-def test_score_rejects_mismatched_or_non_string_input(scorer):
+def test_score_rejects_mismatched_or_non_string_input(scorers):
+    scorer = scorers(MATH)
     with pytest.raises(ValueError, match="2 responses but 1 labels"):
         scorer.score(["a", "b"], ["1"])
     with pytest.raises(TypeError, match=r"responses\[1\] is a NoneType"):

@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 
 from slime.rollout.engines.base import GenerateOutput
-from slime.rollout.manager import RolloutManager
+from slime.rollout.manager import PromptMismatchError, RolloutManager
 from slime.utils.arguments import parse_args
+from slime.utils.image import decode_image
 from slime.utils.types import SampleStatus
 
 
@@ -41,25 +42,42 @@ def _write_rows(path, rows):
 
 class ScriptedEngines:
     """Duck-typed RolloutEngineGroup: request i of a call answers 5 if i is odd, else 7;
-    every ``truncate_every``-th request ends by length."""
+    every ``truncate_every``-th request ends by length.  The prompt length it reports is what
+    the checkpoint's processor makes of the request's text and images, plus ``miscount[i]``
+    tokens for request i (an engine that sees another prompt)."""
 
-    def __init__(self, truncate_every: int = 0, extra_token: int | None = None):
+    def __init__(self, truncate_every: int = 0, extra_token: int | None = None, miscount: dict[int, int] | None = None):
         self.truncate_every = truncate_every
         self.extra_token = extra_token
+        self.miscount = miscount or {}
         self.calls = []
 
     def generate(self, requests):
         self.calls.append(requests)
         outs = []
         for i, req in enumerate(requests):
-            assert req.expected_prompt_len and req.expected_prompt_len > 0
             truncated = bool(self.truncate_every) and i % self.truncate_every == 0
             text = "\\boxed{5}" if i % 2 else "\\boxed{7}"
             ids = [11, 12, 13] if truncated else [11, 12]
             if self.extra_token is not None and i % 4 == 1:
                 ids = [self.extra_token] + ids[1:]
-            outs.append(GenerateOutput(text, ids, [-0.5] * len(ids), "length" if truncated else "stop", 10))
+            prompt_tokens = len(PROCESSOR(req.text, [decode_image(b) for b in req.image_data]).input_ids)
+            outs.append(GenerateOutput(text, ids, [-0.5] * len(ids), "length" if truncated else "stop",
+                                       prompt_tokens + self.miscount.get(i, 0), engine_index=i % 2))
         return outs
+
+
+PROCESSOR = None
+"""The tiny checkpoint's processor, set by the ``processor`` fixture (the engines' own tokenisation)."""
+
+
+@pytest.fixture(autouse=True)
+def processor(tiny_ckpt):
+    global PROCESSOR
+    from slime.utils.processor import load_processor
+
+    PROCESSOR = load_processor(tiny_ckpt)
+    return PROCESSOR
 
 
 def _manager(tmp_path, tiny_ckpt, engines, extra=(), eval_labels=None):
@@ -194,6 +212,28 @@ def test_eval_accuracy_per_dataset(tmp_path, tiny_ckpt):
     assert metrics["eval/a/accuracy"] == pytest.approx(2 / 3)
     assert metrics["eval/b/accuracy"] == pytest.approx(1 / 2)
     assert sum(len(call) for call in engines.calls) == 5
+
+
+def test_prompt_length_mismatch_is_caught_for_any_engine(tmp_path, tiny_ckpt):
+    # Requests 3 and 6 of the 8 come back with one token more / two fewer than the processor makes of
+    # them; the scripted group says engine i % 2 served request i.
+    engines = ScriptedEngines(miscount={3: 1, 6: -2})
+    manager = _manager(tmp_path, tiny_ckpt, engines)
+    try:
+        with pytest.raises(PromptMismatchError) as info:
+            manager.generate(0)
+    finally:
+        manager.close()
+    (requests,) = engines.calls
+    true_len = [len(PROCESSOR(r.text, [decode_image(b) for b in r.image_data]).input_ids) for r in requests]
+    message = str(info.value)
+    assert message.startswith("2 of 8 prompts have another length in the rollout engine than in the data pipeline")
+    # The first batch is rows 0 and 1 (file order), 4 samples each: sample 3 is row 0's, sample 6 row 1's.
+    assert (f"sample 3 (dataset index 0, rid 0:3): engine 1 saw {true_len[3] + 1} prompt tokens, the data "
+            f"pipeline computed {true_len[3]}") in message
+    assert (f"sample 6 (dataset index 1, rid 1:6): engine 0 saw {true_len[6] - 2} prompt tokens, the data "
+            f"pipeline computed {true_len[6]}") in message
+    assert "--image-min-pixels / --image-max-pixels" in message
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ sync, the same comparison is off by far more than the tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import ray
 from slime.ray.placement import create_placement_groups, init_ray
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutManager
-from slime.train import start_workers
+from slime.train import resolve_components, start_workers
 from slime.utils.arguments import parse_args
 from slime.utils.processor import load_processor
 
@@ -66,9 +67,11 @@ def workers(cfg):
     """(engines, trainers, rollout manager), started as ``slime.train.setup`` does, on a local Ray."""
     started_ray = init_ray(cfg.cluster)
     manager = None
+    cleanup = contextlib.ExitStack()  # stops the engines and trainers, then frees the bundles
     try:
         placement = create_placement_groups(cfg.cluster, use_gpu=False)
-        engines, trainers = start_workers(cfg, placement)
+        cleanup.callback(placement.remove)
+        engines, trainers = start_workers(cfg, placement, resolve_components(cfg), cleanup)
         assert trainers.init() == 0
         processor = load_processor(
             cfg.checkpoint.hf_checkpoint, min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels
@@ -81,6 +84,7 @@ def workers(cfg):
     finally:
         if manager is not None:
             manager.close()
+        cleanup.close()
         if started_ray:
             ray.shutdown()
 
@@ -89,9 +93,8 @@ def _greedy_gap(engines, trainers, prompt) -> tuple[float, list[int]]:
     """Generate greedily (top_k=1) for ``prompt`` on the engine; return the largest
     |engine log-prob - trainer log-prob| over the response tokens, and the tokens."""
     params = SamplingParams(max_new_tokens=RESPONSE_TOKENS, temperature=1.0, top_k=1)
-    [out] = engines.generate([
-        GenerateRequest(prompt.prompt, prompt.images, params, expected_prompt_len=len(prompt.prompt_token_ids))
-    ])  # fmt: skip
+    [out] = engines.generate([GenerateRequest(prompt.prompt, prompt.images, params)])
+    assert out.prompt_tokens == len(prompt.prompt_token_ids)
     assert len(out.output_ids) >= 4, out  # enough tokens to compare (an early EOS would leave too few)
     sample = prompt.clone_prompt()
     sample.response_token_ids = list(out.output_ids)

@@ -8,10 +8,14 @@ exist, selected with ``--train-backend``:
 - ``fsdp``: the Hugging Face ``Qwen3_5MoeForConditionalGeneration`` wrapped with torch
   FSDP2 (``fully_shard``); gloo on CPU, NCCL on GPU.
 - ``megatron``: slime's native Megatron-core Qwen3.5 language model (Gated DeltaNet +
-  gated attention + MoE) with the Hugging Face vision tower.
+  gated attention + MoE) with the Hugging Face vision tower; declared, not in this version
+  yet (its flags and checks are :mod:`slime.backends.megatron.config`).
 
-Both compute the loss with the shared GRPO math (:mod:`slime.utils.ppo_utils`) and push
-weights to the rollout engines by Hugging Face parameter name.
+Both compute the loss with the shared GRPO math (:mod:`slime.utils.ppo_utils`) and export
+their weights by Hugging Face parameter name for the weight sync (:mod:`slime.weight_sync`):
+each rank yields the tensors it is the source of (:meth:`TrainerBackend.iter_weight_buckets`).
+A backend's flags, parse-time checks, data-parallel size and checkpoint layout live in its
+:class:`slime.backends.config.BackendConfig` subclass (``slime/backends/<name>/config.py``).
 """
 
 from __future__ import annotations
@@ -86,23 +90,54 @@ class TrainerBackend(abc.ABC):
         """Per-token log-probs of each sample's response under the current policy.
 
         Uses ``logits / --rollout-temperature``, as the engines do, with the sample's
-        ``pixel_values`` / ``image_grid_thw``.
+        ``pixel_values`` / ``image_grid_thw``.  Not part of the training loop (``train`` computes
+        its own old log-probs): this is the entry point of the engine parity check, which
+        compares the trainer's log-probs of a fixed prompt and response with an engine's
+        (:meth:`slime.ray.trainer_group.TrainerGroup.compute_log_probs`; ``tests/test_weight_sync.py``
+        and the SGLang engine's parity check).  Collective; every rank passes the same samples.
 
         Returns:
             One list of R floats (nats) per sample.
         """
 
     @abc.abstractmethod
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full (unsharded) weights by Hugging Face name, in buckets of about ``bucket_bytes``.
+    def iter_weight_buckets(
+        self, bucket_bytes: int, device: str | torch.device | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """This rank's share of the full weights, by Hugging Face checkpoint name, for the weight sync.
 
-        Collective (gathers shards); only rank 0 yields buckets, other ranks yield nothing
-        but must still exhaust the iterator.
+        The contract every backend keeps (:mod:`slime.weight_sync.base`):
+
+        - a rank yields only the tensors it is the **source** of, whole (unsharded) and already
+          under their Hugging Face checkpoint names (fused in-memory layouts converted back, the
+          vision tower under its HF names); a tensor-parallel shard is gathered within its TP
+          group and yielded by one rank of it; pipeline stages and expert-parallel ranks each
+          yield their own layers and experts; the union over all ranks is the whole model, each
+          name exactly once;
+        - collective and in lockstep: every rank must exhaust the iterator, and every rank yields
+          the same number of buckets, bucket ``k`` of each rank being its share of round ``k``
+          (``[]`` on a rank that is not a source in that round), so a transport may run its own
+          collectives between buckets;
+        - a bucket holds whole layers, about ``bucket_bytes`` bytes (one layer larger than that is
+          a bucket of its own).
+
+        Args:
+            bucket_bytes: target bucket size, bytes (``--update-weight-buffer-size``), > 0.
+            device: where the yielded tensors live: ``"cpu"`` (the object store), or ``None`` for
+                this rank's device (IPC / NCCL transports).  Dtype: the backend's compute dtype.
+
+        Raises:
+            ValueError: ``bucket_bytes <= 0``.
         """
 
     @abc.abstractmethod
     def save(self, rollout_id: int, path: Path) -> None:
-        """Write model (HF safetensors), optimizer and scheduler state under ``path``."""
+        """Write this backend's checkpoint of ``rollout_id`` into the iteration folder ``path``. Collective.
+
+        What a complete checkpoint holds is the backend's to say
+        (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`); the driver adds
+        ``rollout_state.pt`` and marks the checkpoint complete (:mod:`slime.utils.checkpoint`).
+        """
 
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
         """This rank's (data-parallel rank, data-parallel size).

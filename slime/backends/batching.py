@@ -1,5 +1,5 @@
 """Backend-neutral batching for the trainers: optimizer steps, micro-batches, per-token tensors,
-the loss normaliser of a step, log-probs from logits, and weight buckets.
+the loss normaliser of a step, and weight buckets.
 
 Every training backend cuts its share of a rollout the same way::
 
@@ -7,12 +7,15 @@ Every training backend cuts its share of a rollout the same way::
         normalizer = loss_normalizer(step_samples, per_token, group)      # global: all DP ranks
         for micro in split_into_micro_batches(step_samples, micro_batch_size):
             logits = model(...)                                           # backend-specific layout
-            log_probs = gather_log_probs(response_logits, response_tokens, temperature)
-            loss = grpo_loss(..., global_normalizer=normalizer) * dp_size  # dp_size undoes the
-            loss.backward()                                               # gradient average over ranks
+            log_probs = gather_log_probs(response_logits, response_tokens, temperature)  # or vocab-parallel
+            loss, _ = grpo_micro_batch_loss(..., global_normalizer=normalizer)
+            (loss * dp_size).backward()                                   # dp_size undoes the gradient
+                                                                          # average over ranks
 
 so that the gradients summed over micro-batches and averaged over data-parallel ranks are
 the gradient of the step's global mean loss (:func:`slime.utils.ppo_utils.aggregate_loss`).
+Log-probs from logits: :mod:`slime.backends.log_probs`; the loss:
+:func:`slime.utils.ppo_utils.grpo_micro_batch_loss`.
 """
 
 from __future__ import annotations
@@ -180,34 +183,6 @@ def loss_normalizer(samples: Sequence[Sample], per_token: bool, group: dist.Proc
         )
         return 1.0
     return num_tokens
-
-
-def gather_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """Log-probs (nats) of ``tokens`` under ``softmax(logits / temperature)``.
-
-    ``log p(y) = z_y - logsumexp(z)`` with ``z = logits.float() / temperature``, as the
-    rollout engines report them (SGLang returns log-probs of the temperature-scaled
-    distribution).  Computed in float32 (float64 kept) whatever the logits' dtype.
-
-    Args:
-        logits: ``[..., V]`` logits at the positions that predict ``tokens``.
-        tokens: int64 ``[...]`` token ids in ``[0, V)``.
-        temperature: ``--rollout-temperature``, > 0.
-
-    Returns:
-        ``[...]`` float32 log-probs.
-
-    Raises:
-        ValueError: ``temperature <= 0`` or the leading shapes differ.
-    """
-    if not temperature > 0:
-        raise ValueError(f"--rollout-temperature must be > 0, got {temperature}")
-    if logits.shape[:-1] != tokens.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must agree up to the vocab dim"
-        )
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def bucket_by_bytes(

@@ -1,14 +1,20 @@
-"""Trainer flags: backend and parallelism (BACKEND_ARGS), optimizer (OPTIMIZER_ARGS),
-checkpoints (CKPT_ARGS) and the model architecture in Megatron's names (MODEL_ARGS).
+"""Trainer flags shared by every backend: batch sizes and precision (BACKEND_ARGS), optimizer
+(OPTIMIZER_ARGS), checkpoints (CKPT_ARGS), the model architecture in Megatron's names (MODEL_ARGS),
+and :class:`BackendConfig`, the base of each backend's own flag group.
 
 Flag names and meanings follow Megatron-LM (``megatron/training/arguments.py``) and upstream
 slime, so the ``MODEL_ARGS`` arrays of ``scripts/models/*.sh`` parse unchanged.  Every
 MODEL_ARGS flag is optional: the FSDP backend reads the architecture from ``--hf-checkpoint``;
 the values that are given must agree with it (:mod:`slime.models.qwen35_args`, at parse time).
 
-:func:`check_fsdp_flags` refuses the BACKEND_ARGS / CKPT_ARGS that only the Megatron backend
-implements; ``slime.utils.arguments.validate`` calls it at parse time and
-:class:`slime.backends.fsdp.backend.FSDPBackend` again when built directly.
+Each backend owns a flag group next to its code (``slime/backends/<name>/config.py``, importable
+without the backend's packages): :class:`slime.backends.fsdp.config.FSDPConfig` and
+:class:`slime.backends.megatron.config.MegatronConfig`, both shown under ``BACKEND_ARGS`` in
+``--help``.  Every group is parsed whatever ``--train-backend`` says; the selected backend's
+:meth:`BackendConfig.check` then refuses the flags of the other groups that ask for something
+(:meth:`BackendConfig.active_flags`) instead of silently ignoring them, and answers the questions
+shared code has: the data-parallel size (batch-size checks) and what a complete checkpoint holds
+(``--load``).
 """
 
 from __future__ import annotations
@@ -17,16 +23,18 @@ import ast
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
-from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
+from slime.backends.registry import TRAIN_BACKENDS
+from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag, flag_name
 
-TRAIN_BACKENDS = ("fsdp", "megatron")
-"""Built-in training backends; ``--train-backend`` also takes a ``package.module:Class`` path."""
+if TYPE_CHECKING:
+    from slime.ray.config import ClusterConfig
 
 
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
-    """Training backend (BACKEND_ARGS): batch sizes, parallelism, recompute, precision."""
+    """Training, any backend (BACKEND_ARGS): which backend, batch sizes, dynamic batching, precision."""
 
     train_backend: str = flag(
         "megatron",
@@ -49,90 +57,109 @@ class TrainConfig:
         help="Use the engines' rollout log-probs as the PPO ratio's old log-probs instead of a trainer forward pass "
         "before the update (saves one forward pass; exact only when rollout and training numerics agree).",
     )
-    tensor_model_parallel_size: int = flag(1, help="Tensor-parallel GPUs (Megatron TP).")
-    sequence_parallel: bool = flag(False, help="Split activations along the sequence across the TP group (Megatron).")
-    pipeline_model_parallel_size: int = flag(1, help="Pipeline stages (Megatron PP).")
-    context_parallel_size: int = flag(
-        1, help="Context-parallel GPUs splitting each sequence (Megatron CP, THD zigzag)."
-    )
-    expert_model_parallel_size: int = flag(1, help="Expert-parallel GPUs sharing out the MoE experts (Megatron EP).")
-    expert_tensor_parallel_size: int | None = flag(
-        None, help="Tensor-parallel GPUs inside each expert (Megatron ETP; default: --tensor-model-parallel-size)."
-    )
-    recompute_granularity: str | None = flag(
-        None, choices=["full", "selective"], help="Activation recomputation: full layers or selected modules."
-    )
-    recompute_method: str | None = flag(
-        None, choices=["uniform", "block"], help="With full recompute: spread over layers (uniform) or first N (block)."
-    )
-    recompute_num_layers: int | None = flag(
-        None, help="With full recompute: layers per recompute unit (uniform) or recomputed layers (block)."
-    )
-    attention_dropout: float = flag(
-        0.0, help="Dropout on attention probabilities; keep 0 in RL so training log-probs match the rollout's."
-    )
-    hidden_dropout: float = flag(0.0, help="Dropout on hidden states; keep 0 in RL so training log-probs match.")
-    accumulate_allreduce_grads_in_fp32: bool = flag(False, help="Accumulate and all-reduce gradients in fp32.")
-    attention_softmax_in_fp32: bool = flag(False, help="Compute the attention softmax in fp32.")
-    attention_backend: str = flag(
-        "auto", choices=["flash", "fused", "unfused", "local", "auto"], help="Megatron attention implementation."
-    )
-    qkv_format: str = flag(
-        "thd", choices=["thd", "bshd"], help="Sequence layout: thd (packed, no padding) or bshd (padded batch)."
-    )
     bf16: bool = flag(False, help="Train in bfloat16 mixed precision (fp32 master weights); default: fp32.")
-    attn_implementation: str = flag(
-        "sdpa",
-        help="Hugging Face attention implementation for the FSDP backend: sdpa, eager, flash_attention_2, ...",
-    )
-    gradient_checkpointing: bool = flag(False, help="Recompute activations in the backward pass (FSDP backend).")
 
     def __post_init__(self):
-        check_name_or_import_path("--train-backend", self.train_backend, TRAIN_BACKENDS)
-        check_at_least_one(
-            self,
-            "global_batch_size",
-            "micro_batch_size",
-            "max_tokens_per_gpu",
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-            "expert_tensor_parallel_size",
-            "recompute_num_layers",
-        )
+        check_name_or_import_path("--train-backend", self.train_backend, TRAIN_BACKENDS.names())
+        check_at_least_one(self, "global_batch_size", "micro_batch_size", "max_tokens_per_gpu")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (tokens per packed micro-batch)")
-        for name in ("attention_dropout", "hidden_dropout"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
-        # Same rules as megatron.core TransformerConfig.__post_init__ (recompute section).
-        if self.recompute_granularity is None:
-            if self.recompute_method is not None or self.recompute_num_layers is not None:
-                raise ConfigError(
-                    "--recompute-method / --recompute-num-layers have no effect without --recompute-granularity; "
-                    "add --recompute-granularity full"
-                )
-        elif self.recompute_granularity == "full":
-            if self.recompute_method is None or self.recompute_num_layers is None:
-                raise ConfigError(
-                    "--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N"
-                )
-        elif self.recompute_num_layers is not None:
-            raise ConfigError(
-                f"--recompute-num-layers {self.recompute_num_layers} applies to --recompute-granularity full only; "
-                "drop it for selective"
-            )
 
-    @property
-    def model_parallel_size(self) -> int:
-        """GPUs holding one replica of the dense layers: ``TP * PP * CP`` (Megatron)."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
-    @property
-    def expert_tensor_parallel(self) -> int:
-        """Expert tensor-parallel size with Megatron's default applied (``ETP = TP`` when unset)."""
-        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+@dataclasses.dataclass(frozen=True)
+class OtherBackendFlag:
+    """A flag of another backend's group that the command line sets (see :meth:`BackendConfig.active_flags`).
+
+    Attributes:
+        field: the config field, e.g. ``"tensor_model_parallel_size"``.
+        text: the flag as typed, e.g. ``"--tensor-model-parallel-size 2"``.
+        backend: the ``--train-backend`` whose group it is (``None`` when that group is not a built-in's).
+    """
+
+    field: str
+    text: str
+    backend: str | None
+
+
+@dataclasses.dataclass(kw_only=True)
+class BackendConfig:
+    """Base of a training backend's own flag group, and the questions shared code asks a backend.
+
+    A subclass is a flag dataclass (:func:`slime.utils.config.flag` fields) named as the
+    built-in's ``config`` in :data:`slime.backends.registry.TRAIN_BACKENDS`.  Its fields' own
+    checks go in ``__post_init__`` as usual; the hooks below run only for the selected backend,
+    called once by :func:`slime.utils.arguments.validate` (``check``, ``data_parallel_size``) and by
+    the driver (``checkpoint_parts``).  A ``--train-backend package.module:Class`` gets this
+    base class itself: no checks, every rank data-parallel, no checkpoint part checked.
+    """
+
+    OFF_VALUES: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+    """Per field, the values that ask for nothing (default: the field's default alone)."""
+
+    def active_flags(self) -> list[tuple[str, str]]:
+        """The fields set away from their "off" values, as ``(field, flag as typed)``, in field order;
+        e.g. ``[("tensor_model_parallel_size", "--tensor-model-parallel-size 2")]``."""
+        active = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value not in self.OFF_VALUES.get(field.name, (field.default,)):
+                active.append((field.name, flag_text(field, value)))
+        return active
+
+    def check(
+        self,
+        *,
+        train: TrainConfig,
+        model: ModelConfig,
+        cluster: ClusterConfig,
+        other_flags: list[OtherBackendFlag],
+    ) -> None:
+        """Checks of this backend's flags against the shared ones and the trainer GPUs.
+
+        Args:
+            train, model, cluster: the shared flag groups.
+            other_flags: the active flags of every other backend's group; a backend that does
+                not implement them refuses them here.
+
+        Raises:
+            ConfigError: naming the flags, their values and the fix.
+        """
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel ranks among ``world_size`` trainer GPUs (default: all of them)."""
+        return world_size
+
+    def data_parallel_text(self, world_size: int) -> str:
+        """How :meth:`data_parallel_size` follows from the flags, for error messages."""
+        return f"data-parallel size {self.data_parallel_size(world_size)} (= the {world_size} trainer GPUs)"
+
+    def checkpoint_parts(self) -> tuple[str, ...]:
+        """What a complete checkpoint of this backend holds: paths relative to its iteration folder
+        (:func:`slime.utils.checkpoint.iteration_dir`), checked before ``--load`` resumes from it."""
+        return ()
+
+
+def flag_text(field: dataclasses.Field, value: Any) -> str:
+    """A flag as typed on the command line: ``--name`` for a switch, ``--name VALUE ...`` otherwise."""
+    if value is True:
+        return flag_name(field)
+    if value is False:
+        return "--no-" + flag_name(field)[2:]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return " ".join([flag_name(field), *map(str, values)])
+
+
+def refuse_flags(backend: str, refused: list[str], fix: str) -> None:
+    """Raise one :class:`ConfigError` listing every flag ``--train-backend <backend>`` does not implement.
+
+    Args:
+        backend: the selected backend's name.
+        refused: each flag as typed followed by what the backend does instead, e.g.
+            ``"--recompute-granularity full (use --gradient-checkpointing)"``.
+        fix: the end of the message, e.g. ``"drop these flags, or use --train-backend megatron"``.
+    """
+    if refused:
+        raise ConfigError(f"--train-backend {backend} does not implement {'; '.join(refused)}; {fix}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -192,13 +219,6 @@ class CheckpointConfig:
     )
     no_save_optim: bool = flag(False, help="Do not save optimizer state (smaller checkpoints; resume restarts Adam).")
     no_load_optim: bool = flag(False, help="Do not load optimizer state when resuming from --load.")
-    megatron_to_hf_mode: str = flag(
-        "raw",
-        choices=["raw", "bridge"],
-        help="Megatron backend only (upstream slime's flag): how Megatron weights are converted to and from "
-        "Hugging Face names and layouts (loading --hf-checkpoint, weight sync to the engines): raw = slime's own "
-        "converters, bridge = Megatron-Bridge. --train-backend fsdp trains the HF model itself and refuses bridge.",
-    )
 
     def __post_init__(self):
         if not self.hf_checkpoint.strip():
@@ -208,45 +228,6 @@ class CheckpointConfig:
                 raise ConfigError(f"--save-interval must be >= 1 rollout step, got {self.save_interval}")
             if self.save is None:
                 raise ConfigError(f"--save-interval {self.save_interval} needs a folder to save to: add --save DIR")
-
-
-FSDP_UNSUPPORTED_FLAGS: tuple[tuple[str, str, tuple, str], ...] = (
-    # (config group, field, the values that mean "off", what --train-backend fsdp does instead)
-    ("train", "tensor_model_parallel_size", (1,), "FSDP shards every parameter over all ranks"),
-    ("train", "pipeline_model_parallel_size", (1,), "FSDP shards every parameter over all ranks"),
-    ("train", "context_parallel_size", (1,), "each rank holds whole sequences"),
-    ("train", "expert_model_parallel_size", (1,), "FSDP shards every parameter over all ranks"),
-    ("train", "expert_tensor_parallel_size", (None, 1), "FSDP shards every parameter over all ranks"),
-    ("train", "sequence_parallel", (False,), "each rank holds whole sequences"),
-    ("train", "recompute_granularity", (None,), "use --gradient-checkpointing"),
-    ("train", "use_dynamic_batch_size", (False,), "micro-batches hold --micro-batch-size samples"),
-    ("checkpoint", "megatron_to_hf_mode", ("raw",), "the trained model is the Hugging Face model itself"),
-)
-"""Flags that only the Megatron backend implements, with their "off" values and the FSDP alternative."""
-
-
-def check_fsdp_flags(train: TrainConfig, checkpoint: CheckpointConfig) -> None:
-    """Refuse Megatron-only flags for ``--train-backend fsdp`` instead of silently ignoring them.
-
-    The FSDP backend is data-parallel only (every rank holds a shard of every parameter),
-    recomputes with ``--gradient-checkpointing``, batches by ``--micro-batch-size`` and trains
-    the Hugging Face model directly (see :data:`FSDP_UNSUPPORTED_FLAGS`).
-
-    Raises:
-        ConfigError: naming every such flag that is set, its value and what to do instead.
-    """
-    groups = {"train": train, "checkpoint": checkpoint}
-    refused = []
-    for group, name, off, instead in FSDP_UNSUPPORTED_FLAGS:
-        value = getattr(groups[group], name)
-        if value not in off:
-            given = "--" + name.replace("_", "-") + ("" if value is True else f" {value}")
-            refused.append(f"{given} ({instead})")
-    if refused:
-        raise ConfigError(
-            f"--train-backend fsdp does not implement {'; '.join(refused)}; drop these flags, "
-            "or use --train-backend megatron"
-        )
 
 
 def read_hf_config(hf_checkpoint: str) -> dict | None:

@@ -5,42 +5,38 @@ constructor entry point, ``from_config(cfg: SlimeConfig, rank_info: RankInfo)``,
 trainer group calls in each rank's process (``functools.partial(cls.from_config, cfg)``).
 A ``package.module:Class`` name is imported on lookup, so users plug in their own backend.
 
-Built-in backends are named by import path and imported on first lookup: importing this
-module imports no backend, in particular not Megatron (``megatron-core`` exists on GPU
-machines only).  The Megatron backend adds one line to :data:`BUILTIN_BACKENDS`.
+Built-in backends are declared by import path (:class:`slime.utils.registry.Builtin`) and
+imported on first lookup: importing this module imports no backend, in particular not
+Megatron (``megatron-core`` exists on GPU machines only).  Each built-in also names its
+*config*: the :class:`slime.backends.config.BackendConfig` flag group that owns its flags, its
+parse-time checks, its data-parallel size and its checkpoint layout, importable without the
+backend's packages.
+
+The Megatron backend is declared but not built yet (``target=None``): ``--train-backend
+megatron`` stops at parse time, naming its packages and whether each is installed.  When it
+lands, it sets ``target`` below and nothing else changes.
 """
 
 from __future__ import annotations
 
 from slime.backends.base import TrainerBackend
-from slime.utils.registry import Registry, import_object
+from slime.utils.registry import Builtin, Registry
 
-BUILTIN_BACKENDS = {
-    "fsdp": "slime.backends.fsdp.backend:FSDPBackend",
-}
-"""Built-in ``--train-backend`` names and the ``module:Class`` each one imports."""
-
-
-class _LazyRegistry(Registry[type[TrainerBackend]]):
-    """A :class:`Registry` that also knows :data:`BUILTIN_BACKENDS` and imports one on its first lookup."""
-
-    def names(self) -> list[str]:
-        return sorted(set(super().names()) | set(BUILTIN_BACKENDS))
-
-    def __contains__(self, name: str) -> bool:
-        return name in BUILTIN_BACKENDS or super().__contains__(name)
-
-    def get(self, name: str) -> type[TrainerBackend]:
-        """The backend class registered as ``name``, or at the import path ``name``.
-
-        Raises:
-            KeyError: unknown name; the message lists the valid ones.
-            ImportError: the backend's module cannot be imported (e.g. megatron-core missing).
-        """
-        if name in BUILTIN_BACKENDS and name not in super().names():
-            self.register(name)(import_object(BUILTIN_BACKENDS[name]))
-        return super().get(name)
-
-
-TRAIN_BACKENDS = _LazyRegistry("training backend", "--train-backend")
+TRAIN_BACKENDS: Registry[type[TrainerBackend]] = Registry(
+    "training backend",
+    "--train-backend",
+    builtins={
+        "fsdp": Builtin(
+            target="slime.backends.fsdp.backend:FSDPBackend",
+            config="slime.backends.fsdp.config:FSDPConfig",
+        ),
+        "megatron": Builtin(
+            target=None,
+            # The `megatron` extra of pyproject.toml.
+            requires=("megatron-core==0.16.1", "flash-linear-attention==0.6.0", "fla-core==0.6.0", "tilelang==0.1.15"),
+            config="slime.backends.megatron.config:MegatronConfig",
+            planned="the native Megatron Qwen3.5 backend is next on the roadmap; use --train-backend fsdp meanwhile",
+        ),
+    },
+)
 """Training backends by ``--train-backend`` name (built-ins and ``register``-ed ones)."""

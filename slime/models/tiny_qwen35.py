@@ -163,6 +163,31 @@ TEXT_CONFIG = dict(
 )
 """Tiny text-model numbers (``Qwen3_5MoeTextConfig`` fields; vocab and token ids come from the tokenizer)."""
 
+REAL_GEOMETRY_TEXT_CONFIG = dict(
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    # Rotary dim = 256 * 0.25 = 64, i.e. 32 frequencies split [11, 11, 10] over (T, H, W), interleaved:
+    # Qwen3.5-35B-A3B's exact rotary; image heights and widths rotate by up to ~1 rad per position.
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        mrope_interleaved=True,
+    ),
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+"""What ``TinyQwen35Options(real_geometry=True)`` changes in :data:`TEXT_CONFIG`: Qwen3.5-35B-A3B's
+attention and GDN geometry (16 query / 2 KV heads of head_dim 256, 25 % rotary, interleaved
+``mrope_section`` [11, 11, 10]; 16 key / 32 value GDN heads of 128 dims) at the tiny width, depth and
+expert count; the kernels then run at the real model's head shapes.  For parity tests whose
+position bugs must be visible (the default's 8 rotary dims with sections [2, 1, 1] turn image
+heights and widths by ~1e-3 rad)."""
+
 FULL_ATTENTION_INTERVAL = 4
 """Every 4th layer is full attention (SGLang's ``text_config.full_attention_interval``)."""
 
@@ -201,6 +226,9 @@ class TinyQwen35Options:
         bpe_vocab_size: total vocab size of the BPE tokenizer, added tokens included.
         min_pixels: the image processor's lower pixel bound (``size.shortest_edge``), pixels.
         max_pixels: the image processor's upper pixel bound (``size.longest_edge``), pixels.
+        real_geometry: use :data:`REAL_GEOMETRY_TEXT_CONFIG` (Qwen3.5-35B-A3B's head geometry);
+            pair it with a ``max_pixels`` that gives images of a few hundred merged tokens (one merged
+            token per 32 x 32 pixels, e.g. ``max_pixels = 512 * 512`` -> up to 256).
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -211,6 +239,7 @@ class TinyQwen35Options:
     bpe_vocab_size: int = 2048
     min_pixels: int = 32 * 32
     max_pixels: int = 128 * 128
+    real_geometry: bool = False
 
     def __post_init__(self):
         if self.vocab_words is not None:
@@ -245,9 +274,12 @@ class TinyQwen35Options:
 
     def cache_name(self) -> str:
         """Folder name under the cache dir: tokenizer kind + hash of the options and BUILDER_VERSION."""
-        payload = json.dumps({"builder_version": BUILDER_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if not self.real_geometry:  # absent for the default recipe: its folder name predates the field
+            del fields["real_geometry"]
+        payload = json.dumps({"builder_version": BUILDER_VERSION, **fields}, sort_keys=True)
         digest = hashlib.sha256(payload.encode()).hexdigest()[:16]
-        kind = "bpe" if self.vocab_words is None else "words"
+        kind = ("bpe" if self.vocab_words is None else "words") + ("-realgeo" if self.real_geometry else "")
         return f"{kind}-seed{self.seed}-{digest}"
 
 
@@ -397,13 +429,16 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _model_config(tok: Tokenizer):
+def _model_config(tok: Tokenizer, real_geometry: bool = False):
     """The ``Qwen3_5MoeConfig`` of the tiny model, with token ids read from ``tok``."""
     from transformers import Qwen3_5MoeConfig
 
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    base = copy.deepcopy(TEXT_CONFIG)
+    if real_geometry:
+        base.update(copy.deepcopy(REAL_GEOMETRY_TEXT_CONFIG))
     text = dict(
-        copy.deepcopy(TEXT_CONFIG),
+        base,
         vocab_size=tok.get_vocab_size(),
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
@@ -454,7 +489,7 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, options: TinyQwen35Options
 
     word_level = options.vocab_words is not None
     tok = build_word_level_tokenizer(options.vocab_words) if word_level else build_bpe_tokenizer(options.bpe_vocab_size)
-    config = _model_config(tok)
+    config = _model_config(tok, options.real_geometry)
 
     torch.manual_seed(options.seed)
     model = Qwen3_5MoeForConditionalGeneration(config).to(torch.float32)

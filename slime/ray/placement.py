@@ -11,6 +11,14 @@ trainer rank and per rollout GPU:
   get disjoint bundles (disaggregated).
 - Machines without GPUs: the same flags size CPU bundles (one CPU each), so
   ``--actor-num-gpus-per-node 2`` still means two trainer ranks.
+
+An engine spans ``--rollout-num-gpus-per-engine`` bundles.  Ray places an actor on one
+bundle only, so the engine's actor sits on its first bundle and is told the resources of all
+of them (:class:`slime.rollout.engines.base.EngineResources`): a probe task on every bundle
+reads its node and ``ray.get_gpu_ids()``, the bundles are sorted by (node, GPU id) so that
+an engine's GPUs are neighbours on one node, and consecutive bundles form one engine.  The
+placement group keeps the other bundles reserved for the engine's own processes: trainers
+(disaggregated) have a group of their own, and no other actor is placed there.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.ray.config import ClusterConfig
+from slime.rollout.engines.base import BundleResources, EngineResources
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +105,23 @@ def cpu_threads_per_actor(num_actors: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, num_actors))
 
 
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+"""Ray's switch that leaves ``CUDA_VISIBLE_DEVICES`` of an actor alone (set to ``"1"`` for engines,
+which set it themselves to all their bundles' GPUs, see :class:`EngineResources`)."""
+
+
 @dataclasses.dataclass
 class Placement:
     """Reserved resources for one run.
 
     Attributes:
         use_gpu: whether bundles are GPUs (else CPUs).
+        colocate: trainers and engines share bundles.
         trainer_pg / trainer_bundles: the trainer ranks' placement group and bundle index
             of each rank (rank order).
-        engine_pg / engine_bundles: the rollout engines' placement group and, per engine,
-            its first bundle index (an engine spans ``--rollout-num-gpus-per-engine``
-            consecutive bundles).
-        colocate: trainers and engines share bundles.
+        engine_pg: the rollout engines' placement group (the trainers' one when colocated).
+        engine_resources: per engine, every bundle it spans with its node and GPU ids
+            (``--rollout-num-gpus-per-engine`` bundles each; the actor goes on the first).
     """
 
     use_gpu: bool
@@ -115,8 +129,8 @@ class Placement:
     trainer_pg: PlacementGroup
     trainer_bundles: list[int]
     engine_pg: PlacementGroup
-    engine_bundles: list[int]
-    gpus_per_engine: int
+    engine_resources: list[EngineResources]
+    _removed: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def num_trainers(self) -> int:
@@ -124,7 +138,12 @@ class Placement:
 
     @property
     def num_engines(self) -> int:
-        return len(self.engine_bundles)
+        return len(self.engine_resources)
+
+    @property
+    def engine_bundles(self) -> list[list[int]]:
+        """Per engine, the bundle indices it spans (in the engine placement group)."""
+        return [r.bundle_indices for r in self.engine_resources]
 
     def trainer_options(self, rank: int) -> dict:
         """``.options(...)`` for trainer rank ``rank``."""
@@ -136,21 +155,42 @@ class Placement:
         )
 
     def engine_options(self, index: int) -> dict:
-        """``.options(...)`` for rollout engine ``index`` (placed on its first bundle)."""
+        """``.options(...)`` for the actor of rollout engine ``index``: on its first bundle; on
+        GPUs Ray leaves ``CUDA_VISIBLE_DEVICES`` to the actor (:data:`NOSET_CUDA_VISIBLE_DEVICES`)."""
         gpu = (COLOCATED_ENGINE_GPU if self.colocate else 1) if self.use_gpu else 0
-        return dict(
+        options = dict(
             num_cpus=0.5 if self.colocate else 1,
             num_gpus=gpu,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.engine_pg, self.engine_bundles[index]),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.engine_pg, self.engine_resources[index].bundles[0].bundle_index
+            ),
         )
+        if self.use_gpu:
+            options["runtime_env"] = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+        return options
+
+    def remove(self) -> None:
+        """Give the bundles back to the cluster (idempotent; logs, never raises: it runs during
+        clean-up).  Ray also removes them when the driver exits; this frees them at once on a
+        shared cluster."""
+        if self._removed:
+            return
+        self._removed = True
+        for pg in dict.fromkeys([self.engine_pg, self.trainer_pg]):
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception as e:  # noqa: BLE001 - clean-up must go on
+                logger.warning("could not remove placement group %s: %s", pg.id.hex(), e)
 
 
 def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s: float = 600) -> Placement:
-    """Reserve bundles for trainers and engines and wait until Ray grants them.
+    """Reserve bundles for trainers and engines, wait until Ray grants them, and find out where
+    each engine's bundles are.
 
     Every bundle is ``{"GPU": 1, "CPU": 1}`` on GPU clusters, ``{"CPU": 1}`` otherwise:
     ``--actor-num-nodes * --actor-num-gpus-per-node`` trainer bundles, plus (without
-    ``--colocate``) ``--rollout-num-gpus`` engine bundles.
+    ``--colocate``) ``--rollout-num-gpus`` engine bundles.  Engines get consecutive bundles in
+    (node, GPU id) order, ``--rollout-num-gpus-per-engine`` each (see the module docstring).
 
     Raises:
         PlacementError: at once when the cluster's total resources are fewer than the
@@ -162,24 +202,83 @@ def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s:
     gpus_per_engine = cluster.rollout_num_gpus_per_engine
     unit = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     _check_cluster_fits(num_trainers if cluster.colocate else num_trainers + cluster.rollout_num_gpus, unit, cluster)
+    trainer_pg = _reserve([dict(unit) for _ in range(num_trainers)], "PACK", timeout_s)
     if cluster.colocate:
-        num_rollout = num_trainers
-        pg = _reserve([dict(unit) for _ in range(num_trainers)], "PACK", timeout_s)
-        trainer_pg = engine_pg = pg
-        trainer_bundles = list(range(num_trainers))
-        engine_bundles = list(range(0, num_rollout, gpus_per_engine))
+        engine_pg, num_rollout = trainer_pg, num_trainers
     else:
+        try:
+            engine_pg = _reserve([dict(unit) for _ in range(cluster.rollout_num_gpus)], "PACK", timeout_s)
+        except BaseException:
+            ray.util.remove_placement_group(trainer_pg)
+            raise
         num_rollout = cluster.rollout_num_gpus
-        trainer_pg = _reserve([dict(unit) for _ in range(num_trainers)], "PACK", timeout_s)
-        engine_pg = _reserve([dict(unit) for _ in range(num_rollout)], "PACK", timeout_s)
-        trainer_bundles = list(range(num_trainers))
-        engine_bundles = list(range(0, num_rollout, gpus_per_engine))
+    total_bundles = num_trainers + (0 if cluster.colocate else num_rollout)
+    probed = _probe_bundles(engine_pg, num_rollout, unit)
+    engine_resources = [
+        EngineResources(
+            index=i,
+            bundles=bundles,
+            use_gpu=use_gpu,
+            colocated=cluster.colocate,
+            cpu_threads=None if use_gpu else cpu_threads_for_bundles(gpus_per_engine, total_bundles),
+        )
+        for i, bundles in enumerate(assign_engine_bundles(probed, gpus_per_engine))
+    ]
+    for resources in engine_resources:
+        if len(resources.node_ips) > 1:
+            logger.warning("rollout %s spans several nodes", resources.describe())
     logger.info(
-        "placement: %d trainer rank(s), %d engine(s) x %d %s, %s",
-        num_trainers, len(engine_bundles), gpus_per_engine, "GPU" if use_gpu else "CPU bundle",
-        "colocated" if cluster.colocate else "disaggregated",
+        "placement: %d trainer rank(s), %d engine(s) x %d %s, %s; %s",
+        num_trainers, len(engine_resources), gpus_per_engine, "GPU" if use_gpu else "CPU bundle",
+        "colocated" if cluster.colocate else "disaggregated", "; ".join(r.describe() for r in engine_resources),
     )
-    return Placement(use_gpu, cluster.colocate, trainer_pg, trainer_bundles, engine_pg, engine_bundles, gpus_per_engine)
+    return Placement(use_gpu, cluster.colocate, trainer_pg, list(range(num_trainers)), engine_pg, engine_resources)
+
+
+def cpu_threads_for_bundles(num_bundles: int, total_bundles: int) -> int:
+    """torch intra-op threads of an actor spanning ``num_bundles`` of the run's ``total_bundles``
+    CPU bundles on this machine: its share of the cores, ``cores * num_bundles // total_bundles``
+    (at least 1)."""
+    return max(1, (os.cpu_count() or 1) * num_bundles // max(1, total_bundles))
+
+
+@ray.remote(num_cpus=0)
+def _bundle_location() -> tuple[str, str, list]:
+    """Run inside a bundle: its node's IP and id, and the GPUs Ray assigned to the bundle."""
+    return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
+
+
+def _probe_bundles(pg: PlacementGroup, num_bundles: int, unit: dict[str, float]) -> list[BundleResources]:
+    """Where each of the first ``num_bundles`` bundles of ``pg`` is, from a probe task inside it.
+
+    On GPU bundles the probe asks for a sliver of the bundle's GPU, so that Ray tells it the
+    GPU id (a zero-resource task is told none); it runs and ends before any actor is placed.
+    """
+    gpus = 0.01 if unit.get("GPU") else 0
+    refs = [
+        _bundle_location.options(num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
+        for i in range(num_bundles)
+    ]
+    return [
+        BundleResources(i, ip, node_id, tuple(str(g) for g in gpu_ids), float(unit["CPU"]))
+        for i, (ip, node_id, gpu_ids) in enumerate(ray.get(refs))
+    ]
+
+
+def assign_engine_bundles(bundles: list[BundleResources], per_engine: int) -> list[tuple[BundleResources, ...]]:
+    """Cut the probed bundles into engines of ``per_engine`` consecutive bundles in device order.
+
+    Ray does not number a placement group's bundles in node order, so bundles are first sorted
+    by node, then GPU id (numerically where it is a number), then bundle index; an engine then
+    takes GPUs that are neighbours on one node whenever ``per_engine`` divides the GPUs per node.
+    """
+
+    def device_order(bundle: BundleResources) -> tuple:
+        gpus = tuple((0, int(g), "") if g.isdigit() else (1, 0, g) for g in bundle.gpu_ids)
+        return bundle.node_ip, bundle.node_id, gpus, bundle.bundle_index
+
+    ordered = sorted(bundles, key=device_order)
+    return [tuple(ordered[start : start + per_engine]) for start in range(0, len(ordered), per_engine)]
 
 
 def _check_cluster_fits(num_bundles: int, unit: dict[str, float], cluster: ClusterConfig) -> None:

@@ -7,16 +7,19 @@ split across ranks and how results are gathered:
 - :meth:`TrainerGroup.train`: the rollout's samples are cut into optimizer steps of
   ``--global-batch-size`` samples, each step is split evenly over data-parallel ranks,
   and the (already all-reduced) metrics of rank 0 are returned.
-- :meth:`TrainerGroup.update_weights`: every rank takes part in gathering the full
-  weights; rank 0 pushes each bucket to every engine.
+- :meth:`TrainerGroup.update_weights`: every rank sends the weights it is the source of
+  through the run's :class:`slime.weight_sync.base.WeightTransport`; the group checks that
+  each tensor came from exactly one rank.
 - the others (init, save, offload, onload) run on all ranks and wait for all.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from pathlib import Path
+from typing import Sequence
 
 import ray
 import torch
@@ -25,10 +28,9 @@ from slime.backends.base import RankInfo, TrainerBackend
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
 from slime.rollout.engine_group import RolloutEngineGroup
 from slime.utils.types import Sample
+from slime.weight_sync import WeightTransport, check_weight_sources
 
 logger = logging.getLogger(__name__)
-
-WEIGHT_BUCKET_BYTES = 512 << 20
 
 
 @ray.remote
@@ -41,6 +43,8 @@ class TrainerActor:
         logging.basicConfig(level=logging.INFO, format=f"[trainer {rank_info.rank}] %(levelname)s %(name)s: %(message)s")
         self.rank_info = rank_info
         self.backend: TrainerBackend = backend_factory(rank_info)
+        self.transport: WeightTransport | None = None
+        self.engines: Sequence = ()
 
     def init(self) -> tuple[int, int, int]:
         """Build the backend. Returns (next rollout id, data-parallel rank, data-parallel size)."""
@@ -54,17 +58,26 @@ class TrainerActor:
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         return self.backend.compute_log_probs(samples)
 
-    def push_weights(self, engines: list, bucket_bytes: int) -> int:
-        """Gather full weights (all ranks) and, on rank 0, load them into every engine.
+    def connect_weights(self, transport: WeightTransport, engines: Sequence) -> None:
+        """Keep this run's transport and the engine handles; its trainer-side set-up (once per run)."""
+        self.transport, self.engines = transport, list(engines)
+        transport.connect_rank(self.rank_info, self.engines)
 
-        Returns the number of tensors pushed (0 on other ranks).
+    def send_weights(self) -> list[str]:
+        """Send the weights this rank is the source of into every engine; returns their names.
+
+        If the transport fails part-way, the rest of the buckets are still drawn, so that this
+        rank keeps taking part in the other ranks' gathers and they fail or finish instead of
+        waiting for it forever; then the error is raised.
         """
-        pushed = 0
-        for bucket in self.backend.iter_weight_buckets(bucket_bytes):
-            ref = ray.put(bucket)
-            ray.get([engine.update_weights_from_tensor.remote(ref, False) for engine in engines])
-            pushed += len(bucket)
-        return pushed
+        if self.transport is None:
+            raise RuntimeError("send_weights before connect_weights: the trainer group connects the transport first")
+        buckets = self.backend.iter_weight_buckets(self.transport.bucket_bytes, device=self.transport.tensor_device)
+        try:
+            return self.transport.send(buckets, self.rank_info, self.engines)
+        except BaseException:
+            collections.deque(buckets, maxlen=0)
+            raise
 
     def save(self, rollout_id: int, path: str) -> None:
         self.backend.save(rollout_id, Path(path))
@@ -82,12 +95,17 @@ class TrainerGroup:
     Args:
         placement: where the ranks go (one bundle each).
         backend_factory: picklable callable ``RankInfo -> TrainerBackend`` (the backend
-            class with its configs bound, see :func:`slime.backends.registry.backend_factory`).
+            class's ``from_config`` with the run's config bound, as :func:`slime.train.start_workers` makes it).
         global_batch_size: samples per optimizer step (``--global-batch-size``).
+        transport: how weights reach the engines, chosen once per run
+            (:func:`slime.weight_sync.make_transport`).
     """
 
-    def __init__(self, placement: Placement, backend_factory, global_batch_size: int):
+    def __init__(self, placement: Placement, backend_factory, global_batch_size: int, transport: WeightTransport):
         self.global_batch_size = global_batch_size
+        self.transport = transport
+        self._connected_engines: RolloutEngineGroup | None = None
+        self._weight_names: set[str] | None = None
         device = "cuda" if placement.use_gpu else "cpu"
         n = placement.num_trainers
         threads = cpu_threads_per_actor(n + (0 if placement.colocate else placement.num_engines))
@@ -114,21 +132,22 @@ class TrainerGroup:
     def split_by_rank(self, samples: list[Sample]) -> tuple[list[list[Sample]], int]:
         """Cut ``samples`` into optimizer steps and each step evenly over data-parallel ranks.
 
+        That ``--global-batch-size`` splits evenly over the data-parallel ranks (with
+        ``--micro-batch-size``) is checked once, at parse time, with the backend's data-parallel
+        size (:func:`slime.utils.arguments.validate`); here only the batch itself is checked.
+
         Returns:
             (per trainer rank: its samples, steps in order; number of optimizer steps).
             Ranks with the same data-parallel rank (tensor/pipeline/context peers) get
             the same samples.
 
         Raises:
-            ValueError: the sample count is not a multiple of the global batch size, or
-                the global batch size not a multiple of the data-parallel size (both are
-                also refused at parse time).
+            ValueError: the sample count is not a positive multiple of the global batch size.
         """
         gbs, dp = self.global_batch_size, self.dp_size
-        if len(samples) % gbs or gbs % dp:
+        if not samples or len(samples) % gbs:
             raise ValueError(
-                f"{len(samples)} samples cannot be split into optimizer steps of --global-batch-size {gbs} "
-                f"over {dp} data-parallel ranks"
+                f"{len(samples)} samples cannot be split into optimizer steps of --global-batch-size {gbs}"
             )
         num_steps, per_rank = len(samples) // gbs, gbs // dp
         shards = [[] for _ in range(dp)]
@@ -145,15 +164,44 @@ class TrainerGroup:
         return results[0]
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
-        """Current-policy log-probs of every sample's response (all ranks run the same samples)."""
+        """Current-policy log-probs of every sample's response (all ranks run the same samples):
+        the engine parity check's trainer side (:meth:`TrainerBackend.compute_log_probs`)."""
         return ray.get([a.compute_log_probs.remote(samples) for a in self.actors])[0]
 
-    def update_weights(self, engines: RolloutEngineGroup, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> None:
-        """Push the current weights to every rollout engine, then flush the engines' caches."""
-        counts = ray.get([a.push_weights.remote(engines.actors, bucket_bytes) for a in self.actors])
-        if counts[0] == 0:
-            raise RuntimeError("weight sync pushed no tensors: the backend yielded no buckets on rank 0")
-        engines.flush_cache()
+    def connect_ranks(self, transport: WeightTransport, engines: RolloutEngineGroup) -> list[ray.ObjectRef]:
+        """Hand ``transport`` and the engine handles to every rank (:meth:`WeightTransport.connect_rank`
+        there); returns the pending calls, so a transport can start the engines' side of a rendezvous too."""
+        return [a.connect_weights.remote(transport, engines.actors) for a in self.actors]
+
+    def update_weights(self, engines: RolloutEngineGroup) -> dict[str, int]:
+        """Push the current weights into every rollout engine through the run's transport.
+
+        The first call connects the transport (:meth:`WeightTransport.connect`, once per run);
+        every call then runs ``begin_sync``, every rank's ``send``, and ``end_sync`` (which, for the
+        object store, flushes the engines' caches).
+
+        Returns:
+            ``{checkpoint name: trainer rank that sent it}``.
+
+        Raises:
+            RuntimeError: no tensor was sent, a tensor came from two ranks, or this sync sent another
+                set of names than the first one (names missing or extra are listed).
+        """
+        if self._connected_engines is not engines:
+            self.transport.connect(self, engines)
+            self._connected_engines = engines
+        self.transport.begin_sync(engines)
+        sources = check_weight_sources(ray.get([a.send_weights.remote() for a in self.actors]))
+        self.transport.end_sync(engines)
+        names = set(sources)
+        if self._weight_names is not None and names != self._weight_names:
+            missing, extra = sorted(self._weight_names - names), sorted(names - self._weight_names)
+            raise RuntimeError(
+                f"weight sync sent other tensors than the first sync: missing {missing[:5]} ({len(missing)}), "
+                f"extra {extra[:5]} ({len(extra)})"
+            )
+        self._weight_names = names
+        return sources
 
     def save(self, rollout_id: int, path: str | os.PathLike) -> None:
         ray.get([a.save.remote(rollout_id, str(path)) for a in self.actors])
@@ -168,8 +216,17 @@ class TrainerGroup:
         ray.get([a.onload.remote() for a in self.actors])
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
+        """Kill every rank's actor (its process and the process group it held).
+
+        Idempotent, and never raises: problems are logged, so that it can run in the driver's
+        ``finally`` without hiding the error that ended the run.
+        """
+        actors, self.actors = self.actors, []
+        for rank, a in enumerate(actors):
+            try:
+                ray.kill(a)
+            except Exception as e:  # noqa: BLE001 - clean-up goes on
+                logger.warning("could not kill trainer rank %d: %s", rank, e)
 
 
 @ray.remote(num_cpus=0)

@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from slime.rollout.engines import ENGINES
 from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
-
-ROLLOUT_BACKENDS = ("sglang", "transformers")
-"""Built-in rollout engines; ``--rollout-backend`` also takes a ``package.module:Class`` path."""
 
 
 def _check_sampling(prefix: str, temperature: float | None, top_p: float | None, *, greedy_ok: bool) -> None:
@@ -74,9 +72,14 @@ class RolloutConfig:
         help="Seed of the prompt shuffle and of every request's sampling seed (derived from it, the rollout id and "
         "the sample's position: resumed runs draw the same responses as uninterrupted ones).",
     )
+    rollout_engine_start_timeout: float = flag(
+        1800.0,
+        help="Seconds the rollout engines may take to start (load weights, capture CUDA graphs) until their "
+        "health check passes; an engine that is not healthy by then stops the run with its index, node and bundles.",
+    )
 
     def __post_init__(self):
-        check_name_or_import_path("--rollout-backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        check_name_or_import_path("--rollout-backend", self.rollout_backend, ENGINES.names())
         if self.num_rollout is None and self.num_epoch is None:
             raise ConfigError("give --num-rollout N (rollout steps) or --num-epoch N (passes over the prompt data)")
         if self.num_rollout is not None and self.num_epoch is not None:
@@ -87,6 +90,11 @@ class RolloutConfig:
             self, "num_rollout", "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"
         )
         _check_sampling("rollout", self.rollout_temperature, self.rollout_top_p, greedy_ok=False)
+        if not self.rollout_engine_start_timeout > 0:  # also refuses NaN
+            raise ConfigError(
+                f"--rollout-engine-start-timeout must be > 0 seconds, got {self.rollout_engine_start_timeout}; "
+                "e.g. 1800 for a large model"
+            )
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
         negative = [token_id for token_id in self.rollout_stop_token_ids or [] if token_id < 0]

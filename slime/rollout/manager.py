@@ -18,7 +18,7 @@ import torch
 
 from slime.rollout.config import EvalConfig, RolloutConfig
 from slime.rollout.engine_group import RolloutEngineGroup
-from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.rm_hub import RewardConfig, RewardScorer
 from slime.rollout.seeds import sampling_seed
 from slime.utils.data import DataConfig, PromptDataset, load_eval_samples
@@ -41,6 +41,11 @@ class RolloutBatch:
 
     samples: list[Sample]
     metrics: dict[str, float]
+
+
+class PromptMismatchError(RuntimeError):
+    """A rollout engine saw a prompt of another length than the data pipeline computed, so the
+    trainer would train on tokens the engine never conditioned on."""
 
 
 class RolloutManager:
@@ -162,12 +167,13 @@ class RolloutManager:
                 text=s.prompt,
                 image_data=s.images,
                 sampling_params=dataclasses.replace(params, sampling_seed=self._seed(rollout_id, i, stream)),
-                expected_prompt_len=len(s.prompt_token_ids),
                 rid=f"{s.index}:{i}",
             )
             for i, s in enumerate(samples)
         ]
-        for sample, out in zip(samples, self.engines.generate(requests)):
+        outputs = self.engines.generate(requests)
+        check_prompt_lengths(samples, requests, outputs)
+        for sample, out in zip(samples, outputs):
             sample.response = out.text
             sample.response_token_ids = list(out.output_ids)
             sample.rollout_log_probs = list(out.output_log_probs)
@@ -206,6 +212,36 @@ class RolloutManager:
 
     def close(self) -> None:
         self.scorer.close()
+
+
+def check_prompt_lengths(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput]) -> None:
+    """Compare each engine's prompt length (``GenerateOutput.prompt_tokens``) with the data pipeline's
+    ``len(sample.prompt_token_ids)``, for whatever engine served the request.
+
+    Raises:
+        PromptMismatchError: naming the count of mismatching samples and, for the first few, the
+            sample (position in the batch, dataset index, request id), the engine and both lengths,
+            with the likely cause.
+    """
+    bad = [
+        (i, sample, req, out)
+        for i, (sample, req, out) in enumerate(zip(samples, requests, outputs))
+        if out.prompt_tokens != len(sample.prompt_token_ids)
+    ]
+    if not bad:
+        return
+    first = "; ".join(
+        f"sample {i} (dataset index {sample.index}, rid {req.rid}): engine "
+        f"{'?' if out.engine_index is None else out.engine_index} saw {out.prompt_tokens} prompt tokens, "
+        f"the data pipeline computed {len(sample.prompt_token_ids)}"
+        for i, sample, req, out in bad[:3]
+    )
+    raise PromptMismatchError(
+        f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline "
+        f"({first}). The trainer would train on other tokens than the engine generated from. Likely cause: the engine "
+        "loads another processor or chat template than --hf-checkpoint, or resizes images with other pixel bounds "
+        "than --image-min-pixels / --image-max-pixels (the number of image tokens follows the resized size)"
+    )
 
 
 def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:

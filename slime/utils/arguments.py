@@ -7,10 +7,14 @@ explains how); this module only
    the arrays of the upstream launcher scripts (``MODEL_ARGS``, ``ROLLOUT_ARGS``, ...);
 2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
    collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
-3. runs the checks that span several groups (:func:`validate`): Megatron-only flags with
-   ``--train-backend fsdp``, MODEL_ARGS against the checkpoint's ``config.json``, batch sizes
-   against the parallel layout, Gated-DeltaNet batching, SGLang flags against the engine; and
-   warns about flags that do nothing (KL flags without a KL term, GRPO groups of one response).
+3. runs the checks that span several groups (:func:`validate`): the selected training backend's
+   and rollout engine's own checks (their configs, named in the registries: e.g. the FSDP backend
+   refuses the Megatron backend's flags, the transformers engine refuses ``--sglang-*``),
+   MODEL_ARGS against the checkpoint's ``config.json``, batch sizes against the backend's
+   data-parallel size, Gated-DeltaNet batching, and last whether the selected backend and engine
+   can run here (a planned one, or one whose packages are missing, is refused with what is and is
+   not installed); and warns about flags that do nothing (KL flags without a KL term, GRPO groups
+   of one response).
 
 Every error is raised at parse time and names the flag(s), the value(s) and a fix.
 The one check that needs the real cluster (enough GPUs) runs when the driver calls
@@ -26,21 +30,28 @@ import logging
 import sys
 
 from slime.backends.config import (
+    BackendConfig,
     CheckpointConfig,
     ModelConfig,
     OptimizerConfig,
+    OtherBackendFlag,
     TrainConfig,
-    check_fsdp_flags,
     hf_checkpoint_layer_types,
 )
+from slime.backends.fsdp.config import FSDPConfig
+from slime.backends.megatron.config import MegatronConfig
+from slime.backends.registry import TRAIN_BACKENDS
 from slime.models.qwen35_args import check_model_args
 from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extract_sglang_args
+from slime.rollout.engines import ENGINES
+from slime.rollout.engines.config import EngineConfig
 from slime.rollout.rm_hub import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.data import DataConfig
 from slime.utils.metrics import LoggingConfig, WandbConfig
 from slime.utils.ppo_utils import GRPOConfig
+from slime.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,9 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
     ("sglang", SGLangConfig, "SGLANG_ARGS"),
     ("wandb", WandbConfig, "WANDB_ARGS"),
     ("train", TrainConfig, "BACKEND_ARGS"),
+    ("megatron", MegatronConfig, "BACKEND_ARGS (megatron)"),
+    ("fsdp", FSDPConfig, "BACKEND_ARGS (fsdp)"),
+    ("weight_sync", WeightSyncConfig, "BACKEND_ARGS (weight sync)"),
     ("cluster", ClusterConfig, "MISC_ARGS (cluster)"),
     ("logging", LoggingConfig, "MISC_ARGS (logging)"),
 )
@@ -94,10 +108,29 @@ class SlimeConfig:
     logging: LoggingConfig
     cluster: ClusterConfig
     train: TrainConfig
+    megatron: MegatronConfig
+    fsdp: FSDPConfig
+    weight_sync: WeightSyncConfig
 
     def __post_init__(self):
         if self.train.global_batch_size is None:
             self.train.global_batch_size = self.rollout.samples_per_rollout
+
+    def backend_configs(self) -> list[BackendConfig]:
+        """Every training backend's own flag group, in :data:`GROUPS` order."""
+        return [getattr(self, attr) for attr, cls, _ in GROUPS if issubclass(cls, BackendConfig)]
+
+    @property
+    def train_backend_config(self) -> BackendConfig:
+        """The ``--train-backend``'s own flag group (its config in :data:`slime.backends.registry.TRAIN_BACKENDS`);
+        a plain :class:`BackendConfig` for a backend given as an import path."""
+        cls = TRAIN_BACKENDS.config_class(self.train.train_backend)
+        return next((group for group in self.backend_configs() if type(group) is cls), BackendConfig())
+
+    @property
+    def engine_config(self) -> type[EngineConfig]:
+        """The ``--rollout-backend``'s checks (its config in :data:`slime.rollout.engines.ENGINES`)."""
+        return ENGINES.config_class(self.rollout.rollout_backend) or EngineConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,17 +224,40 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     Raises:
         ConfigError: the message names the flags, their values and a fix.
     """
-    if cfg.train.train_backend == "fsdp":
-        check_fsdp_flags(cfg.train, cfg.checkpoint)
+    backend = cfg.train_backend_config
+    backend.check(train=cfg.train, model=cfg.model, cluster=cfg.cluster, other_flags=_other_backend_flags(cfg))
+    cfg.engine_config.check(cfg.rollout, cfg.sglang)
     check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint)
     _check_gdn_batching(cfg.model, cfg.checkpoint, cfg.train)
-    _check_parallel_sizes(cfg.train, cfg.cluster, cfg.model)
-    _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster)
+    _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)
-    _check_sglang(cfg.sglang, cfg.rollout)
+    _check_runs_here(cfg)
     if num_gpus_available is not None:
         _check_resources(cfg.cluster, num_gpus_available)
+
+
+def _other_backend_flags(cfg: SlimeConfig) -> list[OtherBackendFlag]:
+    """The active flags (:meth:`BackendConfig.active_flags`) of every backend group but the selected one's."""
+    selected = cfg.train_backend_config
+    return [
+        OtherBackendFlag(field, text, TRAIN_BACKENDS.name_of_config(type(group)))
+        for group in cfg.backend_configs()
+        if group is not selected
+        for field, text in group.active_flags()
+    ]
+
+
+def _check_runs_here(cfg: SlimeConfig) -> None:
+    """The selected engine and backend exist in this version and their packages are installed
+    (:meth:`slime.utils.registry.Registry.problem`: nothing is imported); both are reported at once."""
+    problems = [
+        problem
+        for registry, name in ((ENGINES, cfg.rollout.rollout_backend), (TRAIN_BACKENDS, cfg.train.train_backend))
+        if (problem := registry.problem(name)) is not None
+    ]
+    if problems:
+        raise ConfigError(". ".join(problems))
 
 
 def _check_gdn_batching(model: ModelConfig, checkpoint: CheckpointConfig, train: TrainConfig) -> None:
@@ -223,62 +279,24 @@ def _check_gdn_batching(model: ModelConfig, checkpoint: CheckpointConfig, train:
     )
 
 
-def _check_parallel_sizes(train: TrainConfig, cluster: ClusterConfig, model: ModelConfig) -> None:
-    """Megatron's rules for laying the trainer ranks out as TP x CP x DP x PP (and ETP x EP x DP x PP)."""
-    world = cluster.actor_num_gpus
-    tp, pp, cp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size, train.context_parallel_size
-    ep, etp = train.expert_model_parallel_size, train.expert_tensor_parallel
-    gpus = f"--actor-num-nodes {cluster.actor_num_nodes} * --actor-num-gpus-per-node {cluster.actor_num_gpus_per_node}"
-    if world % (tp * pp * cp):
-        raise ConfigError(
-            f"the trainer's {world} GPUs ({gpus}) are not a multiple of --tensor-model-parallel-size {tp} * "
-            f"--pipeline-model-parallel-size {pp} * --context-parallel-size {cp} = {tp * pp * cp}; "
-            "change the parallel sizes or the GPU count"
-        )
-    # megatron-core 0.16 parallel_state.initialize_model_parallel lays the expert layers out as
-    # ETP x EP x expert-DP x PP and raises unless world_size % (ETP * EP * PP) == 0 (ETP defaults to TP).
-    if world % (etp * ep * pp):
-        raise ConfigError(
-            f"the trainer's {world} GPUs ({gpus}) are not a multiple of --expert-tensor-parallel-size {etp} * "
-            f"--expert-model-parallel-size {ep} * --pipeline-model-parallel-size {pp} = {etp * ep * pp} "
-            "(megatron-core's expert layout); change the parallel sizes or the GPU count"
-        )
-    # megatron.core ModelParallelConfig.__post_init__: EP > 1 with TP > 1 needs sequence parallelism.
-    if ep > 1 and tp > 1 and not train.sequence_parallel:
-        raise ConfigError(
-            f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
-            "(Megatron); add it"
-        )
-    # megatron/training/arguments.py: experts are split evenly over the EP ranks.
-    if model.num_experts is not None and model.num_experts % ep:
-        raise ConfigError(
-            f"--num-experts {model.num_experts} is not a multiple of --expert-model-parallel-size {ep}; "
-            "each EP rank must hold the same number of experts"
-        )
-    # megatron.core TransformerConfig.__post_init__: heads and KV groups are split over the TP ranks.
-    for name in ("num_attention_heads", "num_query_groups"):
-        value = getattr(model, name)
-        if value is not None and value % tp:
-            raise ConfigError(
-                f"--{name.replace('_', '-')} {value} is not a multiple of --tensor-model-parallel-size {tp}; "
-                "each TP rank must hold the same number of heads"
-            )
-
-
 def _fitting_batch_sizes(samples: int, step: int) -> list[int]:
     """Global batch sizes that divide ``samples`` and are multiples of ``step``."""
     return [gbs for gbs in range(step, samples + 1, step) if samples % gbs == 0]
 
 
-def _check_batch_sizes(rollout: RolloutConfig, train: TrainConfig, cluster: ClusterConfig) -> None:
+def _check_batch_sizes(
+    rollout: RolloutConfig, train: TrainConfig, cluster: ClusterConfig, backend: BackendConfig
+) -> None:
     """A rollout step's samples split into whole optimizer steps, and each step into whole micro-batches per rank.
 
-    Data-parallel size = trainer GPUs / (TP * PP * CP) (Megatron); with --use-dynamic-batch-size the
-    micro-batches are packed by tokens, so only the data-parallel split must be even.
+    The data-parallel size is the backend's (:meth:`BackendConfig.data_parallel_size`: FSDP all
+    trainer GPUs, Megatron GPUs / (TP * PP * CP)); with --use-dynamic-batch-size the micro-batches
+    are packed by tokens, so only the data-parallel split must be even.  This is the one check of
+    these flags: the trainer group and the backends rely on it.
     """
     samples = rollout.samples_per_rollout
     gbs = train.global_batch_size
-    dp = cluster.actor_num_gpus // train.model_parallel_size
+    dp = backend.data_parallel_size(cluster.actor_num_gpus)
     per_rank = 1 if train.use_dynamic_batch_size else train.micro_batch_size
     step = dp * per_rank
     fits = _fitting_batch_sizes(samples, step)
@@ -294,10 +312,7 @@ def _check_batch_sizes(rollout: RolloutConfig, train: TrainConfig, cluster: Clus
     if samples % gbs:
         raise ConfigError(f"{rollout_samples} is not a multiple of --global-batch-size {gbs}; {fix}")
     if gbs % step:
-        layout = (
-            f"data-parallel size {dp} (= {cluster.actor_num_gpus} trainer GPUs / (TP {train.tensor_model_parallel_size}"
-            f" * PP {train.pipeline_model_parallel_size} * CP {train.context_parallel_size}))"
-        )
+        layout = backend.data_parallel_text(cluster.actor_num_gpus)
         per_rank_text = "" if train.use_dynamic_batch_size else f" * --micro-batch-size {train.micro_batch_size}"
         raise ConfigError(
             f"--global-batch-size {gbs} is not a multiple of {layout}{per_rank_text} = {step}; {fix}"
@@ -329,16 +344,6 @@ def _check_kl(grpo: GRPOConfig, checkpoint: CheckpointConfig) -> None:
         logger.warning(
             "--ref-load %s is unused: no KL term is active (--use-kl-loss with --kl-loss-coef > 0, or --kl-coef > 0)",
             checkpoint.ref_load,
-        )
-
-
-def _check_sglang(sglang: SGLangConfig, rollout: RolloutConfig) -> None:
-    """``--sglang-*`` flags only mean something to the SGLang engine."""
-    if sglang.server_args and rollout.rollout_backend == "transformers":
-        flags = " ".join(arg for arg in sglang.to_argv() if arg.startswith("--"))
-        raise ConfigError(
-            f"--rollout-backend transformers does not run SGLang, so {flags} would be ignored; "
-            "remove them or use --rollout-backend sglang"
         )
 
 

@@ -7,8 +7,14 @@
       iter_0000007/
         model/            # Hugging Face folder (config, safetensors, tokenizer, processor):
                           # loadable by transformers.from_pretrained, usable as --hf-checkpoint
+                          # (the FSDP backend's weights; other backends write it on request)
         trainer/          # backend-private: optimizer, LR scheduler, per-rank RNG state
+                          # (and, for the Megatron backend, its torch.distributed.checkpoint weights)
         rollout_state.pt  # driver: rollout id and data cursor (epoch, position, skip counts)
+
+Which parts a complete checkpoint holds is the backend's to say
+(:meth:`slime.backends.config.BackendConfig.checkpoint_parts`: FSDP ``model/`` + ``trainer/``);
+``rollout_state.pt`` is always the driver's.
 
 Randomness: the prompt order is a pure function of ``--rollout-seed`` and the epoch, so the
 data cursor restores it exactly; each trainer rank's torch/numpy/python RNG is in
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
@@ -82,13 +89,21 @@ def mark_latest(root: str | os.PathLike, rollout_id: int) -> None:
     os.replace(tmp, marker)
 
 
-def check_complete(root: str | os.PathLike, rollout_id: int) -> None:
+def check_complete(root: str | os.PathLike, rollout_id: int, backend_parts: Sequence[str]) -> None:
     """Check that the checkpoint of ``rollout_id`` under ``root`` has every part a resume reads.
+
+    Args:
+        root: the ``--load`` folder.
+        rollout_id: the checkpoint's rollout id.
+        backend_parts: the training backend's parts, relative to the iteration folder
+            (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`, e.g. ``("model", "trainer")``);
+            the driver's ``rollout_state.pt`` is checked too.
 
     Raises:
         CheckpointError: naming the first missing part and the ``--load`` folder.
     """
-    for part in (model_dir(root, rollout_id), trainer_dir(root, rollout_id), rollout_state_path(root, rollout_id)):
+    parts = [iteration_dir(root, rollout_id) / part for part in backend_parts]
+    for part in (*parts, rollout_state_path(root, rollout_id)):
         if not part.exists():
             raise CheckpointError(
                 f"--load {root}: the latest checkpoint (rollout {rollout_id}) lacks {part}; the folder is not a slime "

@@ -1,7 +1,9 @@
 """GRPO math shared by every training backend: advantages, clipped policy loss, KL, entropy, aggregation.
 
 Pure torch and backend-neutral: tensors in, tensors out, no model, no ``torch.distributed``.
-Loss terms are computed in float32 (float64 inputs stay float64).
+Loss terms are computed in float32 (float64 inputs stay float64).  A backend turns its logits
+into per-token log-probs and entropies (:mod:`slime.backends.log_probs`, full-vocabulary or
+vocab-parallel) and calls :func:`grpo_micro_batch_loss` once per micro-batch.
 
 What it follows:
 
@@ -351,44 +353,44 @@ def compute_approx_kl(
     return k3
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy ``H = -sum_v p_v log p_v`` (nats) of ``softmax(logits)`` over the last dim.
-
-    ``log p = log_softmax(logits)`` (logsumexp-stabilised), in float32 whatever the input
-    dtype (float64 kept).  Pass the logits the tokens were sampled with (divided by the
-    rollout temperature).  Logits must be finite; a ``-inf`` logit gives NaN gradients.
-    Memory: about three float32 copies of ``logits``; chunk over tokens for large vocabularies.
-
-    Args:
-        logits: ``[..., V]`` any float dtype.
-
-    Returns:
-        ``[...]`` float32 entropies, one per token.
-    """
-    log_p = torch.log_softmax(_float(logits), dim=-1)
-    return -(log_p.exp() * log_p).sum(dim=-1)
-
-
 # --- aggregation ----------------------------------------------------------------------
+
+
+def _check_layout(per_token: Tensor, cu_seqlens: Tensor | Sequence[int] | None) -> Tensor | None:
+    """Check the token layout (module docstring) of ``per_token``; return ``cu_seqlens`` as a tensor
+    on its device (None for padded tensors or a single packed sample).
+
+    Raises:
+        ValueError: not ``[T]`` / ``[B, T]``, ``cu_seqlens`` with padded tensors, or a malformed ``cu_seqlens``.
+    """
+    if per_token.dim() == 2:
+        if cu_seqlens is not None:
+            raise ValueError(
+                f"cu_seqlens is for packed 1-D tensors, got padded tensors of shape {tuple(per_token.shape)}"
+            )
+        return None
+    if per_token.dim() != 1:
+        raise ValueError(f"per-token tensors must be [T] or [B, T], got shape {tuple(per_token.shape)}")
+    if cu_seqlens is None:
+        return None
+    cu = torch.as_tensor(cu_seqlens, device=per_token.device)
+    bounds = cu.tolist() if cu.dim() == 1 else None
+    if bounds is None or len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be 1-D [S + 1], start at 0 and be non-decreasing, got {cu.tolist()}")
+    if bounds[-1] > per_token.numel():
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed tensors have {per_token.numel()} tokens")
+    return cu
 
 
 def _per_sample_sums(masked: Tensor, mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None) -> tuple[Tensor, Tensor]:
     """Per-sample sums of ``masked`` and token counts of ``mask``, each ``[S]`` (see the module's layouts)."""
+    cu = _check_layout(masked, cu_seqlens)
     if masked.dim() == 2:
-        if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is for packed 1-D tensors, got padded tensors of shape {tuple(masked.shape)}")
         return masked.sum(dim=-1), mask.sum(dim=-1)
-    if masked.dim() != 1:
-        raise ValueError(f"per-token tensors must be [T] or [B, T], got shape {tuple(masked.shape)}")
-    if cu_seqlens is None:
+    if cu is None:
         return masked.sum().view(1), mask.sum().view(1)
-    cu = torch.as_tensor(cu_seqlens, device=masked.device)
-    bounds = cu.tolist() if cu.dim() == 1 else None
+    bounds = cu.tolist()
     num_tokens = masked.numel()
-    if bounds is None or len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must be 1-D [S + 1], start at 0 and be non-decreasing, got {cu.tolist()}")
-    if bounds[-1] > num_tokens:
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed tensors have {num_tokens} tokens")
     if mask[bounds[-1] :].any():
         raise ValueError(
             f"tokens {bounds[-1]}..{num_tokens - 1} lie after cu_seqlens[-1] (trailing padding) but have loss_mask 1"
@@ -486,7 +488,8 @@ def grpo_loss(
     - ``pg_loss``: :func:`compute_policy_loss` with ``cfg.eps_clip`` / ``cfg.eps_clip_high``;
     - ``kl_loss``: :func:`compute_approx_kl` (``cfg.kl_loss_type``) of ``log_probs`` vs
       ``ref_log_probs``, when ``cfg.use_kl_loss`` and ``ref_log_probs`` is given;
-    - ``entropy``: the given per-token entropy (:func:`entropy_from_logits`), when given.
+    - ``entropy``: the given per-token entropy (:func:`slime.backends.log_probs.entropy_from_logits`),
+      when given.
 
     Args:
         log_probs: current-policy log-probs of the sampled tokens (nats, with grad),
@@ -539,3 +542,135 @@ def grpo_loss(
         loss = loss - cfg.entropy_coef * mean_entropy
         metrics["entropy"] = mean_entropy.detach()
     return loss, metrics
+
+
+def per_token_advantages(
+    advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None = None
+) -> Tensor:
+    """Each sample's advantage on every one of its tokens, in ``loss_mask``'s layout.
+
+    GRPO's outcome supervision (DeepSeekMath, Sec. 4.1.2): every token of a response gets
+    the response's advantage.
+
+    Args:
+        advantages: ``[S]`` per-sample advantages, any real dtype: ``S = B`` for padded
+            ``[B, T]`` tensors, ``len(cu_seqlens) - 1`` for packed ``[T]`` ones, 1 for a packed
+            tensor without ``cu_seqlens``.
+        loss_mask: a per-token tensor of the micro-batch; only its shape and device are used.
+        cu_seqlens: sample boundaries of packed ``[T]`` tensors, int ``[S + 1]``.
+
+    Returns:
+        float32 (float64 kept) tensor of ``loss_mask``'s shape; tokens after
+        ``cu_seqlens[-1]`` (trailing padding) get 0.
+
+    Raises:
+        ValueError: ``advantages`` is not ``[S]``, or a malformed layout / ``cu_seqlens``.
+    """
+    cu = _check_layout(loss_mask, cu_seqlens)
+    if loss_mask.dim() == 2:
+        num_samples = loss_mask.shape[0]
+    else:
+        num_samples = 1 if cu is None else cu.numel() - 1
+    adv = _float(advantages).to(loss_mask.device)
+    if tuple(adv.shape) != (num_samples,):
+        raise ValueError(
+            f"advantages must hold one value per sample, shape ({num_samples},), got {tuple(adv.shape)}"
+        )
+    if loss_mask.dim() == 2:
+        return adv[:, None].expand(loss_mask.shape)
+    if cu is None:
+        return adv.expand(loss_mask.shape)
+    sample_ids = torch.bucketize(torch.arange(loss_mask.numel(), device=adv.device), cu[1:], right=True)
+    return torch.cat([adv, adv.new_zeros(1)])[sample_ids]  # index S: after the last sample
+
+
+def grpo_micro_batch_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: GRPOConfig,
+    *,
+    global_normalizer: float | None,
+    ref_log_probs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    sample_token_counts: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One micro-batch's share of the step's GRPO loss, from per-sample advantages: what every
+    training backend calls on the per-token log-probs of its forward pass.
+
+    1. every sample's advantage on each of its tokens (:func:`per_token_advantages`);
+    2. with ``cfg.kl_coef > 0``, KL reward shaping ``A_t - kl_coef * (log pi_old - log pi_ref)``
+       (:func:`apply_kl_penalty_to_advantages`);
+    3. :func:`grpo_loss`: clipped policy loss, KL loss, entropy bonus, each aggregated with
+       ``global_normalizer``.
+
+    Gradient scale: with ``global_normalizer`` = the step's sample (or token) count over all
+    data-parallel ranks, the losses summed over micro-batches and ranks are the step's mean.
+    A data-parallel wrapper that *averages* gradients over ``dp`` ranks divides that by
+    ``dp``; scale the returned loss back before the backward pass:
+
+    - FSDP / DDP: ``(loss * dp_size).backward()``.
+    - megatron-core 0.16 ``forward_backward_func``: ``forward_step_calc_loss`` calls
+      ``loss_func(output_tensor)`` per micro-batch; a 3-tuple ``(loss, num_tokens, metrics)``
+      has its loss divided by ``max(num_tokens, 1)`` and by ``num_microbatches`` (when
+      ``config.calculate_per_token_loss`` is False), and the DDP wrapper then averages
+      gradients over the data-parallel x context-parallel group.  So, with this function's
+      ``global_normalizer`` (and, under context parallelism, ``sample_token_counts`` of the
+      whole sequences), a ``loss_func`` is::
+
+          def loss_func(output_tensor):  # GPTModel without labels: this TP rank's [1, T, V/tp] logits (THD)
+              log_probs, entropy = vocab_parallel_log_probs(  # targets [T]: the next token at each position
+                  output_tensor[0], targets, temperature, tp_group, vocab_size=V, with_entropy=True)
+              loss, metrics = grpo_micro_batch_loss(
+                  log_probs, old, advantages, loss_mask, cfg, global_normalizer=N,
+                  ref_log_probs=ref, entropy=entropy, cu_seqlens=cu_seqlens)
+              scale = num_microbatches * dp_cp_size  # undo Megatron's 1 / num_microbatches and DP average
+              return loss * scale, torch.ones((), dtype=torch.int, device=loss.device), metrics
+
+      (``vocab_parallel_log_probs`` is :func:`slime.backends.log_probs.vocab_parallel_log_probs`.)
+      Megatron's own ``config.calculate_per_token_loss`` stays False: ``--calculate-per-token-loss``
+      (``cfg``) is already in ``global_normalizer``.
+
+    Args:
+        log_probs: current-policy log-probs of the sampled tokens (nats, with grad),
+            ``[B, T]`` padded or ``[T]`` packed (module docstring).
+        old_log_probs: rollout-policy log-probs, same shape.
+        advantages: ``[S]`` per-sample advantages (one per sample of the layout).
+        loss_mask: 1 / True for response tokens in the loss, same shape as ``log_probs``.
+        cfg: the GRPO flags.
+        global_normalizer: ``N`` of the whole optimizer step (see :func:`aggregate_loss`), or
+            None for this micro-batch's own mean.
+        ref_log_probs: reference-model log-probs, same shape; required with ``cfg.kl_coef > 0``
+            or with ``cfg.use_kl_loss`` and ``cfg.kl_loss_coef > 0``.
+        entropy: per-token entropy (nats, with grad when ``cfg.entropy_coef != 0``), same
+            shape; required when ``cfg.entropy_coef != 0``.
+        cu_seqlens, sample_token_counts: see :func:`aggregate_loss`.
+
+    Returns:
+        ``(loss, metrics)`` of :func:`grpo_loss`.
+
+    Raises:
+        ValueError: ``cfg.kl_coef > 0`` without ``ref_log_probs``, a wrong ``advantages``
+            shape, or any error of :func:`grpo_loss`.
+    """
+    token_advantages = per_token_advantages(advantages, loss_mask, cu_seqlens)
+    if cfg.kl_coef > 0:
+        if ref_log_probs is None:
+            raise ValueError(f"--kl-coef {cfg.kl_coef} needs ref_log_probs (the reference model's), got None")
+        token_advantages = apply_kl_penalty_to_advantages(
+            token_advantages, old_log_probs, ref_log_probs, cfg.kl_coef, loss_mask
+        )
+    return grpo_loss(
+        log_probs,
+        old_log_probs,
+        token_advantages,
+        loss_mask,
+        cfg,
+        ref_log_probs=ref_log_probs,
+        entropy=entropy,
+        cu_seqlens=cu_seqlens,
+        global_normalizer=global_normalizer,
+        sample_token_counts=sample_token_counts,
+    )

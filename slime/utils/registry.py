@@ -1,17 +1,55 @@
-"""Name -> implementation registries (reward functions, advantage estimators, engines, backends).
+"""Name -> implementation registries (reward functions, advantage estimators, engines, backends, transports).
 
 Every entry of one registry has the same signature, so callers never need an if-chain.
 A duplicate name raises; an unknown name raises with the list of valid ones.  A name of
-the form ``package.module:attr`` (or ``package.module.attr``) is imported on lookup, which
-is how users plug in their own implementation without editing slime.
+the form ``package.module:attr`` is imported on lookup, which is how users plug in their own
+implementation without editing slime.
+
+Built-in implementations whose modules are heavy or need optional packages (the training
+backends, the rollout engines, the weight-sync transports) are *declared* rather than
+imported: a :class:`Builtin` names the ``module:attr`` to import on the first lookup, the
+distributions that import needs, and the light module with its flags and checks.  Importing a
+registry therefore imports none of them (never megatron-core nor sglang), and
+:meth:`Registry.problem` tells at parse time, without importing anything, whether an entry can
+run here: a built-in that is not in this version yet, or whose packages are missing, is named
+together with what is installed and what is not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Callable, Generic, TypeVar
+import importlib.metadata
+import importlib.util
+from typing import Callable, Generic, Mapping, TypeVar
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Builtin:
+    """A built-in entry that a registry knows by name before importing it.
+
+    Attributes:
+        target: ``"package.module:attr"`` imported on the first lookup; ``None`` for an entry
+            that is planned but not in this version (its lookup raises :class:`Unavailable`).
+        requires: distributions the target needs beyond slime's base dependencies, in pip's
+            spelling with the pinned version, e.g. ``("megatron-core==0.16.1",)``.  Checked with
+            ``importlib.metadata``, so checking imports nothing.
+        config: ``"package.module:attr"`` of the entry's light side (its flag group and parse-time
+            checks), importable without ``requires``; ``None`` when it has none.
+        planned: for ``target=None``: what is missing, e.g. "the native Megatron Qwen3.5 backend
+            (next on the roadmap)".
+    """
+
+    target: str | None
+    requires: tuple[str, ...] = ()
+    config: str | None = None
+    planned: str | None = None
+
+
+class Unavailable(ImportError):
+    """A registry entry that cannot run here: planned but not built, or a required package is missing."""
 
 
 class Registry(Generic[T]):
@@ -20,22 +58,25 @@ class Registry(Generic[T]):
     Args:
         kind: what is registered, used in error messages (e.g. ``"reward function"``).
         flag: the command-line flag that selects an entry, used in error messages.
+        builtins: entries declared by import path (see :class:`Builtin`); each is imported on its
+            first :meth:`get`.
     """
 
-    def __init__(self, kind: str, flag: str):
+    def __init__(self, kind: str, flag: str, builtins: Mapping[str, Builtin] | None = None):
         self.kind = kind
         self.flag = flag
+        self.builtins: dict[str, Builtin] = dict(builtins or {})
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator that registers ``obj`` under ``name``.
 
         Raises:
-            KeyError: ``name`` is already registered.
+            KeyError: ``name`` is already registered or declared as a built-in.
         """
 
         def deco(obj: T) -> T:
-            if name in self._entries:
+            if name in self._entries or name in self.builtins:
                 raise KeyError(f"{self.kind} {name!r} is already registered")
             self._entries[name] = obj
             return obj
@@ -43,27 +84,88 @@ class Registry(Generic[T]):
         return deco
 
     def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._entries)
+        """Registered and built-in names, sorted."""
+        return sorted(set(self._entries) | set(self.builtins))
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries or _is_import_path(name)
+        return name in self._entries or name in self.builtins or _is_import_path(name)
 
     def get(self, name: str) -> T:
-        """Look ``name`` up, importing it when it is a ``module:attr`` path.
+        """Look ``name`` up, importing a built-in on its first lookup or a ``module:attr`` path.
 
         Raises:
             KeyError: unknown name; the message lists the valid ones.
-            ImportError / AttributeError: an import path that does not resolve.
+            Unavailable: a built-in that is planned but not in this version, or whose required
+                packages are missing (the message is :meth:`problem`'s).
+            ImportError / AttributeError: an import path (or a built-in's target) that does not resolve.
         """
         if name in self._entries:
             return self._entries[name]
+        if name in self.builtins:
+            entry = self.builtins[name]
+            if entry.target is None or not all(_installed(req)[0] for req in entry.requires):
+                raise Unavailable(self.problem(name))
+            obj = import_object(entry.target)
+            self._entries[name] = obj
+            return obj
         if _is_import_path(name):
             return import_object(name)
         raise KeyError(
             f"unknown {self.kind} {name!r} for {self.flag}; valid: {', '.join(self.names())} "
             f"(or a 'package.module:attr' import path)"
         )
+
+    def config_class(self, name: str) -> type | None:
+        """The light side (flag group / checks) of built-in ``name`` (:attr:`Builtin.config`), imported;
+        ``None`` for entries without one (registered objects, import paths)."""
+        entry = self.builtins.get(name)
+        return None if entry is None or entry.config is None else import_object(entry.config)
+
+    def name_of_config(self, cls: type) -> str | None:
+        """The built-in whose :attr:`Builtin.config` is ``cls``, or ``None``."""
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        return next((name for name, entry in self.builtins.items() if entry.config == path), None)
+
+    def problem(self, name: str) -> str | None:
+        """Why ``name`` cannot run on this machine, found without importing it; ``None`` if nothing is known wrong.
+
+        - a built-in planned for a later version: says so, and lists its required packages;
+        - a built-in with a required package missing: every requirement as
+          ``"megatron-core 0.16.1 (not installed)"`` / ``"flash-linear-attention 0.6.0 (installed: 0.6.0)"``;
+        - an import path whose module cannot be found.
+
+        An unknown name is left to the flag's own check (``check_name_or_import_path``) and gives ``None``.
+        """
+        if name in self.builtins:
+            entry = self.builtins[name]
+            statuses = [_installed(req) for req in entry.requires]
+            needs = f"it needs {', '.join(text for _, text in statuses)}"
+            if entry.target is None:
+                return f"{self.flag} {name} is not in this version yet ({entry.planned or 'planned'})" + (
+                    f"; {needs}" if statuses else ""
+                )
+            if not all(ok for ok, _ in statuses):
+                return f"{self.flag} {name} cannot run here: {needs}"
+            return None
+        if name in self._entries or not _is_import_path(name):
+            return None
+        module = name.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as e:  # a parent package is missing, or not a package
+            return f"{self.flag} {name} cannot be imported here: {e}"
+        return None if found else f"{self.flag} {name} cannot be imported here: no module named {module!r}"
+
+
+def _installed(requirement: str) -> tuple[bool, str]:
+    """``(installed, "name pin (installed: X)" | "name pin (not installed)")`` for ``"name==pin"`` or ``"name"``."""
+    dist, _, pin = requirement.partition("==")
+    label = f"{dist} {pin}" if pin else dist
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False, f"{label} (not installed)"
+    return True, f"{label} (installed: {version})"
 
 
 def _is_import_path(name: str) -> bool:

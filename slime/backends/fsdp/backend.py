@@ -9,7 +9,7 @@ NCCL for CUDA tensors plus gloo for CPU tensors on GPU machines).  What a rollou
    slime); reference log-probs likewise when a KL term needs them;
 2. ``num_steps`` optimizer steps, each over one equal chunk of the samples, cut into
    micro-batches of ``--micro-batch-size``; each micro-batch's GRPO loss
-   (:func:`slime.utils.ppo_utils.grpo_loss`) is normalised by the step's global sample
+   (:func:`slime.utils.ppo_utils.grpo_micro_batch_loss`) is normalised by the step's global sample
    (or token) count and multiplied by the data-parallel size, so that the gradients summed
    over micro-batches and averaged by FSDP over ranks are those of the step's global mean;
 3. per step: clip the global gradient norm (``--clip-grad``), AdamW step with the rate of
@@ -46,20 +46,26 @@ from torch.distributed.tensor import DTensor
 
 from slime.backends.base import RankInfo, TrainerBackend
 from slime.backends.batching import (
-    bucket_by_bytes,
     check_train_samples,
     loss_normalizer,
     pad_per_token,
     split_into_micro_batches,
     split_into_steps,
 )
-from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig, check_fsdp_flags
-from slime.backends.fsdp.hf_io import hf_checkpoint_folder, iter_hf_weight_groups, load_sharded_model, save_hf_folder
+from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
+from slime.backends.fsdp.config import FSDPConfig, check_train
+from slime.backends.fsdp.hf_io import (
+    hf_checkpoint_folder,
+    iter_hf_weight_buckets,
+    iter_hf_weight_groups,
+    load_sharded_model,
+    save_hf_folder,
+)
 from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs, vision_placeholder_ids
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
-from slime.utils.ppo_utils import GRPOConfig, apply_kl_penalty_to_advantages, grpo_loss
+from slime.utils.ppo_utils import GRPOConfig, grpo_micro_batch_loss
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -73,16 +79,16 @@ class FSDPBackend(TrainerBackend):
 
     Args:
         rank_info: this rank's place in the trainer world.
-        train: BACKEND_ARGS (``micro_batch_size``, ``bf16``, ``attn_implementation``,
-            ``gradient_checkpointing``, ``use_rollout_logprobs``: the engines' log-probs as the
-            PPO ratio's old log-probs instead of a trainer forward pass, in which case
-            ``train/logprob_abs_diff*`` are not reported).
+        train: BACKEND_ARGS (``micro_batch_size``, ``bf16``, ``use_rollout_logprobs``: the engines'
+            log-probs as the PPO ratio's old log-probs instead of a trainer forward pass, in which
+            case ``train/logprob_abs_diff*`` are not reported).
+        fsdp: BACKEND_ARGS (fsdp): ``attn_implementation``, ``gradient_checkpointing``.
         optimizer: OPTIMIZER_ARGS (AdamW and the LR schedule).
         grpo: the GRPO loss flags; ``grpo.needs_ref_model`` decides the reference model.
         checkpoint: CKPT_ARGS (``hf_checkpoint``, ``load``, ``ref_load``, ``no_save_optim``,
             ``no_load_optim``).
-        rollout_temperature: the engines' sampling temperature; log-probs are taken under
-            ``softmax(logits / rollout_temperature)``, > 0.
+        rollout_temperature: the engines' sampling temperature (``--rollout-temperature``, > 0,
+            checked at parse time); log-probs are taken under ``softmax(logits / rollout_temperature)``.
         num_rollout: rollout steps of the run, or None when unknown (then a decaying LR
             schedule needs ``--lr-decay-iters``).
         num_steps_per_rollout: optimizer steps per rollout (samples per rollout /
@@ -90,11 +96,10 @@ class FSDPBackend(TrainerBackend):
         seed: base seed; rank ``r`` seeds torch with ``seed + r``.
 
     Raises:
-        ConfigError: a Megatron-only flag (model / sequence parallelism, recompute, dynamic
-            batching, ``--megatron-to-hf-mode bridge``; see
-            :func:`slime.backends.config.check_fsdp_flags`) is set, or an inconsistent LR
-            schedule (see :class:`LRSchedule`).
-        ValueError: ``rollout_temperature <= 0`` or ``num_steps_per_rollout < 1``.
+        ConfigError: ``--use-dynamic-batch-size`` (see :func:`slime.backends.fsdp.config.check_train`;
+            the Megatron backend's flags never reach this class), or an inconsistent LR schedule
+            (see :class:`LRSchedule`).
+        ValueError: ``num_steps_per_rollout < 1``.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class FSDPBackend(TrainerBackend):
         rank_info: RankInfo,
         *,
         train: TrainConfig,
+        fsdp: FSDPConfig,
         optimizer: OptimizerConfig,
         grpo: GRPOConfig,
         checkpoint: CheckpointConfig,
@@ -110,13 +116,12 @@ class FSDPBackend(TrainerBackend):
         num_steps_per_rollout: int,
         seed: int = 0,
     ):
-        if not rollout_temperature > 0:
-            raise ValueError(f"--rollout-temperature must be > 0, got {rollout_temperature}")
         if num_steps_per_rollout < 1:
             raise ValueError(f"num_steps_per_rollout must be >= 1, got {num_steps_per_rollout}")
-        check_fsdp_flags(train, checkpoint)  # also run at parse time (slime.utils.arguments.validate)
+        check_train(train)  # also run at parse time (FSDPConfig.check)
         self.rank_info = rank_info
         self.train_cfg = train
+        self.fsdp_cfg = fsdp
         self.optim_cfg = optimizer
         self.grpo = grpo
         self.ckpt_cfg = checkpoint
@@ -138,6 +143,7 @@ class FSDPBackend(TrainerBackend):
         return cls(
             rank_info,
             train=cfg.train,
+            fsdp=cfg.fsdp,
             optimizer=cfg.optimizer,
             grpo=cfg.grpo,
             checkpoint=cfg.checkpoint,
@@ -179,8 +185,8 @@ class FSDPBackend(TrainerBackend):
             mesh=self.mesh,
             device=self.device,
             dtype=torch.float32,
-            attn_implementation=self.train_cfg.attn_implementation,
-            gradient_checkpointing=self.train_cfg.gradient_checkpointing,
+            attn_implementation=self.fsdp_cfg.attn_implementation,
+            gradient_checkpointing=self.fsdp_cfg.gradient_checkpointing,
             param_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype,
         )
         self.optimizer = self._build_optimizer()
@@ -190,7 +196,7 @@ class FSDPBackend(TrainerBackend):
                 mesh=self.mesh,
                 device=self.device,
                 dtype=self.compute_dtype,
-                attn_implementation=self.train_cfg.attn_implementation,
+                attn_implementation=self.fsdp_cfg.attn_implementation,
                 trainable=False,
             )
         if resume_id is None:
@@ -362,18 +368,15 @@ class FSDPBackend(TrainerBackend):
         old = pad_per_token(old_log_probs, torch.float32, self.device)
         ref = None if ref_log_probs is None else pad_per_token(ref_log_probs, torch.float32, self.device)
         advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device)
-        advantages = advantages[:, None].expand_as(loss_mask)
-        if self.grpo.kl_coef > 0:
-            advantages = apply_kl_penalty_to_advantages(advantages, old, ref, self.grpo.kl_coef, loss_mask)
-        return grpo_loss(
+        return grpo_micro_batch_loss(
             log_probs,
             old,
             advantages,
             loss_mask,
             self.grpo,
+            global_normalizer=normalizer,
             ref_log_probs=ref,
             entropy=entropy,
-            global_normalizer=normalizer,
         )
 
     def _clip_grad_norm(self, rollout_id: int) -> float:
@@ -399,16 +402,20 @@ class FSDPBackend(TrainerBackend):
     # weights out, checkpoints
     # ------------------------------------------------------------------------------------
 
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-        """Full weights by checkpoint (safetensors) name, in buckets of about ``bucket_bytes``.
+    def iter_weight_buckets(
+        self, bucket_bytes: int, device: str | torch.device | None = None
+    ) -> Iterator[list[tuple[str, Tensor]]]:
+        """This rank's share of the full weights by checkpoint (safetensors) name, in lockstep buckets.
 
-        Collective: every rank must exhaust the iterator; only rank 0 yields.  A bucket holds
-        whole FSDP units (a decoder layer with all its experts, a vision block, or the root's
-        parameters).  Tensors are CPU tensors in the compute dtype (bfloat16 with ``--bf16``
-        on GPU, else float32), ready to be pickled through Ray.
+        The FSDP units are packed into rounds of about ``bucket_bytes`` and round ``k`` is sent by
+        rank ``k % world_size`` (:func:`slime.backends.fsdp.hf_io.iter_hf_weight_buckets`): all
+        ranks gather every unit, each keeps the rounds it is the source of and yields ``[]`` for
+        the others.  A bucket holds whole FSDP units (a decoder layer with all its experts, a
+        vision block, or the root's parameters).  Tensors are in the compute dtype (bfloat16 with
+        ``--bf16`` on GPU, else float32), on ``device`` (default: this rank's device).
         """
         self._require_init()
-        yield from bucket_by_bytes(iter_hf_weight_groups(self.model, self.compute_dtype), bucket_bytes)
+        yield from iter_hf_weight_buckets(self.model, self.compute_dtype, bucket_bytes, device=device or self.device)
 
     def save(self, rollout_id: int, path: Path) -> None:
         """Write ``path/model`` (HF folder) and ``path/trainer`` (optimizer, scheduler, RNG). Collective.

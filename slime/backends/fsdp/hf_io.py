@@ -5,9 +5,10 @@ the weights on the node of rank 0, not one per rank), builds the model on the ``
 device on every rank, shards it (:mod:`slime.backends.fsdp.parallelize`) and broadcasts the
 weights from rank 0 into the shards.
 
-Out: :func:`iter_hf_weight_groups` gathers the full weights one FSDP unit (one decoder
-layer, one vision block, then the root's remaining parameters) at a time and renames
-them to the checkpoint's names: transformers 5 keeps MoE experts fused in memory
+Out: :func:`iter_hf_weight_groups` (saving, everything on rank 0) and
+:func:`iter_hf_weight_buckets` (weight sync, each bucket on its source rank) gather the full
+weights one FSDP unit (one decoder layer, one vision block, then the root's remaining
+parameters) at a time and rename them to the checkpoint's names: transformers 5 keeps MoE experts fused in memory
 (``mlp.experts.gate_up_proj [E, 2I, H]``) while checkpoints (and SGLang's loader) hold one
 tensor per expert (``mlp.experts.{e}.gate_proj.weight``); the in-memory -> checkpoint
 conversion is ``transformers.core_model_loading.revert_weight_conversion``, the function
@@ -147,23 +148,53 @@ def fsdp_unit_prefixes(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if name and isinstance(module, FSDPModule)]
 
 
+def fsdp_unit_groups(model: nn.Module) -> list[list[str]]:
+    """The model's state-dict names grouped by owning FSDP unit: every unit below the root (one
+    decoder layer / vision block each), in module order, then the root's own parameters; empty
+    groups are left out.  The same on every rank."""
+    units = fsdp_unit_prefixes(model)
+    groups: dict[str, list[str]] = {unit: [] for unit in units}
+    groups[""] = []
+    for name in model.state_dict():
+        owner = max((u for u in units if name.startswith(u + ".")), key=len, default="")
+        groups[owner].append(name)
+    return [names for names in groups.values() if names]
+
+
+def _gather(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """The full tensors of ``names`` (collective: every rank all-gathers each ``DTensor``)."""
+    full = {}
+    for name in names:
+        tensor = state[name]
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        full[name] = tensor.detach()
+    return full
+
+
+def _checkpoint_group(
+    model: nn.Module, full: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
+) -> WeightGroup:
+    """In-memory names -> checkpoint names (``revert_weight_conversion``), tensors cast and made contiguous."""
+    converted = revert_weight_conversion(model, full)
+    return [(name, t.to(device=device, dtype=dtype).contiguous()) for name, t in converted.items()]
+
+
 def iter_hf_weight_groups(
     model: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> Iterator[WeightGroup]:
-    """Full weights by checkpoint name, one FSDP unit at a time.
+    """Full weights by checkpoint name, one FSDP unit at a time, all on rank 0 (for saving).
 
     Collective: every rank must exhaust the iterator (each group is all-gathered), but only
     rank 0 (or the only process, without ``torch.distributed``) yields the groups; on the
-    other ranks the iterator is empty.  Groups come in this order: every unit below the
-    root (one decoder layer / vision block each), then the root's own parameters.  Each
-    group is converted to checkpoint names with ``revert_weight_conversion`` (fused experts
-    -> one tensor per expert, per layer, so a group holds whole layers); vision-tower names
-    pass through unchanged.
+    other ranks the iterator is empty.  Groups come in :func:`fsdp_unit_groups` order; each is
+    converted to checkpoint names with ``revert_weight_conversion`` (fused experts -> one
+    tensor per expert, per layer, so a group holds whole layers); vision-tower names pass
+    through unchanged.
 
     Args:
         model: the sharded model (plain tensors are passed through as they are).
-        dtype: dtype of the yielded tensors (e.g. the compute dtype for weight sync, the
-            float32 master dtype for checkpoints).
+        dtype: dtype of the yielded tensors (the float32 master dtype for checkpoints).
         device: where the yielded tensors live.
 
     Yields:
@@ -171,27 +202,82 @@ def iter_hf_weight_groups(
     """
     if isinstance(model, FSDPModule):
         model.reshard()  # a root gathered by a forward without backward would expose unsharded (compute-dtype) tensors
-    units = fsdp_unit_prefixes(model)
-    groups: dict[str, list[str]] = {unit: [] for unit in units}
-    groups[""] = []
     receiver = not dist.is_initialized() or dist.get_rank() == 0
     state = model.state_dict()
-    for name in state:
-        owner = max((u for u in units if name.startswith(u + ".")), key=len, default="")
-        groups[owner].append(name)
-    for names in groups.values():
-        if not names:
-            continue
-        full = {}
-        for name in names:
-            tensor = state[name]
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            full[name] = tensor.detach()
-        if not receiver:
-            continue
-        converted = revert_weight_conversion(model, full)
-        yield [(name, t.to(device=device, dtype=dtype).contiguous()) for name, t in converted.items()]
+    for names in fsdp_unit_groups(model):
+        full = _gather(state, names)
+        if receiver:
+            yield _checkpoint_group(model, full, dtype, device)
+
+
+def weight_rounds(group_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive groups packed into rounds of about ``bucket_bytes``: a round closes as soon as it
+    holds ``>= bucket_bytes`` (the rule of :func:`slime.backends.batching.bucket_by_bytes`), so a
+    group larger than the target is a round of its own and no group is split.
+
+    Args:
+        group_bytes: size of each group, bytes, in order.
+        bucket_bytes: target round size, bytes, > 0.
+
+    Returns:
+        The group indices of each round, in order.
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    rounds, current, size = [], [], 0
+    for index, nbytes in enumerate(group_bytes):
+        current.append(index)
+        size += nbytes
+        if size >= bucket_bytes:
+            rounds.append(current)
+            current, size = [], 0
+    if current:
+        rounds.append(current)
+    return rounds
+
+
+def iter_hf_weight_buckets(
+    model: nn.Module, dtype: torch.dtype, bucket_bytes: int, device: torch.device | str = "cpu"
+) -> Iterator[WeightGroup]:
+    """This rank's share of the full weights by checkpoint name, in lockstep buckets (for the weight sync).
+
+    The FSDP units (:func:`fsdp_unit_groups`) are packed into rounds of about ``bucket_bytes``
+    (:func:`weight_rounds`, sizes from the global shapes in ``dtype``, so every rank computes the
+    same rounds); round ``k`` is sourced by rank ``k % world_size``.  Every rank takes part in
+    every gather (``DTensor.full_tensor`` is an all-gather) and yields once per round: the source
+    rank its converted tensors (as :func:`iter_hf_weight_groups` converts them), every other rank
+    ``[]``.  So the union over ranks holds each checkpoint name once, every rank is a source when
+    there are at least ``world_size`` rounds, and transports may run collectives between buckets.
+
+    Args:
+        model: the sharded model.
+        dtype: dtype of the yielded tensors (the compute dtype for the weight sync).
+        bucket_bytes: target bucket size, bytes, > 0.
+        device: where the yielded tensors live.
+
+    Yields:
+        One bucket per round: ``[(checkpoint name, contiguous tensor), ...]`` on its source rank, else ``[]``.
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
+    """
+    if isinstance(model, FSDPModule):
+        model.reshard()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    state = model.state_dict()
+    groups = fsdp_unit_groups(model)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [sum(state[name].numel() * itemsize for name in names) for names in groups]
+    for k, members in enumerate(weight_rounds(sizes, bucket_bytes)):
+        bucket: WeightGroup = []
+        for index in members:
+            full = _gather(state, groups[index])
+            if k % world == rank:
+                bucket += _checkpoint_group(model, full, dtype, device)
+        yield bucket
 
 
 def copy_side_files(source: str | os.PathLike, dest: str | os.PathLike) -> list[str]:

@@ -35,8 +35,8 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from slime.backends.batching import gather_log_probs, pad_per_token
-from slime.utils.ppo_utils import entropy_from_logits
+from slime.backends.batching import pad_per_token
+from slime.backends.log_probs import entropy_from_logits, gather_log_probs
 from slime.utils.processor import mm_token_type_ids
 from slime.utils.types import Sample
 
@@ -175,8 +175,8 @@ def response_log_probs(
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``.
 
-    Log-probs follow :func:`slime.backends.batching.gather_log_probs`; entropies
-    :func:`slime.utils.ppo_utils.entropy_from_logits` of the same temperature-scaled
+    Log-probs follow :func:`slime.backends.log_probs.gather_log_probs`; entropies
+    :func:`slime.backends.log_probs.entropy_from_logits` of the same temperature-scaled
     distribution.  Both are differentiable when grad mode is on.
 
     Args:

@@ -24,15 +24,37 @@ Memory tags: ``/release_memory_occupation`` and ``/resume_memory_occupation`` ta
 ``sglang.srt.constants.GPU_MEMORY_TYPE_*``; ``None`` or ``[]`` means every region).
 Colocated runs free everything before training and bring the regions back one at a time
 around the weight sync (:mod:`slime.ray.colocate`).
+
+Lifecycle, as :class:`slime.rollout.engine_group.RolloutEngineGroup` drives it:
+
+1. ``from_config(cfg, resources)`` builds the engine inside its Ray actor.  ``resources``
+   (:class:`EngineResources`) lists every placement-group bundle the engine spans
+   (``--rollout-num-gpus-per-engine`` of them): node, GPU ids, CPUs.  The actor sits on the
+   first bundle; the others are reserved for the engine's own processes (an SGLang server's
+   tensor-parallel ranks) and nothing else of the run is placed on them.  The constructor
+   should start the server and return; readiness is reported by :meth:`RolloutEngine.health`.
+2. :meth:`RolloutEngine.health` is polled until it is True, for at most
+   ``--rollout-engine-start-timeout`` seconds; an engine that raises, or is not healthy in
+   time, fails the start-up with an error naming it (index, node, bundles, exception and
+   :meth:`RolloutEngine.log_tail`).
+3. The step's requests form one queue; an engine with free :attr:`RolloutEngine.capacity`
+   (requests in flight) gets the next ones, in calls of at most
+   :attr:`RolloutEngine.max_requests_per_call`, and up to
+   :attr:`RolloutEngine.max_concurrent_calls` calls at once.
+4. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
+   driver's ``finally``, also after errors and when the run joined an external Ray cluster.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from slime.utils.arguments import SlimeConfig
 
 # GPU memory regions, by SGLang's tag strings (``sglang.srt.constants``).
 GPU_MEMORY_TYPE_WEIGHTS = "weights"
@@ -103,16 +125,16 @@ class GenerateRequest:
         image_data: base64 PNG images in placeholder order (already resized by the data
             pipeline, so every engine derives the same number of image tokens).
         sampling_params: how to sample.
-        expected_prompt_len: the prompt length in tokens that the data pipeline computed
-            locally (images expanded). An engine whose own tokenisation disagrees raises
-            :class:`PromptMismatchError` instead of silently training on other tokens.
         rid: request id, for logs.
+
+    Engines do not check the prompt against the data pipeline's tokens: they report the
+    length they saw (:attr:`GenerateOutput.prompt_tokens`) and the rollout manager compares
+    it, once for every engine.
     """
 
     text: str
     image_data: list[str]
     sampling_params: SamplingParams
-    expected_prompt_len: int | None = None
     rid: str | None = None
 
 
@@ -132,7 +154,11 @@ class GenerateOutput:
             ``meta_info.output_token_logprobs``).
         finish_reason: ``"stop"`` (EOS or a stop token/string), ``"length"``
             (``max_new_tokens`` reached) or ``"abort"``.
-        prompt_tokens: number of prompt tokens the engine saw (images expanded).
+        prompt_tokens: number of prompt tokens the engine saw (images expanded; SGLang
+            ``meta_info.prompt_tokens``), checked by the rollout manager against the data
+            pipeline's count.
+        engine_index: which engine served the request; set by the engine group, not by the
+            engine.
     """
 
     text: str
@@ -140,27 +166,162 @@ class GenerateOutput:
     output_log_probs: list[float]
     finish_reason: FinishReason
     prompt_tokens: int
+    engine_index: int | None = None
 
 
-class PromptMismatchError(RuntimeError):
-    """The engine tokenised a prompt to a different length than the data pipeline did."""
+@dataclasses.dataclass(frozen=True)
+class BundleResources:
+    """One placement-group bundle of an engine, as Ray reports it from inside the bundle.
+
+    Attributes:
+        bundle_index: index of the bundle in the engines' placement group.
+        node_ip: IP address of the bundle's node.
+        node_id: Ray node id (hex) of that node.
+        gpu_ids: ``ray.get_gpu_ids()`` in the bundle, as strings: the node's device ids as
+            ``CUDA_VISIBLE_DEVICES`` spells them; empty for CPU bundles.
+        num_cpus: logical CPUs the bundle reserves.
+    """
+
+    bundle_index: int
+    node_ip: str
+    node_id: str
+    gpu_ids: tuple[str, ...]
+    num_cpus: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineResources:
+    """Everything one engine may use: the bundles it spans (``--rollout-num-gpus-per-engine``).
+
+    The engine's Ray actor runs on ``bundles[0]``.  On GPUs the actor is started with Ray's
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` and sets ``CUDA_VISIBLE_DEVICES`` to
+    :attr:`local_cuda_visible_devices` itself, so that it and the processes it starts see
+    every GPU of the engine on its node (an SGLang server then takes ``base_gpu_id=0``,
+    ``tp_size=len(local_gpu_ids)``).  Bundles on other nodes (an engine larger than a node)
+    are listed for the engine to start its remote ranks there.
+
+    Attributes:
+        index: engine index, ``0 <= index < number of engines``; also its seed offset.
+        bundles: the bundles in device order (sorted by node, then GPU id).
+        use_gpu: whether the bundles hold GPUs (else CPUs only).
+        colocated: whether trainer ranks share these bundles (``--colocate``).
+        cpu_threads: torch intra-op threads for this engine on a machine without GPUs (its
+            share of the cores, in proportion to its bundles); None on GPUs.
+    """
+
+    index: int
+    bundles: tuple[BundleResources, ...]
+    use_gpu: bool
+    colocated: bool = False
+    cpu_threads: int | None = None
+
+    @property
+    def node_ip(self) -> str:
+        """IP address of the node of the engine's actor (its first bundle)."""
+        return self.bundles[0].node_ip
+
+    @property
+    def node_ips(self) -> list[str]:
+        """Every node the engine spans, first bundle's node first."""
+        return list(dict.fromkeys(b.node_ip for b in self.bundles))
+
+    @property
+    def bundle_indices(self) -> list[int]:
+        return [b.bundle_index for b in self.bundles]
+
+    @property
+    def gpu_ids(self) -> list[str]:
+        """GPU ids of every bundle, in bundle order (ids are per node)."""
+        return [gpu for b in self.bundles for gpu in b.gpu_ids]
+
+    @property
+    def local_gpu_ids(self) -> list[str]:
+        """GPU ids of the bundles on the actor's node, in bundle order."""
+        return [gpu for b in self.bundles if b.node_id == self.bundles[0].node_id for gpu in b.gpu_ids]
+
+    @property
+    def local_cuda_visible_devices(self) -> str:
+        """``CUDA_VISIBLE_DEVICES`` for the actor and the processes it starts: :attr:`local_gpu_ids`, comma-joined."""
+        return ",".join(self.local_gpu_ids)
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_ids)
+
+    @property
+    def num_cpus(self) -> float:
+        """Logical CPUs of all bundles together."""
+        return sum(b.num_cpus for b in self.bundles)
+
+    def describe(self) -> str:
+        """E.g. ``engine 1 (node 10.0.0.2, bundles [2, 3], GPUs 2,3)``, for logs and errors."""
+        if self.use_gpu:
+            devices = f"GPU{'s' if self.num_gpus != 1 else ''} {','.join(self.gpu_ids)}"
+        else:
+            devices = f"{self.num_cpus:g} CPU{'s' if self.num_cpus != 1 else ''}"
+        return f"engine {self.index} (node {', '.join(self.node_ips)}, bundles {self.bundle_indices}, {devices})"
 
 
 class RolloutEngine(abc.ABC):
     """One inference server. Instances live inside Ray actors (see ``engine_group``).
 
-    Implementations must be safe to call from one thread at a time; the engine group
-    never calls two methods of one engine concurrently.
+    Threads: the engine group calls one method at a time, with two exceptions.
+    :meth:`health`, :meth:`log_tail` and :meth:`shutdown` may arrive from another thread while
+    a method runs (a health poll, a shutdown after Ctrl-C during generation); and up to
+    :attr:`max_concurrent_calls` :meth:`generate` calls may run at once when an engine sets it
+    above 1 (never together with a weight, memory or cache call).  Weight updates may come from
+    several trainer ranks in one sync (each sends the tensors it is the source of), one call after
+    another in any order.
     """
+
+    weight_transports: ClassVar[tuple[str, ...]] = ("object_store",)
+    """The weight-sync transports this engine accepts (:mod:`slime.weight_sync`), best first.  Every engine
+    takes the object store (CPU tensors into :meth:`update_weights_from_tensor`); the SGLang engine is to add
+    ``"cuda_ipc"`` (colocated) and ``"nccl"`` (disaggregated), see :mod:`slime.weight_sync.base`."""
+
+    max_concurrent_calls: ClassVar[int] = 1
+    """:meth:`generate` calls the engine's actor runs at once, each in its own thread (read from
+    the class when the actor is created).  1 for an engine that batches per call (transformers);
+    more for a thread-safe client of a continuous-batching server (SGLang), so that a request
+    that finishes frees its slot for the next one at once instead of waiting for its call."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, cfg: SlimeConfig, resources: EngineResources) -> RolloutEngine:
+        """Build engine ``resources.index`` of a run inside its Ray actor (the engine factory).
+
+        Args:
+            cfg: the run's flags.
+            resources: the bundles the engine spans; the engine uses all of them.
+
+        Raises:
+            ValueError / ConfigError: the engine cannot use these resources or flags; the
+                message names the flag.
+        """
+
+    @property
+    def capacity(self) -> int:
+        """The most requests the engine works on at once, over all its :meth:`generate` calls (>= 1).
+
+        The engine group never has more in flight at the engine.  An engine that batches per
+        call (transformers) gives its batch size; a continuous-batching server (SGLang) the
+        requests it keeps in flight (upstream slime's ``--sglang-server-concurrency``).
+        Default 1.
+        """
+        return 1
+
+    @property
+    def max_requests_per_call(self) -> int:
+        """The most requests in one :meth:`generate` call (>= 1); default :attr:`capacity` (one
+        call is one batch).  A continuous-batching server with :attr:`max_concurrent_calls` > 1
+        sets it small (e.g. 1), so that requests come back one by one as they finish."""
+        return self.capacity
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete every request; the output list is in request order.
-
-        Raises:
-            PromptMismatchError: a request's ``expected_prompt_len`` disagrees with the
-                engine's tokenisation.
-        """
+        """Complete every request (at most :attr:`max_requests_per_call`); the output list is in
+        request order, one output per request, each with the engine's
+        :attr:`GenerateOutput.prompt_tokens`."""
 
     @abc.abstractmethod
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
@@ -214,8 +375,19 @@ class RolloutEngine(abc.ABC):
         """Undo :meth:`pause_generation`."""
 
     def health(self) -> bool:
-        """Whether the engine can serve requests."""
+        """Whether the engine can serve requests (SGLang ``GET /health``); polled during start-up
+        until True, so it must return quickly, never block until the server is up."""
         return True
 
+    def log_tail(self) -> str:
+        """The last lines of the engine's own log (e.g. its server's), quoted when the engine
+        fails to start; empty when there is none."""
+        return ""
+
     def shutdown(self) -> None:
-        """Release every resource (server processes, device memory)."""
+        """Release every resource: stop every process the engine started and free device memory.
+
+        Called once at the end of every run, including failed ones, possibly while another
+        method still runs (see the class docstring); a second call does nothing.  Processes the
+        engine's actor started and that outlive this call are killed by the actor afterwards.
+        """

@@ -50,9 +50,9 @@ import torch
 
 from slime.rollout.engines.base import (
     GPU_MEMORY_TYPE_WEIGHTS,
+    EngineResources,
     GenerateOutput,
     GenerateRequest,
-    PromptMismatchError,
     RolloutEngine,
     SamplingParams,
     memory_tags,
@@ -172,23 +172,41 @@ class TransformersEngine(RolloutEngine):
         self._shut_down = False
 
     @classmethod
-    def from_config(cls, cfg, engine_index: int, *, use_gpu: bool) -> "TransformersEngine":
-        """Build engine ``engine_index`` of a run from its :class:`slime.utils.arguments.SlimeConfig`
+    def from_config(cls, cfg, resources: EngineResources) -> "TransformersEngine":
+        """Build engine ``resources.index`` of a run from its :class:`slime.utils.arguments.SlimeConfig`
         (what the driver's engine factory calls inside each engine's Ray actor).
 
         ``--hf-checkpoint``, ``--image-min-pixels`` / ``--image-max-pixels`` (so that the engine's
-        prompts match the data pipeline's), engine seed ``--rollout-seed + engine_index`` (used only
-        for requests without a ``sampling_seed``; the rollout manager gives every request one);
-        bfloat16 on the actor's GPU, float32 on CPU.
+        prompts match the data pipeline's), engine seed ``--rollout-seed + resources.index`` (used
+        only for requests without a ``sampling_seed``; the rollout manager gives every request one,
+        so a request's draws do not depend on the engine it lands on); bfloat16 on the engine's GPU
+        (the actor's ``CUDA_VISIBLE_DEVICES`` is that GPU), float32 on CPU, where the actor's torch
+        threads already cover all of the engine's CPU bundles.
+
+        Raises:
+            ValueError: the engine spans more than one GPU (``--rollout-num-gpus-per-engine`` > 1):
+                this engine runs on one device.
         """
+        if resources.num_gpus > 1:
+            raise ValueError(
+                f"--rollout-num-gpus-per-engine {resources.num_gpus}: the transformers engine runs on one GPU; use "
+                "--rollout-num-gpus-per-engine 1 (one engine per GPU) or --rollout-backend sglang for tensor "
+                "parallelism"
+            )
         return cls(
             cfg.checkpoint.hf_checkpoint,
-            device="cuda" if use_gpu else "cpu",
-            dtype=torch.bfloat16 if use_gpu else torch.float32,
+            device="cuda" if resources.use_gpu else "cpu",
+            dtype=torch.bfloat16 if resources.use_gpu else torch.float32,
             min_pixels=cfg.data.image_min_pixels,
             max_pixels=cfg.data.image_max_pixels,
-            seed=cfg.rollout.rollout_seed + engine_index,
+            seed=cfg.rollout.rollout_seed + resources.index,
         )
+
+    @property
+    def capacity(self) -> int:
+        """``max_batch_size``: one call is one forward batch (:attr:`max_requests_per_call` is the same),
+        and calls run one at a time (``max_concurrent_calls = 1``)."""
+        return self.max_batch_size
 
     # ---------------------------------------------------------------- generation
 
@@ -199,8 +217,6 @@ class TransformersEngine(RolloutEngine):
             RuntimeError: the engine is paused, released, shut down, or a weight update left a
                 fused parameter half-received.
             ValueError: invalid sampling parameters, or an image the processor cannot take.
-            PromptMismatchError: a request's ``expected_prompt_len`` differs from this engine's
-                prompt length; the message names the request and both lengths.
         """
         self._check_can_generate()
         prompts = [self._tokenize(request, i) for i, request in enumerate(requests)]
@@ -233,7 +249,7 @@ class TransformersEngine(RolloutEngine):
             )
 
     def _tokenize(self, request: GenerateRequest, index: int) -> _Prompt:
-        """Decode the request's images, run the processor, check the prompt length and sampling params."""
+        """Decode the request's images, run the processor and check the sampling params."""
         name = f"request {index}" + (f" (rid {request.rid!r})" if request.rid is not None else "")
         _check_sampling_params(request.sampling_params, name)
         images = [
@@ -244,12 +260,6 @@ class TransformersEngine(RolloutEngine):
             processed = self.processor(request.text, images)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
-        if request.expected_prompt_len is not None and request.expected_prompt_len != len(processed.input_ids):
-            raise PromptMismatchError(
-                f"{name}: the transformers engine tokenised the prompt to {len(processed.input_ids)} tokens but the "
-                f"data pipeline expected {request.expected_prompt_len}; the engine and the data pipeline must use the "
-                "same checkpoint processor and pixel bounds (--hf-checkpoint, min/max pixels)"
-            )
         seed = request.sampling_params.sampling_seed
         return _Prompt(request, processed.input_ids, processed.pixel_values, processed.image_grid_thw, seed)
 
@@ -515,7 +525,8 @@ class _CheckpointWeights:
 
     A bucket may end in the middle of a fused group (e.g. half the experts of a layer): the
     received tensors are buffered until the group is complete, then fused and copied in.  A
-    tensor sent twice before its group completes replaces the earlier one.
+    tensor sent twice before its group completes replaces the earlier one.  So buckets from
+    several trainer ranks (each sending the tensors it is the source of) may arrive in any order.
     """
 
     def __init__(self, model: torch.nn.Module):

@@ -12,7 +12,8 @@ RewardConfig) -> float``, and is registered in :data:`REWARD_FUNCTIONS`:
 ``geo3k``
     ``math``, or 1.0 when the answers are numbers written at different decimal precision
     whose difference is within ``--rm-tolerance`` relative error and one rounds to the
-    other, for Geometry3K's rounded labels (:mod:`.geo3k`; the seed README's geo3k RM).
+    other, for Geometry3K's rounded labels (:mod:`.geo3k`; the geo3k RM of upstream slime's
+    ``examples/geo3k_vlm/README.md``).
 ``package.module:function``
     a user function with the same signature, given as ``--rm-type`` or (overriding it)
     ``--custom-rm-path``.

@@ -1,9 +1,9 @@
 """Final-answer extraction and parsing shared by every reward function.
 
 A response states its final answer as ``\\boxed{...}`` (or ``\\fbox{...}``), the format the
-geo3k recipe asks for (the seed README's SFT data is ``Answer: \\boxed{<answer>}``).  This
-module finds that answer and turns answer strings into SymPy objects with ``math-verify``
-(pinned 0.9.0):
+geo3k recipe asks for (the SFT data of upstream slime's ``examples/geo3k_vlm/README.md`` is
+``Answer: \\boxed{<answer>}``).  This module finds that answer and turns answer strings into
+SymPy objects with ``math-verify`` (pinned 0.9.0):
 
 - :func:`last_boxed` returns the content of the last box, braces balanced;
 - :func:`parse_latex` parses an answer (a gold label or a boxed content) as LaTeX math;

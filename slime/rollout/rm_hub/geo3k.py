@@ -43,8 +43,8 @@ Accepted at the edge: label ``12`` vs ``11.5`` or ``12.5`` (|p - g| = u / 2 exac
 accepted: a label that was itself rounded in the middle of a calculation and lies more
 than half a unit from the exact value.
 
-Source: the seed README's "geo3k-specific RM with tolerance=0.05 (to handle rounding in
-ground truth labels)", which upstream compared with a strict one (tolerance 0.0) and with
+Source: upstream slime's ``examples/geo3k_vlm/README.md``, its "geo3k-specific RM with
+tolerance=0.05 (to handle rounding in ground truth labels)", which upstream compared with a strict one (tolerance 0.0) and with
 the default ``math`` reward and found all three to train alike.  With ``tol = 0`` this
 reward is exactly ``math`` (no float comparison at all).  With ``g = 0`` the test reduces
 to ``p == 0``.

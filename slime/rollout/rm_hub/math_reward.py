@@ -11,8 +11,8 @@ holds one math expression is graded as that expression (``\\text{12.6 cm}`` = ``
 :func:`~slime.rollout.rm_hub.answer.unwrap_math_text`), while a hedge such as
 ``71 \\text{ or } 33`` stays a set of two values and scores 0 against either.
 
-The reward is binary, 0.0 or 1.0, on purpose: the seed README ("Numerical Precision with
-Non-Binary Rewards") reports that a 0 / 0.9 "format score" left ``reward - mean``
+The reward is binary, 0.0 or 1.0, on purpose: upstream slime's ``examples/geo3k_vlm/README.md``
+("Numerical Precision with Non-Binary Rewards") reports that a 0 / 0.9 "format score" left ``reward - mean``
 non-zero in fp32 for groups whose rewards were all equal, which gave a spurious
 gradient; 0 and 1 are exact in every float type.
 """

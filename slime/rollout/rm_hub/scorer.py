@@ -248,14 +248,12 @@ class RewardScorer:
         stats, self.stats = self.stats, RewardStats()
         return stats
 
-    def score(self, responses: list[str], labels: list[str], cfg: RewardConfig | None = None) -> list[float]:
-        """Reward of each response against the label at the same index.
+    def score(self, responses: list[str], labels: list[str]) -> list[float]:
+        """Reward of each response against the label at the same index, with the scorer's reward flags.
 
         Args:
             responses: generated texts, length N.
             labels: gold answers, length N.
-            cfg: reward flags for this call only (e.g. an eval set graded with another
-                ``--rm-type``); default the scorer's.  Its ``rm_num_workers`` is ignored.
 
         Returns:
             N floats, in input order (0.0 / 1.0 for the built-in rewards); a response that
@@ -265,7 +263,6 @@ class RewardScorer:
         Raises:
             ValueError: ``responses`` and ``labels`` differ in length.
             TypeError: an element is not a ``str``; the message gives its index.
-            ConfigError: ``cfg``'s reward function cannot be resolved.
             RuntimeError: the scorer is closed, or a worker process cannot start.
         """
         if self._closed:
@@ -276,11 +273,7 @@ class RewardScorer:
             for index, text in enumerate(texts):
                 if not isinstance(text, str):
                     raise TypeError(f"{name}[{index}] is a {type(text).__name__}, expected str: {text!r:.80}")
-        if cfg is None:
-            cfg = self.cfg
-        else:
-            resolve_reward_function(cfg)
-
+        cfg = self.cfg
         self._start_idle_workers()
         rewards = [0.0] * len(responses)
         failures: list[tuple[int, _Outcome, str]] = []

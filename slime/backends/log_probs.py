@@ -1,0 +1,240 @@
+"""Per-token log-probs and entropies of the sampled tokens, from a model's logits.
+
+Every training backend turns logits into the two per-token quantities the GRPO loss
+(:mod:`slime.utils.ppo_utils`) needs.  For a temperature ``tau`` and ``z = logits / tau``
+(the rollout engines sample from, and SGLang reports log-probs of, ``softmax(z)``):
+
+- log-prob of token ``y``: ``log p(y) = z_y - logsumexp(z)``;
+- entropy: ``H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v`` (nats).
+
+Both are computed in float32 whatever the logits' dtype (float64 kept).  Two layouts of the
+vocabulary dimension:
+
+- full vocabulary, ``[..., V]`` on every rank (Hugging Face models, the FSDP backend):
+  :func:`gather_log_probs`, :func:`entropy_from_logits`;
+- vocab-parallel, for a column-parallel LM head over a tensor-parallel (TP) group of size
+  ``tp`` (Megatron): TP rank ``r`` holds the logits ``[..., V_p]`` of the vocabulary ids
+  ``[r * V_p, (r + 1) * V_p)``, ``V_p = V_padded / tp`` (megatron-core's
+  ``VocabUtility.vocab_range_from_per_partition_vocab_size``): :func:`vocab_parallel_log_probs`.
+  It never gathers the vocabulary: each rank reduces its shard to a few numbers per token,
+  and one all-reduce of the maximum plus one of the sums combine them, as megatron-core's
+  ``vocab_parallel_cross_entropy`` (``megatron/core/tensor_parallel/cross_entropy.py``,
+  0.16.1) does for the cross-entropy; the entropy adds one sum (``sum_v e^{z_v} z_v``) to it.
+
+Padded vocabulary: Megatron-LM pads the vocabulary to a multiple of
+``--make-vocab-size-divisible-by`` (128) times the TP size (``_vocab_size_with_padding`` in
+``megatron/training/tokenizer/tokenizer.py``), with dummy rows in the embedding and output
+layer whose logits are ordinary finite numbers, not ``-inf``.  Pass ``vocab_size`` (the
+tokenizer's / Hugging Face config's size) and those columns are left out of the softmax, so
+the log-probs and entropies are those of the Hugging Face model and of the engines (SGLang
+also drops logits past ``vocab_size``); padded columns get zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_inputs(logits: Tensor, tokens: Tensor, temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"--rollout-temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must agree up to the vocab dim"
+        )
+
+
+def gather_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probs (nats) of ``tokens`` under ``softmax(logits / temperature)``, full vocabulary.
+
+    ``log p(y) = z_y - logsumexp(z)`` with ``z = logits.float() / temperature``, as the
+    rollout engines report them (SGLang returns log-probs of the temperature-scaled
+    distribution).  Computed in float32 (float64 kept) whatever the logits' dtype.
+
+    Args:
+        logits: ``[..., V]`` logits at the positions that predict ``tokens``.
+        tokens: int64 ``[...]`` token ids in ``[0, V)``.
+        temperature: ``--rollout-temperature``, > 0.
+
+    Returns:
+        ``[...]`` float32 log-probs.
+
+    Raises:
+        ValueError: ``temperature <= 0`` or the leading shapes differ.
+    """
+    _check_inputs(logits, tokens, temperature)
+    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` (nats) of ``softmax(logits)`` over the last dim, full vocabulary.
+
+    ``log p = log_softmax(logits)`` (logsumexp-stabilised), in float32 whatever the input
+    dtype (float64 kept).  Pass the logits the tokens were sampled with (divided by the
+    rollout temperature).  Logits must be finite; a ``-inf`` logit gives NaN gradients.
+    Memory: about three float32 copies of ``logits``; chunk over tokens for large vocabularies.
+
+    Args:
+        logits: ``[..., V]`` any float dtype.
+
+    Returns:
+        ``[...]`` float32 entropies, one per token.
+    """
+    log_p = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def vocab_parallel_log_probs(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    vocab_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of ``tokens`` under ``softmax(logits / temperature)`` from
+    vocab-parallel logits; equal to :func:`gather_log_probs` / :func:`entropy_from_logits`
+    on the gathered full-vocabulary logits.  Collective over ``group``; differentiable.
+
+    TP rank ``r`` of ``group`` (size ``tp``) holds the columns ``[r * V_p, (r + 1) * V_p)``
+    of the vocabulary (module docstring).  With ``z = logits / temperature``, each rank
+    computes over its own columns ``m_r = max z``; one all-reduce (MAX) gives
+    ``m = max_r m_r``; then, with ``e_v = exp(z_v - m)``, each rank sums ``S_r = sum e_v``,
+    ``T_r = sum e_v (z_v - m)`` (entropy only), and ``z_y - m`` where it owns ``y``; one
+    all-reduce (SUM) of those gives
+
+        ``log p(y) = (z_y - m) - log S``,  ``H = log S - T / S``
+
+    (megatron-core's ``_VocabParallelCrossEntropy`` forward, 0.16.1, for the log-prob; the
+    entropy is ``logsumexp(z) - E_p[z]``).  The backward needs no communication: for the
+    rank's own columns, ``d log p(y) / d z_v = 1[v = y] - p_v`` and
+    ``d H / d z_v = -p_v (z_v - E_p[z])``, both divided by ``temperature`` for the logits.
+
+    Memory: one float32 copy of the shard ``[..., V_p]`` is kept for the backward (only when
+    ``logits`` requires grad), plus one transient copy in the forward and two in the
+    backward; no full-vocabulary tensor is ever built.
+
+    Args:
+        logits: ``[..., V_p]`` this rank's shard, any float dtype (e.g. Megatron's
+            ``[S, B, V_p]`` output, or the rows predicting the response tokens).
+        tokens: int64 ``[...]`` global token ids (the same on every rank of ``group``).
+        temperature: ``--rollout-temperature``, > 0.
+        group: the tensor-parallel process group (Megatron:
+            ``parallel_state.get_tensor_model_parallel_group()``); None: the default group, or
+            a single rank holding the whole vocabulary when ``torch.distributed`` is not
+            initialised.
+        vocab_size: the real vocabulary size ``V``; columns of global id ``>= V`` (Megatron's
+            padding) are left out of the softmax.  None: every column counts.
+        with_entropy: also return the per-token entropy.
+
+    Returns:
+        ``(log_probs, entropy)``: float32 (float64 for float64 logits) ``[...]`` each;
+        ``entropy`` is None unless ``with_entropy``.  A token id outside ``[0, V)`` (e.g. a
+        padding id) gets a NaN log-prob, harmless under a loss mask (the GRPO loss never
+        reads masked tokens); the full-vocabulary version raises an index error instead.
+
+    Raises:
+        ValueError: ``temperature <= 0``, the leading shapes differ, ``tokens`` is not an
+            integer tensor, or ``vocab_size`` is not in ``[1, tp * V_p]``.
+    """
+    _check_inputs(logits, tokens, temperature)
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be an integer tensor of token ids, got {tokens.dtype}")
+    if dist.is_available() and dist.is_initialized():
+        tp_rank, tp_size = dist.get_rank(group), dist.get_world_size(group)
+    elif group is not None:
+        raise ValueError("a process group was given but torch.distributed is not initialised")
+    else:
+        tp_rank, tp_size = 0, 1
+    shard = logits.shape[-1]
+    if vocab_size is None:
+        vocab_size = shard * tp_size
+    if not 1 <= vocab_size <= shard * tp_size:
+        raise ValueError(
+            f"vocab_size {vocab_size} must be in [1, {shard * tp_size}] ({tp_size} TP ranks x {shard} logits each)"
+        )
+    vocab_start = tp_rank * shard
+    num_valid = max(0, min(shard, vocab_size - vocab_start))
+    log_probs, entropy = _VocabParallelLogProbs.apply(
+        logits, tokens, float(temperature), group, tp_size > 1, vocab_start, num_valid, with_entropy
+    )
+    return log_probs, entropy
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """Forward and backward of :func:`vocab_parallel_log_probs` (see its docstring for the math)."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, group, reduce, vocab_start, num_valid, with_entropy):
+        ctx.set_materialize_grads(False)
+        dtype = _compute_dtype(logits.dtype)
+        z = logits[..., :num_valid].to(dtype, copy=True).div_(temperature)  # [..., n], this rank's real columns
+        if num_valid > 0:
+            z_max = z.amax(dim=-1)
+        else:  # every column of this rank is padding
+            z_max = torch.full(tokens.shape, float("-inf"), dtype=dtype, device=z.device)
+        if reduce:
+            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        z.sub_(z_max.unsqueeze(-1))  # shifted logits, <= 0
+
+        owned = (tokens >= vocab_start) & (tokens < vocab_start + num_valid)
+        local_ids = torch.where(owned, tokens - vocab_start, 0)
+        if num_valid > 0:
+            target = torch.where(owned, z.gather(-1, local_ids.unsqueeze(-1)).squeeze(-1), 0.0)
+        else:
+            target = torch.zeros(tokens.shape, dtype=dtype, device=z.device)
+        e = z.exp()
+        sums = [target, e.sum(dim=-1), owned.to(dtype)]
+        if with_entropy:
+            # e * z is 0 * -inf = NaN where a logit is -inf (a masked column): that term is 0.
+            sums.append(e.mul_(z).masked_fill_(e.isnan(), 0.0).sum(dim=-1))
+        del e
+        totals = torch.stack(sums)
+        if reduce:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+        log_sum = totals[1].log()
+        log_probs = torch.where(totals[2] == 1, totals[0] - log_sum, float("nan"))
+        entropy = mean_z = None
+        if with_entropy:
+            mean_z = totals[3] / totals[1]  # E_p[z - m]
+            entropy = log_sum - mean_z
+
+        ctx.temperature, ctx.num_valid, ctx.shape, ctx.dtype = temperature, num_valid, logits.shape, logits.dtype
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(z, local_ids, owned, log_sum, mean_z)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        z, local_ids, owned, log_sum, mean_z = ctx.saved_tensors
+        none = (None,) * 7
+        if ctx.num_valid == 0 or (grad_log_probs is None and grad_entropy is None):
+            return (torch.zeros(ctx.shape, dtype=ctx.dtype, device=z.device), *none)
+        p = (z - log_sum.unsqueeze(-1)).exp_()  # this rank's share of softmax(z)
+        if grad_entropy is not None:
+            # -p * (g_lp + g_H * (z - E[z])); the product is NaN only where p = 0 and z = -inf
+            weight = (z - mean_z.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+            if grad_log_probs is not None:
+                weight.add_(grad_log_probs.unsqueeze(-1))
+            g = p.mul_(weight).neg_()
+            g.masked_fill_(g.isnan(), 0.0)
+            del weight
+        else:
+            g = p.mul_(grad_log_probs.unsqueeze(-1)).neg_()
+        if grad_log_probs is not None:
+            g.scatter_add_(-1, local_ids.unsqueeze(-1), torch.where(owned, grad_log_probs, 0.0).unsqueeze(-1))
+        g.div_(ctx.temperature)
+        if ctx.num_valid == ctx.shape[-1]:
+            return (g.to(ctx.dtype), *none)
+        grad = torch.zeros(ctx.shape, dtype=ctx.dtype, device=z.device)  # padded columns: zero gradient
+        grad[..., : ctx.num_valid] = g
+        return (grad, *none)

@@ -1,0 +1,444 @@
+"""Hugging Face ``config.json`` of a Qwen3.5-MoE checkpoint -> the native Megatron model's config.
+
+The native model is configured by two objects:
+
+- :class:`Qwen35Arch`: the architecture numbers read from the checkpoint (plain Python, no
+  megatron-core import), including what megatron-core's ``TransformerConfig`` has no field
+  for: the per-layer attention kind, the multimodal-RoPE sections, the token ids of the
+  image placeholders, the vision tower's config, the vocabulary before TP padding;
+- a megatron-core ``TransformerConfig`` (:func:`transformer_config`), built from the arch
+  plus the parallel layout and the precision.
+
+:class:`Qwen35Config` bundles both with the kernel choices (:class:`Qwen35Kernels`).
+
+Field mapping, Hugging Face ``Qwen3_5MoeTextConfig`` (transformers 5.17) -> here:
+
+===================================  =========================================================
+``hidden_size``                      ``hidden_size``
+``num_hidden_layers``                ``num_layers``
+``layer_types``                      ``layer_types`` (and ``TransformerConfig.linear_attention_freq``
+                                     as the 0/1 list, 1 = ``linear_attention``)
+``num_attention_heads``              ``num_attention_heads``
+``num_key_value_heads``              ``num_query_groups``
+``head_dim``                         ``kv_channels``
+``rope_parameters.rope_theta``       ``rotary_base``
+``rope_parameters.partial_rotary_factor``  ``rotary_percent``; ``rotary_dim = int(head_dim * factor)``
+``rope_parameters.mrope_section``    ``mrope_section`` (frequencies per T/H/W axis; sum = rotary_dim / 2)
+``rope_parameters.mrope_interleaved``  ``mrope_interleaved``
+``linear_*`` (5 fields)              same names
+``num_experts``                      ``num_moe_experts``
+``num_experts_per_tok``              ``moe_router_topk``
+``moe_intermediate_size``            ``moe_ffn_hidden_size`` (and ``ffn_hidden_size``)
+``shared_expert_intermediate_size``  ``moe_shared_expert_intermediate_size``
+``rms_norm_eps``                     ``layernorm_epsilon``
+``vocab_size``                       ``vocab_size`` (embedding rows of the checkpoint)
+===================================  =========================================================
+
+Fixed by the architecture (checked, an error otherwise): ``hidden_act`` silu (SwiGLU experts),
+no attention bias, untied embeddings, every layer MoE with a sigmoid-gated shared expert,
+softmax router.  Set here for RL: ``moe_aux_loss_coeff`` 0 and no load-balancing loss
+(``moe_router_load_balancing_type='none'``; the released config's ``router_aux_loss_coef``
+is a pre-training value), dropout 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class Qwen35ConfigError(ValueError):
+    """A checkpoint config or a parallel layout that the native Qwen3.5 model cannot build."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Arch:
+    """Architecture numbers of a Qwen3.5-MoE checkpoint (see the module docstring for the fields' sources).
+
+    Attributes are in the checkpoint's units: sizes in elements, ``rope_theta`` the RoPE base.
+    ``vision_config`` is the raw ``vision_config`` dict (``None`` for a text-only checkpoint).
+    """
+
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    vocab_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rotary_percent: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    mrope_interleaved: bool
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    num_experts: int
+    moe_router_topk: int
+    moe_ffn_hidden_size: int
+    shared_expert_intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    spatial_merge_size: int = 2
+    vision_config: dict | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dimensions per head: ``int(head_dim * rotary_percent)`` (64 for 35B-A3B)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def linear_attention_pattern(self) -> list[int]:
+        """1 per Gated DeltaNet (``linear_attention``) layer, 0 per full-attention layer."""
+        return [int(kind == "linear_attention") for kind in self.layer_types]
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Embedding / LM-head rows held across TP: ``vocab_size`` rounded up to a multiple of TP.
+
+        Qwen3.5's ``vocab_size`` (248320) already includes the checkpoint's padding; rows are
+        added only when TP does not divide it.  The added rows are zero in the embedding and
+        their logits are masked (see ``slime.models.qwen3_5.model``).
+        """
+        return math.ceil(self.vocab_size / tensor_parallel_size) * tensor_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Kernels:
+    """Which kernel runs each packed-sequence operator.
+
+    Attributes:
+        gdn: ``"fla"``: flash-linear-attention's ``chunk_gated_delta_rule`` and short convolution
+            with ``cu_seqlens`` (CUDA; fp32 inputs use TF32 inside the kernel).  ``"torch"``: this
+            project's chunked pure-torch path (any device/dtype; exact fp32; slow).
+        attention: ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside
+            torch; CUDA, bf16/fp16 only).  ``"sdpa"``: one ``scaled_dot_product_attention`` call per
+            packed document (any device/dtype; a host sync per micro-batch).
+        gdn_conv: the GDN short convolution: ``"fla"`` (fla's ``causal_conv1d`` with ``cu_seqlens``)
+            or ``"torch"`` (``slime.models.qwen3_5.gdn.causal_conv1d_packed``); default: as ``gdn``.
+    """
+
+    gdn: Literal["fla", "torch"] = "fla"
+    attention: Literal["varlen", "sdpa"] = "varlen"
+    gdn_conv: Literal["fla", "torch"] | None = None
+
+    def __post_init__(self):
+        if self.gdn not in ("fla", "torch"):
+            raise Qwen35ConfigError(f"Qwen35Kernels.gdn must be 'fla' or 'torch', got {self.gdn!r}")
+        if self.gdn_conv is None:
+            object.__setattr__(self, "gdn_conv", self.gdn)
+        if self.gdn_conv not in ("fla", "torch"):
+            raise Qwen35ConfigError(f"Qwen35Kernels.gdn_conv must be 'fla' or 'torch', got {self.gdn_conv!r}")
+        if self.attention not in ("varlen", "sdpa"):
+            raise Qwen35ConfigError(f"Qwen35Kernels.attention must be 'varlen' or 'sdpa', got {self.attention!r}")
+
+    @classmethod
+    def for_dtype(cls, dtype: torch.dtype, device_type: str = "cuda") -> "Qwen35Kernels":
+        """The fast kernels where they are right: fla + varlen for bf16/fp16 on CUDA; torch + sdpa for
+        fp32 (FlashAttention has no fp32, and fla 0.6.0's fp32 backward gives a wrong gradient of the GDN
+        decay on Hopper with Triton 3.6, measured on an H200; see docs/results/h200_megatron_qwen35.md)
+        and on CPU."""
+        if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+            return cls(gdn="torch", attention="sdpa")
+        return cls(gdn="fla", attention="varlen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+    """Everything the native model is built from: the arch, megatron-core's config and the kernels."""
+
+    arch: Qwen35Arch
+    transformer: Any  # megatron.core.transformer.TransformerConfig (imported lazily: CPU tools need none)
+    kernels: Qwen35Kernels = Qwen35Kernels()
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.arch.padded_vocab_size(self.transformer.tensor_model_parallel_size)
+
+
+def _text_section(config: dict) -> dict:
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _field(section: dict, name: str, source: str) -> Any:
+    if name not in section:
+        raise Qwen35ConfigError(f"{source}: field {name!r} is missing; is this a Qwen3.5-MoE config.json?")
+    return section[name]
+
+
+def read_config_json(hf_checkpoint: str | Path) -> dict:
+    """``<hf_checkpoint>/config.json`` as a dict.
+
+    Raises:
+        Qwen35ConfigError: the file is missing or not a JSON object (naming the path).
+    """
+    path = Path(hf_checkpoint) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Qwen35ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise Qwen35ConfigError(f"{path} is not a JSON object")
+    return config
+
+
+def arch_from_hf_config(config: dict | Any, source: str = "config.json") -> Qwen35Arch:
+    """The :class:`Qwen35Arch` of a Qwen3.5-MoE Hugging Face config.
+
+    Args:
+        config: ``config.json`` as a dict (or a transformers ``PretrainedConfig``; its
+            ``to_dict()`` is used), either the vision-language config (fields under
+            ``text_config``) or a text config.
+        source: how errors name the config (e.g. its path).
+
+    Returns:
+        The arch.
+
+    Raises:
+        Qwen35ConfigError: a field is missing, or a value the native model does not implement
+            (naming the field and its value).
+    """
+    if not isinstance(config, dict):
+        config = config.to_dict()
+    text = _text_section(config)
+    get = lambda name: _field(text, name, source)  # noqa: E731
+    num_layers = int(get("num_hidden_layers"))
+    layer_types = tuple(get("layer_types"))
+    if len(layer_types) != num_layers or any(kind not in LAYER_TYPES for kind in layer_types):
+        raise Qwen35ConfigError(
+            f"{source}: layer_types must list {num_layers} entries of {LAYER_TYPES}, got {list(layer_types)}"
+        )
+    for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("tie_word_embeddings", False)):
+        value = text.get(name, config.get(name))
+        if name == "tie_word_embeddings":
+            value = bool(config.get(name, False)) or bool(text.get(name, False))
+        if value != want:
+            raise Qwen35ConfigError(f"{source}: {name} = {value!r} is not implemented (need {want!r})")
+    rope = text.get("rope_parameters") or {}
+    head_dim = int(text.get("head_dim") or get("hidden_size") // get("num_attention_heads"))
+    partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    section = tuple(int(s) for s in rope.get("mrope_section", [11, 11, 10]))
+    if len(section) != 3 or sum(section) != rotary_dim // 2:
+        raise Qwen35ConfigError(
+            f"{source}: rope_parameters.mrope_section {list(section)} must have 3 entries summing to "
+            f"rotary_dim / 2 = {rotary_dim // 2} (head_dim {head_dim} x partial_rotary_factor {partial})"
+        )
+    if rope.get("rope_type", "default") != "default":
+        raise Qwen35ConfigError(f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r} is not implemented")
+    vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else None
+    arch = Qwen35Arch(
+        hidden_size=int(get("hidden_size")),
+        num_layers=num_layers,
+        layer_types=layer_types,
+        vocab_size=int(get("vocab_size")),
+        num_attention_heads=int(get("num_attention_heads")),
+        num_query_groups=int(get("num_key_value_heads")),
+        head_dim=head_dim,
+        rotary_percent=partial,
+        rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+        mrope_section=section,  # type: ignore[arg-type]
+        mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
+        linear_key_head_dim=int(get("linear_key_head_dim")),
+        linear_value_head_dim=int(get("linear_value_head_dim")),
+        linear_num_key_heads=int(get("linear_num_key_heads")),
+        linear_num_value_heads=int(get("linear_num_value_heads")),
+        num_experts=int(get("num_experts")),
+        moe_router_topk=int(get("num_experts_per_tok")),
+        moe_ffn_hidden_size=int(get("moe_intermediate_size")),
+        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")),
+        rms_norm_eps=float(get("rms_norm_eps")),
+        max_position_embeddings=int(get("max_position_embeddings")),
+        image_token_id=config.get("image_token_id"),
+        video_token_id=config.get("video_token_id"),
+        vision_start_token_id=config.get("vision_start_token_id"),
+        spatial_merge_size=int((vision or {}).get("spatial_merge_size", 2)),
+        vision_config=vision,
+    )
+    if arch.linear_num_value_heads % arch.linear_num_key_heads:
+        raise Qwen35ConfigError(
+            f"{source}: linear_num_value_heads {arch.linear_num_value_heads} is not a multiple of "
+            f"linear_num_key_heads {arch.linear_num_key_heads}"
+        )
+    if arch.num_attention_heads % arch.num_query_groups:
+        raise Qwen35ConfigError(
+            f"{source}: num_attention_heads {arch.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {arch.num_query_groups}"
+        )
+    return arch
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Megatron parallel sizes (slime's / Megatron's flags of the same names).
+
+    ``expert_tensor_parallel_size`` ``None`` means Megatron's default, equal to TP.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+
+def check_parallel_layout(arch: Qwen35Arch, layout: ParallelLayout) -> None:
+    """Refuse a layout that cannot shard this arch (each message names the flag and the sizes).
+
+    Raises:
+        Qwen35ConfigError: TP does not divide the GDN key heads, the attention query or KV heads
+            (TP above the KV heads would replicate KV heads, not implemented), or the expert
+            widths; EP does not divide the experts; PP exceeds the layers; CP > 1 (not implemented).
+    """
+    tp, ep, etp = layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.etp
+    checks = [
+        (arch.linear_num_key_heads % tp, f"--tensor-model-parallel-size {tp} must divide linear_num_key_heads "
+         f"{arch.linear_num_key_heads} (Gated DeltaNet is sharded by heads)"),
+        (arch.num_attention_heads % tp, f"--tensor-model-parallel-size {tp} must divide num_attention_heads "
+         f"{arch.num_attention_heads}"),
+        (arch.num_query_groups % tp, f"--tensor-model-parallel-size {tp} must divide num_key_value_heads "
+         f"{arch.num_query_groups} (replicating KV heads across TP is not implemented)"),
+        (arch.shared_expert_intermediate_size % tp, f"--tensor-model-parallel-size {tp} must divide "
+         f"shared_expert_intermediate_size {arch.shared_expert_intermediate_size}"),
+        (arch.num_experts % ep, f"--expert-model-parallel-size {ep} must divide num_experts {arch.num_experts}"),
+        (arch.moe_ffn_hidden_size % etp, f"--expert-tensor-parallel-size {etp} must divide moe_intermediate_size "
+         f"{arch.moe_ffn_hidden_size}"),
+        (layout.pipeline_model_parallel_size > arch.num_layers, f"--pipeline-model-parallel-size "
+         f"{layout.pipeline_model_parallel_size} exceeds the {arch.num_layers} layers"),
+        (layout.context_parallel_size != 1, f"--context-parallel-size {layout.context_parallel_size}: context "
+         "parallelism is not implemented for the native Qwen3.5 model yet; use 1"),
+    ]
+    for bad, message in checks:
+        if bad:
+            raise Qwen35ConfigError(message)
+
+
+def transformer_config(
+    arch: Qwen35Arch,
+    layout: ParallelLayout = ParallelLayout(),
+    *,
+    params_dtype: torch.dtype = torch.bfloat16,
+    moe_token_dispatcher_type: str = "alltoall",
+    **overrides: Any,
+):
+    """megatron-core's ``TransformerConfig`` for ``arch`` under ``layout``.
+
+    Args:
+        arch: the checkpoint's architecture.
+        layout: parallel sizes (checked with :func:`check_parallel_layout`).
+        params_dtype: parameter dtype (``bf16`` is set when it is ``torch.bfloat16``).
+        moe_token_dispatcher_type: megatron-core's ``alltoall`` (default) or ``allgather``.
+        **overrides: further ``TransformerConfig`` fields (e.g. recompute settings), applied last.
+
+    Returns:
+        ``megatron.core.transformer.TransformerConfig``.
+
+    Raises:
+        Qwen35ConfigError: see :func:`check_parallel_layout`.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    check_parallel_layout(arch, layout)
+    fields = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.moe_ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        layernorm_zero_centered_gamma=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        qk_layernorm=True,
+        attention_output_gate=True,
+        rotary_interleaved=False,
+        mrope_section=list(arch.mrope_section),
+        linear_attention_freq=arch.linear_attention_pattern,
+        linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
+        linear_key_head_dim=arch.linear_key_head_dim,
+        linear_value_head_dim=arch.linear_value_head_dim,
+        linear_num_key_heads=arch.linear_num_key_heads,
+        linear_num_value_heads=arch.linear_num_value_heads,
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_router_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+        moe_shared_expert_gate=True,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,  # softmax over the top-k logits == HF's softmax, top-k, renormalise
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=moe_token_dispatcher_type,
+        moe_grouped_gemm=False,  # the experts module is ours (torch._grouped_mm), not TE's / grouped_gemm's
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        variable_seq_lengths=layout.pipeline_model_parallel_size > 1,  # packed micro-batches differ in length
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.etp,
+        context_parallel_size=layout.context_parallel_size,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        init_method_std=0.02,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def qwen35_config_from_hf(
+    hf_checkpoint: str | Path | dict,
+    layout: ParallelLayout = ParallelLayout(),
+    *,
+    params_dtype: torch.dtype = torch.bfloat16,
+    kernels: Qwen35Kernels | None = None,
+    **overrides: Any,
+) -> Qwen35Config:
+    """The :class:`Qwen35Config` of an HF checkpoint folder (or its ``config.json`` dict).
+
+    ``kernels`` defaults to :meth:`Qwen35Kernels.for_dtype` of ``params_dtype`` on CUDA when CUDA
+    is available, else the CPU kernels.  Other arguments as in :func:`transformer_config`.
+
+    Raises:
+        Qwen35ConfigError: unreadable ``config.json``, or see :func:`arch_from_hf_config` and
+            :func:`check_parallel_layout`.
+    """
+    if isinstance(hf_checkpoint, dict):
+        config, source = hf_checkpoint, "config.json"
+    else:
+        config, source = read_config_json(hf_checkpoint), str(Path(hf_checkpoint) / "config.json")
+    arch = arch_from_hf_config(config, source)
+    if kernels is None:
+        kernels = Qwen35Kernels.for_dtype(params_dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    return Qwen35Config(arch=arch, transformer=transformer_config(arch, layout, params_dtype=params_dtype,
+                                                                  **overrides), kernels=kernels)

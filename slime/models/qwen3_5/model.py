@@ -1,0 +1,254 @@
+"""The native Qwen3.5-MoE vision-language model: megatron-core's decoder with this package's layers.
+
+``Qwen35Model`` (one pipeline stage) composes:
+
+- first stage: megatron-core's ``VocabParallelEmbedding`` and transformers' vision tower
+  (``visual``), whose merged features replace the ``<|image_pad|>`` embeddings;
+- every stage: megatron-core's ``TransformerBlock`` built from :func:`slime.models.qwen3_5.spec.qwen35_block_spec`
+  (its share of the 3:1 Gated DeltaNet / gated-attention layers, each with MoE);
+- last stage: the final zero-centred RMSNorm (inside the block) and the untied LM head, a
+  column-parallel linear whose logits stay split over TP (``[T, 1, Vp / tp]``, for megatron-core's
+  vocab-parallel cross-entropy).  Logit columns of TP vocab padding (``Vp > V``) are set to the
+  dtype's lowest value, so softmax gives them 0.
+
+Inputs are packed THD micro-batches (:class:`Qwen35Inputs`); activations are ``[S, 1, hidden]``
+(``S = T / tp`` under sequence parallelism).  The MRoPE angles are computed once per forward from
+``position_ids`` and handed to the attention layers as ``rotary_pos_emb``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from slime.models.qwen3_5.config import Qwen35Config
+from slime.models.qwen3_5.rope import inv_frequencies, mrope_frequencies
+from slime.models.qwen3_5.vision import build_vision_tower, image_features, scatter_image_features
+
+
+@dataclasses.dataclass
+class Qwen35Document:
+    """One sequence (prompt + response) before packing.
+
+    Attributes:
+        input_ids: ``[L]`` int64 token ids, image placeholders expanded (one per merged token).
+        pixel_values: ``[P_i, C * temporal_patch * patch**2]`` of this sequence's images, or ``None``.
+        image_grid_thw: ``[num_images_i, 3]`` int64 patch grids, or ``None``.
+    """
+
+    input_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Qwen35Inputs:
+    """One packed (THD) micro-batch for :class:`Qwen35Model`.
+
+    Attributes:
+        input_ids: ``[T]`` int64 token ids, documents end to end (``T`` a multiple of TP under SP).
+        position_ids: ``[3, T]`` int64 MRoPE positions (``slime.models.qwen3_5.rope.packed_position_ids``).
+        cu_seqlens: ``[n + 1]`` int32 document boundaries (``cu_seqlens[-1] = T``).
+        max_seqlen: longest document, tokens.
+        pixel_values: ``[P, C * temporal_patch * patch**2]`` of all images in document order, or ``None``.
+        image_grid_thw: ``[num_images, 3]`` int64, or ``None``.
+        image_tokens_per_document: ``n`` merged image-token counts (0 for text-only documents),
+            checked against the placeholders; required with images.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_tokens_per_document: list[int] | None = None
+
+    @classmethod
+    def pack(cls, documents: "list[Qwen35Document]", arch, *, pad_to_multiple_of: int = 1, pad_token_id: int = 0
+             ) -> "Qwen35Inputs":
+        """Pack sequences into one THD micro-batch: ids end to end, MRoPE positions per document.
+
+        Args:
+            documents: the sequences, in order.
+            arch: the model's :class:`~slime.models.qwen3_5.config.Qwen35Arch` (token ids, merge size).
+            pad_to_multiple_of: pad ``T`` (one extra padding document) to a multiple, e.g. TP under SP.
+            pad_token_id: the padding document's token.
+
+        Raises:
+            slime.models.qwen3_5.rope.PositionError: a document's image tokens and grids disagree
+                (naming the document).
+        """
+        from slime.models.qwen3_5.packing import pack_sequences
+        from slime.models.qwen3_5.rope import packed_position_ids
+
+        ids, packing = pack_sequences([d.input_ids for d in documents], pad_to_multiple_of=pad_to_multiple_of,
+                                      pad_value=pad_token_id)
+        grids = [d.image_grid_thw for d in documents]
+        positions = packed_position_ids([d.input_ids for d in documents], grids, image_token_id=arch.image_token_id,
+                                        spatial_merge_size=arch.spatial_merge_size,
+                                        video_token_id=arch.video_token_id, num_padding=packing.num_padding)
+        merge = arch.spatial_merge_size**2
+        counts = [0 if g is None else int(g.prod(-1).sum()) // merge for g in grids] + [0] * (packing.num_padding > 0)
+        pixels = [d.pixel_values for d in documents if d.pixel_values is not None]
+        used = [g for g in grids if g is not None and g.numel()]
+        return cls(
+            input_ids=ids, position_ids=positions, cu_seqlens=packing.cu_seqlens, max_seqlen=packing.max_seqlen,
+            pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(used) if used else None,
+            image_tokens_per_document=counts if pixels else None,
+        )
+
+    def to(self, device) -> "Qwen35Inputs":
+        """The same micro-batch with its tensors on ``device`` (``cu_seqlens`` too)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return dataclasses.replace(self, input_ids=move(self.input_ids), position_ids=move(self.position_ids),
+                                   cu_seqlens=move(self.cu_seqlens), pixel_values=move(self.pixel_values),
+                                   image_grid_thw=move(self.image_grid_thw))
+
+    def packed_seq_params(self):
+        """megatron-core's ``PackedSeqParams`` (THD) of these boundaries."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(torch.int32)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=self.max_seqlen,
+                               max_seqlen_kv=self.max_seqlen)
+
+
+def megatron_without_transformer_engine() -> None:
+    """Let megatron-core 0.16.1's MoE router run without TransformerEngine.
+
+    ``megatron.core.transformer.moe.moe_utils`` imports ``te_general_gemm`` only when TE imports and
+    then tests ``te_general_gemm is not None``; without TE the name is undefined (``NameError`` in the
+    router GEMM).  Defining it as ``None`` selects megatron-core's own torch path.  Idempotent.
+    """
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+class Qwen35Model(_megatron_module()):
+    """One pipeline stage of the native Qwen3.5-MoE model.
+
+    Args:
+        config: :class:`~slime.models.qwen3_5.config.Qwen35Config`.
+        pre_process: this stage holds the embedding (and the vision tower).
+        post_process: this stage holds the final norm and the LM head.
+        vision: build the vision tower on the first stage (needs ``arch.vision_config``).
+        pg_collection: megatron-core process groups (default: the global ones).
+        vp_stage: virtual pipeline stage (megatron-core's interleaved schedule).
+
+    Build large models under ``with torch.device("meta")`` and then
+    :func:`slime.models.qwen3_5.weights.load_hf_checkpoint`, which materialises and fills them.
+    """
+
+    def __init__(self, config: Qwen35Config, *, pre_process: bool = True, post_process: bool = True,
+                 vision: bool = True, pg_collection=None, vp_stage: int | None = None):
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        from slime.models.qwen3_5.spec import qwen35_block_spec
+
+        megatron_without_transformer_engine()
+        tc = config.transformer
+        super().__init__(config=tc)
+        self.qwen_config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        arch = config.arch
+        self.vocab_size, self.padded_vocab_size = arch.vocab_size, config.padded_vocab_size
+        tp_group = getattr(pg_collection, "tp", None) or parallel_state.get_tensor_model_parallel_group()
+        self.tp_rank, self.tp_size = tp_group.rank(), tp_group.size()
+        pp_group = getattr(pg_collection, "pp", None) or parallel_state.get_pipeline_model_parallel_group()
+        self.embedding = self.visual = self.output_layer = None
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(self.padded_vocab_size, arch.hidden_size,
+                                                    init_method=tc.init_method, config=tc, tp_group=tp_group)
+            if vision and arch.vision_config is not None:
+                self.visual = build_vision_tower(arch.vision_config, dtype=tc.params_dtype, device=_build_device(tc))
+        self.decoder = TransformerBlock(
+            tc, qwen35_block_spec(config, pp_rank=pp_group.rank(), vp_stage=vp_stage), pre_process=pre_process,
+            post_process=post_process, pg_collection=pg_collection, vp_stage=vp_stage,
+        )
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                arch.hidden_size, self.padded_vocab_size, config=tc, init_method=tc.init_method, bias=False,
+                gather_output=False, skip_bias_add=False, tp_group=tp_group,
+            )
+        self.register_buffer("inv_freq", torch.empty(arch.rotary_dim // 2, device=_build_device(tc)),
+                             persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the RoPE inverse frequencies (fp32; after ``to_empty`` as well)."""
+        arch = self.qwen_config.arch
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq.copy_(inv_frequencies(arch.rotary_dim, arch.rope_theta, device=self.inv_freq.device))
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """megatron-core's pipeline schedules hand the previous stage's activations in here."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def embed(self, inputs: Qwen35Inputs) -> torch.Tensor:
+        """First stage: ``[S, 1, hidden]`` token embeddings with the image features scattered in."""
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        arch = self.qwen_config.arch
+        embeddings = self.embedding(inputs.input_ids.view(1, -1))[0]  # [T, hidden]
+        if inputs.pixel_values is not None:
+            if self.visual is None:
+                raise ValueError("the micro-batch has pixel_values but the model was built without a vision tower")
+            if inputs.image_tokens_per_document is None:
+                raise ValueError("pixel_values given without image_tokens_per_document")
+            features = image_features(self.visual, inputs.pixel_values, inputs.image_grid_thw)
+            embeddings = scatter_image_features(
+                embeddings, inputs.input_ids, features, image_token_id=arch.image_token_id,
+                cu_seqlens=inputs.cu_seqlens, tokens_per_document=inputs.image_tokens_per_document,
+            )
+        embeddings = embeddings.unsqueeze(1)
+        if self.config.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings)
+        return embeddings
+
+    def forward(self, inputs: Qwen35Inputs) -> torch.Tensor:
+        """Run this stage.
+
+        Returns:
+            Last stage: logits ``[T, 1, Vp / tp]`` (this TP rank's vocabulary columns, in the
+            parameters' dtype).  Other stages: hidden states ``[S, 1, hidden]`` for the next stage.
+
+        Raises:
+            ValueError: ``cu_seqlens`` does not end at ``T``; image placeholders and images disagree
+                (naming the document, see :func:`slime.models.qwen3_5.vision.scatter_image_features`).
+        """
+        total = inputs.input_ids.numel()
+        if int(inputs.cu_seqlens[-1]) != total:
+            raise ValueError(f"cu_seqlens ends at {int(inputs.cu_seqlens[-1])} but input_ids has {total} tokens")
+        arch = self.qwen_config.arch
+        hidden = self.embed(inputs) if self.pre_process else None
+        freqs = mrope_frequencies(inputs.position_ids, self.inv_freq, arch.mrope_section, arch.mrope_interleaved)
+        hidden = self.decoder(hidden, attention_mask=None, rotary_pos_emb=freqs,
+                              packed_seq_params=inputs.packed_seq_params())
+        if not self.post_process:
+            return hidden
+        logits, _ = self.output_layer(hidden)
+        if self.padded_vocab_size > self.vocab_size:
+            per = self.padded_vocab_size // self.tp_size
+            columns = torch.arange(per, device=logits.device) + self.tp_rank * per
+            logits = logits.masked_fill(columns >= self.vocab_size, torch.finfo(logits.dtype).min)
+        return logits
+
+
+def _build_device(tc):
+    from slime.models.qwen3_5.norm import param_device
+
+    return param_device(tc)

@@ -1,0 +1,26 @@
+"""The light side of a rollout engine: its parse-time checks, importable without the engine's packages.
+
+A built-in engine names its config in :data:`slime.rollout.engines.ENGINES`
+(:attr:`slime.utils.registry.Builtin.config`); :func:`slime.utils.arguments.validate` runs the
+selected engine's :meth:`EngineConfig.check` at parse time.  Engines given as a
+``package.module:Class`` import path get this base class, which checks nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slime.rollout.config import RolloutConfig, SGLangConfig
+
+
+class EngineConfig:
+    """Parse-time checks of one engine kind (class methods; never instantiated)."""
+
+    @classmethod
+    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
+        """Refuse flag values this engine cannot honour (instead of silently ignoring them).
+
+        Raises:
+            ConfigError: naming the flags, their values and the fix.
+        """

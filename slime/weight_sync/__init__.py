@@ -1,0 +1,81 @@
+"""Weight sync from the trainer ranks to the rollout engines: one transport per run (see :mod:`.base`).
+
+:func:`make_transport` picks the run's transport once, from what the engine class accepts
+(:attr:`slime.rollout.engines.base.RolloutEngine.weight_transports`, in its order of preference)
+and where the engines sit: on GPUs, a colocated engine prefers CUDA IPC and a disaggregated one
+an NCCL broadcast; on CPU only the object store moves tensors.  Transports are registered lazily
+like the backends and engines (importing this package imports none).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from slime.utils.config import ConfigError
+from slime.utils.registry import Builtin, Registry
+from slime.weight_sync.base import WeightTransport, check_weight_sources
+from slime.weight_sync.config import WeightSyncConfig
+
+WEIGHT_TRANSPORTS: Registry[type[WeightTransport]] = Registry(
+    "weight-sync transport",
+    "RolloutEngine.weight_transports",
+    builtins={"object_store": Builtin(target="slime.weight_sync.object_store:ObjectStoreTransport")},
+)
+"""Transport classes by name; the SGLang engine adds ``cuda_ipc`` and ``nccl`` (see :mod:`.base`)."""
+
+OBJECT_STORE = "object_store"
+CUDA_IPC = "cuda_ipc"
+NCCL = "nccl"
+
+PREFERENCE = {
+    (True, True): (CUDA_IPC, OBJECT_STORE),  # GPU, colocated: the weights never leave the GPU
+    (True, False): (NCCL, OBJECT_STORE),  # GPU, disaggregated: a broadcast over the network
+    (False, True): (OBJECT_STORE,),  # CPU
+    (False, False): (OBJECT_STORE,),
+}
+"""``(use_gpu, colocate)`` -> transports to try, best first."""
+
+
+def choose_transport(supported: Sequence[str], *, use_gpu: bool, colocate: bool) -> str:
+    """The transport of a run: the first of :data:`PREFERENCE` for this placement that the engine supports.
+
+    Args:
+        supported: the engine class's ``weight_transports``.
+        use_gpu: bundles are GPUs.
+        colocate: engines share the trainers' GPUs (``--colocate``).
+
+    Raises:
+        ConfigError: the engine supports none of them (the message lists both sides).
+    """
+    wanted = PREFERENCE[(use_gpu, colocate)]
+    for name in wanted:
+        if name in supported:
+            return name
+    where = ("colocated" if colocate else "disaggregated") + (" GPU" if use_gpu else " CPU")
+    raise ConfigError(
+        f"the rollout engine takes weights by {', '.join(supported) or 'no transport'}, but a {where} run needs "
+        f"one of {', '.join(wanted)}"
+    )
+
+
+def make_transport(
+    supported: Sequence[str], cfg: WeightSyncConfig, *, use_gpu: bool, colocate: bool
+) -> WeightTransport:
+    """Build the run's transport (:func:`choose_transport`) with ``--update-weight-buffer-size``.
+
+    Raises:
+        ConfigError: see :func:`choose_transport`.
+        slime.utils.registry.Unavailable / ImportError: the chosen transport is not in this version.
+    """
+    name = choose_transport(supported, use_gpu=use_gpu, colocate=colocate)
+    return WEIGHT_TRANSPORTS.get(name)(bucket_bytes=cfg.update_weight_buffer_size)
+
+
+__all__ = [
+    "WEIGHT_TRANSPORTS",
+    "WeightSyncConfig",
+    "WeightTransport",
+    "check_weight_sources",
+    "choose_transport",
+    "make_transport",
+]

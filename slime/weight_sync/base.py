@@ -1,0 +1,164 @@
+"""The weight-sync interface: one transport object per run moves the trainers' weights into the engines.
+
+What moves: tensors by **Hugging Face checkpoint name** (``model.language_model.layers.0...``,
+``model.visual.blocks.0...``, ``lm_head.weight``; the vision tower keeps its HF names), in
+buckets of about ``--update-weight-buffer-size`` bytes.
+
+Who sends what (the backend side, :meth:`slime.backends.base.TrainerBackend.iter_weight_buckets`):
+each trainer rank yields the tensors *it* is the source of.  A tensor-parallel shard is gathered
+within its TP group and yielded by one rank of it; pipeline stages and expert-parallel ranks
+each yield their own layers and experts; FSDP spreads its units over all ranks.  The union over
+ranks is the whole model, each name exactly once (:func:`check_weight_sources` checks it after
+every sync).  The iterator is collective and in lockstep: every rank yields the same number of
+buckets (a rank that is not the source of round ``k`` yields ``[]`` there), so a transport may
+run its own collectives between buckets.
+
+How it moves (this module): a :class:`WeightTransport`, chosen once per run from the engine
+class's :attr:`~slime.rollout.engines.base.RolloutEngine.weight_transports` and the placement
+(:func:`slime.weight_sync.choose_transport`).  The driver's one line
+``trainers.update_weights(engines)`` runs, in :class:`slime.ray.trainer_group.TrainerGroup`::
+
+    first call only:  transport.connect(trainers, engines)        # driver; calls connect_rank on every rank
+    every call:       transport.begin_sync(engines)               # driver -> engines
+                      on every rank: transport.send(buckets, rank, engine handles)
+                      check_weight_sources(names sent by each rank)
+                      transport.end_sync(engines)                 # driver -> engines
+
+Built now: :class:`slime.weight_sync.object_store.ObjectStoreTransport` (CPU tensors through Ray's
+object store; every engine, the transformers engine's only path).  The SGLang engine adds two
+transports on the same hooks, declared in its ``weight_transports``:
+
+(a) **CUDA IPC, colocated engines** (SGLang ``/update_weights_from_tensor``).
+    ``tensor_device = None`` (buckets stay on the trainer GPU).  ``connect_rank``: from the
+    engine handles, work out which engine (and which of its TP ranks) shares this rank's GPU, and
+    create a gloo group per engine over the trainer ranks on its GPUs.  ``begin_sync``: every
+    engine ``pause_generation`` then ``flush_cache``.  ``send``, per bucket: the source rank
+    flattens its tensors into one fresh buffer (a new one per bucket: the engine may still be
+    copying the previous one when the call returns) and broadcasts it to the trainer ranks on the
+    target engine's GPUs, each of which takes a CUDA IPC handle of its copy; the handles are
+    gathered to one rank per engine (one entry per engine TP rank, in TP order), which calls
+    ``update_weights_from_tensor(serialized_named_tensors=[...], load_format="flattened_bucket")``;
+    all ranks of the group wait for that call before the buffer is freed.  Lockstep buckets make
+    these per-bucket collectives safe.  ``end_sync``: ``continue_generation``.
+(b) **NCCL broadcast, disaggregated engines** (SGLang ``/init_weights_update_group`` +
+    ``/update_weights_from_distributed``).  ``tensor_device = None``.  ``connect`` (driver, once):
+    for each source rank, a free port on its node and a group name; start every engine's
+    ``init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+    backend="nccl")`` (world = 1 + the engines' GPUs) and, concurrently, ``trainers.connect_ranks``,
+    whose ``connect_rank`` joins the same group from the trainer side; wait for both.  ``begin_sync``:
+    ``pause_generation`` + ``flush_cache``.  ``send``, per non-empty bucket: call every engine's
+    ``update_weights_from_distributed(names, dtypes, shapes, group_name)`` without waiting, then
+    ``torch.distributed.broadcast`` each tensor from rank 0 of that group, then wait for the calls.
+    ``end_sync``: ``continue_generation``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from slime.backends.base import RankInfo
+    from slime.ray.trainer_group import TrainerGroup
+    from slime.rollout.engine_group import RolloutEngineGroup
+
+WeightBucket = list[tuple[str, torch.Tensor]]
+"""``(Hugging Face checkpoint name, tensor)`` pairs; a rank's share of one round (may be empty)."""
+
+
+class WeightTransport(abc.ABC):
+    """How weights travel from the trainer ranks to the engines; one instance per run.
+
+    The driver holds it and calls the driver-side hooks; each trainer rank receives a copy
+    (pickled through Ray by :meth:`connect`) and runs :meth:`connect_rank` once and :meth:`send`
+    at every sync.  State made by :meth:`connect_rank` (a process group) lives in the rank's copy.
+
+    Args:
+        bucket_bytes: target size of one bucket, bytes (``--update-weight-buffer-size``), > 0.
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
+    """
+
+    name: ClassVar[str]
+    """The transport's name in :data:`slime.weight_sync.WEIGHT_TRANSPORTS`."""
+    tensor_device: ClassVar[str | None] = None
+    """Where the backend should put the yielded tensors: ``"cpu"``, or ``None`` for the rank's own device."""
+
+    def __init__(self, bucket_bytes: int):
+        if bucket_bytes <= 0:
+            raise ValueError(f"--update-weight-buffer-size must be > 0 bytes, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+
+    # ------------------------------------------------------------------ once per run
+
+    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+        """Driver side, once per run, before the first sync: set up the transport between the two groups.
+
+        The default hands this transport to every trainer rank (:meth:`connect_rank` there) and waits.
+        """
+        import ray
+
+        ray.get(trainers.connect_ranks(self, engines))
+
+    def connect_rank(self, rank: RankInfo, engines: Sequence[ActorHandle]) -> None:
+        """Trainer side, in each rank's process, once per run (collective over the trainer ranks).
+
+        Args:
+            rank: this rank's place in the trainer world.
+            engines: the engines' Ray actor handles (:class:`slime.rollout.engine_group.EngineActor`), in order.
+        """
+
+    # ------------------------------------------------------------------ every sync
+
+    def begin_sync(self, engines: RolloutEngineGroup) -> None:
+        """Driver side, before the ranks send: prepare the engines (default: nothing)."""
+
+    @abc.abstractmethod
+    def send(self, buckets: Iterable[WeightBucket], rank: RankInfo, engines: Sequence[ActorHandle]) -> list[str]:
+        """Trainer side, on every rank at once: move this rank's buckets into every engine.
+
+        Args:
+            buckets: from :meth:`~slime.backends.base.TrainerBackend.iter_weight_buckets` (lockstep,
+                this rank's tensors only, on :attr:`tensor_device`).  Must be exhausted.
+            rank: this rank's place in the trainer world.
+            engines: the engines' actor handles, as given to :meth:`connect_rank`.
+
+        Returns:
+            The names this rank sent, in order.
+        """
+
+    def end_sync(self, engines: RolloutEngineGroup) -> None:
+        """Driver side, after every rank has sent: default ``flush_cache`` on every engine, so no
+        cached prefix computed with the old weights is reused."""
+        engines.flush_cache()
+
+
+def check_weight_sources(names_by_rank: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Check the backend contract after a sync: every name was sent by exactly one trainer rank.
+
+    Args:
+        names_by_rank: for each trainer rank, the names it sent (:meth:`WeightTransport.send`).
+
+    Returns:
+        ``{name: source rank}`` in sending order (rank 0's names first).
+
+    Raises:
+        RuntimeError: no rank sent anything, or a name came from two ranks (both named).
+    """
+    sources: dict[str, int] = {}
+    for rank, names in enumerate(names_by_rank):
+        for name in names:
+            if name in sources:
+                raise RuntimeError(
+                    f"weight sync: {name!r} was sent by trainer ranks {sources[name]} and {rank}; each tensor "
+                    "must have exactly one source rank (TrainerBackend.iter_weight_buckets)"
+                )
+            sources[name] = rank
+    if not sources:
+        raise RuntimeError("weight sync sent no tensors: no trainer rank yielded a weight (iter_weight_buckets)")
+    return sources

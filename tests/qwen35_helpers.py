@@ -1,0 +1,81 @@
+"""Test-only helpers for the native Qwen3.5 model: a float64 recurrent GDN reference, megatron-core on
+CPU, geo3k prompts, and the native model / HF model pair built from one checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GEO3K = REPO / "examples" / "geo3k_vlm" / "data" / "train.parquet"
+
+
+def recurrent_gated_delta_rule_f64(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
+    """The gated delta rule token by token in float64, state reset at every document (Yang et al. 2025, eq. 10).
+
+    ``q, k [T, H, dk]`` (raw: L2-normalised and scaled here), ``v [T, H, dv]``, ``g, beta [T, H]``,
+    ``cu_seqlens [n + 1]`` -> ``[T, H, dv]`` float64.
+    """
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / q.shape[-1] ** 0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    out = torch.zeros_like(v)
+    bounds = [int(b) for b in cu_seqlens]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        state = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float64, device=q.device)
+        for t in range(start, end):
+            state = state * g[t].exp()[:, None, None]
+            predicted = torch.einsum("hk,hkv->hv", k[t], state)
+            state = state + torch.einsum("hk,hv->hkv", k[t], (v[t] - predicted) * beta[t][:, None])
+            out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+    return out
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """A one-process gloo group with megatron-core's parallel state (TP = PP = EP = 1), on the CPU.
+
+    megatron-core's MoE router moves its weight to ``torch.cuda.current_device()`` on every call;
+    here that device is the CPU for the duration of the block.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+        parallel_state.destroy_model_parallel()
+        if started:
+            dist.destroy_process_group()
+
+
+def geo3k_prompts(processor, rows: list[int]) -> list[dict]:
+    """Processed geo3k prompts (chat template, image) of ``rows`` of the bundled train set.
+
+    Returns dicts with ``input_ids [L]`` int64, ``pixel_values``, ``image_grid_thw``.
+    """
+    import pandas as pd
+
+    from slime.utils.image import decode_image
+
+    frame = pd.read_parquet(GEO3K)
+    prompts = []
+    for row in rows:
+        record = frame.iloc[row]
+        image = decode_image(record["images"][0], row=row, field="images")
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": record["problem"].replace("<image>", "")}]}]
+        )
+        out = processor(text, [image])
+        prompts.append(dict(input_ids=torch.tensor(out.input_ids), pixel_values=out.pixel_values,
+                            image_grid_thw=out.image_grid_thw))
+    return prompts

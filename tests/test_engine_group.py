@@ -1,0 +1,219 @@
+"""Rollout engines on a real local Ray (CPU bundles): placement over all of an engine's bundles,
+start-up health checks, per-request balancing, pause/continue and shutdown.
+
+The engines are the stubs of :mod:`tests.stub_engines`, selected with ``--rollout-backend
+tests.stub_engines:<Class>`` and started the way the driver starts them
+(``RolloutEngineGroup(placement, partial(engine_cls.from_config, cfg))``).  Expected bundles,
+thread counts and schedules are worked out by hand from the flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+from slime.ray.config import ClusterConfig
+from slime.ray.placement import create_placement_groups, init_ray, node_ip
+from slime.rollout.engine_group import EngineError, EngineStartError, RolloutEngineGroup
+from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.train import resolve_components
+from slime.utils.arguments import parse_args
+from tests.process_tree import read_proc, wait_for
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+START_TIMEOUT_S = 300.0
+"""Start-up limit for engines that do start: each is a new Python process importing torch (slow under load)."""
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # 6 logical CPUs: 1 trainer bundle + 4 engine bundles, and one CPU outside the run.
+    started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=4))
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _cfg(tmp_path, engine: str, *cluster: str):
+    return parse_args([
+        "--hf-checkpoint", str(tmp_path), "--prompt-data", str(DATA), "--num-rollout", "1",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+        "--train-backend", "fsdp",
+        "--rollout-backend", f"tests.stub_engines:{engine}", *cluster,
+    ])  # fmt: skip
+
+
+def _start(cfg, timeout_s: float = START_TIMEOUT_S):
+    """(placement, engines) as the driver builds them; the caller removes the placement."""
+    engine_cls = resolve_components(cfg).engine_cls  # through the registry's module:Class path
+    placement = create_placement_groups(cfg.cluster, use_gpu=False)
+    engine_factory = functools.partial(engine_cls.from_config, cfg)
+    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
+    try:
+        engines.wait_until_healthy(timeout_s)
+    except BaseException:
+        placement.remove()
+        raise
+    return placement, engines
+
+
+def _requests(n: int) -> list[GenerateRequest]:
+    params = SamplingParams(max_new_tokens=1)
+    return [GenerateRequest(f"prompt {i}" + "!" * i, [], params, rid=f"r{i}") for i in range(n)]
+
+
+def _records(outputs) -> list[dict]:
+    return [json.loads(out.text) for out in outputs]
+
+
+def test_engine_spans_both_of_its_cpu_bundles(local_ray, tmp_path, monkeypatch):
+    import slime.ray.placement as placement_module
+
+    # 20 cores (as the driver sees them) over 1 trainer bundle + 4 engine bundles: 4 cores per
+    # bundle, so an engine of 2 bundles gets 8 torch threads.
+    monkeypatch.setattr(placement_module.os, "cpu_count", lambda: 20)
+    cfg = _cfg(tmp_path, "EchoEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "4",
+               "--rollout-num-gpus-per-engine", "2")
+    placement, engines = _start(cfg)
+    try:
+        assert placement.engine_bundles == [[0, 1], [2, 3]]
+        records = _records(engines.generate(_requests(4)))
+        by_engine = {r["engine"]: r for r in records}
+        assert sorted(by_engine) == [0, 1]
+        for index, bundles in [(0, [0, 1]), (1, [2, 3])]:
+            assert by_engine[index]["bundles"] == bundles
+            assert by_engine[index]["threads"] == 8
+            assert by_engine[index]["cpus"] == 2.0
+            assert by_engine[index]["node_ips"] == [node_ip()]
+
+        # The engine placement group holds all 4 bundles: none of their CPUs is available outside it,
+        # the actors hold each engine's first bundle, and each second bundle stays reserved and unused.
+        table = placement_group_table(placement.engine_pg)
+        assert table["state"] == "CREATED" and table["bundles"] == {i: {"CPU": 1.0} for i in range(4)}
+        pg_id = placement.engine_pg.id.hex()
+
+        def settled():
+            free = ray.available_resources()
+            return free if free.get(f"CPU_group_0_{pg_id}", 0) == 0 else None
+
+        free = wait_for(settled, timeout_s=30, what="Ray's resource view to show the engine actors")
+        assert free.get("CPU") == 6 - 5  # 5 bundles of this run reserved
+        assert [free.get(f"CPU_group_{b}_{pg_id}", 0) for b in range(4)] == [0, 1.0, 0, 1.0]
+    finally:
+        engines.shutdown()
+        placement.remove()
+
+
+def test_a_slow_engine_serves_fewer_requests_and_outputs_keep_request_order(local_ray, tmp_path):
+    from tests.stub_engines import EchoEngine, SlowSecondEngine
+
+    cfg = _cfg(tmp_path, "SlowSecondEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
+    placement, engines = _start(cfg)
+    try:
+        assert engines.capacities == [EchoEngine.CAPACITY] * 2
+        requests = _requests(16)
+        started = time.monotonic()
+        outputs = engines.generate(requests)
+        elapsed = time.monotonic() - started
+    finally:
+        engines.shutdown()
+        placement.remove()
+    records = _records(outputs)
+    # Every request exactly once, in request order, with the engine's own prompt length.
+    assert [r["rid"] for r in records] == [f"r{i}" for i in range(16)]
+    assert [out.prompt_tokens for out in outputs] == [len(r.text) for r in requests]
+    assert [out.engine_index for out in outputs] == [r["engine"] for r in records]
+    served = [sum(r["engine"] == e for r in records) for e in (0, 1)]
+    # Contiguous halves would give 8 and 8, and the step would last 4 slow calls (4 s).
+    assert served[0] > served[1], served
+    slow_calls = max(r["call"] for r in records if r["engine"] == 1)
+    assert served[1] <= slow_calls * EchoEngine.CAPACITY
+    assert elapsed >= slow_calls * SlowSecondEngine.SLOW_S
+
+
+def test_one_engine_gets_full_batches_in_order_and_pause_reaches_it(local_ray, tmp_path):
+    from tests.stub_engines import EchoEngine
+
+    cfg = _cfg(tmp_path, "EchoEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    placement, engines = _start(cfg)
+    try:
+        records = _records(engines.generate(_requests(5)))
+        # Capacity 2: batches of 2, 2 and 1 requests, one call after the other, in request order.
+        assert [(r["call"], r["rid"]) for r in records] == [(1, "r0"), (1, "r1"), (2, "r2"), (2, "r3"), (3, "r4")]
+        assert EchoEngine.CAPACITY == 2
+
+        engines.pause_generation()
+        with pytest.raises(EngineError, match=r"(?s)rollout engine 0 \(node .*bundles \[0\].*generation is paused"):
+            engines.generate(_requests(1))
+        engines.continue_generation()
+        assert _records(engines.generate(_requests(1)))[0]["call"] == 4  # the refused call did not count
+    finally:
+        engines.shutdown()
+        placement.remove()
+
+
+def test_a_continuous_batching_engine_gets_requests_one_per_call_up_to_its_capacity(local_ray, tmp_path):
+    from tests.stub_engines import ConcurrentEchoEngine
+
+    cfg = _cfg(tmp_path, "ConcurrentEchoEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    placement, engines = _start(cfg)
+    try:
+        records = _records(engines.generate(_requests(8)))
+    finally:
+        engines.shutdown()
+        placement.remove()
+    assert [r["rid"] for r in records] == [f"r{i}" for i in range(8)]
+    # 8 calls of one request each (the stub refuses more), at most capacity = 4 of them at once,
+    # and 4 at once while the queue was full (each call lasts 1 s, far longer than sending the next).
+    assert sorted(r["call"] for r in records) == list(range(1, 9))
+    assert max(r["overlap"] for r in records) == ConcurrentEchoEngine.CAPACITY == 4
+
+
+def test_engine_that_never_turns_healthy_fails_start_up_within_the_timeout(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "NeverHealthyEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
+    timeout_s = 20.0  # both engines' processes start well within it; engine 1 never answers True
+    started = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        _start(cfg, timeout_s=timeout_s)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert message.startswith("1 of 2 rollout engine(s) failed to start")
+    assert "rollout engine 1 (node " in message and "bundles [1]" in message
+    assert "not healthy within --rollout-engine-start-timeout 20 s: health() returned False" in message
+    assert "server: still loading shard 3 of 7" in message  # its log tail
+    assert "engine 0 (" not in message
+    assert timeout_s <= elapsed < timeout_s + 60  # placement and actor start-up count against the slack
+
+
+def test_engine_whose_constructor_raises_is_named_at_once(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "FailingEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
+    started = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        _start(cfg, timeout_s=START_TIMEOUT_S)
+    assert time.monotonic() - started < START_TIMEOUT_S / 2  # it does not wait for the timeout
+    message = str(info.value)
+    assert "rollout engine 1 (node " in message and "bundles [1]" in message
+    assert "OSError" in message and "no server binary at /opt/server (stub)" in message
+
+
+def test_shutdown_stops_what_an_engine_left_running_and_is_idempotent(local_ray, tmp_path, caplog):
+    cfg = _cfg(tmp_path, "LeakyEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    placement, engines = _start(cfg)
+    try:
+        child = read_proc(_records(engines.generate(_requests(1)))[0]["child_pid"])
+        assert child is not None
+        with caplog.at_level(logging.WARNING, logger="slime.rollout.engine_group"):
+            engines.shutdown()
+            engines.shutdown()  # a second call does nothing
+        wait_for(lambda: read_proc(child.pid) is None or read_proc(child.pid).state == "Z", timeout_s=30,
+                 what=f"the engine's child {child.pid} to exit")
+        assert f"left 1 process(es) running after shutdown(); killed: pid {child.pid}" in caplog.text
+    finally:
+        placement.remove()

@@ -1,0 +1,170 @@
+"""Weight sync as one transport per run (:mod:`slime.weight_sync`).
+
+Fast: the transport choice, the one-source-per-tensor check and the FSDP round packing, each
+against values worked out by hand.  Slow (real Ray, CPU): the object-store transport from 2
+FSDP ranks over gloo into a transformers engine, checked against weights this test perturbed
+itself: every checkpoint name arrives once, both ranks are sources, and afterwards the engine
+holds exactly the perturbed weights (before, it held the original ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors import safe_open
+
+from slime.backends.fsdp.hf_io import weight_rounds
+from slime.utils.config import ConfigError
+from slime.weight_sync import check_weight_sources, choose_transport
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing the transport
+
+
+@pytest.mark.parametrize(
+    "supported, use_gpu, colocate, expected",
+    [
+        (("object_store",), False, False, "object_store"),  # the transformers engine on CPU
+        (("object_store",), True, True, "object_store"),  # ... on GPU: no IPC path, the object store
+        (("cuda_ipc", "nccl", "object_store"), True, True, "cuda_ipc"),  # an SGLang-like engine, colocated
+        (("cuda_ipc", "nccl", "object_store"), True, False, "nccl"),  # ... disaggregated
+        (("cuda_ipc", "nccl", "object_store"), False, True, "object_store"),  # CPU: only the object store
+    ],
+)
+def test_transport_follows_the_engine_and_the_placement(supported, use_gpu, colocate, expected):
+    assert choose_transport(supported, use_gpu=use_gpu, colocate=colocate) == expected
+
+
+def test_an_engine_without_a_usable_transport_is_refused():
+    with pytest.raises(ConfigError, match="takes weights by nccl, but a colocated CPU run needs one of object_store"):
+        choose_transport(("nccl",), use_gpu=False, colocate=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# one source per tensor
+
+
+def test_sources_map_each_name_to_its_rank():
+    assert check_weight_sources([["a", "b"], ["c"], []]) == {"a": 0, "b": 0, "c": 1}
+
+
+def test_a_tensor_sent_by_two_ranks_is_refused():
+    with pytest.raises(RuntimeError, match="'lm_head.weight' was sent by trainer ranks 0 and 2"):
+        check_weight_sources([["lm_head.weight"], ["x"], ["lm_head.weight"]])
+
+
+def test_a_sync_that_sends_nothing_is_refused():
+    with pytest.raises(RuntimeError, match="sent no tensors"):
+        check_weight_sources([[], []])
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP rounds
+
+
+@pytest.mark.parametrize(
+    "sizes, limit, rounds",
+    [
+        ([10, 10, 10, 10], 1, [[0], [1], [2], [3]]),  # every group over the target: one round each
+        ([10, 10, 10, 10], 20, [[0, 1], [2, 3]]),  # a round closes once it holds >= 20 bytes
+        ([10, 10, 10, 10], 25, [[0, 1, 2], [3]]),  # 20 < 25, 30 >= 25; the rest is the last round
+        ([30, 5, 5, 40], 10, [[0], [1, 2], [3]]),  # a group larger than the target stays whole
+        ([1, 2, 3], 1 << 30, [[0, 1, 2]]),  # all in one
+    ],
+)
+def test_weight_rounds_pack_whole_groups(sizes, limit, rounds):
+    assert weight_rounds(sizes, limit) == rounds
+
+
+def test_weight_rounds_need_a_positive_size():
+    with pytest.raises(ValueError, match="bucket_bytes must be > 0"):
+        weight_rounds([1], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# object store: 2 FSDP ranks -> 1 transformers engine
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_ckpt, tmp_path_factory):
+    """A ``--load`` checkpoint whose weights are the tiny model's plus known noise; returns (root, the
+    perturbed state dict in the model's in-memory layout, the original one)."""
+    from transformers import AutoModelForImageTextToText
+
+    from slime.utils import checkpoint as ckpt
+
+    root = tmp_path_factory.mktemp("perturbed") / "ckpt"
+    model = AutoModelForImageTextToText.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    original = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(ckpt.model_dir(root, 0))
+    ckpt.trainer_dir(root, 0).mkdir()  # no optimizer state: resumed with --no-load-optim
+    ckpt.mark_latest(root, 0)
+    expected = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    return root, expected, original
+
+
+def _engine_state(engines) -> dict[str, torch.Tensor]:
+    """The engine's state dict, read inside its actor (in-memory names: fused experts)."""
+    return ray.get(
+        engines.actors[0].__ray_call__.remote(
+            lambda actor: {name: t.detach().clone() for name, t in actor.engine.model.state_dict().items()}
+        )
+    )
+
+
+@pytest.mark.slow
+def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
+    from slime.ray.placement import create_placement_groups, init_ray
+    from slime.train import resolve_components, start_workers
+    from slime.utils import checkpoint as ckpt
+    from slime.utils.arguments import parse_args
+
+    root, expected, original = perturbed
+    cfg = parse_args([
+        "--hf-checkpoint", str(tiny_ckpt), "--load", str(root), "--no-load-optim", "--prompt-data", str(DATA_DIR),
+        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "4", "--global-batch-size", "4",
+        "--train-backend", "fsdp", "--rollout-backend", "transformers",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1",
+        "--update-weight-buffer-size", "1",  # every FSDP unit is a bucket of its own: 7, over both ranks
+    ])  # fmt: skip
+    started_ray = init_ray(cfg.cluster)
+    cleanup = contextlib.ExitStack()  # stops the engines and trainers, then frees the bundles
+    try:
+        placement = create_placement_groups(cfg.cluster, use_gpu=False)
+        cleanup.callback(placement.remove)
+        engines, trainers = start_workers(cfg, placement, resolve_components(cfg), cleanup)
+        assert trainers.transport.name == "object_store"
+        assert trainers.init() == 1  # resumed after the checkpoint of rollout 0
+        before = _engine_state(engines)
+        assert all(torch.equal(before[name], original[name]) for name in original)  # the engine has --hf-checkpoint
+
+        sources = trainers.update_weights(engines)
+
+        with safe_open(next(ckpt.model_dir(root, 0).glob("*.safetensors")), "pt") as f:
+            checkpoint_names = set(f.keys())
+        assert set(sources) == checkpoint_names  # every checkpoint name, each from one rank (a dict)
+        assert set(sources.values()) == {0, 1}, "both ranks must be sources"
+        after = _engine_state(engines)
+        assert set(after) == set(expected)
+        for name in expected:
+            torch.testing.assert_close(after[name], expected[name], rtol=0, atol=0, msg=name)
+        assert not torch.equal(after["lm_head.weight"], original["lm_head.weight"])
+
+        assert trainers.update_weights(engines) == sources  # a second sync: the same tensors from the same ranks
+    finally:
+        cleanup.close()
+        if started_ray:
+            ray.shutdown()
