@@ -485,7 +485,7 @@ def test_requested_gpus_must_fit_the_cluster(colocate, available, fits):
         (["--rollout-temperature", "0"], "--rollout-temperature must be > 0, got 0.0"),
         (["--rollout-temperature", "-0.5"], "--rollout-temperature must be > 0, got -0.5"),
         (["--rollout-temperature", "0"], "(greedy evaluation: --eval-temperature 0)"),
-        (["--eval-temperature", "-1"], "--eval-temperature must be > 0, got -1.0; use 0 for greedy decoding"),
+        (["--eval-temperature", "-1"], "--eval-temperature must be >= 0, got -1.0; use 0 for greedy decoding"),
         (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1], got 0.0"),
         (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1], got 1.5"),
         (["--eval-top-p", "0"], "--eval-top-p must be in (0, 1]"),

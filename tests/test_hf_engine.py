@@ -612,8 +612,8 @@ def _resources(index: int, gpu_ids: tuple[str, ...] = ()) -> EngineResources:
 def test_from_config_refuses_more_than_one_gpu(tiny_ckpt):
     from slime.utils.arguments import parse_args
 
-    cfg = parse_args(f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 "
-                     "--rollout-max-response-len 8 --colocate --train-backend fsdp --rollout-backend transformers".split())
+    cfg = parse_args(f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
+                     "--colocate --train-backend fsdp --rollout-backend transformers".split())
     with pytest.raises(ValueError, match="--rollout-num-gpus-per-engine 2: the transformers engine runs on one GPU"):
         TransformersEngine.from_config(cfg, _resources(0, gpu_ids=("0", "1")))
 

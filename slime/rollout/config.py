@@ -26,10 +26,11 @@ def _check_sampling(prefix: str, temperature: float | None, top_p: float | None,
     """
     if temperature is not None and (temperature < 0 or (temperature == 0 and not greedy_ok)):
         if greedy_ok:
-            fix = "use 0 for greedy decoding or > 0 to sample, e.g. 1.0"
+            bound, fix = ">= 0", "use 0 for greedy decoding or > 0 to sample, e.g. 1.0"
         else:
+            bound = "> 0"
             fix = "GRPO needs sampled (not greedy) responses, e.g. 1.0 (greedy evaluation: --eval-temperature 0)"
-        raise ConfigError(f"--{prefix}-temperature must be > 0, got {temperature}; {fix}")
+        raise ConfigError(f"--{prefix}-temperature must be {bound}, got {temperature}; {fix}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ConfigError(f"--{prefix}-top-p must be in (0, 1], got {top_p}; 1.0 disables nucleus sampling")
 
