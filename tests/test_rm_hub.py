@@ -647,7 +647,10 @@ def test_pathological_answers_time_out_to_zero(scorers):
     rewards = scorer.score(responses, ["5", "5", "5"])
     elapsed = time.monotonic() - start
     assert rewards == [0.0, 0.0, 1.0]
-    assert (scorer.stats.responses, scorer.stats.timeouts, scorer.stats.failed) == (3, 2, 2)
+    # Each is cut by the soft limit (SIGALRM in the worker) or, when a loaded machine delays the
+    # alarm past the hard deadline (2 * 0.5 + 1 s), by killing its worker: both are "no result in time".
+    stats = scorer.stats
+    assert (stats.responses, stats.timeouts + stats.killed, stats.errors, stats.worker_deaths) == (3, 2, 0, 0)
     # Soft limit 0.5 s, two workers in parallel; a loaded 2-core machine gets slack.
     assert elapsed < 15.0
 
