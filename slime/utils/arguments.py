@@ -50,7 +50,7 @@ from slime.rollout.rm_hub import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.data import DataConfig
 from slime.utils.metrics import LoggingConfig, WandbConfig
-from slime.utils.ppo_utils import GRPOConfig
+from slime.utils.ppo_utils import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -319,17 +319,18 @@ def _check_batch_sizes(
         )
 
 
-GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo")
-"""Advantage estimators that compare the responses of one prompt (``slime.utils.ppo_utils``)."""
-
-
 def _check_group_size(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
-    """Warn when a group-relative estimator gets groups of one response: every advantage is then 0."""
-    if grpo.advantage_estimator in GROUP_RELATIVE_ESTIMATORS and rollout.n_samples_per_prompt == 1:
+    """Warn when a group-relative estimator (marked in its registry entry, :func:`slime.utils.ppo_utils.group_relative`)
+    gets groups of one response: every advantage is then 0.  An estimator given as an import path is
+    not imported at parse time, so it is not checked here."""
+    name = grpo.advantage_estimator
+    if rollout.n_samples_per_prompt != 1 or name not in ADVANTAGE_ESTIMATORS.names():
+        return
+    if is_group_relative(ADVANTAGE_ESTIMATORS.get(name)):
         logger.warning(
             "--advantage-estimator %s with --n-samples-per-prompt 1: each group has one response, so every "
             "advantage is 0 and the policy-gradient term vanishes; use --n-samples-per-prompt >= 2 (e.g. 8)",
-            grpo.advantage_estimator,
+            name,
         )
 
 
