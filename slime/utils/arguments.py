@@ -7,10 +7,11 @@ explains how); this module only
    the arrays of the upstream launcher scripts (``MODEL_ARGS``, ``ROLLOUT_ARGS``, ...);
 2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
    collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
-3. runs the checks that span several groups (:func:`validate`): the selected training backend's
-   and rollout engine's own checks (their configs, named in the registries: e.g. the FSDP backend
-   refuses the Megatron backend's flags, the transformers engine refuses ``--sglang-*``),
-   MODEL_ARGS against the checkpoint's ``config.json``, batch sizes against the backend's
+3. runs the checks that span several groups (:func:`validate`): MODEL_ARGS against the
+   checkpoint's ``config.json``, the selected training backend's and rollout engine's own checks
+   (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
+   flags, the Megatron backend checks its parallel layout against the model's sizes, the
+   transformers engine refuses ``--sglang-*``), batch sizes against the backend's
    data-parallel size, Gated-DeltaNet batching, and last whether the selected backend and engine
    can run here (a planned one, or one whose packages are missing, is refused with what is and is
    not installed); and warns about flags that do nothing (KL flags without a KL term, GRPO groups
@@ -224,10 +225,11 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     Raises:
         ConfigError: the message names the flags, their values and a fix.
     """
-    backend = cfg.train_backend_config
-    backend.check(train=cfg.train, model=cfg.model, cluster=cfg.cluster, other_flags=_other_backend_flags(cfg))
-    cfg.engine_config.check(cfg.rollout, cfg.sglang)
     check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint)
+    backend = cfg.train_backend_config
+    backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
+                  other_flags=_other_backend_flags(cfg))
+    cfg.engine_config.check(cfg.rollout, cfg.sglang)
     _check_gdn_batching(cfg.model, cfg.checkpoint, cfg.train)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)

@@ -21,7 +21,7 @@ from slime.backends.config import BackendConfig, OtherBackendFlag, refuse_flags
 from slime.utils.config import flag
 
 if TYPE_CHECKING:
-    from slime.backends.config import ModelConfig, TrainConfig
+    from slime.backends.config import CheckpointConfig, ModelConfig, TrainConfig
     from slime.ray.config import ClusterConfig
 
 _SHARDED = "FSDP shards every parameter over all ranks"
@@ -58,6 +58,7 @@ class FSDPConfig(BackendConfig):
         *,
         train: TrainConfig,
         model: ModelConfig,
+        checkpoint: CheckpointConfig,
         cluster: ClusterConfig,
         other_flags: list[OtherBackendFlag],
     ) -> None:
