@@ -222,6 +222,8 @@ def find_module_problem(module: str) -> str | None:
         return None if importlib.util.find_spec(module) is not None else f"no module named {module!r}"
     except (ImportError, ValueError) as e:  # a parent package is missing, or not a package
         return str(e)
+    except Exception as e:  # noqa: BLE001 - a parent package's own code failed on import
+        return f"importing its parent packages raised {type(e).__name__}: {e}"
 
 
 def _installed(requirement: str) -> tuple[bool, str]:
