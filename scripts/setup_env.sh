@@ -160,7 +160,8 @@ if [ "$_slime_torch_install" = 1 ] && [ "$_slime_profile" = cpu ] && [ -z "${SLI
 fi
 
 _slime_stamp="$("$_slime_py" -c 'import sys; print(sys.prefix)')/.slime-setup-stamp"
-_slime_want="$_slime_profile-$(cat "$SLIME_ROOT/pyproject.toml" "$_slime_lock" | cksum | cut -d' ' -f1)-$_slime_extras-${SLIME_WH_FORM:-index}-torch${_slime_torch_have:-none}"
+_slime_want_base="$_slime_profile-$(cat "$SLIME_ROOT/pyproject.toml" "$_slime_lock" | cksum | cut -d' ' -f1)-$_slime_extras-${SLIME_WH_FORM:-index}-torch"
+_slime_want="$_slime_want_base${_slime_torch_have:-none}"
 
 if [ "$_slime_dry_run" = 1 ]; then
   echo "[setup] python: $(command -v "$_slime_py") ($_slime_pyver)"
@@ -226,5 +227,7 @@ for _s in $_slime_nodeps; do
   _slime_pip --no-deps -r "$_slime_reqs"
   rm -f "$_slime_reqs"
 done
+# The stamp records the torch installed now, which the next call finds (and keeps).
+_slime_want="$_slime_want_base$(python -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || echo none)"
 echo "$_slime_want" >"$_slime_stamp" 2>/dev/null || echo "[setup] cannot write $_slime_stamp: the next call checks the pins again" >&2
 echo "[setup] done in $(( $(date +%s) - _slime_t0 )) s: $(python -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "transformers")))')"
