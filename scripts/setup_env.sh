@@ -6,7 +6,11 @@
 #
 # Profiles (exact pins; pyproject.toml has the ranges that admit both):
 #   cpu  requirements/cpu.txt: torch 2.13.0 (CPU build), transformers 5.17.0, Python >= 3.11.
-#        Chosen where nvidia-smi lists no GPU.
+#        Chosen where nvidia-smi lists no GPU. torch is installed first, alone, and only as a CPU
+#        build: the one pip's find-links hold on local disk when they hold one (asked with
+#        --no-index: CI and the project's machines), else the one of SLIME_TORCH_INDEX_URL. pip's
+#        index is not asked which build it serves: PyPI's Linux torch is a CUDA build of several GB,
+#        and finding that out can cost downloading it. Set-up stops rather than install a CUDA torch.
 #   gpu  requirements/gpu.txt: torch 2.11.0, transformers 5.12.1, megatron-core 0.16.1, fla 0.6.0
 #        with tilelang, SGLang 0.5.17 and its kernels, CPython 3.12. Chosen where `nvidia-smi -L`
 #        lists a GPU. An installed torch whose version (without its +cuXXX label) equals the pin
@@ -23,6 +27,9 @@
 #                     it), or any folder of wheels: install from it with no network
 #                     (pip --no-index --find-links), or unpack its packed tree onto PYTHONPATH.
 #   SLIME_SITE_DIR    where a packed wheelhouse is unpacked (default: <repo>/.cache/site).
+#   SLIME_TORCH_INDEX_URL  cpu profile: an index with torch's CPU build, used only when pip's
+#                     find-links hold no CPU build of the pin (default: PyTorch's,
+#                     https://download.pytorch.org/whl/cpu; a mirror of it where that is not reachable).
 #   SLIME_SKIP_SETUP  1: install nothing; use the current python as it is (an offline, prepared
 #                     image: put the repo on PYTHONPATH yourself).
 #
@@ -133,8 +140,28 @@ else
   _slime_torch_install=1
 fi
 
+# cpu profile: which CPU build of torch, from where (pip is asked without installing anything).
+# The exact version found (2.13.0+cpu) is installed, so no other build of the pin can win.
+_slime_torch_src=() _slime_torch_req="torch==$_slime_torch_pin"
+if [ "$_slime_torch_install" = 1 ] && [ "$_slime_profile" = cpu ] && [ -z "${SLIME_WHEELHOUSE:-}" ]; then
+  SLIME_TORCH_INDEX_URL="${SLIME_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+  if _slime_probe=$(_slime_tool torch-build "torch==$_slime_torch_pin" --local-only); then
+    _slime_torch_plan+=" from pip's find-links: $_slime_probe"
+  else
+    _slime_probe_local=$_slime_probe
+    if _slime_probe=$(_slime_tool torch-build "torch==$_slime_torch_pin" -- --index-url "$SLIME_TORCH_INDEX_URL"); then
+      _slime_torch_src=(--extra-index-url "$SLIME_TORCH_INDEX_URL")  # pip's own index still serves torch's dependencies
+      _slime_torch_plan+=" from SLIME_TORCH_INDEX_URL=$SLIME_TORCH_INDEX_URL: $_slime_probe (pip's find-links: $_slime_probe_local)"
+    else
+      _slime_fail "the cpu profile needs a CPU build of torch==$_slime_torch_pin, and none was found: pip's find-links (asked with --no-index): $_slime_probe_local; SLIME_TORCH_INDEX_URL=$SLIME_TORCH_INDEX_URL: $_slime_probe. Point SLIME_TORCH_INDEX_URL at an index with torch's CPU build (PyTorch's is https://download.pytorch.org/whl/cpu), or use SLIME_WHEELHOUSE"
+    fi
+  fi
+  _slime_torch_req="torch==$(echo "$_slime_probe" | cut -d' ' -f2)"
+fi
+
 _slime_stamp="$("$_slime_py" -c 'import sys; print(sys.prefix)')/.slime-setup-stamp"
-_slime_want="$_slime_profile-$(cat "$SLIME_ROOT/pyproject.toml" "$_slime_lock" | cksum | cut -d' ' -f1)-$_slime_extras-${SLIME_WH_FORM:-index}-torch${_slime_torch_have:-none}"
+_slime_want_base="$_slime_profile-$(cat "$SLIME_ROOT/pyproject.toml" "$_slime_lock" | cksum | cut -d' ' -f1)-$_slime_extras-${SLIME_WH_FORM:-index}-torch"
+_slime_want="$_slime_want_base${_slime_torch_have:-none}"
 
 if [ "$_slime_dry_run" = 1 ]; then
   echo "[setup] python: $(command -v "$_slime_py") ($_slime_pyver)"
@@ -176,20 +203,20 @@ _slime_pip() {
 }
 : >"$_slime_log"
 if [ "$_slime_torch_install" = 1 ]; then
-  # torch first, alone: on the CPU machines torch==2.13.0 is a CPU build on local disk. Installing
-  # it before anything else means no later requirement can pull a multi-GB CUDA build. The gpu
-  # profile brings torchvision / torchaudio (what GPU images ship with torch) in the same step.
+  # torch first, alone: the cpu profile's CPU build from where the probe above found it, so that
+  # no later requirement can pull a multi-GB CUDA build (the installed torch then meets the pin).
+  # The gpu profile brings torchvision / torchaudio (what GPU images ship with torch) in the same step.
   if [ -n "$SLIME_WH_SECTIONS" ] && [ "$_slime_profile" = gpu ] && [[ ",$SLIME_WH_SECTIONS," != *,torch,* ]]; then
     _slime_fail "$SLIME_WHEELHOUSE was built with --no-torch, and this python has ${_slime_torch_have:-no torch}: the gpu profile needs torch $_slime_torch_pin (use an image with it, or rebuild the wheelhouse without --no-torch)"
   fi
-  _slime_torch_reqs=("torch==$_slime_torch_pin")
+  _slime_torch_reqs=("$_slime_torch_req")
   if [ "$_slime_profile" = gpu ]; then
     for _p in torchvision torchaudio; do
       _v=$(_slime_tool pin "$_slime_lock" "$_p"); [ -z "$_v" ] || _slime_torch_reqs+=("$_p==$_v")
     done
     _slime_pip -c "$_slime_lock" "${_slime_torch_reqs[@]}"
   else
-    _slime_pip "${_slime_torch_reqs[@]}"
+    _slime_pip -c "$_slime_lock" "${_slime_torch_src[@]}" "${_slime_torch_reqs[@]}"
   fi
 fi
 _slime_pip -c "$_slime_lock" -e "$SLIME_ROOT${_slime_pip_extras:+[$_slime_pip_extras]}"
@@ -200,5 +227,7 @@ for _s in $_slime_nodeps; do
   _slime_pip --no-deps -r "$_slime_reqs"
   rm -f "$_slime_reqs"
 done
+# The stamp records the torch installed now, which the next call finds (and keeps).
+_slime_want="$_slime_want_base$(python -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || echo none)"
 echo "$_slime_want" >"$_slime_stamp" 2>/dev/null || echo "[setup] cannot write $_slime_stamp: the next call checks the pins again" >&2
 echo "[setup] done in $(( $(date +%s) - _slime_t0 )) s: $(python -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "transformers")))')"

@@ -40,12 +40,14 @@ from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
 from slime.rollout.manager import PromptMismatchError, RolloutManager
+from slime.rollout.rm_hub import resolve_reward_function
 from slime.utils import checkpoint as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
 from slime.utils.data import DatasetError, load_table
+from slime.utils.ppo_utils import resolve_advantage_estimator
 from slime.utils.processor import load_processor
 from slime.utils.lifetime import watch_parent
 from slime.utils.run_lock import RunDirError, claim_run_dirs
@@ -64,8 +66,8 @@ def train(cfg: SlimeConfig) -> Path:
     itself keeps running.  Clean-up problems are logged and never replace the original error.
 
     Raises:
-        ConfigError: the ``--rollout-backend`` / ``--train-backend`` cannot be loaded here
-            (checked before anything starts).
+        ConfigError: the ``--rollout-backend``, ``--train-backend``, ``--advantage-estimator`` or
+            reward function cannot be loaded here (checked before anything starts, :func:`resolve_components`).
     """
     components = resolve_components(cfg)
     rollout_manager = prepare(cfg)
@@ -148,24 +150,29 @@ class Components:
 
 
 def resolve_components(cfg: SlimeConfig) -> Components:
-    """Look up (and import) the rollout engine and training backend classes.
+    """Look up (and import) the rollout engine and training backend classes, and check the plug-ins.
 
-    Called before Ray starts, so an engine or backend that is unknown or cannot be imported
-    on this machine (e.g. megatron-core missing) fails at once, not after start-up.
+    Called before Ray starts (by :func:`train`, and by ``--check-only``), so that an engine,
+    backend, ``--advantage-estimator`` or reward function (``--rm-type`` / ``--custom-rm-path``)
+    that is unknown or cannot be imported on this machine (megatron-core missing, a typo in a
+    ``package.module:function`` path) fails at once, not after start-up.  Each goes through its
+    registry (:meth:`slime.utils.registry.Registry.resolve`); the estimator and the reward
+    function are also checked for their signatures.
 
     Raises:
-        ConfigError: naming the flag, the value, the valid names and the import error.
+        ConfigError: naming each bad flag, its value and the import error (all of them in one message).
     """
-    lookups = (("--rollout-backend", cfg.rollout.rollout_backend, ENGINES),
-               ("--train-backend", cfg.train.train_backend, TRAIN_BACKENDS))
     found, problems = [], []
-    for flag, name, registry in lookups:  # check both, so that one run reports every problem
+    for registry, name in ((ENGINES, cfg.rollout.rollout_backend), (TRAIN_BACKENDS, cfg.train.train_backend)):
+        try:  # check all, so that one run reports every problem
+            found.append(registry.resolve(name))
+        except ConfigError as e:
+            problems.append(str(e))
+    for resolve, group in ((resolve_advantage_estimator, cfg.grpo), (resolve_reward_function, cfg.reward)):
         try:
-            found.append(registry.get(name))
-        except KeyError as e:
-            problems.append(f"{flag} {name}: not available in this installation ({e.args[0]})")
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{flag} {name}: cannot be imported here: {e}")
+            resolve(group)
+        except ConfigError as e:
+            problems.append(str(e))
     if problems:
         raise ConfigError("; ".join(problems))
     return Components(*found)

@@ -427,13 +427,61 @@ def test_parallel_sizes_must_fit_the_trainer_gpus(flags, fragments, capsys):
 
 
 def test_expert_layout_that_fits_is_accepted():
-    # 8 GPUs: TP 2 x CP 2 x DP 2 for dense layers, ETP 1 x EP 8 for experts (8 % (1 * 8 * 1) == 0)
+    # 8 GPUs: TP 2 x PP 2 x DP 2 for dense layers, ETP 1 x EP 4 x PP 2 for experts (8 % (1 * 4 * 2) == 0)
     cfg = parse_args(with_flags(
-        "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-        "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1", "--sequence-parallel",
+        "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--sequence-parallel",
         "--rollout-batch-size", "8",
     ))  # fmt: skip
     assert cfg.megatron.expert_tensor_parallel == 1 and cfg.megatron.model_parallel_size == 4
+
+
+def test_context_parallelism_is_refused_by_the_native_model_at_parse_time(capsys):
+    # Megatron's GPU-count rules accept TP 2 x CP 2 on 8 GPUs; the native Qwen3.5 model has no CP yet.
+    err = parse_error(with_flags(
+        "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+        "--rollout-batch-size", "8",
+    ), capsys)  # fmt: skip
+    assert "--context-parallel-size 2: context parallelism is not implemented for the native Qwen3.5 model" in err
+
+
+@pytest.mark.parametrize(
+    "tp, ep, fragment",
+    [
+        # Qwen3.5-35B-A3B: 2 KV heads, 16 Gated DeltaNet key heads, 16 query heads, 256 experts
+        (4, 1, "--tensor-model-parallel-size 4 must divide {kv_heads} 2"),
+        (32, 1, "--tensor-model-parallel-size 32 must divide {gdn_key_heads} 16"),  # Gated DeltaNet: sharded by heads
+        (1, 3, "--expert-model-parallel-size 3 must divide {experts} 256"),
+    ],
+)
+def test_megatron_layout_is_checked_against_the_model_sizes(tmp_path, tp, ep, fragment, capsys):
+    """The native model's rules (heads, GDN key heads, experts), at parse time, on the sizes of MODEL_ARGS
+    before the checkpoint exists, and of its config.json once it does."""
+    from transformers import Qwen3_5MoeConfig
+
+    gpus = str(tp * ep * 2)  # TP * EP divides the GPUs; the model's sizes are what fails
+    layout = ["--actor-num-gpus-per-node", gpus, "--tensor-model-parallel-size", str(tp),
+              "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", "1", "--sequence-parallel",
+              "--rollout-batch-size", "64"]  # fmt: skip
+    err = parse_error(with_flags(*QWEN35_35B_A3B_MODEL_ARGS, *layout), capsys)
+    assert fragment.format(kv_heads="--num-query-groups", gdn_key_heads="--linear-num-key-heads",
+                           experts="--num-experts") in err, err
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(Qwen3_5MoeConfig().to_dict()))  # the 35B-A3B defaults
+    err = parse_error(with_flags(*layout, "--hf-checkpoint", str(ckpt)), capsys)
+    assert fragment.format(kv_heads="num_key_value_heads", gdn_key_heads="linear_num_key_heads",
+                           experts="num_experts") in err, err
+    assert f"of --hf-checkpoint {ckpt}/config.json" in err
+
+
+def test_a_layout_the_model_can_shard_is_accepted_with_its_config():
+    from transformers import Qwen3_5MoeConfig
+
+    cfg = parse_args(with_flags(*QWEN35_35B_A3B_MODEL_ARGS, "--actor-num-gpus-per-node", "8",
+                                "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "8",
+                                "--expert-tensor-parallel-size", "1", "--sequence-parallel", "--rollout-batch-size", "8"))
+    assert Qwen3_5MoeConfig().text_config.num_key_value_heads % cfg.megatron.tensor_model_parallel_size == 0
 
 
 @pytest.mark.parametrize(
@@ -491,7 +539,7 @@ def test_requested_gpus_must_fit_the_cluster(colocate, available, fits):
         (["--eval-top-p", "0"], "--eval-top-p must be in (0, 1]"),
         (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or >= 1"),
         (["--rollout-engine-start-timeout", "0"], "--rollout-engine-start-timeout must be > 0 seconds, got 0.0"),
-        (["--rollout-engine-start-timeout", "nan"], "--rollout-engine-start-timeout must be > 0 seconds, got nan"),
+        (["--rollout-engine-start-timeout", "nan"], "--rollout-engine-start-timeout must be a finite number, got nan"),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1, got 0"),
         (["--num-epoch", "1"], "--num-rollout 2 and --num-epoch 1 both given"),
         (["--eval-interval", "5"], "--eval-interval 5 needs datasets to evaluate: add --eval-prompt-data"),
@@ -552,6 +600,19 @@ def test_kl_flags(caplog):
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "--use-kl-loss with --kl-loss-coef 0 adds no KL term" in messages
     assert "--ref-load ref/ is unused" in messages
+
+
+def test_only_group_relative_estimators_warn_about_groups_of_one(monkeypatch, caplog):
+    """The warning follows the mark on the estimator's registry entry, not a list of names."""
+    from slime.utils.ppo_utils import ADVANTAGE_ESTIMATORS, group_relative
+
+    monkeypatch.setitem(ADVANTAGE_ESTIMATORS._entries, "per_sample", lambda rewards, group_size, cfg: rewards)
+    monkeypatch.setitem(ADVANTAGE_ESTIMATORS._entries, "ranked", group_relative(lambda rewards, group_size, cfg: rewards))
+    for name, warns in (("per_sample", False), ("ranked", True), ("dr_grpo", True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+            parse_args(with_flags("--n-samples-per-prompt", "1", "--advantage-estimator", name))
+        assert ("every advantage is 0" in caplog.text) is warns, name
 
 
 def test_grpo_groups_of_one_response_warn(caplog):
@@ -773,8 +834,28 @@ def test_fsdp_data_parallel_size_is_every_trainer_gpu(capsys):
     assert parse_args(with_flags(*flags, "--global-batch-size", "8")).train.global_batch_size == 8
 
 
+@pytest.mark.parametrize("flag", ["--rollout-temperature", "--eval-temperature", "--eps-clip", "--eps-clip-high",
+                                  "--lr", "--rm-tolerance", "--clip-grad", "--norm-epsilon", "--kl-coef"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_floats_are_refused_for_every_float_flag(flag, value, capsys):
+    """float() accepts these spellings, and every range check (x > 0, 0 <= x < 1) lets NaN through."""
+    err = parse_error(with_flags(f"{flag}={value}"), capsys)  # --x=-inf: argparse reads a bare -inf as a flag
+    assert f"{flag} must be a finite number, got {float(value)}" in err
+
+
+def test_non_finite_floats_inside_lists_are_refused():
+    from slime.utils.config import check_finite
+
+    check_finite("--x", [0.5, 1e300, 7])  # large but finite, and ints, pass
+    with pytest.raises(ConfigError, match="--x must be a finite number, got inf"):
+        check_finite("--x", [0.5, float("inf")])
+
+
 def test_weight_sync_bucket_size_is_a_byte_count(capsys):
-    assert parse_args(BASE).weight_sync.update_weight_buffer_size == 512 * 1024**2  # upstream's default
+    from slime.weight_sync.config import DEFAULT_BUCKET_BYTES
+
+    assert parse_args(BASE).weight_sync.update_weight_buffer_size is None  # the transport's default, below
+    assert DEFAULT_BUCKET_BYTES == 512 * 1024**2  # upstream's default
     cfg = parse_args(with_flags("--update-weight-buffer-size", "1048576"))
     assert cfg.weight_sync.update_weight_buffer_size == 1 << 20
     err = parse_error(with_flags("--update-weight-buffer-size", "0"), capsys)
@@ -862,6 +943,7 @@ def test_real_help_shows_defaults(monkeypatch):
     assert lines["--apply-chat-template-kwargs"].endswith("(default: {})")
     assert "math (default)" in lines["--rm-type"] and "(default: math)" not in lines["--rm-type"]
     assert "(default" not in lines["--num-layers"]  # None: taken from the checkpoint
+    assert f"Default: 512 MiB ({512 * 2**20} bytes" in lines["--update-weight-buffer-size"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,6 +83,40 @@ def test_check_only_validates_and_exits_without_reading_the_checkpoint(tmp_path,
     assert list(tmp_path.iterdir()) == []  # nothing read or written
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--advantage-estimator", "nope_xyz.mod:fn"],
+         "--advantage-estimator nope_xyz.mod:fn: cannot be imported here: ModuleNotFoundError: No module named 'nope_xyz'"),
+        (["--advantage-estimator", "json:dumps"], "--advantage-estimator 'json:dumps' has the signature"),
+        (["--custom-rm-path", "nope_xyz.rewards:score"], "--custom-rm-path 'nope_xyz.rewards:score' cannot be imported"),
+        (["--rm-type", "slime.rollout.rm_hub:no_such_reward"],
+         "--rm-type 'slime.rollout.rm_hub:no_such_reward' cannot be imported"),
+    ],
+)  # fmt: skip
+def test_check_only_imports_the_estimator_and_the_reward_function(tmp_path, flags, message):
+    """Parsing checks only the form of these import paths; --check-only (and a run, before Ray) imports
+    them, so a typo stops here with the flag named instead of after the engines have started."""
+    argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp",
+            "--rollout-backend", "transformers", "--check-only", *flags]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert isinstance(info.value.code, str) and info.value.code.startswith("slime: error: ")
+    assert message in info.value.code, info.value.code
+
+
+def test_check_only_accepts_an_importable_estimator_path(tmp_path, capsys):
+    argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--rollout-backend",
+            "transformers", "--check-only", "--advantage-estimator", "slime.utils.ppo_utils:dr_grpo",
+            "--rm-type", "slime.rollout.rm_hub:geo3k_reward"]  # fmt: skip
+    main(argv)
+    assert capsys.readouterr().out.startswith("slime: flags OK")
+
+
 def _group(global_batch_size, dp_ranks, dp_size):
     group = TrainerGroup.__new__(TrainerGroup)  # no actors: only the split is exercised
     group.global_batch_size, group.dp_ranks, group.dp_size = global_batch_size, dp_ranks, dp_size

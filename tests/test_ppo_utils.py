@@ -25,7 +25,9 @@ from slime.utils.ppo_utils import (
     get_advantage_estimator,
     grpo_loss,
     grpo_micro_batch_loss,
+    is_group_relative,
     per_token_advantages,
+    resolve_advantage_estimator,
 )
 
 EPS = 1e-6
@@ -255,6 +257,34 @@ def test_registry_errors():
         get_advantage_estimator("ppo")
     with pytest.raises(ConfigError, match="--advantage-estimator 'ppo'.*dr_grpo, grpo"):
         GRPOConfig(advantage_estimator="ppo")
+
+
+def test_builtin_estimators_are_marked_group_relative():
+    assert is_group_relative(get_advantage_estimator("grpo")) and is_group_relative(get_advantage_estimator("dr_grpo"))
+    assert not is_group_relative(lambda rewards, group_size, cfg: rewards)
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("nope_xyz.mod:fn", "--advantage-estimator nope_xyz.mod:fn: cannot be imported here: ModuleNotFoundError"),
+        ("slime.utils.ppo_utils:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("slime.utils.ppo_utils:KL_TYPES", "--advantage-estimator 'slime.utils.ppo_utils:KL_TYPES' is a tuple"),
+        ("math:sqrt", "an advantage estimator must accept (rewards: Tensor, group_size: int, cfg: GRPOConfig)"),
+    ],
+)
+def test_resolving_an_estimator_path_names_the_flag(path, message):
+    cfg = GRPOConfig(advantage_estimator=path)  # only the form is checked here
+    with pytest.raises(ConfigError) as info:
+        resolve_advantage_estimator(cfg)
+    assert message in str(info.value)
+
+
+def test_resolving_an_estimator_path_returns_it():
+    from slime.utils.ppo_utils import dr_grpo
+
+    assert resolve_advantage_estimator(GRPOConfig(advantage_estimator="slime.utils.ppo_utils:dr_grpo")) is dr_grpo
+    assert resolve_advantage_estimator(GRPOConfig()) is get_advantage_estimator("grpo")
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,36 @@ def test_unshardable_layouts_name_the_flag(layout, match):
         check_parallel_layout(arch_from_hf_config(Qwen3_5MoeConfig().to_dict()), layout)
 
 
+def test_partly_known_sizes_check_only_their_rules():
+    """The parse-time form: sizes that MODEL_ARGS or a config.json leave out skip their rules; the
+    ones given are checked by the same rules as the model build's."""
+    from transformers import Qwen3_5MoeConfig
+
+    from slime.models.qwen3_5.config import ShardedSizes
+
+    tp8 = ParallelLayout(tensor_model_parallel_size=8)
+    check_parallel_layout(ShardedSizes(), tp8)  # nothing known: only layout rules (CP) apply
+    check_parallel_layout(ShardedSizes(num_attention_heads=16), tp8)
+    with pytest.raises(Qwen35ConfigError, match=r"^--tensor-model-parallel-size 8 must divide --num-query-groups 2 \(replicating"):
+        check_parallel_layout(ShardedSizes(num_query_groups=2, names={"num_query_groups": "--num-query-groups"}), tp8)
+    with pytest.raises(Qwen35ConfigError, match="exceeds num_hidden_layers 40 of c/config.json"):
+        check_parallel_layout(ShardedSizes(num_layers=40, source="c/config.json"),
+                              ParallelLayout(pipeline_model_parallel_size=41))
+    with pytest.raises(Qwen35ConfigError, match="--context-parallel-size 2"):
+        check_parallel_layout(ShardedSizes(), ParallelLayout(context_parallel_size=2))
+
+    # a config.json: the same sizes as the arch (35B-A3B: 2 KV heads, 16 GDN key heads, 256 experts);
+    # a field it lacks (or of another type) is unknown, not an error
+    config = Qwen3_5MoeConfig().to_dict()
+    sizes = ShardedSizes.from_hf_config(config, "c/config.json")
+    assert sizes == arch_from_hf_config(config).sharded_sizes("c/config.json")
+    assert (sizes.num_query_groups, sizes.linear_num_key_heads, sizes.num_experts) == (2, 16, 256)
+    del config["text_config"]["num_key_value_heads"]
+    config["text_config"]["num_experts"] = "256"
+    partial = ShardedSizes.from_hf_config(config)
+    assert partial.num_query_groups is None and partial.num_experts is None and partial.num_attention_heads == 16
+
+
 def test_unsupported_checkpoint_fields_are_named(tiny_ckpt):
     config = json.loads((tiny_ckpt / "config.json").read_text())
     config["text_config"]["hidden_act"] = "gelu"

@@ -30,11 +30,12 @@ BASE = (
 ).split()
 
 
-def _status(dist: str) -> str:
+def _status(dist: str, pin: str) -> str:
     try:
-        return f"installed: {importlib.metadata.version(dist)}"
+        version = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+    return f"installed: {version}" if version.split("+")[0] == pin else f"installed {version}, needs =={pin}"
 
 
 def test_planned_backend_and_engine_stop_at_parse_time_naming_their_packages(capsys):
@@ -45,7 +46,7 @@ def test_planned_backend_and_engine_stop_at_parse_time_naming_their_packages(cap
     assert "--rollout-backend sglang is not in this version yet" in err
     assert "--train-backend megatron is not in this version yet" in err
     for dist, pin in (("megatron-core", "0.16.1"), ("flash-linear-attention", "0.6.0"), ("sglang", "0.5.17")):
-        assert f"{dist} {pin} ({_status(dist)})" in err
+        assert f"{dist} {pin} ({_status(dist, pin)})" in err
     assert "use --train-backend fsdp meanwhile" in err and "use --rollout-backend transformers meanwhile" in err
 
 
@@ -88,11 +89,80 @@ def test_missing_package_is_named_with_what_is_installed():
         registry.get("fast")
 
 
+def test_a_pinned_package_at_another_version_is_refused():
+    """Presence is not enough: the pin is compared with the installed version (without its local label)."""
+    torch_public = torch.__version__.split("+")[0]
+    major, minor, *_ = torch_public.split(".")
+    other = f"{major}.{int(minor) + 1}.0"
+    registry = Registry("codec", "--codec", builtins={
+        "same": Builtin(target="json:dumps", requires=(f"torch=={torch_public}",)),  # 2.13.0 meets 2.13.0+cpu
+        "newer": Builtin(target="json:dumps", requires=(f"torch=={other}",)),
+    })  # fmt: skip
+    assert registry.problem("same") is None and registry.get("same") is json.dumps
+    assert registry.problem("newer") == (
+        f"--codec newer cannot run here: it needs torch {other} (installed {torch.__version__}, needs =={other})"
+    )
+    with pytest.raises(Unavailable, match=f"needs =={other}"):
+        registry.get("newer")
+
+
 def test_import_paths_are_checked_without_importing():
     registry = Registry("codec", "--codec")
     assert registry.problem("json:dumps") is None
     assert "no module named 'no_such_module_xyz'" in registry.problem("no_such_module_xyz:f")
     assert "cannot be imported here" in registry.problem("no_such_pkg_xyz.mod:f")
+    assert "'json.decoder' is not a package" in registry.problem("json.decoder.x:f")
+
+
+def test_finding_a_module_runs_no_package_code(tmp_path):
+    """A module two packages deep is found with neither package's __init__ (nor the module) run; for a
+    missing one the import system has the last word, which imports the parents: their failure is
+    reported, not raised."""
+    from slime.utils.registry import find_module_problem
+
+    pkg = tmp_path / "probe_pkg_xyz" / "sub"
+    pkg.mkdir(parents=True)
+    for folder in (pkg.parent, pkg):
+        (folder / "__init__.py").write_text("raise RuntimeError('package code ran')\n")
+    (pkg / "mod.py").write_text("raise RuntimeError('module code ran')\n")
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from slime.utils.registry import find_module_problem\n"
+        "assert find_module_problem('probe_pkg_xyz.sub.mod') is None\n"
+        "assert find_module_problem('probe_pkg_xyz.sub') is None\n"
+        "assert not [m for m in sys.modules if m.startswith('probe_pkg_xyz')]\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
+    # a typo in the last part: find_spec imports the parents, whose __init__ raises here
+    sys.path.insert(0, str(tmp_path))
+    try:
+        why = find_module_problem("probe_pkg_xyz.sub.nope")
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.startswith("probe_pkg_xyz")]:
+            del sys.modules[name]
+    assert why == "importing its parent packages raised RuntimeError: package code ran"
+
+
+def test_resolve_names_the_flag_for_every_failure():
+    from slime.utils.config import ConfigError
+
+    registry = Registry("codec", "--codec", builtins={"planned": Builtin(target=None, planned="next release")})
+    assert registry.resolve("json:dumps") is json.dumps
+    cases = {
+        "planned": "--codec planned is not in this version yet (next release)",
+        "json:no_such_attr": "--codec json:no_such_attr: cannot be imported here: AttributeError: 'json' has no attribute",
+        "nope_xyz.mod:fn": "--codec nope_xyz.mod:fn: cannot be imported here: ModuleNotFoundError: No module named 'nope_xyz'",
+        "yaml": "--codec yaml: not available in this installation (unknown codec 'yaml' for --codec; valid: planned",
+    }
+    for name, message in cases.items():
+        with pytest.raises(ConfigError) as info:
+            registry.resolve(name)
+        assert str(info.value).startswith(message), (name, str(info.value))
+    with pytest.raises(ConfigError, match="^--custom-flag nope_xyz:fn: cannot be imported"):
+        registry.resolve("nope_xyz:fn", flag="--custom-flag")
 
 
 def test_importing_the_registries_imports_no_implementation():

@@ -1,10 +1,13 @@
 """scripts/setup_env.sh, the two profiles (requirements/cpu.txt, gpu.txt) and the offline wheelhouse.
 
 Offline tests: profile selection (forced, and by a fake `nvidia-smi` on PATH), the lock files
-against pyproject.toml, the requirement checker on hand-made metadata, and a wheelhouse of tiny
-hand-made wheels that scripts/offline_bundle.sh builds and set-up installs from with no index
-into a fresh venv. One test needs a package index (marked `network`, skipped without one): the
-GPU profile resolves for CPython 3.12 on manylinux x86-64, from wheel metadata only.
+against pyproject.toml, `profile_lock.py check --offline` on both locks (a missing pin is found
+with no index), the requirement checker on hand-made metadata, where the CPU profile takes its
+torch from (local files, else a CPU index, never a CUDA build: fake indexes of tiny hand-made
+torch wheels), and a wheelhouse of tiny hand-made wheels that scripts/offline_bundle.sh builds and
+set-up installs from with no index into a fresh venv. One test needs a package index (marked
+`network`, skipped without one): the GPU profile resolves for CPython 3.12 on manylinux x86-64,
+from wheel metadata only.
 """
 
 from __future__ import annotations
@@ -183,6 +186,41 @@ def test_platform_tags_cover_older_glibc():
     assert profile_lock.platform_tags("macosx_11_0_arm64") == ["macosx_11_0_arm64"]
 
 
+def check_offline(lock: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "tools" / "profile_lock.py"), "check", str(lock),
+                           "--offline", "--pyproject", str(ROOT / "pyproject.toml")],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_lock_check_offline_passes(profile):
+    """`check --offline` asks no index: slime's requirements against the pins, and the declared
+    requirements of every pin installed here at its pinned version against the pins."""
+    proc = check_offline(ROOT / "requirements" / f"{profile}.txt")
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "offline (installed metadata): OK" in summary, summary
+    import importlib.metadata
+
+    if profile == "cpu" and profile_lock.public_version(importlib.metadata.version("torch")) == "2.13.0":
+        assert "unchecked" not in summary, summary  # this venv is the CPU profile: every pin was checked
+
+
+def test_lock_check_offline_finds_a_missing_pin(tmp_path):
+    """A pin dropped from each lock is found with no index: idna (httpx and requests require it,
+    read from their installed metadata) from the CPU lock, math-verify (slime's own requirement)
+    from the GPU lock."""
+    for profile, dropped, expected in [("cpu", "idna==", "httpx needs idna, the lock has missing"),
+                                       ("gpu", "math-verify==", "slime[test] needs math-verify==0.9.0 but the lock has nothing")]:
+        text = (ROOT / "requirements" / f"{profile}.txt").read_text()
+        assert f"\n{dropped}" in text
+        lock = tmp_path / f"{profile}.txt"
+        lock.write_text("".join(line for line in text.splitlines(keepends=True) if not line.startswith(dropped)))
+        proc = check_offline(lock)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert expected in proc.stdout, proc.stdout
+
+
 @pytest.mark.network
 def test_gpu_profile_resolves_for_cp312_manylinux(tmp_path):
     """pip's resolver accepts the GPU lock (torch + base + megatron) for CPython 3.12 on manylinux
@@ -224,6 +262,93 @@ def make_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] 
             zf.writestr(p, d)
         zf.writestr(f"{dist}/RECORD", record)
     return path
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU profile's torch: a CPU build, from local files or a CPU index, never a CUDA build
+
+
+CUDA_RUNTIME = "nvidia-cublas==13.1.0.3; platform_system == 'Linux'"  # as PyPI's Linux torch declares it
+
+
+@pytest.mark.parametrize("version, requires, system, kind, why", [
+    ("2.13.0+cpu", ["filelock", "sympy>=1.13.3"], "Linux", "cpu", "torch 2.13.0+cpu is a CPU build"),
+    ("2.13.0", ["filelock", CUDA_RUNTIME], "Linux", "gpu", "is a GPU build: it requires nvidia-cublas here"),
+    ("2.13.0", ["filelock", CUDA_RUNTIME], "Darwin", "cpu", "is a CPU build"),  # PyPI's macOS wheel
+    ("2.11.0+cu130", [], "Linux", "gpu", "is a +cu130 build"),
+    ("2.9.0+rocm6.4", ["pytorch-triton-rocm==3.5.0"], "Linux", "gpu", "is a +rocm6.4 build"),
+])  # fmt: skip
+def test_torch_build_kind(version, requires, system, kind, why):
+    env = dict(profile_lock.target_environment("3.11"), platform_system=system)
+    got, text = profile_lock.torch_build_kind({"version": version, "requires_dist": requires}, env)
+    assert got == kind and why in text, text
+
+
+def simple_index(root: Path, *wheels: Path) -> str:
+    """A PEP 503 index on disk serving `wheels`; returns its file:// URL."""
+    for wheel in wheels:
+        project = root / "simple" / profile_lock.normalize(wheel.name.split("-")[0])
+        project.mkdir(parents=True, exist_ok=True)
+        links = "".join(f'<a href="{w.as_uri()}">{w.name}</a>\n' for w in wheels if w.name.split("-")[0] == wheel.name.split("-")[0])
+        (project / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
+    return (root / "simple").as_uri()
+
+
+@pytest.fixture(scope="module")
+def torch_sources(tmp_path_factory) -> dict[str, Path | str]:
+    """Tiny stand-ins for torch 2.13.0: a CUDA build as PyPI's Linux one (no label, requires a CUDA
+    library no index has), and the CPU build (+cpu) as local files and as a CPU index."""
+    root = tmp_path_factory.mktemp("torch-sources")
+    cuda = make_wheel(root / "cuda-files", "torch", "2.13.0", ("nvidia-cublas==13.1.0.3",))
+    cpu = make_wheel(root / "cpu-files", "torch", "2.13.0+cpu")
+    return {"cuda_files": cuda.parent, "cpu_files": cpu.parent, "cuda_index": simple_index(root / "cuda-index", cuda),
+            "cpu_index": simple_index(root / "cpu-index", cpu)}
+
+
+@pytest.fixture(scope="module")
+def python_without_torch(tmp_path_factory) -> Path:
+    """The bin folder of a fresh venv (with pip, without torch): set-up has to install torch there."""
+    return fresh_venv(tmp_path_factory.mktemp("no-torch") / "venv", torch_version=None) / "bin"
+
+
+def cpu_dry_run(bin_dir: Path, **extra: str) -> subprocess.CompletedProcess:
+    env = clean_env(SLIME_VENV="none", SLIME_PROFILE="cpu", **extra)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    return dry_run(env)
+
+
+def test_cpu_profile_takes_torch_from_local_files_first(torch_sources, python_without_torch):
+    """As on CI and the project's machines: the CPU wheel on local disk (pip's find-links), while
+    pip's index serves a CUDA build; SLIME_TORCH_INDEX_URL (here unreachable) is never asked."""
+    proc = cpu_dry_run(python_without_torch, PIP_FIND_LINKS=str(torch_sources["cpu_files"]),
+                       PIP_INDEX_URL=torch_sources["cuda_index"], SLIME_TORCH_INDEX_URL="https://unreachable.invalid/cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wheel = (torch_sources["cpu_files"] / "torch-2.13.0+cpu-py3-none-any.whl").as_uri()
+    assert f"[setup] torch: install torch==2.13.0 from pip's find-links: cpu 2.13.0+cpu {wheel}" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("find_links", [None, "cuda_files"])
+def test_cpu_profile_takes_torch_from_the_cpu_index_otherwise(torch_sources, python_without_torch, find_links):
+    """A Linux laptop: pip's index (PyPI) has only the CUDA build and no local file holds a CPU one
+    (none, or a CUDA wheel): the CPU build comes from SLIME_TORCH_INDEX_URL."""
+    extra = {"PIP_FIND_LINKS": str(torch_sources[find_links])} if find_links else {}
+    proc = cpu_dry_run(python_without_torch, PIP_INDEX_URL=torch_sources["cuda_index"],
+                       SLIME_TORCH_INDEX_URL=torch_sources["cpu_index"], **extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plan = next(line for line in proc.stdout.splitlines() if line.startswith("[setup] torch:"))
+    assert plan.startswith(f"[setup] torch: install torch==2.13.0 from SLIME_TORCH_INDEX_URL={torch_sources['cpu_index']}: "
+                           "cpu 2.13.0+cpu"), plan
+    local = "gpu 2.13.0" if find_links else "none: pip finds no torch==2.13.0"
+    assert f"(pip's find-links: {local}" in plan, plan
+
+
+def test_cpu_profile_never_installs_a_cuda_torch(torch_sources, python_without_torch):
+    """An index that serves only a CUDA build as SLIME_TORCH_INDEX_URL: set-up stops and says why."""
+    proc = cpu_dry_run(python_without_torch, PIP_INDEX_URL=torch_sources["cuda_index"],
+                       SLIME_TORCH_INDEX_URL=torch_sources["cuda_index"])
+    assert proc.returncode == 1
+    assert "the cpu profile needs a CPU build of torch==2.13.0, and none was found" in proc.stderr, proc.stderr
+    assert "torch 2.13.0 is a GPU build: it requires nvidia-cublas here" in proc.stderr, proc.stderr
 
 
 STUB_BACKEND = '''"""In-tree PEP 517/660 backend of the stub project: an editable wheel that puts the project on sys.path."""
@@ -403,3 +528,20 @@ def test_mismatched_torch_is_replaced_from_the_wheelhouse_or_refused(stub_repo, 
     proc = setup(stub_repo, venv, tmp_path / "wh", SLIME_EXTRAS="test,sglang")
     assert proc.returncode == 1
     assert "needs the sglang section" in proc.stderr and "--extras test,sglang" in proc.stderr
+
+
+def test_cpu_profile_installs_the_cpu_torch_from_the_cpu_index(stub_repo, torch_sources, tmp_path):
+    """The laptop path for real, into a new venv: torch 2.13.0+cpu from SLIME_TORCH_INDEX_URL while
+    pip's index serves the CUDA build (whose CUDA library no index has: pulling it would fail), then
+    slime's dependencies at the lock's versions; a second call installs nothing."""
+    venv = tmp_path / "venv"
+    env = clean_env(SLIME_PROFILE="cpu", SLIME_VENV=str(venv), PIP_INDEX_URL=torch_sources["cuda_index"],
+                    PIP_FIND_LINKS=str(stub_repo.parent / "index"), SLIME_TORCH_INDEX_URL=torch_sources["cpu_index"])
+    for _ in range(2):
+        proc = subprocess.run(["bash", str(stub_repo / "scripts" / "setup_env.sh")], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr + (stub_repo / ".setup.log").read_text()
+    assert "[setup] installing" not in proc.stdout, proc.stdout  # the second call
+    have = installed(venv)
+    assert have["torch"] == "2.13.0+cpu"
+    assert (have["slimedep_a"], have["slimedep_b"]) == ("1.0", "2.0") and "nvidia-cublas" not in have

@@ -1,16 +1,17 @@
 """Weight sync as one transport per run (:mod:`slime.weight_sync`).
 
-Fast: the transport choice, the one-source-per-tensor check and the FSDP round packing, each
-against values worked out by hand.  Slow (real Ray, CPU): the object-store transport from 2
-FSDP ranks over gloo into a transformers engine, checked against weights this test perturbed
-itself: every checkpoint name arrives once, both ranks are sources, and afterwards the engine
+Fast: the transport choice, the one-source-per-tensor check, the FSDP round packing and the
+object store's bucket limit, each against values worked out by hand.  Slow (real Ray, CPU): the
+object-store transport from 2 FSDP ranks over gloo into a transformers engine, checked against
+weights this test perturbed itself: every checkpoint name arrives once, both ranks are sources, and afterwards the engine
 holds exactly the perturbed weights (before, it held the original ones).
 """
 
 from __future__ import annotations
 
 import contextlib
-
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,48 @@ def test_weight_rounds_need_a_positive_size():
 
 
 # ---------------------------------------------------------------------------------------------
+# object store: the bucket fits the store, counting every rank that may hold one at once
+
+
+def test_bucket_limit_shares_half_the_store_over_the_ranks():
+    from slime.weight_sync.object_store import bucket_limit
+
+    assert bucket_limit(1 << 30, 1) == 512 << 20  # 1 GiB store, one rank: half of it
+    assert bucket_limit(1 << 30, 2) == 256 << 20  # two ranks may each hold a bucket at once
+    assert bucket_limit(1 << 30, 8) == 64 << 20
+    assert bucket_limit(100, 3) == 16  # floor(50 / 3)
+    assert bucket_limit(1, 4) == 1  # never 0
+    with pytest.raises(ValueError, match="need >= 1 trainer rank"):
+        bucket_limit(1 << 30, 0)
+
+
+def test_a_bucket_too_large_for_the_object_store_is_lowered_with_a_warning(caplog):
+    from slime.weight_sync.object_store import ObjectStoreTransport
+
+    assert ObjectStoreTransport().bucket_bytes == 512 << 20  # flag not given: upstream's 512 MiB
+    given = ObjectStoreTransport(bucket_bytes=4 << 30)  # --update-weight-buffer-size 4294967296
+    with caplog.at_level(logging.INFO, logger="slime.weight_sync.object_store"):
+        assert given.fit_bucket(1 << 30, 2) == 256 << 20
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("--update-weight-buffer-size 4294967296 (4096 MiB) does not fit Ray's "
+                                          "object store of 1024 MiB: 2 trainer ranks")
+    assert given.bucket_bytes == 256 << 20  # what the ranks get (the transport is pickled to them at connect)
+
+    caplog.clear()
+    default = ObjectStoreTransport()
+    with caplog.at_level(logging.INFO, logger="slime.weight_sync.object_store"):
+        assert default.fit_bucket(1 << 30, 2) == 256 << 20  # 2 x 512 MiB would fill the whole store
+    assert [r.levelno for r in caplog.records] == [logging.INFO]  # the default is lowered quietly
+
+    caplog.clear()
+    fits = ObjectStoreTransport(bucket_bytes=1 << 20)
+    with caplog.at_level(logging.INFO, logger="slime.weight_sync.object_store"):
+        assert fits.fit_bucket(1 << 30, 2) == 1 << 20
+    assert not caplog.records
+
+
+# ---------------------------------------------------------------------------------------------
 # object store: 2 FSDP ranks -> 1 transformers engine
 
 
@@ -147,6 +190,9 @@ def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
         cleanup.callback(placement.remove)
         engines, trainers = start_workers(cfg, placement, resolve_components(cfg), cleanup)
         assert trainers.transport.name == "object_store"
+        from slime.weight_sync.object_store import object_store_bytes
+
+        assert object_store_bytes() == int(os.environ.get("SLIME_RAY_OBJECT_STORE_BYTES", 1 << 30))  # init_ray's store
         assert trainers.init() == 1  # resumed after the checkpoint of rollout 0
         before = _engine_state(engines)
         assert all(torch.equal(before[name], original[name]) for name in original)  # the engine has --hf-checkpoint

@@ -19,8 +19,10 @@ declared closure is not installable next to the rest (see the allow lines in the
   profile_lock.py pins LOCK --sections sglang [--skip-have FREEZE]
   profile_lock.py pin LOCK torch                              the pinned version of one package
   profile_lock.py check LOCK [--resolve]                      needs a package index (see --help)
+  profile_lock.py check LOCK --offline                        no index: the installed packages' metadata
+  profile_lock.py torch-build torch==2.13.0 [-- PIP_ARGS]     is the build pip would install a CPU build?
 
-Stdlib only, except ``check`` (uses ``packaging``, which pip vendors).
+Stdlib only, except ``check`` and ``torch-build`` (use ``packaging``, which pip vendors).
 """
 
 from __future__ import annotations
@@ -232,6 +234,24 @@ def fetch_metadata(pins: dict[str, str], python_version: str, platform: str, pip
     return {normalize(i["metadata"]["name"]): i["metadata"] for i in items}
 
 
+def installed_metadata(pins: dict[str, str]) -> dict[str, dict]:
+    """Core metadata of the pins that this interpreter has installed at the pinned version, in the
+    shape of pip's ``--report`` (``name``, ``version``, ``requires_dist``, ``requires_python``).
+
+    A local label of the installed version is ignored (``2.13.0+cpu`` is the pin ``2.13.0``), so
+    the metadata is that of the build installed here, which is the one the profile is for when this
+    environment was set up from it.  Returns normalised name -> metadata."""
+    import importlib.metadata
+
+    out = {}
+    for dist in importlib.metadata.distributions():
+        name = normalize(dist.metadata["Name"] or "")
+        if name in pins and public_version(dist.version) == public_version(pins[name]) and name not in out:
+            out[name] = {"name": dist.metadata["Name"], "version": dist.version, "requires_dist": dist.requires or [],
+                         "requires_python": dist.metadata.get("Requires-Python")}
+    return out
+
+
 def target_environment(python_version: str) -> dict[str, str]:
     """PEP 508 marker values of CPython ``python_version`` on Linux x86-64."""
     return {"python_version": python_version, "python_full_version": python_version + ".0",
@@ -241,16 +261,18 @@ def target_environment(python_version: str) -> dict[str, str]:
             "platform_version": "", "extra": ""}
 
 
-def unmet_requirements(metadata: dict[str, dict], roots: dict[str, set[str]], python_version: str
-                       ) -> list[tuple[str, str, str]]:
+def unmet_requirements(metadata: dict[str, dict], roots: dict[str, set[str]], python_version: str,
+                       versions: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
     """Declared requirements of the packages in ``metadata`` that the same set does not meet.
 
     ``roots`` maps packages to the extras requested of them (slime's own, say); extras that one
-    package requests of another (``fsspec[http]``) are followed. Returns (package, requirement,
-    what the set has) triples, e.g. ("sglang", "tilelang==0.1.11", "0.1.15")."""
+    package requests of another (``fsspec[http]``) are followed. ``versions``: normalised name ->
+    version of every package of the set (default: those in ``metadata``; give the pins when some
+    have no metadata, as offline). Returns (package, requirement, what the set has) triples, e.g.
+    ("sglang", "tilelang==0.1.11", "0.1.15")."""
     Requirement, Version = _packaging()
     env = target_environment(python_version)
-    versions = {n: m["version"] for n, m in metadata.items()}
+    versions = dict(versions) if versions is not None else {n: m["version"] for n, m in metadata.items()}
     extras: dict[str, set[str]] = {n: set(e) for n, e in roots.items()}
     unmet: dict[tuple[str, str], str] = {}
     changed = True
@@ -286,8 +308,8 @@ def slime_requirements(pyproject: Path, extras: list[str]) -> list[str]:
 
 
 def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_version: str, platform: str,
-          pip_args: list[str], resolve: bool) -> list[str]:
-    """Problems of ``lock`` for the target (empty list: none).
+          pip_args: list[str], resolve: bool, offline: bool = False) -> tuple[list[str], list[str]]:
+    """Problems of ``lock`` for the target, and the pins left unchecked (empty lists: none).
 
     - every pin has a wheel for CPython ``python_version`` on ``platform``;
     - with ``resolve``: pip's own resolver, run on slime with every extra whose section is
@@ -296,20 +318,33 @@ def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_vers
     - for each list of extras in ``extras_sets``: the sections they select meet slime's declared
       requirements and every package's declared requirements (markers evaluated for the target),
       except the ``#! allow`` lines; an allow line that no longer matches anything is a problem too.
-    Raises RuntimeError when the index cannot be reached."""
+
+    With ``offline`` no index is asked: the metadata are those of the pins installed here at the
+    pinned version (:func:`installed_metadata`).  slime's own requirements are checked in full
+    (they need no metadata), and so is every requirement of an installed pin, so a missing pin
+    of either kind is found; the pins not installed here are returned as unchecked (their
+    wheels and requirements need an index), and so are allow lines of such packages.
+    Raises RuntimeError when the index cannot be reached (not ``offline``)."""
     Requirement, Version = _packaging()
     problems = []
     all_pins = lock.pins()
     metadata: dict[str, dict] = {}
-    if resolve:
-        resolved, problems = resolve_with_pip(lock, pyproject, python_version, platform, pip_args)
-        metadata.update(resolved)
-    rest = {n: v for n, v in all_pins.items() if metadata.get(n, {}).get("version") != v}
-    metadata.update(fetch_metadata(rest, python_version, platform, pip_args))
+    if offline:
+        if resolve:
+            raise RuntimeError("--resolve needs a package index; drop --offline")
+        metadata.update(installed_metadata(all_pins))
+    else:
+        if resolve:
+            resolved, problems = resolve_with_pip(lock, pyproject, python_version, platform, pip_args)
+            metadata.update(resolved)
+        rest = {n: v for n, v in all_pins.items() if metadata.get(n, {}).get("version") != v}
+        metadata.update(fetch_metadata(rest, python_version, platform, pip_args))
+    unchecked = sorted(f"{pkg}=={ver}" for pkg, ver in all_pins.items() if pkg not in metadata) if offline else []
     from_spec = _packaging_specifier()
     for pkg, ver in all_pins.items():
         if pkg not in metadata:
-            problems.append(f"{pkg}=={ver}: no wheel for the target")
+            if not offline:
+                problems.append(f"{pkg}=={ver}: no wheel for the target")
         elif metadata[pkg].get("requires_python") and not from_spec(metadata[pkg]["requires_python"]).contains(
                 Version(python_version + ".0")):
             problems.append(f"{pkg}=={ver} requires Python {metadata[pkg]['requires_python']}, the target is {python_version}")
@@ -323,7 +358,7 @@ def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_vers
             have = pins.get(normalize(req.name))
             if have is None or not req.specifier.contains(Version(have), prereleases=True):
                 problems.append(f"slime[{','.join(extras)}] needs {req} but the lock has {have or 'nothing'}")
-        for pkg, req, have in unmet_requirements(meta, {}, python_version):
+        for pkg, req, have in unmet_requirements(meta, {}, python_version, versions=pins):
             key = (pkg, normalize(Requirement(req).name))
             if key in lock.allows:
                 used_allows.add(key)
@@ -337,11 +372,13 @@ def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_vers
             have = build.get(normalize(req.name))
             if have is None or not req.specifier.contains(Version(have), prereleases=True):
                 problems.append(f"slime's build requirement {req} is not in the build section (it has {have or 'nothing'})")
-        for pkg, req, have in unmet_requirements({n: metadata[n] for n in build if n in metadata}, {}, python_version):
+        for pkg, req, have in unmet_requirements({n: metadata[n] for n in build if n in metadata}, {}, python_version,
+                                                 versions=build):
             problems.append(f"[build] {pkg} needs {req}, the build section has {have}")
     for key in sorted(set(lock.allows) - used_allows):
-        problems.append(f"'#! allow {key[0]} {key[1]}' is not needed any more: remove it")
-    return problems
+        if key[0] in metadata:  # offline, an allow of a package without metadata cannot be judged
+            problems.append(f"'#! allow {key[0]} {key[1]}' is not needed any more: remove it")
+    return problems, unchecked
 
 
 def resolve_with_pip(lock: Lock, pyproject: Path, python_version: str, platform: str, pip_args: list[str]
@@ -375,6 +412,62 @@ def resolve_with_pip(lock: Lock, pyproject: Path, python_version: str, platform:
 
 
 # ----------------------------------------------------------------------------------------------
+# torch-build: which torch build pip would install here, a CPU or a GPU one?
+
+GPU_LOCAL_LABELS = ("cu", "rocm", "xpu")
+"""PEP 440 local labels of torch's accelerator builds (``2.11.0+cu130``, ``+rocm6.4``, ``+xpu``)."""
+GPU_RUNTIME_PREFIXES = ("nvidia-", "cuda-", "pytorch-triton-rocm", "pytorch-triton-xpu")
+"""Distributions that only accelerator builds of torch require (CUDA libraries, ROCm / XPU triton)."""
+
+
+def torch_build_kind(metadata: dict, environment: dict[str, str] | None = None) -> tuple[str, str]:
+    """``("cpu" | "gpu", why)`` for one torch build, from its core metadata (pip ``--report`` shape).
+
+    A build is a GPU build when its version carries an accelerator label (:data:`GPU_LOCAL_LABELS`)
+    or when, on this machine (``environment``: PEP 508 marker values, default the running
+    interpreter's), it requires an accelerator runtime (:data:`GPU_RUNTIME_PREFIXES`): PyPI's Linux
+    wheels of torch are CUDA builds without a label that require ``nvidia-*`` packages there, while
+    PyPI's macOS wheels and every wheel of PyTorch's CPU index (``+cpu``) require none."""
+    Requirement, _ = _packaging()
+    version = metadata["version"]
+    label = version.partition("+")[2]
+    if label.startswith(GPU_LOCAL_LABELS):
+        return "gpu", f"torch {version} is a +{label} build"
+    runtime = []
+    for text in metadata.get("requires_dist") or []:
+        req = Requirement(text)
+        if normalize(req.name).startswith(GPU_RUNTIME_PREFIXES) and (
+                req.marker is None or req.marker.evaluate(environment)):
+            runtime.append(normalize(req.name))
+    if runtime:
+        shown = ", ".join(runtime[:3]) + (f" and {len(runtime) - 3} more" if len(runtime) > 3 else "")
+        return "gpu", f"torch {version} is a GPU build: it requires {shown} here"
+    return "cpu", f"torch {version} is a CPU build"
+
+
+def probe_build(requirement: str, pip_args: list[str], python: str = sys.executable) -> dict:
+    """The distribution ``pip install requirement`` would take from pip's sources (its configuration
+    plus ``pip_args``), without installing it: ``pip install --dry-run --no-deps --ignore-installed
+    --report``.  pip reads the chosen wheel's metadata: a local wheel in place, or from an index the
+    PEP 658 ``.metadata`` file where it serves one, else the whole wheel; so ask only sources whose
+    answer is cheap (local files with ``--no-index``, or a CPU index).
+
+    Returns the report's item: ``download_info.url`` and ``metadata``.
+    Raises RuntimeError with pip's output when pip finds no such distribution."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp, "report.json")
+        proc = _pip(["install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet", "--report", str(report),
+                     *pip_args, requirement], python)
+        if proc.returncode != 0 or not report.exists():
+            lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.startswith("ERROR")]
+            raise RuntimeError(" ".join(lines) or (proc.stderr + proc.stdout).strip() or f"pip exited with {proc.returncode}")
+        items = json.loads(report.read_text())["install"]
+    if not items:
+        raise RuntimeError(f"pip would install nothing for {requirement}")
+    return items[0]
+
+
+# ----------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -399,8 +492,29 @@ def main(argv: list[str] | None = None) -> int:
                    help="target platform; manylinux_2_N_ARCH means every manylinux tag of glibc <= 2.N")
     p.add_argument("--resolve", action="store_true",
                    help="also run pip's resolver on the sections installed with dependencies")
+    p.add_argument("--offline", action="store_true",
+                   help="ask no index: check with the metadata of the pins installed in this python at the pinned "
+                        "version (slime's requirements and those pins' requirements in full; the other pins are "
+                        "listed as unchecked)")
+    p.add_argument("pip_args", nargs="*", help="after --: extra pip arguments (e.g. --index-url URL)")
+    p = sub.add_parser("torch-build", help="which build of a torch requirement pip would install here (its configured "
+                                           "sources plus the pip arguments after --), without installing it: prints "
+                                           "'cpu|gpu VERSION URL: why'; exit 0 for a CPU build, 1 for a GPU build, 2 "
+                                           "when pip finds none")
+    p.add_argument("requirement", help="e.g. torch==2.13.0")
+    p.add_argument("--local-only", action="store_true",
+                   help="ask no index (pip --no-index): only pip's find-links, e.g. wheels on local disk")
     p.add_argument("pip_args", nargs="*", help="after --: extra pip arguments (e.g. --index-url URL)")
     args = parser.parse_args(argv)
+    if args.cmd == "torch-build":
+        try:
+            item = probe_build(args.requirement, (["--no-index"] if args.local_only else []) + args.pip_args)
+        except RuntimeError as err:
+            print(f"none: pip finds no {args.requirement} ({err})")
+            return 2
+        kind, why = torch_build_kind(item["metadata"])
+        print(f"{kind} {item['metadata']['version']} {item.get('download_info', {}).get('url', '?')}: {why}")
+        return 0 if kind == "cpu" else 1
     try:
         lock = read_lock(args.lock)
         if args.cmd == "sections":
@@ -420,11 +534,14 @@ def main(argv: list[str] | None = None) -> int:
             pyver = args.python_version or lock.python or f"{sys.version_info[0]}.{sys.version_info[1]}"
             extras = [e for e in lock.sections if e not in ALWAYS_SECTIONS]
             sets = [["test"]] + [["test", e] for e in extras] + ([["test", *extras]] if len(extras) > 1 else [])
-            problems = check(lock, Path(args.pyproject), sets, pyver, args.platform, args.pip_args, args.resolve)
+            problems, unchecked = check(lock, Path(args.pyproject), sets, pyver, args.platform, args.pip_args,
+                                        args.resolve, offline=args.offline)
             for line in problems:
                 print(line)
-            print(f"{args.lock}: {len(lock.pins())} pins, Python {pyver}, {args.platform}: "
-                  f"{'OK' if not problems else f'{len(problems)} problem(s)'}")
+            where = "offline (installed metadata)" if args.offline else args.platform
+            skipped = f"; {len(unchecked)} pins not installed here, unchecked: {' '.join(unchecked)}" if unchecked else ""
+            print(f"{args.lock}: {len(lock.pins())} pins, Python {pyver}, {where}: "
+                  f"{'OK' if not problems else f'{len(problems)} problem(s)'}{skipped}")
             return 1 if problems else 0
     except (LockError, OSError, RuntimeError) as err:
         print(f"profile_lock.py: {err}", file=sys.stderr)

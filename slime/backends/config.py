@@ -111,13 +111,15 @@ class BackendConfig:
         *,
         train: TrainConfig,
         model: ModelConfig,
+        checkpoint: CheckpointConfig,
         cluster: ClusterConfig,
         other_flags: list[OtherBackendFlag],
     ) -> None:
-        """Checks of this backend's flags against the shared ones and the trainer GPUs.
+        """Checks of this backend's flags against the shared ones, the model and the trainer GPUs.
 
         Args:
-            train, model, cluster: the shared flag groups.
+            train, model, checkpoint, cluster: the shared flag groups (MODEL_ARGS agree with
+                ``checkpoint.hf_checkpoint``'s ``config.json`` when this runs).
             other_flags: the active flags of every other backend's group; a backend that does
                 not implement them refuses them here.
 

@@ -7,10 +7,11 @@ explains how); this module only
    the arrays of the upstream launcher scripts (``MODEL_ARGS``, ``ROLLOUT_ARGS``, ...);
 2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
    collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
-3. runs the checks that span several groups (:func:`validate`): the selected training backend's
-   and rollout engine's own checks (their configs, named in the registries: e.g. the FSDP backend
-   refuses the Megatron backend's flags, the transformers engine refuses ``--sglang-*``),
-   MODEL_ARGS against the checkpoint's ``config.json``, batch sizes against the backend's
+3. runs the checks that span several groups (:func:`validate`): MODEL_ARGS against the
+   checkpoint's ``config.json``, the selected training backend's and rollout engine's own checks
+   (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
+   flags, the Megatron backend checks its parallel layout against the model's sizes, the
+   transformers engine refuses ``--sglang-*``), batch sizes against the backend's
    data-parallel size, Gated-DeltaNet batching, and last whether the selected backend and engine
    can run here (a planned one, or one whose packages are missing, is refused with what is and is
    not installed); and warns about flags that do nothing (KL flags without a KL term, GRPO groups
@@ -50,7 +51,7 @@ from slime.rollout.rm_hub import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.data import DataConfig
 from slime.utils.metrics import LoggingConfig, WandbConfig
-from slime.utils.ppo_utils import GRPOConfig
+from slime.utils.ppo_utils import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -224,10 +225,11 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     Raises:
         ConfigError: the message names the flags, their values and a fix.
     """
-    backend = cfg.train_backend_config
-    backend.check(train=cfg.train, model=cfg.model, cluster=cfg.cluster, other_flags=_other_backend_flags(cfg))
-    cfg.engine_config.check(cfg.rollout, cfg.sglang)
     check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint)
+    backend = cfg.train_backend_config
+    backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
+                  other_flags=_other_backend_flags(cfg))
+    cfg.engine_config.check(cfg.rollout, cfg.sglang)
     _check_gdn_batching(cfg.model, cfg.checkpoint, cfg.train)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
@@ -319,17 +321,18 @@ def _check_batch_sizes(
         )
 
 
-GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo")
-"""Advantage estimators that compare the responses of one prompt (``slime.utils.ppo_utils``)."""
-
-
 def _check_group_size(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
-    """Warn when a group-relative estimator gets groups of one response: every advantage is then 0."""
-    if grpo.advantage_estimator in GROUP_RELATIVE_ESTIMATORS and rollout.n_samples_per_prompt == 1:
+    """Warn when a group-relative estimator (marked in its registry entry, :func:`slime.utils.ppo_utils.group_relative`)
+    gets groups of one response: every advantage is then 0.  An estimator given as an import path is
+    not imported at parse time, so it is not checked here."""
+    name = grpo.advantage_estimator
+    if rollout.n_samples_per_prompt != 1 or name not in ADVANTAGE_ESTIMATORS.names():
+        return
+    if is_group_relative(ADVANTAGE_ESTIMATORS.get(name)):
         logger.warning(
             "--advantage-estimator %s with --n-samples-per-prompt 1: each group has one response, so every "
             "advantage is 0 and the policy-gradient term vanishes; use --n-samples-per-prompt >= 2 (e.g. 8)",
-            grpo.advantage_estimator,
+            name,
         )
 
 

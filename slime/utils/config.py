@@ -17,7 +17,11 @@ Conventions (the same as slime / Megatron flags):
 - ``list[...]`` fields take ``nargs="+"`` unless ``nargs`` says otherwise;
 - ``int`` / ``float`` values are shown as ``INT`` / ``FLOAT`` in ``--help`` unless ``metavar`` says otherwise;
 - ``--help`` ends each flag's text with its default, `` (default: X)``, unless the default is
-  ``None``, ``False`` or empty, or the text already speaks of a default (see :func:`default_text`).
+  ``None``, ``False`` or empty, or the text already speaks of a default (see :func:`default_text`);
+- every float value must be finite: ``nan``, ``inf`` and ``-inf`` (which ``float()`` accepts) are
+  refused for every flag by :func:`build_group`, naming the flag.  No flag takes them: a flag
+  that can mean "no limit" says so with a finite value or by being unset (``--clip-grad 0``,
+  ``--eps-clip-high`` unset).
 
 Validation errors raise :class:`ConfigError`, whose message names the flag, the bad value
 and the fix.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import shlex
 import typing
@@ -154,9 +159,28 @@ def add_group(parser: argparse.ArgumentParser, cls: type, title: str, descriptio
 
 
 def build_group(cls: type, namespace: argparse.Namespace) -> Any:
-    """Instantiate dataclass ``cls`` from the parsed ``namespace`` (runs its validation)."""
+    """Instantiate dataclass ``cls`` from the parsed ``namespace`` (runs its validation).
+
+    Raises:
+        ConfigError: a float value (alone or in a list) is NaN or infinite, naming its flag (checked
+            before the dataclass's own checks, whose comparisons NaN would slip through); or the
+            dataclass's own checks fail.
+    """
     values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
+    for field in dataclasses.fields(cls):
+        check_finite(flag_name(field), values[field.name])
     return cls(**values)
+
+
+def check_finite(flag: str, value: Any) -> None:
+    """Refuse a NaN or infinite float ``value`` (or one inside a list / tuple) of ``flag``.
+
+    Raises:
+        ConfigError: ``<flag> must be a finite number, got nan``.
+    """
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"{flag} must be a finite number, got {item}")
 
 
 def to_argv(cfg: Any) -> list[str]:

@@ -51,6 +51,7 @@ so padding may hold garbage log-probs without producing NaN values or gradients.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -196,16 +197,33 @@ def compute_group_advantages(
 
 AdvantageEstimator = Callable[[Tensor, int, GRPOConfig], Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "--advantage-estimator")
-"""Every entry maps ``(rewards [N], group_size, cfg) -> float32 advantages [N]``."""
+"""Every entry maps ``(rewards [N], group_size, cfg) -> float32 advantages [N]``.  An entry that compares
+the responses of one prompt carries ``group_relative = True`` (:func:`group_relative`)."""
+
+
+def group_relative(estimator: AdvantageEstimator) -> AdvantageEstimator:
+    """Mark ``estimator`` as group-relative: each advantage compares a response with the others of its
+    prompt, so groups of one response give 0 (the parse-time check warns about
+    ``--n-samples-per-prompt 1``).  Sets ``estimator.group_relative = True`` and returns it; a user's
+    ``package.module:function`` estimator may set the same attribute."""
+    estimator.group_relative = True  # type: ignore[attr-defined]
+    return estimator
+
+
+def is_group_relative(estimator: AdvantageEstimator) -> bool:
+    """Whether ``estimator`` was marked with :func:`group_relative`."""
+    return getattr(estimator, "group_relative", False) is True
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
+@group_relative
 def grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
     """GRPO advantages (:func:`compute_group_advantages`); no std division with ``--disable-grpo-std-normalization``."""
     return compute_group_advantages(rewards, group_size, normalize_std=not cfg.disable_grpo_std_normalization)
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@group_relative
 def dr_grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
     """Dr.GRPO advantages (Liu et al. 2025): group-centred rewards, never divided by the std."""
     return compute_group_advantages(rewards, group_size, normalize_std=False)
@@ -218,6 +236,33 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
         KeyError: unknown name; the message lists the valid ones.
     """
     return ADVANTAGE_ESTIMATORS.get(name)
+
+
+def resolve_advantage_estimator(cfg: GRPOConfig) -> AdvantageEstimator:
+    """The ``--advantage-estimator`` of ``cfg``, imported and checked; the driver calls it before Ray starts.
+
+    :class:`GRPOConfig` checks only the form of an import path; this imports it (through
+    :meth:`slime.utils.registry.Registry.resolve`) and checks that it accepts ``(rewards,
+    group_size, cfg)``.
+
+    Raises:
+        ConfigError: naming ``--advantage-estimator``: the module cannot be imported, has no such
+            attribute, or the object is not a function of ``(rewards, group_size, cfg)``.
+    """
+    name = cfg.advantage_estimator
+    estimator = ADVANTAGE_ESTIMATORS.resolve(name)
+    if not callable(estimator):
+        raise ConfigError(f"--advantage-estimator {name!r} is a {type(estimator).__name__}, not a function")
+    try:
+        inspect.signature(estimator).bind(torch.zeros(1), 1, cfg)
+    except TypeError:
+        raise ConfigError(
+            f"--advantage-estimator {name!r} has the signature {inspect.signature(estimator)}; an advantage "
+            "estimator must accept (rewards: Tensor, group_size: int, cfg: GRPOConfig) and return advantages"
+        ) from None
+    except ValueError:  # no signature available (some builtins): accept it and let calls fail
+        pass
+    return estimator
 
 
 def compute_advantages(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:

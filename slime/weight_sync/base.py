@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
 
 import torch
 
+from slime.weight_sync.config import DEFAULT_BUCKET_BYTES
+
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
@@ -78,7 +80,13 @@ class WeightTransport(abc.ABC):
     at every sync.  State made by :meth:`connect_rank` (a process group) lives in the rank's copy.
 
     Args:
-        bucket_bytes: target size of one bucket, bytes (``--update-weight-buffer-size``), > 0.
+        bucket_bytes: target size of one bucket, bytes (``--update-weight-buffer-size``), > 0;
+            ``None`` (the flag not given): :data:`~slime.weight_sync.config.DEFAULT_BUCKET_BYTES`.
+            A transport may lower it in :meth:`connect` to what it can carry (the object store does).
+
+    Attributes:
+        bucket_bytes: the size the ranks use.
+        bucket_bytes_given: whether the user chose it (a transport that lowers it warns only then).
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.
@@ -89,10 +97,11 @@ class WeightTransport(abc.ABC):
     tensor_device: ClassVar[str | None] = None
     """Where the backend should put the yielded tensors: ``"cpu"``, or ``None`` for the rank's own device."""
 
-    def __init__(self, bucket_bytes: int):
-        if bucket_bytes <= 0:
+    def __init__(self, bucket_bytes: int | None = None):
+        if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"--update-weight-buffer-size must be > 0 bytes, got {bucket_bytes}")
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes_given = bucket_bytes is not None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
 
     # ------------------------------------------------------------------ once per run
 

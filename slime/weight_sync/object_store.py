@@ -2,15 +2,23 @@
 
 Each trainer rank ``ray.put``s every non-empty bucket of its own (CPU tensors) once and hands
 the reference to every engine's ``update_weights_from_tensor``; it waits for all engines before
-the next bucket, so at most one bucket per sending rank sits in the store (the local store is
-capped at 1 GiB, :func:`slime.ray.placement.init_ray`; ``--update-weight-buffer-size`` must stay
-well below it).  Engines are Ray actors that run one call at a time, so buckets from several
-ranks arrive one after another in any order; an engine must accept that (the transformers engine
-does: it fuses a parameter once all of its checkpoint tensors have arrived).
+the next bucket, so at most one bucket per sending rank sits in the store.  The ranks send at the
+same time, and an engine on another node pulls a copy of each bucket into its own node's store,
+so up to ``trainer ranks x bucket`` bytes can be in one store at once.  The store is small (1 GiB
+when slime starts Ray, :func:`slime.ray.placement.init_ray`), so :meth:`ObjectStoreTransport.connect`
+lowers the bucket to :func:`bucket_limit` of the smallest node's store: half of it shared out
+over the ranks, the other half left for what else goes through the store (rollout batches with
+their images, results).  A single layer larger than that is still a bucket of its own (buckets
+hold whole layers), and Ray then spills to disk.
+
+Engines are Ray actors that run one call at a time, so buckets from several ranks arrive one
+after another in any order; an engine must accept that (the transformers engine does: it fuses
+a parameter once all of its checkpoint tensors have arrived).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import ray
@@ -21,6 +29,46 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from slime.backends.base import RankInfo
+    from slime.ray.trainer_group import TrainerGroup
+    from slime.rollout.engine_group import RolloutEngineGroup
+
+logger = logging.getLogger(__name__)
+
+STORE_SHARE_FOR_WEIGHTS = 0.5
+"""Fraction of a node's object store that the weight buckets of all trainer ranks may fill at once."""
+
+
+def bucket_limit(store_bytes: int, num_ranks: int) -> int:
+    """The largest bucket the object store holds from every rank at once:
+    ``floor(STORE_SHARE_FOR_WEIGHTS * store_bytes / num_ranks)`` bytes, at least 1.
+
+    Args:
+        store_bytes: the smallest object store of the cluster's nodes, bytes (:func:`object_store_bytes`).
+        num_ranks: trainer ranks, each of which may hold one bucket in the store at a time.
+
+    Raises:
+        ValueError: ``num_ranks < 1`` or ``store_bytes < 1``.
+    """
+    if num_ranks < 1 or store_bytes < 1:
+        raise ValueError(f"need >= 1 trainer rank and a non-empty object store, got {num_ranks} and {store_bytes} bytes")
+    return max(1, int(STORE_SHARE_FOR_WEIGHTS * store_bytes) // num_ranks)
+
+
+def object_store_bytes() -> int:
+    """The object store of the smallest alive node of the connected Ray cluster, bytes (``ray.nodes()``).
+
+    Raises:
+        RuntimeError: Ray reports no alive node with an object store.
+    """
+    sizes = [node["Resources"].get("object_store_memory", 0) for node in ray.nodes() if node.get("Alive")]
+    sizes = [int(size) for size in sizes if size > 0]
+    if not sizes:
+        raise RuntimeError("Ray reports no alive node with an object store")
+    return min(sizes)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.4g} MiB"
 
 
 class ObjectStoreTransport(WeightTransport):
@@ -28,6 +76,30 @@ class ObjectStoreTransport(WeightTransport):
 
     name = "object_store"
     tensor_device = "cpu"
+
+    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+        """Fit the bucket to the cluster's object store (:meth:`fit_bucket`), then hand this transport to the ranks."""
+        self.fit_bucket(object_store_bytes(), len(trainers.actors))
+        super().connect(trainers, engines)
+
+    def fit_bucket(self, store_bytes: int, num_ranks: int) -> int:
+        """Lower :attr:`bucket_bytes` to :func:`bucket_limit` when it is larger; returns the size used.
+
+        Lowering is logged: a warning when ``--update-weight-buffer-size`` was given, at info level for
+        the default.  The bucket size sets only how many tensors travel per call, never which tensors
+        or their values, so a smaller one changes nothing but the number of calls; the same command
+        line thus runs over the object store and over transports that carry larger buckets.
+        """
+        limit = bucket_limit(store_bytes, num_ranks)
+        if self.bucket_bytes > limit:
+            log = logger.warning if self.bucket_bytes_given else logger.info
+            log(
+                "--update-weight-buffer-size %d (%s) does not fit Ray's object store of %s: %d trainer ranks may each "
+                "hold one bucket there at once and half of it is kept for rollout data; using %d (%s) per bucket",
+                self.bucket_bytes, _mib(self.bucket_bytes), _mib(store_bytes), num_ranks, limit, _mib(limit),
+            )
+            self.bucket_bytes = limit
+        return self.bucket_bytes
 
     def send(self, buckets: Iterable[WeightBucket], rank: RankInfo, engines: Sequence[ActorHandle]) -> list[str]:
         """Push this rank's non-empty buckets to every engine, one bucket at a time.

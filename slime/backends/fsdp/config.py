@@ -1,8 +1,10 @@
 """``--train-backend fsdp``'s own flags (BACKEND_ARGS (fsdp)), checks, data-parallel size and checkpoint layout.
 
-Importable without the backend's module (no model code, no ``torch.distributed``): the
-parser builds :class:`FSDPConfig` for every run, and :func:`slime.utils.arguments.validate`
-runs its hooks when ``--train-backend fsdp`` is selected.
+Importable without the backend's module :mod:`slime.backends.fsdp.backend` (no model code, no
+FSDP wrapping, no process group); it does import torch, through the trainer interface
+(:mod:`slime.backends.base`, which the registry imports). The parser builds :class:`FSDPConfig`
+for every run, and :func:`slime.utils.arguments.validate` runs its hooks when ``--train-backend
+fsdp`` is selected.
 
 The FSDP backend is data-parallel only (every rank holds a shard of every parameter), recomputes
 with ``--gradient-checkpointing``, batches by ``--micro-batch-size`` and trains the Hugging Face
@@ -19,7 +21,7 @@ from slime.backends.config import BackendConfig, OtherBackendFlag, refuse_flags
 from slime.utils.config import flag
 
 if TYPE_CHECKING:
-    from slime.backends.config import ModelConfig, TrainConfig
+    from slime.backends.config import CheckpointConfig, ModelConfig, TrainConfig
     from slime.ray.config import ClusterConfig
 
 _SHARDED = "FSDP shards every parameter over all ranks"
@@ -56,6 +58,7 @@ class FSDPConfig(BackendConfig):
         *,
         train: TrainConfig,
         model: ModelConfig,
+        checkpoint: CheckpointConfig,
         cluster: ClusterConfig,
         other_flags: list[OtherBackendFlag],
     ) -> None:

@@ -6,6 +6,11 @@ rules checked here are Megatron-LM's (``megatron/training/arguments.py``, megatr
 ``ModelParallelConfig`` / ``TransformerConfig.__post_init__`` and
 ``parallel_state.initialize_model_parallel``).
 
+The rules that depend on the model's sizes (heads, experts, layers over TP / EP / PP; CP) are the
+native Qwen3.5 model's own, :func:`slime.models.qwen3_5.config.check_parallel_layout`, called here
+with the sizes of ``--hf-checkpoint``'s ``config.json`` or, before the checkpoint is on disk,
+of MODEL_ARGS; this module keeps only Megatron's rules on the GPU count.
+
 The backend itself is not in this version yet (see :data:`slime.backends.registry.TRAIN_BACKENDS`):
 selecting it stops at parse time after these checks, naming its packages.
 """
@@ -19,7 +24,7 @@ from slime.backends.config import BackendConfig, OtherBackendFlag, refuse_flags
 from slime.utils.config import ConfigError, check_at_least_one, flag
 
 if TYPE_CHECKING:
-    from slime.backends.config import ModelConfig, TrainConfig
+    from slime.backends.config import CheckpointConfig, ModelConfig, TrainConfig
     from slime.ray.config import ClusterConfig
 
 INSTEAD: dict[str, str] = {
@@ -27,6 +32,17 @@ INSTEAD: dict[str, str] = {
     "attn_implementation": "use --attention-backend",
 }
 """What the Megatron backend does instead of another backend's flag, by field."""
+
+SIZES_FROM_MODEL_ARGS: dict[str, str] = {
+    "num_layers": "num_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+}
+""":class:`slime.models.qwen3_5.config.ShardedSizes` field -> the MODEL_ARGS (:class:`ModelConfig`) field."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,23 +153,59 @@ class MegatronConfig(BackendConfig):
         *,
         train: TrainConfig,
         model: ModelConfig,
+        checkpoint: CheckpointConfig,
         cluster: ClusterConfig,
         other_flags: list[OtherBackendFlag],
     ) -> None:
-        """Refuse the other backends' active flags, then lay the trainer GPUs out as Megatron does:
-        TP x CP x DP x PP for the dense layers and ETP x EP x expert-DP x PP for the experts.
+        """Refuse the other backends' active flags, lay the trainer GPUs out as Megatron does (TP x CP x DP x
+        PP for the dense layers, ETP x EP x expert-DP x PP for the experts), then check the layout against
+        the model's sizes with the model's own rules (:meth:`check_model_layout`).
 
         Raises:
             ConfigError: a refused flag; parallel sizes that do not divide the trainer GPUs; EP > 1 with
-                TP > 1 but no ``--sequence-parallel``; experts, attention heads or KV groups that do not split
-                evenly over their ranks.  The message names the flags and the fix.
+                TP > 1 but no ``--sequence-parallel``; a layout the model cannot shard (see
+                :func:`slime.models.qwen3_5.config.check_parallel_layout`).  The message names the flags and the fix.
         """
         refused = [f"{f.text} ({INSTEAD.get(f.field, f'a flag of --train-backend {f.backend}')})" for f in other_flags]
         owners = sorted({f.backend for f in other_flags if f.backend})
         refuse_flags("megatron", refused, f"drop these flags, or use --train-backend {' / '.join(owners)}")
-        self._check_parallel_sizes(model, cluster)
+        self._check_parallel_sizes(cluster)
+        self.check_model_layout(model, checkpoint.hf_checkpoint)
 
-    def _check_parallel_sizes(self, model: ModelConfig, cluster: ClusterConfig) -> None:
+    def check_model_layout(self, model: ModelConfig, hf_checkpoint: str) -> None:
+        """The native Qwen3.5 model's layout rules at parse time, on the sizes of ``<hf_checkpoint>/config.json``
+        when it exists, else on those MODEL_ARGS give (sizes neither gives are not checked).
+
+        Raises:
+            ConfigError: from :func:`slime.models.qwen3_5.config.check_parallel_layout`, or an unreadable
+                ``config.json``.
+        """
+        from slime.backends.config import read_hf_config
+        from slime.models.qwen3_5.config import ParallelLayout, Qwen35ConfigError, ShardedSizes, check_parallel_layout
+
+        config = read_hf_config(hf_checkpoint)
+        if config is not None:
+            sizes = ShardedSizes.from_hf_config(config, f"--hf-checkpoint {hf_checkpoint}/config.json")
+        else:
+            sizes = ShardedSizes(
+                **{size: getattr(model, field) for size, field in SIZES_FROM_MODEL_ARGS.items()},
+                names={size: "--" + field.replace("_", "-") for size, field in SIZES_FROM_MODEL_ARGS.items()},
+            )
+        layout = ParallelLayout(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+        try:
+            check_parallel_layout(sizes, layout)
+        except Qwen35ConfigError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_parallel_sizes(self, cluster: ClusterConfig) -> None:
+        """Megatron's rules on the trainer GPU count (the model-size rules are :meth:`check_model_layout`'s)."""
         world = cluster.actor_num_gpus
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
         ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel
@@ -179,17 +231,3 @@ class MegatronConfig(BackendConfig):
                 f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                 "(Megatron); add it"
             )
-        # megatron/training/arguments.py: experts are split evenly over the EP ranks.
-        if model.num_experts is not None and model.num_experts % ep:
-            raise ConfigError(
-                f"--num-experts {model.num_experts} is not a multiple of --expert-model-parallel-size {ep}; "
-                "each EP rank must hold the same number of experts"
-            )
-        # megatron.core TransformerConfig.__post_init__: heads and KV groups are split over the TP ranks.
-        for name in ("num_attention_heads", "num_query_groups"):
-            value = getattr(model, name)
-            if value is not None and value % tp:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} {value} is not a multiple of --tensor-model-parallel-size {tp}; "
-                    "each TP rank must hold the same number of heads"
-                )

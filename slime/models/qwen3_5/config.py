@@ -113,6 +113,10 @@ class Qwen35Arch:
         """
         return math.ceil(self.vocab_size / tensor_parallel_size) * tensor_parallel_size
 
+    def sharded_sizes(self, source: str = "") -> "ShardedSizes":
+        """The sizes :func:`check_parallel_layout` checks, named by their ``config.json`` fields."""
+        return ShardedSizes(**{field: getattr(self, field) for field in HF_SIZE_NAMES}, source=source)
+
 
 @dataclasses.dataclass(frozen=True)
 class Qwen35Kernels:
@@ -300,35 +304,91 @@ class ParallelLayout:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
 
-def check_parallel_layout(arch: Qwen35Arch, layout: ParallelLayout) -> None:
-    """Refuse a layout that cannot shard this arch (each message names the flag and the sizes).
+HF_SIZE_NAMES: dict[str, str] = {
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+}
+""":class:`ShardedSizes` field -> the Hugging Face ``config.json`` field it comes from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedSizes:
+    """The sizes of a Qwen3.5 model that its parallel layout splits, for :func:`check_parallel_layout`.
+
+    From a checkpoint (:meth:`Qwen35Arch.sharded_sizes`, :meth:`from_hf_config`) or, before the
+    checkpoint is on disk, from MODEL_ARGS (the Megatron backend's parse-time check).  ``None`` is
+    unknown: the rules on it are skipped.
+
+    Attributes:
+        names: per field, how messages name it (default: the ``config.json`` fields, :data:`HF_SIZE_NAMES`;
+            the flags, e.g. ``--num-query-groups``, for sizes from MODEL_ARGS).
+        source: where the sizes come from, for messages (e.g. ``ckpt/config.json``); empty: the flags say it.
+    """
+
+    num_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    linear_num_key_heads: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    names: dict[str, str] = dataclasses.field(default_factory=lambda: dict(HF_SIZE_NAMES))
+    source: str = ""
+
+    @classmethod
+    def from_hf_config(cls, config: dict, source: str = "config.json") -> "ShardedSizes":
+        """The sizes a ``config.json`` dict states (fields under ``text_config`` for the vision-language
+        config); an absent or non-integer field is unknown.  Unlike :func:`arch_from_hf_config`, nothing
+        else of the config is checked."""
+        text = _text_section(config)
+        values = {field: text.get(hf) for field, hf in HF_SIZE_NAMES.items()}
+        return cls(**{f: v if type(v) is int else None for f, v in values.items()}, source=source)
+
+    def text(self, field: str) -> str:
+        """``"<name> <value>"`` of one size, e.g. ``"num_key_value_heads 2"``."""
+        return f"{self.names[field]} {getattr(self, field)}"
+
+
+def check_parallel_layout(arch: Qwen35Arch | ShardedSizes, layout: ParallelLayout) -> None:
+    """Refuse a layout that cannot shard this model (each message names the flag and the sizes).
+
+    The one place of these rules: the model build calls it with the checkpoint's arch, and the Megatron
+    backend's parse-time check (:meth:`slime.backends.megatron.config.MegatronConfig.check`) with the
+    sizes it knows (``None`` sizes skip their rules); the GPU-count rules are the backend's.
 
     Raises:
         Qwen35ConfigError: TP does not divide the GDN key heads, the attention query or KV heads
-            (TP above the KV heads would replicate KV heads, not implemented), or the expert
-            widths; EP does not divide the experts; PP exceeds the layers; CP > 1 (not implemented).
+            (TP above the KV heads would replicate KV heads, not implemented), or the shared-expert
+            width; ETP does not divide the expert width; EP does not divide the experts; PP exceeds
+            the layers; CP > 1 (not implemented).
     """
-    tp, ep, etp = layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.etp
-    checks = [
-        (arch.linear_num_key_heads % tp, f"--tensor-model-parallel-size {tp} must divide linear_num_key_heads "
-         f"{arch.linear_num_key_heads} (Gated DeltaNet is sharded by heads)"),
-        (arch.num_attention_heads % tp, f"--tensor-model-parallel-size {tp} must divide num_attention_heads "
-         f"{arch.num_attention_heads}"),
-        (arch.num_query_groups % tp, f"--tensor-model-parallel-size {tp} must divide num_key_value_heads "
-         f"{arch.num_query_groups} (replicating KV heads across TP is not implemented)"),
-        (arch.shared_expert_intermediate_size % tp, f"--tensor-model-parallel-size {tp} must divide "
-         f"shared_expert_intermediate_size {arch.shared_expert_intermediate_size}"),
-        (arch.num_experts % ep, f"--expert-model-parallel-size {ep} must divide num_experts {arch.num_experts}"),
-        (arch.moe_ffn_hidden_size % etp, f"--expert-tensor-parallel-size {etp} must divide moe_intermediate_size "
-         f"{arch.moe_ffn_hidden_size}"),
-        (layout.pipeline_model_parallel_size > arch.num_layers, f"--pipeline-model-parallel-size "
-         f"{layout.pipeline_model_parallel_size} exceeds the {arch.num_layers} layers"),
-        (layout.context_parallel_size != 1, f"--context-parallel-size {layout.context_parallel_size}: context "
-         "parallelism is not implemented for the native Qwen3.5 model yet; use 1"),
+    sizes = arch.sharded_sizes() if isinstance(arch, Qwen35Arch) else arch
+    tp, ep, etp, pp = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.etp,
+                       layout.pipeline_model_parallel_size)
+    of = f" of {sizes.source}" if sizes.source else ""
+    divides = [  # (size field, parallel size, its flag, why)
+        ("linear_num_key_heads", tp, "--tensor-model-parallel-size", " (Gated DeltaNet is sharded by heads)"),
+        ("num_attention_heads", tp, "--tensor-model-parallel-size", ""),
+        ("num_query_groups", tp, "--tensor-model-parallel-size",
+         " (replicating KV heads across TP is not implemented)"),
+        ("shared_expert_intermediate_size", tp, "--tensor-model-parallel-size", ""),
+        ("num_experts", ep, "--expert-model-parallel-size", " (each EP rank holds the same number of experts)"),
+        ("moe_ffn_hidden_size", etp, "--expert-tensor-parallel-size", ""),
     ]
-    for bad, message in checks:
-        if bad:
-            raise Qwen35ConfigError(message)
+    for field, size, flag, why in divides:
+        value = getattr(sizes, field)
+        if value is not None and value % size:
+            raise Qwen35ConfigError(f"{flag} {size} must divide {sizes.text(field)}{of}{why}")
+    if sizes.num_layers is not None and pp > sizes.num_layers:
+        raise Qwen35ConfigError(f"--pipeline-model-parallel-size {pp} exceeds {sizes.text('num_layers')}{of}")
+    if layout.context_parallel_size != 1:
+        raise Qwen35ConfigError(f"--context-parallel-size {layout.context_parallel_size}: context parallelism is "
+                                "not implemented for the native Qwen3.5 model yet; use 1")
 
 
 def transformer_config(

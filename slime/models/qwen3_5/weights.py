@@ -555,13 +555,6 @@ def materialize(model, device) -> None:
             reset()
 
 
-def hf_state_from_shards(rules: Mapping[str, ParamRule], shards: Callable[[ParamRule], list[torch.Tensor]]
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every rule, given each rule's group shards (ordered by group rank)."""
-    for rule in rules.values():
-        yield from rule.export(shards(rule)).items()
-
-
 def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     import torch.distributed as dist
 
