@@ -6,6 +6,8 @@ geo3k recipe asks for (the SFT data of upstream slime's ``examples/geo3k_vlm/REA
 SymPy objects with ``math-verify`` (pinned 0.9.0):
 
 - :func:`last_boxed` returns the content of the last box, braces balanced;
+- :func:`answer_alternatives` splits an answer that offers several values (``12\\text{ cm}
+  \\text{ or } 13\\text{ cm}``) into them, so that a hedge is graded as the set it is;
 - :func:`parse_latex` parses an answer (a gold label or a boxed content) as LaTeX math;
 - :func:`numeric_value` evaluates a parsed answer to a float, for the tolerance of the
   ``geo3k`` reward.
@@ -27,6 +29,11 @@ _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 """``\\boxed{`` or ``\\fbox{``, optionally with spaces before the brace (``\\boxed {5}``)."""
 _TEXT_OPEN = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mbox)\s*\{")
 """The text-mode groups :func:`unwrap_math_text` may unwrap (``\\text{``, ``\\textrm{``, ``\\mbox{``, ...)."""
+_WORD_SEPARATOR = re.compile(r"(?<![A-Za-z\\])(?:or|and)(?![A-Za-z])")
+"""The words ``or`` and ``and`` (not inside a longer word or a command) that separate alternatives."""
+_TEXT_SEPARATOR = re.compile(r"(?<![A-Za-z])(?:or|and)(?![A-Za-z])|,(?:(?<!\d,)|(?!\d{3}(?!\d)))")
+"""Inside a text group: ``or``, ``and``, or a comma that is not a thousands separator (``1,200``)."""
+_OPENERS, _CLOSERS = "([{", ")]}"
 
 
 def last_boxed(text: str) -> str | None:
@@ -74,6 +81,74 @@ def _closing_brace(text: str, start: int) -> int | None:
     return None
 
 
+def answer_alternatives(answer: str) -> list[str] | None:
+    """The alternatives of an answer that offers several values, or None for one answer.
+
+    An answer is split at the words ``or`` / ``and`` (bare, or inside a ``\\text{...}``
+    group: ``\\text{ or }``, ``\\text{ cm or }``, ``\\text{12 cm or 13 cm}``) and at
+    commas, wherever they are outside parentheses, brackets and braces (so the point
+    ``(3, 4)``, the interval ``[1, 2)`` and the set ``\\{1, 2\\}`` stay whole), except a
+    thousands separator (``1,200``: a comma between a digit and exactly three digits).  A text
+    group that is split keeps its wrapping on each side (``\\text{12 cm }`` and
+    ``\\text{ 13 cm}``), so each alternative is unwrapped and graded like a whole answer.
+
+    math-verify alone grades ``12\\text{ cm} \\text{ or } 13\\text{ cm}`` as 12 (its unit
+    stripping drops the rest), which made that hedge score 1 against 12; graded as the set of
+    its alternatives it scores 0 (:func:`slime.rollout.rm_hub.math_reward.answers_match`).
+
+    Args:
+        answer: bare LaTeX (a boxed content or a label).
+
+    Returns:
+        The alternatives, stripped, when there are at least two non-empty ones (e.g.
+        ``["12\\text{ cm}", "13\\text{ cm}"]``); None otherwise.
+    """
+    pieces: list[list[str]] = [[]]
+    depth, position = 0, 0
+    while position < len(answer):
+        opening = _TEXT_OPEN.match(answer, position)
+        if opening and depth == 0:
+            end = _closing_brace(answer, opening.end())
+            if end is None:
+                pieces[-1].append(answer[position:])
+                break
+            for k, part in enumerate(_TEXT_SEPARATOR.split(answer[opening.end() : end])):
+                if k:
+                    pieces.append([])
+                if part.strip():
+                    pieces[-1].append(f"{opening.group()}{part}}}")
+            position = end + 1
+            continue
+        char = answer[position]
+        if char == "\\":
+            pair = answer[position : position + 2]  # a command's backslash, or an escaped \{ \} \,
+            depth += (pair == "\\{") - (pair == "\\}")
+            pieces[-1].append(pair)
+            position += 2
+            continue
+        depth += (char in _OPENERS) - (char in _CLOSERS)
+        if depth == 0 and char == "," and not _thousands_separator(answer, position):
+            pieces.append([])
+            position += 1
+            continue
+        word = _WORD_SEPARATOR.match(answer, position) if depth == 0 else None
+        if word:
+            pieces.append([])
+            position = word.end()
+            continue
+        pieces[-1].append(char)
+        position += 1
+    alternatives = [text for text in ("".join(piece).strip() for piece in pieces) if text]
+    return alternatives if len(alternatives) >= 2 else None
+
+
+def _thousands_separator(text: str, comma: int) -> bool:
+    """Whether the comma at ``text[comma]`` sits between a digit and exactly three digits (``1,200``)."""
+    before = text[comma - 1] if comma else ""
+    after = text[comma + 1 : comma + 5]
+    return before.isdigit() and len(after) >= 3 and after[:3].isdigit() and not after[3:4].isdigit()
+
+
 def unwrap_math_text(answer: str) -> str:
     """Replace every ``\\text{...}`` (or ``\\textrm``, ``\\textnormal``, ``\\mbox``) whose content
     is one math expression by that content, so that math-verify grades it as math.
@@ -117,6 +192,84 @@ def _is_one_expression(content: str) -> bool:
     return isinstance(expr, sympy.Expr) and not expr.free_symbols
 
 
+_CONNECTIVE = re.compile(r"\b(?:or|and)\b", re.IGNORECASE)
+"""A word that joins alternatives in a hedge (``12 \\text{ or } 13``, ``\\text{12 cm or 13 cm}``)."""
+_LIST_SEPARATOR = re.compile(r"[;]|,(?!\d)")
+"""A comma (not a thousands separator: ``1,200`` stays one number) or a semicolon between listed values."""
+_BRACKETS = {"(": 1, "[": 1, ")": -1, "]": -1}
+
+
+def split_alternatives(answer: str) -> list[str]:
+    """The alternatives an answer lists, as LaTeX strings: ``answer`` cut at the words ``or`` and
+    ``and`` (bare, or inside a ``\\text{}`` group, which is then cut in two) and at commas and
+    semicolons, all outside braces and brackets (``()``, ``[]``, ``\\{\\}``); blank pieces dropped.
+
+    ``12\\text{ cm} \\text{ or } 13\\text{ cm}`` gives ``["12\\text{ cm} ", " 13\\text{ cm}"]``,
+    ``\\text{12 cm or 13 cm}`` gives ``["\\text{12 cm }", "\\text{ 13 cm}"]``; ``\\frac{1}{2}``,
+    ``1,200`` and ``(3, 4)`` give themselves, one piece.  Only the text is cut; whether the
+    pieces are values is :func:`parse_latex`'s business.
+
+    Args:
+        answer: bare LaTeX (a boxed content or a label).
+
+    Returns:
+        The pieces in order (one piece, ``[answer]``, when nothing separates it; ``[]`` when it is blank).
+    """
+    pieces, current = [], []
+    position, brackets = 0, 0
+
+    def cut() -> None:
+        pieces.append("".join(current))
+        current.clear()
+
+    while position < len(answer):
+        text_group = _TEXT_OPEN.match(answer, position)
+        if text_group:
+            end = _closing_brace(answer, text_group.end())
+            if end is None:
+                current.append(answer[position:])
+                break
+            words = _CONNECTIVE.split(answer[text_group.end() : end]) if brackets == 0 else [None]
+            if len(words) == 1:
+                current.append(answer[position : end + 1])
+            else:
+                command = answer[position : text_group.end()]  # e.g. "\\text{"
+                for k, word in enumerate(words):
+                    if k:
+                        cut()
+                    if word.strip():
+                        current.append(f"{command}{word}}}")
+            position = end + 1
+            continue
+        char = answer[position]
+        if char == "\\":  # a command or an escaped character: kept whole, never cut
+            command = re.match(r"\\(?:[A-Za-z]+|.)", answer[position:], re.DOTALL)
+            current.append(command.group())
+            brackets = max(0, brackets + {"\\{": 1, "\\}": -1}.get(command.group(), 0))
+            position += len(command.group())
+            continue
+        if char == "{":
+            end = _closing_brace(answer, position + 1)
+            end = len(answer) - 1 if end is None else end
+            current.append(answer[position : end + 1])
+            position = end + 1
+            continue
+        brackets = max(0, brackets + _BRACKETS.get(char, 0))
+        if brackets == 0 and _LIST_SEPARATOR.match(answer, position):
+            cut()
+            position += 1
+            continue
+        word = _CONNECTIVE.match(answer, position) if brackets == 0 else None
+        if word and (position == 0 or not answer[position - 1].isalnum()):
+            cut()
+            position = word.end()
+            continue
+        current.append(char)
+        position += 1
+    cut()
+    return [piece for piece in pieces if piece.strip()]
+
+
 def parse_latex(answer: str) -> list:
     """Parse one answer string as LaTeX math with math-verify, after wrapping it in ``$...$``.
 
@@ -139,13 +292,35 @@ def parse_latex(answer: str) -> list:
     (:func:`unwrap_math_text`: ``\\text{12.6 cm}`` -> ``12.6 cm``), since math-verify would
     read them as symbols or words.
 
+    An answer that lists several alternatives (:func:`split_alternatives`: joined by ``or`` /
+    ``and``, or listed with commas) parses to the **set** of its alternatives, each parsed on
+    its own, as math-verify itself parses ``71 \\text{ or } 33`` to ``{33, 71}``: so a hedge
+    never equals one value (``12\\text{ cm} \\text{ or } 13\\text{ cm}`` is ``{12, 13}``, where
+    math-verify alone reads ``12`` and drops the rest), while alternatives that all have one
+    value are that value's set (``12\\text{ cm} \\text{ or } 12\\text{ cm}`` is ``{12}``, which
+    math-verify's ``verify`` equates with ``12``).  An alternative that does not parse enters
+    the set as a symbol named by its text, so it cannot make the set equal to a value.
+
     Args:
         answer: bare LaTeX, e.g. ``"\\frac{40}{3}"``.
 
     Returns:
-        math-verify's parse result: usually ``[sympy_expr, normalised_string]``; ``[]``
-        when nothing could be extracted (an empty or blank answer).
+        math-verify's parse result: usually ``[sympy_expr, normalised_string]`` (for several
+        alternatives ``[FiniteSet(...), "a, b"]``); ``[]`` when nothing could be extracted (an
+        empty or blank answer).
     """
+    alternatives = split_alternatives(answer)
+    if len(alternatives) < 2:
+        return _parse_one(answer)
+    values = []
+    for alternative in alternatives:
+        expr = parsed_expression(_parse_one(alternative.strip()))
+        values.append(expr if expr is not None else sympy.Symbol(alternative.strip()))
+    return [sympy.FiniteSet(*values), ", ".join(a.strip() for a in alternatives)]
+
+
+def _parse_one(answer: str) -> list:
+    """math-verify's parse of one answer wrapped in ``$...$``, its ``\\text{}`` math unwrapped."""
     return parse(f"${unwrap_math_text(answer)}$", parsing_timeout=None)
 
 
