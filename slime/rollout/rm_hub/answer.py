@@ -192,84 +192,6 @@ def _is_one_expression(content: str) -> bool:
     return isinstance(expr, sympy.Expr) and not expr.free_symbols
 
 
-_CONNECTIVE = re.compile(r"\b(?:or|and)\b", re.IGNORECASE)
-"""A word that joins alternatives in a hedge (``12 \\text{ or } 13``, ``\\text{12 cm or 13 cm}``)."""
-_LIST_SEPARATOR = re.compile(r"[;]|,(?!\d)")
-"""A comma (not a thousands separator: ``1,200`` stays one number) or a semicolon between listed values."""
-_BRACKETS = {"(": 1, "[": 1, ")": -1, "]": -1}
-
-
-def split_alternatives(answer: str) -> list[str]:
-    """The alternatives an answer lists, as LaTeX strings: ``answer`` cut at the words ``or`` and
-    ``and`` (bare, or inside a ``\\text{}`` group, which is then cut in two) and at commas and
-    semicolons, all outside braces and brackets (``()``, ``[]``, ``\\{\\}``); blank pieces dropped.
-
-    ``12\\text{ cm} \\text{ or } 13\\text{ cm}`` gives ``["12\\text{ cm} ", " 13\\text{ cm}"]``,
-    ``\\text{12 cm or 13 cm}`` gives ``["\\text{12 cm }", "\\text{ 13 cm}"]``; ``\\frac{1}{2}``,
-    ``1,200`` and ``(3, 4)`` give themselves, one piece.  Only the text is cut; whether the
-    pieces are values is :func:`parse_latex`'s business.
-
-    Args:
-        answer: bare LaTeX (a boxed content or a label).
-
-    Returns:
-        The pieces in order (one piece, ``[answer]``, when nothing separates it; ``[]`` when it is blank).
-    """
-    pieces, current = [], []
-    position, brackets = 0, 0
-
-    def cut() -> None:
-        pieces.append("".join(current))
-        current.clear()
-
-    while position < len(answer):
-        text_group = _TEXT_OPEN.match(answer, position)
-        if text_group:
-            end = _closing_brace(answer, text_group.end())
-            if end is None:
-                current.append(answer[position:])
-                break
-            words = _CONNECTIVE.split(answer[text_group.end() : end]) if brackets == 0 else [None]
-            if len(words) == 1:
-                current.append(answer[position : end + 1])
-            else:
-                command = answer[position : text_group.end()]  # e.g. "\\text{"
-                for k, word in enumerate(words):
-                    if k:
-                        cut()
-                    if word.strip():
-                        current.append(f"{command}{word}}}")
-            position = end + 1
-            continue
-        char = answer[position]
-        if char == "\\":  # a command or an escaped character: kept whole, never cut
-            command = re.match(r"\\(?:[A-Za-z]+|.)", answer[position:], re.DOTALL)
-            current.append(command.group())
-            brackets = max(0, brackets + {"\\{": 1, "\\}": -1}.get(command.group(), 0))
-            position += len(command.group())
-            continue
-        if char == "{":
-            end = _closing_brace(answer, position + 1)
-            end = len(answer) - 1 if end is None else end
-            current.append(answer[position : end + 1])
-            position = end + 1
-            continue
-        brackets = max(0, brackets + _BRACKETS.get(char, 0))
-        if brackets == 0 and _LIST_SEPARATOR.match(answer, position):
-            cut()
-            position += 1
-            continue
-        word = _CONNECTIVE.match(answer, position) if brackets == 0 else None
-        if word and (position == 0 or not answer[position - 1].isalnum()):
-            cut()
-            position = word.end()
-            continue
-        current.append(char)
-        position += 1
-    cut()
-    return [piece for piece in pieces if piece.strip()]
-
-
 def parse_latex(answer: str) -> list:
     """Parse one answer string as LaTeX math with math-verify, after wrapping it in ``$...$``.
 
@@ -292,35 +214,13 @@ def parse_latex(answer: str) -> list:
     (:func:`unwrap_math_text`: ``\\text{12.6 cm}`` -> ``12.6 cm``), since math-verify would
     read them as symbols or words.
 
-    An answer that lists several alternatives (:func:`split_alternatives`: joined by ``or`` /
-    ``and``, or listed with commas) parses to the **set** of its alternatives, each parsed on
-    its own, as math-verify itself parses ``71 \\text{ or } 33`` to ``{33, 71}``: so a hedge
-    never equals one value (``12\\text{ cm} \\text{ or } 13\\text{ cm}`` is ``{12, 13}``, where
-    math-verify alone reads ``12`` and drops the rest), while alternatives that all have one
-    value are that value's set (``12\\text{ cm} \\text{ or } 12\\text{ cm}`` is ``{12}``, which
-    math-verify's ``verify`` equates with ``12``).  An alternative that does not parse enters
-    the set as a symbol named by its text, so it cannot make the set equal to a value.
-
     Args:
         answer: bare LaTeX, e.g. ``"\\frac{40}{3}"``.
 
     Returns:
-        math-verify's parse result: usually ``[sympy_expr, normalised_string]`` (for several
-        alternatives ``[FiniteSet(...), "a, b"]``); ``[]`` when nothing could be extracted (an
-        empty or blank answer).
+        math-verify's parse result: usually ``[sympy_expr, normalised_string]``; ``[]``
+        when nothing could be extracted (an empty or blank answer).
     """
-    alternatives = split_alternatives(answer)
-    if len(alternatives) < 2:
-        return _parse_one(answer)
-    values = []
-    for alternative in alternatives:
-        expr = parsed_expression(_parse_one(alternative.strip()))
-        values.append(expr if expr is not None else sympy.Symbol(alternative.strip()))
-    return [sympy.FiniteSet(*values), ", ".join(a.strip() for a in alternatives)]
-
-
-def _parse_one(answer: str) -> list:
-    """math-verify's parse of one answer wrapped in ``$...$``, its ``\\text{}`` math unwrapped."""
     return parse(f"${unwrap_math_text(answer)}$", parsing_timeout=None)
 
 
