@@ -285,11 +285,10 @@ def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_mana
 
 
 def _logged_before(record: dict, start: int) -> bool:
-    """Whether a metrics record belongs to the history before resuming at rollout ``start``:
-    rollout records of steps < start, eval records of steps <= start (see :func:`loop`); at
-    ``start == 0`` none (the eval before training runs again)."""
+    """Whether a metrics record belongs to the history before resuming at rollout ``start`` (>= 1,
+    after a checkpoint): rollout records of steps < start, eval records of steps <= start (see :func:`loop`)."""
     is_eval = any(key.startswith("eval/") for key in record)
-    return 0 < start and (record["step"] <= start if is_eval else record["step"] < start)
+    return record["step"] <= start if is_eval else record["step"] < start
 
 
 def _check_load(root: str, backend_parts: tuple[str, ...]) -> None:
