@@ -10,6 +10,13 @@ One rollout step, in the algorithm's order::
 Where processes run, which backend trains and which engine samples are hidden in the
 worker groups (:mod:`slime.ray`, :mod:`slime.rollout.engine_group`); this file contains
 no backend or engine details.
+
+Exit status of ``python -m slime.train``: 0 when the run finished; 1 when it stopped with an
+error after its first rollout step began (``slime: error: ...``; resume it with ``--load``);
+:data:`EXIT_NOT_STARTED` (2, as for a usage error) when it stopped with an error before that
+(flags, a refused folder, the data, ``--load``, engines that did not start): nothing of it
+to resume, so fix the error and run the same command again; ``128 + N`` on signal ``N``.
+The geo3k launcher prints its resume line only when the status is not 2.
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import shlex
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import ray
 import torch
@@ -56,14 +65,23 @@ from slime.weight_sync import make_transport
 
 logger = logging.getLogger("slime")
 
+EXIT_NOT_STARTED = 2
+"""Exit status of a run that stopped with an error before its first rollout step (module docstring)."""
+COMMAND_FILE = "command.sh"
+"""In ``--output-dir``: the command that started the run, written once the run holds its folders."""
 
-def train(cfg: SlimeConfig) -> Path:
+
+def train(cfg: SlimeConfig, on_start: Callable[[], object] | None = None) -> Path:
     """Run GRPO as configured; returns the run directory (metrics.jsonl, reward_curve.png).
 
     Whatever ends the run (success, an error, Ctrl-C), the engines (and every process they
     started), the trainer ranks, the placement groups and the reward workers are stopped
     before this returns or raises, also on a Ray cluster joined with ``--ray-address``, which
     itself keeps running.  Clean-up problems are logged and never replace the original error.
+
+    Args:
+        cfg: the run's flags.
+        on_start: called once everything is set up, just before the first rollout step.
 
     Raises:
         ConfigError: the ``--rollout-backend``, ``--train-backend``, ``--advantage-estimator`` or
@@ -78,6 +96,8 @@ def train(cfg: SlimeConfig) -> Path:
             cleanup.callback(_quietly, ray.shutdown, "stopping Ray")
         cleanup.callback(_quietly, rollout_manager.close, "stopping the reward workers")
         run = setup(cfg, components, rollout_manager, cleanup)
+        if on_start is not None:
+            on_start()
         with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name,
                            config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
             loop(cfg, run, metrics_log)
@@ -224,7 +244,7 @@ def setup(
         start = trainers.init()
     if start > 0:
         rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
-    if cfg.checkpoint.load:  # also at start 0: the records of a run killed before its first checkpoint
+    if start > 0:  # records after the checkpoint go (a restart at 0 had claim_run_dirs drop them, if allowed)
         dropped = truncate_metrics(_run_dir(cfg) / METRICS_FILE, keep=lambda r: _logged_before(r, start))
         logger.info("resumed from %s at rollout %d (%d metrics records after the checkpoint dropped)",
                     cfg.checkpoint.load, start, dropped)
@@ -272,11 +292,10 @@ def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_mana
 
 
 def _logged_before(record: dict, start: int) -> bool:
-    """Whether a metrics record belongs to the history before resuming at rollout ``start``:
-    rollout records of steps < start, eval records of steps <= start (see :func:`loop`); at
-    ``start == 0`` none (the eval before training runs again)."""
+    """Whether a metrics record belongs to the history before resuming at rollout ``start`` (>= 1,
+    after a checkpoint): rollout records of steps < start, eval records of steps <= start (see :func:`loop`)."""
     is_eval = any(key.startswith("eval/") for key in record)
-    return 0 < start and (record["step"] <= start if is_eval else record["step"] < start)
+    return record["step"] <= start if is_eval else record["step"] < start
 
 
 def _check_load(root: str, backend_parts: tuple[str, ...]) -> None:
@@ -319,9 +338,13 @@ def _run_dir(cfg: SlimeConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m slime.train [flags]``; see the module docstring for the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
     parent = watch_parent(cfg.logging.parent_pid)  # started below, around the run
+    started = []  # [True] once the first rollout step begins
+
     try:
         if cfg.logging.check_only:
             components = resolve_components(cfg)
@@ -329,16 +352,44 @@ def main(argv: list[str] | None = None) -> None:
             return
         # One writer per --output-dir / --save; the run stops when --parent-pid exits.
         with claim_run_dirs(_run_dir(cfg), cfg.checkpoint.save, cfg.checkpoint.load,
-                            overwrite=cfg.logging.overwrite_output_dir), parent, _sigterm_raises():
-            train(cfg)
+                            overwrite=cfg.logging.overwrite_output_dir,
+                            checkpoint_parts=cfg.train_backend_config.checkpoint_parts()), parent, _sigterm_raises():
+            write_command(_run_dir(cfg), argv)
+            train(cfg, on_start=lambda: started.append(True))
     except KeyboardInterrupt:
         if not parent.fired.is_set():
             raise
-        sys.exit(f"slime: error: the launcher (--parent-pid {parent.pid}) exited, so the run stopped; "
-                 "resume it with --load")
+        _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
+              + ("; resume it with --load" if started else ""), started=bool(started))
     except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
             EngineStartError, PromptMismatchError, RunDirError) as e:
-        sys.exit(f"slime: error: {e}")
+        _fail(str(e), started=bool(started))
+
+
+def _fail(message: str, *, started: bool) -> None:
+    """Print ``slime: error: <message>`` to stderr and exit: status 1 once the run's first step
+    began, :data:`EXIT_NOT_STARTED` before."""
+    print(f"slime: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1 if started else EXIT_NOT_STARTED)
+
+
+def write_command(run_dir: Path, argv: list[str]) -> Path:
+    """Write ``run_dir/command.sh``: this interpreter, ``-m slime.train`` and ``argv`` without
+    ``--parent-pid`` (so that it can be re-run from a shell, e.g. under ``nohup``).
+
+    Called once the run holds its folders' locks, so only the run that owns ``run_dir`` writes it.
+    """
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--parent-pid":
+            skip = True
+        elif not arg.startswith("--parent-pid="):
+            kept.append(arg)
+    path = run_dir / COMMAND_FILE
+    path.write_text(shlex.join([sys.executable, "-m", "slime.train", *kept]) + "\n")
+    return path
 
 
 @contextlib.contextmanager

@@ -41,13 +41,6 @@ def test_resume_keeps_rollout_records_before_start_and_eval_records_up_to_it():
     assert _logged_before({"step": 0, "eval/geo3k/accuracy": 0.5}, 3)  # the eval before training
 
 
-def test_resume_at_rollout_zero_keeps_nothing():
-    # --load of a folder without a checkpoint (a run killed before its first save): everything,
-    # the eval before training included, runs again.
-    assert not _logged_before({"step": 0, "rollout/reward_mean": 0.1}, 0)
-    assert not _logged_before({"step": 0, "eval/geo3k/accuracy": 0.5}, 0)
-
-
 def test_num_epoch_becomes_num_rollout_from_the_row_count(tiny_ckpt):
     cfg = _cfg(tiny_ckpt, "--num-epoch", "2", "--rollout-backend", "transformers", "--train-backend", "fsdp")
     _resolve_num_rollout(cfg)
@@ -220,3 +213,38 @@ def test_sigterm_becomes_system_exit_during_a_run():
         raise AssertionError("SIGTERM did not raise")
     assert info.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before  # restored after the run
+
+
+@pytest.mark.parametrize("starts, expected_status", [(False, 2), (True, 1)])
+def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the_lock_holder(
+    tiny_ckpt, tmp_path, monkeypatch, capsys, starts, expected_status
+):
+    """An error before the first rollout step exits 2 (nothing to resume; the launcher prints no
+    resume line), one after it exits 1; command.sh is written once the run holds its folders."""
+    import os
+    import shlex
+    import sys
+
+    from slime import train as driver
+    from slime.rollout.manager import PromptMismatchError
+    from slime.utils.data import DatasetError
+
+    def train(cfg, on_start=None):
+        if starts:
+            on_start()
+            raise PromptMismatchError("engine saw 12 prompt tokens, the data pipeline 13")
+        raise DatasetError("train.parquet row 3: no 'problem' column")
+
+    monkeypatch.setattr(driver, "train", train)
+    run = tmp_path / "run"
+    argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--rollout-batch-size", "5",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--rollout-num-gpus", "1",
+            "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp",
+            "--output-dir", str(run), "--parent-pid", str(os.getpid()), "--lr", "2e-6"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == expected_status
+    err = capsys.readouterr().err
+    assert ("engine saw 12 prompt tokens" if starts else "row 3: no 'problem' column") in err
+    without_parent = argv[:-4] + argv[-2:]
+    assert shlex.split((run / "command.sh").read_text()) == [sys.executable, "-m", "slime.train", *without_parent]

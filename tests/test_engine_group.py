@@ -1,5 +1,6 @@
 """Rollout engines on a real local Ray (CPU bundles): placement over all of an engine's bundles,
-start-up health checks, per-request balancing, pause/continue and shutdown.
+start-up health checks, per-request balancing (also when a step fits in the engines at once),
+pause/continue and shutdown.
 
 The engines are the stubs of :mod:`tests.stub_engines`, selected with ``--rollout-backend
 tests.stub_engines:<Class>`` and started the way the driver starts them
@@ -21,7 +22,7 @@ from ray.util.placement_group import placement_group_table
 
 from slime.ray.config import ClusterConfig
 from slime.ray.placement import create_placement_groups, init_ray, node_ip
-from slime.rollout.engine_group import EngineError, EngineStartError, RolloutEngineGroup
+from slime.rollout.engine_group import EngineError, EngineStartError, RolloutEngineGroup, balance_windows
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.train import resolve_components
 from slime.utils.arguments import parse_args
@@ -136,6 +137,46 @@ def test_a_slow_engine_serves_fewer_requests_and_outputs_keep_request_order(loca
     slow_calls = max(r["call"] for r in records if r["engine"] == 1)
     assert served[1] <= slow_calls * EchoEngine.CAPACITY
     assert elapsed >= slow_calls * SlowSecondEngine.SLOW_S
+
+
+def test_a_slow_engine_serves_fewer_requests_also_when_the_step_fits_in_the_engines_at_once(local_ray, tmp_path):
+    from tests.stub_engines import EchoEngine
+
+    # 2 engines of capacity 2 and 4 requests: all of them fit at once, and equal contiguous halves
+    # would give each engine 2 (engine of each request [0, 0, 1, 1]) and a step of one slow call.
+    # The window is ceil(ceil(4 / 2) / 2) = 1 request per engine: r0 goes to engine 0, r1 to the
+    # slow engine 1, and engine 0, back at once, takes r2, then r3, while engine 1 still sleeps.
+    cfg = _cfg(tmp_path, "SlowSecondEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
+    placement, engines = _start(cfg)
+    try:
+        assert engines.capacities == [EchoEngine.CAPACITY] * 2 == [2, 2]
+        outputs = engines.generate(_requests(4))
+    finally:
+        engines.shutdown()
+        placement.remove()
+    records = _records(outputs)
+    assert [r["rid"] for r in records] == ["r0", "r1", "r2", "r3"]
+    assert [out.engine_index for out in outputs] == [r["engine"] for r in records] == [0, 1, 0, 0]
+    assert [r["call"] for r in records] == [1, 1, 2, 3]  # one request per call on each engine
+
+
+@pytest.mark.parametrize(
+    "num_requests, capacities, expected",
+    [
+        (4, [2, 2], [1, 1]),  # the step fits at once: half an even share each
+        (16, [2, 2], [2, 2]),  # capacity binds
+        (5, [2, 2], [2, 2]),  # even share 3, half of it rounded up
+        (512, [512, 512], [128, 128]),  # two SGLang engines of concurrency 512, a 512-sample step
+        (512, [512] * 4, [64] * 4),
+        (512, [512], [512]),  # one engine: its full capacity, as alone
+        (5, [32], [32]),
+        (3, [2, 2, 2], [1, 1, 1]),  # at least one request in flight
+        (16, [2, 32], [2, 4]),
+        (0, [2, 2], [1, 1]),
+    ],
+)
+def test_balance_windows(num_requests, capacities, expected):
+    assert balance_windows(num_requests, capacities) == expected
 
 
 def test_one_engine_gets_full_batches_in_order_and_pause_reaches_it(local_ray, tmp_path):

@@ -103,8 +103,9 @@ def test_cpu_default_run_leaves_metrics_plot_and_checkpoint(tiny_ckpt, tmp_path)
     assert f"[geo3k] done. Output: {out}" in text
 
     # The command it ran: the bundled data, 2 trainer ranks, >= 1 engine, our extra flag last.
-    argv = shlex.split((out / "command.sh").read_text())
-    assert argv[:3] == ["python", "-m", "slime.train"] and argv[-2:] == ["--num-rollout", "3"]
+    argv = shlex.split((out / "command.sh").read_text())  # written by the driver, without --parent-pid
+    assert Path(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "slime.train"]
+    assert argv[-2:] == ["--num-rollout", "3"]
     cfg = parse_args(argv[3:])
     assert Path(cfg.data.prompt_data) == DATA_DIR
     assert cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node == 2
@@ -280,7 +281,9 @@ def test_printed_resume_line_reproduces_the_folders_with_a_custom_save(tiny_ckpt
     assert launcher.wait(timeout=RUN_TIMEOUT_S) == 2, _tail(log)
     text = log.read_text()
     (resume,) = re.findall(r"^\[geo3k\] resume this run after a crash or a kill \(same folders\): (.*)$", text, re.M)
-    assert f"the run stopped (exit 2); resume it with: {resume}" in text
+    # The driver stopped before its first step (exit 2): no resume line at the end, nothing to resume.
+    assert "[geo3k] the run did not start (exit 2; the error is above): nothing to resume" in text
+    assert "resume it with" not in text
     words = shlex.split(resume)
     assert words[-2:] == ["--load", str(save)] and "--overwrite-output-dir" not in words
     # Run the printed line as a user would (dry run: print the command), from another folder.
@@ -311,3 +314,73 @@ def test_a_used_run_directory_is_refused_before_anything_is_written(tiny_ckpt, t
     assert result.returncode == 1
     assert f"slime: error: --output-dir {out} already holds the metrics of a run" in result.stderr
     assert (out / "command.sh").read_text() == "the first run's command\n"  # not overwritten
+
+
+RACE_SHIM = """#!/usr/bin/env bash
+# python, except that the launcher's folder probe always passes: as when another launcher takes
+# the folder between this one's probe and its driver's lock.
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "slime.utils.run_lock" ]; then exit 0; fi
+exec %s "$@"
+"""
+
+HOLDER = """
+import sys
+from slime.utils.run_lock import claim_run_dirs
+claim = claim_run_dirs(sys.argv[1], sys.argv[2], None, command=["the", "first", "run"])
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_loser_of_a_start_race_leaves_the_live_runs_folder_alone(tiny_ckpt, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "launcher.log"
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "python").write_text(RACE_SHIM % shlex.quote(sys.executable))
+    (shim / "python").chmod(0o755)
+    env = _env(out)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), str(out / "checkpoints")], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (out / "command.sh").write_text("the first run's command\n")
+        env["PATH"] = os.pathsep.join([str(shim), env["PATH"]])
+        launcher = _start(["--num-rollout", "2"], env, log)
+        assert launcher.wait(timeout=RUN_TIMEOUT_S) == 2, _tail(log)
+    finally:
+        holder.kill()
+        holder.wait()
+    text = log.read_text()
+    assert f"slime: error: --output-dir {out} is in use by another slime run (pid {holder.pid}" in text
+    assert "[geo3k] the run did not start (exit 2; the error is above): nothing to resume" in text
+    assert "resume it with" not in text
+    assert (out / "command.sh").read_text() == "the first run's command\n"  # only the lock holder writes it
+
+
+def test_relative_paths_are_taken_from_where_the_launcher_is_run(tiny_ckpt, tmp_path):
+    data = tmp_path / "mydata"
+    data.mkdir()
+    for name in ("train.parquet", "test.parquet"):
+        (data / name).symlink_to(DATA_DIR / name)
+    env = {**_env(tmp_path / "unused", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_DATASET_NAME="mydata"),
+           "SLIME_SCRIPT_OUTPUT_DIR": "envout"}
+    hf = os.path.relpath(tiny_ckpt, tmp_path)
+    flags = ["--save", "ck", "--load=./ck", "--hf-checkpoint", hf, "--prompt-data", "mydata@train",
+             "--eval-prompt-data", "a", "mydata/test.parquet", "b", "hub/name", "--save-debug-rollout-data",
+             "dumps/r_{rollout_id}.jsonl", "--lr", "2e-6"]  # fmt: skip
+    result = subprocess.run(["bash", str(LAUNCHER), *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    cfg = parse_args(argv[3:])
+    assert cfg.logging.output_dir == str(tmp_path / "envout")
+    assert cfg.checkpoint.save == cfg.checkpoint.load == str(tmp_path / "ck")
+    assert Path(cfg.checkpoint.hf_checkpoint).resolve() == Path(tiny_ckpt).resolve()
+    assert Path(cfg.checkpoint.hf_checkpoint).is_absolute()
+    assert cfg.data.prompt_data == f"{data}@train"
+    assert cfg.eval.eval_prompt_data == ["a", str(data / "test.parquet"), "b", "hub/name"]  # a hub name stays
+    assert cfg.logging.save_debug_rollout_data == str(tmp_path / "dumps" / "r_{rollout_id}.jsonl")
+    i = argv.index("--prompt-data")  # the script's own data flags, from SLIME_SCRIPT_DATASET_NAME
+    assert argv[i + 1] == str(data)
+    assert ["--eval-prompt-data", "geo3k", str(data / "test.parquet")] == argv[argv.index("geo3k") - 1:][:3]
+    assert not (tmp_path / "envout").exists() and not (tmp_path / "ck").exists()

@@ -38,7 +38,7 @@ from slime.rollout.rm_hub import (
     math_reward,
     resolve_reward_function,
 )
-from slime.rollout.rm_hub.answer import last_boxed, numeric_value, parse_latex, unwrap_math_text
+from slime.rollout.rm_hub.answer import answer_alternatives, last_boxed, numeric_value, parse_latex, unwrap_math_text
 from slime.rollout.rm_hub.geo3k import decimal_places
 from slime.utils.config import ConfigError
 
@@ -198,6 +198,63 @@ def test_math_reward_hand_cases(response, label, expected):
 def test_text_wrapped_math_is_graded_as_math_without_opening_hedges(response, label, expected):
     assert math_reward(response, label, MATH) == expected
     assert geo3k_reward(response, label, GEO3K) == expected
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        # Hedges between values with units: math-verify alone reads only the first value (12).
+        (r"\boxed{12\text{ cm} \text{ or } 13\text{ cm}}", "12", 0.0),
+        (r"\boxed{12\text{ cm} \text{ or } 13\text{ cm}}", "13", 0.0),
+        (r"\boxed{12\text{ cm} \text{ or } 13\text{ cm}}", "12.0", 0.0),  # nor by geo3k's tolerance
+        (r"\boxed{12 \text{ cm or } 13 \text{ cm}}", "12", 0.0),
+        (r"\boxed{\text{12 cm or 13 cm}}", "12", 0.0),
+        (r"\boxed{12\text{ cm}, 13\text{ cm}}", "12", 0.0),
+        (r"\boxed{12\text{ cm and }13\text{ cm}}", "13", 0.0),
+        (r"\boxed{12^\circ \text{ or } 13^\circ}", "12", 0.0),
+        (r"\boxed{x = 12 \text{ or } x = 13}", "12", 0.0),
+        (r"\boxed{12 \text{ (or 13)}}", "13", 0.0),
+        (r"\boxed{12 \text{ or more}}", "12", 0.0),  # an alternative that is not a value
+        # Not hedges: the same value twice, a set against a set label, values that hold a comma.
+        (r"\boxed{12 \text{ cm or } 12 \text{ cm}}", "12", 1.0),
+        (r"\boxed{3 \text{ and } 2}", "2, 3", 1.0),
+        (r"\boxed{2, 3}", "2, 3", 1.0),
+        (r"\boxed{2\text{ cm}, 3\text{ cm}}", "2, 3", 1.0),
+        (r"\boxed{2, 4}", "2, 3", 0.0),
+        (r"\boxed{(3, 4)}", "(3, 4)", 1.0),
+        (r"\boxed{1,200}", "1200", 1.0),
+        (r"\boxed{\text{12.6 cm}}", "12.6", 1.0),
+    ],
+)
+def test_hedges_with_units_score_zero(response, label, expected):
+    assert math_reward(response, label, MATH) == expected
+    assert geo3k_reward(response, label, GEO3K) == expected
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        (r"12\text{ cm} \text{ or } 13\text{ cm}", [r"12\text{ cm}", r"13\text{ cm}"]),
+        (r"12 \text{ cm or } 13 \text{ cm}", [r"12 \text{ cm }", r"13 \text{ cm}"]),
+        (r"\text{12 cm or 13 cm}", [r"\text{12 cm }", r"\text{ 13 cm}"]),
+        (r"12, 13", ["12", "13"]),
+        (r"12 or 13 and 14", ["12", "13", "14"]),
+        (r"x = 12 \text{ or } x = 13", ["x = 12", "x = 13"]),
+        (r"12.6\text{ cm}", None),
+        (r"(3, 4)", None),
+        (r"\left(3, 4\right)", None),
+        (r"[1, 2)", None),
+        (r"\{1, 2\}", None),
+        (r"1,200", None),
+        (r"1,234,567", None),
+        (r"\text{1,200 cm}", None),
+        (r"\frac{\text{a or b}}{2}", None),  # inside a group
+        (r"\operatorname{cor} 5", None),  # a word that contains "or"
+        (r"12, ", None),  # one value
+    ],
+)
+def test_answer_alternatives(answer, expected):
+    assert answer_alternatives(answer) == expected
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ even ones, so every expected reward and advantage is worked out by hand below.
 from __future__ import annotations
 
 import io
+import logging
 import math
 
 import pyarrow as pa
@@ -285,6 +286,24 @@ def test_overlong_filter_masks_truncated_samples_out_of_the_loss(tmp_path, tiny_
     expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     assert [s.advantage for s in batch.samples] == pytest.approx([-expected, expected] * 4, rel=1e-6)
     assert batch.metrics["rollout/loss_masked_samples"] == 3
+
+
+def test_overlong_filter_with_a_stop_properly_penalty_applies_both_and_says_so(tmp_path, tiny_ckpt, caplog):
+    with caplog.at_level(logging.WARNING, logger="slime.rollout.manager"):
+        batch = _truncated_batch(tmp_path, tiny_ckpt, "--overlong-filter", "--stop-properly-penalty-coef", "0.5")
+    assert "--overlong-filter and --stop-properly-penalty-coef 0.5 are both set, and both apply" in caplog.text
+    rewards = [s.reward for s in batch.samples]
+    assert rewards == [0.0, 1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 1.0]  # request 3 penalised ...
+    for i, sample in enumerate(batch.samples):  # ... and every truncated sample (0, 3, 6) masked
+        assert sample.loss_mask == ([0] * 3 if i % 3 == 0 else [1] * sample.response_length), i
+    group = rewards[:4]  # the penalised reward moves its group's advantages (float64, unbiased std, eps 1e-6)
+    mean = sum(group) / 4
+    std = math.sqrt(sum((r - mean) ** 2 for r in group) / 3)
+    for sample, r in zip(batch.samples[:4], group):
+        assert sample.advantage == pytest.approx((r - mean) / (std + 1e-6), rel=1e-6)
+    m = batch.metrics
+    assert (m["rollout/truncated_reward_penalized_count"], m["rollout/loss_masked_samples"]) == (1, 3)
+    assert m["rollout/shaped_reward_mean"] == pytest.approx(3.5 / 8)
 
 
 def test_stop_properly_penalty_coef_out_of_range_is_refused(tmp_path, tiny_ckpt):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from slime.utils.checkpoint import CheckpointError
 from slime.utils.run_lock import LOCK_FILE, RunDirError, check_run_dirs, claim_run_dirs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def test_the_lock_dies_with_its_holder_even_by_sigkill(tmp_path, holder):
     claim.release()  # idempotent
 
 
-def test_the_driver_refuses_a_live_runs_folder_before_loading_anything(tmp_path, holder, tiny_ckpt):
+def test_the_driver_refuses_a_live_runs_folder_before_loading_anything(tmp_path, holder, tiny_ckpt, capsys):
     from slime.train import main
 
     argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(tmp_path / "missing.parquet"),
@@ -76,8 +77,10 @@ def test_the_driver_refuses_a_live_runs_folder_before_loading_anything(tmp_path,
             "--output-dir", str(tmp_path / "run")]  # fmt: skip
     with pytest.raises(SystemExit) as info:
         main(argv)
-    assert str(info.value.code).startswith(f"slime: error: --output-dir {tmp_path / 'run'} is in use")
-    assert f"pid {holder.pid}" in str(info.value.code)
+    assert info.value.code == 2  # before its first step: nothing of it to resume
+    err = capsys.readouterr().err
+    assert err.startswith(f"slime: error: --output-dir {tmp_path / 'run'} is in use")
+    assert f"pid {holder.pid}" in err
 
 
 def _used_run(root: Path) -> tuple[Path, Path]:
@@ -85,6 +88,7 @@ def _used_run(root: Path) -> tuple[Path, Path]:
     run, ckpt = root / "run", root / "run" / "checkpoints"
     (ckpt / "iter_0000001" / "model").mkdir(parents=True)
     (ckpt / "iter_0000003").mkdir()
+    (ckpt / "iter_0000003" / "rollout_state.pt").write_bytes(b"state")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")
     (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
     (run / "reward_curve.png").write_bytes(b"png")
@@ -153,7 +157,114 @@ def test_cli_probe_for_the_launcher(tmp_path):
     refused = probe(*common)
     assert refused.returncode == 1 and refused.stderr.startswith(f"slime: error: --output-dir {run} already holds")
     assert probe(*common, "--load", str(ckpt)).returncode == 0
+    typo = probe(*common, "--load", str(tmp_path / "ckpt_typo"))
+    assert typo.returncode == 1 and f"--load {tmp_path / 'ckpt_typo'} does not exist" in typo.stderr
     assert probe(*common, "--overwrite-output-dir").returncode == 0
     assert (ckpt / "iter_0000003").is_dir()  # the probe deletes nothing
     assert probe("--output-dir", str(tmp_path / "new"), "--output-dir", str(run)).returncode == 1  # last one wins
     assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# --load of a used run directory must resume something (issue 12: only a resume or an overwrite)
+
+
+def _earlier_run(run: Path, save: Path, steps: int, saved_at: tuple[int, ...] = ()) -> str:
+    """A run that held ``run`` with ``--save save`` and logged ``steps`` records (those in
+    ``saved_at`` with the save time a step that saved has); returns its metrics file's text."""
+    with claim_run_dirs(run, save, save, command=["earlier", "run"]):
+        text = "".join(
+            json.dumps({"step": k, "rollout/reward_mean": 0.0, **({"perf/save_time_s": 1.5} if k in saved_at else {})})
+            + "\n" for k in range(steps)
+        )  # fmt: skip
+        (run / "metrics.jsonl").write_text(text)
+    return text
+
+
+def _lock_record(folder: Path) -> dict:
+    return json.loads((folder / LOCK_FILE).read_text())
+
+
+def test_a_load_that_resumes_nothing_is_refused_and_the_metrics_stay(tmp_path):
+    # The reviewer's case: a finished run's folder (5 records, checkpoints in ck), re-run with
+    # a new --save and a --load typo; and the same with a --load folder that holds no checkpoint.
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    text = _earlier_run(run, ck, 5, saved_at=(2, 4))
+    (ck / "iter_0000004").mkdir()
+    (ck / "iter_0000004" / "rollout_state.pt").write_bytes(b"state")
+    (ck / "latest_checkpointed_iteration.txt").write_text("4\n")
+    record = _lock_record(run)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [(tmp_path / "ckpt_typo", "does not exist"), (empty, "holds no checkpoint")]
+    for load, why in cases:
+        with pytest.raises(RunDirError, match=rf"--output-dir {run} already holds the metrics of a run .*5 records\), "
+                                              rf"and --load {load} {why}.*--overwrite-output-dir"):
+            claim_run_dirs(run, tmp_path / "ck2", load)
+        with pytest.raises(RunDirError, match=why):
+            check_run_dirs(run, tmp_path / "ck2", load, overwrite=False)  # the launcher's probe says the same
+        assert (run / "metrics.jsonl").read_text() == text
+        assert _lock_record(run) == record  # the refused run put the folder's record back
+    with claim_run_dirs(run, tmp_path / "ck2", ck):  # a real checkpoint is a resume (the driver drops later records)
+        assert (run / "metrics.jsonl").read_text() == text
+
+
+def test_the_driver_refuses_a_load_typo_on_a_used_run_directory_and_keeps_its_metrics(tmp_path, tiny_ckpt, capsys):
+    from slime.train import EXIT_NOT_STARTED, main
+
+    run = tmp_path / "run"
+    text = _earlier_run(run, tmp_path / "ck", 5, saved_at=(2, 4))
+    argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(tmp_path / "missing.parquet"),
+            "--rollout-batch-size", "2", "--rollout-max-response-len", "4", "--num-rollout", "1",
+            "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--rollout-backend", "transformers",
+            "--output-dir", str(run), "--save", str(tmp_path / "ck2"), "--load", str(tmp_path / "ckpt_typo")]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == EXIT_NOT_STARTED == 2
+    assert f"slime: error: --output-dir {run} already holds the metrics" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == text
+    assert not (run / "command.sh").exists()  # written only by a run that holds the folder
+
+
+def test_save_d_load_d_restarts_a_run_that_died_before_its_first_checkpoint(tmp_path, caplog):
+    run, d = tmp_path / "run", tmp_path / "d"
+    _earlier_run(run, d, 2)  # --save d --load d, killed during rollout 2: no checkpoint, 2 records
+    (run / "reward_curve.png").write_bytes(b"png")
+    assert check_run_dirs(run, d, d, overwrite=False) is None and (run / "metrics.jsonl").exists()  # the probe
+    with caplog.at_level(logging.WARNING), claim_run_dirs(run, d, d):
+        assert not (run / "metrics.jsonl").exists() and not (run / "reward_curve.png").exists()
+    assert f"--output-dir {run}: restarting its run, which stopped before its first checkpoint" in caplog.text
+    assert "dropping its 2 metrics records" in caplog.text
+
+
+def test_save_d_load_d_does_not_restart_another_runs_or_a_checkpointed_runs_metrics(tmp_path):
+    run, d, other = tmp_path / "run", tmp_path / "d", tmp_path / "other"
+    text = _earlier_run(run, d, 2)
+    with pytest.raises(RunDirError, match=rf"--load {other} holds no checkpoint, and the run in this folder saved to "
+                                          rf"--save {d}, not to {other}"):
+        claim_run_dirs(run, other, other)
+    assert (run / "metrics.jsonl").read_text() == text
+    with claim_run_dirs(run, d, d):  # the refusal above kept the folder's record: its own --save still restarts it
+        assert not (run / "metrics.jsonl").exists()
+
+    # A run that saved checkpoints (its records say so) whose --save folder is now empty: refused.
+    run2 = tmp_path / "run2"
+    text = _earlier_run(run2, d, 3, saved_at=(1,))
+    with pytest.raises(RunDirError, match=r"saved checkpoints \(records with perf/save_time_s\) that are gone"):
+        claim_run_dirs(run2, d, d)
+    # A run directory whose lock file does not say which --save its run used (an older slime): refused.
+    (run2 / LOCK_FILE).write_text("")
+    with pytest.raises(RunDirError, match="which --save the run in this folder used is unknown"):
+        claim_run_dirs(run2, d, d)
+    assert (run2 / "metrics.jsonl").read_text() == text
+
+
+def test_a_used_run_directory_resumed_from_an_incomplete_checkpoint_is_refused(tmp_path):
+    run, ckpt = _used_run(tmp_path)
+    (ckpt / "iter_0000003" / "rollout_state.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"--load .*checkpoints: the latest checkpoint \(rollout 3\) lacks"):
+        claim_run_dirs(run, ckpt, ckpt)
+    (ckpt / "iter_0000003" / "rollout_state.pt").write_bytes(b"state")
+    with pytest.raises(CheckpointError, match=r"lacks .*iter_0000003/model"):  # the backend's parts, from the driver
+        claim_run_dirs(run, ckpt, ckpt, checkpoint_parts=("model",))
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2

@@ -23,10 +23,62 @@
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
 #   WANDB_API_KEY               set -> --use-wandb (project slime-geo3k-vlm)
+#
+# Relative paths (in the variables above and in the path flags: --output-dir, --save, --load,
+# --ref-load, --hf-checkpoint, --save-debug-rollout-data, --prompt-data, --eval-prompt-data) are
+# taken from the directory the script is run from, not from the repository it changes to.
 
 set -euo pipefail
 
 SLIME_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)"
+USER_DIR=$PWD
+
+# A path given relative to the directory the user ran the script from, made absolute.
+abs_path() {
+   case "$1" in
+      /*|"") printf '%s' "$1" ;;
+      *) local rel=${1#./}; printf '%s' "$USER_DIR${rel:+/$rel}" ;;
+   esac
+}
+# A dataset (file, folder, FOLDER@split or hub name): made absolute when it names a local path
+# there (with its @split kept), left as it is otherwise (a hub name).
+abs_data() {
+   if [ -z "$1" ] || [ "${1#/}" != "$1" ]; then printf '%s' "$1"
+   elif [ -e "$USER_DIR/$1" ]; then abs_path "$1"
+   elif [[ "$1" == *@* ]] && [ -e "$USER_DIR/${1%@*}" ]; then printf '%s@%s' "$(abs_path "${1%@*}")" "${1##*@}"
+   else printf '%s' "$1"
+   fi
+}
+for var in SLIME_SCRIPT_OUTPUT_DIR SLIME_SCRIPT_HF_CHECKPOINT; do
+   if [ -n "${!var+x}" ]; then printf -v "$var" '%s' "$(abs_path "${!var}")"; fi
+done
+if [ -n "${SLIME_SCRIPT_DATASET_NAME+x}" ]; then SLIME_SCRIPT_DATASET_NAME=$(abs_data "$SLIME_SCRIPT_DATASET_NAME"); fi
+# The same for the values of the path flags among the extra arguments (--flag VALUE and --flag=VALUE).
+RESOLVED=()
+PENDING=""  # the kind of value the previous argument asked for: path, data, or eval (NAME PATH pairs)
+EVAL_INDEX=0
+for arg in "$@"; do
+   case "$PENDING" in
+      path) RESOLVED+=("$(abs_path "$arg")"); PENDING=""; continue ;;
+      data) RESOLVED+=("$(abs_data "$arg")"); PENDING=""; continue ;;
+      eval)
+         if [ "${arg#--}" = "$arg" ]; then
+            if [ $((EVAL_INDEX % 2)) = 1 ]; then RESOLVED+=("$(abs_data "$arg")"); else RESOLVED+=("$arg"); fi
+            EVAL_INDEX=$((EVAL_INDEX + 1)); continue
+         fi
+         PENDING="" ;;
+   esac
+   case "$arg" in
+      --output-dir|--save|--load|--ref-load|--hf-checkpoint|--save-debug-rollout-data) PENDING=path ;;
+      --prompt-data) PENDING=data ;;
+      --eval-prompt-data) PENDING=eval; EVAL_INDEX=0 ;;
+      --output-dir=*|--save=*|--load=*|--ref-load=*|--hf-checkpoint=*|--save-debug-rollout-data=*)
+         RESOLVED+=("${arg%%=*}=$(abs_path "${arg#*=}")"); continue ;;
+      --prompt-data=*) RESOLVED+=("--prompt-data=$(abs_data "${arg#*=}")"); continue ;;
+   esac
+   RESOLVED+=("$arg")
+done
+set -- ${RESOLVED[@]+"${RESOLVED[@]}"}
 cd "$SLIME_DIR"
 
 DATASET_NAME=${SLIME_SCRIPT_DATASET_NAME:-"chenhegu/geo3k_imgurl"}
@@ -194,8 +246,10 @@ if [ "$DRY_RUN" = "1" ]; then
    printf '%q ' python -m slime.train "${ARGS[@]}" "$@"; echo
    exit 0
 fi
-# Refuse, before writing anything, a run directory or checkpoint folder that a live run holds, or
-# that holds a finished run's results without --load (resume) or --overwrite-output-dir.
+# Refuse, before downloading or starting anything, a run directory or checkpoint folder that a live
+# run holds, or that holds a run's results this one neither resumes nor overwrites.  The driver
+# checks again when it takes the folders' locks (two launchers may pass this probe at once), and
+# only then writes command.sh into the run directory.
 python -m slime.utils.run_lock "${ARGS[@]}" "$@" || exit $?
 if [ "$NEED_DOWNLOAD" = "1" ]; then
    # Refuse bad flags or a backend missing here before a download of tens of GB.
@@ -203,9 +257,6 @@ if [ "$NEED_DOWNLOAD" = "1" ]; then
    echo "[geo3k] downloading Qwen/$MODEL_NAME to $HF_CHECKPOINT"
    hf download "Qwen/$MODEL_NAME" --local-dir "$HF_CHECKPOINT"
 fi
-mkdir -p "$OUTPUT_DIR"
-printf '%q ' python -m slime.train "${ARGS[@]}" "$@" >"$OUTPUT_DIR/command.sh"
-echo >>"$OUTPUT_DIR/command.sh"
 
 # The command that resumes this run into the same folders: the SLIME_SCRIPT_* variables that were
 # set, this script, the extra arguments as given (so a custom --save or --output-dir stays) minus
@@ -264,7 +315,14 @@ stop_run() {
 cleanup() {
    local status=$?
    stop_run
-   if [ "$status" != "0" ]; then echo "[geo3k] the run stopped (exit $status); resume it with: $RESUME"; fi
+   case "$status" in
+      0) ;;
+      # The driver's status for an error before its first rollout step (slime/train.py): bad flags
+      # or data, a folder another run holds or that holds a run: nothing of this run to resume.
+      2) echo "[geo3k] the run did not start (exit 2; the error is above): nothing to resume. Fix it and run" \
+              "the same command again" ;;
+      *) echo "[geo3k] the run stopped (exit $status); resume it with: $RESUME" ;;
+   esac
 }
 trap cleanup EXIT
 trap 'exit 130' INT

@@ -7,15 +7,32 @@ of all its bundles; :meth:`RolloutEngineGroup.wait_until_healthy` then polls eve
 tail) when one raises or is not healthy within the timeout.
 
 Generation: :meth:`RolloutEngineGroup.generate` keeps the step's requests in one queue and
-keeps feeding every engine that has free capacity (requests in flight below its
-``capacity``).  Each round fills the engines least-free first, each with
-``min(free capacity, ceil(queued / engines left))`` requests (water-filling), sent in calls of
-at most ``max_requests_per_call``; whenever a call returns, its engine's capacity is free
-again and the next requests go out.  So equally fast engines get equal shares, and once the
-step has more requests than the engines take at once, a slow engine serves fewer of them
-instead of holding the step.  Outputs come back in request order, one per request.  With one
-engine that batches per call (transformers: capacity = batch size, one call at a time) the
-schedule is the engine's own: batches of ``capacity`` requests, one after the other.
+hands them out as engines free up, so that a slow engine serves fewer requests instead of
+holding the step.  Each engine keeps at most its *window* of requests in flight
+(:func:`balance_windows`): with one engine its ``capacity``; with ``E > 1`` engines and ``N``
+requests in the step, half an even share, ``ceil(ceil(N / E) / 2)`` (at least 1, at most the
+engine's ``capacity``).  Each round fills the engines least-free first, each with
+``min(free window, ceil(queued / engines left))`` requests (water-filling), sent in calls of
+at most ``max_requests_per_call``; whenever a call returns, its engine's window is free again
+and the next requests go to it.  So at least half of the step stays in the queue at the
+start, and goes to whichever engines return first: a fast engine takes over the tail, also
+when the step has fewer requests than the engines could hold at once (a 512-sample step on
+two SGLang engines of concurrency 512 starts 128 requests at each, not 256, and the other 256
+follow as requests finish).  Outputs come back in request order, one per request.
+
+Why half, and why not per engine type: a window below an even share is what lets the queue
+move work off a slow engine, and it has a price when the engines are equally fast.  An engine
+that batches per call (transformers) runs two calls of half the size instead of one (the same
+work on CPU; on a GPU, decoding is memory-bound, so a half batch takes nearly as long as a full
+one); a continuous-batching server (SGLang: one request per call, many calls at once) decodes
+a batch of at most half the requests it could while the queue lasts, and the requests that
+wait in the queue start later, which lengthens the step's long tail.  Half bounds what a slow
+engine holds to half its even share and keeps each engine at half the batch of an even split;
+a smaller window (e.g. ``max_requests_per_call``, 1 for a server) would cut the batch of every
+engine to a few requests, a larger one leaves too little in the queue to rebalance.  With one
+engine nothing needs balancing, so it gets its full ``capacity`` and runs exactly as it would
+alone (transformers: batches of ``capacity`` requests, one after the other).  The recipe runs
+one SGLang engine per 8-GPU node, so a single-node run has one engine.
 
 Everything else (weights, memory, cache, pause/continue) goes to every engine and waits for
 all.  :meth:`RolloutEngineGroup.shutdown` stops every engine and its processes; it is
@@ -304,12 +321,13 @@ class RolloutEngineGroup:
                 message names the engine and the first request ids of its call.
         """
         limits = self._checked_limits()
+        windows = balance_windows(len(requests), [capacity for capacity, _ in limits])
         outputs: list[GenerateOutput | None] = [None] * len(requests)
         queue = collections.deque(range(len(requests)))
         in_flight = [0] * len(self.actors)  # requests sent to each engine and not yet back
         running: dict[ray.ObjectRef, tuple[int, list[int]]] = {}
         while queue or running:
-            free = sorted((limits[e][0] - in_flight[e], e) for e in range(len(self.actors)))
+            free = sorted((windows[e] - in_flight[e], e) for e in range(len(self.actors)))
             free = [(room, e) for room, e in free if room > 0]
             for k, (room, engine) in enumerate(free):  # least free first: water-filling
                 share = min(room, math.ceil(len(queue) / (len(free) - k)))
@@ -399,6 +417,25 @@ class RolloutEngineGroup:
                 ray.kill(actor)
             except Exception as e:  # noqa: BLE001
                 logger.warning("could not kill a rollout engine actor: %s", e)
+
+
+def balance_windows(num_requests: int, capacities: list[int]) -> list[int]:
+    """The most requests :meth:`RolloutEngineGroup.generate` keeps in flight at each engine in a
+    step of ``num_requests`` requests (see the module docstring for the reason).
+
+    Args:
+        num_requests: requests in the step (>= 0).
+        capacities: each engine's :attr:`RolloutEngine.capacity` (ints >= 1).
+
+    Returns:
+        Per engine: ``capacities[0]`` for one engine; else
+        ``min(capacity, max(1, ceil(ceil(num_requests / E) / 2)))`` for ``E`` engines.
+    """
+    if len(capacities) == 1:
+        return list(capacities)
+    even_share = math.ceil(num_requests / len(capacities))
+    window = max(1, math.ceil(even_share / 2))
+    return [min(capacity, window) for capacity in capacities]
 
 
 def _error_tail(error: BaseException, chars: int = _ERROR_CHARS) -> str:

@@ -76,6 +76,14 @@ class RolloutManager:
         debug_dump: str | None = None,
     ):
         self.cfg, self.grpo, self.eval_cfg = rollout, grpo, evaluation
+        if grpo.overlong_filter and grpo.stop_properly_penalty_coef is not None:
+            logger.warning(
+                "--overlong-filter and --stop-properly-penalty-coef %g are both set, and both apply to truncated "
+                "samples: their rewards are multiplied by %g and enter their groups' mean and std (moving the other "
+                "samples' advantages), and their tokens are masked out of the loss (no gradient of their own). "
+                "Drop one of the two flags to get only the other's effect",
+                grpo.stop_properly_penalty_coef, grpo.stop_properly_penalty_coef,
+            )  # fmt: skip
         self.seed = seed
         self.engines = engines
         self.debug_dump = debug_dump

@@ -9,27 +9,45 @@ silently:
    ``fcntl.flock(LOCK_EX | LOCK_NB)`` for the whole run.  The kernel drops the lock when the
    holder exits, however it exits (SIGKILL, OOM killer, a crash), so a stale lock file never
    blocks a later run.  The file holds the holder's PID, host, start time and command, which
-   the refusal names.  The descriptor is not inherited by child processes (Python opens
+   the refusal names, and its ``--save`` folder (for 2b).  The descriptor is not inherited by child processes (Python opens
    files non-inheritable, PEP 446), so Ray workers never hold the lock on the driver's behalf.
    On NFS, Linux emulates ``flock`` with byte-range locks, which NFSv4 servers keep across
    clients; Lustre needs its ``flock`` mount option.
 2. **No silent reuse.**  A folder that already holds a run's results is refused unless the
    run resumes it or says to overwrite it:
 
-   - ``--output-dir`` with a non-empty ``metrics.jsonl``: allowed with ``--load`` (the resume
-     drops the records logged after its checkpoint, and says how many); with
-     ``--overwrite-output-dir`` its ``metrics.jsonl``, ``reward_curve.png`` and
-     ``wandb_run.json`` are deleted first.
+   - ``--output-dir`` with a non-empty ``metrics.jsonl`` is allowed when
+
+     a. ``--load`` holds a complete checkpoint (the marker names an iteration that has the
+        driver's ``rollout_state.pt`` and the backend's parts): the run resumes after it and
+        drops the records logged after the checkpoint, saying how many; or
+     b. the run restarts, from scratch, a run that stopped before its first checkpoint: the
+        auto-resume pattern ``--save D --load D`` where ``D`` holds no checkpoint yet, the
+        output dir's lock file says that its last run saved to the same ``D``, and none of
+        its records is of a step that saved a checkpoint (``perf/save_time_s``).  That run
+        left nothing to resume from, so its records (all of them from before any checkpoint)
+        are dropped, with a warning naming the file and the count; re-running the command of
+        a run that died during its first steps (e.g. a requeued cluster job) then just works.
+        Every other ``--load`` that resumes nothing (a typo, an empty folder, another run's
+        ``--save``) is refused, because the run would start at rollout 0 and either mix its
+        records with the old ones or lose them;
+     c. ``--overwrite-output-dir``: its ``metrics.jsonl``, ``reward_curve.png`` and
+        ``wandb_run.json`` are deleted first.
+
    - ``--save`` with checkpoints (``iter_*`` folders or the marker file): allowed when
      ``--load`` is the same folder (resuming it); with ``--overwrite-output-dir`` the
      checkpoints are deleted first, which is refused when ``--load`` is that folder.
 
-   Every deletion is logged with the path.
+   Every deletion is logged with the path.  The lock file's record (see 1.) is rewritten only
+   by a run that passes these checks (a refused run puts the previous record back), so it
+   always describes the run whose results are in the folder.
 
 ``python -m slime.utils.run_lock [driver flags]`` runs the same checks without locking or
 deleting anything, on the ``--output-dir``, ``--save``, ``--load`` and
-``--overwrite-output-dir`` of a full driver command line (other flags are ignored); the geo3k
-launcher calls it before it writes ``command.sh`` into the run directory.
+``--overwrite-output-dir`` of a full driver command line (other flags are ignored; of a
+``--load`` checkpoint it checks the driver's part, the backend's parts being the driver's to
+check); the geo3k launcher calls it before it starts the driver, which writes ``command.sh``
+into the run directory once it holds the lock.
 """
 
 from __future__ import annotations
@@ -46,6 +64,10 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
+
+from slime.utils import checkpoint as ckpt
+from slime.utils.timer import phase_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +75,10 @@ LOCK_FILE = ".slime.lock"
 METRICS_FILE = "metrics.jsonl"  # slime.utils.metrics.METRICS_FILE, kept here so the CLI imports nothing heavy
 RUN_FILES = (METRICS_FILE, "reward_curve.png", "wandb_run.json")
 """What ``--overwrite-output-dir`` deletes from the run directory (the files a run writes there)."""
-CHECKPOINT_MARKER = "latest_checkpointed_iteration.txt"  # slime.utils.checkpoint.LATEST_FILE
+RESTART_FILES = (METRICS_FILE, "reward_curve.png")
+"""What a restart of a run that stopped before its first checkpoint deletes (2b); the wandb run id stays."""
+SAVE_METRIC = phase_key("save")
+"""``perf/save_time_s``: in the metrics record of every step that saved a checkpoint (:mod:`slime.train`)."""
 _READ_HOLDER_ATTEMPTS = 20
 """Reads of a just-locked lock file before giving up on its holder's record (its writer may lag)."""
 
@@ -73,6 +98,8 @@ class _Folder:
     """The run directory (``--output-dir``): metrics, plot, wandb run id."""
     checkpoints: bool
     """The checkpoint folder (``--save``)."""
+    previous: dict | None = None
+    """The record of the folder's last lock holder (the run whose results are there), if readable."""
 
 
 class RunDirClaim:
@@ -107,6 +134,7 @@ def claim_run_dirs(
     *,
     overwrite: bool = False,
     command: list[str] | None = None,
+    checkpoint_parts: Sequence[str] = (),
 ) -> RunDirClaim:
     """Lock ``--output-dir`` and ``--save`` for this process, refuse folders that hold another
     run's results (see the module docstring), and with ``overwrite`` delete those results.
@@ -117,6 +145,9 @@ def claim_run_dirs(
         load: ``--load`` or None.
         overwrite: ``--overwrite-output-dir``.
         command: the command line recorded in the lock files (default: ``sys.argv``).
+        checkpoint_parts: the training backend's checkpoint parts
+            (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`), which a ``--load``
+            checkpoint must hold to count as a resume of a used ``--output-dir``.
 
     Returns:
         The claim; keep it for the whole run and release it at the end.
@@ -124,17 +155,35 @@ def claim_run_dirs(
     Raises:
         RunDirError: a folder is locked by a live run (the message names its PID and host), or
             holds results this run would mix with or lose.
+        CheckpointError: a used ``--output-dir`` is to be resumed from a ``--load`` whose
+            latest checkpoint is malformed or incomplete.
     """
     folders = _folders(output_dir, save)
+    record = {
+        "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "command": shlex.join(sys.argv if command is None else command), "save": _resolved(save),
+    }  # fmt: skip
     fds: list[int] = []
+    previous_texts: list[str] = []
     try:
         for folder in folders:
             folder.path.mkdir(parents=True, exist_ok=True)
-            fds.append(_lock(folder, command))
-        _check_reuse(folders, load, overwrite)
+            fd = _lock(folder)
+            fds.append(fd)
+            previous_texts.append(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+            folder.previous = _parse_record(previous_texts[-1])
+            _write(fd, json.dumps(record) + "\n")  # at once, so that a refused rival names this run
+        restarts = _check_reuse(folders, save, load, overwrite, checkpoint_parts)
         if overwrite:
-            _delete_results(folders)
+            _delete_results(folders, RUN_FILES, "--overwrite-output-dir")
+        for folder in restarts:
+            logger.warning("--output-dir %s: restarting its run, which stopped before its first checkpoint (--save %s "
+                           "--load %s holds none): dropping its %d metrics records", folder.path, save, load,
+                           len(_metrics_records(folder.path)))  # fmt: skip
+            _delete_results([folder], RESTART_FILES, "restart")
     except BaseException:
+        for fd, text in zip(fds, previous_texts):  # a refused run leaves the record of the folder's run
+            _write(fd, text)
         RunDirClaim(fds).release()
         raise
     return RunDirClaim(fds)
@@ -144,17 +193,21 @@ def check_run_dirs(
     output_dir: str | os.PathLike, save: str | os.PathLike | None, load: str | os.PathLike | None, *, overwrite: bool
 ) -> None:
     """The checks of :func:`claim_run_dirs` without taking the locks (only probing them), creating
-    folders or deleting anything.
+    folders or deleting anything; of a ``--load`` checkpoint only the driver's part is checked.
 
     Raises:
-        RunDirError: as :func:`claim_run_dirs` would.
+        RunDirError, CheckpointError: as :func:`claim_run_dirs` would.
     """
     folders = [f for f in _folders(output_dir, save) if f.path.is_dir()]
     for folder in folders:
         lock_file = folder.path / LOCK_FILE
         if lock_file.exists():
-            os.close(_lock(folder, None, probe=True))
-    _check_reuse(folders, load, overwrite)
+            fd = _lock(folder)
+            try:
+                folder.previous = _parse_record(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+            finally:
+                os.close(fd)
+    _check_reuse(folders, save, load, overwrite, ())
 
 
 def _folders(output_dir: str | os.PathLike, save: str | os.PathLike | None) -> list[_Folder]:
@@ -171,8 +224,12 @@ def _same(a: str | os.PathLike, b: str | os.PathLike | None) -> bool:
     return b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def _lock(folder: _Folder, command: list[str] | None, *, probe: bool = False) -> int:
-    """Open and lock ``folder/.slime.lock``; write this process's record into it unless ``probe``.
+def _resolved(path: str | os.PathLike | None) -> str | None:
+    return None if path is None else os.path.realpath(path)
+
+
+def _lock(folder: _Folder) -> int:
+    """Open and lock ``folder/.slime.lock``; returns the descriptor.
 
     Raises:
         RunDirError: another process holds the lock.
@@ -191,15 +248,20 @@ def _lock(folder: _Folder, command: list[str] | None, *, probe: bool = False) ->
     except BaseException:
         os.close(fd)
         raise
-    if probe:
-        return fd
-    record = {
-        "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "command": shlex.join(sys.argv if command is None else command),
-    }  # fmt: skip
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     return fd
+
+
+def _write(fd: int, text: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+
+
+def _parse_record(text: str) -> dict | None:
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _read_holder(fd: int) -> str:
@@ -221,32 +283,57 @@ def _pid_hint(holder: str) -> str:
     return holder.split()[1] if holder.startswith("pid ") and holder.split()[1].isdigit() else "<pid>"
 
 
-def _metrics_records(folder: Path) -> int:
-    """Lines in ``folder/metrics.jsonl`` (0 when it is missing or empty)."""
+def _metrics_records(folder: Path) -> list[dict | None]:
+    """The records of ``folder/metrics.jsonl`` (None for a line that is not a JSON object); [] when missing."""
     path = folder / METRICS_FILE
     if not path.is_file():
-        return 0
+        return []
     with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
+        return [_parse_record(line.decode(errors="replace")) for line in f if line.strip()]
 
 
 def _checkpoints(folder: Path) -> list[Path]:
     """The checkpoint entries of a ``--save`` folder: ``iter_*`` folders and the marker file."""
     entries = sorted(folder.glob("iter_*"))
-    marker = folder / CHECKPOINT_MARKER
+    marker = folder / ckpt.LATEST_FILE
     return entries + ([marker] if marker.exists() else [])
 
 
-def _check_reuse(folders: list[_Folder], load: str | os.PathLike | None, overwrite: bool) -> None:
-    """Refuse folders that hold results of a run this one neither resumes nor overwrites."""
+def _check_reuse(
+    folders: list[_Folder],
+    save: str | os.PathLike | None,
+    load: str | os.PathLike | None,
+    overwrite: bool,
+    checkpoint_parts: Sequence[str],
+) -> list[_Folder]:
+    """Refuse folders that hold results of a run this one neither resumes nor overwrites.
+
+    Returns:
+        The run directories whose records are to be dropped because this run restarts the
+        run that wrote them, which stopped before its first checkpoint (module docstring, 2b).
+    """
+    restarts = []
     for folder in folders:
-        records = _metrics_records(folder.path) if folder.metrics else 0
-        if records and load is None and not overwrite:
-            raise RunDirError(
-                f"{folder.flag} {folder.path} already holds the metrics of a run ({folder.path / METRICS_FILE}, "
-                f"{records} records). Resume that run with --load <its --save folder>, start over in this folder "
-                f"with --overwrite-output-dir (deletes its metrics and checkpoints), or choose another {folder.flag}"
-            )
+        records = _metrics_records(folder.path) if folder.metrics and not overwrite else []
+        if records:
+            where = f"{folder.flag} {folder.path} already holds the metrics of a run ({folder.path / METRICS_FILE}, " \
+                    f"{len(records)} records)"  # fmt: skip
+            if load is None:
+                raise RunDirError(
+                    f"{where}. Resume that run with --load <its --save folder>, start over in this folder "
+                    f"with --overwrite-output-dir (deletes its metrics and checkpoints), or choose another {folder.flag}"
+                )
+            latest = ckpt.latest_iteration(load) if Path(load).is_dir() else None
+            if latest is not None:
+                ckpt.check_complete(load, latest, checkpoint_parts)  # a resume: the driver drops the later records
+            elif _restarts_unsaved_run(folder, records, save, load):
+                restarts.append(folder)
+            else:
+                raise RunDirError(f"{where}, and --load {load} {_why_no_resume(folder, records, save, load)}, so "
+                                  f"this run would start at rollout 0 over that run's records. Point --load at the "
+                                  f"--save folder of that run to resume it, start over in this folder with "
+                                  f"--overwrite-output-dir (deletes its metrics and checkpoints), or choose another "
+                                  f"{folder.flag}")  # fmt: skip
         checkpoints = _checkpoints(folder.path) if folder.checkpoints else []
         if not checkpoints:
             continue
@@ -262,15 +349,44 @@ def _check_reuse(folders: list[_Folder], load: str | os.PathLike | None, overwri
                 f"{folder.flag} {folder.path} already holds checkpoints ({names}). Resume from them with --load "
                 f"{folder.path}, start over with --overwrite-output-dir (deletes them), or choose another --save"
             )
+    return restarts
 
 
-def _delete_results(folders: list[_Folder]) -> None:
-    """``--overwrite-output-dir``: delete the previous run's files, logging each one."""
+def _restarts_unsaved_run(
+    folder: _Folder, records: list[dict | None], save: str | os.PathLike | None, load: str | os.PathLike
+) -> bool:
+    """Whether ``--save D --load D`` (``D`` without a checkpoint) restarts the run whose ``records``
+    are in ``folder``: its lock record names the same ``D``, and none of its steps saved."""
+    return (
+        save is not None and _same(save, load) and folder.previous is not None
+        and folder.previous.get("save") == _resolved(save)
+        and all(record is not None and SAVE_METRIC not in record for record in records)
+    )  # fmt: skip
+
+
+def _why_no_resume(folder: _Folder, records: list[dict | None], save, load) -> str:
+    """Why a ``--load`` without a checkpoint does not restart the run of ``folder``, in words."""
+    state = "does not exist" if not Path(load).exists() else "holds no checkpoint"
+    previous_save = (folder.previous or {}).get("save", False)
+    if save is None or not _same(save, load):
+        return f"{state} (it is not this run's --save either)"
+    if previous_save is False:
+        return f"{state}, and which --save the run in this folder used is unknown ({folder.path / LOCK_FILE})"
+    if previous_save != _resolved(save):
+        return f"{state}, and the run in this folder saved to --save {previous_save}, not to {save}"
+    return (f"{state}, but the run in this folder saved checkpoints (records with {SAVE_METRIC}) that are gone "
+            "from it")  # fmt: skip
+
+
+def _delete_results(folders: list[_Folder], run_files: Sequence[str], why: str) -> None:
+    """Delete a previous run's files (``run_files`` of the run directory, checkpoints of ``--save``
+    when ``run_files`` is :data:`RUN_FILES`), logging each one with ``why``."""
     for folder in folders:
-        doomed = [folder.path / name for name in RUN_FILES if folder.metrics and (folder.path / name).exists()]
-        doomed += _checkpoints(folder.path) if folder.checkpoints else []
+        doomed = [folder.path / name for name in run_files if folder.metrics and (folder.path / name).exists()]
+        if folder.checkpoints and run_files is RUN_FILES:
+            doomed += _checkpoints(folder.path)
         for path in doomed:
-            logger.warning("--overwrite-output-dir: deleting %s", path)
+            logger.warning("%s: deleting %s", why, path)
             if path.is_dir():
                 shutil.rmtree(path)
             else:
@@ -288,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     args, _ = parser.parse_known_args(argv)
     try:
         check_run_dirs(args.output_dir, args.save, args.load, overwrite=args.overwrite_output_dir)
-    except RunDirError as e:
+    except (RunDirError, ckpt.CheckpointError) as e:
         sys.exit(f"slime: error: {e}")
 
 

@@ -38,7 +38,7 @@ class Timer:
     def __init__(self, phase: str, store: dict[str, Any] | None = None):
         if not phase or any(c.isspace() for c in phase):
             raise ValueError(f"timer phase must be a non-empty name without spaces, e.g. 'rollout'; got {phase!r}")
-        self.key = f"perf/{phase}_time_s"
+        self.key = phase_key(phase)
         self.store = store
         self.elapsed_s: float | None = None
         self._start: float | None = None
@@ -51,6 +51,11 @@ class Timer:
         self.elapsed_s = time.perf_counter() - self._start
         if self.store is not None:
             self.store[self.key] = self.store.get(self.key, 0.0) + self.elapsed_s
+
+
+def phase_key(phase: str) -> str:
+    """The metric key of a phase's time: ``"perf/<phase>_time_s"`` (seconds)."""
+    return f"perf/{phase}_time_s"
 
 
 def timed(phase: str, store: dict[str, Any]) -> Timer:

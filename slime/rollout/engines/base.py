@@ -37,9 +37,10 @@ Lifecycle, as :class:`slime.rollout.engine_group.RolloutEngineGroup` drives it:
    ``--rollout-engine-start-timeout`` seconds; an engine that raises, or is not healthy in
    time, fails the start-up with an error naming it (index, node, bundles, exception and
    :meth:`RolloutEngine.log_tail`).
-3. The step's requests form one queue; an engine with free :attr:`RolloutEngine.capacity`
-   (requests in flight) gets the next ones, in calls of at most
-   :attr:`RolloutEngine.max_requests_per_call`, and up to
+3. The step's requests form one queue; an engine with room in its window (requests in
+   flight: its :attr:`RolloutEngine.capacity` when it is the only engine, else at most half
+   an even share of the step, :func:`slime.rollout.engine_group.balance_windows`) gets the
+   next ones, in calls of at most :attr:`RolloutEngine.max_requests_per_call`, and up to
    :attr:`RolloutEngine.max_concurrent_calls` calls at once.
 4. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
    driver's ``finally``, also after errors and when the run joined an external Ray cluster.

@@ -6,6 +6,8 @@ geo3k recipe asks for (the SFT data of upstream slime's ``examples/geo3k_vlm/REA
 SymPy objects with ``math-verify`` (pinned 0.9.0):
 
 - :func:`last_boxed` returns the content of the last box, braces balanced;
+- :func:`answer_alternatives` splits an answer that offers several values (``12\\text{ cm}
+  \\text{ or } 13\\text{ cm}``) into them, so that a hedge is graded as the set it is;
 - :func:`parse_latex` parses an answer (a gold label or a boxed content) as LaTeX math;
 - :func:`numeric_value` evaluates a parsed answer to a float, for the tolerance of the
   ``geo3k`` reward.
@@ -27,6 +29,11 @@ _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 """``\\boxed{`` or ``\\fbox{``, optionally with spaces before the brace (``\\boxed {5}``)."""
 _TEXT_OPEN = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mbox)\s*\{")
 """The text-mode groups :func:`unwrap_math_text` may unwrap (``\\text{``, ``\\textrm{``, ``\\mbox{``, ...)."""
+_WORD_SEPARATOR = re.compile(r"(?<![A-Za-z\\])(?:or|and)(?![A-Za-z])")
+"""The words ``or`` and ``and`` (not inside a longer word or a command) that separate alternatives."""
+_TEXT_SEPARATOR = re.compile(r"(?<![A-Za-z])(?:or|and)(?![A-Za-z])|,(?:(?<!\d,)|(?!\d{3}(?!\d)))")
+"""Inside a text group: ``or``, ``and``, or a comma that is not a thousands separator (``1,200``)."""
+_OPENERS, _CLOSERS = "([{", ")]}"
 
 
 def last_boxed(text: str) -> str | None:
@@ -72,6 +79,74 @@ def _closing_brace(text: str, start: int) -> int | None:
                 return position
         position += 1
     return None
+
+
+def answer_alternatives(answer: str) -> list[str] | None:
+    """The alternatives of an answer that offers several values, or None for one answer.
+
+    An answer is split at the words ``or`` / ``and`` (bare, or inside a ``\\text{...}``
+    group: ``\\text{ or }``, ``\\text{ cm or }``, ``\\text{12 cm or 13 cm}``) and at
+    commas, wherever they are outside parentheses, brackets and braces (so the point
+    ``(3, 4)``, the interval ``[1, 2)`` and the set ``\\{1, 2\\}`` stay whole), except a
+    thousands separator (``1,200``: a comma between a digit and exactly three digits).  A text
+    group that is split keeps its wrapping on each side (``\\text{12 cm }`` and
+    ``\\text{ 13 cm}``), so each alternative is unwrapped and graded like a whole answer.
+
+    math-verify alone grades ``12\\text{ cm} \\text{ or } 13\\text{ cm}`` as 12 (its unit
+    stripping drops the rest), which made that hedge score 1 against 12; graded as the set of
+    its alternatives it scores 0 (:func:`slime.rollout.rm_hub.math_reward.answers_match`).
+
+    Args:
+        answer: bare LaTeX (a boxed content or a label).
+
+    Returns:
+        The alternatives, stripped, when there are at least two non-empty ones (e.g.
+        ``["12\\text{ cm}", "13\\text{ cm}"]``); None otherwise.
+    """
+    pieces: list[list[str]] = [[]]
+    depth, position = 0, 0
+    while position < len(answer):
+        opening = _TEXT_OPEN.match(answer, position)
+        if opening and depth == 0:
+            end = _closing_brace(answer, opening.end())
+            if end is None:
+                pieces[-1].append(answer[position:])
+                break
+            for k, part in enumerate(_TEXT_SEPARATOR.split(answer[opening.end() : end])):
+                if k:
+                    pieces.append([])
+                if part.strip():
+                    pieces[-1].append(f"{opening.group()}{part}}}")
+            position = end + 1
+            continue
+        char = answer[position]
+        if char == "\\":
+            pair = answer[position : position + 2]  # a command's backslash, or an escaped \{ \} \,
+            depth += (pair == "\\{") - (pair == "\\}")
+            pieces[-1].append(pair)
+            position += 2
+            continue
+        depth += (char in _OPENERS) - (char in _CLOSERS)
+        if depth == 0 and char == "," and not _thousands_separator(answer, position):
+            pieces.append([])
+            position += 1
+            continue
+        word = _WORD_SEPARATOR.match(answer, position) if depth == 0 else None
+        if word:
+            pieces.append([])
+            position = word.end()
+            continue
+        pieces[-1].append(char)
+        position += 1
+    alternatives = [text for text in ("".join(piece).strip() for piece in pieces) if text]
+    return alternatives if len(alternatives) >= 2 else None
+
+
+def _thousands_separator(text: str, comma: int) -> bool:
+    """Whether the comma at ``text[comma]`` sits between a digit and exactly three digits (``1,200``)."""
+    before = text[comma - 1] if comma else ""
+    after = text[comma + 1 : comma + 5]
+    return before.isdigit() and len(after) >= 3 and after[:3].isdigit() and not after[3:4].isdigit()
 
 
 def unwrap_math_text(answer: str) -> str:

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 
 import sympy
 
-from slime.rollout.rm_hub.answer import last_boxed, numeric_value, parse_latex, parsed_expression
+from slime.rollout.rm_hub.answer import answer_alternatives, last_boxed, numeric_value, parse_latex, parsed_expression
 from slime.rollout.rm_hub.math_reward import math_reward
 
 if TYPE_CHECKING:
@@ -96,7 +96,8 @@ def geo3k_reward(response: str, label: str, cfg: RewardConfig) -> float:
 
     Numbers come from math-verify's parse and SymPy ``evalf``
     (:func:`~slime.rollout.rm_hub.answer.numeric_value`), never from ``eval`` of text;
-    an answer that is not a single real number (a set, a symbol, text) gets only the
+    an answer that is not a single real number (a set, a symbol, text, several alternatives
+    as :func:`~slime.rollout.rm_hub.answer.answer_alternatives` finds them) gets only the
     ``math`` verdict, and so does an answer with as many decimal places as the label
     (:func:`decimal_places`) or a pair where neither side is a plain number (see the
     module docstring).
@@ -118,6 +119,8 @@ def geo3k_reward(response: str, label: str, cfg: RewardConfig) -> float:
     predicted = last_boxed(response)
     if predicted is None or decimal_places(predicted) == decimal_places(label):
         return 0.0
+    if answer_alternatives(predicted) is not None:
+        return 0.0  # several values (a hedge): ``math``'s set comparison only, no tolerance
     p_parsed, g_parsed = parse_latex(predicted), parse_latex(label)
     p, g = numeric_value(p_parsed), numeric_value(g_parsed)
     if p is None or g is None:

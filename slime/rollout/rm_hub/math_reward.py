@@ -8,8 +8,10 @@ symbolically (``simplify(gold - pred) == 0``), so ``\\frac{1}{2}`` = ``0.5``,
 ``\\sqrt{75}`` = ``5\\sqrt{3}``, ``\\frac{5\\pi}{3}`` = ``\\frac{5}{3}\\pi`` and
 ``60^\\circ`` = ``60``; but ``13.86`` != ``8\\sqrt{3}`` (= 13.8564...).  A ``\\text{...}`` that
 holds one math expression is graded as that expression (``\\text{12.6 cm}`` = ``12.6``; see
-:func:`~slime.rollout.rm_hub.answer.unwrap_math_text`), while a hedge such as
-``71 \\text{ or } 33`` stays a set of two values and scores 0 against either.
+:func:`~slime.rollout.rm_hub.answer.unwrap_math_text`), while an answer that offers several
+values (a hedge such as ``71 \\text{ or } 33`` or ``12\\text{ cm} \\text{ or } 13\\text{ cm}``,
+alternatives separated by ``or``, ``and`` or commas) is graded as the set of its alternatives
+(:func:`~slime.rollout.rm_hub.answer.answer_alternatives`), so it scores 0 against either value.
 
 The reward is binary, 0.0 or 1.0, on purpose: upstream slime's ``examples/geo3k_vlm/README.md``
 ("Numerical Precision with Non-Binary Rewards") reports that a 0 / 0.9 "format score" left ``reward - mean``
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from math_verify import verify
 
-from slime.rollout.rm_hub.answer import last_boxed, parse_latex
+from slime.rollout.rm_hub.answer import answer_alternatives, last_boxed, parse_latex, parsed_expression
 
 if TYPE_CHECKING:
     from slime.rollout.rm_hub import RewardConfig
@@ -40,8 +42,29 @@ def answers_match(predicted: str, label: str) -> bool:
     compared with ``math_verify.verify(gold, prediction)`` (gold first: math-verify's
     comparison is not symmetric for assignments and relations), with its timeout disabled
     (the scorer times the whole reward call).
+
+    An answer that offers several values (:func:`~slime.rollout.rm_hub.answer.answer_alternatives`:
+    ``12\\text{ cm} \\text{ or } 13\\text{ cm}``) is compared as a set: it matches when every
+    alternative equals one of the label's (the label split the same way, or the whole label)
+    and every one of the label's is given, each pair compared as above.  So a hedge between
+    different values scores 0 against a one-value label, whatever units decorate it, while
+    ``12 \\text{ or } 12`` is 12 and ``3 \\text{ and } 2`` matches the label ``2, 3``.  An
+    alternative that is not math (``12 \\text{ or more}``) makes the answer match nothing.
     """
-    return verify(parse_latex(label), parse_latex(predicted), timeout_seconds=None)
+    alternatives = answer_alternatives(predicted)
+    if alternatives is None:
+        return verify(parse_latex(label), parse_latex(predicted), timeout_seconds=None)
+    given = [parse_latex(alternative) for alternative in alternatives]
+    if any(parsed_expression(parsed) is None for parsed in given):
+        return False
+    golds = [parse_latex(gold) for gold in answer_alternatives(label) or [label]]
+
+    def same(gold, parsed) -> bool:
+        return verify(gold, parsed, timeout_seconds=None)
+
+    return all(any(same(gold, parsed) for gold in golds) for parsed in given) and all(
+        any(same(gold, parsed) for parsed in given) for gold in golds
+    )
 
 
 def math_reward(response: str, label: str, cfg: RewardConfig) -> float:
