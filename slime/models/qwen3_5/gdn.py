@@ -206,6 +206,12 @@ class GatedDeltaNet(torch.nn.Module):
                 self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())  # transformers' init
         # A_log stays fp32 under bf16 training (as SGLang holds it); the trainer must keep it so.
         setattr(self.A_log, "keep_fp32", True)
+        # Split over TP by heads (dim 0): megatron-core's gradient norm counts every rank's shard.
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        for p in (self.conv1d.weight, self.A_log, self.dt_bias):
+            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+        self.tp_group = tp_group
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
         """``hidden_states [S, 1, hidden]`` (``S = T / tp`` under SP) -> ``(out [S, 1, hidden], None)``.
@@ -245,7 +251,7 @@ class GatedDeltaNet(torch.nn.Module):
             o = o.squeeze(0)
         else:
             o = chunk_gated_delta_rule_torch(q, k, v, g, beta, packing)
-        o = self.norm(o, z.reshape(-1, self.v_heads, self.d_v))
+        o = self.norm(o, z.reshape(-1, self.v_heads, self.d_v), tp_group=self.tp_group)
         o = o.reshape(batch, total, self.value_dim).transpose(0, 1)
         out, _ = self.out_proj(o)
         return out, None

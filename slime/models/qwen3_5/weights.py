@@ -537,6 +537,9 @@ def materialize(model, device) -> None:
     """
     from slime.models.qwen3_5.vision import build_vision_tower
 
+    # to_empty replaces a meta parameter by a new Parameter object: keep the attributes megatron-core
+    # reads from it (tensor_model_parallel, partition_dim, sequence_parallel, allreduce, keep_fp32).
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
     for name, child in model.named_children():
         if name == "visual":
             continue
@@ -549,6 +552,9 @@ def materialize(model, device) -> None:
     if visual is not None and any(p.is_meta for p in visual.parameters()):
         arch, dtype = model.qwen_config.arch, next(visual.parameters()).dtype
         model.visual = build_vision_tower(arch.vision_config, dtype=dtype, device=device)
+    for name, p in model.named_parameters():
+        if not name.startswith("visual."):
+            p.__dict__.update(attributes.get(name, {}))
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
