@@ -162,9 +162,12 @@ class Qwen35Model(_megatron_module()):
 
         from slime.models.qwen3_5.spec import qwen35_block_spec
 
+        from megatron.core.enums import ModelType
+
         megatron_without_transformer_engine()
         tc = config.transformer
         super().__init__(config=tc)
+        self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules read
         self.qwen_config = config
         self.pre_process, self.post_process = pre_process, post_process
         arch = config.arch
