@@ -308,8 +308,7 @@ class LocalAdam:
             group["weight_decay"] = self.cfg.weight_decay * group["wd_mult"]
         norm = _check_finite(self.grad_norm(), where)
         if self.cfg.clip_grad > 0:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.clip_grad, torch.tensor(norm))
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad, torch.tensor(norm))
         self.optimizer.step()
         return norm
 
