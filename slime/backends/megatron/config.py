@@ -176,12 +176,12 @@ class MegatronConfig(BackendConfig):
         refused = [f"{f.text} ({INSTEAD.get(f.field, f'a flag of --train-backend {f.backend}')})" for f in other_flags]
         owners = sorted({f.backend for f in other_flags if f.backend})
         refuse_flags("megatron", refused, f"drop these flags, or use --train-backend {' / '.join(owners)}")
+        self._check_parallel_sizes(model, cluster)
         refuse_flags("megatron", self._not_implemented(), "drop or change these flags")
         if self.save_hf is not None and checkpoint.save is None:
             raise ConfigError(
                 f"--save-hf {self.save_hf} is written with each checkpoint, but no --save DIR is given; add --save"
             )
-        self._check_parallel_sizes(model, cluster)
         proven = any(all(getattr(self, k) == v for k, v in layout.items()) for layout in PACKED_GDN_PROVEN)
         if not proven:
             problem = gdn_batching_problem(
