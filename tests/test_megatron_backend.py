@@ -215,8 +215,21 @@ def _job_save_resume(rank_info, ckpt_dir, samples, root):
     torch.rand(3)
     metrics_b = second.train(1, rank_share(samples[4:], rank_info.rank, 1), num_steps=1)
     after_b = exported(second)[1]
+    fresh = make_megatron(rank_info, ckpt_dir, checkpoint={"load": str(save), "no_load_optim": True})
+    assert fresh.init() == 1
+    fresh_weights, fresh_steps = exported(fresh)[1], fresh.optimizer_steps
+
+    # A KL term builds a reference model: the initial weights by default, a slime checkpoint with --ref-load.
+    kl = GRPOConfig(use_kl_loss=True, kl_loss_coef=0.1)
+    step = rank_share(samples[:4], rank_info.rank, 1)
+    kl_initial = make_megatron(rank_info, ckpt_dir, grpo=kl)
+    kl_initial.init()
+    kl_saved = make_megatron(rank_info, ckpt_dir, grpo=kl, checkpoint={"ref_load": str(save)})
+    kl_saved.init()
+    kl_metrics = (kl_initial.train(0, step, num_steps=1), kl_saved.train(0, step, num_steps=1))
     torch.save(dict(saved=saved, loaded=loaded, after_a=after_a, after_b=after_b, metrics_a=metrics_a,
-                    metrics_b=metrics_b), root / f"rank{rank_info.rank}.pt")
+                    metrics_b=metrics_b, fresh_weights=fresh_weights, fresh_steps=fresh_steps,
+                    kl_metrics=kl_metrics, no_ref=first.ref_model is None), root / f"rank{rank_info.rank}.pt")
 
 
 def _job_resume_one_rank(rank_info, ckpt_dir, root):
@@ -241,6 +254,23 @@ def test_resume_from_a_saved_checkpoint_is_exact(save_resume):
         for name, tensor in r["after_a"].items():
             assert torch.equal(r["after_b"][name], tensor), name  # AdamW moments and step count restored
         assert r["metrics_a"] == r["metrics_b"]
+
+
+def test_no_load_optim_resumes_the_weights_with_a_fresh_adam(save_resume):
+    _, ranks = save_resume
+    for r in ranks:
+        assert r["fresh_steps"] == 0
+        for name, tensor in r["saved"].items():
+            assert torch.equal(r["fresh_weights"][name], tensor), name
+
+
+def test_reference_model_only_with_a_kl_term_from_initial_weights_or_ref_load(save_resume):
+    _, ranks = save_resume
+    initial, saved = ranks[0]["kl_metrics"]
+    assert ranks[0]["no_ref"]  # no KL coefficient: no reference model
+    assert initial["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # reference = the policy's own weights
+    assert saved["train/kl_loss"] > 1e-4  # reference = the checkpoint after one AdamW step at lr 1e-3
+    assert saved["train/loss"] == pytest.approx(saved["train/pg_loss"] + 0.1 * saved["train/kl_loss"], rel=1e-5)
 
 
 def test_checkpoint_layout_holds_hf_named_model_and_adam_state(save_resume, tiny_ckpt):

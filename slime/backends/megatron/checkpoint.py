@@ -163,7 +163,9 @@ def _by_group(model, groups: ExportGroups):
 
 
 def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool) -> int:
-    """Restore weights, optimizer moments (unless ``load_optim`` is False), RNG; returns the optimizer steps.
+    """Restore weights (and the fp32 main weights), Adam's moments and step count, RNG; returns the optimizer
+    steps taken.  With ``load_optim`` False (``--no-load-optim``) Adam and the LR schedule start afresh
+    (returns 0), as the FSDP backend does.
 
     Raises:
         CheckpointError: ``state/`` or ``scheduler.pt`` missing or malformed, a tensor the model needs is not
@@ -196,16 +198,15 @@ def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool)
                                                         if k.startswith(kind + "/")}), rules)
                  for kind in kinds}
         with torch.no_grad():
-            for name in rules:
+            for name in rules:  # the weights, and the fp32 main weights (with the moments when loaded)
                 params[name].copy_(local["param"][name].to(params[name].dtype))
-                if load_optim:
-                    optimizer.set_param_state(params[name], {k: local[k][name] for k in kinds}, steps)
+                optimizer.set_param_state(params[name], {k: local[k][name] for k in kinds}, steps)
     rng_file = trainer_dir / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     else:
         logger.warning("%s is missing (saved with fewer ranks?); this rank keeps its fresh RNG state", rng_file)
-    return steps
+    return steps if load_optim else 0
 
 
 def load_weights(model, state_dir: Path) -> None:

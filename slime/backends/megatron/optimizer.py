@@ -170,8 +170,9 @@ class DistributedAdam:
         return {k: t.view(param.shape) for k, t in zip(STATE_KEYS, flat.chunk(len(STATE_KEYS)))}
 
     def set_param_state(self, param: Tensor, state: dict[str, Tensor], steps: int) -> None:
-        """Write whole-parameter ``state`` (as from :meth:`param_state`) into this rank's shard; Adam's
-        ``step`` becomes ``steps``.  The model weight itself is written by the caller."""
+        """Write whole-parameter ``state`` (as from :meth:`param_state`; ``param`` alone, or with the moments)
+        into this rank's shard; Adam's ``step`` becomes ``steps`` where the state exists.  The model weight
+        itself is written by the caller."""
         part = self._owner(param)
         if param not in part.model_param_gbuf_map:
             return
@@ -326,11 +327,13 @@ class LocalAdam:
                 "exp_avg_sq": state.get("exp_avg_sq", zeros).float()}
 
     def set_param_state(self, param: Tensor, state: dict[str, Tensor], steps: int) -> None:
+        """Adam's moments and step (when ``state`` has them); the fp32 weight is the parameter itself."""
+        if "exp_avg" not in state:
+            return
         slot = self.optimizer.state[param]
         slot["step"] = torch.tensor(float(steps))
         for key in ("exp_avg", "exp_avg_sq"):
-            if key in state:
-                slot[key] = state[key].to(param.dtype).clone()
+            slot[key] = state[key].to(param.dtype).clone()
 
     def offload(self, weights: bool) -> None:  # CPU: nothing to free
         pass
