@@ -2,6 +2,7 @@
 2 data-parallel ranks over gloo and one transformers engine, 3 rollouts with a checkpoint, then a resume
 with ``--load`` for 1 more.
 
+Rewards alternate 0 / 1 within every group (:func:`alternating_reward`), so every step moves the weights.
 Checked against what the code under test does not compute itself: the engine's log-probs of every
 rollout equal the trainer's recomputed ones (``train/logprob_abs_diff`` at float32 rounding, so every
 weight reached the engine under the right name after each sync, vision tower included); the metrics
@@ -11,6 +12,7 @@ the rollout after the checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -30,6 +32,15 @@ DATA_DIR = REPO / "examples" / "geo3k_vlm" / "data"
 GAP_MAX = 1e-3
 """Mean |rollout - trainer| log-prob: both fp32 on CPU, only the kernels' summation order differs."""
 
+_calls = itertools.count()
+
+
+def alternating_reward(response: str, label: str, cfg) -> float:
+    """1.0 for every other response this scorer process scores: with one scorer worker the two samples of
+    every group get different rewards, so every advantage is +-1 and each step moves the weights (a random
+    tiny model never earns a real reward), and a weight sync that missed a tensor would show in the gap."""
+    return float(next(_calls) % 2)
+
 
 def _run(tiny_ckpt: Path, root: Path, num_rollout: int, log: Path) -> subprocess.CompletedProcess:
     argv = [
@@ -37,6 +48,7 @@ def _run(tiny_ckpt: Path, root: Path, num_rollout: int, log: Path) -> subprocess
         "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR),
         "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
         "--apply-chat-template", "--rollout-shuffle", "--rollout-seed", "2",
+        "--custom-rm-path", "tests.test_megatron_loop:alternating_reward", "--rm-num-workers", "1",
         "--num-rollout", str(num_rollout), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "8", "--global-batch-size", "4",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048", "--skip-eval-before-train",
@@ -70,3 +82,4 @@ def test_three_rollouts_save_then_resume_one_more(tiny_ckpt, tmp_path):
     gaps = [r["train/logprob_abs_diff"] for r in records if "train/logprob_abs_diff" in r]
     assert len(gaps) == 4 and max(gaps) < GAP_MAX, gaps
     assert all(r["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6) for r in records if "train/ppo_kl" in r)
+    assert all(r["train/grad_norm"] > 0 for r in records if "train/grad_norm" in r)  # the weights moved
