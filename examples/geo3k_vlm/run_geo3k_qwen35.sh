@@ -110,8 +110,11 @@ else
    EVAL_SETTINGS=(--eval-interval 20 --eval-max-response-len 4096)
    BACKEND_ARGS=(--train-backend "$TRAIN_BACKEND" --micro-batch-size 1 --bf16)
    if [ "$TRAIN_BACKEND" = "megatron" ]; then
+      # Upstream's TP 2 with sequence parallelism; one GPU runs TP 1 (then without it).
+      if [ "$NUM_GPUS" -ge 2 ]; then TP_ARGS=(--tensor-model-parallel-size 2 --sequence-parallel)
+      else TP_ARGS=(--tensor-model-parallel-size 1); fi
       BACKEND_ARGS+=(
-         --tensor-model-parallel-size 2 --sequence-parallel
+         "${TP_ARGS[@]}"
          --pipeline-model-parallel-size 1 --context-parallel-size 1
          --expert-model-parallel-size "$NUM_GPUS" --expert-tensor-parallel-size 1
          --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
