@@ -12,6 +12,8 @@ appended to ``$SLIME_GPU_FIGURES`` as JSON lines when set):
   sliced over the data-parallel ranks and put back);
 - ``offload`` frees the gradient buffers, the optimizer state and (without ``keep_weights``) the
   weights, and ``onload`` brings back the same bytes;
+- ``--recompute-granularity full`` (megatron-core's layer checkpointing) and ``selective`` (the attention
+  and delta-rule kernels) train the same step as no recompute;
 - the weight export on GPU is the checkpoint, by name, on the GPU;
 - with 2 GPUs: TP 2 with sequence parallelism gives the log-probs of TP 1, packed micro-batches equal one
   sample each (the proof that :data:`slime.backends.megatron.config.PACKED_GDN_PROVEN` would need to
@@ -234,6 +236,30 @@ def test_offload_frees_gpu_memory_and_onload_restores_the_same_state(realgeo, fi
     assert r["names"][0] == r["names"][1]
     assert "perf/train_free_gib_after_offload" in r["metrics"]
     assert r["metrics"]["perf/train_free_gib_after_offload"] > r["metrics"]["perf/train_free_gib_before_offload"]
+
+
+def _job_recompute(rank_info, ckpt_dir, samples, out):
+    results = {}
+    for name, megatron in (("none", {}), ("full", {"recompute_granularity": "full", "recompute_method": "uniform",
+                                                   "recompute_num_layers": 1}),
+                           ("selective", {"recompute_granularity": "selective"})):
+        backend = make_megatron(rank_info, ckpt_dir, megatron=megatron)
+        backend.init()
+        torch.cuda.reset_peak_memory_stats()
+        metrics = backend.train(0, samples, num_steps=1)
+        results[name] = {**metrics, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        del backend
+        torch.cuda.empty_cache()
+    torch.save(results, out / "recompute.pt")
+
+
+def test_recompute_full_and_selective_train_the_same_step(realgeo, fixed_batch, tmp_path):
+    spawn(_job_recompute, realgeo, fixed_batch, tmp_path)
+    r = torch.load(tmp_path / "recompute.pt")
+    record("megatron_gpu/recompute_peak_gib", {k: round(v["peak_gib"], 3) for k, v in r.items()})
+    for name in ("full", "selective"):
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert r[name][key] == pytest.approx(r["none"][key], rel=1e-3), (name, key)
 
 
 def _job_export(rank_info, ckpt_dir, out):
