@@ -210,9 +210,15 @@ def _curve(rewards: list[float]) -> str:
     return " ".join(f"{r:.2f}" for r in rewards)
 
 
-def test_grpo_learns_colour_from_pixels(colour_prior_checkpoint, tmp_path):
-    rewards, records = run_training(colour_prior_checkpoint, tmp_path / "main")
-    print(f"main run rewards per rollout: {_curve(rewards)}")
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_path):
+    """Two trainer ranks on CPU per trainer (``--train-backend``); ``SLIME_TEST_ARTIFACTS=DIR`` keeps each
+    run in ``DIR/colour-cpu-<backend>`` (for ``python -m slime.utils.plot_runs``)."""
+    artifacts = os.environ.get("SLIME_TEST_ARTIFACTS")
+    run_dir = Path(artifacts) / f"colour-cpu-{backend}" if artifacts else tmp_path / "main"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    rewards, records = run_training(colour_prior_checkpoint, run_dir, ["--train-backend", backend])
+    print(f"main run ({backend}) rewards per rollout: {_curve(rewards)}")
     assert rewards[0] < START_MAX, f"the policy starts too good: {_curve(rewards)}"
     end = first_window_reaching(rewards)
     assert end is not None, (

@@ -1,9 +1,9 @@
 """Overlay the reward curves of several runs in one PNG: ``python -m slime.utils.plot_runs RUN... -o out.png``.
 
 Each ``RUN`` is a run folder (``--output-dir``, holding ``metrics.jsonl``) or a ``metrics.jsonl`` file.
-Every run gets one colour: its train reward (``rollout/reward_mean``) as a solid line with dots and
+Every run gets one colour and marker: its train reward (``rollout/reward_mean``) as a solid line and
 each of its eval accuracies (``eval/<name>/accuracy``) dashed with hollow squares, against the
-rollout step; the series are :func:`slime.utils.metrics.reward_series`, the ones of each run's own
+rollout step; earlier runs are drawn wider and lighter, so that runs with equal values stay visible; the series are :func:`slime.utils.metrics.reward_series`, the ones of each run's own
 ``reward_curve.png``.  Labels default to the runs' folder names (``--labels`` to name them).
 
 For example, the colour task of ``tests/test_learning.py`` on both trainers
@@ -63,13 +63,17 @@ def runs_figure(runs: Mapping[str, Mapping[str, Mapping[int, float]]], title: st
 
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.add_subplot()
-    colours = [f"C{i % 10}" for i in range(len(runs))]
-    for colour, (run, series) in zip(colours, runs.items()):
+    markers = ("o", "x", "^", "d", "v", "+")
+    for i, (run, series) in enumerate(runs.items()):
+        # Earlier runs are drawn wider and lighter, so identical curves stay visible one over the other.
+        later = len(runs) - 1 - i
+        width, alpha = 1.5 + 3.5 * later / max(1, len(runs) - 1), 0.45 if later else 1.0
         for label, points in sorted(series.items(), key=lambda item: (item[0] != "train reward", item[0])):
             steps = sorted(points)
-            style = dict(marker="o", markersize=3) if label == "train reward" else dict(
-                marker="s", markersize=7, markerfacecolor="none", linestyle="--")
-            ax.plot(steps, [points[s] for s in steps], color=colour, label=f"{run}: {label}", **style)
+            style = dict(marker=markers[i % len(markers)], markersize=6) if label == "train reward" else dict(
+                marker="s", markersize=8, markerfacecolor="none", linestyle="--")
+            ax.plot(steps, [points[s] for s in steps], color=f"C{i % 10}", linewidth=width, alpha=alpha,
+                    label=f"{run}: {label}", **style)
     ax.legend(loc="best")
     ax.set_title(title or "Reward and eval accuracy")
     ax.set_xlabel("rollout step")
