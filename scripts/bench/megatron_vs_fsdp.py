@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="Write each backend's top CUDA kernels here.")
     parser.add_argument("--workdir", type=Path, default=None, help="Where the checkpoint goes (default: a temp dir).")
     parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="Train this Hugging Face folder instead of the scaled model (e.g. a tiny one for a smoke run).")
+                        help="Train this Hugging Face folder instead of the scaled model (a tiny one: a smoke run).")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of the script.")
     args = parser.parse_args()
 
@@ -185,7 +185,8 @@ def main() -> None:
     response_tokens = sum(s.response_length for s in samples)
     patches = [int(s.multimodal_inputs["image_grid_thw"].prod()) for s in samples]
     flops = flops_per_step(arch, tokens, lm_head_tokens=response_tokens, image_patches=patches)
-    print(f"model: {ckpt} ({arch.num_layers} layers, {arch.num_experts} experts); step: {len(samples)} samples, {sum(tokens)} tokens "
+    print(f"model: {ckpt} ({arch.num_layers} layers, {arch.num_experts} experts); "
+          f"step: {len(samples)} samples, {sum(tokens)} tokens "
           f"({response_tokens} response), {sum(patches)} image patches; {flops / 1e12:.1f} TFLOP per step", flush=True)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)

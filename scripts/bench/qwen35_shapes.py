@@ -23,7 +23,7 @@ from __future__ import annotations
 
 
 def config_35b(num_layers: int, num_experts: int):
-    """transformers' default Qwen3.5-MoE config (the released 35B-A3B sizes), cut to ``num_layers`` / ``num_experts``."""
+    """transformers' default Qwen3.5-MoE config (the released 35B-A3B sizes), cut to the given layers and experts."""
     from transformers import Qwen3_5MoeConfig
 
     config = Qwen3_5MoeConfig()
@@ -40,7 +40,8 @@ def config_35b(num_layers: int, num_experts: int):
 def lm_flops_per_token(arch) -> float:
     """Forward FLOPs per token of the language model without the LM head and the attention core."""
     h = arch.hidden_size
-    K, V, dk, dv = arch.linear_num_key_heads, arch.linear_num_value_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
+    K, V = arch.linear_num_key_heads, arch.linear_num_value_heads
+    dk, dv = arch.linear_key_head_dim, arch.linear_value_head_dim
     H, Hkv, d = arch.num_attention_heads, arch.num_query_groups, arch.head_dim
     gdn_params = h * (2 * K * dk + 2 * V * dv + 2 * V) + V * dv * h
     attn_params = h * (2 * H * d + 2 * Hkv * d) + H * d * h

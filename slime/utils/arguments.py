@@ -11,8 +11,8 @@ explains how); this module only
    and rollout engine's own checks (their configs, named in the registries: e.g. the FSDP backend
    refuses the Megatron backend's flags, the transformers engine refuses ``--sglang-*``),
    MODEL_ARGS against the checkpoint's ``config.json``, batch sizes against the backend's
-   data-parallel size (Gated-DeltaNet batching is the backends' own check), and last whether the selected backend and engine
-   can run here (a planned one, or one whose packages are missing, is refused with what is and is
+   data-parallel size (Gated-DeltaNet batching is the backends' own check), and last whether
+   the selected backend and engine can run here (a planned one, or one whose packages are missing, is refused with what is and is
    not installed); and warns about flags that do nothing (KL flags without a KL term, GRPO groups
    of one response).
 

@@ -3,7 +3,8 @@
 Each ``RUN`` is a run folder (``--output-dir``, holding ``metrics.jsonl``) or a ``metrics.jsonl`` file.
 Every run gets one colour and marker: its train reward (``rollout/reward_mean``) as a solid line and
 each of its eval accuracies (``eval/<name>/accuracy``) dashed with hollow squares, against the
-rollout step; earlier runs are drawn wider and lighter, so that runs with equal values stay visible; the series are :func:`slime.utils.metrics.reward_series`, the ones of each run's own
+rollout step; earlier runs are drawn wider and lighter, so that runs with equal values stay visible.
+The series are :func:`slime.utils.metrics.reward_series`, the ones of each run's own
 ``reward_curve.png``.  Labels default to the runs' folder names (``--labels`` to name them).
 
 For example, the colour task of ``tests/test_learning.py`` on both trainers

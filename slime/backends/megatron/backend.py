@@ -25,7 +25,8 @@ and RNG (:mod:`.checkpoint`); colocated runs offload gradients, optimizer state 
 Precision: ``--bf16`` on GPU trains bf16 parameters with fp32 main weights and moments in the
 distributed optimizer (``A_log`` stays fp32); ``--accumulate-allreduce-grads-in-fp32`` accumulates and
 reduces gradients in fp32.  On CPU everything is fp32 (``--bf16`` ignored) and only data parallelism
-runs (:mod:`.optimizer` and :mod:`.schedule` say what megatron-core does not do without CUDA).  Log-probs and losses are fp32.
+runs (:mod:`.optimizer` and :mod:`.schedule` say what megatron-core does not do without CUDA).
+Log-probs and losses are fp32.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class MegatronBackend(TrainerBackend):
         torch.manual_seed(self.seed + self.rank_info.rank)
         init_model_parallel(self.megatron, self.device, self.seed)
         self.groups = Groups.current()
-        if self.device.type == "cpu" and self.megatron.model_parallel_size * self.megatron.expert_model_parallel_size > 1:
+        layout = self.megatron.model_parallel_size * self.megatron.expert_model_parallel_size
+        if self.device.type == "cpu" and layout > 1:
             raise NotImplementedError(
                 "the Megatron backend on CPU runs data parallelism only: megatron-core's pipeline schedules, its "
                 "token all-to-all, its sequence-parallel gathers (which MoE training with TP > 1 requires) and its "
@@ -166,7 +168,8 @@ class MegatronBackend(TrainerBackend):
         self.model = build_stage(source, self.megatron, dtype=self.dtype, device=self.device,
                                  load=resume_id is None)
         if self.device.type == "cuda":
-            self.optimizer = DistributedAdam(self.model, self.megatron, self.optim_cfg, bf16=self.dtype != torch.float32)
+            self.optimizer = DistributedAdam(self.model, self.megatron, self.optim_cfg,
+                                             bf16=self.dtype != torch.float32)
         else:
             from megatron.core import parallel_state as ps
 
