@@ -20,7 +20,7 @@ non-zero, and resumes from ``--load``.  What a rollout's :meth:`MegatronBackend.
 Weights leave by Hugging Face name (:mod:`.weight_export`, vision tower included); checkpoints are a
 ``torch.distributed.checkpoint`` of Hugging Face-named fp32 tensors plus optimizer moments, scheduler
 and RNG (:mod:`.checkpoint`); colocated runs offload gradients, optimizer state and (without
-``keep_weights``) the weights with megatron-core's buffer-offload API.
+``keep_weights``) the weights with megatron-core's buffer-offload API (:meth:`MegatronBackend.offload`).
 
 Precision: ``--bf16`` on GPU trains bf16 parameters with fp32 main weights and moments in the
 distributed optimizer (``A_log`` stays fp32); ``--accumulate-allreduce-grads-in-fp32`` accumulates and
@@ -402,7 +402,13 @@ class MegatronBackend(TrainerBackend):
     def offload(self, keep_weights: bool = False) -> None:
         """Free this rank's GPU memory for colocated engines (a no-op on CPU): gradient buffers and optimizer
         state, the reference model, and unless ``keep_weights`` the policy's parameter buffers.  Records the
-        free GPU memory before and after (``perf/train_free_gib_before_offload`` / ``_after_offload``)."""
+        free GPU memory before and after (``perf/train_free_gib_before_offload`` / ``_after_offload``).
+
+        It uses megatron-core's own RL offload API (``offload_grad_buffers``, the optimizers'
+        ``offload_to_cpu``, the buffers' ``offload_to_cpu``: storage resized to 0, pinned CPU copies),
+        not ``torch_memory_saver``: that pauses only memory allocated inside its regions (its LD_PRELOAD
+        hook, or its allocator mode), i.e. every trainer allocation from start-up on, which nothing here
+        has measured yet; the buffer moves are exact and measured by ``tests/test_megatron_gpu.py``."""
         if self.device.type != "cuda" or self.model is None:
             return
         before = _free_gib(self.device)
