@@ -50,8 +50,10 @@ stage_site() {
   if [ ! -f "$SITE/.wheels" ] && [ -f "$WHEELHOUSE/wheelhouse.tar.001" ]; then
     mkdir -p /tmp/wh-wheels
     cat "$WHEELHOUSE"/wheelhouse.tar.* | tar -C /tmp/wh-wheels -xf - || { echo "wheelhouse parts incomplete"; return 3; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" /tmp/wh-wheels/*.whl \
-      && touch "$SITE/.wheels"
+    # The image's transformers 5.17.0 / tokenizers stay (the version the native model was proven with;
+    # the wheelhouse's 5.12.1 is SGLang's pin, and SGLang is not used here).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+      $(ls /tmp/wh-wheels/*.whl | grep -v -E '/(transformers|tokenizers)-') && touch "$SITE/.wheels"
   fi
   python3 - <<'PY'
 import importlib, torch
