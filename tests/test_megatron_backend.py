@@ -218,6 +218,10 @@ def _job_save_resume(rank_info, ckpt_dir, samples, root):
     fresh = make_megatron(rank_info, ckpt_dir, checkpoint={"load": str(save), "no_load_optim": True})
     assert fresh.init() == 1
     fresh_weights, fresh_steps = exported(fresh)[1], fresh.optimizer_steps
+    # Upstream's --load <hf dir>: a Hugging Face folder (here the --save-hf export) is a fresh start from its weights.
+    from_hf = make_megatron(rank_info, ckpt_dir, checkpoint={"load": str(root / "hf_0")})
+    assert from_hf.init() == 0
+    hf_weights = exported(from_hf)[1]
 
     # A KL term builds a reference model: the initial weights by default, a slime checkpoint with --ref-load.
     kl = GRPOConfig(use_kl_loss=True, kl_loss_coef=0.1)
@@ -228,7 +232,7 @@ def _job_save_resume(rank_info, ckpt_dir, samples, root):
     kl_saved.init()
     kl_metrics = (kl_initial.train(0, step, num_steps=1), kl_saved.train(0, step, num_steps=1))
     torch.save(dict(saved=saved, loaded=loaded, after_a=after_a, after_b=after_b, metrics_a=metrics_a,
-                    metrics_b=metrics_b, fresh_weights=fresh_weights, fresh_steps=fresh_steps,
+                    metrics_b=metrics_b, fresh_weights=fresh_weights, fresh_steps=fresh_steps, hf_weights=hf_weights,
                     kl_metrics=kl_metrics, no_ref=first.ref_model is None), root / f"rank{rank_info.rank}.pt")
 
 
@@ -262,6 +266,13 @@ def test_no_load_optim_resumes_the_weights_with_a_fresh_adam(save_resume):
         assert r["fresh_steps"] == 0
         for name, tensor in r["saved"].items():
             assert torch.equal(r["fresh_weights"][name], tensor), name
+
+
+def test_load_of_a_hugging_face_folder_starts_from_its_weights(save_resume):
+    _, ranks = save_resume
+    for r in ranks:
+        for name, tensor in r["saved"].items():
+            assert torch.equal(r["hf_weights"][name], tensor), name
 
 
 def test_reference_model_only_with_a_kl_term_from_initial_weights_or_ref_load(save_resume):
