@@ -332,12 +332,13 @@ class MegatronBackend(TrainerBackend):
                 batch.old_log_probs = packed_per_token([samples[i].rollout_log_probs for i in batch.indices], "cpu")
             return {}
         per_batch = self._forward_log_probs(self.model, batches)
-        keys = {f"gap/{kind}/{what}": 0.0 for kind in ("image", "text") for what in ("abs_diff", "tokens")}
-        sums = dict(keys)
+        arch = self.model.qwen_config.arch
+        placeholders = {arch.image_token_id, arch.video_token_id} - {None}  # fed as a pad token (batches.py)
+        sums = logprob_gap_sums([], [])  # every key at 0: earlier pipeline stages contribute nothing
         if per_batch is not None:
             for batch, log_probs in zip(batches, per_batch):
                 batch.old_log_probs = log_probs
-                part = logprob_gap_sums([samples[i] for i in batch.indices], batch.split(log_probs))
+                part = logprob_gap_sums([samples[i] for i in batch.indices], batch.split(log_probs), placeholders)
                 for k, v in part.items():
                     sums[k] += v
         return logprob_gap_metrics(self.groups.metric_sum(sums))
