@@ -323,21 +323,42 @@ GDN_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_
     [["--micro-batch-size", "2"], ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"]],
 )
 @pytest.mark.parametrize("source", ["model_args", "text_config", "top_level"])
-def test_gdn_model_refuses_micro_batches_above_one(source, bad_batching, tmp_path, capsys):
+def test_gdn_model_refuses_packed_micro_batches_where_parity_is_unproven(source, bad_batching, tmp_path, capsys):
+    # Megatron at TP 2 (2 GPUs): packed == one sequence at a time is proven at TP = PP = CP = EP = 1 only.
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--actor-num-gpus-per-node", "2"]
     if source == "model_args":
-        argv = with_flags("--num-layers", "4", "--linear-attention-freq", "4")
+        argv = with_flags("--num-layers", "4", "--linear-attention-freq", "4", *tp2)
     else:
         config = {"layer_types": GDN_LAYERS}
         if source == "text_config":
             config = {"text_config": config}
-        argv = with_flags("--hf-checkpoint", write_hf_config(tmp_path / "ckpt", config))
+        argv = with_flags("--hf-checkpoint", write_hf_config(tmp_path / "ckpt", config), *tp2)
     parse_args(argv)  # micro-batch size 1 is fine
     err = parse_error(argv + bad_batching, capsys)
-    assert "Gated-DeltaNet" in err
+    assert "Gated-DeltaNet" in err and "--tensor-model-parallel-size 2" in err
+    assert "proven equal to one sequence at a time only at TP = PP = CP = EP = 1" in err
     assert "use --micro-batch-size 1 and remove --use-dynamic-batch-size" in err
     got = "got --micro-batch-size 2" if bad_batching[0] == "--micro-batch-size" else "got --use-dynamic-batch-size"
     assert got in err
     assert ("config.json" in err) == (source != "model_args")
+
+
+@pytest.mark.parametrize(
+    "bad_batching",
+    [["--micro-batch-size", "2"], ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"]],
+)
+def test_gdn_model_packs_micro_batches_where_parity_is_proven(bad_batching):
+    # Megatron at TP = PP = CP = EP = 1 (any DP): packed micro-batches are allowed.
+    for gpus in ("1", "2"):
+        cfg = parse_args(with_flags("--num-layers", "4", "--linear-attention-freq", "4",
+                                    "--actor-num-gpus-per-node", gpus, *bad_batching))
+        assert cfg.train.use_dynamic_batch_size == ("--use-dynamic-batch-size" in bad_batching)
+
+
+def test_fsdp_keeps_upstreams_gdn_limit(capsys):
+    err = parse_error(with_flags("--train-backend", "fsdp", "--num-layers", "4", "--linear-attention-freq", "4",
+                                 "--micro-batch-size", "2"), capsys)
+    assert "Gated-DeltaNet" in err and "upstream's limit" in err and "got --micro-batch-size 2" in err
 
 
 @pytest.mark.parametrize(
@@ -482,6 +503,26 @@ def test_a_layout_the_model_can_shard_is_accepted_with_its_config():
                                 "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "8",
                                 "--expert-tensor-parallel-size", "1", "--sequence-parallel", "--rollout-batch-size", "8"))
     assert Qwen3_5MoeConfig().text_config.num_key_value_heads % cfg.megatron.tensor_model_parallel_size == 0
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--qkv-format", "bshd"], "--qkv-format bshd (micro-batches are packed THD sequences)"),
+        (["--attention-backend", "fused"], "--attention-backend fused (TransformerEngine's fused attention"),
+        (["--attention-dropout", "0.1"], "--attention-dropout 0.1 (the gated attention has no dropout)"),
+        (["--megatron-to-hf-mode", "bridge"], "--megatron-to-hf-mode bridge (Megatron-Bridge is not supported"),
+    ],
+)  # fmt: skip
+def test_megatron_refuses_what_the_native_model_does_not_do(flags, named, capsys):
+    err = parse_error(with_flags(*flags), capsys)
+    assert "--train-backend megatron does not implement" in err and named in err
+
+
+def test_save_hf_needs_save(capsys):
+    assert "--save-hf out/hf is written with each checkpoint" in parse_error(with_flags("--save-hf", "out/hf"), capsys)
+    cfg = parse_args(with_flags("--save-hf", "out/hf_{rollout_id}", "--save", "out/ckpt"))
+    assert cfg.megatron.save_hf == "out/hf_{rollout_id}"
 
 
 @pytest.mark.parametrize(
@@ -804,8 +845,8 @@ def test_fsdp_backend_refuses_megatron_only_flags_at_parse_time(flags, named, ca
 
 
 def test_megatron_only_flags_are_accepted_by_megatron_and_off_values_by_fsdp():
-    cfg = parse_args(with_flags("--megatron-to-hf-mode", "bridge", "--sequence-parallel"))
-    assert cfg.megatron.megatron_to_hf_mode == "bridge" and cfg.train.train_backend == "megatron"
+    cfg = parse_args(with_flags("--megatron-to-hf-mode", "raw", "--recompute-granularity", "selective"))
+    assert cfg.megatron.recompute_granularity == "selective" and cfg.train.train_backend == "megatron"
     off = ["--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size", "1", "--megatron-to-hf-mode", "raw"]
     cfg = parse_args(with_flags("--train-backend", "fsdp", *off, "--gradient-checkpointing"))
     assert cfg.train.train_backend == "fsdp" and cfg.megatron.megatron_to_hf_mode == "raw"

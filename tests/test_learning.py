@@ -10,7 +10,8 @@ batches here always do: no shuffle, rows in the order red, green, blue, and
 ``--rollout-batch-size`` a multiple of 3).
 
 Every run is the real driver, ``python -m slime.train`` in a subprocess: a local Ray, one
-transformers engine, two FSDP2 trainer ranks over gloo; the per-step reward is read back
+transformers engine, two FSDP2 trainer ranks over gloo (on a GPU machine also: one GPU, engine and
+trainer colocated, for each of ``--train-backend megatron`` and ``fsdp``); the per-step reward is read back
 from ``<output-dir>/metrics.jsonl`` (``rollout/reward_mean`` at ``step`` = rollout id).
 Ablations plug in through the same import-path flags that users use for their own engines
 and trainers (:mod:`tests.learning_ablations`).
@@ -209,9 +210,15 @@ def _curve(rewards: list[float]) -> str:
     return " ".join(f"{r:.2f}" for r in rewards)
 
 
-def test_grpo_learns_colour_from_pixels(colour_prior_checkpoint, tmp_path):
-    rewards, records = run_training(colour_prior_checkpoint, tmp_path / "main")
-    print(f"main run rewards per rollout: {_curve(rewards)}")
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_path):
+    """Two trainer ranks on CPU per trainer (``--train-backend``); ``SLIME_TEST_ARTIFACTS=DIR`` keeps each
+    run in ``DIR/colour-cpu-<backend>`` (for ``python -m slime.utils.plot_runs``)."""
+    artifacts = os.environ.get("SLIME_TEST_ARTIFACTS")
+    run_dir = Path(artifacts) / f"colour-cpu-{backend}" if artifacts else tmp_path / "main"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    rewards, records = run_training(colour_prior_checkpoint, run_dir, ["--train-backend", backend])
+    print(f"main run ({backend}) rewards per rollout: {_curve(rewards)}")
     assert rewards[0] < START_MAX, f"the policy starts too good: {_curve(rewards)}"
     end = first_window_reaching(rewards)
     assert end is not None, (
@@ -223,6 +230,33 @@ def test_grpo_learns_colour_from_pixels(colour_prior_checkpoint, tmp_path):
         f"rollout and trainer log-probs differ (mean |diff| per rollout: {gaps}): the engine and the trainer "
         "do not see the same weights or the same pixels"
     )
+
+
+GPU_FLAGS = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate"]
+"""One GPU, trainer and engine colocated (the engine in bf16, the trainer in fp32 as on CPU)."""
+GPU_LOGPROB_GAP_MAX = 5e-2
+"""The engine runs bf16 on a GPU while the trainer stays fp32: the gap is bf16 rounding, not 1e-3."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
+def test_grpo_learns_colour_from_pixels_on_one_gpu(backend, colour_prior_checkpoint, tmp_path):
+    """The same task, seed and flags on one GPU, per trainer.  ``SLIME_TEST_ARTIFACTS=DIR`` keeps each run in
+    ``DIR/colour-<backend>`` (for ``python -m slime.utils.plot_runs``: ``docs/results/fsdp_vs_megatron.png``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    artifacts = os.environ.get("SLIME_TEST_ARTIFACTS")
+    run_dir = Path(artifacts) / f"colour-{backend}" if artifacts else tmp_path / backend
+    shutil.rmtree(run_dir, ignore_errors=True)
+    rewards, records = run_training(colour_prior_checkpoint, run_dir, ["--train-backend", backend, *GPU_FLAGS])
+    gaps = [r["train/logprob_abs_diff"] for r in records if "train/logprob_abs_diff" in r]
+    print(f"{backend} on one GPU, rewards per rollout: {_curve(rewards)}; log-prob gaps {gaps}")
+    assert rewards[0] < START_MAX, f"the policy starts too good: {_curve(rewards)}"
+    assert first_window_reaching(rewards) is not None, (
+        f"{backend}: no {WINDOW} consecutive rollouts reached a mean reward of {TARGET} in {NUM_ROLLOUT} rollouts: "
+        f"{_curve(rewards)}"
+    )
+    assert len(gaps) == NUM_ROLLOUT and max(gaps) < GPU_LOGPROB_GAP_MAX, gaps
 
 
 @pytest.mark.parametrize("ablation", sorted(ABLATIONS))

@@ -1,8 +1,8 @@
 """One registry mechanism for engines, backends and weight-sync transports.
 
 Built-ins are declared by import path and imported on the first lookup; importing a registry
-imports none of them; a built-in that is planned (the Megatron backend, the SGLang engine) or
-whose packages are missing stops at parse time, naming each package and whether it is installed.
+imports none of them; a built-in that is planned (the SGLang engine) or whose packages are missing
+stops at parse time, naming each package and whether it is installed.
 """
 
 from __future__ import annotations
@@ -44,24 +44,30 @@ def test_planned_backend_and_engine_stop_at_parse_time_naming_their_packages(cap
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--rollout-backend sglang is not in this version yet" in err
-    assert "--train-backend megatron is not in this version yet" in err
-    for dist, pin in (("megatron-core", "0.16.1"), ("flash-linear-attention", "0.6.0"), ("sglang", "0.5.17")):
+    assert "--train-backend megatron" not in err  # built: megatron-core is in the CPU profile too
+    for dist, pin in (("sglang", "0.5.17"),):
         assert f"{dist} {pin} ({_status(dist, pin)})" in err
-    assert "use --train-backend fsdp meanwhile" in err and "use --rollout-backend transformers meanwhile" in err
+    assert "use --rollout-backend transformers meanwhile" in err
 
 
 def test_the_built_backend_and_engine_parse_and_resolve():
     from slime.backends.fsdp.backend import FSDPBackend
+    from slime.backends.megatron.backend import MegatronBackend
     from slime.rollout.engines.hf_engine import TransformersEngine
 
     cfg = parse_args(BASE + ["--train-backend", "fsdp", "--rollout-backend", "transformers"])
     assert TRAIN_BACKENDS.get(cfg.train.train_backend) is FSDPBackend
     assert ENGINES.get(cfg.rollout.rollout_backend) is TransformersEngine
+    cfg = parse_args(BASE + ["--rollout-backend", "transformers"])  # upstream's default trainer
+    assert TRAIN_BACKENDS.get(cfg.train.train_backend) is MegatronBackend
 
 
 def test_declared_packages_are_the_pyproject_extras():
+    from slime.backends.megatron.model import GPU_KERNEL_PACKAGES
+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert TRAIN_BACKENDS.builtins["megatron"].requires == tuple(extras["megatron"])
+    # megatron-core runs the backend; the extra's other packages are the bf16 GPU kernels, checked where picked
+    assert TRAIN_BACKENDS.builtins["megatron"].requires + GPU_KERNEL_PACKAGES == tuple(extras["megatron"])
     assert ENGINES.builtins["sglang"].requires == tuple(extras["sglang"])
 
 

@@ -8,7 +8,8 @@
 # e.g. `run_geo3k_qwen35.sh --num-rollout 2`.  With no GPU on the machine it runs the
 # embedded default instead: a tiny random Qwen3.5 checkpoint (built on demand), the
 # geo3k sample bundled in examples/geo3k_vlm/data, the transformers engine and the FSDP2
-# trainer over gloo.  See examples/geo3k_vlm/README.md for every variable.
+# trainer over gloo (SLIME_SCRIPT_TRAIN_BACKEND=megatron set explicitly: the Megatron trainer,
+# data-parallel).  See examples/geo3k_vlm/README.md for every variable.
 #
 # Variables (defaults in brackets):
 #   SLIME_SCRIPT_DATASET_NAME   [chenhegu/geo3k_imgurl] HF dataset name, local folder
@@ -142,14 +143,18 @@ if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
       MODEL_SH=""  # architecture from the checkpoint's config.json
    fi
    NUM_RANKS=${SLIME_SCRIPT_NUM_GPUS:-2}
-   echo "[geo3k] no GPU found: running the embedded CPU default ($([ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ] && echo "tiny random Qwen3.5-MoE checkpoint" || echo "$HF_CHECKPOINT"), data $TRAIN_DATA, transformers engine, $NUM_RANKS FSDP2 trainer ranks over gloo)."
+   CPU_BACKEND=fsdp; CPU_TRAINER="FSDP2"
+   if [ -n "${SLIME_SCRIPT_TRAIN_BACKEND+x}" ]; then   # set explicitly: megatron runs data-parallel on CPU too
+      CPU_BACKEND=$TRAIN_BACKEND; CPU_TRAINER=$TRAIN_BACKEND
+   fi
+   echo "[geo3k] no GPU found: running the embedded CPU default ($([ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ] && echo "tiny random Qwen3.5-MoE checkpoint" || echo "$HF_CHECKPOINT"), data $TRAIN_DATA, transformers engine, $NUM_RANKS $CPU_TRAINER trainer ranks over gloo)."
    ROLLOUT_ARGS=(--num-rollout 10 --rollout-batch-size 4 --n-samples-per-prompt 4
                  --rollout-max-response-len 32 --rollout-temperature 1.0 --global-batch-size 8)
    EVAL_SETTINGS=(--eval-interval 5 --eval-max-response-len 32)
-   BACKEND_ARGS=(--train-backend fsdp --micro-batch-size 1)
+   BACKEND_ARGS=(--train-backend "$CPU_BACKEND" --micro-batch-size 1)
    ROLLOUT_ENGINE_ARGS=(--rollout-backend transformers --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
    MISC_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_RANKS" --save-interval 3)
-   BACKEND_NAME=fsdp
+   BACKEND_NAME=$CPU_BACKEND
 else
    # -------------------------------------------------------------------------------
    # Full recipe on a GPU node (upstream structure).
@@ -162,8 +167,11 @@ else
    EVAL_SETTINGS=(--eval-interval 20 --eval-max-response-len 4096)
    BACKEND_ARGS=(--train-backend "$TRAIN_BACKEND" --micro-batch-size 1 --bf16)
    if [ "$TRAIN_BACKEND" = "megatron" ]; then
+      # Upstream's TP 2 with sequence parallelism; one GPU runs TP 1 (then without it).
+      if [ "$NUM_GPUS" -ge 2 ]; then TP_ARGS=(--tensor-model-parallel-size 2 --sequence-parallel)
+      else TP_ARGS=(--tensor-model-parallel-size 1); fi
       BACKEND_ARGS+=(
-         --tensor-model-parallel-size 2 --sequence-parallel
+         "${TP_ARGS[@]}"
          --pipeline-model-parallel-size 1 --context-parallel-size 1
          --expert-model-parallel-size "$NUM_GPUS" --expert-tensor-parallel-size 1
          --recompute-granularity full --recompute-method uniform --recompute-num-layers 1

@@ -47,37 +47,8 @@ HF_MODELING = transformers_qwen35_without_fla()
 from slime.models.qwen3_5.config import Qwen35Kernels, arch_from_hf_config  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
 
-
-def config_35b(num_layers: int, num_experts: int):
-    """transformers' default Qwen3.5-MoE config (the released 35B-A3B sizes), cut to ``num_layers``."""
-    from transformers import Qwen3_5MoeConfig
-
-    config = Qwen3_5MoeConfig()
-    text = config.text_config
-    text.num_hidden_layers = num_layers
-    text.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-    text.num_experts = num_experts
-    text.rope_parameters["rope_theta"] = 1e7
-    config.vision_config.deepstack_visual_indexes = []
-    config.vision_config.out_hidden_size = text.hidden_size  # the released model's merger output (default 3584)
-    return config
-
-
-def flops_per_step(arch, doc_lengths: list[int]) -> float:
-    """Training FLOPs (3 x forward) of one step over documents of ``doc_lengths`` tokens (module docstring)."""
-    h, tokens = arch.hidden_size, sum(doc_lengths)
-    K, V, dk, dv = arch.linear_num_key_heads, arch.linear_num_value_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
-    H, Hkv, d = arch.num_attention_heads, arch.num_query_groups, arch.head_dim
-    gdn_params = h * (2 * K * dk + 2 * V * dv + 2 * V) + V * dv * h
-    attn_params = h * (2 * H * d + 2 * Hkv * d) + H * d * h
-    moe_params = h * arch.num_experts + arch.moe_router_topk * 3 * h * arch.moe_ffn_hidden_size \
-        + 3 * h * arch.shared_expert_intermediate_size + h
-    n_gdn = sum(k == "linear_attention" for k in arch.layer_types)
-    n_attn = arch.num_layers - n_gdn
-    per_token = 2 * (n_gdn * gdn_params + n_attn * attn_params + arch.num_layers * moe_params + h * arch.vocab_size)
-    per_token += n_gdn * V * 6 * dk * dv
-    attention_core = n_attn * sum(2 * 2 * H * d * L * L / 2 for L in doc_lengths)
-    return 3 * (per_token * tokens + attention_core)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen35_shapes import config_35b, flops_per_step  # noqa: E402  (the scaled config and the FLOP count)
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:

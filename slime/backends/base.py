@@ -8,8 +8,9 @@ exist, selected with ``--train-backend``:
 - ``fsdp``: the Hugging Face ``Qwen3_5MoeForConditionalGeneration`` wrapped with torch
   FSDP2 (``fully_shard``); gloo on CPU, NCCL on GPU.
 - ``megatron``: slime's native Megatron-core Qwen3.5 language model (Gated DeltaNet +
-  gated attention + MoE) with the Hugging Face vision tower; declared, not in this version
-  yet (its flags and checks are :mod:`slime.backends.megatron.config`).
+  gated attention + MoE) with the Hugging Face vision tower, packed micro-batches through
+  megatron-core's schedule, its DDP and distributed optimizer
+  (:mod:`slime.backends.megatron.backend`; flags and checks in :mod:`slime.backends.megatron.config`).
 
 Both compute the loss with the shared GRPO math (:mod:`slime.utils.ppo_utils`) and export
 their weights by Hugging Face parameter name for the weight sync (:mod:`slime.weight_sync`):

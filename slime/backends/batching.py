@@ -33,6 +33,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+_placeholder_warned = False
+
+PAD_TOKEN_ID = 0
+"""Id written into padding positions (masked out and causal, so any id works) and in place of
+image / video placeholder ids that a response generated (:func:`response_input_ids`)."""
+
 
 class SampleError(ValueError):
     """A sample handed to a trainer is malformed; the message names its index and the field."""
@@ -97,6 +104,37 @@ def check_train_samples(
         raise error
     if failed.item():
         raise SampleError("another trainer rank received a malformed sample (its log names it); all ranks stop")
+
+
+def response_input_ids(sample: Sample, placeholders: set[int]) -> list[int]:
+    """The sample's response ids as the model *input* sees them: image / video placeholder ids replaced
+    by :data:`PAD_TOKEN_ID` (the log-prob *targets* keep the generated ids).
+
+    A model treats every placeholder id in its input as a slot for vision features, so a response that
+    contains one (a policy may sample any id) cannot be fed as is.  Only the tokens after a replaced one
+    see a different context than the engine did (which embedded the id as text); the trainer's own old
+    log-probs see the same substitution, so the PPO ratio is unaffected.  Logged as a warning the first
+    time per process, then at debug level (the rollout manager counts such responses in
+    ``rollout/vision_token_responses``).
+    """
+    global _placeholder_warned
+    ids = list(sample.response_token_ids)
+    hits = [i for i, token in enumerate(ids) if token in placeholders]
+    if hits:
+        logger.log(
+            logging.DEBUG if _placeholder_warned else logging.WARNING,
+            "sample %d: the response contains %d image/video placeholder token(s) (first at response position %d); "
+            "they are fed to the model as token %d (log-prob targets unchanged)%s",
+            sample.index,
+            len(hits),
+            hits[0],
+            PAD_TOKEN_ID,
+            "" if _placeholder_warned else "; further cases are logged at debug level",
+        )
+        _placeholder_warned = True
+        for i in hits:
+            ids[i] = PAD_TOKEN_ID
+    return ids
 
 
 def split_into_steps(samples: Sequence[T], num_steps: int) -> list[list[T]]:

@@ -141,6 +141,44 @@ class BackendConfig:
         return ()
 
 
+def gdn_batching_problem(
+    model: ModelConfig, checkpoint: CheckpointConfig, train: TrainConfig, *, reason: str
+) -> str | None:
+    """The refusal of packed micro-batches for a hybrid Gated-DeltaNet model, or ``None`` when none applies.
+
+    Upstream's recipe says "for GDN training, use --micro-batch-size 1 and remove
+    --use-dynamic-batch-size" (a limit of its GDN implementation).  A backend calls this from its
+    :meth:`BackendConfig.check` for every configuration in which packing several sequences into one
+    micro-batch is not proven equal to running them one at a time.
+
+    Args:
+        model, checkpoint, train: the shared flag groups (the model's layers come from MODEL_ARGS or
+            from ``--hf-checkpoint``'s ``config.json``).
+        reason: why this configuration is refused, appended to the message.
+
+    Returns:
+        The message naming where the GDN layers were found, the batching flag and the fix; ``None``
+        when the batching is one sequence per micro-batch or the model has no GDN layer.
+
+    Raises:
+        ConfigError: ``config.json`` exists but is not readable.
+    """
+    if train.micro_batch_size == 1 and not train.use_dynamic_batch_size:
+        return None
+    if model.is_hybrid_gdn:
+        source = f"--linear-attention-freq {model.linear_attention_freq}"
+    else:
+        layer_types = hf_checkpoint_layer_types(checkpoint.hf_checkpoint) or []
+        if "linear_attention" not in layer_types:
+            return None
+        source = f"layer_types of {checkpoint.hf_checkpoint}/config.json"
+    got = "--use-dynamic-batch-size" if train.use_dynamic_batch_size else f"--micro-batch-size {train.micro_batch_size}"
+    return (
+        f"the model has Gated-DeltaNet (linear-attention) layers ({source}), which train one sequence per "
+        f"micro-batch {reason}, but got {got}; use --micro-batch-size 1 and remove --use-dynamic-batch-size"
+    )
+
+
 def flag_text(field: dataclasses.Field, value: Any) -> str:
     """A flag as typed on the command line: ``--name`` for a switch, ``--name VALUE ...`` otherwise."""
     if value is True:

@@ -12,9 +12,8 @@ Megatron (``megatron-core`` exists on GPU machines only).  Each built-in also na
 parse-time checks, its data-parallel size and its checkpoint layout, importable without the
 backend's packages.
 
-The Megatron backend is declared but not built yet (``target=None``): ``--train-backend
-megatron`` stops at parse time, naming its packages and whether each is installed.  When it
-lands, it sets ``target`` below and nothing else changes.
+``--train-backend megatron`` needs megatron-core (installed in the CPU and GPU profiles); without
+it the flag stops at parse time, naming the package and whether it is installed.
 """
 
 from __future__ import annotations
@@ -31,11 +30,12 @@ TRAIN_BACKENDS: Registry[type[TrainerBackend]] = Registry(
             config="slime.backends.fsdp.config:FSDPConfig",
         ),
         "megatron": Builtin(
-            target=None,
-            # The `megatron` extra of pyproject.toml.
-            requires=("megatron-core==0.16.1", "flash-linear-attention==0.6.0", "fla-core==0.6.0", "tilelang==0.1.15"),
+            target="slime.backends.megatron.backend:MegatronBackend",
+            # megatron-core alone runs the backend (CPU: fp32 torch kernels); the bf16 GPU kernels of the
+            # rest of the `megatron` extra are checked where they are picked
+            # (slime.backends.megatron.model.GPU_KERNEL_PACKAGES).
+            requires=("megatron-core==0.16.1",),
             config="slime.backends.megatron.config:MegatronConfig",
-            planned="the native Megatron Qwen3.5 backend is next on the roadmap; use --train-backend fsdp meanwhile",
         ),
     },
 )

@@ -12,7 +12,7 @@ explains how); this module only
    (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
    flags, the Megatron backend checks its parallel layout against the model's sizes, the
    transformers engine refuses ``--sglang-*``), batch sizes against the backend's
-   data-parallel size, Gated-DeltaNet batching, and last whether the selected backend and engine
+   data-parallel size (Gated-DeltaNet batching is the backends' own check), and last whether the selected backend and engine
    can run here (a planned one, or one whose packages are missing, is refused with what is and is
    not installed); and warns about flags that do nothing (KL flags without a KL term, GRPO groups
    of one response).
@@ -37,7 +37,6 @@ from slime.backends.config import (
     OptimizerConfig,
     OtherBackendFlag,
     TrainConfig,
-    hf_checkpoint_layer_types,
 )
 from slime.backends.fsdp.config import FSDPConfig
 from slime.backends.megatron.config import MegatronConfig
@@ -230,7 +229,6 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
                   other_flags=_other_backend_flags(cfg))
     cfg.engine_config.check(cfg.rollout, cfg.sglang)
-    _check_gdn_batching(cfg.model, cfg.checkpoint, cfg.train)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)
@@ -260,25 +258,6 @@ def _check_runs_here(cfg: SlimeConfig) -> None:
     ]
     if problems:
         raise ConfigError(". ".join(problems))
-
-
-def _check_gdn_batching(model: ModelConfig, checkpoint: CheckpointConfig, train: TrainConfig) -> None:
-    """Hybrid Gated-DeltaNet models train one sequence per micro-batch (upstream geo3k_vlm recipe:
-    "For GDN training, use --micro-batch-size 1 and remove --use-dynamic-batch-size")."""
-    if train.micro_batch_size == 1 and not train.use_dynamic_batch_size:
-        return
-    if model.is_hybrid_gdn:
-        source = f"--linear-attention-freq {model.linear_attention_freq}"
-    else:
-        layer_types = hf_checkpoint_layer_types(checkpoint.hf_checkpoint) or []
-        if "linear_attention" not in layer_types:
-            return
-        source = f"layer_types of {checkpoint.hf_checkpoint}/config.json"
-    got = "--use-dynamic-batch-size" if train.use_dynamic_batch_size else f"--micro-batch-size {train.micro_batch_size}"
-    raise ConfigError(
-        f"the model has Gated-DeltaNet (linear-attention) layers ({source}), which train one sequence per "
-        f"micro-batch, but got {got}; use --micro-batch-size 1 and remove --use-dynamic-batch-size"
-    )
 
 
 def _fitting_batch_sizes(samples: int, step: int) -> list[int]:

@@ -9,11 +9,12 @@
                           # loadable by transformers.from_pretrained, usable as --hf-checkpoint
                           # (the FSDP backend's weights; other backends write it on request)
         trainer/          # backend-private: optimizer, LR scheduler, per-rank RNG state
-                          # (and, for the Megatron backend, its torch.distributed.checkpoint weights)
+                          # (the Megatron backend: weights and optimizer in one torch.distributed.checkpoint)
         rollout_state.pt  # driver: rollout id and data cursor (epoch, position, skip counts)
 
 Which parts a complete checkpoint holds is the backend's to say
-(:meth:`slime.backends.config.BackendConfig.checkpoint_parts`: FSDP ``model/`` + ``trainer/``);
+(:meth:`slime.backends.config.BackendConfig.checkpoint_parts`: FSDP ``model/`` + ``trainer/``,
+Megatron ``trainer/state`` + ``trainer/scheduler.pt``);
 ``rollout_state.pt`` is always the driver's.
 
 Randomness: the prompt order is a pure function of ``--rollout-seed`` and the epoch, so the

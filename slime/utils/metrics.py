@@ -249,17 +249,10 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, ti
     os.replace(tmp, path)
 
 
-def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
-    """The :func:`plot_reward_curve` figure (a ``matplotlib.figure.Figure``, Agg canvas), not saved.
-
-    Train reward (always the first colour) is a line with dots; each eval accuracy (the next
-    colours, by dataset name) a dashed line with hollow squares,
-    so that an eval point on the same step and value as a reward point stays visible.  The
-    x axis ticks whole rollout steps only.
-    """
-    from matplotlib.figure import Figure  # Agg canvas, without touching pyplot's global backend
-    from matplotlib.ticker import MaxNLocator
-
+def reward_series(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """The plotted series of a run: ``"train reward"`` (``rollout/reward_mean``) and ``"eval <name> accuracy"``
+    (each ``eval/<name>/accuracy``), as ``{label: {step: value}}``; a later record of a step wins (a resumed
+    run), non-finite values are left out."""
     series: dict[str, dict[int, float]] = {}
     for record in records:
         for key, value in record.items():
@@ -272,7 +265,21 @@ def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
                 continue
             if isinstance(value, (int, float)) and math.isfinite(value):
                 series.setdefault(label, {})[record["step"]] = value
+    return series
 
+
+def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
+    """The :func:`plot_reward_curve` figure (a ``matplotlib.figure.Figure``, Agg canvas), not saved.
+
+    Train reward (always the first colour) is a line with dots; each eval accuracy (the next
+    colours, by dataset name) a dashed line with hollow squares,
+    so that an eval point on the same step and value as a reward point stays visible.  The
+    x axis ticks whole rollout steps only.
+    """
+    from matplotlib.figure import Figure  # Agg canvas, without touching pyplot's global backend
+    from matplotlib.ticker import MaxNLocator
+
+    series = reward_series(records)
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.add_subplot()
     # Train reward first, evals by name: the same colour per series in every redraw and after a resume.

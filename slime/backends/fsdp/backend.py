@@ -29,13 +29,11 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import random
 import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -63,6 +61,7 @@ from slime.backends.fsdp.hf_io import (
 )
 from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs, vision_placeholder_ids
 from slime.backends.lr_schedule import LRSchedule
+from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
 from slime.utils.ppo_utils import GRPOConfig, grpo_micro_batch_loss
@@ -452,7 +451,7 @@ class FSDPBackend(TrainerBackend):
             dcp.save(optimizer_state, checkpoint_id=trainer_out / "optimizer")
         if rank == 0:
             torch.save({"optimizer_steps": self.optimizer_steps}, trainer_out / "scheduler.pt")
-        torch.save(_rng_state(), trainer_out / f"rng_rank{rank:05d}.pt")
+        torch.save(rng_state(), trainer_out / f"rng_rank{rank:05d}.pt")
         dist.barrier()
 
     def _load_trainer_state(self, trainer_dir: Path) -> None:
@@ -476,7 +475,7 @@ class FSDPBackend(TrainerBackend):
             self.optimizer_steps = int(torch.load(sched_file)["optimizer_steps"])
         rng_file = trainer_dir / f"rng_rank{dist.get_rank():05d}.pt"
         if rng_file.exists():
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             logger.warning("%s is missing (saved with fewer ranks?); this rank keeps its fresh RNG state", rng_file)
 
@@ -542,21 +541,3 @@ def reference_weights(ref_load: str | None, hf_checkpoint: Path) -> Path:
         return ckpt.model_dir(ref_load, latest)
     return hf_checkpoint_folder(ref_load, "--ref-load")
 
-
-def _rng_state() -> dict:
-    """This process's RNG states: torch CPU, CUDA (when available), Python ``random``, NumPy."""
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    """Restore what :func:`_rng_state` saved."""
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from slime.backends.config import BackendConfig, OtherBackendFlag, refuse_flags
-from slime.utils.config import flag
+from slime.backends.config import BackendConfig, OtherBackendFlag, gdn_batching_problem, refuse_flags
+from slime.utils.config import ConfigError, flag
 
 if TYPE_CHECKING:
     from slime.backends.config import CheckpointConfig, ModelConfig, TrainConfig
@@ -39,6 +39,7 @@ INSTEAD: dict[str, str] = {
     "recompute_num_layers": "use --gradient-checkpointing",
     "attention_backend": "use --attn-implementation",
     "megatron_to_hf_mode": "the trained model is the Hugging Face model itself",
+    "save_hf": "every FSDP checkpoint holds a Hugging Face model/ folder",
 }
 """What the FSDP backend does instead of another backend's flag, by field (default: "a flag of --train-backend X")."""
 
@@ -62,7 +63,9 @@ class FSDPConfig(BackendConfig):
         cluster: ClusterConfig,
         other_flags: list[OtherBackendFlag],
     ) -> None:
-        """Refuse the other backends' active flags and ``--use-dynamic-batch-size``, all in one message.
+        """Refuse the other backends' active flags and ``--use-dynamic-batch-size``, all in one message;
+        then, for a hybrid Gated-DeltaNet model, ``--micro-batch-size`` above 1 (upstream's GDN limit,
+        :func:`slime.backends.config.gdn_batching_problem`).
 
         Raises:
             ConfigError: naming each such flag, its value and what the FSDP backend does instead.
@@ -71,6 +74,9 @@ class FSDPConfig(BackendConfig):
         refused += check_train(train, raise_=False)
         owners = sorted({f.backend for f in other_flags if f.backend}) or ["megatron"]
         refuse_flags("fsdp", refused, f"drop these flags, or use --train-backend {' / '.join(owners)}")
+        problem = gdn_batching_problem(model, checkpoint, train, reason="(upstream's limit)")
+        if problem:
+            raise ConfigError(problem)
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         """``model/`` (Hugging Face folder, the weights resumed from) and ``trainer/`` (optimizer,

@@ -29,23 +29,15 @@ unaffected.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from slime.backends.batching import pad_per_token
+from slime.backends.batching import PAD_TOKEN_ID, pad_per_token, response_input_ids
 from slime.backends.log_probs import entropy_from_logits, gather_log_probs
 from slime.utils.processor import mm_token_type_ids
 from slime.utils.types import Sample
-
-logger = logging.getLogger(__name__)
-_placeholder_warned = False
-
-PAD_TOKEN_ID = 0
-"""Id written into padding positions (masked out and causal, so any id works) and in place of
-image / video placeholder ids that a response generated (module docstring)."""
 
 
 @dataclasses.dataclass
@@ -92,7 +84,7 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
         ValueError: a sample has ``pixel_values`` without ``image_grid_thw`` or the reverse.
     """
     placeholders = vision_placeholder_ids(config)
-    rows = [list(s.prompt_token_ids) + _replace_placeholders(s, placeholders) for s in samples]
+    rows = [list(s.prompt_token_ids) + response_input_ids(s, placeholders) for s in samples]
     prompt_lens = [len(s.prompt_token_ids) for s in samples]
     response_lens = [s.response_length for s in samples]
     model_kwargs: dict[str, Tensor] = {}
@@ -142,32 +134,6 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
 def vision_placeholder_ids(config) -> set[int]:
     """The model's image / video placeholder ids (``image_token_id``, ``video_token_id``); empty for text models."""
     return {getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)} - {None}
-
-
-def _replace_placeholders(sample: Sample, placeholders: set[int]) -> list[int]:
-    """The sample's response ids with vision placeholder ids replaced by :data:`PAD_TOKEN_ID`.
-
-    Logged as a warning the first time per process, then at debug level (a random policy
-    emits such ids often; the rollout manager counts them in ``rollout/vision_token_responses``).
-    """
-    global _placeholder_warned
-    ids = list(sample.response_token_ids)
-    hits = [i for i, token in enumerate(ids) if token in placeholders]
-    if hits:
-        logger.log(
-            logging.DEBUG if _placeholder_warned else logging.WARNING,
-            "sample %d: the response contains %d image/video placeholder token(s) (first at response position %d); "
-            "they are fed to the model as token %d (log-prob targets unchanged)%s",
-            sample.index,
-            len(hits),
-            hits[0],
-            PAD_TOKEN_ID,
-            "" if _placeholder_warned else "; further cases are logged at debug level",
-        )
-        _placeholder_warned = True
-        for i in hits:
-            ids[i] = PAD_TOKEN_ID
-    return ids
 
 
 def response_log_probs(

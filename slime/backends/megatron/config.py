@@ -11,8 +11,11 @@ native Qwen3.5 model's own, :func:`slime.models.qwen3_5.config.check_parallel_la
 with the sizes of ``--hf-checkpoint``'s ``config.json`` or, before the checkpoint is on disk,
 of MODEL_ARGS; this module keeps only Megatron's rules on the GPU count.
 
-The backend itself is not in this version yet (see :data:`slime.backends.registry.TRAIN_BACKENDS`):
-selecting it stops at parse time after these checks, naming its packages.
+The backend is :class:`slime.backends.megatron.backend.MegatronBackend`; what it does not implement
+(yet) is refused here at parse time, with the reason: context parallelism (the model's rule),
+megatron-core's ``bshd`` layout, TransformerEngine's fused attention, attention dropout,
+Megatron-Bridge conversion, and packed micro-batches of a Gated-DeltaNet model in a layout whose
+packed-equals-one-at-a-time parity is not proven (:data:`PACKED_GDN_PROVEN`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,24 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from slime.backends.config import BackendConfig, OtherBackendFlag, refuse_flags
+from slime.backends.config import BackendConfig, OtherBackendFlag, gdn_batching_problem, refuse_flags
 from slime.utils.config import ConfigError, check_at_least_one, flag
 
 if TYPE_CHECKING:
     from slime.backends.config import CheckpointConfig, ModelConfig, TrainConfig
     from slime.ray.config import ClusterConfig
+
+PACKED_GDN_PROVEN: tuple[dict[str, int], ...] = (
+    dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+         expert_model_parallel_size=1),
+)
+"""Parallel layouts in which the native model's packed micro-batches of a Gated-DeltaNet model are proven
+equal to the same sequences run one at a time (any data-parallel size: replicas are independent).
+
+TP = PP = CP = EP = 1: bit-identical in bf16 with fla's kernels and ``varlen_attn`` on an H200
+(``docs/results/h200_megatron_qwen35.md``, "bf16 packed vs the same sequences one at a time"), and
+within 1e-5 in fp32 on the CPU (``tests/test_qwen35_model.py``).  Other layouts keep upstream's limit
+until a GPU test proves them (``tests/test_megatron_gpu.py`` has the TP2 check for a 2-GPU machine)."""
 
 INSTEAD: dict[str, str] = {
     "gradient_checkpointing": "use --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
@@ -89,6 +104,12 @@ class MegatronConfig(BackendConfig):
         "Hugging Face names and layouts (loading --hf-checkpoint, weight sync to the engines): raw = slime's own "
         "converters, bridge = Megatron-Bridge. --train-backend fsdp trains the HF model itself and refuses bridge.",
     )
+    save_hf: str | None = flag(
+        None,
+        help="Megatron backend only (upstream slime's flag): with every --save checkpoint, also write the weights "
+        "as a Hugging Face folder here (transformers from_pretrained / --hf-checkpoint); '{rollout_id}' in the path "
+        "is replaced by the rollout id, otherwise each save overwrites the folder.",
+    )
 
     def __post_init__(self):
         check_at_least_one(
@@ -143,10 +164,11 @@ class MegatronConfig(BackendConfig):
         )
 
     def checkpoint_parts(self) -> tuple[str, ...]:
-        """``trainer/``: the Megatron backend saves model and optimizer as one ``torch.distributed.checkpoint``
-        there (sharded, reloadable at another parallel layout) and writes a Hugging Face ``model/`` folder
-        only when asked, since a full export of Qwen3.5-35B-A3B is ~70 GB per save."""
-        return ("trainer",)
+        """``trainer/state`` (model, optimizer: a ``torch.distributed.checkpoint`` of full tensors under their
+        Hugging Face names, reloadable at another parallel layout) and ``trainer/scheduler.pt``; the per-rank
+        RNG files are optional (a resume with more ranks starts the extra ones fresh).  A Hugging Face folder
+        is written only with ``--save-hf`` (see :mod:`slime.backends.megatron.checkpoint`)."""
+        return ("trainer/state", "trainer/scheduler.pt")
 
     def check(
         self,
@@ -157,20 +179,54 @@ class MegatronConfig(BackendConfig):
         cluster: ClusterConfig,
         other_flags: list[OtherBackendFlag],
     ) -> None:
-        """Refuse the other backends' active flags, lay the trainer GPUs out as Megatron does (TP x CP x DP x
-        PP for the dense layers, ETP x EP x expert-DP x PP for the experts), then check the layout against
-        the model's sizes with the model's own rules (:meth:`check_model_layout`).
+        """Refuse the other backends' active flags and what this backend does not implement, lay the trainer
+        GPUs out as Megatron does (TP x CP x DP x PP for the dense layers, ETP x EP x expert-DP x PP for the
+        experts), check the layout against the model's sizes with the model's own rules
+        (:meth:`check_model_layout`), last the Gated-DeltaNet batching (:data:`PACKED_GDN_PROVEN`).
 
         Raises:
             ConfigError: a refused flag; parallel sizes that do not divide the trainer GPUs; EP > 1 with
                 TP > 1 but no ``--sequence-parallel``; a layout the model cannot shard (see
-                :func:`slime.models.qwen3_5.config.check_parallel_layout`).  The message names the flags and the fix.
+                :func:`slime.models.qwen3_5.config.check_parallel_layout`); ``--save-hf`` without ``--save``;
+                packed GDN micro-batches in an unproven layout.  The message names the flags and the fix.
         """
         refused = [f"{f.text} ({INSTEAD.get(f.field, f'a flag of --train-backend {f.backend}')})" for f in other_flags]
         owners = sorted({f.backend for f in other_flags if f.backend})
         refuse_flags("megatron", refused, f"drop these flags, or use --train-backend {' / '.join(owners)}")
+        refuse_flags("megatron", self._not_implemented(), "drop or change these flags")
         self._check_parallel_sizes(cluster)
         self.check_model_layout(model, checkpoint.hf_checkpoint)
+        if self.save_hf is not None and checkpoint.save is None:
+            raise ConfigError(
+                f"--save-hf {self.save_hf} is written with each checkpoint, but no --save DIR is given; add --save"
+            )
+        proven = any(all(getattr(self, k) == v for k, v in layout.items()) for layout in PACKED_GDN_PROVEN)
+        if not proven:
+            problem = gdn_batching_problem(
+                model, checkpoint, train,
+                reason=f"at --tensor-model-parallel-size {self.tensor_model_parallel_size} "
+                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} --expert-model-parallel-size "
+                f"{self.expert_model_parallel_size} (packed micro-batches are proven equal to one sequence at a time "
+                "only at TP = PP = CP = EP = 1, where they are allowed)",
+            )
+            if problem:
+                raise ConfigError(problem)
+
+    def _not_implemented(self) -> list[str]:
+        """This backend's own flags set to something the native model does not do, each with the reason
+        (context parallelism is the model's layout rule, :meth:`check_model_layout`)."""
+        refused = []
+        if self.qkv_format != "thd":
+            refused.append(f"--qkv-format {self.qkv_format} (micro-batches are packed THD sequences)")
+        if self.attention_backend == "fused":
+            refused.append("--attention-backend fused (TransformerEngine's fused attention is not installed; "
+                           "flash runs torch's varlen FlashAttention, local / unfused SDPA)")
+        if self.attention_dropout > 0:
+            refused.append(f"--attention-dropout {self.attention_dropout} (the gated attention has no dropout)")
+        if self.megatron_to_hf_mode != "raw":
+            refused.append(f"--megatron-to-hf-mode {self.megatron_to_hf_mode} (Megatron-Bridge is not supported; "
+                           "raw converts with slime.models.qwen3_5.weights)")
+        return refused
 
     def check_model_layout(self, model: ModelConfig, hf_checkpoint: str) -> None:
         """The native Qwen3.5 model's layout rules at parse time, on the sizes of ``<hf_checkpoint>/config.json``

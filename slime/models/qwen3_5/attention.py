@@ -18,6 +18,11 @@ row-parallel.
 Kernels: ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` with ``window_size=(-1, 0)``
 (causal) over ``cu_seqlens``, bf16/fp16 on CUDA; ``"sdpa"``: ``scaled_dot_product_attention`` per
 document (any dtype and device).
+
+Selective recompute (``--recompute-granularity selective`` with megatron-core's default
+``recompute_modules`` ``["core_attn"]``): the attention kernel's saved activations are dropped and the
+kernel is run again in the backward pass (``torch.utils.checkpoint``, non-reentrant; no dropout, so
+no RNG state is involved).
 """
 
 from __future__ import annotations
@@ -30,6 +35,20 @@ import torch.nn.functional as F
 from slime.models.qwen3_5.norm import ZeroCenteredRMSNorm
 from slime.models.qwen3_5.packing import packing_from_params
 from slime.models.qwen3_5.rope import apply_rotary
+
+
+def recomputes_core(config) -> bool:
+    """Whether megatron-core's config asks to recompute the core attention (selective recompute)."""
+    return config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or ["core_attn"])
+
+
+def maybe_recompute(enabled: bool, fn, *args):
+    """``fn(*args)``, recomputed in the backward pass when ``enabled`` and autograd records (training)."""
+    if enabled and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -95,6 +114,7 @@ class GatedAttention(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.attention_kernel = attention_kernel
+        self.recompute_core = recomputes_core(config)
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         if tp_group is None:
             from megatron.core import parallel_state
@@ -133,7 +153,7 @@ class GatedAttention(torch.nn.Module):
                 freqs = freqs.repeat(batch, 1)
             q, k = apply_rotary(q, freqs), apply_rotary(k, freqs)
         attend = varlen_causal_attention if self.attention_kernel == "varlen" else sdpa_causal_attention
-        o = attend(q, k, v, packing.cu_seqlens, packing.max_seqlen)
+        o = maybe_recompute(self.recompute_core, attend, q, k, v, packing.cu_seqlens, packing.max_seqlen)
         o = o.reshape(-1, self.heads * d) * torch.sigmoid(gate)
         o = o.reshape(batch, total, -1).transpose(0, 1)
         out, _ = self.linear_proj(o)

@@ -71,9 +71,14 @@ class GroupedExperts(torch.nn.Module):
                 config.init_method(self.weight1)
                 config.output_layer_init_method(self.weight2)
         expert_parallel = config.expert_model_parallel_size > 1
-        for p in (self.weight1, self.weight2):
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        for p, dim in ((self.weight1, 1), (self.weight2, 2)):
             # megatron-core's DDP: expert weights are reduced over the expert-data-parallel group.
             setattr(p, "allreduce", not expert_parallel)
+            # Split over expert-TP along the intermediate dimension: the gradient norm counts every shard
+            # (unsplit, every expert-TP rank holds the whole weight and one copy counts).
+            set_tensor_model_parallel_attributes(p, is_parallel=etp > 1, dim=dim, stride=1)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """``tokens [N, hidden]`` sorted by local expert, ``tokens_per_expert [E_local]``, ``probs [N]``

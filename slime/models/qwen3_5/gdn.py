@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slime.models.qwen3_5.attention import maybe_recompute
 from slime.models.qwen3_5.norm import GatedRMSNorm, param_device
 from slime.models.qwen3_5.packing import PackedSequences, packing_from_params
 
@@ -169,9 +170,12 @@ class GatedDeltaNet(torch.nn.Module):
         super().__init__()
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+        from slime.models.qwen3_5.attention import recomputes_core
+
         self.config = config
         self.layer_number = layer_number
         self.gdn_kernel, self.conv_kernel = gdn_kernel, conv_kernel
+        self.recompute_core = recomputes_core(config)  # selective recompute of the delta-rule kernel
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         if tp_group is None:
             from megatron.core import parallel_state
@@ -206,6 +210,22 @@ class GatedDeltaNet(torch.nn.Module):
                 self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())  # transformers' init
         # A_log stays fp32 under bf16 training (as SGLang holds it); the trainer must keep it so.
         setattr(self.A_log, "keep_fp32", True)
+        # Split over TP by heads (dim 0): megatron-core's gradient norm counts every rank's shard.
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        for p in (self.conv1d.weight, self.A_log, self.dt_bias):
+            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+        self.tp_group = tp_group
+
+    def _delta_rule(self, q, k, v, g, beta, packing: PackedSequences) -> torch.Tensor:
+        """The delta-rule kernel over packed documents: ``[T, H, d_v]``."""
+        if self.gdn_kernel == "fla":
+            o, _ = _fla_chunk_gated_delta_rule()(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                use_qk_l2norm_in_kernel=True, cu_seqlens=packing.cu_seqlens.long(),
+            )
+            return o.squeeze(0)
+        return chunk_gated_delta_rule_torch(q, k, v, g, beta, packing)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
         """``hidden_states [S, 1, hidden]`` (``S = T / tp`` under SP) -> ``(out [S, 1, hidden], None)``.
@@ -237,15 +257,8 @@ class GatedDeltaNet(torch.nn.Module):
         ratio = self.v_heads // self.k_heads
         if ratio > 1:
             q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-        if self.gdn_kernel == "fla":
-            o, _ = _fla_chunk_gated_delta_rule()(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-                use_qk_l2norm_in_kernel=True, cu_seqlens=packing.cu_seqlens.long(),
-            )
-            o = o.squeeze(0)
-        else:
-            o = chunk_gated_delta_rule_torch(q, k, v, g, beta, packing)
-        o = self.norm(o, z.reshape(-1, self.v_heads, self.d_v))
+        o = maybe_recompute(self.recompute_core, self._delta_rule, q, k, v, g, beta, packing)
+        o = self.norm(o, z.reshape(-1, self.v_heads, self.d_v), tp_group=self.tp_group)
         o = o.reshape(batch, total, self.value_dim).transpose(0, 1)
         out, _ = self.out_proj(o)
         return out, None

@@ -55,6 +55,10 @@ class Qwen35Inputs:
         image_grid_thw: ``[num_images, 3]`` int64, or ``None``.
         image_tokens_per_document: ``n`` merged image-token counts (0 for text-only documents),
             checked against the placeholders; required with images.
+        logit_index: ``[K]`` int64 positions of the packed axis whose logits the last stage computes
+            (e.g. the positions that predict response tokens), in the order wanted; ``None``: all ``T``.
+            The LM head is the largest matmul at Qwen3.5's 248k vocabulary, so a trainer that needs
+            the log-probs of the responses only computes it where they are predicted.
     """
 
     input_ids: torch.Tensor
@@ -64,6 +68,7 @@ class Qwen35Inputs:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_tokens_per_document: list[int] | None = None
+    logit_index: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, documents: "list[Qwen35Document]", arch, *, pad_to_multiple_of: int = 1, pad_token_id: int = 0
@@ -104,7 +109,7 @@ class Qwen35Inputs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return dataclasses.replace(self, input_ids=move(self.input_ids), position_ids=move(self.position_ids),
                                    cu_seqlens=move(self.cu_seqlens), pixel_values=move(self.pixel_values),
-                                   image_grid_thw=move(self.image_grid_thw))
+                                   image_grid_thw=move(self.image_grid_thw), logit_index=move(self.logit_index))
 
     def packed_seq_params(self):
         """megatron-core's ``PackedSeqParams`` (THD) of these boundaries."""
@@ -157,9 +162,12 @@ class Qwen35Model(_megatron_module()):
 
         from slime.models.qwen3_5.spec import qwen35_block_spec
 
+        from megatron.core.enums import ModelType
+
         megatron_without_transformer_engine()
         tc = config.transformer
         super().__init__(config=tc)
+        self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules read
         self.qwen_config = config
         self.pre_process, self.post_process = pre_process, post_process
         arch = config.arch
@@ -224,7 +232,8 @@ class Qwen35Model(_megatron_module()):
 
         Returns:
             Last stage: logits ``[T, 1, Vp / tp]`` (this TP rank's vocabulary columns, in the
-            parameters' dtype).  Other stages: hidden states ``[S, 1, hidden]`` for the next stage.
+            parameters' dtype), or ``[K, 1, Vp / tp]`` at ``inputs.logit_index``.  Other stages: hidden
+            states ``[S, 1, hidden]`` for the next stage.
 
         Raises:
             ValueError: ``cu_seqlens`` does not end at ``T``; image placeholders and images disagree
@@ -240,12 +249,38 @@ class Qwen35Model(_megatron_module()):
                               packed_seq_params=inputs.packed_seq_params())
         if not self.post_process:
             return hidden
+        if inputs.logit_index is not None:
+            hidden = self._select_positions(hidden, inputs.logit_index)
         logits, _ = self.output_layer(hidden)
+        if inputs.logit_index is not None:
+            logits = logits[: inputs.logit_index.numel()]
         if self.padded_vocab_size > self.vocab_size:
             per = self.padded_vocab_size // self.tp_size
             columns = torch.arange(per, device=logits.device) + self.tp_rank * per
             logits = logits.masked_fill(columns >= self.vocab_size, torch.finfo(logits.dtype).min)
         return logits
+
+    def _select_positions(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The final hidden states at ``index`` (``[K, 1, hidden]``), laid out as the LM head expects.
+
+        Under sequence parallelism the states are first gathered over TP (every rank then holds the
+        same ``K`` rows; the gather's backward keeps each rank's own chunk, since every rank's
+        gradient is the full one), padded to a multiple of TP and split again, so that the
+        column-parallel LM head gathers them back; the caller drops the padding rows.
+        """
+        from megatron.core.tensor_parallel import (
+            gather_from_sequence_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        if not self.config.sequence_parallel:
+            return hidden.index_select(0, index)
+        full = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        picked = full.index_select(0, index)
+        padding = (-picked.shape[0]) % self.tp_size
+        if padding:
+            picked = torch.cat([picked, picked.new_zeros(padding, *picked.shape[1:])])
+        return scatter_to_sequence_parallel_region(picked)
 
 
 def _build_device(tc):

@@ -65,6 +65,12 @@ class GatedRMSNorm(torch.nn.Module):
 
     Shapes: ``x`` and ``z`` ``[..., hidden_size]`` of one dtype -> same shape and dtype.  The
     order of casts follows transformers (normalise in fp32, scale in the input dtype, gate in fp32).
+
+    Under tensor parallelism the Gated DeltaNet gives each rank its own value heads, so the weight
+    (replicated, one per value-head dimension) gets a partial gradient on each rank; ``forward`` with
+    ``tp_group`` reads it through megatron-core's ``copy_to_tensor_model_parallel_region`` (identity
+    forward, all-reduce backward), so every rank holds the whole gradient, as for any replicated
+    parameter.
     """
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6):
@@ -73,9 +79,14 @@ class GatedRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=param_device(config)))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, tp_group=None) -> torch.Tensor:
         dtype = x.dtype
+        weight = self.weight
+        if tp_group is not None and tp_group.size() > 1:
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            weight = copy_to_tensor_model_parallel_region(weight, group=tp_group)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
+        h = weight * h.to(dtype)
         return (h * F.silu(z.float())).to(dtype)

@@ -6,7 +6,8 @@ Every layer is megatron-core's ``TransformerLayer`` with:
 - ``self_attention``: :class:`~slime.models.qwen3_5.gdn.GatedDeltaNet` for a ``linear_attention``
   layer, :class:`~slime.models.qwen3_5.attention.GatedAttention` for a ``full_attention`` one
   (the only slot that differs between the two kinds);
-- ``mlp``: megatron-core's ``MoELayer`` (its ``TopKRouter`` and token dispatcher, expert parallelism)
+- ``mlp``: megatron-core's ``MoELayer`` (its token dispatcher, expert parallelism) with
+  :class:`~slime.models.qwen3_5.router.Qwen35Router` (megatron-core's ``TopKRouter``, device-agnostic)
   with :class:`~slime.models.qwen3_5.experts.GroupedExperts` as the experts and megatron-core's
   ``SharedExpertMLP`` (sigmoid gate) as the shared expert;
 - megatron-core's bias-dropout-add for both residuals.
@@ -34,6 +35,7 @@ def qwen35_layer_spec(layer_type: str, kernels: Qwen35Kernels = Qwen35Kernels())
     from slime.models.qwen3_5.experts import GroupedExperts
     from slime.models.qwen3_5.gdn import GatedDeltaNet
     from slime.models.qwen3_5.norm import ZeroCenteredRMSNorm
+    from slime.models.qwen3_5.router import Qwen35Router
 
     if layer_type == "linear_attention":
         mixer = ModuleSpec(module=GatedDeltaNet, params={"gdn_kernel": kernels.gdn, "conv_kernel": kernels.gdn_conv})
@@ -44,7 +46,7 @@ def qwen35_layer_spec(layer_type: str, kernels: Qwen35Kernels = Qwen35Kernels())
     shared = ModuleSpec(module=SharedExpertMLP,
                         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     moe = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=ModuleSpec(module=GroupedExperts),
-                                                               shared_experts=shared))
+                                                               shared_experts=shared, router=Qwen35Router))
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -537,6 +537,9 @@ def materialize(model, device) -> None:
     """
     from slime.models.qwen3_5.vision import build_vision_tower
 
+    # to_empty replaces a meta parameter by a new Parameter object: keep the attributes megatron-core
+    # reads from it (tensor_model_parallel, partition_dim, sequence_parallel, allreduce, keep_fp32).
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
     for name, child in model.named_children():
         if name == "visual":
             continue
@@ -549,6 +552,9 @@ def materialize(model, device) -> None:
     if visual is not None and any(p.is_meta for p in visual.parameters()):
         arch, dtype = model.qwen_config.arch, next(visual.parameters()).dtype
         model.visual = build_vision_tower(arch.vision_config, dtype=dtype, device=device)
+    for name, p in model.named_parameters():
+        if not name.startswith("visual."):
+            p.__dict__.update(attributes.get(name, {}))
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
@@ -564,6 +570,63 @@ def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     out = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(out, tensor.contiguous(), group=group)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportGroups:
+    """Who gathers and who yields each parameter's Hugging Face tensors (see :func:`export_hf_weights`).
+
+    Attributes:
+        ranks: this rank's TP / EP / ETP coordinates.
+        tp_group, etp_group: megatron-core's tensor- and expert-tensor-parallel groups.
+        dense_source: data-parallel rank 0 (with CP): the replica whose dense and vision tensors are sent.
+        expert_source: expert-data-parallel rank 0: the replica whose experts are sent.
+    """
+
+    ranks: Ranks
+    tp_group: object
+    etp_group: object
+    dense_source: bool
+    expert_source: bool
+
+    @classmethod
+    def current(cls, ranks: Ranks | None = None) -> "ExportGroups":
+        """From megatron-core's parallel state."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            ranks=ranks if ranks is not None else Ranks.from_parallel_state(),
+            tp_group=ps.get_tensor_model_parallel_group(), etp_group=ps.get_expert_tensor_parallel_group(),
+            dense_source=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
+            expert_source=ps.get_expert_data_parallel_rank() == 0,
+        )
+
+    def gathers(self, rule: ParamRule) -> bool:
+        """This rank takes part in the rule's gather (its replica is the one sent)."""
+        return self.expert_source if rule.group == "etp" else self.dense_source
+
+    def yields(self, rule: ParamRule) -> bool:
+        """This rank is the single source of the rule's Hugging Face tensors."""
+        group_rank = self.ranks.etp_rank if rule.group == "etp" else self.ranks.tp_rank
+        return self.gathers(rule) and (rule.group == "none" or group_rank == 0)
+
+
+def export_rule(rule: ParamRule, tensor: torch.Tensor, groups: ExportGroups) -> dict[str, torch.Tensor] | None:
+    """One parameter (or a tensor of its local shape, e.g. an optimizer moment) as Hugging Face tensors.
+
+    Collective within the rule's TP / ETP group when :meth:`ExportGroups.gathers` (every rank of that
+    group calls it for the same rules in the same order); returns the tensors on the source rank
+    (:meth:`ExportGroups.yields`), ``None`` elsewhere.
+    """
+    if not groups.gathers(rule):
+        return None
+    if rule.group == "tp":
+        shards = _gather(tensor, groups.tp_group)
+    elif rule.group == "etp":
+        shards = _gather(tensor, groups.etp_group)
+    else:
+        shards = [tensor]
+    return rule.export(shards) if groups.yields(rule) else None
 
 
 def export_hf_weights(model, *, ranks: Ranks | None = None, dtype: torch.dtype | None = None
@@ -585,27 +648,10 @@ def export_hf_weights(model, *, ranks: Ranks | None = None, dtype: torch.dtype |
     Yields:
         ``(hf_name, tensor)``, tensors on the parameters' device.
     """
-    from megatron.core import parallel_state as ps
-
-    ranks = ranks if ranks is not None else Ranks.from_parallel_state()
-    rules = model_rules(model, ranks)
+    groups = ExportGroups.current(ranks)
+    rules = model_rules(model, groups.ranks)
     params = dict(model.named_parameters())
-    dense_source = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert_source = ps.get_expert_data_parallel_rank() == 0
-    tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
     for name, rule in rules.items():
-        is_expert = rule.group == "etp"
-        if not (expert_source if is_expert else dense_source):
-            continue
-        tensor = params[name].detach()
-        if rule.group == "tp":
-            shards = _gather(tensor, tp_group)
-        elif rule.group == "etp":
-            shards = _gather(tensor, etp_group)
-        else:
-            shards = [tensor]
-        group_rank = ranks.etp_rank if is_expert else ranks.tp_rank
-        if group_rank != 0:
-            continue
-        for hf_name, value in rule.export(shards).items():
+        out = export_rule(rule, params[name].detach(), groups)
+        for hf_name, value in (out or {}).items():
             yield hf_name, value if dtype is None else value.to(dtype)

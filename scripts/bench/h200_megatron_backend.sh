@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Issue 9's acceptance runs of the Megatron backend on one H200, by stage; logs and figures under OUT_DIR.
+#
+#   bash scripts/bench/h200_megatron_backend.sh OUT_DIR [STAGE ...]      (default stages: all, in this order)
+#
+# Stages (each bounded by its own timeout, so that a device call of <= 600 s can run one or two):
+#   site      unpack the wheels the image lacks onto /tmp/site (once per machine; every other stage needs it)
+#   tests     tests/test_megatron_gpu.py: fixed geo3k batch (acceptance 1), distributed-optimizer resume,
+#             offload/onload, export (figures -> OUT/figures.jsonl, log -> OUT/pytest_gpu.log)      ~4-6 min
+#   bench     scripts/bench/megatron_vs_fsdp.py (acceptance 4) -> OUT/bench.jsonl, OUT/profile/*.txt   ~4-6 min
+#   learning  the colour task of tests/test_learning.py on one GPU, Megatron and FSDP (acceptance 3),
+#             then OUT/fsdp_vs_megatron.png with python -m slime.utils.plot_runs                    ~6-8 min
+#   launcher  run_geo3k_qwen35.sh with the tiny checkpoint, megatron + transformers, colocated: 3 rollouts
+#             with a save, then --load and 2 more (acceptance 2); per-phase times and gaps -> OUT/launcher.txt
+#
+# What each stage needs on PYTHONPATH (/tmp/site), the image having torch 2.11, transformers, pytest:
+#   - tests, bench: megatron-core + fla + tilelang: the bundle of docs/results/h200_megatron_qwen35.md,
+#     MCORE_BUNDLE (default .gpu/mcore-bundle: site.sha256 + p*/site.tar.xz.part-*, 38 MB, one carry);
+#   - learning, launcher: also ray, math-verify, datasets, wandb: the wheelhouse of
+#     docs/results/h200_gpu_setup.md, WHEELHOUSE (default /tmp/wh: wheelhouse.tar.000 + .001, 121.5 MB,
+#     two carries gathered there), its wheels installed with pip --no-index --no-deps --target /tmp/site.
+# The site stage takes whichever of the two is present and can be re-run when the other arrives.
+#
+# Device calls that fit (64 MiB carry each; name .gpu in carry):
+#   1. carry .gpu/mcore-bundle:         bash scripts/bench/h200_megatron_backend.sh $OUT site tests bench
+#   2. carry .gpu/gs-p0:                mkdir -p /tmp/wh && cp .gpu/gs-p0/* /tmp/wh/
+#   3. carry .gpu/gs-p1:                cp .gpu/gs-p1/* /tmp/wh/ && bash scripts/bench/h200_megatron_backend.sh $OUT site learning
+#   4. (same machine, warm):            bash scripts/bench/h200_megatron_backend.sh $OUT launcher
+set -uo pipefail
+cd "$(dirname -- "${BASH_SOURCE[0]}")/../.."
+OUT=$(mkdir -p "${1:?usage: h200_megatron_backend.sh OUT_DIR [site|tests|bench|learning|launcher ...]}" && cd "$1" && pwd)
+shift
+STAGES=("$@")
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(site tests bench learning launcher)
+MCORE_BUNDLE=${MCORE_BUNDLE:-.gpu/mcore-bundle}
+WHEELHOUSE=${WHEELHOUSE:-/tmp/wh}
+SITE=/tmp/site
+export PYTHONPATH=$SITE:$PWD CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0
+export SLIME_SKIP_SETUP=1 SLIME_GPU_FIGURES=$OUT/figures.jsonl NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+status=0
+
+stage_site() {
+  mkdir -p "$SITE"
+  if [ ! -f "$SITE/.mcore" ] && [ -f "$MCORE_BUNDLE/site.sha256" ]; then
+    cat "$MCORE_BUNDLE"/p*/site.tar.xz.part-* > /tmp/mcore.tar.xz
+    echo "$(cat "$MCORE_BUNDLE/site.sha256")  /tmp/mcore.tar.xz" | sha256sum -c --quiet || { echo "mcore bundle incomplete"; return 3; }
+    xz -dc -T0 /tmp/mcore.tar.xz | tar -C "$SITE" -xf - && touch "$SITE/.mcore" && rm -f /tmp/mcore.tar.xz
+  fi
+  if [ ! -f "$SITE/.wheels" ] && [ -f "$WHEELHOUSE/wheelhouse.tar.001" ]; then
+    mkdir -p /tmp/wh-wheels
+    cat "$WHEELHOUSE"/wheelhouse.tar.* | tar -C /tmp/wh-wheels -xf - || { echo "wheelhouse parts incomplete"; return 3; }
+    # The image's transformers 5.17.0 / tokenizers stay (the version the native model was proven with;
+    # the wheelhouse's 5.12.1 is SGLang's pin, and SGLang is not used here).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+      $(ls /tmp/wh-wheels/*.whl | grep -v -E '/(transformers|tokenizers)-') && touch "$SITE/.wheels"
+  fi
+  python3 - <<'PY'
+import importlib, torch
+print("torch", torch.__version__, torch.cuda.get_device_name(), "CUDA_HOME ok" if __import__("os").path.isdir("/usr/local/cuda") else "no CUDA_HOME")
+for name in ("megatron.core", "fla", "tilelang", "transformers", "ray", "math_verify"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as e:  # noqa: BLE001 - a probe
+        print(name, "MISSING:", type(e).__name__, e)
+PY
+  ls "$SITE"/.mcore "$SITE"/.wheels 2>/dev/null
+}
+
+stage_tests() {
+  timeout 560 python3 -m pytest -s -rA -p no:cacheprovider tests/test_megatron_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  return "${PIPESTATUS[0]}"
+}
+
+stage_bench() {
+  timeout 560 python3 scripts/bench/megatron_vs_fsdp.py --json "$OUT/bench.jsonl" --profile "$OUT/profile" \
+    --workdir /tmp/bench-megatron-vs-fsdp 2>&1 | tee "$OUT/bench.log"
+  return "${PIPESTATUS[0]}"
+}
+
+stage_learning() {
+  mkdir -p "$OUT/learning"
+  SLIME_TEST_ARTIFACTS=$OUT/learning timeout 580 python3 -m pytest -s -rA -p no:cacheprovider \
+    tests/test_learning.py -k one_gpu 2>&1 | tee "$OUT/pytest_learning.log"
+  local rc=${PIPESTATUS[0]}
+  python3 -m slime.utils.plot_runs "$OUT/learning/colour-fsdp/out" "$OUT/learning/colour-megatron/out" \
+    --labels FSDP Megatron --title "colour task on one H200: same seed and flags" -o "$OUT/fsdp_vs_megatron.png"
+  return "$rc"
+}
+
+stage_launcher() {
+  local tiny run ckpt rc
+  tiny=$(python3 scripts/tools/make_tiny_qwen35.py | tail -n 1)
+  run=$OUT/launcher-run; ckpt=/tmp/launcher-ckpt; rm -rf "$run" "$ckpt"
+  launch() {
+    SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=qwen3.5-tiny SLIME_SCRIPT_HF_CHECKPOINT="$tiny" \
+    SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_TRAIN_BACKEND=megatron \
+    SLIME_SCRIPT_ROLLOUT_BACKEND=transformers SLIME_SCRIPT_OUTPUT_DIR="$run" \
+      timeout 280 bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 8 --global-batch-size 64 \
+        --rollout-max-response-len 256 --eval-max-response-len 256 --eval-interval 100 --no-progress-bar \
+        --save "$ckpt" --save-interval 3 "$@"
+  }
+  launch --num-rollout 3 >"$OUT/launcher_first.log" 2>&1; rc=$?
+  tail -n 3 "$OUT/launcher_first.log"
+  if [ "$rc" -eq 0 ]; then
+    launch --num-rollout 5 --load "$ckpt" >"$OUT/launcher_resume.log" 2>&1; rc=$?
+    tail -n 3 "$OUT/launcher_resume.log"
+  fi
+  python3 - "$run/metrics.jsonl" <<'PY' 2>&1 | tee "$OUT/launcher.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    perf = {k.split("/")[1]: round(v, 2) for k, v in r.items() if k.startswith("perf/")}
+    keys = ("rollout/reward_mean", "rollout/response_len_mean", "train/grad_norm", "train/logprob_abs_diff",
+            "train/logprob_abs_diff_image", "train/logprob_abs_diff_text", "train/micro_batches", "eval/geo3k/accuracy")
+    print("step", r["step"], {k: round(r[k], 5) for k in keys if k in r}, perf)
+PY
+  grep -h "resumed from\|done. Output" "$OUT"/launcher_*.log | tee -a "$OUT/launcher.txt"
+  return "$rc"
+}
+
+for stage in "${STAGES[@]}"; do
+  echo "=== stage $stage ($(date +%T))"
+  start=$(date +%s)
+  "stage_$stage"; rc=$?
+  echo "=== stage $stage: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
+  [ "$rc" -eq 0 ] || status=$rc
+done
+exit "$status"

@@ -1,0 +1,218 @@
+"""Training speed of the Megatron backend against the FSDP backend on the same geo3k-shaped samples (one GPU).
+
+Model: a scaled Qwen3.5-35B-A3B (``qwen35_shapes.config_35b``: real width, head shapes, expert shape and
+vision tower; ``--layers`` layers in the 3:1 GDN / attention pattern, ``--experts`` routed experts, top-8),
+random weights saved once as a bf16 Hugging Face folder that both backends load.
+
+Samples: ``--samples`` geo3k-shaped GRPO samples, the same for both: a chat prompt of ``--prompt-text``
+text tokens around one image of ``--image-grid T H W`` patches (``T*H*W/4`` merged image tokens; the
+geo3k images of the recipe give 256-400), a response of a length drawn uniformly from
+``[--response-min, --response-max]`` (seeded), advantages +-1, rollout log-probs given
+(``--use-rollout-logprobs``: the step is the training pass alone, no old-log-prob forward).
+
+Each backend trains in its own process, as the recipe configures it on one GPU, bf16:
+
+- ``megatron``: fla's Gated DeltaNet kernels, ``varlen_attn``, grouped-GEMM experts, megatron-core's DDP and
+  distributed optimizer (fp32 main weights, fp32 gradient accumulation), packed micro-batches of up to
+  ``--max-tokens-per-gpu`` tokens (``--use-dynamic-batch-size``, allowed at TP 1);
+- ``fsdp``: the Hugging Face model under FSDP2 (fp32 master weights, bf16 compute, fp32 reduction), SDPA,
+  one sample per micro-batch (the recipe's GDN limit, kept by the FSDP backend).
+
+Reported per backend (median of ``--steps`` timed steps after ``--warmup``): step seconds, train tokens/s
+(prompt + response tokens of the step / step seconds), model TFLOP/s and MFU = FLOPs / step seconds /
+``--peak-tflops`` (989: H200 dense bf16), with FLOPs from ``qwen35_shapes.flops_per_step`` (3 x forward:
+language model per token, causal attention per document, the LM head at the response positions only, the
+vision tower per patch), peak GPU memory (``max_memory_allocated``), and the Megatron / FSDP ratio.
+``--profile DIR`` writes the top CUDA kernels of one step per backend (``torch.profiler``).
+
+Usage (megatron-core, fla and their dependencies on PYTHONPATH, CUDA_HOME set for fla's tilelang backward):
+    python scripts/bench/megatron_vs_fsdp.py --json OUT/bench.jsonl --profile OUT/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen35_shapes import config_35b, flops_per_step  # noqa: E402
+
+
+def write_checkpoint(folder: Path, layers: int, experts: int) -> None:
+    """A random-initialised scaled Qwen3.5-35B-A3B, bf16 safetensors, built on the GPU."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    config = config_35b(layers, experts)
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+
+
+def make_samples(config, args) -> list:
+    """Geo3k-shaped samples (module docstring): token ids, one image's pixels and grid, a response."""
+    from slime.utils.types import Sample
+
+    gen = torch.Generator().manual_seed(0)
+    vision, vocab = config.vision_config, config.text_config.vocab_size
+    t, h, w = args.image_grid
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    merged = t * h * w // vision.spatial_merge_size ** 2
+    samples = []
+    for i in range(args.samples):
+        text = torch.randint(0, vocab - 1000, (args.prompt_text,), generator=gen).tolist()
+        half = args.prompt_text // 2
+        prompt = text[:half] + [config.vision_start_token_id] + [config.image_token_id] * merged + \
+            [config.vision_end_token_id] + text[half:]
+        length = int(torch.randint(args.response_min, args.response_max + 1, (1,), generator=gen))
+        samples.append(Sample(
+            index=i, group_index=i // 2, prompt="", label="", images=["<bench>"], prompt_token_ids=prompt,
+            multimodal_inputs={"pixel_values": torch.randn(t * h * w, patch_dim, generator=gen),
+                               "image_grid_thw": torch.tensor([[t, h, w]])},
+            response_token_ids=torch.randint(0, vocab - 1000, (length,), generator=gen).tolist(),
+            rollout_log_probs=[-12.0] * length, loss_mask=[1] * length, advantage=1.0 if i % 2 else -1.0,
+        ))
+    return samples
+
+
+def build_backend(name: str, rank_info, ckpt: Path, args):
+    from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
+    from slime.utils.ppo_utils import GRPOConfig
+
+    common = dict(optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0), grpo=GRPOConfig(),
+                  checkpoint=CheckpointConfig(hf_checkpoint=str(ckpt)), rollout_temperature=1.0, num_rollout=100,
+                  num_steps_per_rollout=1)
+    if name == "megatron":
+        from slime.backends.megatron.backend import MegatronBackend
+        from slime.backends.megatron.config import MegatronConfig
+
+        train = TrainConfig(train_backend="megatron", bf16=True, use_rollout_logprobs=True,
+                            use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
+        return MegatronBackend(rank_info, train=train, megatron=MegatronConfig(accumulate_allreduce_grads_in_fp32=True),
+                               **common)
+    from slime.backends.fsdp.backend import FSDPBackend
+    from slime.backends.fsdp.config import FSDPConfig
+
+    train = TrainConfig(train_backend="fsdp", bf16=True, use_rollout_logprobs=True, micro_batch_size=1)
+    return FSDPBackend(rank_info, train=train, fsdp=FSDPConfig(attn_implementation="sdpa"), **common)
+
+
+def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) -> None:
+    """One backend in its own process: build, warm up, time ``--steps`` steps, optionally profile one."""
+    from slime.backends.base import RankInfo
+
+    backend = build_backend(name, RankInfo(0, 1, "127.0.0.1", 0, args.device), Path(ckpt), args)
+    start = time.perf_counter()
+    backend.init()
+    init_s = time.perf_counter() - start
+    for k in range(args.warmup):
+        backend.train(k, samples, num_steps=1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, metrics = [], {}
+    for k in range(args.steps):
+        start = time.perf_counter()
+        metrics = backend.train(args.warmup + k, samples, num_steps=1)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    profile = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch_profile(activities=activities) as prof:
+            backend.train(args.warmup + args.steps, samples, num_steps=1)
+            if cuda:
+                torch.cuda.synchronize()
+        profile = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30)
+    torch.save({"times": times, "peak_gib": peak, "init_s": init_s, "metrics": metrics, "profile": profile},
+               Path(out) / f"{name}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4, help="Decoder layers (3 GDN : 1 attention).")
+    parser.add_argument("--experts", type=int, default=128, help="Routed experts per layer (top-8).")
+    parser.add_argument("--samples", type=int, default=32, help="Samples per optimizer step.")
+    parser.add_argument("--prompt-text", type=int, default=96, help="Text tokens of each prompt.")
+    parser.add_argument("--image-grid", type=int, nargs=3, default=[1, 36, 36], metavar=("T", "H", "W"),
+                        help="Patch grid of each prompt's image (merged tokens = T*H*W/4).")
+    parser.add_argument("--response-min", type=int, default=256, help="Shortest response, tokens.")
+    parser.add_argument("--response-max", type=int, default=1536, help="Longest response, tokens.")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="Megatron's packed micro-batch budget.")
+    parser.add_argument("--warmup", type=int, default=1, help="Untimed steps first.")
+    parser.add_argument("--steps", type=int, default=2, help="Timed steps (median reported).")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="Peak bf16 TFLOP/s for MFU.")
+    parser.add_argument("--backends", nargs="+", default=["megatron", "fsdp"], choices=["megatron", "fsdp"])
+    parser.add_argument("--json", type=Path, default=None, help="Append one JSON line per backend here.")
+    parser.add_argument("--profile", type=Path, default=None, help="Write each backend's top CUDA kernels here.")
+    parser.add_argument("--workdir", type=Path, default=None, help="Where the checkpoint goes (default: a temp dir).")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="Train this Hugging Face folder instead of the scaled model (a tiny one: a smoke run).")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of the script.")
+    args = parser.parse_args()
+
+    from slime.models.qwen3_5.config import arch_from_hf_config
+    from tests.spawn_ranks import spawn_ranks
+
+    from transformers import AutoConfig
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="slime-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = args.checkpoint or work / "ckpt"
+    if not (ckpt / "config.json").is_file():
+        write_checkpoint(ckpt, args.layers, args.experts)
+    config = AutoConfig.from_pretrained(ckpt)
+    arch = arch_from_hf_config(json.loads((ckpt / "config.json").read_text()))
+    samples = make_samples(config, args)
+    tokens = [len(s.prompt_token_ids) + s.response_length for s in samples]
+    response_tokens = sum(s.response_length for s in samples)
+    patches = [int(s.multimodal_inputs["image_grid_thw"].prod()) for s in samples]
+    flops = flops_per_step(arch, tokens, lm_head_tokens=response_tokens, image_patches=patches)
+    print(f"model: {ckpt} ({arch.num_layers} layers, {arch.num_experts} experts); "
+          f"step: {len(samples)} samples, {sum(tokens)} tokens "
+          f"({response_tokens} response), {sum(patches)} image patches; {flops / 1e12:.1f} TFLOP per step", flush=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+
+    rows = {}
+    for name in args.backends:
+        spawn_ranks(run_backend, name, str(ckpt), samples, args, str(work), world_size=1, device=args.device)
+        result = torch.load(work / f"{name}.pt", weights_only=False)
+        seconds = statistics.median(result["times"])
+        rows[name] = dict(
+            backend=name, layers=arch.num_layers, experts=arch.num_experts, samples=len(samples), tokens=sum(tokens),
+            step_s=round(seconds, 3), tokens_per_s=round(sum(tokens) / seconds),
+            tflops=round(flops / seconds / 1e12, 1), mfu=round(flops / seconds / 1e12 / args.peak_tflops, 4),
+            peak_gib=round(result["peak_gib"], 1), init_s=round(result["init_s"], 1),
+            micro_batches=result["metrics"].get("train/micro_batches"), loss=result["metrics"].get("train/loss"),
+        )
+        if result["profile"] and args.profile:
+            (args.profile / f"{name}.txt").write_text(result["profile"])
+    if "megatron" in rows and "fsdp" in rows:
+        rows["megatron"]["speedup_vs_fsdp"] = round(rows["fsdp"]["step_s"] / rows["megatron"]["step_s"], 2)
+    for row in rows.values():
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The Megatron backend's checkpoint: model and optimizer as one ``torch.distributed.checkpoint``, under
+Hugging Face names, plus scheduler and RNG; and the ``--save-hf`` export.
+
+Layout of ``<iteration folder>/trainer/`` (the driver adds ``rollout_state.pt`` next to it,
+:mod:`slime.utils.checkpoint`)::
+
+    state/               torch.distributed.checkpoint (.distcp files + .metadata), full fp32 tensors:
+                           param/<hf name>        the fp32 main weights (the model's weights are their cast)
+                           exp_avg/<hf name>      Adam's first moment   (not with --no-save-optim)
+                           exp_avg_sq/<hf name>   Adam's second moment  (not with --no-save-optim)
+    scheduler.pt         {"optimizer_steps": n} (the LR schedule's position, Adam's step count)
+    rng_rank<r>.pt       rank r's torch / CUDA / Python / NumPy / megatron-core RNG states
+    layout.json          the parallel sizes and dtype it was saved with (for people; nothing reads it)
+
+Every tensor is saved whole, by its single source rank (the one that sends it in a weight sync,
+:class:`slime.models.qwen3_5.weights.ExportGroups`), in the layout of the Hugging Face checkpoint:
+TP / ETP shards gathered, the attention's query/gate interleave restored, experts one tensor per
+expert.  The optimizer's moments are parameter-shaped, so the same per-parameter rules map them.
+A resume reads, for each of its parameters, only the Hugging Face tensors its rules name and slices
+out its shard (:func:`slime.models.qwen3_5.weights.read_rank_state`), so a checkpoint resumes at any
+TP / PP / EP / DP layout, not only the one that wrote it.  With megatron-core's distributed
+optimizer each data-parallel rank owns a slice of every flattened parameter's fp32 state; saving
+sums the slices over the data-parallel group (:meth:`DistributedAdam.param_state`), loading writes
+each rank's slice back.
+
+Memory: a rank holds the fp32 tensors it is the source of on the CPU until the one
+``torch.distributed.checkpoint.save`` call (3x its share of the parameters in fp32 with the
+optimizer); a load reads one export group (a decoder layer) at a time.
+
+``--save-hf DIR``: the ``param`` tensors as safetensors, each source rank writing its own files
+``model-r<rank>-<k>.safetensors`` (about 5 GiB each), rank 0 the index, ``config.json``, tokenizer and
+processor files of ``--hf-checkpoint``: a folder ``transformers.from_pretrained`` loads (float32
+weights; ``config.json`` keeps the source's ``dtype``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import Tensor
+
+from slime.backends.batching import bucket_by_bytes
+from slime.backends.megatron.optimizer import STATE_KEYS
+from slime.backends.megatron.weight_export import ordered_rules
+from slime.backends.rng import rng_state, set_rng_state
+from slime.models.qwen3_5.weights import ExportGroups, StateDictReader, export_rule, read_rank_state
+from slime.utils.checkpoint import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+STATE_DIR = "state"
+SCHEDULER_FILE = "scheduler.pt"
+MAX_SHARD_BYTES = 5 << 30
+"""Target size of one safetensors file of a ``--save-hf`` folder (5 GiB, as ``save_pretrained``)."""
+
+
+def save_trainer_state(
+    trainer_dir: Path, model, optimizer, *, steps: int, save_optim: bool, layout: dict,
+    save_hf: str | os.PathLike | None = None, hf_checkpoint: str | os.PathLike | None = None,
+) -> None:
+    """Write ``trainer_dir`` (module docstring) and, with ``save_hf``, the Hugging Face folder. Collective.
+
+    Args:
+        trainer_dir: ``<iteration folder>/trainer`` (replaced if it exists).
+        model: the stage's ``Qwen35Model``.
+        optimizer: :class:`~slime.backends.megatron.optimizer.DistributedAdam` or ``LocalAdam``.
+        steps: optimizer steps taken.
+        save_optim: also the Adam moments (not with ``--no-save-optim``).
+        layout: parallel sizes and dtype, written to ``layout.json``.
+        save_hf: the ``--save-hf`` folder, or None.
+        hf_checkpoint: ``--hf-checkpoint`` (its side files go into the ``--save-hf`` folder).
+    """
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(trainer_dir, ignore_errors=True)
+        trainer_dir.mkdir(parents=True)
+    dist.barrier()
+    kinds = STATE_KEYS if save_optim else ("param",)
+    groups = ExportGroups.current()
+    state: dict[str, Tensor] = {}
+    params = dict(model.named_parameters())
+    for _, name, rule in ordered_rules(model, groups):
+        tensors = optimizer.param_state(params[name])  # collective over the parameter's optimizer DP group
+        for kind in kinds:
+            for hf_name, value in (export_rule(rule, tensors[kind], groups) or {}).items():
+                state[f"{kind}/{hf_name}"] = value.detach().to("cpu", torch.float32)
+    dcp.save(state, checkpoint_id=trainer_dir / STATE_DIR)
+    if rank == 0:
+        torch.save({"optimizer_steps": steps}, trainer_dir / SCHEDULER_FILE)
+        (trainer_dir / "layout.json").write_text(json.dumps(layout, indent=2) + "\n")
+    torch.save(rng_state(), trainer_dir / f"rng_rank{rank:05d}.pt")
+    if save_hf is not None:
+        weights = {k[len("param/"):]: v for k, v in state.items() if k.startswith("param/")}
+        write_hf_folder(Path(save_hf), weights, hf_checkpoint)
+    dist.barrier()
+
+
+def write_hf_folder(out: Path, weights: dict[str, Tensor], source: str | os.PathLike | None) -> None:
+    """Every rank writes its own tensors into ``out`` as safetensors; rank 0 the index and side files. Collective."""
+    from slime.backends.fsdp.hf_io import SAFETENSORS_INDEX, WEIGHT_FILE_PATTERNS, copy_side_files
+
+    rank = dist.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for entry in out.iterdir():
+            if any(fnmatch.fnmatch(entry.name, pattern) for pattern in WEIGHT_FILE_PATTERNS):
+                entry.unlink()
+        if source is not None:
+            copy_side_files(source, out)
+    dist.barrier()
+    weight_map, total = {}, 0
+    for k, shard in enumerate(bucket_by_bytes(([item] for item in sorted(weights.items())), MAX_SHARD_BYTES)):
+        file = f"model-r{rank:05d}-{k:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in shard}, out / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n, _ in shard})
+        total += sum(t.numel() * t.element_size() for _, t in shard)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (weight_map, total))
+    if rank == 0:
+        merged = {n: f for part, _ in gathered for n, f in part.items()}
+        index = {"metadata": {"total_size": sum(t for _, t in gathered)}, "weight_map": dict(sorted(merged.items()))}
+        (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        logger.info("--save-hf: %d tensors written to %s", len(merged), out)
+
+
+def _checkpoint_keys(state_dir: Path) -> dict[str, torch.Size]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (state_dir / ".metadata").is_file():
+        raise CheckpointError(f"{state_dir} is not a torch.distributed.checkpoint folder (no .metadata)")
+    metadata = FileSystemReader(str(state_dir)).read_metadata()
+    return {k: v.size for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def _read(state_dir: Path, keys: list[str], sizes: dict[str, torch.Size]) -> dict[str, Tensor]:
+    """The named full tensors of the checkpoint (fp32, CPU); this rank alone reads them (``no_dist``)."""
+    out = {k: torch.empty(sizes[k], dtype=torch.float32) for k in keys}
+    if out:
+        dcp.load(out, checkpoint_id=state_dir, no_dist=True)
+    return out
+
+
+def _by_group(model, groups: ExportGroups):
+    """The rank's rules grouped by export group, in the global order."""
+    current, members = None, []
+    for g, name, rule in ordered_rules(model, groups):
+        if g != current and members:
+            yield members
+            members = []
+        current = g
+        members.append((name, rule))
+    if members:
+        yield members
+
+
+def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool) -> int:
+    """Restore weights (and the fp32 main weights), Adam's moments and step count, RNG; returns the optimizer
+    steps taken.  With ``load_optim`` False (``--no-load-optim``) Adam and the LR schedule start afresh
+    (returns 0), as the FSDP backend does.
+
+    Raises:
+        CheckpointError: ``state/`` or ``scheduler.pt`` missing or malformed, a tensor the model needs is not
+            in the checkpoint, or the moments are missing with ``load_optim`` (the message says to resume
+            with ``--no-load-optim``).
+    """
+    state_dir = trainer_dir / STATE_DIR
+    scheduler = trainer_dir / SCHEDULER_FILE
+    if not scheduler.is_file():
+        raise CheckpointError(f"{scheduler} is missing; the checkpoint is incomplete")
+    steps = int(torch.load(scheduler)["optimizer_steps"])
+    sizes = _checkpoint_keys(state_dir)
+    kinds = STATE_KEYS if load_optim else ("param",)
+    if load_optim and not any(k.startswith("exp_avg/") for k in sizes):
+        raise CheckpointError(f"{state_dir} holds no optimizer state (saved with --no-save-optim?); resume with "
+                              "--no-load-optim to start AdamW afresh")
+    if load_optim:
+        optimizer.ensure_state()
+    groups = ExportGroups.current()
+    params = dict(model.named_parameters())
+    for members in _by_group(model, groups):
+        rules = {name: rule for name, rule in members}
+        wanted = [f"{kind}/{hf}" for kind in kinds for rule in rules.values() for hf in rule.hf_names]
+        missing = [k for k in wanted if k not in sizes]
+        if missing:
+            raise CheckpointError(f"{state_dir} has no tensor {missing[0]!r} (and {len(missing) - 1} more) that the "
+                                  "model needs; was it saved from another model?")
+        tensors = _read(state_dir, wanted, sizes)
+        local = {kind: read_rank_state(StateDictReader({k[len(kind) + 1:]: v for k, v in tensors.items()
+                                                        if k.startswith(kind + "/")}), rules)
+                 for kind in kinds}
+        with torch.no_grad():
+            for name in rules:  # the weights, and the fp32 main weights (with the moments when loaded)
+                params[name].copy_(local["param"][name].to(params[name].dtype))
+                optimizer.set_param_state(params[name], {k: local[k][name] for k in kinds}, steps)
+    rng_file = trainer_dir / f"rng_rank{dist.get_rank():05d}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.warning("%s is missing (saved with fewer ranks?); this rank keeps its fresh RNG state", rng_file)
+    return steps if load_optim else 0
+
+
+def load_weights(model, state_dir: Path) -> None:
+    """Fill a built model's weights from a checkpoint's ``param/`` tensors (e.g. a reference model from
+    ``--ref-load``), reading one export group at a time.
+
+    Raises:
+        CheckpointError: see :func:`load_trainer_state`.
+    """
+    sizes = _checkpoint_keys(state_dir)
+    params = dict(model.named_parameters())
+    for members in _by_group(model, ExportGroups.current()):
+        rules = dict(members)
+        wanted = [f"param/{hf}" for rule in rules.values() for hf in rule.hf_names]
+        missing = [k for k in wanted if k not in sizes]
+        if missing:
+            raise CheckpointError(f"{state_dir} has no tensor {missing[0]!r} that the model needs")
+        tensors = _read(state_dir, wanted, sizes)
+        local = read_rank_state(StateDictReader({k[len("param/"):]: v for k, v in tensors.items()}), rules)
+        with torch.no_grad():
+            for name, value in local.items():
+                params[name].copy_(value.to(params[name].dtype))

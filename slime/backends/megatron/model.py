@@ -1,0 +1,121 @@
+"""Building this rank's pipeline stage of the native Qwen3.5 model for training, from a Hugging Face folder.
+
+The stage is :class:`slime.models.qwen3_5.model.Qwen35Model` with the layers megatron-core assigns to
+this pipeline rank, allocated directly on the training device (uninitialised) and filled from the
+checkpoint with :func:`slime.models.qwen3_5.weights.load_hf_checkpoint`, which reads only this rank's
+TP / EP / ETP slices of the safetensors (the full model is never materialised on one rank).
+
+Flags that shape it (:class:`slime.backends.megatron.config.MegatronConfig`): the parallel sizes and
+``--sequence-parallel``; ``--recompute-granularity`` / ``--recompute-method`` /
+``--recompute-num-layers`` (megatron-core's ``TransformerConfig`` fields: full recompute of layer
+blocks by its ``TransformerBlock``; selective recompute of the attention and delta-rule kernels by the
+model's own modules); ``--hidden-dropout``; ``--attention-backend``: ``auto`` picks the fast kernels
+where they are right (:meth:`slime.models.qwen3_5.config.Qwen35Kernels.for_dtype`: fla + ``varlen_attn``
+for bf16 on CUDA, the torch paths otherwise), ``flash`` asks for ``varlen_attn`` (torch's
+FlashAttention-2: bf16 on CUDA), ``local`` / ``unfused`` for SDPA per document.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+from slime.backends.megatron.config import MegatronConfig
+from slime.models.qwen3_5.config import ParallelLayout, Qwen35Kernels, qwen35_config_from_hf
+
+logger = logging.getLogger(__name__)
+
+GPU_KERNEL_PACKAGES = ("flash-linear-attention==0.6.0", "fla-core==0.6.0", "tilelang==0.1.15")
+"""What the bf16 GPU kernels of the Gated DeltaNet need beyond megatron-core (the rest of the ``megatron``
+extra of pyproject.toml); the CPU / fp32 torch paths need none of them."""
+
+
+class KernelUnavailable(RuntimeError):
+    """The selected kernels cannot run here (package missing, or a kernel that needs CUDA and bf16)."""
+
+
+def kernels_for(megatron: MegatronConfig, dtype: torch.dtype, device: torch.device) -> Qwen35Kernels:
+    """The model's kernels for ``--attention-backend`` on this device and dtype (module docstring).
+
+    Raises:
+        KernelUnavailable: ``flash`` off CUDA / in fp32, or fla not installed where its kernels are picked.
+    """
+    auto = Qwen35Kernels.for_dtype(dtype, device.type)
+    backend = megatron.attention_backend
+    if backend in ("local", "unfused"):
+        kernels = Qwen35Kernels(gdn=auto.gdn, attention="sdpa")
+    elif backend == "flash":
+        if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+            raise KernelUnavailable(
+                f"--attention-backend flash runs torch's varlen FlashAttention, which needs CUDA and bf16 "
+                f"(here: {device.type}, {dtype}); add --bf16 on a GPU, or use --attention-backend auto"
+            )
+        kernels = Qwen35Kernels(gdn=auto.gdn, attention="varlen")
+    else:
+        kernels = auto
+    if kernels.gdn == "fla" and importlib.util.find_spec("fla") is None:
+        raise KernelUnavailable(
+            f"the Gated DeltaNet's bf16 GPU kernels need {', '.join(GPU_KERNEL_PACKAGES)} (fla is not importable); "
+            "install the megatron extra (scripts/setup_env.sh on a GPU node does)"
+        )
+    return kernels
+
+
+def layout_of(megatron: MegatronConfig) -> ParallelLayout:
+    return ParallelLayout(
+        tensor_model_parallel_size=megatron.tensor_model_parallel_size,
+        pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
+        expert_model_parallel_size=megatron.expert_model_parallel_size,
+        expert_tensor_parallel_size=megatron.expert_tensor_parallel,
+        context_parallel_size=megatron.context_parallel_size,
+        sequence_parallel=megatron.sequence_parallel,
+    )
+
+
+def build_stage(
+    hf_folder: str | Path, megatron: MegatronConfig, *, dtype: torch.dtype, device: torch.device,
+    load: bool = True,
+):
+    """This rank's stage of the model, its weights read from ``hf_folder`` (unless ``load`` is False).
+
+    Args:
+        hf_folder: a Hugging Face checkpoint folder (architecture from its ``config.json``).
+        megatron: BACKEND_ARGS (megatron).
+        dtype: parameter dtype (``A_log`` stays fp32).
+        device: the training device (megatron-core's parallel state must be initialised).
+        load: fill the weights from ``hf_folder``; False leaves them for a checkpoint load.
+
+    Raises:
+        slime.models.qwen3_5.config.Qwen35ConfigError: the checkpoint or layout is not buildable.
+        slime.models.qwen3_5.weights.WeightMappingError: a tensor is missing or misshaped.
+        KernelUnavailable: see :func:`kernels_for`.
+    """
+    from megatron.core import parallel_state as ps
+
+    from slime.models.qwen3_5.model import Qwen35Model
+    from slime.models.qwen3_5.weights import load_hf_checkpoint
+
+    overrides = dict(
+        recompute_granularity=megatron.recompute_granularity,
+        recompute_method=megatron.recompute_method,
+        recompute_num_layers=megatron.recompute_num_layers,
+        hidden_dropout=megatron.hidden_dropout,
+        use_cpu_initialization=device.type != "cuda",
+        perform_initialization=False,
+    )
+    if device.type != "cuda":
+        overrides["moe_token_dispatcher_type"] = "allgather"  # the all-to-all dispatcher uses CUDA streams
+    config = qwen35_config_from_hf(hf_folder, layout_of(megatron), params_dtype=dtype,
+                                   kernels=kernels_for(megatron, dtype, device), **overrides)
+    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    model = Qwen35Model(config, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1)
+    if load:
+        report = load_hf_checkpoint(model, hf_folder)
+        logger.info("loaded %d tensors of %s (skipped: %s)", report.loaded, hf_folder, report.skipped or "none")
+    wrong = [n for n, p in model.named_parameters() if getattr(p, "keep_fp32", False) and p.dtype != torch.float32]
+    if wrong:
+        raise RuntimeError(f"parameters marked keep_fp32 are not fp32: {wrong[:3]}")
+    return model

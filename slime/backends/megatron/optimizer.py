@@ -1,0 +1,342 @@
+"""Gradient reduction and AdamW for the Megatron backend: megatron-core's on GPU, a small torch stand-in on CPU.
+
+**GPU** (:class:`DistributedAdam`): megatron-core's ``DistributedDataParallel`` (contiguous gradient
+buffers, fp32 accumulation and reduction with ``--accumulate-allreduce-grads-in-fp32``) and its
+distributed optimizer (``get_megatron_optimizer`` with ``use_distributed_optimizer``): bf16 model
+parameters, fp32 main parameters and Adam moments sharded over the data-parallel ranks; fp32
+parameters (``A_log``, which carries ``keep_fp32``) are their own main copies.  Expert parameters of an
+expert-parallel model get their own optimizer over the expert-data-parallel group (megatron-core's
+``ChainedOptimizer``).
+
+**CPU** (:class:`LocalAdam`): megatron-core's DDP and optimizers allocate on
+``torch.cuda.current_device()`` and check for ``torch.cuda.*Tensor`` types, so they cannot run
+without CUDA.  The stand-in keeps everything else of the training step megatron-core's (the
+schedule's ``forward_step`` / ``backward_step``, ``finalize_model_grads`` with its TP all-reduce of
+sequence-parallel and q/k-norm gradients) and replaces only those two: :class:`LocalDataParallel`
+averages ``.grad`` over the data-parallel group the way megatron-core's DDP does (sum, times
+``1 / dp``), and ``torch.optim.AdamW`` on the fp32 parameters.  Data parallelism only: with TP > 1,
+megatron-core's MoE layer refuses training without sequence parallelism, whose gathers allocate on
+``torch.cuda.current_device()`` and whose layers fork the CUDA RNG tracker.
+
+Both follow the same rules: the learning rate of every step from
+:class:`slime.backends.lr_schedule.LRSchedule` (set before the step, as the FSDP backend does),
+decoupled weight decay on tensors of two or more dimensions only (megatron-core's
+``get_standard_config_overrides``: 1-D parameters and biases get ``wd_mult`` 0), the global gradient
+L2 norm over every rank's shards (TP-duplicate parameters counted once,
+``param_is_not_tensor_parallel_duplicate``), checked finite *before* the update, then clipped to
+``--clip-grad`` (0: no clipping).
+
+For checkpoints and colocated memory both expose, per model parameter, its optimizer state as whole
+TP-local fp32 tensors (:meth:`DistributedAdam.param_state`): ``param`` (the fp32 main weights),
+``exp_avg``, ``exp_avg_sq``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slime.backends.config import OptimizerConfig
+from slime.backends.megatron.config import MegatronConfig
+
+logger = logging.getLogger(__name__)
+
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+"""Per-parameter optimizer state saved in checkpoints: fp32 main weights and Adam's two moments."""
+
+
+class NonFiniteGradNorm(FloatingPointError):
+    """The global gradient norm is NaN or infinite; no update was applied."""
+
+
+def _check_finite(norm: float, where: str) -> float:
+    if not torch.isfinite(torch.tensor(norm)):
+        raise NonFiniteGradNorm(
+            f"{where}: gradient norm is {norm}; lower --lr, check the rewards/advantages for NaN, or train in "
+            "float32 (no --bf16)"
+        )
+    return float(norm)
+
+
+def decays(name: str, param: Tensor) -> bool:
+    """Whether weight decay applies: tensors of >= 2 dims that are not biases (megatron-core's default rule)."""
+    return param.ndim >= 2 and not name.endswith(".bias")
+
+
+class DistributedAdam:
+    """megatron-core's DDP + distributed AdamW around one pipeline stage (GPU only).
+
+    Args:
+        model: the stage's ``Qwen35Model`` (on the GPU).
+        megatron: BACKEND_ARGS (megatron) (``accumulate_allreduce_grads_in_fp32``).
+        optimizer: OPTIMIZER_ARGS (betas, eps, weight decay, ``--clip-grad``).
+        bf16: the model's parameters are bf16 (fp32 main copies in the optimizer).
+    """
+
+    def __init__(self, model: torch.nn.Module, megatron: MegatronConfig, optimizer: OptimizerConfig, bf16: bool):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        tc = model.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=megatron.accumulate_allreduce_grads_in_fp32,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=True,
+        )
+        self.ddp = DistributedDataParallel(config=tc, ddp_config=ddp_config, module=model)
+        self.cfg = optimizer
+        mcore = McoreOptimizerConfig(
+            optimizer="adam", lr=optimizer.lr, min_lr=optimizer.min_lr, weight_decay=optimizer.weight_decay,
+            adam_beta1=optimizer.adam_beta1, adam_beta2=optimizer.adam_beta2, adam_eps=optimizer.adam_eps,
+            clip_grad=optimizer.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=True,
+        )
+        self.optimizer = get_megatron_optimizer(mcore, [self.ddp])
+        self.parts = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the schedule runs (the DDP wrapper)."""
+        return self.ddp
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self, lr: float, where: str) -> float:
+        """Reduce-scattered gradients -> global norm (checked finite) -> clip -> AdamW at ``lr``.
+
+        Returns:
+            The gradient norm before clipping.
+
+        Raises:
+            NonFiniteGradNorm: before any update.
+        """
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for part in self.parts:
+            for group in part.optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_mult", 1.0)
+                group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
+        self.optimizer.prepare_grads()
+        norm = _check_finite(float(self.optimizer.get_grad_norm()), where)
+        if self.cfg.clip_grad > 0:
+            for part in self.parts:
+                params = part.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=self.cfg.clip_grad, total_norm=norm)
+        if not self.optimizer.step_with_ready_grads():
+            raise RuntimeError(f"{where}: megatron-core's optimizer step did not succeed")
+        return norm
+
+    # ---------------------------------------------------------------- state of one parameter
+
+    def _owner(self, param: Tensor):
+        for part in self.parts:
+            if any(param in buffer.param_index_map for buffer in getattr(part, "buffers", ())):
+                return part
+        raise KeyError("parameter is in no optimizer buffer")
+
+    def ensure_state(self) -> None:
+        """Create Adam's moments before a load (torch creates them at the first step; megatron-core's own
+        checkpoint loader does the same dummy step, whose effect the load then overwrites)."""
+        for part in self.parts:
+            if not part.optimizer.state:
+                part._init_optimizer_states_with_dummy_values()
+
+    def param_state(self, param: Tensor) -> dict[str, Tensor]:
+        """``{param, exp_avg, exp_avg_sq}`` of one model parameter as whole fp32 tensors of its local shape.
+
+        Collective over the parameter's optimizer's data-parallel group (every rank of it calls this for
+        the same parameters in the same order): each rank fills the slice of the flattened parameter it
+        owns and an all-reduce sums the slices.
+        """
+        part = self._owner(param)
+        full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATE_KEYS}
+        if param in part.model_param_gbuf_map:
+            sl = part._get_model_param_range_map(param)["param"]
+            shard = part._get_main_param_and_optimizer_states(param)
+            for k in STATE_KEYS:
+                if k in shard:
+                    full[k][sl.start: sl.end] = shard[k].detach().float()
+        flat = torch.cat([full[k] for k in STATE_KEYS])
+        dist.all_reduce(flat, group=part.data_parallel_group)
+        return {k: t.view(param.shape) for k, t in zip(STATE_KEYS, flat.chunk(len(STATE_KEYS)))}
+
+    def set_param_state(self, param: Tensor, state: dict[str, Tensor], steps: int) -> None:
+        """Write whole-parameter ``state`` (as from :meth:`param_state`; ``param`` alone, or with the moments)
+        into this rank's shard; Adam's ``step`` becomes ``steps`` where the state exists.  The model weight
+        itself is written by the caller."""
+        part = self._owner(param)
+        if param not in part.model_param_gbuf_map:
+            return
+        sl = part._get_model_param_range_map(param)["param"]
+        shard = part._get_main_param_and_optimizer_states(param)
+        for key, value in shard.items():
+            if key == "step":
+                value.fill_(steps)
+            elif key in state:
+                value.copy_(state[key].reshape(-1)[sl.start: sl.end].to(value.dtype))
+
+    # ---------------------------------------------------------------- colocated memory
+
+    def offload(self, weights: bool) -> None:
+        """Free the gradient buffers and move the optimizer state to CPU (megatron-core's RL offload API:
+        ``offload_grad_buffers`` resizes the buffers' storage to 0); with ``weights`` also the bf16
+        parameter buffers (kept in pinned CPU memory)."""
+        self.ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
+        self.optimizer.offload_to_cpu()
+        if weights:
+            for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+                buffer.offload_to_cpu(move_params=True, move_grads=False)
+
+    def onload(self) -> None:
+        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            buffer.reload_from_cpu(move_params=True, move_grads=False)
+        self.optimizer.restore_from_cpu()
+        self.ddp.restore_grad_buffers(synchronize=True)
+
+
+class LocalDataParallel(torch.nn.Module):
+    """CPU stand-in for megatron-core's ``DistributedDataParallel``: the interface its schedule and
+    ``finalize_model_grads`` call (``no_sync``, ``finish_grad_sync``, ``scale_gradients``, ``ddp_config``),
+    gradients left in ``.grad`` and averaged over the data-parallel group at the end of the step.
+
+    A parameter without a gradient on a rank (a vision tower that saw no image there) counts as a zero
+    gradient, so every rank reduces the same tensors.
+    """
+
+    def __init__(self, module: torch.nn.Module, dp_group: dist.ProcessGroup):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        super().__init__()
+        self.module = module
+        self.config = module.config
+        self.ddp_config = DistributedDataParallelConfig()
+        self.dp_group = dp_group
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield  # gradients accumulate in .grad; nothing is reduced before finish_grad_sync
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        size = dist.get_world_size(self.dp_group)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if size > 1:
+            for dtype in sorted({p.dtype for p in params}, key=str):
+                group = [p for p in params if p.dtype == dtype]
+                flat = torch.cat([p.grad.reshape(-1) for p in group])
+                dist.all_reduce(flat, group=self.dp_group)
+                flat.div_(size)
+                for p, g in zip(group, flat.split([p.numel() for p in group])):
+                    p.grad.copy_(g.view_as(p))
+
+    def scale_gradients(self, factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def zero_grad_buffer(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+
+class LocalAdam:
+    """Data-parallel training on CPU: :class:`LocalDataParallel` + ``torch.optim.AdamW`` on fp32 parameters
+    (the gradient norm is written for TP shards too, for a CPU TP that megatron-core may allow one day).
+
+    Args:
+        model: the ``Qwen35Model`` (fp32, on the CPU).
+        optimizer: OPTIMIZER_ARGS.
+        dp_group, tp_group: megatron-core's data- and tensor-parallel groups.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, dp_group, tp_group):
+        self.wrapper = LocalDataParallel(model, dp_group)
+        self.cfg = optimizer
+        self.tp_group = tp_group
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for n, p in named if decays(n, p)], "wd_mult": 1.0},
+             {"params": [p for n, p in named if not decays(n, p)], "wd_mult": 0.0}],
+            lr=optimizer.lr, betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
+            weight_decay=optimizer.weight_decay,
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.wrapper
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm: TP-sharded parameters count on every TP rank, replicated ones once."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        square = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                square += p.grad.double().pow(2).sum()
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(square, group=self.tp_group)
+        return float(square.sqrt())
+
+    def step(self, lr: float, where: str) -> float:
+        """Global norm (checked finite) -> clip -> AdamW at ``lr``; returns the norm before clipping.
+
+        Raises:
+            NonFiniteGradNorm: before any update.
+        """
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = self.cfg.weight_decay * group["wd_mult"]
+        norm = _check_finite(self.grad_norm(), where)
+        if self.cfg.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad, torch.tensor(norm))
+        self.optimizer.step()
+        return norm
+
+    def ensure_state(self) -> None:
+        for p in self.params:
+            state = self.optimizer.state[p]
+            if not state:
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                             exp_avg_sq=torch.zeros_like(p))
+
+    def param_state(self, param: Tensor) -> dict[str, Tensor]:
+        state = self.optimizer.state.get(param, {})
+        zeros = torch.zeros_like(param, dtype=torch.float32)
+        return {"param": param.detach().float(), "exp_avg": state.get("exp_avg", zeros).float(),
+                "exp_avg_sq": state.get("exp_avg_sq", zeros).float()}
+
+    def set_param_state(self, param: Tensor, state: dict[str, Tensor], steps: int) -> None:
+        """Adam's moments and step (when ``state`` has them); the fp32 weight is the parameter itself."""
+        if "exp_avg" not in state:
+            return
+        slot = self.optimizer.state[param]
+        slot["step"] = torch.tensor(float(steps))
+        for key in ("exp_avg", "exp_avg_sq"):
+            slot[key] = state[key].to(param.dtype).clone()
+
+    def offload(self, weights: bool) -> None:  # CPU: nothing to free
+        pass
+
+    def onload(self) -> None:
+        pass

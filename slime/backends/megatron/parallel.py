@@ -1,0 +1,137 @@
+"""Process groups of the Megatron backend: the world from the rank info, then megatron-core's parallel state.
+
+The trainer world (``RankInfo``: rank, world size, rendezvous address) becomes one
+``torch.distributed`` default group, NCCL for CUDA tensors plus gloo for CPU tensors on GPU machines
+(``"cpu:gloo,cuda:nccl"``), gloo alone on CPU.  megatron-core's
+``parallel_state.initialize_model_parallel`` then cuts it into its TP, PP, CP, EP, expert-TP and
+data-parallel groups with Megatron's rank order (``tp-cp-ep-dp-pp``) and gloo twins of the
+data-parallel groups, which the backend uses for its CPU-side reductions (sample counts, metrics).
+
+What each group is used for (:class:`Groups`):
+
+- ``dp_gloo``: the data-parallel group (ranks holding different samples), CPU tensors: loss
+  normalisers, micro-batch counts;
+- ``tp``: the tensor-parallel group, for the vocab-parallel log-probs;
+- the whole world, for metrics: every TP rank of the last pipeline stage computes the same loss
+  terms and every other rank none, so a world sum divided by TP is the sum over micro-batches and
+  data-parallel ranks (:meth:`Groups.metric_sum`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.base import RankInfo
+from slime.backends.megatron.config import MegatronConfig
+from slime.backends.train_metrics import all_reduce_sums
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT = datetime.timedelta(minutes=30)
+"""Collective timeout of the trainer groups (megatron-core's default ``distributed_timeout_minutes``)."""
+
+
+def init_world(rank_info: RankInfo) -> torch.device:
+    """Join (or reuse) the trainer world's default process group; returns this rank's device.
+
+    Raises:
+        RuntimeError: a process group of another size or rank is already initialised.
+    """
+    device = torch.device("cpu")
+    if rank_info.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank_info.rank % torch.cuda.device_count()))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank_info.rank, rank_info.world_size):
+            raise RuntimeError(
+                f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) already exists, "
+                f"but this backend is rank {rank_info.rank} of {rank_info.world_size}"
+            )
+        return device
+    dist.init_process_group(
+        backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{rank_info.master_addr}:{rank_info.master_port}",
+        rank=rank_info.rank,
+        world_size=rank_info.world_size,
+        timeout=TIMEOUT,
+    )
+    return device
+
+
+def init_model_parallel(cfg: MegatronConfig, device: torch.device, seed: int) -> None:
+    """megatron-core's parallel state for ``cfg``'s sizes (idempotent: an existing state is kept when its
+    sizes agree), and on CUDA its model-parallel RNG (``model_parallel_cuda_manual_seed``: the same seed
+    within a TP group, another per PP stage / expert rank, as Megatron-LM seeds it).
+
+    Raises:
+        RuntimeError: an existing parallel state has other sizes.
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        want = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.expert_model_parallel_size)
+        if have != want:
+            raise RuntimeError(f"megatron-core's parallel state is initialised with (TP, PP, EP) {have}, not {want}")
+        return
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel,
+        distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60),
+    )
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """This rank's coordinates and the groups the backend itself communicates over (module docstring)."""
+
+    tp: dist.ProcessGroup
+    tp_size: int
+    dp_gloo: dist.ProcessGroup
+    dp_rank: int
+    dp_size: int
+    pp_rank: int
+    pp_size: int
+
+    @classmethod
+    def current(cls) -> "Groups":
+        """From megatron-core's initialised parallel state."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp=ps.get_tensor_model_parallel_group(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            dp_gloo=ps.get_data_parallel_group_gloo(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+        )
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the LM head (and computes the loss)."""
+        return self.pp_rank == self.pp_size - 1
+
+    def metric_sum(self, values: dict[str, float | torch.Tensor]) -> dict[str, float]:
+        """Sum per-rank loss terms over micro-batches and data-parallel ranks (collective over the world).
+
+        Every rank passes the same keys (zeros where it computed none, i.e. on earlier pipeline stages);
+        the TP ranks of the last stage hold identical copies, hence the division.
+        """
+        return {k: v / self.tp_size for k, v in all_reduce_sums(values).items()}

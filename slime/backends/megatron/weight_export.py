@@ -1,0 +1,150 @@
+"""The Megatron backend's weights (and optimizer moments) as Hugging Face tensors, in lockstep buckets.
+
+Every native parameter has a :class:`slime.models.qwen3_5.weights.ParamRule` (its Hugging Face
+names, the TP / ETP group its shards are gathered in) and a single source rank
+(:class:`~slime.models.qwen3_5.weights.ExportGroups`).  The whole model is cut into *export groups*
+in one global order, the same on every rank whatever it holds: the embedding, the vision tower's
+patch embedding, each vision block, the merger, each decoder layer (with all its experts), and the
+final norm with the LM head (:func:`group_index`).
+
+Buckets (:func:`iter_buckets`), the lockstep contract of
+:meth:`slime.backends.base.TrainerBackend.iter_weight_buckets`: every rank counts the bytes it is the
+source of in each export group; one all-reduce sums them, so every rank knows every group's size
+and cuts the same sequence of whole groups into buckets of about ``bucket_bytes``.  Each rank then
+walks the groups in that order, gathering the shards of the parameters it holds (collective within
+its TP / ETP group only) and yields, at every bucket boundary, the tensors it is the source of in
+that bucket (``[]`` if none): all ranks yield the same number of buckets, bucket ``k`` being each
+rank's share of round ``k``.  Pipeline stages, expert-parallel ranks and data-parallel replicas
+differ only in what they hold, never in the bucket boundaries.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slime.backends.batching import bucket_by_bytes
+from slime.models.qwen3_5.config import Qwen35Arch
+from slime.models.qwen3_5.weights import LM, VISUAL, ExportGroups, ParamRule, export_rule, model_rules
+
+_LAYER = re.compile(re.escape(LM) + r"\.layers\.(\d+)\.")
+_BLOCK = re.compile(re.escape(VISUAL) + r"blocks\.(\d+)\.")
+
+
+def vision_depth(arch: Qwen35Arch) -> int:
+    """Vision blocks of the checkpoint (0 without a vision tower)."""
+    return int((arch.vision_config or {}).get("depth", 0))
+
+
+def num_groups(arch: Qwen35Arch) -> int:
+    """Export groups of the whole model: embedding, vision (patch embedding, blocks, merger), layers, head."""
+    return 1 + vision_depth(arch) + 2 + arch.num_layers + 1
+
+
+def group_index(hf_name: str, arch: Qwen35Arch) -> int:
+    """The export group of a Hugging Face tensor (module docstring), ``0 .. num_groups(arch) - 1``."""
+    depth = vision_depth(arch)
+    if hf_name.startswith(VISUAL):
+        block = _BLOCK.match(hf_name)
+        if block:
+            return 2 + int(block.group(1))
+        return 2 + depth if hf_name.startswith(VISUAL + "merger.") else 1
+    layer = _LAYER.match(hf_name)
+    if layer:
+        return 3 + depth + int(layer.group(1))
+    return 0 if "embed_tokens" in hf_name else num_groups(arch) - 1
+
+
+def _export_bytes(rule: ParamRule, groups: ExportGroups, element_size: int) -> int:
+    """Bytes of the Hugging Face tensors this rank sends for ``rule`` (0 when it is not their source)."""
+    if not groups.yields(rule):
+        return 0
+    numel = 1
+    for n in rule.local_shape:
+        numel *= n
+    size = {"tp": groups.ranks.tp_size, "etp": groups.ranks.etp_size}.get(rule.group, 1)
+    return numel * size * element_size
+
+
+def ordered_rules(model, groups: ExportGroups) -> list[tuple[int, str, ParamRule]]:
+    """``(group index, native name, rule)`` of this rank's parameters in the global export order."""
+    arch = model.qwen_config.arch
+    rules = model_rules(model, groups.ranks)
+    keyed = [(group_index(rule.hf_names[0], arch), order, name, rule)
+             for order, (name, rule) in enumerate(rules.items())]
+    return [(g, name, rule) for g, _, name, rule in sorted(keyed)]
+
+
+def bucket_plan(model, groups: ExportGroups, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[int]:
+    """The export-group index that closes each bucket, identical on every rank (collective over the world).
+
+    Sizes count the tensors in ``dtype`` (default: each parameter's own).
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    arch = model.qwen_config.arch
+    params = dict(model.named_parameters())
+    sizes = torch.zeros(num_groups(arch), dtype=torch.float64)
+    for g, name, rule in ordered_rules(model, groups):
+        sizes[g] += _export_bytes(rule, groups, (dtype or params[name].dtype).itemsize)
+    if dist.is_initialized():
+        dist.all_reduce(sizes)
+    sized_groups = ([(g, torch.empty(int(sizes[g].item()), dtype=torch.uint8, device="meta"))]
+                    for g in range(len(sizes)) if sizes[g] > 0)
+    return [bucket[-1][0] for bucket in bucket_by_bytes(sized_groups, bucket_bytes)]
+
+
+def iter_buckets(
+    model,
+    bucket_bytes: int,
+    *,
+    tensor_of: Callable[[str, Tensor], Tensor] | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    groups: ExportGroups | None = None,
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """This rank's share of the model as lockstep buckets of ``(Hugging Face name, tensor)`` (module docstring).
+
+    Args:
+        model: the stage's ``Qwen35Model``.
+        bucket_bytes: target bucket size, bytes, > 0.
+        tensor_of: ``(native name, parameter) -> tensor of the parameter's local shape`` to export
+            instead of the parameter itself (e.g. an optimizer moment); may be collective, and is called
+            on every rank for every parameter in the global order.
+        device: where the yielded tensors go (default: where they are).
+        dtype: cast them (default: the tensors' own dtype; ``A_log`` stays fp32).
+        groups: who gathers / yields (default: megatron-core's parallel state).
+
+    Yields:
+        Lists of ``(name, tensor)``, the same number on every rank (collective: exhaust it on every rank).
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
+    """
+    groups = groups or ExportGroups.current()
+    params: Mapping[str, Tensor] = dict(model.named_parameters())
+    closes = bucket_plan(model, groups, bucket_bytes, dtype)
+    rules = ordered_rules(model, groups)
+    position = 0
+    for close in closes:
+        bucket: list[tuple[str, Tensor]] = []
+        while position < len(rules) and rules[position][0] <= close:
+            _, name, rule = rules[position]
+            position += 1
+            param = params[name]
+            tensor = tensor_of(name, param) if tensor_of is not None else param.detach()
+            for hf_name, value in (export_rule(rule, tensor, groups) or {}).items():
+                if dtype is not None:
+                    value = value.to(dtype)
+                bucket.append((hf_name, value if device is None else value.to(device)))
+        yield bucket
+    for _, name, rule in rules[position:]:  # groups of no bytes anywhere (none in practice): keep the gathers
+        param = params[name]
+        export_rule(rule, tensor_of(name, param) if tensor_of is not None else param.detach(), groups)

@@ -1,0 +1,103 @@
+"""The Megatron backend's packed micro-batches (layout worked out by hand) and its micro-batch plans,
+and the export groups of the lockstep weight buckets (no process group needed)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+pytest.importorskip("megatron.core")
+
+from slime.backends.megatron.batches import (  # noqa: E402
+    balanced_bins,
+    bins_for_budget,
+    pack_micro_batch,
+    plan_micro_batches,
+    sample_tokens,
+)
+from slime.backends.megatron.weight_export import group_index, num_groups  # noqa: E402
+from slime.models.qwen3_5.config import arch_from_hf_config  # noqa: E402
+from slime.utils.types import Sample  # noqa: E402
+from tests.test_fsdp_backend import make_samples  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def arch(tiny_ckpt):
+    return arch_from_hf_config(json.loads((tiny_ckpt / "config.json").read_text()))
+
+
+def test_packed_layout_by_hand(tiny_ckpt, arch):
+    samples = make_samples(tiny_ckpt, [3, 2], images=[True, False])
+    samples[1].response_token_ids[0] = arch.image_token_id  # a generated placeholder id
+    batch = pack_micro_batch(samples, [5, 7], arch, torch.device("cpu"), pad_to_multiple_of=8)
+    p0, p1 = len(samples[0].prompt_token_ids), len(samples[1].prompt_token_ids)
+    t0 = p0 + 3
+    # Logits predicting the responses: sample 0 at P0-1 .. P0+1, sample 1 at t0+P1-1, t0+P1.
+    assert batch.inputs.logit_index.tolist() == [p0 - 1, p0, p0 + 1, t0 + p1 - 1, t0 + p1]
+    assert batch.targets.tolist() == samples[0].response_token_ids + samples[1].response_token_ids
+    assert batch.loss_mask.tolist() == [float(m) for m in samples[0].loss_mask + samples[1].loss_mask]
+    assert batch.cu_seqlens.tolist() == [0, 3, 5]
+    assert batch.advantages.tolist() == pytest.approx([samples[0].advantage, samples[1].advantage])
+    assert batch.indices == [5, 7]
+    # Inputs: both documents end to end, padded to a multiple of 8 by one padding document.
+    total = t0 + p1 + 2
+    ids = batch.inputs.input_ids
+    assert ids.numel() == -(-total // 8) * 8
+    assert batch.inputs.cu_seqlens.tolist()[:3] == [0, t0, total]
+    assert ids[:p0].tolist() == samples[0].prompt_token_ids
+    assert ids[t0 + p1] == 0  # the placeholder id in the response is fed as token 0 (its target stays)
+    assert batch.targets[3] == arch.image_token_id
+    # Sample 0's image: its merged tokens are the prompt's placeholders, positions restart per document.
+    assert batch.inputs.image_tokens_per_document[:2] == [int((ids[:t0] == arch.image_token_id).sum()), 0]
+    assert batch.inputs.position_ids[:, t0].tolist() == [0, 0, 0]
+    assert [r.tolist() for r in batch.split(torch.arange(5.0))] == [[0.0, 1.0, 2.0], [3.0, 4.0]]
+
+
+def test_balanced_bins_are_nonempty_and_by_longest_first():
+    bins = balanced_bins([10, 1, 7, 3, 5], 2)
+    assert sorted(itertools.chain(*bins)) == [0, 1, 2, 3, 4]
+    # LPT by hand: 10 -> A (10), 7 -> B (7), 5 -> B (12), 3 -> A (13), 1 -> B (13)
+    assert bins == [[0, 3], [1, 2, 4]]
+    with pytest.raises(ValueError, match="non-empty"):
+        balanced_bins([1, 2], 3)
+
+
+def test_budget_gives_the_fewest_bins_within_it():
+    lengths = [300, 280, 120, 90, 60, 40]
+    k = bins_for_budget(lengths, 400)
+    assert all(sum(lengths[i] for i in b) <= 400 for b in balanced_bins(lengths, k))
+    assert k == 3  # 890 tokens need at least 3 bins of 400
+    assert bins_for_budget([900, 10], 400) == 2  # a sample over the budget gets its own bin
+
+
+def _sample(i: int, prompt: int, response: int) -> Sample:
+    return Sample(index=i, prompt="", label="", prompt_token_ids=[1] * prompt, response_token_ids=[2] * response,
+                  loss_mask=[1] * response)
+
+
+def test_plan_by_micro_batch_size_or_by_tokens():
+    samples = [_sample(i, 50, n) for i, n in enumerate([10, 200, 30, 5, 60])]
+    assert plan_micro_batches(samples, micro_batch_size=2, max_tokens=None, dp_group=None) == [[0, 1], [2, 3], [4]]
+    plan = plan_micro_batches(samples, micro_batch_size=1, max_tokens=260, dp_group=None)
+    assert sorted(itertools.chain(*plan)) == list(range(5))
+    assert all(sum(sample_tokens(samples[i]) for i in b) <= 260 or len(b) == 1 for b in plan)
+    assert len(plan) == bins_for_budget([sample_tokens(s) for s in samples], 260)
+
+
+def test_every_checkpoint_tensor_has_an_export_group_in_model_order(tiny_ckpt, arch):
+    with safe_open(tiny_ckpt / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    groups = {n: group_index(n, arch) for n in names}
+    assert set(groups.values()) <= set(range(num_groups(arch)))
+    depth = arch.vision_config["depth"]
+    assert groups["model.language_model.embed_tokens.weight"] == 0
+    assert groups["model.visual.patch_embed.proj.weight"] == 1
+    assert groups["model.visual.blocks.0.attn.qkv.weight"] == 2
+    assert groups[next(n for n in names if n.startswith("model.visual.merger."))] == 2 + depth
+    for layer in range(arch.num_layers):
+        assert groups[f"model.language_model.layers.{layer}.input_layernorm.weight"] == 3 + depth + layer
+    assert groups["lm_head.weight"] == groups["model.language_model.norm.weight"] == num_groups(arch) - 1
