@@ -26,7 +26,8 @@ Started by :class:`tests.fake_sglang.FakeSGLangEngine` exactly where the engine 
 Two models (``--fake-model``):
 
 - ``echo`` (default): no weights needed; a response is ``1 + (number of words of the prompt) % 5`` tokens
-  (capped by ``max_new_tokens``), token ``k`` is ``10 + k``, its log-prob ``-(k + 1) / 10 - shift`` where
+  (capped by ``max_new_tokens``), token ``k`` is ``10 + k``, the text ``"<first word>: t10 t11 ..."`` (the
+  first word identifies the request), token ``k``'s log-prob ``-(k + 1) / 10 - shift`` where
   ``shift`` is the sum of every pushed tensor's elements (so a weight update shows), ``prompt_tokens`` the
   number of whitespace-separated words plus 4 per image;
 - ``hf``: slime's transformers engine on ``--model-path`` (CPU, float32): real tokens and log-probs that the
@@ -101,6 +102,7 @@ class FakeServer:
         self.paused = False
         self.abort_epoch = 0
         self.running = 0
+        self.max_running = 0
         self.generate_calls = 0
         self.released: set[str] = set()
         self.weights_lost = False  # weights released and resumed, not pushed since
@@ -148,7 +150,8 @@ class FakeServer:
 
     def ep_server_info(self, body):
         return 200, {"version": self.args.fake_version, "tp_size": self.args.tp_size, "api_key": self.secret,
-                     "port": self.args.port, "host": self.args.host, "unknown_args": self.args.unknown}
+                     "port": self.args.port, "host": self.args.host, "unknown_args": self.args.unknown,
+                     "max_running": self.max_running, "generate_calls": self.generate_calls}
 
     def ep_generate(self, body):
         if body.get("input_ids") is not None and body.get("image_data"):
@@ -167,6 +170,7 @@ class FakeServer:
             if self.released:
                 raise FakeError(f"memory released ({sorted(self.released)}); resume it first", 500)
             self.running += 1
+            self.max_running = max(self.max_running, self.running)
             epoch = self.abort_epoch
         try:
             if self.args.fake_delay_s:
@@ -194,7 +198,8 @@ class FakeServer:
         ids = [0] * n if self.weights_lost else [10 + k for k in range(n)]
         logprobs = [-(k + 1) / 10 - shift for k in range(n)]
         finish = {"type": "length", "length": max_new} if n == max_new else {"type": "stop", "matched": 2}
-        return self._answer(" ".join(f"t{i}" for i in ids), ids, logprobs, finish, len(words) + 4 * len(images))
+        text = f"{words[0] if words else ''}: " + " ".join(f"t{i}" for i in ids)
+        return self._answer(text, ids, logprobs, finish, len(words) + 4 * len(images))
 
     def _hf_generate(self, body, params):
         from slime.rollout.engines.base import GenerateRequest, SamplingParams
@@ -349,7 +354,10 @@ def write_plugin_reports(args) -> None:
 
 
 def main(argv):
+    from slime.rollout.engines.sglang.server_main import exit_with_parent
+
     secret = sys.stdin.readline().strip()
+    exit_with_parent()  # as the real server does
     args = parse_args(argv)
     print(f"fake sglang {args.fake_version}: server_args=ServerArgs(model_path={args.model_path!r}, "
           f"api_key='<redacted>', port={args.port})", flush=True)

@@ -54,9 +54,10 @@ from slime.rollout.engines.base import EngineUnavailableError
 
 
 class SGLangError(RuntimeError):
-    """Base of the client's errors; ``endpoint`` and ``status`` (None without an HTTP answer) say where."""
+    """Base of the client's errors; ``endpoint`` and ``status`` (None without an HTTP answer) say where.
+    Picklable (Ray carries it from the engine actor to the driver)."""
 
-    def __init__(self, message: str, *, endpoint: str, status: int | None = None):
+    def __init__(self, message: str, *, endpoint: str = "", status: int | None = None):
         super().__init__(message)
         self.endpoint = endpoint
         self.status = status

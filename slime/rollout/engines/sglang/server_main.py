@@ -11,17 +11,44 @@ endpoints ``admin_api_key``).  An empty first line leaves the server open (tests
 
 Everything else is SGLang's; the plugin (:mod:`.server_plugin`) is found through the
 ``*.dist-info`` folder the engine put on ``PYTHONPATH``.
+
+The server also dies with the engine: a thread watches the parent process (the engine's Ray actor)
+and, once it is gone (e.g. the actor was killed), kills the server's own session (SGLang's scheduler
+and detokenizer processes with it), so no orphaned server keeps the GPU memory.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
+
+PARENT_POLL_S = 1.0
+
+
+def exit_with_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Start a daemon thread that, once this process's parent has exited, kills this process's session (when
+    it leads one, as the engine starts it) or else this process alone."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        if os.getsid(0) == os.getpid():
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str]) -> None:
     secret = sys.stdin.readline().strip()
     sys.stdin.close()
+    exit_with_parent()
     from slime.rollout.engines.sglang.server_plugin import MAIN_PID_ENV
 
     os.environ[MAIN_PID_ENV] = str(os.getpid())  # children inherit it: the plugin tells main from schedulers
