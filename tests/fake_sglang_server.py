@@ -40,7 +40,8 @@ plugin through ``importlib.metadata`` entry points (the ``*.dist-info`` on ``PYT
 plugin would in a main and ``--tp-size`` scheduler processes, writes its reports (``--fake-version`` is the
 SGLang version reported).  ``--replay FILE``: answer from a recording (JSON lines ``{"method", "endpoint",
 "request", "status", "response"}``, as :class:`slime.rollout.engines.sglang.client.SGLangClient` records
-them) whenever a request matches one, by endpoint and body.
+them) whenever a request matches one, by endpoint and body (SGLang's per-attempt ``rid`` aside; the answer takes
+the new one).
 """
 
 from __future__ import annotations
@@ -129,9 +130,13 @@ class FakeServer:
             return 200, ""
         if self.secret and headers.get("Authorization", "") != f"Bearer {self.secret}":
             return 401, {"error": "Unauthorized"}
-        for record in self.replay:
-            if record["endpoint"] == path and record["method"] == method and record.get("request") == body:
-                return record["status"], record["response"]
+        for record in self.replay:  # SGLang's rid differs per attempt: not part of the match
+            if record["endpoint"] == path and record["method"] == method and _without_rid(record.get("request")) == \
+                    _without_rid(body):
+                response = record["response"]
+                if isinstance(body, dict) and body.get("rid") and isinstance(response, dict) and "meta_info" in response:
+                    response = {**response, "meta_info": {**response["meta_info"], "id": body["rid"]}}
+                return record["status"], response
         handler = getattr(self, "ep_" + path.strip("/").replace("/", "_"), None)
         if handler is None:
             return 404, {"detail": "Not Found"}
@@ -199,7 +204,7 @@ class FakeServer:
         logprobs = [-(k + 1) / 10 - shift for k in range(n)]
         finish = {"type": "length", "length": max_new} if n == max_new else {"type": "stop", "matched": 2}
         text = f"{words[0] if words else ''}: " + " ".join(f"t{i}" for i in ids)
-        return self._answer(text, ids, logprobs, finish, len(words) + 4 * len(images))
+        return self._answer(text, ids, logprobs, finish, len(words) + 4 * len(images), body.get("rid"))
 
     def _hf_generate(self, body, params):
         from slime.rollout.engines.base import GenerateRequest, SamplingParams
@@ -212,12 +217,12 @@ class FakeServer:
         shift = self.args.fake_image_logprob_shift if request.image_data else 0.0
         logprobs = [min(0.0, lp + shift) for lp in out.output_log_probs]
         finish = {"type": out.finish_reason}
-        return self._answer(out.text, out.output_ids, logprobs, finish, out.prompt_tokens)
+        return self._answer(out.text, out.output_ids, logprobs, finish, out.prompt_tokens, body.get("rid"))
 
     @staticmethod
-    def _answer(text, ids, logprobs, finish, prompt_tokens):
+    def _answer(text, ids, logprobs, finish, prompt_tokens, rid=None):
         return {"text": text, "output_ids": ids, "meta_info": {
-            "id": f"fake-{time.monotonic_ns()}", "finish_reason": finish, "prompt_tokens": prompt_tokens,
+            "id": rid or f"fake-{time.monotonic_ns()}", "finish_reason": finish, "prompt_tokens": prompt_tokens,
             "weight_version": "default", "num_retractions": 0, "completion_tokens": len(ids), "cached_tokens": 0,
             "reasoning_tokens": 0, "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)],
             "output_token_logprobs_length": len(ids)}}
@@ -291,6 +296,10 @@ class FakeServer:
     def ep_tensors(self, body):
         """Fake-only: the pushed tensors (name -> [sum, numel]), for the tests to compare."""
         return 200, {n: [float(t.double().sum()), t.numel()] for n, t in self.tensors.items()}
+
+
+def _without_rid(body):
+    return {k: v for k, v in body.items() if k != "rid"} if isinstance(body, dict) else body
 
 
 class FakeError(Exception):

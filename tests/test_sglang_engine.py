@@ -176,10 +176,12 @@ def test_engine_generates_text_and_image_prompts_through_the_fake_server(engine_
     for out, (words, images, max_new) in zip(outputs, [(3, 0, 8), (7, 1, 3)]):
         ids, logprobs, finish, prompt_tokens = _echo(words, images, max_new)
         assert out.output_ids == ids and out.finish_reason == finish and out.prompt_tokens == prompt_tokens
+        assert out.rid == {3: "t", 7: "i"}[words]  # meta_info.id names the request
         assert out.output_log_probs == pytest.approx(logprobs)
     sent = [json.loads(line) for line in record.read_text().splitlines()]
     assert [r["endpoint"] for r in sent] == ["/generate", "/generate"]
     assert sent[1]["request"]["image_data"] == [IMAGE] and "input_ids" not in sent[1]["request"]
+    assert sent[1]["request"]["rid"].startswith("i#attempt-")  # unique per attempt, names the request
     assert engine.version == "0.5.17" and engine.memory_tags == ("weights", "kv_cache", "cuda_graph")
     assert engine.capacity == 8 and engine.max_requests_per_call == 1
 
@@ -482,12 +484,13 @@ def test_register_leaves_the_bug_in_when_asked_and_stops_when_the_fix_cannot_app
         server_plugin.register()
 
 
-def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_path, monkeypatch):
+def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_path):
     from slime.rollout.engines.sglang.engine import ServerReportError
 
     engine = FakeSGLangEngine.__new__(FakeSGLangEngine)  # only the report check, no server
     engine.spec, engine.report_dir = _spec(tmp_path, tp=2), tmp_path
     engine.server = types.SimpleNamespace(log_path=tmp_path / "server.log")
+    engine.mrope_fix_disabled = False
 
     def reports(*entries):
         for path in tmp_path.glob("*.json"):
@@ -502,7 +505,7 @@ def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_p
     reports((True, "applied"), (False, "applied"), (False, "disabled"))
     with pytest.raises(ServerReportError, match="multimodal-RoPE bug"):
         engine._check_reports()
-    monkeypatch.setenv(server_plugin.MROPE_FIX_ENV, "0")
+    engine.mrope_fix_disabled = True  # the server was started with SLIME_SGLANG_MROPE_FIX=0
     reports((True, "disabled"), (False, "disabled"), (False, "disabled"))
     engine._check_reports()  # asked for (the benchmark that measures the bug)
     assert engine.memory_tags == ("weights",) and engine.version == "0.5.17"

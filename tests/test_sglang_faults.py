@@ -116,7 +116,7 @@ def test_a_server_killed_mid_rollout_loses_and_duplicates_no_sample(local_ray, t
         killer.join()
         ids = _served_ids(outputs)
         assert sorted(ids) == sorted(r.rid for r in requests) and len(set(ids)) == 40  # none lost, none twice
-        assert ids == [r.rid for r in requests]
+        assert ids == [r.rid for r in requests] == [out.rid for out in outputs]
         served = Counter(out.engine_index for out in outputs)
         assert served[1] >= 4 and served[0] > served[1], served  # engine 1 served until it died
         assert engines.fault_counts["engine_failures"] == 1 and engines.fault_counts["engines_restarted"] == 1

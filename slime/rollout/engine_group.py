@@ -427,6 +427,9 @@ class RolloutEngineGroup:
                     f"{len(batch)} requests ({_rids(requests, batch)}); an engine returns one output per request"
                 )
             for i, out in zip(batch, results):
+                if out.rid is not None and requests[i].rid is not None and out.rid != requests[i].rid:
+                    raise EngineError(f"rollout {self.resources[engine].describe()} answered request {requests[i].rid!r} "
+                                      f"with the output of {out.rid!r}")
                 out.engine_index = engine
                 outputs[i] = out
         self.wait_for_restarts()

@@ -162,6 +162,8 @@ class GenerateOutput:
             pipeline's count.
         engine_index: which engine served the request; set by the engine group, not by the
             engine.
+        rid: the request id the engine answered for, where it reports one (SGLang's
+            ``meta_info.id``); the engine group checks it against the request's ``rid``.
     """
 
     text: str
@@ -170,6 +172,7 @@ class GenerateOutput:
     finish_reason: FinishReason
     prompt_tokens: int
     engine_index: int | None = None
+    rid: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,9 @@ and maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto on
   a second time), ``sampling_params`` from the rollout flags, ``return_logprob=True``.  The output
   takes ``output_ids``, the log-probs of ``meta_info.output_token_logprobs``,
   ``meta_info.finish_reason.type`` and ``meta_info.prompt_tokens`` (:func:`parse_generate_response`).
+  SGLang's ``rid`` is the request's id plus a per-attempt suffix (unique while in flight, also when a
+  request is retried); the output carries the request id back (``meta_info.id``), which the engine
+  group compares with the request's.
 - weights: ``/update_weights_from_tensor`` (object store: the bucket by value; CUDA IPC: one handle
   per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
   ``/update_weights_from_distributed`` (NCCL).
@@ -39,6 +42,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import ClassVar
 
@@ -70,6 +74,10 @@ logger = logging.getLogger(__name__)
 MAX_CONCURRENT_CALLS = 512
 """Threads of an SGLang engine's actor for ``generate`` (one request each); the upper bound of
 ``--sglang-server-concurrency``."""
+EXIT_WAIT_S = 2.0
+"""After a lost connection, how long to wait for the server's exit code before reporting only the lost connection."""
+RID_SEPARATOR = "#attempt-"
+"""Between the request's ``rid`` and the per-attempt suffix of SGLang's ``rid``."""
 FLUSH_RETRY_S = 60.0
 """How long ``/flush_cache`` is retried while the server still has requests (it answers 400 then)."""
 
@@ -82,8 +90,9 @@ def parse_generate_response(body: dict, rid: str | None = None) -> GenerateOutpu
     """A :class:`GenerateOutput` from SGLang's ``/generate`` answer for one request.
 
     ``body`` is ``{"text": str, "output_ids": [int], "meta_info": {"finish_reason": {"type": ...},
-    "prompt_tokens": int, "output_token_logprobs": [[logprob, token_id, text|None], ...], ...}}``
-    (``tokenizer_manager.py`` of SGLang 0.5.17).
+    "prompt_tokens": int, "output_token_logprobs": [[logprob, token_id, text|None], ...], "id": rid, ...}}``
+    (``tokenizer_manager.py`` of SGLang 0.5.17).  ``rid`` of the output: the request id of ``meta_info.id``
+    (:func:`generate_payload`'s form), None for another form.
 
     Raises:
         SGLangRequestError: a field is missing, the log-probs do not cover the output tokens one to
@@ -110,8 +119,10 @@ def parse_generate_response(body: dict, rid: str | None = None) -> GenerateOutpu
         )  # fmt: skip
     if reason == "abort":
         logger.warning("SGLang aborted request %s: %s", rid, finish.get("message") if isinstance(finish, dict) else "")
+    answered = meta.get("id")
     return GenerateOutput(text=text, output_ids=output_ids, output_log_probs=[float(entry[0]) for entry in logprobs],
-                          finish_reason=reason, prompt_tokens=prompt_tokens)
+                          finish_reason=reason, prompt_tokens=prompt_tokens,
+                          rid=answered.rpartition(RID_SEPARATOR)[0] if answered and RID_SEPARATOR in answered else None)
 
 
 def generate_payload(request: GenerateRequest) -> dict:
@@ -127,6 +138,8 @@ def generate_payload(request: GenerateRequest) -> dict:
     }
     if request.image_data:
         payload["image_data"] = list(request.image_data)
+    if request.rid is not None:  # unique per attempt (SGLang refuses a rid in flight); the output names the request
+        payload["rid"] = f"{request.rid}{RID_SEPARATOR}{uuid.uuid4().hex[:12]}"
     return payload
 
 
@@ -139,6 +152,8 @@ class SGLangEngine(RolloutEngine):
         capacity: requests in flight at once (``--sglang-server-concurrency``), <= :data:`MAX_CONCURRENT_CALLS`.
         gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them (for :meth:`memory_info`).
         secret: the key the server requires (default: a new random one, never shown).
+        env: variables set for the server on top of this process's environment (e.g.
+            ``{"SLIME_SGLANG_MROPE_FIX": "0"}`` to measure the bug).
 
     Raises:
         ValueError: ``capacity`` out of range.
@@ -150,7 +165,7 @@ class SGLangEngine(RolloutEngine):
     parity_check: ClassVar[bool] = True
 
     def __init__(self, spec: ServerSpec, run_dir: str | os.PathLike, *, capacity: int = 512,
-                 gpu_ids: list[str] | None = None, secret: str | None = None):
+                 gpu_ids: list[str] | None = None, secret: str | None = None, env: dict[str, str] | None = None):
         if not 1 <= capacity <= MAX_CONCURRENT_CALLS:
             raise ValueError(f"--sglang-server-concurrency {capacity}: must be in 1..{MAX_CONCURRENT_CALLS}")
         self.spec = spec
@@ -158,6 +173,7 @@ class SGLangEngine(RolloutEngine):
         self._capacity = capacity
         self.gpu_ids = list(gpu_ids or [])
         self._secret = secret or secrets.token_urlsafe(32)
+        self._env_overrides = dict(env or {})
         self._lock = threading.Lock()
         self._released: set[str] = set()
         self._shut_down = False
@@ -221,8 +237,9 @@ class SGLangEngine(RolloutEngine):
         command = self.server_command()
         logger.info("starting SGLang server: %s (log %s)", " ".join(command), folder / "server.log")
         self.report_dir = reports
-        self.server = ServerProcess(command, server_env(dict(os.environ), plugin, reports), folder / "server.log",
-                                    self._secret)
+        env = server_env({**os.environ, **self._env_overrides}, plugin, reports)
+        self.mrope_fix_disabled = env.get(MROPE_FIX_ENV) == "0"
+        self.server = ServerProcess(command, env, folder / "server.log", self._secret)
         self.client = SGLangClient(self.spec.url, self._secret)
         self.reports, self.memory_tags, self.version = [], (), None
         self._released = set()
@@ -275,8 +292,7 @@ class SGLangEngine(RolloutEngine):
             )
         version = reports[0]["sglang"]
         states = {r["mrope_fix"] for r in reports}
-        disabled = os.environ.get(MROPE_FIX_ENV) == "0"
-        if needs_mrope_fix(version) and states != {"disabled" if disabled else "applied"}:
+        if needs_mrope_fix(version) and states != {"disabled" if self.mrope_fix_disabled else "applied"}:
             raise ServerReportError(
                 f"SGLang {version} has the Qwen3.5 multimodal-RoPE bug, and the fix is {sorted(states)} in its "
                 f"processes (wanted 'applied' in all); see {self.server.log_path}"
@@ -296,6 +312,11 @@ class SGLangEngine(RolloutEngine):
         try:
             return fn(*args, **kwargs)
         except SGLangUnavailable:
+            if self.server is not None:  # a dying server resets its connections before it exits: give it a moment
+                try:
+                    self.server.process.wait(timeout=EXIT_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
             self._check_alive()
             raise
 
