@@ -356,7 +356,8 @@ def write_plugin_reports(args) -> None:
     if needs_mrope_fix(args.fake_version):
         state = "disabled" if os.environ.get(MROPE_FIX_ENV) == "0" else "applied"
     for k in range(1 + args.tp_size):
-        report = {"pid": os.getpid() * 10 + k, "main": k == 0, "sglang": args.fake_version, "mrope_fix": state,
+        report = {"pid": os.getpid() * 10 + k, "main": k == 0, "sglang": args.fake_version,
+                  "mrope_fix": "main process" if k == 0 and state != "not needed" else state,
                   "memory_tags": ["kv_cache", "weights", "cuda_graph"]}
         with open(os.path.join(folder, f"{report['pid']}.json"), "w") as f:
             json.dump(report, f)

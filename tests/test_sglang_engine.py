@@ -449,8 +449,9 @@ def fake_sglang_modules(monkeypatch, tmp_path):
                "sglang.srt.server_args.ServerArgs": ServerArgs,
                "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker}
     monkeypatch.setattr(server_plugin, "_import_attr", lambda path, missing_ok=False: classes[path])
-    monkeypatch.setattr(server_plugin, "_write_report", lambda version, state: reports.append((version, state)))
+    monkeypatch.setattr(server_plugin, "_write_report", lambda version, state, main: reports.append((version, state)))
     monkeypatch.delenv(server_plugin.MROPE_FIX_ENV, raising=False)
+    monkeypatch.delenv(server_plugin.MAIN_PID_ENV, raising=False)
     reports: list = []
     return types.SimpleNamespace(classes=classes, reports=reports)
 
@@ -469,6 +470,14 @@ def test_register_applies_the_fix_where_the_installed_sglang_needs_it(fake_sglan
     assert "s3cret-key" not in f"{args=}" and "api_key='<redacted>'" in repr(args)  # redacted on every version
     assert fake_sglang_modules.classes["sglang.srt.managers.tp_worker.BaseTpWorker"]().update_weights_from_tensor(
         None) == (True, "Success")
+
+
+def test_the_servers_main_process_reports_without_patching_the_model(fake_sglang_modules, monkeypatch):
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.17")
+    monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
+    fake_sglang_modules.classes[server_plugin.MROPE_FIX_TARGET] = type("Renamed", (), {})  # not even looked up
+    server_plugin.register()
+    assert fake_sglang_modules.reports == [("0.5.17", "main process")]
 
 
 def test_register_leaves_the_bug_in_when_asked_and_stops_when_the_fix_cannot_apply(fake_sglang_modules, monkeypatch):
@@ -499,13 +508,13 @@ def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_p
             (tmp_path / f"{pid}.json").write_text(json.dumps(
                 {"pid": pid, "main": main, "sglang": "0.5.17", "mrope_fix": state, "memory_tags": ["weights"]}))
 
-    reports((True, "applied"), (False, "applied"))  # one scheduler for --tp-size 2
+    reports((True, "main process"), (False, "applied"))  # one scheduler for --tp-size 2
     with pytest.raises(ServerReportError, match="1 scheduler"):
         engine._check_reports()
-    reports((True, "applied"), (False, "applied"), (False, "disabled"))
+    reports((True, "main process"), (False, "applied"), (False, "disabled"))
     with pytest.raises(ServerReportError, match="multimodal-RoPE bug"):
         engine._check_reports()
     engine.mrope_fix_disabled = True  # the server was started with SLIME_SGLANG_MROPE_FIX=0
-    reports((True, "disabled"), (False, "disabled"), (False, "disabled"))
+    reports((True, "main process"), (False, "disabled"), (False, "disabled"))
     engine._check_reports()  # asked for (the benchmark that measures the bug)
     assert engine.memory_tags == ("weights",) and engine.version == "0.5.17"

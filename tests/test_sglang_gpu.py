@@ -108,7 +108,7 @@ def test_text_and_image_prompts_and_the_mrope_fix(servers, prompts, hf_model):
     gaps = {}
     for name, engine in servers.items():
         assert engine.version == "0.5.17"
-        assert {r["mrope_fix"] for r in engine.reports} == {"applied" if name == "fixed" else "disabled"}
+        assert {r["mrope_fix"] for r in engine.reports if not r["main"]} == {"applied" if name == "fixed" else "disabled"}
         image_samples, text_samples = _generate(engine, images), _generate(engine, texts)
         assert all(s.response_length > 0 for s in image_samples + text_samples)
         image = mean_abs_gap(image_samples, reference_log_probs(hf_model, image_samples, TEMPERATURE))

@@ -291,7 +291,7 @@ class SGLangEngine(RolloutEngine):
                 f"cannot be vouched for. Check the log {self.server.log_path} for 'plugin'."
             )
         version = reports[0]["sglang"]
-        states = {r["mrope_fix"] for r in reports}
+        states = {r["mrope_fix"] for r in schedulers}  # the main process runs no model
         if needs_mrope_fix(version) and states != {"disabled" if self.mrope_fix_disabled else "applied"}:
             raise ServerReportError(
                 f"SGLang {version} has the Qwen3.5 multimodal-RoPE bug, and the fix is {sorted(states)} in its "
@@ -299,8 +299,8 @@ class SGLangEngine(RolloutEngine):
             )
         self.reports, self.version = reports, version
         self.memory_tags = memory_tags_supported(reports[0].get("memory_tags"))
-        logger.info("SGLang %s at %s: multimodal-RoPE fix %s in %d process(es); memory tags %s",
-                    version, self.spec.url, "/".join(sorted(states)), len(reports), list(self.memory_tags))
+        logger.info("SGLang %s at %s: multimodal-RoPE fix %s in %d scheduler process(es); memory tags %s",
+                    version, self.spec.url, "/".join(sorted(states)), len(schedulers), list(self.memory_tags))
 
     def log_tail(self) -> str:
         return self.server.log_tail() if self.server is not None else ""

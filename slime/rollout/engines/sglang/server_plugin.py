@@ -12,7 +12,8 @@ so nothing is installed and no other SGLang process on the machine sees it.
 What :func:`register` (the entry point) does, in every process:
 
 1. **The multimodal-RoPE fix**, only where :func:`~slime.rollout.engines.sglang.versions.needs_mrope_fix`
-   says the installed SGLang is affected (0.5.17, 0.5.18; see :mod:`.versions`):
+   says the installed SGLang is affected (0.5.17, 0.5.18; see :mod:`.versions`), in every process but the
+   HTTP server's main one (which runs no model):
    ``Qwen3_5AttentionDecoderLayer.forward_prepare_cuda_fused`` is wrapped so that a call with 2-D
    (M-RoPE, ``[3, T]``) positions runs ``forward_prepare_native`` instead (QK norm, then the model's
    own M-RoPE rotary embedding), as SGLang >= 0.5.19 does; 1-D positions (text-only models) keep the
@@ -28,7 +29,7 @@ What :func:`register` (the entry point) does, in every process:
    free that buffer (SGLang alone returns with the copies still queued).
 4. **A report**: one JSON file per process, ``<SLIME_SGLANG_REPORT_DIR>/<pid>.json`` with the
    SGLang version, whether this process is the server's main process, the fix's state
-   (``"applied"``, ``"not needed"``, ``"disabled"``) and ``GPU_MEMORY_ALL_TYPES``; the engine reads
+   (``"applied"``, ``"not needed"``, ``"disabled"``, ``"main process"``) and ``GPU_MEMORY_ALL_TYPES``; the engine reads
    them once the server is healthy (:func:`read_reports`) to check that every scheduler process
    carries the fix and to learn which memory tags exist.
 
@@ -71,8 +72,11 @@ def register() -> None:
         SystemExit: the installed SGLang needs the multimodal-RoPE fix and it cannot be applied.
     """
     version = importlib.metadata.version("sglang")
+    main = str(os.getpid()) == os.environ.get(MAIN_PID_ENV)
     if not needs_mrope_fix(version):
         state = "not needed"
+    elif main:  # the HTTP server's process runs no model: the schedulers carry the fix
+        state = "main process"
     elif os.environ.get(MROPE_FIX_ENV, "1") == "0":
         state = "disabled"
         print(f"[slime] WARNING: SGLang {version} has the Qwen3.5 multimodal-RoPE bug and {MROPE_FIX_ENV}=0 "
@@ -90,7 +94,7 @@ def register() -> None:
     worker = _import_attr("sglang.srt.managers.tp_worker.BaseTpWorker", missing_ok=True)
     if worker is not None:
         synchronize_after_tensor_update(worker)
-    _write_report(version, state)
+    _write_report(version, state, main)
 
 
 def apply_rope_fix(layer_cls: type) -> None:
@@ -173,7 +177,7 @@ def _import_attr(path: str, missing_ok: bool = False):
         raise
 
 
-def _write_report(version: str, state: str) -> None:
+def _write_report(version: str, state: str, main: bool) -> None:
     folder = os.environ.get(REPORT_DIR_ENV)
     if not folder:
         return
@@ -185,7 +189,7 @@ def _write_report(version: str, state: str) -> None:
         memory_tags = None
     report = {
         "pid": os.getpid(),
-        "main": str(os.getpid()) == os.environ.get(MAIN_PID_ENV),
+        "main": main,
         "sglang": version,
         "mrope_fix": state,
         "memory_tags": memory_tags,
