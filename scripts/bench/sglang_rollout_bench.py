@@ -199,7 +199,8 @@ def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
     try:
         params = [r.sampling_params.to_sglang() for r in requests]
         warm = requests[: min(8, len(requests))]
-        engine.generate(prompt=[r.text for r in warm], image_data=[r.image_data for r in warm], sampling_params=params[:8])
+        engine.generate(prompt=[r.text for r in warm], image_data=[r.image_data for r in warm],
+                        sampling_params=params[: len(warm)])
         t0 = time.perf_counter()
         out = engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
                               sampling_params=params)
@@ -259,7 +260,8 @@ def throughput(args) -> None:
     figures["sglang_alone"] = sglang_alone(args.model, requests, args.mem_fraction)
     figures["transformers"] = transformers_engine(args.model, requests, args.hf_batch)
     figures["ours_over_sglang"] = figures["ours"]["tokens_per_s"] / figures["sglang_alone"]["tokens_per_s"]
-    figures["sglang_over_transformers"] = figures["sglang_alone"]["tokens_per_s"] / figures["transformers"]["tokens_per_s"]
+    figures["sglang_over_transformers"] = (figures["sglang_alone"]["tokens_per_s"]
+                                           / figures["transformers"]["tokens_per_s"])
     if args.official_cli:
         figures["official_cli_text_only"] = official_cli(args.model, args.mem_fraction, Path(args.out))
     _emit(args, "throughput", figures)

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels,
                         help="image processor upper bound on an image's area, pixels")
     parser.add_argument("--real-geometry", action="store_true",
-                        help="Qwen3.5-35B-A3B's attention geometry (head_dim 256, 25%% interleaved M-RoPE) at tiny width")
+                        help="Qwen3.5-35B-A3B's attention geometry (head_dim 256, 25%% interleaved M-RoPE) at "
+                        "tiny width")
     args = parser.parse_args(argv)
     fields = dict(seed=args.seed, vocab_words=args.vocab_words, bpe_vocab_size=args.bpe_vocab_size,
                   min_pixels=args.min_pixels, max_pixels=args.max_pixels, real_geometry=args.real_geometry)

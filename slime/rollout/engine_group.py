@@ -428,8 +428,8 @@ class RolloutEngineGroup:
                 )
             for i, out in zip(batch, results):
                 if out.rid is not None and requests[i].rid is not None and out.rid != requests[i].rid:
-                    raise EngineError(f"rollout {self.resources[engine].describe()} answered request {requests[i].rid!r} "
-                                      f"with the output of {out.rid!r}")
+                    raise EngineError(f"rollout {self.resources[engine].describe()} answered request "
+                                      f"{requests[i].rid!r} with the output of {out.rid!r}")
                 out.engine_index = engine
                 outputs[i] = out
         self.wait_for_restarts()

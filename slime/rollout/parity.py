@@ -139,9 +139,11 @@ def verdict(gaps: ParityGaps, max_gap: float, max_ratio: float) -> str | None:
     limit = max_ratio * max(gaps.text, GAP_FLOOR)
     if gaps.image > max_gap or gaps.image > limit:
         bound = (f"--engine-parity-max-gap {max_gap:g}" if gaps.image > max_gap else
-                 f"{max_ratio:g} x the text gap (--engine-parity-max-ratio; text {gaps.text:.3g}, floored at {GAP_FLOOR:g})")
-        return (f"image-prompt gap {gaps.image:.3g} nats (max {gaps.image_max:.3g}) > {bound}: the engine computes image "
-                "tokens differently from the trainer. Likely cause: an engine with the Qwen3.5 multimodal-RoPE bug "
+                 f"{max_ratio:g} x the text gap (--engine-parity-max-ratio; text {gaps.text:.3g}, floored at "
+                 f"{GAP_FLOOR:g})")
+        return (f"image-prompt gap {gaps.image:.3g} nats (max {gaps.image_max:.3g}) > {bound}: the engine computes "
+                "image tokens differently from the trainer. Likely cause: an engine with the Qwen3.5 multimodal-RoPE "
+                "bug "
                 "(SGLang 0.5.17 / 0.5.18 without slime's fix: image tokens get wrong rotary positions). Way out: keep "
                 "slime's SGLang plugin enabled (do not set SLIME_SGLANG_MROPE_FIX=0), or use SGLang >= 0.5.19; "
                 "--skip-engine-parity-check runs anyway")

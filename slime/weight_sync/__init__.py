@@ -25,7 +25,8 @@ WEIGHT_TRANSPORTS: Registry[type[WeightTransport]] = Registry(
         "nccl": Builtin(target="slime.weight_sync.nccl:NcclTransport"),
     },
 )
-"""Transport classes by name: the object store (every engine), CUDA IPC and NCCL (the SGLang engine; see :mod:`.base`)."""
+"""Transport classes by name: the object store (every engine), CUDA IPC and NCCL (the SGLang engine; see
+:mod:`.base`)."""
 
 OBJECT_STORE = "object_store"
 CUDA_IPC = "cuda_ipc"

@@ -129,7 +129,8 @@ class CudaIpcTransport(WeightTransport):
             dist.destroy_process_group(self._group)
         self._group = dist.new_group(backend="gloo")
         gpu_ids = ray.get_gpu_ids()
-        slot = locate(ray.get_runtime_context().get_node_id(), str(gpu_ids[0]), self.engine_resources) if gpu_ids else None
+        node = ray.get_runtime_context().get_node_id()
+        slot = locate(node, str(gpu_ids[0]), self.engine_resources) if gpu_ids else None
         slots: list = [None] * rank.world_size
         dist.all_gather_object(slots, slot, group=self._group)
         self._plan = ipc_plan(slots, self.engine_resources)

@@ -4,29 +4,21 @@ Standard library only (``http.client``), one keep-alive connection per thread, s
 run many ``/generate`` calls at once (one per request: a continuous-batching server answers each
 as soon as it finishes).  Every request carries ``Authorization: Bearer <secret>``.
 
-Endpoints and payloads (request -> response), as the 0.5.17 server reads and writes them:
+Endpoints and payloads (request body -> answer), as the 0.5.17 server reads and writes them:
 
-=================================  ===========================================================  ===============================
-endpoint                           request body                                                 response
-=================================  ===========================================================  ===============================
-``GET /health``                    -                                                            200 once up (503 while starting)
-``GET /model_info``                -                                                            ``{"model_path", "weight_version", ...}``
-``GET /server_info``               -                                                            server args, ``"version"``, ...
-``POST /generate``                 ``text``, ``image_data`` (base64 list), ``sampling_params``,  ``{"text", "output_ids", "meta_info"}``
-                                   ``return_logprob``
-``POST /pause_generation``         ``{"mode": "abort" | "retract" | "in_place"}``               ``{"status": "ok"}``
-``POST /continue_generation``      ``{}``                                                       ``{"status": "ok"}``
-``POST /flush_cache``              -                                                            200, or 400 with requests in flight
-``POST /release_memory_occupation`` ``{"tags": [...]}``                                         200 (body ``null``)
-``POST /resume_memory_occupation`` ``{"tags": [...]}``                                          200 (body ``null``)
-``POST /update_weights_from_tensor`` ``serialized_named_tensors`` (base64, one per TP rank),    ``{"success", "message"}``
-                                   ``load_format``, ``flush_cache``
-``POST /init_weights_update_group`` ``master_address``, ``master_port``, ``rank_offset``,       ``{"success", "message"}``
-                                   ``world_size``, ``group_name``, ``backend``
-``POST /update_weights_from_distributed`` ``names``, ``dtypes``, ``shapes``, ``group_name``,    ``{"success", "message"}``
-                                   ``load_format``, ``flush_cache``
-``POST /destroy_weights_update_group`` ``{"group_name"}``                                       ``{"success", "message"}``
-=================================  ===========================================================  ===============================
+- ``GET /health`` -> 200 once up (503 while starting); ``GET /model_info`` -> ``{"model_path",
+  "weight_version", ...}``; ``GET /server_info`` -> the server args, ``"version"``, ...;
+- ``POST /generate``: ``text``, ``image_data`` (base64 list), ``sampling_params``, ``return_logprob``,
+  ``rid`` -> ``{"text", "output_ids", "meta_info"}``;
+- ``POST /pause_generation``: ``{"mode": "abort" | "retract" | "in_place"}``; ``POST /continue_generation``:
+  ``{}`` -> ``{"status": "ok"}``; ``POST /flush_cache`` -> 200, or 400 while requests run;
+- ``POST /release_memory_occupation`` and ``/resume_memory_occupation``: ``{"tags": [...]}`` -> 200 (``null``);
+- ``POST /update_weights_from_tensor``: ``serialized_named_tensors`` (base64, one per TP rank),
+  ``load_format``, ``flush_cache`` -> ``{"success", "message"}``;
+- ``POST /init_weights_update_group``: ``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
+  ``group_name``, ``backend``; ``POST /update_weights_from_distributed``: ``names``, ``dtypes``, ``shapes``,
+  ``group_name``, ``load_format``, ``flush_cache``; ``POST /destroy_weights_update_group``: ``group_name``
+  -> ``{"success", "message"}``.
 
 0.5.17 quirks: ``/get_weight_version`` answers 404 (the version is in ``/model_info``);
 ``/pause_generation`` defaults to ``mode="abort"`` (running requests come back with

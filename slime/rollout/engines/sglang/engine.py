@@ -334,7 +334,8 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]],
+                                   flush_cache: bool = True) -> None:
         """One bucket from the object store: CPU tensors sent by value (the same payload for every TP rank)."""
         from slime.weight_sync.flattened import flatten, serialize_bucket_by_value
 
