@@ -303,9 +303,15 @@ def test_memory_release_resume_and_weights_pushed_after_resume(engine_factory):
     assert out.output_ids == ids and out.output_log_probs == pytest.approx(logprobs)
 
 
-def test_cuda_graph_tag_is_dropped_where_the_server_lacks_it():
+def test_cuda_graph_tag_is_dropped_where_the_server_lacks_it(engine_factory, tmp_path):
     assert memory_tags_supported(["kv_cache", "weights"]) == ("weights", "kv_cache")
     assert memory_tags_supported(None) == ("weights", "kv_cache", "cuda_graph")
+    engine = engine_factory("--disable-cuda-graph")  # no graphs captured: nothing under that tag
+    engine.client.record = tmp_path / "rec.jsonl"
+    engine.release_memory_occupation(None)
+    engine.resume_memory_occupation(None)
+    sent = [json.loads(line)["request"] for line in engine.client.record.read_text().splitlines()]
+    assert sent == [{"tags": ["weights", "kv_cache"]}, {"tags": ["weights", "kv_cache"]}]
 
 
 def test_pause_abort_ends_requests_in_flight_and_flush_waits_for_them(engine_factory):

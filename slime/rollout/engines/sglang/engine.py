@@ -20,7 +20,8 @@ and maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto on
   per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
   ``/update_weights_from_distributed`` (NCCL).
 - memory: ``/release_memory_occupation`` and ``/resume_memory_occupation`` with the tags the server
-  has (``cuda_graph`` is dropped on releases without it, as the server plugin reports).
+  has (``cuda_graph`` is dropped on releases without it, as the server plugin reports, and with
+  ``--disable-cuda-graph``); a tag already released (or not released) is not sent again.
 - ``/pause_generation`` (``abort``, SGLang 0.5.17's default, or ``retract``), ``/continue_generation``,
   ``/flush_cache``; ``/health`` (never generates: see :mod:`.launch`) plus "is the process alive".
 
@@ -49,6 +50,7 @@ from typing import ClassVar
 import torch
 
 from slime.rollout.engines.base import (
+    GPU_MEMORY_TYPE_CUDA_GRAPH,
     EngineResources,
     EngineUnavailableError,
     GenerateOutput,
@@ -372,8 +374,12 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory, cache, pause
 
     def _tags(self, tags: list[str] | None) -> list[str]:
+        """``tags`` (None: all) that this server has: not ``cuda_graph`` where the release lacks that tag or the
+        server captures no CUDA graphs (``--disable-cuda-graph``)."""
         wanted = memory_tags(tags)
         supported = self.memory_tags or memory_tags_supported(None)
+        if "--disable-cuda-graph" in self.spec.passthrough:
+            supported = tuple(t for t in supported if t != GPU_MEMORY_TYPE_CUDA_GRAPH)
         return [t for t in wanted if t in supported]
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
