@@ -15,16 +15,27 @@
 #     throughput  acceptance 4: scripts/bench/sglang_rollout_bench.py throughput on the real-width scaled model
 #     sync        acceptance 5: scripts/bench/sglang_rollout_bench.py weight-sync on the same model
 # WHEELHOUSE: from scripts/offline_bundle.sh with --extras test,sglang (see docs/results/h200_sglang.md for the
-# build and carry commands); parts gathered in one folder.  Everything lands in OUT_DIR: *.log, figures.jsonl,
-# metrics.jsonl, summary.txt, sglang_0.5.17_h200.jsonl (copy it to tests/fixtures/ for the CPU replay test).
+# build and carry commands); parts gathered in one folder.  OUT_DIR receives five files (the device tool brings
+# back at most 8): summary.txt, figures.jsonl, metrics.jsonl (the launcher run), sglang_0.5.17_h200.jsonl.gz (the
+# recorded server answers: gunzip into tests/fixtures/ for the CPU replay test) and logs.tar.gz (every log).
 set -uo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/../.."
 OUT=${1:?usage: h200_sglang.sh OUT_DIR WHEELHOUSE [PHASE ...]}; WH=${2:?usage: h200_sglang.sh OUT_DIR WHEELHOUSE [PHASE ...]}
 shift 2
 PHASES=${*:-setup tests launcher throughput sync}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+LOGS=/tmp/h200-sglang-logs  # everything but the five result files; packed into OUT/logs.tar.gz on exit
+mkdir -p "$LOGS"
+pack() {
+  cp "$LOGS/summary.txt" "$OUT/summary.txt" 2>/dev/null
+  cp "$LOGS/figures.jsonl" "$OUT/figures.jsonl" 2>/dev/null
+  cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+  [ -f "$LOGS/sglang_0.5.17_h200.jsonl" ] && gzip -c "$LOGS/sglang_0.5.17_h200.jsonl" >"$OUT/sglang_0.5.17_h200.jsonl.gz"
+  tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' . 2>/dev/null
+}
+trap pack EXIT
 export SLIME_VENV=none SLIME_WHEELHOUSE=$WH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 SLIME_GPU_FIGURES=$OUT/figures.jsonl
+export WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 SLIME_GPU_FIGURES=$LOGS/figures.jsonl
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 SCALED=/tmp/slime-scaled-qwen35
 # The trimmed sglang-kernel of the wheelhouse has no FA3: triton attention (../shared/gpu/README.md).
@@ -35,10 +46,10 @@ now() { python3 -c 'import time; print(f"{time.time():.1f}")'; }
 timed() {  # timed NAME COMMAND...: run it, log to OUT/NAME.log, note the seconds and exit code in summary.txt
   local name=$1 t0 t1 status; shift
   t0=$(now)
-  "$@" >"$OUT/$name.log" 2>&1; status=$?
+  "$@" >"$LOGS/$name.log" 2>&1; status=$?
   t1=$(now)
-  echo "$name: exit $status in $(python3 -c "print(round($t1 - $t0, 1))") s" | tee -a "$OUT/summary.txt"
-  tail -n 3 "$OUT/$name.log"
+  echo "$name: exit $status in $(python3 -c "print(round($t1 - $t0, 1))") s" | tee -a "$LOGS/summary.txt"
+  tail -n 3 "$LOGS/$name.log"
   return $status
 }
 
@@ -46,31 +57,30 @@ for phase in $PHASES; do
   case $phase in
   setup)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      echo "wheelhouse $WH: $(du -sb "$WH" | cut -f1) bytes"; } | tee -a "$OUT/summary.txt"
+      echo "wheelhouse $WH: $(du -sb "$WH" | cut -f1) bytes"; } | tee -a "$LOGS/summary.txt"
     timed setup bash scripts/setup_env.sh
-    cp .setup.log "$OUT/setup_env.log" 2>/dev/null
+    cp .setup.log "$LOGS/setup_env.log" 2>/dev/null
     timed setup_again bash scripts/setup_env.sh --dry-run
     python3 -c 'import importlib.metadata as m; print({p: m.version(p) for p in ("torch", "transformers", "sglang", "sglang-kernel", "torch-memory-saver", "ray")})' \
-      2>&1 | tee -a "$OUT/summary.txt"
+      2>&1 | tee -a "$LOGS/summary.txt"
     timed checkpoints python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e()); print(e(real_geometry=True, max_pixels=512 * 512))'
     ;;
   tests)
-    SLIME_SGLANG_RECORD=$OUT/sglang_0.5.17_h200.jsonl timed pytest_gpu \
+    SLIME_SGLANG_RECORD=$LOGS/sglang_0.5.17_h200.jsonl timed pytest_gpu \
       python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu.py tests/test_sglang_gpu_faults.py
-    grep -h '"check"' "$OUT/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$OUT/summary.txt"
+    grep -h '"check"' "$LOGS/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$LOGS/summary.txt"
     ;;
   launcher)
     TINY=$(python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e())')
     SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=qwen3.5-tiny SLIME_SCRIPT_HF_CHECKPOINT="$TINY" \
     SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_TRAIN_BACKEND=fsdp \
-    SLIME_SCRIPT_ROLLOUT_BACKEND=sglang SLIME_SCRIPT_OUTPUT_DIR="$OUT/run" \
+    SLIME_SCRIPT_ROLLOUT_BACKEND=sglang SLIME_SCRIPT_OUTPUT_DIR="$LOGS/run" \
       timed launcher bash examples/geo3k_vlm/run_geo3k_qwen35.sh --num-rollout 3 --rollout-batch-size 8 \
         --global-batch-size 64 --rollout-max-response-len 128 --eval-max-response-len 128 --no-progress-bar \
         --save /tmp/h200-sglang-ckpt "${SGLANG_FLAGS[@]}"
-    cp "$OUT/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
-    grep -c . "$OUT/run/command.sh" >/dev/null 2>&1 && ! grep -qi "api.key" "$OUT/run/command.sh" \
-      && echo "command.sh: no API key in it" | tee -a "$OUT/summary.txt"
-    python3 - "$OUT/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+    grep -c . "$LOGS/run/command.sh" >/dev/null 2>&1 && ! grep -qi "api.key" "$LOGS/run/command.sh" \
+      && echo "command.sh: no API key in it" | tee -a "$LOGS/summary.txt"
+    python3 - "$LOGS/run/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOGS/summary.txt"
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
@@ -85,14 +95,14 @@ EOF
   throughput)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
     timed throughput python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
-      --json "$OUT/bench.jsonl" --out "$OUT"
-    grep -h '"throughput"' "$OUT/bench.jsonl" 2>/dev/null | tee -a "$OUT/summary.txt"
+      --json "$LOGS/bench.jsonl" --out "$LOGS"
+    grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   sync)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
     timed weight_sync python3 scripts/bench/sglang_rollout_bench.py weight-sync --model "$SCALED" \
-      --json "$OUT/bench.jsonl" --out "$OUT"
-    grep -h '"weight_sync"' "$OUT/bench.jsonl" 2>/dev/null | tee -a "$OUT/summary.txt"
+      --json "$LOGS/bench.jsonl" --out "$LOGS"
+    grep -h '"weight_sync"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   *) echo "unknown phase $phase (setup tests launcher throughput sync)"; exit 2 ;;
   esac
