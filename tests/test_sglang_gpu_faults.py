@@ -44,7 +44,7 @@ def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(tin
     ])  # fmt: skip
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
+        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False)
     engines = RolloutEngineGroup(SharedGpuPlacement([["0"], ["0"]]), functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
     try:

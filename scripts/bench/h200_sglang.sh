@@ -31,7 +31,7 @@ pack() {
   cp "$LOGS/figures.jsonl" "$OUT/figures.jsonl" 2>/dev/null
   cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
   [ -f "$LOGS/sglang_0.5.17_h200.jsonl" ] && gzip -c "$LOGS/sglang_0.5.17_h200.jsonl" >"$OUT/sglang_0.5.17_h200.jsonl.gz"
-  tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' . 2>/dev/null
+  tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='sglang_0.5.17_h200.jsonl' . 2>/dev/null
 }
 trap pack EXIT
 export SLIME_VENV=none SLIME_WHEELHOUSE=$WH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1

@@ -155,7 +155,7 @@ def _start_ray():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, num_gpus=1, include_dashboard=False)
+        ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False)
 
 
 def ours(model: str, requests, mem_fraction: float, capacity: int) -> dict:
