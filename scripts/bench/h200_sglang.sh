@@ -2,8 +2,9 @@
 # Issue 11 on one H200: SGLang 0.5.17 rollout engines, proven with the project's own set-up.
 #
 #   bash scripts/bench/h200_sglang.sh OUT_DIR WHEELHOUSE [PHASE ...]      phases (default: all, in this order):
-#     setup       SLIME_VENV=none SLIME_WHEELHOUSE=WHEELHOUSE scripts/setup_env.sh (the GPU profile with the sglang
-#                 extra, as a cluster user sets it up; a second call installs nothing), the two tiny checkpoints
+#     (always)    source scripts/setup_env.sh with SLIME_VENV=none SLIME_WHEELHOUSE=WHEELHOUSE (the GPU profile with
+#                 the sglang extra, as the launcher sets it up for a cluster user; a second call installs nothing)
+#     setup       versions, the plan of a second set-up, the two tiny checkpoints
 #     tests       acceptance 1 and 3: tests/test_sglang_gpu.py (real SGLang through the engine interface: text and
 #                 geo3k image prompts, image/text log-prob gaps vs HF fp32 with and without the multimodal-RoPE fix,
 #                 requests without the run's key refused with the weights unchanged, CUDA-IPC updates, memory
@@ -53,13 +54,20 @@ timed() {  # timed NAME COMMAND...: run it, log to OUT/NAME.log, note the second
   return $status
 }
 
+# The project's own set-up, sourced as the launcher sources it (a packed wheelhouse is a tree on PYTHONPATH,
+# which only a sourced set-up exports to the commands below); a second call installs nothing.
+t0=$(now)
+# shellcheck disable=SC1091
+source scripts/setup_env.sh >"$LOGS/setup.log" 2>&1
+set +e  # setup_env.sh sets -e; a failing check below is reported, and the next one still runs
+echo "setup_env (sourced): $(python3 -c "print(round($(now) - $t0, 1))") s; PYTHONPATH=$PYTHONPATH" | tee -a "$LOGS/summary.txt"
+cp .setup.log "$LOGS/setup_env.log" 2>/dev/null
+
 for phase in $PHASES; do
   case $phase in
   setup)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       echo "wheelhouse $WH: $(du -sb "$WH" | cut -f1) bytes"; } | tee -a "$LOGS/summary.txt"
-    timed setup bash scripts/setup_env.sh
-    cp .setup.log "$LOGS/setup_env.log" 2>/dev/null
     timed setup_again bash scripts/setup_env.sh --dry-run
     python3 -c 'import importlib.metadata as m; print({p: m.version(p) for p in ("torch", "transformers", "sglang", "sglang-kernel", "torch-memory-saver", "ray")})' \
       2>&1 | tee -a "$LOGS/summary.txt"
