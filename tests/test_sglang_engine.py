@@ -455,6 +455,14 @@ def fake_sglang_modules(monkeypatch, tmp_path):
                "sglang.srt.server_args.ServerArgs": ServerArgs,
                "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker}
     monkeypatch.setattr(server_plugin, "_import_attr", lambda path, missing_ok=False: classes[path])
+    module = server_plugin.MROPE_FIX_TARGET.rpartition(".")[0]
+
+    def arm_on_import(name, patch):  # SGLang imports the model module at once
+        assert name == module
+        patch(types.SimpleNamespace(**{server_plugin.MROPE_FIX_TARGET.rpartition(".")[2]:
+                                       classes[server_plugin.MROPE_FIX_TARGET]}))
+
+    monkeypatch.setattr(server_plugin, "arm_on_import", arm_on_import)
     monkeypatch.setattr(server_plugin, "_write_report", lambda version, state, main: reports.append((version, state)))
     monkeypatch.delenv(server_plugin.MROPE_FIX_ENV, raising=False)
     monkeypatch.delenv(server_plugin.MAIN_PID_ENV, raising=False)
@@ -462,16 +470,17 @@ def fake_sglang_modules(monkeypatch, tmp_path):
     return types.SimpleNamespace(classes=classes, reports=reports)
 
 
-@pytest.mark.parametrize("version, state, patched", [("0.5.17", "applied", True), ("0.5.18", "applied", True),
-                                                     ("0.5.19", "not needed", False)])
+@pytest.mark.parametrize("version, states, patched", [("0.5.17", ["pending", "applied"], True),
+                                                      ("0.5.18", ["pending", "applied"], True),
+                                                      ("0.5.19", ["not needed"], False)])
 def test_register_applies_the_fix_where_the_installed_sglang_needs_it(fake_sglang_modules, monkeypatch, version,
-                                                                      state, patched):
+                                                                      states, patched):
     monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: version)
     server_plugin.register()
     layer = fake_sglang_modules.classes[server_plugin.MROPE_FIX_TARGET]()
     path, _ = layer.forward_prepare_cuda_fused(torch.zeros(3, 2), None)
     assert path == ("native" if patched else "fused")
-    assert fake_sglang_modules.reports == [(version, state)]
+    assert fake_sglang_modules.reports == [(version, state) for state in states]
     args = fake_sglang_modules.classes["sglang.srt.server_args.ServerArgs"]()
     assert "s3cret-key" not in f"{args=}" and "api_key='<redacted>'" in repr(args)  # redacted on every version
     assert fake_sglang_modules.classes["sglang.srt.managers.tp_worker.BaseTpWorker"]().update_weights_from_tensor(
@@ -499,6 +508,28 @@ def test_register_leaves_the_bug_in_when_asked_and_stops_when_the_fix_cannot_app
         server_plugin.register()
 
 
+def test_the_fix_waits_for_sglang_to_import_the_model_module(tmp_path, monkeypatch):
+    package = tmp_path / "fakesglang_models"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "qwen.py").write_text(
+        "class Layer:\n"
+        "    def forward_prepare_cuda_fused(self, positions, hidden_states):\n        return 'fused'\n"
+        "    def forward_prepare_native(self, positions, hidden_states):\n        return 'native'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patched = []
+    server_plugin.arm_on_import("fakesglang_models.qwen",
+                                lambda module: (server_plugin.apply_rope_fix(module.Layer), patched.append(module)))
+    assert not patched and "fakesglang_models.qwen" not in sys.modules  # nothing imported by the plugin itself
+    import importlib
+
+    module = importlib.import_module("fakesglang_models.qwen")  # what SGLang's model loader does, later
+    assert patched == [module] and module.Layer().forward_prepare_cuda_fused(torch.zeros(3, 2), None) == "native"
+    assert not any(isinstance(f, server_plugin._PatchOnImport) for f in sys.meta_path)  # the hook is gone
+    server_plugin.arm_on_import("fakesglang_models.qwen", patched.append)  # already imported: at once
+    assert patched == [module, module]
+
+
 def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_path):
     from slime.rollout.engines.sglang.engine import ServerReportError
 
@@ -524,3 +555,13 @@ def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_p
     reports((True, "main process"), (False, "disabled"), (False, "disabled"))
     engine._check_reports()  # asked for (the benchmark that measures the bug)
     assert engine.memory_tags == ("weights",) and engine.version == "0.5.17"
+    engine.mrope_fix_disabled = False
+    reports((True, "main process"), (False, "pending"), (False, "pending"))  # the model module never imported
+    for architectures, refused in ((["Qwen3_5MoeForConditionalGeneration"], True),
+                                   (["Qwen2_5_VLForConditionalGeneration"], False)):
+        engine.client = types.SimpleNamespace(model_info=lambda: {"architectures": architectures})
+        if refused:
+            with pytest.raises(ServerReportError, match=r"\['pending'\]"):
+                engine._check_reports()
+        else:
+            engine._check_reports()  # another architecture: the fix concerns it not

@@ -294,7 +294,9 @@ class SGLangEngine(RolloutEngine):
             )
         version = reports[0]["sglang"]
         states = {r["mrope_fix"] for r in schedulers}  # the main process runs no model
-        if needs_mrope_fix(version) and states != {"disabled" if self.mrope_fix_disabled else "applied"}:
+        if states == {"pending"} and not _is_qwen35(self.client.model_info()):
+            states = {"not needed (not a Qwen3.5 model)"}  # SGLang never imported Qwen3.5's model module
+        elif needs_mrope_fix(version) and states != {"disabled" if self.mrope_fix_disabled else "applied"}:
             raise ServerReportError(
                 f"SGLang {version} has the Qwen3.5 multimodal-RoPE bug, and the fix is {sorted(states)} in its "
                 f"processes (wanted 'applied' in all); see {self.server.log_path}"
@@ -446,6 +448,11 @@ class SGLangEngine(RolloutEngine):
             self._shut_down = True
             if self.server is not None:
                 self.server.stop()
+
+
+def _is_qwen35(model_info: dict) -> bool:
+    """Whether SGLang's ``/model_info`` names a Qwen3.5 architecture (the ones of ``sglang/srt/models/qwen3_5*.py``)."""
+    return any(str(arch).startswith("Qwen3_5") for arch in model_info.get("architectures") or [])
 
 
 def gpu_memory(gpu_ids: list[str]) -> dict[str, float]:

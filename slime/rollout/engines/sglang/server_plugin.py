@@ -13,7 +13,8 @@ What :func:`register` (the entry point) does, in every process:
 
 1. **The multimodal-RoPE fix**, only where :func:`~slime.rollout.engines.sglang.versions.needs_mrope_fix`
    says the installed SGLang is affected (0.5.17, 0.5.18; see :mod:`.versions`), in every process but the
-   HTTP server's main one (which runs no model):
+   HTTP server's main one (which runs no model), applied when SGLang imports ``sglang.srt.models.qwen3_5``
+   (a post-import hook, :func:`arm_on_import`):
    ``Qwen3_5AttentionDecoderLayer.forward_prepare_cuda_fused`` is wrapped so that a call with 2-D
    (M-RoPE, ``[3, T]``) positions runs ``forward_prepare_native`` instead (QK norm, then the model's
    own M-RoPE rotary embedding), as SGLang >= 0.5.19 does; 1-D positions (text-only models) keep the
@@ -29,7 +30,8 @@ What :func:`register` (the entry point) does, in every process:
    free that buffer (SGLang alone returns with the copies still queued).
 4. **A report**: one JSON file per process, ``<SLIME_SGLANG_REPORT_DIR>/<pid>.json`` with the
    SGLang version, whether this process is the server's main process, the fix's state
-   (``"applied"``, ``"not needed"``, ``"disabled"``, ``"main process"``) and ``GPU_MEMORY_ALL_TYPES``; the engine reads
+   (``"applied"``; ``"pending"`` until the model module is imported; ``"not needed"``, ``"disabled"``,
+   ``"main process"``) and ``GPU_MEMORY_ALL_TYPES``; the engine reads
    them once the server is healthy (:func:`read_reports`) to check that every scheduler process
    carries the fix and to learn which memory tags exist.
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.abc
 import importlib.metadata
 import json
 import os
@@ -82,19 +85,71 @@ def register() -> None:
         print(f"[slime] WARNING: SGLang {version} has the Qwen3.5 multimodal-RoPE bug and {MROPE_FIX_ENV}=0 "
               "leaves it in: image tokens get wrong rotary positions", file=sys.stderr, flush=True)
     else:
-        try:
-            apply_rope_fix(_import_attr(MROPE_FIX_TARGET))
-        except (ImportError, AttributeError, TypeError) as e:
-            raise SystemExit(
-                f"[slime] SGLang {version} needs slime's multimodal-RoPE fix, but it cannot be applied to "
-                f"{MROPE_FIX_TARGET}: {e}. Use an SGLang release >= 0.5.19 (which has the fix) or 0.5.17"
-            ) from e
-        state = "applied"
+        state = "pending"  # "applied" once SGLang imports the model module (arm_on_import)
     redact_server_args(_import_attr("sglang.srt.server_args.ServerArgs"))
     worker = _import_attr("sglang.srt.managers.tp_worker.BaseTpWorker", missing_ok=True)
     if worker is not None:
         synchronize_after_tensor_update(worker)
     _write_report(version, state, main)
+    if state == "pending":
+        module_name, _, class_name = MROPE_FIX_TARGET.rpartition(".")
+
+        def patch(module) -> None:
+            try:
+                apply_rope_fix(getattr(module, class_name))
+            except AttributeError as e:
+                raise SystemExit(
+                    f"[slime] SGLang {version} needs slime's multimodal-RoPE fix, but it cannot be applied to "
+                    f"{MROPE_FIX_TARGET}: {e}. Use an SGLang release >= 0.5.19 (which has the fix) or 0.5.17"
+                ) from e
+            _write_report(version, "applied", main)
+
+        arm_on_import(module_name, patch)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs ``patch(module)`` right after ``loader`` has executed the module."""
+
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A finder for one module name that hands out the real spec with a :class:`_PatchingLoader`."""
+
+    def __init__(self, module_name: str, patch):
+        self.module_name, self.patch = module_name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.module_name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                sys.meta_path.remove(self)  # once
+                spec.loader = _PatchingLoader(spec.loader, self.patch)
+                return spec
+        return None
+
+
+def arm_on_import(module_name: str, patch) -> None:
+    """Call ``patch(module)`` once ``module_name`` is imported: at once if it already is, else right after
+    SGLang imports it (a post-import hook on ``sys.meta_path``), so the plugin itself imports no model code
+    (which could touch a GPU before the scheduler has picked its own)."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        patch(module)
+    else:
+        sys.meta_path.insert(0, _PatchOnImport(module_name, patch))
 
 
 def apply_rope_fix(layer_cls: type) -> None:
