@@ -263,8 +263,9 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-base-gpu-id", "1"], "CUDA_VISIBLE_DEVICES"),
     (["--sglang-nnodes", "2"], "spans one node"),
     (["--sglang-grpc-port", "9"], "bypasses"),
-    (["--sglang-server-concurrency", "0"], "one integer >= 1"),
-    (["--sglang-server-concurrency", "1", "2"], "one integer >= 1"),
+    (["--sglang-server-concurrency", "0"], "one integer in 1..512"),
+    (["--sglang-server-concurrency", "1000"], "one integer in 1..512"),
+    (["--sglang-server-concurrency", "1", "2"], "one integer in 1..512"),
 ])  # fmt: skip
 def test_sglang_flags_the_engine_cannot_honour_are_refused(flags, message):
     from slime.rollout.config import extract_sglang_args

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from slime.rollout.config import RolloutConfig, SGLangConfig
 
 DEFAULT_SERVER_CONCURRENCY = 512
+MAX_SERVER_CONCURRENCY = 512
+"""Threads of an engine actor for ``generate`` (``SGLangEngine.max_concurrent_calls``): the most requests in flight."""
 """Requests the engine keeps in flight at one server (upstream slime's ``--sglang-server-concurrency`` default)."""
 
 SLIME_OWNED = {
@@ -55,15 +57,16 @@ def server_concurrency(sglang: SGLangConfig) -> int:
     """``--sglang-server-concurrency`` (default :data:`DEFAULT_SERVER_CONCURRENCY`).
 
     Raises:
-        ConfigError: not one integer >= 1.
+        ConfigError: not one integer in 1..:data:`MAX_SERVER_CONCURRENCY`.
     """
     value = sglang.server_args.get("server_concurrency", str(DEFAULT_SERVER_CONCURRENCY))
     try:
         number = int(value) if isinstance(value, str) else None
     except ValueError:
         number = None
-    if number is None or number < 1:
-        raise ConfigError(f"--sglang-server-concurrency must be one integer >= 1, got {value!r}; e.g. 512")
+    if number is None or not 1 <= number <= MAX_SERVER_CONCURRENCY:
+        raise ConfigError(f"--sglang-server-concurrency must be one integer in 1..{MAX_SERVER_CONCURRENCY}, got "
+                          f"{value!r}; e.g. 512 (the server queues what it cannot run at once)")
     return number
 
 

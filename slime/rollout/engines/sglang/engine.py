@@ -59,7 +59,7 @@ from slime.rollout.engines.base import (
     memory_tags,
 )
 from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
-from slime.rollout.engines.sglang.config import server_concurrency, slime_owned_args
+from slime.rollout.engines.sglang.config import MAX_SERVER_CONCURRENCY, server_concurrency, slime_owned_args
 from slime.rollout.engines.sglang.launch import (
     ServerProcess,
     ServerSpec,
@@ -73,7 +73,7 @@ from slime.rollout.engines.sglang.versions import memory_tags_supported, needs_m
 
 logger = logging.getLogger(__name__)
 
-MAX_CONCURRENT_CALLS = 512
+MAX_CONCURRENT_CALLS = MAX_SERVER_CONCURRENCY
 """Threads of an SGLang engine's actor for ``generate`` (one request each); the upper bound of
 ``--sglang-server-concurrency``."""
 EXIT_WAIT_S = 2.0
