@@ -98,6 +98,20 @@ def test_the_fixed_prompts_are_the_first_image_rows_with_and_without_their_image
         probe_prompts(dataset, 1000)
 
 
+def test_responses_with_a_vision_placeholder_are_left_out_of_the_gaps(dataset):
+    import types
+
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True)
+    pad = dataset.processor.image_token_id
+    image, text = check.image_prompts[0].clone_prompt(), check.text_prompts[0].clone_prompt()
+    image.response_token_ids, image.rollout_log_probs = [5, pad, 7], [-1.0, -1.0, -1.0]  # left out: gap 0.9
+    text.response_token_ids, text.rollout_log_probs = [5, 6], [-1.0, -2.0]
+    trainers = types.SimpleNamespace(compute_log_probs=lambda samples: [[-0.1, -0.1, -0.1], [-1.0, -1.9]])
+    metrics = check.compare(trainers, [image, text], 0)
+    assert metrics["parity/skipped_vision_token_responses"] == 1.0 and metrics["parity/tokens_image"] == 0
+    assert metrics["parity/logprob_gap_text"] == pytest.approx(0.05) and metrics["parity/tokens_text"] == 2
+
+
 def test_the_check_runs_at_the_first_two_steps_of_a_run_unless_skipped(dataset):
     check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True, start=5)
     assert [check.due(k) for k in range(4, 9)] == [False, True, True, False, False] and CHECKED_STEPS == 2

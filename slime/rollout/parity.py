@@ -17,6 +17,8 @@ start-up weights, i.e. before step 0 on a fresh run; ``k = start + 1``: after th
 2. :meth:`EngineParityCheck.compare` (training phase, the trainer on the GPU, before its step):
    :meth:`slime.backends.base.TrainerBackend.compute_log_probs` of the same responses; per kind the
    gap is the mean over response tokens of ``|engine log-prob - trainer log-prob|`` (nats), and its max.
+   Responses that sampled an image or video placeholder id are left out (the trainer feeds that id
+   replaced, so the tokens after it see another context; counted in ``parity/skipped_vision_token_responses``).
 
 The run stops (:class:`EngineParityError`) when the image gap is above ``--engine-parity-max-gap``,
 or above ``--engine-parity-max-ratio`` times the text gap (floored at :data:`GAP_FLOOR`, the
@@ -170,8 +172,10 @@ class EngineParityCheck:
         self.enabled = enabled and not cfg.skip_engine_parity_check
         self.image_prompts: list[Sample] = []
         self.text_prompts: list[Sample] = []
+        self.vision_token_ids: set[int] = set()
         if self.enabled:
             self.image_prompts, self.text_prompts = probe_prompts(dataset, cfg.engine_parity_prompts)
+            self.vision_token_ids = vision_token_ids(dataset.processor)
 
     @classmethod
     def off(cls) -> EngineParityCheck:
@@ -204,7 +208,11 @@ class EngineParityCheck:
             return {}
         trainer = trainers.compute_log_probs(samples)
         n = len(self.image_prompts)
-        gaps = summarize(token_gaps(samples[:n], trainer[:n]), token_gaps(samples[n:], trainer[n:]))
+        # A response with an image/video placeholder id is fed to the trainer with that id replaced
+        # (slime.backends.fsdp.inputs), so its later tokens see another context than the engine's: left out.
+        keep = [not self.vision_token_ids.intersection(s.response_token_ids) for s in samples]
+        kinds = [[(s, t) for s, t, k in zip(samples[a:b], trainer[a:b], keep[a:b]) if k] for a, b in ((0, n), (n, None))]
+        gaps = summarize(*(token_gaps([s for s, _ in kind], [t for _, t in kind]) for kind in kinds))
         when = "before the first update" if rollout_id == self.start else "after the first weight sync"
         logger.info("engine parity %s (rollout %d): image gap %.3g (max %.3g) over %d tokens, text gap %.3g "
                     "(max %.3g) over %d tokens", when, rollout_id, gaps.image, gaps.image_max, gaps.image_tokens,
@@ -212,7 +220,14 @@ class EngineParityCheck:
         why = verdict(gaps, self.cfg.engine_parity_max_gap, self.cfg.engine_parity_max_ratio)
         if why:
             raise EngineParityError(f"engine parity check {when} (rollout {rollout_id}) failed: {why}")
-        return gaps.metrics()
+        return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(keep.count(False))}
+
+
+def vision_token_ids(processor) -> set[int]:
+    """The image and video placeholder ids of ``processor`` (:class:`slime.utils.processor.VLProcessor`)."""
+    ids = {processor.image_token_id}
+    video = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    return ids | ({video} if isinstance(video, int) else set())
 
 
 def probe_prompts(dataset: PromptDataset, n: int) -> tuple[list[Sample], list[Sample]]:
