@@ -123,9 +123,11 @@ def reference_log_probs(model, samples, temperature: float) -> list[list[float]]
     return out
 
 
-def mean_abs_gap(samples, reference) -> tuple[float, float, int]:
-    """(mean, max, tokens) of ``|engine - reference|`` over every response token."""
-    gaps = [abs(a - b) for s, ref in zip(samples, reference) for a, b in zip(s.rollout_log_probs, ref)]
+def mean_abs_gap(samples, reference, skip_ids: set[int] = frozenset()) -> tuple[float, float, int]:
+    """(mean, max, tokens) of ``|engine - reference|`` over every response token, leaving out responses that
+    sampled one of ``skip_ids`` (vision placeholders: the reference feeds them replaced)."""
+    gaps = [abs(a - b) for s, ref in zip(samples, reference) if not skip_ids.intersection(s.response_token_ids)
+            for a, b in zip(s.rollout_log_probs, ref)]
     return (statistics.fmean(gaps) if gaps else 0.0), max(gaps, default=0.0), len(gaps)
 
 
