@@ -263,6 +263,7 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-base-gpu-id", "1"], "CUDA_VISIBLE_DEVICES"),
     (["--sglang-nnodes", "2"], "spans one node"),
     (["--sglang-grpc-port", "9"], "bypasses"),
+    (["--sglang-router-ip", "10.0.0.1"], "sglang-router is not used"),
     (["--sglang-server-concurrency", "0"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1000"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1", "2"], "one integer in 1..512"),

@@ -36,6 +36,9 @@ REFUSED = {
     "dist_init_addr": "an SGLang engine spans one node here; remove it",
     "skip_tokenizer_init": "slime sends prompt text and reads the decoded response; remove it",
     "grpc_port": "the gRPC listener bypasses SGLang's API-key check; remove it",
+    "router_ip": "slime balances requests over its engines itself (per request, retrying a dead engine's "
+    "requests elsewhere); sglang-router is not used: remove it",
+    "router_port": "slime balances requests over its engines itself; sglang-router is not used: remove it",
 }
 """Server arguments the engine sets itself or cannot work with, and why."""
 
