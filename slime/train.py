@@ -48,6 +48,8 @@ from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
 from slime.utils.data import DatasetError, load_table
 from slime.utils.processor import load_processor
+from slime.utils.lifetime import watch_parent
+from slime.utils.run_lock import RunDirError, claim_run_dirs
 from slime.utils.timer import timed
 from slime.weight_sync import make_transport
 
@@ -228,13 +230,14 @@ def setup(
         start = trainers.init()
     if start > 0:
         rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
+    if cfg.checkpoint.load:  # also at start 0: the records of a run killed before its first checkpoint
         dropped = truncate_metrics(_run_dir(cfg) / METRICS_FILE, keep=lambda r: _logged_before(r, start))
         logger.info("resumed from %s at rollout %d (%d metrics records after the checkpoint dropped)",
                     cfg.checkpoint.load, start, dropped)
     with memory.sync_phase():
         trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
     parity = EngineParityCheck(cfg.parity, rollout_manager.dataset, cfg.rollout.rollout_temperature,
-                               enabled=components.engine_cls.parity_check, start=start)
+                               enabled=components.engine_cls.parity_check, start=start, seed=cfg.rollout.rollout_seed)
     return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout, parity)
 
 
@@ -278,9 +281,10 @@ def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_mana
 
 def _logged_before(record: dict, start: int) -> bool:
     """Whether a metrics record belongs to the history before resuming at rollout ``start``:
-    rollout records of steps < start, eval records of steps <= start (see :func:`loop`)."""
+    rollout records of steps < start, eval records of steps <= start (see :func:`loop`); at
+    ``start == 0`` none (the eval before training runs again)."""
     is_eval = any(key.startswith("eval/") for key in record)
-    return record["step"] <= start if is_eval else record["step"] < start
+    return 0 < start and (record["step"] <= start if is_eval else record["step"] < start)
 
 
 def _check_load(root: str, backend_parts: tuple[str, ...]) -> None:
@@ -325,15 +329,23 @@ def _run_dir(cfg: SlimeConfig) -> Path:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_args(argv)
+    parent = watch_parent(cfg.logging.parent_pid)  # started below, around the run
     try:
         if cfg.logging.check_only:
             components = resolve_components(cfg)
             print(f"slime: flags OK (engine {components.engine_cls.__name__}, trainer {components.backend_cls.__name__})")
             return
-        with _sigterm_raises():
+        # One writer per --output-dir / --save; the run stops when --parent-pid exits.
+        with claim_run_dirs(_run_dir(cfg), cfg.checkpoint.save, cfg.checkpoint.load,
+                            overwrite=cfg.logging.overwrite_output_dir), parent, _sigterm_raises():
             train(cfg)
+    except KeyboardInterrupt:
+        if not parent.fired.is_set():
+            raise
+        sys.exit(f"slime: error: the launcher (--parent-pid {parent.pid}) exited, so the run stopped; "
+                 "resume it with --load")
     except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
-            EngineStartError, PromptMismatchError, EngineParityError) as e:
+            EngineStartError, PromptMismatchError, RunDirError, EngineParityError) as e:
         sys.exit(f"slime: error: {e}")
 
 

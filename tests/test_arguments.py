@@ -484,7 +484,8 @@ def test_requested_gpus_must_fit_the_cluster(colocate, available, fits):
     [
         (["--rollout-temperature", "0"], "--rollout-temperature must be > 0, got 0.0"),
         (["--rollout-temperature", "-0.5"], "--rollout-temperature must be > 0, got -0.5"),
-        (["--eval-temperature", "0"], "--eval-temperature must be > 0"),
+        (["--rollout-temperature", "0"], "(greedy evaluation: --eval-temperature 0)"),
+        (["--eval-temperature", "-1"], "--eval-temperature must be >= 0, got -1.0; use 0 for greedy decoding"),
         (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1], got 0.0"),
         (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1], got 1.5"),
         (["--eval-top-p", "0"], "--eval-top-p must be in (0, 1]"),
@@ -517,6 +518,15 @@ def test_requested_gpus_must_fit_the_cluster(colocate, available, fits):
 )
 def test_bad_flag_values_are_refused_with_the_flag_and_fix(flags, fragment, capsys):
     assert fragment in parse_error(with_flags(*flags), capsys)
+
+
+def test_eval_temperature_zero_is_greedy_evaluation_and_help_says_what_it_ignores(capsys):
+    cfg = parse_args(with_flags("--eval-temperature", "0"))
+    assert cfg.eval.eval_temperature == 0.0 and cfg.rollout.rollout_temperature > 0
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "0 = greedy decoding" in text and "--eval-top-p and --rollout-top-k are then ignored" in text
 
 
 def test_num_rollout_or_num_epoch_is_required(capsys):

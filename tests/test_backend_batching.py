@@ -16,6 +16,7 @@ from slime.backends.batching import (
     split_into_steps,
 )
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
+from slime.utils.ppo_utils import aggregate_loss
 from slime.utils.types import Sample
 
 def sample(index=0, response=(5, 6, 7), loss_mask=None, rollout=None, images=()) -> Sample:
@@ -52,8 +53,19 @@ def test_loss_normalizer_counts_samples_or_masked_tokens_without_distributed():
     batch = [sample(response=(1, 2, 3), loss_mask=(1, 0, 1)), sample(response=(4,), loss_mask=(1,))]
     assert loss_normalizer(batch, per_token=False) == 2.0
     assert loss_normalizer(batch, per_token=True) == 3.0
-    with pytest.raises(ValueError, match="no loss-masked response tokens"):
-        loss_normalizer([sample(response=(1,), loss_mask=(0,))], per_token=True)
+    with pytest.raises(ValueError, match="no samples"):
+        loss_normalizer([], per_token=True)
+
+
+def test_a_step_with_every_token_masked_has_zero_loss_not_an_error(caplog):
+    """--overlong-filter can mask a whole step: N = 1, so the (all-zero) loss stays 0 and finite."""
+    masked = [sample(response=(1, 2), loss_mask=(0, 0)), sample(response=(3,), loss_mask=(0,))]
+    assert loss_normalizer(masked, per_token=True) == 1.0
+    assert "masked out of the loss" in caplog.text
+    values = torch.tensor([[5.0, -2.0]], requires_grad=True)
+    loss = aggregate_loss(values, torch.zeros(1, 2), per_token=True, global_normalizer=1.0)
+    loss.backward()
+    assert loss.item() == 0.0 and values.grad.abs().sum().item() == 0.0
 
 @pytest.mark.parametrize(
     "bad, match",
@@ -99,10 +111,30 @@ def test_logprob_gap_is_token_weighted_per_prompt_kind_and_omits_empty_splits():
         "train/logprob_abs_diff_image": pytest.approx(0.25),
         "train/logprob_abs_diff_text": pytest.approx(0.375),
         "train/logprob_abs_diff": pytest.approx(1.25 / 4),
+        "train/logprob_gap_altered_tokens": 0.0,
     }
     text_only = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[1:2], train[1:2])))
-    assert set(text_only) == {"train/logprob_abs_diff_text", "train/logprob_abs_diff"}
-    assert logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[2:], train[2:]))) == {}
+    assert set(text_only) == {
+        "train/logprob_abs_diff_text", "train/logprob_abs_diff", "train/logprob_gap_altered_tokens"
+    }
+    assert logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[2:], train[2:]))) == {
+        "train/logprob_gap_altered_tokens": 0.0
+    }
+
+
+def test_logprob_gap_leaves_out_the_tokens_after_a_generated_placeholder():
+    """The trainer feeds a generated image placeholder (id 9 here) as a pad token, so the tokens
+    after it see another context than the engine's: left out of the gap, and counted."""
+    samples = [sample(0, response=(1, 9, 2, 3), loss_mask=(1, 1, 1, 0), rollout=(-1.0, -1.0, -1.0, -1.0), images=["i"])]
+    train = [torch.tensor([-1.5, -1.25, -7.0, -9.0])]  # tokens 2 and 3 (after the 9) differ a lot
+    metrics = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples, train, placeholder_ids={9})))
+    # Kept: token 0 (|0.5|) and the placeholder itself (|0.25|, its context is unchanged); left out:
+    # token 2 (masked in) and token 3 (masked out, so not counted).
+    assert metrics == {
+        "train/logprob_abs_diff_image": pytest.approx(0.375),
+        "train/logprob_abs_diff": pytest.approx(0.375),
+        "train/logprob_gap_altered_tokens": 1.0,
+    }
 
 def test_all_reduce_sums_without_distributed_returns_floats():
     out = all_reduce_sums({"b": torch.tensor(2.5), "a": 1})

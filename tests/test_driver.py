@@ -39,6 +39,14 @@ def test_resume_keeps_rollout_records_before_start_and_eval_records_up_to_it():
     assert not _logged_before({"step": 3, "rollout/reward_mean": 0.1}, 3)
     assert _logged_before({"step": 3, "eval/geo3k/accuracy": 0.5}, 3)
     assert not _logged_before({"step": 4, "eval/geo3k/accuracy": 0.5}, 3)
+    assert _logged_before({"step": 0, "eval/geo3k/accuracy": 0.5}, 3)  # the eval before training
+
+
+def test_resume_at_rollout_zero_keeps_nothing():
+    # --load of a folder without a checkpoint (a run killed before its first save): everything,
+    # the eval before training included, runs again.
+    assert not _logged_before({"step": 0, "rollout/reward_mean": 0.1}, 0)
+    assert not _logged_before({"step": 0, "eval/geo3k/accuracy": 0.5}, 0)
 
 
 def test_num_epoch_becomes_num_rollout_from_the_row_count(tiny_ckpt):

@@ -1,6 +1,8 @@
 """End to end: with ``--ray-address`` (what ``SLIME_SCRIPT_EXTERNAL_RAY=1`` passes) the driver joins
 a running Ray cluster, trains on it, and leaves it running: it never starts or stops one.  It
 does stop everything it started there: the trainer and engine actors and the engine's server.
+When its launcher (``--parent-pid``) is SIGKILLed, the driver and the run's actors go, the
+cluster stays.
 
 The cluster is a ``ray start --head --block`` started here in a session of its own, so the
 test can check afterwards that every process of that session is still alive and then stop
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +25,15 @@ from pathlib import Path
 import pytest
 
 from slime.utils.metrics import read_metrics
-from tests.process_tree import is_alive, kill_session, read_proc, session_members, wait_session_gone
+from tests.process_tree import (
+    all_processes,
+    is_alive,
+    kill_session,
+    read_proc,
+    session_members,
+    wait_for,
+    wait_session_gone,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,27 +53,84 @@ def _ray_cli() -> str:
     return shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
 
 
-def test_driver_joins_an_external_cluster_and_leaves_it_running(tmp_path, tiny_ckpt):
+def _start_head(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """A ``ray start --head --block`` in a session of its own, once ``ray status`` answers."""
     port = _free_port()
-    # One authentication mode for the head, `ray status` and the driver (Ray 2.60 defaults differ
-    # between `ray start` and clients).
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
-           "RAY_AUTH_MODE": "disabled"}
     head = subprocess.Popen(
         [_ray_cli(), "start", "--head", "--block", "--port", str(port), "--num-cpus", "4",
          "--include-dashboard", "false", "--node-ip-address", "127.0.0.1"],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    status = None
+    for _ in range(120):  # the head takes seconds to come up on a busy machine
+        status = subprocess.run([_ray_cli(), "status", "--address", address], env=env, capture_output=True, text=True)
+        if status.returncode == 0:
+            return head, address
+        time.sleep(1)
+    kill_session(head.pid)
+    raise AssertionError(f"ray head did not start:\n{status.stdout}{status.stderr}")
+
+
+def _run_flags(tiny_ckpt: Path, out: Path, address: str, num_rollout: int) -> list[str]:
+    return [
+        "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR),
+        "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
+        "--apply-chat-template", "--num-rollout", str(num_rollout), "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
+        "--skip-eval-before-train", "--train-backend", "fsdp", "--rollout-backend", "transformers",
+        "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--no-progress-bar",
+        "--ray-address", address, "--output-dir", str(out),
+    ]  # fmt: skip
+
+
+def _run_actors(sid: int) -> list:
+    """The run's actor processes in the cluster's session (idle pool workers are the cluster's)."""
+    return [p for p in session_members(sid) if p.comm.startswith(("ray::TrainerAct", "ray::EngineAct"))]
+
+
+def test_sigkill_of_the_launcher_stops_the_run_on_an_external_cluster_and_leaves_the_cluster(tmp_path, tiny_ckpt):
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "RAY_AUTH_MODE": "disabled"}
+    head, address = _start_head(env)
+    launcher = None
     try:
-        address = f"127.0.0.1:{port}"
-        status = None
-        for _ in range(120):  # the head takes seconds to come up on a busy machine
-            status = subprocess.run([_ray_cli(), "status", "--address", address], env=env,
-                                    capture_output=True, text=True)
-            if status.returncode == 0:
-                break
-            time.sleep(1)
-        assert status is not None and status.returncode == 0, f"ray head did not start:\n{status.stdout}{status.stderr}"
+        cluster_before = {p.pid for p in session_members(head.pid)}
+        out = tmp_path / "run"
+        # What the geo3k launcher does: the driver in a session of its own, watching the launcher's PID.
+        script = 'setsid "$0" -m slime.train "$@" --parent-pid $$ & wait'
+        with open(tmp_path / "driver.log", "w") as log:
+            launcher = subprocess.Popen(
+                ["bash", "-c", script, sys.executable, *_run_flags(tiny_ckpt, out, address, 50)],
+                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        wait_for(lambda: read_metrics(out / "metrics.jsonl"), 900, "the first rollout step", launcher)
+        (driver,) = [p for p in all_processes() if p.ppid == launcher.pid and "slime.train" in p.cmdline]
+        assert _run_actors(head.pid), [str(p) for p in session_members(head.pid)]
+
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        assert not wait_session_gone(driver.sid, 60), "the driver outlived its launcher"
+        wait_for(lambda: not _run_actors(head.pid), 60, "the run's actors to be stopped by the cluster")
+
+        status = subprocess.run([_ray_cli(), "status", "--address", address], env=env, capture_output=True, text=True)
+        assert status.returncode == 0, status.stderr
+        assert head.poll() is None and cluster_before <= {p.pid for p in session_members(head.pid)}
+        assert "the launcher (pid" in (tmp_path / "driver.log").read_text()
+    finally:
+        if launcher is not None and launcher.poll() is None:
+            launcher.kill()
+        kill_session(head.pid)
+        wait_session_gone(head.pid, timeout_s=60)
+
+
+def test_driver_joins_an_external_cluster_and_leaves_it_running(tmp_path, tiny_ckpt):
+    # One authentication mode for the head, `ray status` and the driver (Ray 2.60 defaults differ
+    # between `ray start` and clients).
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "RAY_AUTH_MODE": "disabled"}
+    head, address = _start_head(env)
+    try:
         cluster_before = {p.pid for p in session_members(head.pid)}
 
         out = tmp_path / "run"

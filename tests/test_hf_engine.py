@@ -3,6 +3,7 @@ generation, and against SGLang's sampling / stopping rules worked out by hand.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -16,7 +17,8 @@ import torch
 from PIL import Image
 
 from slime.rollout.engines.base import BundleResources, EngineResources, GenerateRequest, SamplingParams
-from slime.rollout.engines.hf_engine import TransformersEngine
+from slime.rollout.engines.hf_engine import TransformersEngine, sample_next_tokens
+from slime.rollout.seeds import sampling_seed, uniform
 from slime.utils.image import decode_image, encode_image_base64
 from slime.utils.processor import load_processor, mm_token_type_ids
 
@@ -187,6 +189,121 @@ def test_same_seed_same_samples_other_seed_other_samples(tiny_ckpt, processor):
     assert [o.output_ids for o in first] == [o.output_ids for o in again]
     assert [o.output_log_probs for o in first] == [o.output_log_probs for o in again]
     assert [o.output_ids for o in first] != [o.output_ids for o in other]
+
+
+# ----------------------------------------------------------------------------- per-request seeds
+
+
+class _SplitMix64:
+    """SplitMix64 as a stateful generator (Steele, Lea and Flood 2014; Vigna's reference C code)."""
+
+    def __init__(self, seed: int):
+        self.state = seed % 2**64
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) % 2**64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return z ^ (z >> 31)
+
+
+def test_uniform_is_the_nth_splitmix64_output_in_53_bits():
+    assert _SplitMix64(0).next() == 0xE220A8397B1DCDAF  # the published first output for seed 0
+    for seed in (0, 1, 12345, 2**63 - 1):
+        generator = _SplitMix64(seed)
+        for position in range(50):
+            assert uniform(seed, position) == (generator.next() >> 11) / 2**53
+    values = [uniform(7, t) for t in range(20000)]
+    assert all(0 <= v < 1 for v in values)
+    assert abs(np.mean(values) - 0.5) < 5 * math.sqrt(1 / 12 / len(values))
+
+
+def test_sampling_seeds_are_stable_non_negative_int64_and_distinct():
+    seeds = {
+        (rollout_id, index, stream): sampling_seed(42, rollout_id, index, stream)
+        for rollout_id in range(5) for index in range(40) for stream in ("train", "eval/geo3k")
+    }  # fmt: skip
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds.values())
+    assert len(set(seeds.values())) == len(seeds)  # (1, 0) vs (0, 1), train vs eval: no collision
+    assert sampling_seed(42, 3, 7) == sampling_seed(42, 3, 7, "train") != sampling_seed(43, 3, 7)
+    # The same in a fresh interpreter (no per-process hash salt).
+    code = "from slime.rollout.seeds import sampling_seed; print(sampling_seed(42, 3, 7))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    assert int(out.stdout) == sampling_seed(42, 3, 7)
+
+
+def test_inverse_cdf_sampling_by_hand():
+    """p = (0.5, 0.3, 0.2) over tokens (2, 0, 1): the kept tokens, most likely first, split [0, 1)."""
+    logits = torch.log(torch.tensor([[0.3, 0.2, 0.5]])).float()
+    one = torch.ones(1)
+
+    def draw(u, top_k=-1, top_p=1.0, temperature=1.0):
+        tokens, log_probs = sample_next_tokens(
+            logits, one * temperature, one * top_p, torch.tensor([top_k]), torch.tensor([u], dtype=torch.float64)
+        )
+        return tokens.item(), log_probs.item()
+
+    # cdf (0.5, 0.8, 1.0): u < 0.5 -> token 2, 0.5 <= u < 0.8 -> token 0, else token 1.
+    assert [draw(u)[0] for u in (0.0, 0.49, 0.51, 0.79, 0.81, 1 - 2**-53)] == [2, 2, 0, 0, 1, 1]
+    # top-k 2 keeps (0.5, 0.3): threshold u * 0.8, so u = 0.7 -> 0.56 -> token 0; u = 0.6 -> 0.48 -> token 2.
+    assert draw(0.7, top_k=2)[0] == 0 and draw(0.6, top_k=2)[0] == 2
+    # top-p keeps a token while the mass before it is <= top_p: 0.55 keeps (2, 0), 0.4 keeps (2,).
+    assert [draw(u, top_p=0.55)[0] for u in (0.1, 0.7, 0.99)] == [2, 0, 0]
+    assert [draw(u, top_p=0.4)[0] for u in (0.1, 0.99)] == [2, 2]
+    # Greedy ignores u, top-k and top-p; its log-prob is under T = 1.
+    assert draw(0.99, top_k=3, top_p=0.3, temperature=0.0) == pytest.approx((2, math.log(0.5)), abs=1e-6)
+    # The log-prob is the unfiltered one (0.3, not 0.3 / 0.8 after top-k), under the temperature.
+    assert draw(0.9, top_k=2) == pytest.approx((0, math.log(0.3)), abs=1e-6)
+    at_t2 = 0.2**0.5 / sum(p**0.5 for p in (0.5, 0.3, 0.2))  # p^(1/T), renormalised
+    assert draw(0.9, temperature=2.0) == pytest.approx((1, math.log(at_t2)), abs=1e-6)
+
+
+def _seeded(requests: list[GenerateRequest], seeds: list[int]) -> list[GenerateRequest]:
+    return [
+        dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, sampling_seed=s))
+        for r, s in zip(requests, seeds)
+    ]
+
+
+def test_a_seeded_request_draws_the_same_response_on_any_engine_in_any_batch(tiny_ckpt, processor):
+    """What exact resume and per-request balancing rely on: a response depends on its seed only,
+    not on the engine (seed), the batch it shares, its position in it, or earlier calls."""
+    requests = _seeded(_mixed_requests(processor, max_new_tokens=8, temperature=1.0), [11, 12, 13, 14, 15])
+    first = TransformersEngine(str(tiny_ckpt), seed=1).generate(requests)
+    other_engine = TransformersEngine(str(tiny_ckpt), seed=2, max_batch_size=2)
+    other_engine.generate(_mixed_requests(processor, max_new_tokens=3, temperature=1.0))  # some history
+    shuffled = [4, 2, 0, 3, 1]
+    again = other_engine.generate([requests[i] for i in shuffled])
+    for position, i in enumerate(shuffled):
+        assert again[position].output_ids == first[i].output_ids, i
+        np.testing.assert_allclose(again[position].output_log_probs, first[i].output_log_probs, atol=ATOL, rtol=0)
+    for i, req in enumerate(requests):
+        (alone,) = other_engine.generate([req])
+        assert alone.output_ids == first[i].output_ids, i
+    reseeded = other_engine.generate(_seeded(requests, [21, 22, 23, 24, 25]))
+    assert [o.output_ids for o in reseeded] != [o.output_ids for o in first]
+
+
+def test_greedy_generation_is_deterministic_and_ignores_seeds(tiny_ckpt, processor, reference_model):
+    """``--eval-temperature 0``: the same response whatever the seeds, top-k and top-p, and it is
+    the argmax continuation of a plain forward pass."""
+    requests = _mixed_requests(processor, max_new_tokens=6, temperature=0.0, top_p=0.5, top_k=3)
+    a = TransformersEngine(str(tiny_ckpt), seed=1).generate(_seeded(requests, [1, 2, 3, 4, 5]))
+    b = TransformersEngine(str(tiny_ckpt), seed=9, max_batch_size=1).generate(requests)
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    for req, out in zip(requests, a):
+        _, argmax, _ = _reference_log_probs(reference_model, processor, req, out.output_ids, 0.0)
+        assert out.output_ids == argmax.tolist()
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True])
+def test_bad_sampling_seed_names_the_request(seed, greedy_engine, processor):
+    (req,) = _seeded([_request(processor, "Find x.", 0, rid="geo3k-3", max_new_tokens=2)], [seed])
+    req.rid = "geo3k-3"
+    with pytest.raises(ValueError, match=r"request 0 \(rid 'geo3k-3'\): sampling_seed = "):
+        greedy_engine.generate([req])
 
 
 def _greedy_ids(engine, req: GenerateRequest, max_new_tokens: int) -> list[int]:
@@ -495,8 +612,8 @@ def _resources(index: int, gpu_ids: tuple[str, ...] = ()) -> EngineResources:
 def test_from_config_refuses_more_than_one_gpu(tiny_ckpt):
     from slime.utils.arguments import parse_args
 
-    cfg = parse_args(f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 "
-                     "--rollout-max-response-len 8 --colocate".split())
+    cfg = parse_args(f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
+                     "--colocate --train-backend fsdp --rollout-backend transformers".split())
     with pytest.raises(ValueError, match="--rollout-num-gpus-per-engine 2: the transformers engine runs on one GPU"):
         TransformersEngine.from_config(cfg, _resources(0, gpu_ids=("0", "1")))
 

@@ -7,6 +7,10 @@
   arguments come last and win.
 - SIGTERM to the launcher mid-run stops the driver and every process of its Ray instance
   before the launcher exits, and nothing else (decoys named like Ray's processes survive).
+- SIGKILL of the launcher (which it cannot trap) stops the run too, within seconds, through the
+  driver's ``--parent-pid`` watch; the checkpoint folder is not written after the kill.
+- The resume line it prints reproduces the run's folders, a custom ``--save`` included; a
+  used or live run directory is refused before anything is written.
 
 The launcher runs with ``SLIME_SKIP_SETUP=1`` and this interpreter first on ``PATH`` (no
 install, no download), ``SLIME_SCRIPT_FORCE_CPU=1`` and ``SLIME_SCRIPT_OUTPUT_DIR`` in tmp.
@@ -21,6 +25,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +34,7 @@ from PIL import Image
 from slime.utils import checkpoint as ckpt
 from slime.utils.arguments import parse_args
 from slime.utils.metrics import read_metrics
-from tests.process_tree import all_processes, kill_session, session_members, wait_for
+from tests.process_tree import all_processes, kill_session, session_members, wait_for, wait_session_gone
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "examples" / "geo3k_vlm" / "run_geo3k_qwen35.sh"
@@ -220,3 +225,89 @@ def test_sigterm_stops_the_run_and_nothing_else(tmp_path):
         for decoy in decoys:
             decoy.kill()
             decoy.wait()
+
+
+def _folder_state(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root``: relative path -> (size, mtime in ns)."""
+    return {
+        str(path.relative_to(root)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in sorted(root.rglob("*")) if path.is_file()
+    }  # fmt: skip
+
+
+STOP_AFTER_LAUNCHER_DEATH_S = 60  # the driver notices at once (pidfd); Ray's shutdown takes seconds
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_stops_the_run_and_its_checkpoint_writes(tmp_path):
+    out, save, log = tmp_path / "run", tmp_path / "ckpts", tmp_path / "launcher.log"
+    small = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+             "--rollout-max-response-len", "8", "--skip-eval-before-train", "--num-rollout", "50",
+             "--save-interval", "2", "--save", str(save)]  # fmt: skip
+    launcher = _start(small, _env(out), log)
+    driver = None
+    try:
+        driver = wait_for(lambda: _driver_of(launcher), RUN_TIMEOUT_S, "the driver to start", launcher)
+        assert f"--parent-pid {launcher.pid}" in driver.cmdline
+        wait_for(lambda: (save / ckpt.LATEST_FILE).exists(), RUN_TIMEOUT_S, "the first checkpoint", launcher)
+        run = session_members(driver.sid)
+        assert {"gcs_server", "raylet"} <= {p.comm for p in run}, [str(p) for p in run]
+        assert any(p.comm.startswith("ray::TrainerAct") for p in run), [str(p) for p in run]
+
+        before = _folder_state(save)  # the next save is two rollout steps away
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group only: the driver has its own session
+        launcher.wait()
+        killed_at = time.monotonic()
+        survivors = wait_session_gone(driver.sid, STOP_AFTER_LAUNCHER_DEATH_S)
+        assert not survivors, "processes of the run outlived its launcher:\n" + "\n".join(map(str, survivors))
+        took = time.monotonic() - killed_at
+        assert _folder_state(save) == before, "the checkpoint folder was written after the launcher's SIGKILL"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if driver is not None:
+            kill_session(driver.sid)
+    text = log.read_text()  # the driver kept the launcher's stdout
+    assert f"the launcher (pid {launcher.pid}, --parent-pid) has exited: stopping this run" in text, text[-3000:]
+    assert f"slime: error: the launcher (--parent-pid {launcher.pid}) exited" in text
+    print(f"run gone {took:.1f} s after the launcher's SIGKILL")
+
+
+def test_printed_resume_line_reproduces_the_folders_with_a_custom_save(tiny_ckpt, tmp_path):
+    out, save, log = tmp_path / "run", tmp_path / "my ckpts", tmp_path / "launcher.log"
+    # --num-rollout 0 makes the driver stop at once (a parse error): only the printed lines matter here.
+    launcher = _start(["--save", str(save), "--lr", "2e-6", "--num-rollout", "0"], _env(out), log)
+    assert launcher.wait(timeout=RUN_TIMEOUT_S) == 2, _tail(log)
+    text = log.read_text()
+    (resume,) = re.findall(r"^\[geo3k\] resume this run after a crash or a kill \(same folders\): (.*)$", text, re.M)
+    assert f"the run stopped (exit 2); resume it with: {resume}" in text
+    words = shlex.split(resume)
+    assert words[-2:] == ["--load", str(save)] and "--overwrite-output-dir" not in words
+    # Run the printed line as a user would (dry run: print the command), from another folder.
+    env = {k: v for k, v in _env(tmp_path / "elsewhere").items() if k != "SLIME_SCRIPT_OUTPUT_DIR"}
+    result = subprocess.run(["bash", "-c", "SLIME_SCRIPT_DRY_RUN=1 " + resume], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    cfg = parse_args(_with_num_rollout(argv[3:]))
+    assert Path(cfg.logging.output_dir) == out
+    assert cfg.checkpoint.save == str(save) and cfg.checkpoint.load == str(save)
+    assert cfg.optimizer.lr == 2e-6
+
+
+def _with_num_rollout(argv: list[str]) -> list[str]:
+    """The command with its last --num-rollout set to 1 (the test's 0 made the first run stop)."""
+    i = len(argv) - 1 - argv[::-1].index("--num-rollout")
+    return argv[:i + 1] + ["1"] + argv[i + 2:]
+
+
+def test_a_used_run_directory_is_refused_before_anything_is_written(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "command.sh").write_text("the first run's command\n")
+    result = subprocess.run(["bash", str(LAUNCHER), "--num-rollout", "2"], cwd=REPO, env=_env(out),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 1
+    assert f"slime: error: --output-dir {out} already holds the metrics of a run" in result.stderr
+    assert (out / "command.sh").read_text() == "the first run's command\n"  # not overwritten

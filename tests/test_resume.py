@@ -1,5 +1,6 @@
 """End to end (real Ray, ``python -m slime.train`` in a subprocess): a run killed with SIGKILL
-after a checkpoint resumes with ``--load`` as if it had never stopped.
+after a checkpoint resumes with ``--load`` as if it had never stopped: the same prompts, the
+same sampled responses and rewards, and the same final weights as an uninterrupted run.
 
 1. Run with ``--save DIR --load DIR --save-interval 2`` (``--load`` of a folder without a
    checkpoint starts from ``--hf-checkpoint``).  Once rollout 1 is checkpointed and rollout 2
@@ -9,12 +10,19 @@ after a checkpoint resumes with ``--load`` as if it had never stopped.
    by its session, which nothing outside it can join.
 2. Run again with the same flags to ``--num-rollout``: it resumes at rollout 2.
 
+3. Run the same flags uninterrupted into other folders: the reference.
+
+The reward is ``tests.rewards:odd_length_reward`` (about half the responses score 1), so GRPO
+groups have non-zero advantages and the weights really move between checkpoints.
+
 Checked against references computed here, not by the code under test: the rollout ids in
 ``metrics.jsonl`` are exactly 0..N-1, once each; the prompts of every rollout (dataset ``index``
 in the ``--save-debug-rollout-data`` dumps) follow the documented order,
 ``numpy.random.default_rng([--rollout-seed, epoch]).permutation(num_rows)``, before and
 after the resume; the checkpoint's model folder loads with transformers and its trainer
-and data-cursor state is there.
+and data-cursor state is there; every rollout's responses, rewards and advantages, and the
+last checkpoint's weights (bit for bit), equal the uninterrupted run's (sampling seeds are per
+request, :mod:`slime.rollout.seeds`, so the resumed engines draw what the killed ones would have).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ def _flags(tiny_ckpt: Path, root: Path, dump_dir: Path) -> list[str]:
         "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", str(PROMPTS),
         "--n-samples-per-prompt", str(N_SAMPLES), "--rollout-max-response-len", "8",
         "--global-batch-size", str(PROMPTS * N_SAMPLES), "--micro-batch-size", "1",
-        "--skip-eval-before-train",
+        "--skip-eval-before-train", "--custom-rm-path", "tests.rewards:odd_length_reward", "--lr", "1e-4",
         "--train-backend", "fsdp", "--rollout-backend", "transformers",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
         "--rollout-num-gpus", "1", "--rollout-num-gpus-per-engine", "1",
@@ -99,6 +107,18 @@ def _dumped_indices(dump_dir: Path, rollout_id: int) -> list[int]:
     return [r["index"] for r in records]
 
 
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of a Hugging Face folder, by checkpoint name."""
+    from safetensors.torch import load_file
+
+    return {name: t for path in sorted(folder.glob("*.safetensors")) for name, t in load_file(path).items()}
+
+
+def _dumped_records(dump_dir: Path, rollout_id: int) -> list[dict]:
+    """The ``--save-debug-rollout-data`` records of one rollout, in batch order."""
+    return [json.loads(line) for line in (dump_dir / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+
+
 def _expected_indices(rollout_id: int, num_rows: int) -> list[int]:
     """The documented prompt order of epoch 0 (no skips), each prompt repeated for its n samples."""
     order = np.random.default_rng([SEED, 0]).permutation(num_rows)
@@ -111,6 +131,8 @@ def test_sigkill_then_resume(tiny_ckpt, tmp_path):
     num_rows = pq.read_metadata(DATA_DIR / "train.parquet").num_rows
     assert NUM_ROLLOUT * PROMPTS <= num_rows  # one epoch: the order below is the first permutation
     killed_dumps, resumed_dumps = tmp_path / "dumps_killed", tmp_path / "dumps_resumed"
+    reference, reference_dumps = tmp_path / "reference", tmp_path / "dumps_reference"
+    reference.mkdir()
     ckpt_root, run_dir = tmp_path / "ckpt", tmp_path / "run"
     sessions = []
     try:
@@ -143,6 +165,12 @@ def test_sigkill_then_resume(tiny_ckpt, tmp_path):
         assert driver.wait(timeout=START_TIMEOUT_S) == 0, _tail(log)
         assert f"resumed from {ckpt_root} at rollout 2" in log.read_text()
         assert not wait_session_gone(driver.pid, EXIT_TIMEOUT_S), "Ray processes outlived a finished run"
+
+        # 3. The reference: the same run, never interrupted.
+        log = tmp_path / "reference.log"
+        driver = _start(_flags(tiny_ckpt, reference, reference_dumps), log)
+        sessions.append(driver.pid)
+        assert driver.wait(timeout=START_TIMEOUT_S) == 0, _tail(log)
     finally:
         for sid in sessions:
             kill_session(sid)
@@ -159,6 +187,23 @@ def test_sigkill_then_resume(tiny_ckpt, tmp_path):
     for rollout_id in range(NUM_ROLLOUT):
         got = _dumped_indices(killed_dumps if rollout_id < 2 else resumed_dumps, rollout_id)
         assert got == _expected_indices(rollout_id, num_rows), rollout_id
+
+    # (c) exact resume: every rollout sampled the responses of the uninterrupted run, and the weights agree.
+    for rollout_id in range(NUM_ROLLOUT):
+        got = _dumped_records(killed_dumps if rollout_id < 2 else resumed_dumps, rollout_id)
+        expected = _dumped_records(reference_dumps, rollout_id)
+        assert [r["response"] for r in got] == [r["response"] for r in expected], rollout_id
+        assert got == expected, rollout_id  # rewards, advantages, statuses, lengths too
+    rewards = [r["reward"] for i in range(NUM_ROLLOUT) for r in _dumped_records(reference_dumps, i)]
+    assert 0 < sum(rewards) < len(rewards)  # mixed rewards: non-zero advantages, so training moved the weights
+    resumed = _safetensors(ckpt.model_dir(ckpt_root, NUM_ROLLOUT - 1))
+    uninterrupted = _safetensors(ckpt.model_dir(reference / "ckpt", NUM_ROLLOUT - 1))
+    initial = _safetensors(Path(tiny_ckpt))
+    assert resumed.keys() == uninterrupted.keys() and resumed
+    different = [k for k in resumed if not torch.equal(resumed[k], uninterrupted[k])]
+    assert not different, f"{len(different)} tensors differ from the uninterrupted run, e.g. {different[:3]}"
+    moved = [k for k in resumed.keys() & initial.keys() if not torch.equal(initial[k], resumed[k])]
+    assert len(moved) > len(resumed) // 2, len(moved)  # training did move the weights
 
     # Checkpoint contents: every --save-interval-th rollout and the last one, each complete.
     assert _latest(ckpt_root) == NUM_ROLLOUT - 1

@@ -1,5 +1,5 @@
 """RolloutManager with a scripted engine group (no Ray): rewards, group advantages,
-truncation and skip counters, eval isolation.
+truncation and skip counters, truncation options, per-request seeds, eval isolation.
 
 The engine stand-in answers ``\\boxed{5}`` to odd-numbered requests and ``\\boxed{7}`` to
 even ones, so every expected reward and advantage is worked out by hand below.
@@ -234,3 +234,94 @@ def test_prompt_length_mismatch_is_caught_for_any_engine(tmp_path, tiny_ckpt):
     assert (f"sample 6 (dataset index 1, rid 1:6): engine 0 saw {true_len[6] - 2} prompt tokens, the data "
             f"pipeline computed {true_len[6]}") in message
     assert "--image-min-pixels / --image-max-pixels" in message
+
+
+# ---------------------------------------------------------------------------------------
+# Truncated samples: --stop-properly-penalty-coef and --overlong-filter
+
+
+def _truncated_batch(tmp_path, tiny_ckpt, *extra):
+    """Rollout 0 with requests 0, 3 and 6 cut by length: labels 5, so request 3 (answer 5) is a
+    truncated response with a correct box; 0 and 6 (answer 7) are truncated and wrong."""
+    manager = _manager(tmp_path, tiny_ckpt, ScriptedEngines(truncate_every=3), extra=extra)
+    try:
+        return manager.generate(0)
+    finally:
+        manager.close()
+
+
+def test_truncated_samples_keep_their_reward_by_default(tmp_path, tiny_ckpt):
+    batch = _truncated_batch(tmp_path, tiny_ckpt)
+    assert [s.reward for s in batch.samples] == [0.0, 1.0] * 4  # request 3 scores 1 (upstream behaviour)
+    assert all(s.loss_mask == [1] * s.response_length for s in batch.samples)
+    m = batch.metrics
+    assert (m["rollout/truncated_count"], m["rollout/truncated_rewarded_count"]) == (3, 1)
+    assert m["rollout/truncated_reward_penalized_count"] == 0 and m["rollout/loss_masked_samples"] == 0
+    assert "rollout/shaped_reward_mean" not in m
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_stop_properly_penalty_scales_truncated_rewards_before_advantages(tmp_path, tiny_ckpt, coef):
+    batch = _truncated_batch(tmp_path, tiny_ckpt, "--stop-properly-penalty-coef", str(coef))
+    rewards = [s.reward for s in batch.samples]
+    assert rewards == [0.0, 1.0, 0.0, coef, 0.0, 1.0, 0.0, 1.0]
+    # Group 0 is [0, 1, 0, c]: GRPO by hand in float64 (unbiased std, eps 1e-6).
+    group = rewards[:4]
+    mean = sum(group) / 4
+    std = math.sqrt(sum((r - mean) ** 2 for r in group) / 3)
+    for sample, r in zip(batch.samples[:4], group):
+        assert sample.advantage == pytest.approx((r - mean) / (std + 1e-6), rel=1e-6)
+    m = batch.metrics
+    assert m["rollout/truncated_reward_penalized_count"] == 1  # request 3; 0 * coef == 0 for 0 and 6
+    assert m["rollout/shaped_reward_mean"] == pytest.approx((3 + coef) / 8)
+    assert m["rollout/accuracy"] == 0.5 and m["rollout/reward_mean"] == 0.5  # the reward function's verdicts
+
+
+def test_overlong_filter_masks_truncated_samples_out_of_the_loss(tmp_path, tiny_ckpt):
+    batch = _truncated_batch(tmp_path, tiny_ckpt, "--overlong-filter")
+    for i, sample in enumerate(batch.samples):
+        assert sample.loss_mask == ([0] * 3 if i % 3 == 0 else [1] * sample.response_length), i
+    assert [s.reward for s in batch.samples] == [0.0, 1.0] * 4  # rewards and advantages as by default
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert [s.advantage for s in batch.samples] == pytest.approx([-expected, expected] * 4, rel=1e-6)
+    assert batch.metrics["rollout/loss_masked_samples"] == 3
+
+
+def test_stop_properly_penalty_coef_out_of_range_is_refused(tmp_path, tiny_ckpt):
+    with pytest.raises(SystemExit):
+        _manager(tmp_path, tiny_ckpt, ScriptedEngines(), extra=("--stop-properly-penalty-coef", "1.5"))
+
+
+# ---------------------------------------------------------------------------------------
+# Per-request sampling seeds
+
+
+def test_every_request_carries_the_seed_of_its_position(tmp_path, tiny_ckpt):
+    from slime.rollout.seeds import sampling_seed
+
+    engines = ScriptedEngines()
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--rollout-seed", "9"))
+    try:
+        manager.generate(0)
+        manager.generate(1)
+        manager.evaluate(2)
+    finally:
+        manager.close()
+    train0, train1, held_out = ([r.sampling_params.sampling_seed for r in call] for call in engines.calls)
+    assert train0 == [sampling_seed(9, 0, i) for i in range(8)]
+    assert train1 == [sampling_seed(9, 1, i) for i in range(8)]
+    assert held_out == [sampling_seed(9, 2, i, "eval/held_out") for i in range(2)]
+    assert len(set(train0 + train1 + held_out)) == 18
+
+
+def test_eval_temperature_zero_sends_greedy_requests_and_training_keeps_sampling(tmp_path, tiny_ckpt):
+    engines = ScriptedEngines()
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--eval-temperature", "0", "--rollout-temperature", "0.7"))
+    try:
+        manager.evaluate(0)
+        manager.generate(0)
+    finally:
+        manager.close()
+    held_out, train0 = engines.calls
+    assert {r.sampling_params.temperature for r in held_out} == {0.0}
+    assert {r.sampling_params.temperature for r in train0} == {0.7}

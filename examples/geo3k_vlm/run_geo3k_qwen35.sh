@@ -194,6 +194,9 @@ if [ "$DRY_RUN" = "1" ]; then
    printf '%q ' python -m slime.train "${ARGS[@]}" "$@"; echo
    exit 0
 fi
+# Refuse, before writing anything, a run directory or checkpoint folder that a live run holds, or
+# that holds a finished run's results without --load (resume) or --overwrite-output-dir.
+python -m slime.utils.run_lock "${ARGS[@]}" "$@" || exit $?
 if [ "$NEED_DOWNLOAD" = "1" ]; then
    # Refuse bad flags or a backend missing here before a download of tens of GB.
    python -m slime.train "${ARGS[@]}" "$@" --check-only >/dev/null || exit $?
@@ -204,12 +207,40 @@ mkdir -p "$OUTPUT_DIR"
 printf '%q ' python -m slime.train "${ARGS[@]}" "$@" >"$OUTPUT_DIR/command.sh"
 echo >>"$OUTPUT_DIR/command.sh"
 
+# The command that resumes this run into the same folders: the SLIME_SCRIPT_* variables that were
+# set, this script, the extra arguments as given (so a custom --save or --output-dir stays) minus
+# --load and --overwrite-output-dir, then --load of the checkpoint folder.
+resume_command() {
+   local words=("SLIME_SCRIPT_OUTPUT_DIR=$OUTPUT_DIR") var skip=0 arg
+   for var in SLIME_SCRIPT_DATASET_NAME SLIME_SCRIPT_NUM_GPUS SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_MODEL_NAME \
+              SLIME_SCRIPT_HF_CHECKPOINT SLIME_SCRIPT_TRAIN_BACKEND SLIME_SCRIPT_ROLLOUT_BACKEND SLIME_SCRIPT_FORCE_CPU; do
+      if [ -n "${!var+x}" ]; then words+=("$var=${!var}"); fi
+   done
+   words+=(bash "$SLIME_DIR/examples/geo3k_vlm/run_geo3k_qwen35.sh")
+   for arg in "$@"; do
+      if [ "$skip" = "1" ]; then skip=0; continue; fi
+      case "$arg" in
+         --load) skip=1 ;;
+         --load=*|--overwrite-output-dir|--no-overwrite-output-dir) ;;
+         *) words+=("$arg") ;;
+      esac
+   done
+   words+=(--load "$SAVE_DIR")
+   printf '%q ' "${words[@]}"
+}
+RESUME=$(resume_command "$@")
+EXTEND_FLAG=--num-rollout
+if [ -n "$(arg_value --num-epoch "$@")" ]; then EXTEND_FLAG=--num-epoch; fi
+echo "[geo3k] resume this run after a crash or a kill (same folders): $RESUME"
+
 # Run the driver in its own session and, on any exit or signal, stop only that session: the
 # driver, the Ray instance it started and its actors, then wait until they are gone. The
 # session, not the driver's process group: Ray gives every worker a process group of its own.
 # Only processes started by the driver are in the session, so nothing else on the machine is
-# touched (unlike the upstream script: no pkill of ray/sglang/redis by name).
-setsid python -m slime.train "${ARGS[@]}" "$@" &
+# touched (unlike the upstream script: no pkill of ray/sglang/redis by name).  A signal that
+# cannot be trapped (SIGKILL of this script) is covered by --parent-pid: the driver watches this
+# script's PID and stops the run within seconds of its death (not in command.sh, which reruns).
+setsid python -m slime.train "${ARGS[@]}" "$@" --parent-pid $$ &
 DRIVER_PID=$!
 run_pids() {  # live processes of the driver's session, read from /proc (zombies have exited)
    local stat line fields
@@ -221,7 +252,7 @@ run_pids() {  # live processes of the driver's session, read from /proc (zombies
       fi
    done
 }
-cleanup() {
+stop_run() {
    local sig pids
    for sig in TERM KILL; do
       pids=$(run_pids); [ -n "$pids" ] || return 0
@@ -229,6 +260,11 @@ cleanup() {
       kill "-$sig" $pids 2>/dev/null || true
       for _ in $(seq 1 20); do [ -n "$(run_pids)" ] || return 0; sleep 0.5; done
    done
+}
+cleanup() {
+   local status=$?
+   stop_run
+   if [ "$status" != "0" ]; then echo "[geo3k] the run stopped (exit $status); resume it with: $RESUME"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -240,6 +276,6 @@ if [ "$STATUS" = "0" ]; then
    echo "[geo3k]   metrics:      $OUTPUT_DIR/metrics.jsonl"
    echo "[geo3k]   reward curve: $OUTPUT_DIR/reward_curve.png"
    echo "[geo3k]   checkpoints:  $SAVE_DIR"
-   echo "[geo3k] resume or extend (same metrics file): SLIME_SCRIPT_OUTPUT_DIR=$OUTPUT_DIR bash $0 --load $SAVE_DIR --num-rollout N"
+   echo "[geo3k] resume or extend (same metrics file): $RESUME$EXTEND_FLAG N"
 fi
 exit "$STATUS"

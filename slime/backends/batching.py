@@ -20,6 +20,7 @@ Log-probs from logits: :mod:`slime.backends.log_probs`; the loss:
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Iterator, Sequence, TypeVar
 
 import torch
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -157,23 +160,29 @@ def loss_normalizer(samples: Sequence[Sample], per_token: bool, group: dist.Proc
             ``torch.distributed`` is not initialised.
 
     Returns:
-        ``N`` (float, > 0 unless the whole step has no sample / no masked token).
+        ``N`` (float, > 0).  A per-token step whose samples have every token masked (e.g.
+        ``--overlong-filter`` with every sample truncated) gets ``N = 1``: its loss is 0 and it
+        gives no gradient, as the same step does under per-sample aggregation; a warning says so.
 
     Raises:
-        ValueError: the global count is 0 (nothing to train on); the message says which count.
+        ValueError: the step has no sample on any rank (nothing to train on).
     """
-    if per_token:
-        local = sum(int(sum(s.loss_mask)) for s in samples)
-    else:
-        local = len(samples)
-    count = torch.tensor([local], dtype=torch.float64)
+    tokens = sum(int(sum(s.loss_mask)) for s in samples)
+    counts = torch.tensor([len(samples), tokens], dtype=torch.float64)  # one all-reduce for both
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(count, group=group)
-    total = float(count.item())
-    if total <= 0:
-        what = "loss-masked response tokens" if per_token else "samples"
-        raise ValueError(f"the optimizer step has no {what} on any data-parallel rank; check the loss masks")
-    return total
+        dist.all_reduce(counts, group=group)
+    num_samples, num_tokens = counts.tolist()
+    if num_samples <= 0:
+        raise ValueError("the optimizer step has no samples on any data-parallel rank; check the batch split")
+    if not per_token:
+        return num_samples
+    if num_tokens <= 0:
+        logger.warning(
+            "every response token of this optimizer step is masked out of the loss (e.g. --overlong-filter with "
+            "every sample truncated): the step's loss is 0 and gives no gradient"
+        )
+        return 1.0
+    return num_tokens
 
 
 def bucket_by_bytes(

@@ -9,13 +9,16 @@ the engine's (``train/logprob_abs_diff``): the mean of ``|log p_train(y_t) - log
 p_rollout(y_t)|`` over loss-masked response tokens, token-weighted over all samples of all
 ranks.  It is split by prompt kind, ``..._image`` (prompts with images) and ``..._text``,
 since a vision-tower mismatch (preprocessing, precision) shows up only in the first.  Upstream
-slime reports the same quantity as ``train_rollout_logprob_abs_diff``.
+slime reports the same quantity as ``train_rollout_logprob_abs_diff``.  Tokens that follow a
+generated image / video placeholder are left out (the trainer feeds the placeholder as a pad
+token, so their context differs by design, not by precision) and counted in
+``train/logprob_gap_altered_tokens``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,19 +54,25 @@ def all_reduce_sums(values: Mapping[str, float | Tensor], group: dist.ProcessGro
     return dict(zip(keys, local.tolist()))
 
 
-def logprob_gap_sums(samples: Sequence[Sample], train_log_probs: Sequence[Tensor]) -> dict[str, float]:
+def logprob_gap_sums(
+    samples: Sequence[Sample], train_log_probs: Sequence[Tensor], placeholder_ids: Collection[int] = ()
+) -> dict[str, float]:
     """This rank's sums for the log-prob gap: ``gap/<kind>/abs_diff`` (nats) and ``gap/<kind>/tokens``.
 
     ``kind`` is ``image`` when the sample's prompt has images, else ``text``.  Only
     loss-masked response tokens count.  Samples without ``rollout_log_probs`` are left
-    out (logged once per call with their count and first index).
+    out (logged once per call with their count and first index).  A response that generated
+    one of ``placeholder_ids`` (an image / video placeholder, which the trainer feeds as a pad
+    token, :mod:`slime.backends.fsdp.inputs`) has its tokens *after* the first one left out
+    too, since they see another context by design; they are counted in ``gap/altered/tokens``.
 
     Args:
         samples: the samples, with ``rollout_log_probs`` and ``loss_mask`` of length R each.
         train_log_probs: the trainer's log-probs of each sample's response, float ``[R]`` each.
+        placeholder_ids: response token ids the trainer does not feed as the engine did.
 
     Returns:
-        The four sums (floats), always all present so ranks can reduce them together.
+        The five sums (floats), always all present so ranks can reduce them together.
 
     Raises:
         ValueError: the lists differ in length, or a sample's tensors differ from its R.
@@ -71,6 +80,7 @@ def logprob_gap_sums(samples: Sequence[Sample], train_log_probs: Sequence[Tensor
     if len(samples) != len(train_log_probs):
         raise ValueError(f"{len(samples)} samples but {len(train_log_probs)} log-prob tensors")
     sums = {f"gap/{kind}/{what}": 0.0 for kind in _GAP_KINDS for what in ("abs_diff", "tokens")}
+    sums["gap/altered/tokens"] = 0.0
     missing = [s.index for s in samples if not s.rollout_log_probs]
     if missing:
         logger.warning(
@@ -88,6 +98,10 @@ def logprob_gap_sums(samples: Sequence[Sample], train_log_probs: Sequence[Tensor
                 f"loss_mask {len(sample.loss_mask)}, rollout_log_probs {len(sample.rollout_log_probs)}"
             )
         mask = torch.as_tensor(sample.loss_mask, dtype=torch.bool)
+        first = next((t for t, token in enumerate(sample.response_token_ids) if token in placeholder_ids), None)
+        if first is not None:
+            sums["gap/altered/tokens"] += float(mask[first + 1 :].sum())
+            mask[first + 1 :] = False
         diff = (train_lp.detach().double().cpu() - torch.as_tensor(sample.rollout_log_probs, dtype=torch.float64)).abs()
         kind = "image" if sample.has_images else "text"
         sums[f"gap/{kind}/abs_diff"] += float(diff[mask].sum())
@@ -96,12 +110,13 @@ def logprob_gap_sums(samples: Sequence[Sample], train_log_probs: Sequence[Tensor
 
 
 def logprob_gap_metrics(summed: Mapping[str, float]) -> dict[str, float]:
-    """Turn (all-reduced) :func:`logprob_gap_sums` into ``train/logprob_abs_diff[_image|_text]``.
+    """Turn (all-reduced) :func:`logprob_gap_sums` into ``train/logprob_abs_diff[_image|_text]``
+    and ``train/logprob_gap_altered_tokens`` (tokens left out after a generated placeholder).
 
     A split with no token is omitted (not reported as 0); so is the overall value when
     neither split has one.
     """
-    metrics = {}
+    metrics = {"train/logprob_gap_altered_tokens": summed.get("gap/altered/tokens", 0.0)}
     total_diff = total_tokens = 0.0
     for kind in _GAP_KINDS:
         diff, tokens = summed[f"gap/{kind}/abs_diff"], summed[f"gap/{kind}/tokens"]

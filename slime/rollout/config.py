@@ -16,18 +16,21 @@ from slime.rollout.engines import ENGINES
 from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
 
 
-def _check_sampling(prefix: str, temperature: float | None, top_p: float | None) -> None:
+def _check_sampling(prefix: str, temperature: float | None, top_p: float | None, *, greedy_ok: bool) -> None:
     """Shared sampling-parameter checks for the rollout and eval groups.
 
     Raises:
-        ConfigError: temperature <= 0 (greedy decoding gives every sample of a GRPO group the
-            same response, hence zero advantage) or top_p outside (0, 1].
+        ConfigError: a negative temperature; temperature 0 where greedy decoding is not allowed
+            (``greedy_ok=False``: training rollouts, where greedy decoding gives every sample of a
+            GRPO group the same response, hence zero advantage); top_p outside (0, 1].
     """
-    if temperature is not None and temperature <= 0:
-        raise ConfigError(
-            f"--{prefix}-temperature must be > 0, got {temperature}; GRPO needs sampled (not greedy) responses, "
-            "e.g. 1.0"
-        )
+    if temperature is not None and (temperature < 0 or (temperature == 0 and not greedy_ok)):
+        if greedy_ok:
+            bound, fix = ">= 0", "use 0 for greedy decoding or > 0 to sample, e.g. 1.0"
+        else:
+            bound = "> 0"
+            fix = "GRPO needs sampled (not greedy) responses, e.g. 1.0 (greedy evaluation: --eval-temperature 0)"
+        raise ConfigError(f"--{prefix}-temperature must be {bound}, got {temperature}; {fix}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ConfigError(f"--{prefix}-top-p must be in (0, 1], got {top_p}; 1.0 disables nucleus sampling")
 
@@ -56,14 +59,20 @@ class RolloutConfig:
     rollout_max_response_len: int = flag(
         help="Maximum response length, tokens (SGLang's max_new_tokens). Required: engines' own defaults are short."
     )
-    rollout_temperature: float = flag(1.0, help="Sampling temperature during rollout; must be > 0.")
+    rollout_temperature: float = flag(
+        1.0, help="Sampling temperature during rollout; must be > 0 (GRPO needs different responses per prompt)."
+    )
     rollout_top_p: float = flag(1.0, help="Nucleus sampling mass during rollout, in (0, 1]; 1.0 = off.")
     rollout_top_k: int = flag(-1, help="Sample only from the k most likely tokens during rollout; -1 = off.")
     rollout_stop: list[str] | None = flag(None, help="Stop strings for rollout (the response ends before them).")
     rollout_stop_token_ids: list[int] | None = flag(
         None, help="Stop token ids for rollout (>= 0), for special tokens that are awkward to type as strings."
     )
-    rollout_seed: int = flag(42, help="Seed of the rollout sampler and of the prompt shuffle.")
+    rollout_seed: int = flag(
+        42,
+        help="Seed of the prompt shuffle and of every request's sampling seed (derived from it, the rollout id and "
+        "the sample's position: resumed runs draw the same responses as uninterrupted ones).",
+    )
     rollout_engine_start_timeout: float = flag(
         1800.0,
         help="Seconds the rollout engines may take to start (load weights, capture CUDA graphs) until their "
@@ -81,7 +90,7 @@ class RolloutConfig:
         check_at_least_one(
             self, "num_rollout", "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"
         )
-        _check_sampling("rollout", self.rollout_temperature, self.rollout_top_p)
+        _check_sampling("rollout", self.rollout_temperature, self.rollout_top_p, greedy_ok=False)
         if not self.rollout_engine_start_timeout > 0:  # also refuses NaN
             raise ConfigError(
                 f"--rollout-engine-start-timeout must be > 0 seconds, got {self.rollout_engine_start_timeout}; "
@@ -118,7 +127,10 @@ class EvalConfig:
         None, help="Maximum evaluation response length, tokens (default: --rollout-max-response-len)."
     )
     eval_temperature: float | None = flag(
-        None, help="Sampling temperature for evaluation, > 0 (default: --rollout-temperature)."
+        None,
+        help="Sampling temperature for evaluation (default: --rollout-temperature). 0 = greedy decoding (the "
+        "most likely token at every step; --eval-top-p and --rollout-top-k are then ignored, and every sample "
+        "of a prompt is the same response).",
     )
     eval_top_p: float | None = flag(
         None, help="Nucleus sampling mass for evaluation, in (0, 1] (default: --rollout-top-p)."
@@ -144,7 +156,7 @@ class EvalConfig:
                     f"--eval-interval {self.eval_interval} needs datasets to evaluate: add --eval-prompt-data NAME PATH"
                 )
         check_at_least_one(self, "n_samples_per_eval_prompt", "eval_max_response_len")
-        _check_sampling("eval", self.eval_temperature, self.eval_top_p)
+        _check_sampling("eval", self.eval_temperature, self.eval_top_p, greedy_ok=True)
 
     @property
     def eval_prompt_pairs(self) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from slime.rollout.config import EvalConfig, RolloutConfig
 from slime.rollout.engine_group import RolloutEngineGroup
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.rm_hub import RewardConfig, RewardScorer
+from slime.rollout.seeds import sampling_seed
 from slime.utils.data import DataConfig, PromptDataset, load_eval_samples
 from slime.utils.ppo_utils import GRPOConfig, compute_advantages
 from slime.utils.processor import VLProcessor
@@ -55,7 +56,8 @@ class RolloutManager:
         processor: the one processor (pixel bounds) shared by rollout and training.
         engines: the rollout engines; may be attached later (``manager.engines = ...``), so
             that data and reward errors surface before any engine starts.
-        seed: ``--rollout-seed``; fixes the prompt order (with the epoch).
+        seed: ``--rollout-seed``; fixes the prompt order (with the epoch) and, with the rollout
+            id and each request's position, the request's sampling seed (:mod:`slime.rollout.seeds`).
         debug_dump: optional path template (``--save-debug-rollout-data``) for per-sample
             JSONL dumps; ``{rollout_id}`` is substituted.
     """
@@ -74,6 +76,7 @@ class RolloutManager:
         debug_dump: str | None = None,
     ):
         self.cfg, self.grpo, self.eval_cfg = rollout, grpo, evaluation
+        self.seed = seed
         self.engines = engines
         self.debug_dump = debug_dump
         self.dataset = PromptDataset(data, processor, seed=seed)
@@ -89,8 +92,12 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutBatch:
         """Sample ``--n-samples-per-prompt`` responses for the next ``--rollout-batch-size`` prompts.
 
-        Rewards are scored against each prompt's label, then turned into group advantages
-        with the ``--advantage-estimator`` (shared GRPO math).
+        Rewards are scored against each prompt's label, truncated samples are treated as
+        ``--stop-properly-penalty-coef`` / ``--overlong-filter`` say (:func:`_apply_truncation_options`),
+        and the rewards are turned into group advantages with the ``--advantage-estimator``
+        (shared GRPO math).  Sample ``i = group_index * n + j`` of the step is drawn with
+        ``sampling_seed(--rollout-seed, rollout_id, i)``, so the step's responses depend neither
+        on the engines' history nor on which engine serves which request (exact resume).
         """
         n = self.cfg.n_samples_per_prompt
         prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
@@ -98,12 +105,13 @@ class RolloutManager:
         for group_index, prompt in enumerate(prompts):
             prompt.group_index = group_index
             samples.extend(prompt.clone_prompt() for _ in range(n))
-        self._generate_and_score(samples, self._train_sampling_params())
+        self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
+        metrics = _sample_metrics("rollout", samples)  # the reward function's verdicts, before shaping
+        metrics.update(_apply_truncation_options(samples, self.grpo))
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         advantages = compute_advantages(rewards, n, self.grpo)
         for sample, advantage in zip(samples, advantages.tolist()):
             sample.advantage = advantage
-        metrics = _sample_metrics("rollout", samples)
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
         # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/inputs.py).
         metrics["rollout/vision_token_responses"] = float(
@@ -128,7 +136,7 @@ class RolloutManager:
         metrics: dict[str, float] = {}
         for name, prompts in self.eval_sets.items():
             samples = [p.clone_prompt() for p in prompts for _ in range(e.n_samples_per_eval_prompt)]
-            self._generate_and_score(samples, params)
+            self._generate_and_score(samples, params, rollout_id, f"eval/{name}")
             for key, value in _sample_metrics(f"eval/{name}", samples).items():
                 metrics[key] = value
             logger.info("eval %s at rollout %d: accuracy %.4f over %d samples", name, rollout_id,
@@ -149,11 +157,18 @@ class RolloutManager:
             stop_token_ids=c.rollout_stop_token_ids,
         )
 
-    def _generate_and_score(self, samples: list[Sample], params: SamplingParams) -> None:
+    def _generate_and_score(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str) -> None:
+        """Generate one response per sample (request ``i`` seeded by :func:`sampling_seed` of its
+        position ``i``), record it on the sample and score it."""
         if self.engines is None:
             raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         requests = [
-            GenerateRequest(text=s.prompt, image_data=s.images, sampling_params=params, rid=f"{s.index}:{i}")
+            GenerateRequest(
+                text=s.prompt,
+                image_data=s.images,
+                sampling_params=dataclasses.replace(params, sampling_seed=self._seed(rollout_id, i, stream)),
+                rid=f"{s.index}:{i}",
+            )
             for i, s in enumerate(samples)
         ]
         outputs = self.engines.generate(requests)
@@ -171,6 +186,9 @@ class RolloutManager:
         rewards = self.scorer.score([s.response for s in samples], [s.label for s in samples])
         for sample, reward in zip(samples, rewards):
             sample.reward = float(reward)
+
+    def _seed(self, rollout_id: int, sample_index: int, stream: str) -> int:
+        return sampling_seed(self.seed, rollout_id, sample_index, stream)
 
     def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
         if not self.debug_dump:
@@ -241,6 +259,46 @@ def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
         f"{prefix}/truncated_count": float(truncated),
         f"{prefix}/num_samples": float(len(samples)),
     }
+
+
+def _apply_truncation_options(samples: list[Sample], grpo: GRPOConfig) -> dict[str, float]:
+    """Treat the truncated samples (status ``TRUNCATED``: cut at ``--rollout-max-response-len``)
+    of a training step as the flags say, in place, and count them.
+
+    - default: nothing changes; a truncated response that already holds a correct box keeps
+      its reward 1 (upstream slime).
+    - ``--stop-properly-penalty-coef c``: ``reward <- c * reward`` (ProRL, Liu et al. 2025,
+      "stop properly" penalty; OpenRLHF's flag), before advantages, so with ``c = 0`` a
+      truncated sample ranks with the wrong answers of its group.
+    - ``--overlong-filter``: ``loss_mask <- 0`` on every response token (DAPO, Yu et al. 2025,
+      "overlong filtering"); the sample gives no gradient, but its reward still enters its
+      group's mean and std.  Under the default per-sample loss it still counts in the number
+      of samples that normalises the loss (as a sample whose tokens are all masked does).
+
+    Returns:
+        ``rollout/truncated_rewarded_count`` (truncated samples the reward function gave a
+        reward > 0), ``rollout/truncated_reward_penalized_count`` (rewards the coefficient
+        changed), ``rollout/loss_masked_samples`` (samples ``--overlong-filter`` masked), and
+        with a coefficient, ``rollout/shaped_reward_mean`` (the mean reward advantages see).
+    """
+    truncated = [s for s in samples if s.status == SampleStatus.TRUNCATED]
+    metrics = {
+        "rollout/truncated_rewarded_count": float(sum(s.reward > 0 for s in truncated)),
+        "rollout/truncated_reward_penalized_count": 0.0,
+        "rollout/loss_masked_samples": 0.0,
+    }
+    coef = grpo.stop_properly_penalty_coef
+    if coef is not None:
+        for sample in truncated:
+            shaped = coef * sample.reward
+            metrics["rollout/truncated_reward_penalized_count"] += float(shaped != sample.reward)
+            sample.reward = shaped
+        metrics["rollout/shaped_reward_mean"] = statistics.fmean(s.reward for s in samples)
+    if grpo.overlong_filter:
+        for sample in truncated:
+            sample.loss_mask = [0] * sample.response_length
+        metrics["rollout/loss_masked_samples"] = float(len(truncated))
+    return metrics
 
 
 def _zero_std_group_fraction(rewards: torch.Tensor, n: int) -> float:

@@ -40,6 +40,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.rollout.seeds import sampling_seed
 from slime.utils.config import ConfigError, check_at_least_one, flag
 from slime.utils.types import Sample
 
@@ -161,14 +162,15 @@ class EngineParityCheck:
         temperature: ``--rollout-temperature`` (the trainer's log-probs use it too).
         enabled: the engine asks for the check and it is not skipped.
         start: the run's first rollout id (the check runs at ``start`` and ``start + 1``).
+        seed: ``--rollout-seed``; request ``i`` of step ``k`` is seeded ``sampling_seed(seed, k, i, "parity")``.
 
     Raises:
         ValueError: enabled, but the training data has no row with an image among its first rows.
     """
 
     def __init__(self, cfg: ParityConfig, dataset: PromptDataset | None, temperature: float, *, enabled: bool,
-                 start: int = 0):
-        self.cfg, self.temperature, self.start = cfg, temperature, start
+                 start: int = 0, seed: int = 0):
+        self.cfg, self.temperature, self.start, self.seed = cfg, temperature, start, seed
         self.enabled = enabled and not cfg.skip_engine_parity_check
         self.image_prompts: list[Sample] = []
         self.text_prompts: list[Sample] = []
@@ -189,9 +191,13 @@ class EngineParityCheck:
         """Engine side: the check's samples with responses and engine log-probs, or None when not due."""
         if not self.due(rollout_id):
             return None
-        params = SamplingParams(max_new_tokens=self.cfg.engine_parity_response_len, temperature=self.temperature)
         samples = [p.clone_prompt() for p in self.image_prompts + self.text_prompts]
-        requests = [GenerateRequest(s.prompt, s.images, params, rid=f"parity:{i}") for i, s in enumerate(samples)]
+        requests = [
+            GenerateRequest(s.prompt, s.images, SamplingParams(
+                max_new_tokens=self.cfg.engine_parity_response_len, temperature=self.temperature,
+                sampling_seed=sampling_seed(self.seed, rollout_id, i, "parity")), rid=f"parity:{i}")
+            for i, s in enumerate(samples)
+        ]  # fmt: skip
         for sample, out in zip(samples, engines.generate(requests)):
             sample.response_token_ids = list(out.output_ids)
             sample.rollout_log_probs = list(out.output_log_probs)

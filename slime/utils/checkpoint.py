@@ -18,8 +18,11 @@ Which parts a complete checkpoint holds is the backend's to say
 
 Randomness: the prompt order is a pure function of ``--rollout-seed`` and the epoch, so the
 data cursor restores it exactly; each trainer rank's torch/numpy/python RNG is in
-``trainer/``. Rollout engines are seeded from ``--rollout-seed`` when they start, so the
-responses sampled after a resume are fresh samples, not replays of the killed run.
+``trainer/``.  Sampling needs no state in the checkpoint: every request carries a seed that is
+a pure function of ``--rollout-seed``, the rollout id and the request's position in its rollout
+(:mod:`slime.rollout.seeds`), so the responses sampled after a resume are the ones the killed
+run would have sampled (exactly on the transformers engine; on SGLang with its deterministic
+inference mode).
 
 The marker file is written last, atomically, by the driver once every part is on disk, so
 a run killed in the middle of a save resumes from the previous complete checkpoint.

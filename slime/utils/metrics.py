@@ -93,7 +93,7 @@ class WandbConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    """Run directory, logging and check-only mode (part of MISC_ARGS)."""
+    """Run directory, logging, check-only mode and the run's lifetime (part of MISC_ARGS)."""
 
     output_dir: str | None = flag(
         None, help="Run directory for metrics.jsonl, reward_curve.png and logs (default: outputs/<run-name>)."
@@ -110,8 +110,24 @@ class LoggingConfig:
         help="Parse and validate the flags and check that --rollout-backend and --train-backend can be imported "
         "here, then exit (0 = OK); reads no data or checkpoint, so it can run before a model is downloaded.",
     )
+    overwrite_output_dir: bool = flag(
+        False,
+        help="Start from scratch in an --output-dir / --save folder that holds an earlier run: its metrics.jsonl, "
+        "reward_curve.png and wandb_run.json, and the checkpoints in --save (iter_*, "
+        "latest_checkpointed_iteration.txt), are deleted first, each one logged. Without it such a folder is "
+        "refused unless --load resumes the run. A folder in use by a live run is always refused.",
+    )
+    parent_pid: int | None = flag(
+        None,
+        metavar="PID",
+        help="Stop the run within seconds when process PID exits, however it dies (SIGKILL included): the engines, "
+        "trainers and the Ray instance the run started are shut down and no checkpoint is written after that. "
+        "The geo3k launcher passes its own PID. Default: the run outlives its parent (e.g. under nohup).",
+    )
 
     def __post_init__(self):
+        if self.parent_pid is not None and self.parent_pid < 1:
+            raise ConfigError(f"--parent-pid must be a process id >= 1, got {self.parent_pid}")
         if self.save_debug_rollout_data is not None:
             if not self.save_debug_rollout_data.strip():
                 raise ConfigError("--save-debug-rollout-data must be a non-empty path")

@@ -84,6 +84,18 @@ class GRPOConfig:
     calculate_per_token_loss: bool = flag(
         False, help="Average the loss over all tokens of the batch instead of per sample first (the default)."
     )
+    stop_properly_penalty_coef: float | None = flag(
+        None,
+        help="Multiply the reward of every truncated training sample (cut at --rollout-max-response-len) by this "
+        "factor in [0, 1] before advantages; 0 zeroes it (ProRL's stop-properly penalty, OpenRLHF's flag). "
+        "Default: truncated samples keep their reward, so one that already holds a correct box scores 1 "
+        "(upstream slime). Eval is never shaped.",
+    )
+    overlong_filter: bool = flag(
+        False,
+        help="Mask truncated training samples out of the loss (DAPO's overlong filtering): loss mask 0 on every "
+        "token, so they give no gradient; their rewards still enter their group's mean and std.",
+    )
 
     def __post_init__(self):
         if self.eps_clip_high is None:
@@ -97,6 +109,12 @@ class GRPOConfig:
             raise ConfigError(
                 f"--kl-loss-coef {self.kl_loss_coef} has no effect without --use-kl-loss; "
                 "add --use-kl-loss or set --kl-loss-coef 0"
+            )
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and not 0 <= coef <= 1:
+            raise ConfigError(
+                f"--stop-properly-penalty-coef must be in [0, 1] (a factor on truncated samples' rewards), got {coef}; "
+                "use 0 to zero them, or leave it unset to keep their rewards"
             )
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(

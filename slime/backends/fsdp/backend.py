@@ -61,7 +61,7 @@ from slime.backends.fsdp.hf_io import (
     load_sharded_model,
     save_hf_folder,
 )
-from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
+from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs, vision_placeholder_ids
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
@@ -309,7 +309,8 @@ class FSDPBackend(TrainerBackend):
                 totals[name] += value
         metrics = {name: value / num_steps for name, value in totals.items()}
         if not self.train_cfg.use_rollout_logprobs:
-            metrics.update(logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples, old_log_probs))))
+            gap = logprob_gap_sums(samples, old_log_probs, vision_placeholder_ids(self.model.config))
+            metrics.update(logprob_gap_metrics(all_reduce_sums(gap)))
         return metrics
 
     def _old_log_probs(self, samples: Sequence[Sample]) -> list[Tensor]:

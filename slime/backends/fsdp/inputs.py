@@ -91,7 +91,7 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
     Raises:
         ValueError: a sample has ``pixel_values`` without ``image_grid_thw`` or the reverse.
     """
-    placeholders = {getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)} - {None}
+    placeholders = vision_placeholder_ids(config)
     rows = [list(s.prompt_token_ids) + _replace_placeholders(s, placeholders) for s in samples]
     prompt_lens = [len(s.prompt_token_ids) for s in samples]
     response_lens = [s.response_length for s in samples]
@@ -137,6 +137,11 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
         response_index=response_index,
         response_tokens=pad_per_token([s.response_token_ids for s in samples], torch.int64, device),
     )
+
+
+def vision_placeholder_ids(config) -> set[int]:
+    """The model's image / video placeholder ids (``image_token_id``, ``video_token_id``); empty for text models."""
+    return {getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)} - {None}
 
 
 def _replace_placeholders(sample: Sample, placeholders: set[int]) -> list[int]:

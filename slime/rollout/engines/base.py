@@ -97,13 +97,18 @@ class SamplingParams:
     Attributes:
         max_new_tokens: hard cap on generated tokens; a response that reaches it ends with
             ``finish_reason == "length"``.
-        temperature: softmax temperature (> 0). Log-probs are reported under
+        temperature: softmax temperature, >= 0; 0 is greedy decoding (argmax; ``top_p`` and
+            ``top_k`` are ignored, log-probs under ``T = 1``). Log-probs are reported under
             ``logits / temperature``, as SGLang does.
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens; -1 disables.
         stop: extra stop strings (the EOS token always stops).
         stop_token_ids: extra stop token ids.
         no_stop_trim: keep the matched stop string in the text (SGLang semantics).
+        sampling_seed: this request's seed, an int in ``[0, 2**63)`` (SGLang's name), or None
+            for the engine's own stream.  With a seed, the response depends only on the seed,
+            the prompt and the weights, never on the engine, the batch or earlier requests
+            (:mod:`slime.rollout.seeds`); ignored when ``temperature == 0``.
     """
 
     max_new_tokens: int
@@ -113,6 +118,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool = True
+    sampling_seed: int | None = None
 
     def to_sglang(self) -> dict[str, Any]:
         """The ``sampling_params`` dict of an SGLang ``/generate`` request (``None`` fields dropped)."""

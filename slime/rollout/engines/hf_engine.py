@@ -29,9 +29,14 @@ from zero at its first token.  Positions are the M-RoPE (t, h, w) rows of the mo
 ``get_rope_index`` over each prompt's own tokens; every decode step adds one to each row (the last
 prompt token is text, whose three rows are equal).
 
-Randomness: one ``torch.Generator`` on ``device``, seeded once by ``seed`` and advanced by every
-call; the same seed and the same sequence of calls give the same samples, and the process-wide
-RNG is never touched.
+Randomness: per request, never per engine or per batch.  Token ``t`` of a request with
+``sampling_params.sampling_seed = s`` is drawn by inverse-CDF sampling over the kept tokens in
+sorted order (most likely first, ties by token id) with the uniform number
+:func:`slime.rollout.seeds.uniform` ``(s, t)``; so a response depends only on its seed, prompt and
+weights, not on which engine or batch serves it or on what the engine did before.  Requests
+without a seed get one from the engine's own generator (CPU ``torch.Generator`` seeded once by
+``seed``, advanced by every such request): the same engine seed and the same sequence of calls
+then give the same samples.  The process-wide RNG is never touched.
 
 Weights arrive under their Hugging Face *checkpoint* names (see :class:`_CheckpointWeights`).
 """
@@ -52,6 +57,7 @@ from slime.rollout.engines.base import (
     SamplingParams,
     memory_tags,
 )
+from slime.rollout.seeds import SEED_BITS, uniform
 from slime.utils.image import decode_image
 from slime.utils.processor import load_processor, mm_token_type_ids
 
@@ -61,16 +67,21 @@ def sample_next_tokens(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
-    generator: torch.Generator,
+    uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row with SGLang's sampling rules (see the module docstring).
 
+    A sampled row sorts ``p = softmax(logits / T)`` in decreasing order (stable: ties by token
+    id), keeps the prefix that top-k and top-p allow, and returns the first kept token whose
+    cumulative kept mass exceeds ``u * (kept mass)``: exact sampling from the renormalised kept
+    distribution, with all the randomness in ``u``.
+
     Args:
         logits: float32 ``[B, V]`` raw next-token logits.
-        temperature: float32 ``[B]``, ``>= 0``; 0 means greedy.
+        temperature: float32 ``[B]``, ``>= 0``; 0 means greedy (top-k / top-p ignored).
         top_p: float32 ``[B]`` in ``(0, 1]``.
         top_k: int64 ``[B]``; ``-1`` (or ``>= V``) keeps every token.
-        generator: the random generator, on ``logits.device``.
+        uniforms: float64 ``[B]`` in ``[0, 1)``, one random number per row (unused for greedy rows).
 
     Returns:
         ``(tokens, log_probs)``: int64 ``[B]`` and float32 ``[B]``, the natural-log probability
@@ -81,17 +92,17 @@ def sample_next_tokens(
     log_probs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1), dim=-1)
     tokens = logits.argmax(dim=-1)
     if not greedy.all():
-        probs = log_probs.exp()
+        sorted_probs, order = log_probs.exp().sort(dim=-1, descending=True, stable=True)
         top_k = torch.where(top_k < 0, vocab, top_k)
-        if (top_k < vocab).any() or (top_p < 1).any():
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            rank = torch.arange(vocab, device=logits.device)
-            keep = (rank < top_k.unsqueeze(-1)) & (mass_before <= top_p.unsqueeze(-1))
-            choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
-            sampled = order.gather(-1, choice).squeeze(-1)
-        else:
-            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        rank = torch.arange(vocab, device=logits.device)
+        # Both conditions, and p > 0, hold on a prefix of the sorted tokens that has the top token.
+        keep = (rank < top_k.unsqueeze(-1)) & (mass_before <= top_p.unsqueeze(-1)) & (sorted_probs > 0)
+        cdf = torch.where(keep, sorted_probs, 0.0).double().cumsum(dim=-1)
+        threshold = uniforms.to(cdf.device, torch.float64) * cdf[:, -1]
+        choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
+        choice = torch.minimum(choice, keep.sum(dim=-1) - 1)  # u * mass rounding up to the mass
+        sampled = order.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -104,6 +115,8 @@ class _Prompt:
     input_ids: list[int]
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    seed: int | None = None
+    """The request's sampling seed (its ``sampling_seed``, else one from the engine's generator)."""
 
 
 class TransformersEngine(RolloutEngine):
@@ -114,7 +127,8 @@ class TransformersEngine(RolloutEngine):
         device: torch device of the model, e.g. ``"cpu"`` or ``"cuda:0"``.
         dtype: parameter dtype, e.g. ``torch.float32`` on CPU, ``torch.bfloat16`` on GPU.
         min_pixels, max_pixels: narrower image pixel bounds for :func:`slime.utils.processor.load_processor`.
-        seed: seed of the engine's sampling generator.
+        seed: seed of the engine's generator, which gives a sampling seed to every request that
+            has none (``sampling_params.sampling_seed is None``).
         max_batch_size: requests per forward batch (>= 1).
         attn_implementation: transformers attention backend (``"sdpa"``, ``"eager"``, ...).
 
@@ -151,7 +165,7 @@ class TransformersEngine(RolloutEngine):
         self.eos_token_ids = _eos_token_ids(self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # seeds for requests that bring none
         self._weights = _CheckpointWeights(self.model)
         self._paused = False
         self._released: set[str] = set()  # memory tags released and not yet resumed
@@ -163,10 +177,11 @@ class TransformersEngine(RolloutEngine):
         (what the driver's engine factory calls inside each engine's Ray actor).
 
         ``--hf-checkpoint``, ``--image-min-pixels`` / ``--image-max-pixels`` (so that the engine's
-        prompts match the data pipeline's), seed ``--rollout-seed + resources.index`` (engines draw
-        different samples for the same prompts); bfloat16 on the engine's GPU (the actor's
-        ``CUDA_VISIBLE_DEVICES`` is that GPU), float32 on CPU, where the actor's torch threads
-        already cover all of the engine's CPU bundles.
+        prompts match the data pipeline's), engine seed ``--rollout-seed + resources.index`` (used
+        only for requests without a ``sampling_seed``; the rollout manager gives every request one,
+        so a request's draws do not depend on the engine it lands on); bfloat16 on the engine's GPU
+        (the actor's ``CUDA_VISIBLE_DEVICES`` is that GPU), float32 on CPU, where the actor's torch
+        threads already cover all of the engine's CPU bundles.
 
         Raises:
             ValueError: the engine spans more than one GPU (``--rollout-num-gpus-per-engine`` > 1):
@@ -205,6 +220,10 @@ class TransformersEngine(RolloutEngine):
         """
         self._check_can_generate()
         prompts = [self._tokenize(request, i) for i, request in enumerate(requests)]
+        unseeded = [p for p in prompts if p.request.sampling_params.sampling_seed is None]
+        own_seeds = torch.randint(0, 2**SEED_BITS - 1, (len(unseeded),), generator=self.generator).tolist()
+        for prompt, seed in zip(unseeded, own_seeds):
+            prompt.seed = seed
         outputs = []
         for start in range(0, len(prompts), self.max_batch_size):
             outputs += self._generate_batch(prompts[start : start + self.max_batch_size])
@@ -241,7 +260,8 @@ class TransformersEngine(RolloutEngine):
             processed = self.processor(request.text, images)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
-        return _Prompt(request, processed.input_ids, processed.pixel_values, processed.image_grid_thw)
+        seed = request.sampling_params.sampling_seed
+        return _Prompt(request, processed.input_ids, processed.pixel_values, processed.image_grid_thw, seed)
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[_Prompt]) -> list[GenerateOutput]:
@@ -265,8 +285,10 @@ class TransformersEngine(RolloutEngine):
         n_tokens = torch.zeros(batch, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         by_length = torch.zeros(batch, dtype=torch.bool, device=device)
-        for _ in range(int(max_new.max())):
-            tokens, log_probs = sample_next_tokens(logits.float(), temperature, top_p, top_k, self.generator)
+        seeds = [p.seed for p in prompts]
+        for step in range(int(max_new.max())):
+            uniforms = torch.tensor([uniform(seed, step) for seed in seeds], dtype=torch.float64)
+            tokens, log_probs = sample_next_tokens(logits.float(), temperature, top_p, top_k, uniforms)
             token_steps.append(tokens)
             log_prob_steps.append(log_probs)
             alive = ~done
@@ -480,6 +502,9 @@ def _check_sampling_params(params: SamplingParams, name: str) -> None:
         raise ValueError(f"{name}: top_p = {params.top_p} is outside (0, 1]; 1.0 disables nucleus sampling")
     if params.top_k == 0 or params.top_k < -1:
         raise ValueError(f"{name}: top_k = {params.top_k}; use a positive k, or -1 to disable top-k")
+    seed = params.sampling_seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**SEED_BITS):
+        raise ValueError(f"{name}: sampling_seed = {seed!r}; use an int in [0, 2**{SEED_BITS}), or None")
     if params.stop and not all(isinstance(s, str) and s for s in params.stop):
         raise ValueError(f"{name}: stop = {params.stop!r}; every stop string must be a non-empty string")
 

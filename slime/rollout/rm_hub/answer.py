@@ -25,6 +25,8 @@ from math_verify import parse
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 """``\\boxed{`` or ``\\fbox{``, optionally with spaces before the brace (``\\boxed {5}``)."""
+_TEXT_OPEN = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mbox)\s*\{")
+"""The text-mode groups :func:`unwrap_math_text` may unwrap (``\\text{``, ``\\textrm{``, ``\\mbox{``, ...)."""
 
 
 def last_boxed(text: str) -> str | None:
@@ -48,9 +50,15 @@ def last_boxed(text: str) -> str | None:
     openings = list(_BOX_OPEN.finditer(text))
     if not openings:
         return None
-    opening = openings[-1]
+    end = _closing_brace(text, openings[-1].end())
+    return None if end is None else text[openings[-1].end() : end]
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """The index of the ``}`` that closes the group whose content starts at ``start`` (just after
+    its ``{``), skipping escaped characters (``\\{``, ``\\}``); None if the group never closes."""
     depth = 1
-    position = opening.end()
+    position = start
     while position < len(text):
         char = text[position]
         if char == "\\":
@@ -61,9 +69,52 @@ def last_boxed(text: str) -> str | None:
         elif char == "}":
             depth -= 1
             if depth == 0:
-                return text[opening.end() : position]
+                return position
         position += 1
     return None
+
+
+def unwrap_math_text(answer: str) -> str:
+    """Replace every ``\\text{...}`` (or ``\\textrm``, ``\\textnormal``, ``\\mbox``) whose content
+    is one math expression by that content, so that math-verify grades it as math.
+
+    math-verify reads ``\\text{12.6}`` as the *symbol* named ``12.6``, not the number, and
+    ``\\text{4\\sqrt{3}}`` as text, so a model that wraps its answer in ``\\text{}`` scored 0
+    against ``12.6`` / ``4\\sqrt{3}`` (integers happen to pass).  A content counts as one math
+    expression when math-verify parses ``$content$`` to a SymPy expression without free
+    symbols (an assignment ``x = 5`` by its right side), math-verify's own unit stripping
+    applied (``12.6 cm`` is 12.6).  Anything else stays wrapped: words (``\\text{ or }``,
+    ``\\text{cm}``), letters (``\\text{C}``), and several values (``\\text{71 or 33}``
+    parses to the set {33, 71}).  So the hedge ``71 \\text{ or } 33`` is left as it is (and
+    scores 0 against 71), while ``\\text{12.6 cm}`` becomes ``12.6 cm``.
+
+    Args:
+        answer: bare LaTeX (a boxed content or a label).
+
+    Returns:
+        ``answer`` with the qualifying groups unwrapped (stripped of surrounding spaces);
+        unchanged when it has none.  Groups that never close are left alone.
+    """
+    pieces, position = [], 0
+    for opening in _TEXT_OPEN.finditer(answer):
+        if opening.start() < position:  # inside a group already handled
+            continue
+        end = _closing_brace(answer, opening.end())
+        if end is None:
+            break
+        content = answer[opening.end() : end]
+        pieces.append(answer[position : opening.start()])
+        pieces.append(content.strip() if _is_one_expression(content) else answer[opening.start() : end + 1])
+        position = end + 1
+    return "".join(pieces) + answer[position:] if pieces else answer
+
+
+def _is_one_expression(content: str) -> bool:
+    """Whether math-verify parses ``$content$`` to one SymPy expression without free symbols."""
+    if not content.strip():
+        return False
+    expr = parsed_expression(parse(f"${content}$", parsing_timeout=None))
+    return isinstance(expr, sympy.Expr) and not expr.free_symbols
 
 
 def parse_latex(answer: str) -> list:
@@ -84,6 +135,10 @@ def parse_latex(answer: str) -> list:
     ``signal.alarm`` with whole seconds and swallows the timeout, so the scorer applies
     one timer around the whole reward call instead (see :mod:`.scorer`).
 
+    ``\\text{...}`` groups that hold one math expression are unwrapped first
+    (:func:`unwrap_math_text`: ``\\text{12.6 cm}`` -> ``12.6 cm``), since math-verify would
+    read them as symbols or words.
+
     Args:
         answer: bare LaTeX, e.g. ``"\\frac{40}{3}"``.
 
@@ -91,7 +146,7 @@ def parse_latex(answer: str) -> list:
         math-verify's parse result: usually ``[sympy_expr, normalised_string]``; ``[]``
         when nothing could be extracted (an empty or blank answer).
     """
-    return parse(f"${answer}$", parsing_timeout=None)
+    return parse(f"${unwrap_math_text(answer)}$", parsing_timeout=None)
 
 
 def parsed_expression(parsed: list) -> sympy.Basic | None:

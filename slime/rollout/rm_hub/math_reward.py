@@ -6,7 +6,10 @@ math-verify's ``verify`` compares the parsed gold and prediction numerically (ro
 6 decimals when one side is a decimal, to 15 significant digits otherwise) and then
 symbolically (``simplify(gold - pred) == 0``), so ``\\frac{1}{2}`` = ``0.5``,
 ``\\sqrt{75}`` = ``5\\sqrt{3}``, ``\\frac{5\\pi}{3}`` = ``\\frac{5}{3}\\pi`` and
-``60^\\circ`` = ``60``; but ``13.86`` != ``8\\sqrt{3}`` (= 13.8564...).
+``60^\\circ`` = ``60``; but ``13.86`` != ``8\\sqrt{3}`` (= 13.8564...).  A ``\\text{...}`` that
+holds one math expression is graded as that expression (``\\text{12.6 cm}`` = ``12.6``; see
+:func:`~slime.rollout.rm_hub.answer.unwrap_math_text`), while a hedge such as
+``71 \\text{ or } 33`` stays a set of two values and scores 0 against either.
 
 The reward is binary, 0.0 or 1.0, on purpose: upstream slime's ``examples/geo3k_vlm/README.md``
 ("Numerical Precision with Non-Binary Rewards") reports that a 0 / 0.9 "format score" left ``reward - mean``
