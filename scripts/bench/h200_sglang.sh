@@ -85,7 +85,7 @@ for phase in $PHASES; do
     SLIME_SCRIPT_ROLLOUT_BACKEND=sglang SLIME_SCRIPT_OUTPUT_DIR="$LOGS/run" \
       timed launcher bash examples/geo3k_vlm/run_geo3k_qwen35.sh --num-rollout 3 --rollout-batch-size 8 \
         --global-batch-size 64 --rollout-max-response-len 128 --eval-max-response-len 128 --no-progress-bar \
-        --save /tmp/h200-sglang-ckpt "${SGLANG_FLAGS[@]}"
+        --save /tmp/h200-sglang-ckpt --overwrite-output-dir "${SGLANG_FLAGS[@]}"
     grep -c . "$LOGS/run/command.sh" >/dev/null 2>&1 && ! grep -qi "api.key" "$LOGS/run/command.sh" \
       && echo "command.sh: no API key in it" | tee -a "$LOGS/summary.txt"
     python3 - "$LOGS/run/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOGS/summary.txt"
