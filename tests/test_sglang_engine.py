@@ -116,13 +116,16 @@ def test_servers_bind_loopback_on_one_node_and_the_node_address_across_nodes():
 
 
 def test_server_env_puts_the_plugin_first_and_turns_health_generation_off(tmp_path):
-    base = {"PYTHONPATH": "/a:/b", "SLIME_SGLANG_PYTHONPATH": "/bundle", "SGLANG_PLUGINS": "other", "X": "1"}
+    base = {"PYTHONPATH": "/a:/b", "SLIME_SGLANG_PYTHONPATH": "/bundle", "SGLANG_PLUGINS": "other", "X": "1",
+            "OMP_NUM_THREADS": "1"}
     env = server_env(base, tmp_path / "plugin", tmp_path / "reports")
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "plugin"), "/bundle", str(REPO), "/a", "/b"]
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
     assert env["SGLANG_PLUGINS"] == "other,slime_server_plugin"
     assert env["SLIME_SGLANG_REPORT_DIR"] == str(tmp_path / "reports") and env["X"] == "1"
     assert "SGLANG_PLUGINS" not in server_env({}, tmp_path, tmp_path)  # no allow-list: every plugin loads
+    assert "OMP_NUM_THREADS" not in env  # Ray's actor value is not the server's
+    assert server_env({"SLIME_SGLANG_OMP_NUM_THREADS": "8"}, tmp_path, tmp_path)["OMP_NUM_THREADS"] == "8"
 
 
 def test_the_plugin_dist_makes_an_sglang_entry_point_for_processes_with_it_on_the_path(tmp_path):

@@ -22,7 +22,9 @@ Environment (:func:`server_env`): ``PYTHONPATH`` = the plugin's ``*.dist-info`` 
 servers alone, e.g. an ``offline_bundle.sh --form packed --extras sglang`` tree; optional), slime's
 own source folder, then the inherited ``PYTHONPATH``; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``,
 so ``/health`` never runs a generation (SGLang's default does, which would block on a paused
-server and touch released memory); the report folder of :mod:`.server_plugin`.
+server and touch released memory); the report folder of :mod:`.server_plugin`; no ``OMP_NUM_THREADS``
+(Ray sets it for its actors, often to 1, which would make SGLang's tokenizer and image processing
+serial) unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one.
 
 :class:`ServerProcess` starts the command in a session of its own, so that stopping it
 (``SIGTERM`` to that session, then ``SIGKILL`` after a grace period) reaches SGLang's scheduler and
@@ -50,6 +52,8 @@ from slime.rollout.engines.sglang.server_plugin import (
 SERVER_MODULE = "slime.rollout.engines.sglang.server_main"
 SERVER_PYTHONPATH_ENV = "SLIME_SGLANG_PYTHONPATH"
 """Extra ``PYTHONPATH`` entries for the SGLang servers only (colon-separated)."""
+SERVER_OMP_ENV = "SLIME_SGLANG_OMP_NUM_THREADS"
+"""``OMP_NUM_THREADS`` for the SGLang servers (default: unset, torch's own choice)."""
 LOCALHOST = "127.0.0.1"
 STOP_GRACE_S = 30.0
 """Seconds between ``SIGTERM`` and ``SIGKILL`` when a server is stopped."""
@@ -144,6 +148,9 @@ def server_env(base: dict[str, str], plugin_path: str | os.PathLike, report_dir:
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(plugin_path), *extra, _SLIME_SOURCE, *inherited]))
     env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"
+    env.pop("OMP_NUM_THREADS", None)  # Ray's per-actor value (often 1) would make SGLang's image processing serial
+    if env.get(SERVER_OMP_ENV):
+        env["OMP_NUM_THREADS"] = env[SERVER_OMP_ENV]
     env[REPORT_DIR_ENV] = str(report_dir)
     if env.get("SGLANG_PLUGINS"):  # an allow-list: keep ours on it
         names = [n.strip() for n in env["SGLANG_PLUGINS"].split(",") if n.strip()]
