@@ -50,6 +50,7 @@ from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
 from slime.rollout.manager import PromptMismatchError, RolloutManager
 from slime.rollout.rm_hub import resolve_reward_function
+from slime.rollout.parity import EngineParityCheck, EngineParityError
 from slime.utils import checkpoint as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError
@@ -127,7 +128,9 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
         times: dict[str, float] = {}
         with timed("rollout", times):
             batch = rollout_manager.generate(rollout_id)
+            parity_probe = run.parity.generate(engines, rollout_id)  # the first two steps only
         with timed("train", times), memory.train_phase():
+            parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
             train_metrics = trainers.train(rollout_id, batch.samples)
         with timed("sync", times), memory.sync_phase():
             trainers.update_weights(engines)
@@ -139,7 +142,8 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
         if saving:
             with timed("save", times):
                 save(cfg, rollout_id, trainers, rollout_manager)
-        step_metrics = {**batch.metrics, **train_metrics, **times}
+        step_metrics = {**batch.metrics, **parity_metrics, **train_metrics, **memory.metrics(), **run.engine_metrics(),
+                        **times}
         metrics_log.log(rollout_id, step_metrics)
         if eval_metrics:
             metrics_log.log(rollout_id + 1, eval_metrics)
@@ -159,6 +163,14 @@ class Run:
     memory: ColocatedMemory
     start: int
     num_rollout: int
+    parity: EngineParityCheck = dataclasses.field(default_factory=EngineParityCheck.off)
+
+    def engine_metrics(self) -> dict[str, float]:
+        """``rollout/engine_failures``, ``rollout/requests_retried``, ``rollout/engines_restarted`` (run totals)."""
+        if not isinstance(self.engines, RolloutEngineGroup):
+            return {}
+        return {f"rollout/{name}": float(self.engines.fault_counts[name])
+                for name in ("engine_failures", "requests_retried", "engines_restarted")}
 
 
 @dataclasses.dataclass
@@ -239,7 +251,8 @@ def setup(
     cleanup.callback(placement.remove)
     engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
-    memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu)
+    memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu,
+                             measure=placement.use_gpu)
     with memory.startup_phase():
         start = trainers.init()
     if start > 0:
@@ -250,7 +263,9 @@ def setup(
                     cfg.checkpoint.load, start, dropped)
     with memory.sync_phase():
         trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
-    return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout)
+    parity = EngineParityCheck(cfg.parity, rollout_manager.dataset, cfg.rollout.rollout_temperature,
+                               enabled=components.engine_cls.parity_check, start=start, seed=cfg.rollout.rollout_seed)
+    return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout, parity)
 
 
 def start_workers(
@@ -362,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
               + ("; resume it with --load" if started else ""), started=bool(started))
     except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
-            EngineStartError, PromptMismatchError, RunDirError) as e:
+            EngineStartError, PromptMismatchError, RunDirError, EngineParityError) as e:
         _fail(str(e), started=bool(started))
 
 

@@ -4,6 +4,7 @@
   python scripts/tools/make_tiny_qwen35.py                      # cached under .cache/tiny-qwen35/, prints the path
   python scripts/tools/make_tiny_qwen35.py --out /tmp/tiny --force
   python scripts/tools/make_tiny_qwen35.py --vocab-words red green blue --out /tmp/tiny-words
+  python scripts/tools/make_tiny_qwen35.py --real-geometry --max-pixels 262144   # the SGLang multimodal-RoPE tests
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ def main(argv: list[str] | None = None) -> Path:
                         help="image processor lower bound on an image's area, pixels")
     parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels,
                         help="image processor upper bound on an image's area, pixels")
+    parser.add_argument("--real-geometry", action="store_true",
+                        help="Qwen3.5-35B-A3B's attention geometry (head_dim 256, 25%% interleaved M-RoPE) at "
+                        "tiny width")
     args = parser.parse_args(argv)
     fields = dict(seed=args.seed, vocab_words=args.vocab_words, bpe_vocab_size=args.bpe_vocab_size,
-                  min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+                  min_pixels=args.min_pixels, max_pixels=args.max_pixels, real_geometry=args.real_geometry)
     try:
         options = TinyQwen35Options(**fields)
     except ValueError as e:

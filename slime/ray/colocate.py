@@ -66,20 +66,40 @@ class ColocatedMemory:
         engines: the engine group (``release_memory_occupation(tags)``,
             ``resume_memory_occupation(tags)``).
         enabled: whether trainers and engines share GPUs; when False both phases make no calls.
+        measure: record the engines' free GPU memory before and after each release (:meth:`metrics`).
 
     :meth:`startup_phase` wraps the trainers' initialisation; a :meth:`sync_phase` without a
     preceding release (e.g. with a start-up that did not use :meth:`startup_phase`) resumes
     nothing and only offloads the trainers afterwards.
     """
 
-    def __init__(self, trainers: TrainerGroup, engines: RolloutEngineGroup, enabled: bool):
+    def __init__(self, trainers: TrainerGroup, engines: RolloutEngineGroup, enabled: bool, measure: bool = False):
         self.trainers, self.engines, self.enabled = trainers, engines, enabled
+        self.measure = measure and enabled
         self._engines_released = False  # step 1 ran and step 6 has not yet
+        self._figures: dict[str, float] = {}
+
+    def _measure(self, key: str) -> None:
+        """Free memory of the engines' GPUs now (the fullest GPU), GiB, as metric ``memory/<key>``."""
+        if not self.measure:
+            return
+        infos = [info for info in self.engines.memory_info() if info.get("gpus")]
+        if infos:
+            self._figures[f"memory/{key}"] = min(info["free_gib"] / info["gpus"] for info in infos)
+
+    def metrics(self) -> dict[str, float]:
+        """The figures measured since the last call (``--colocate`` on GPUs): ``memory/free_gib_engines_resident``
+        (free GPU memory with the engines' memory in place: what training would get without release) and
+        ``memory/free_gib_engines_released`` (after the release: what training gets), GiB per GPU."""
+        figures, self._figures = self._figures, {}
+        return figures
 
     def _release_engines(self) -> None:
         if not self._engines_released:
+            self._measure("free_gib_engines_resident")
             self.engines.release_memory_occupation(list(RELEASED_FOR_TRAINING))
             self._engines_released = True
+            self._measure("free_gib_engines_released")
 
     @contextlib.contextmanager
     def startup_phase(self) -> Iterator[None]:

@@ -104,7 +104,7 @@ class TrainerGroup:
     def __init__(self, placement: Placement, backend_factory, global_batch_size: int, transport: WeightTransport):
         self.global_batch_size = global_batch_size
         self.transport = transport
-        self._connected_engines: RolloutEngineGroup | None = None
+        self._connected_engines: tuple[RolloutEngineGroup, int] | None = None
         self._weight_names: set[str] | None = None
         device = "cuda" if placement.use_gpu else "cpu"
         n = placement.num_trainers
@@ -176,9 +176,10 @@ class TrainerGroup:
     def update_weights(self, engines: RolloutEngineGroup) -> dict[str, int]:
         """Push the current weights into every rollout engine through the run's transport.
 
-        The first call connects the transport (:meth:`WeightTransport.connect`, once per run);
-        every call then runs ``begin_sync``, every rank's ``send``, and ``end_sync`` (which, for the
-        object store, flushes the engines' caches).
+        The first call connects the transport (:meth:`WeightTransport.connect`, once per run, and again
+        after an engine actor was replaced); every call then runs ``begin_sync``, every rank's ``send``,
+        and ``end_sync`` (which, for the object store, flushes the engines' caches), and tells the engine
+        group that every engine has the current weights (restarted engines serve again).
 
         Returns:
             ``{checkpoint name: trainer rank that sent it}``.
@@ -187,12 +188,13 @@ class TrainerGroup:
             RuntimeError: no tensor was sent, a tensor came from two ranks, or this sync sent another
                 set of names than the first one (names missing or extra are listed).
         """
-        if self._connected_engines is not engines:
+        if self._connected_engines != (engines, engines.epoch):  # first sync, or an engine actor was replaced
             self.transport.connect(self, engines)
-            self._connected_engines = engines
+            self._connected_engines = (engines, engines.epoch)
         self.transport.begin_sync(engines)
         sources = check_weight_sources(ray.get([a.send_weights.remote() for a in self.actors]))
         self.transport.end_sync(engines)
+        engines.weights_updated()  # restarted engines have the current weights now
         names = set(sources)
         if self._weight_names is not None and names != self._weight_names:
             missing, extra = sorted(self._weight_names - names), sorted(names - self._weight_names)

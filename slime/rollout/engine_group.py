@@ -34,6 +34,15 @@ engine nothing needs balancing, so it gets its full ``capacity`` and runs exactl
 alone (transformers: batches of ``capacity`` requests, one after the other).  The recipe runs
 one SGLang engine per 8-GPU node, so a single-node run has one engine.
 
+Faults: an engine whose call raises :class:`~slime.rollout.engines.base.EngineUnavailableError`
+(its server died), whose actor died, or whose ``health()`` turns False while it has requests (polled
+every :data:`HEALTH_MONITOR_S` seconds without an answer) leaves the rotation at once: its requests in
+flight go back to the front of the queue for the other engines (each request is answered exactly
+once: results of abandoned calls are never read), and it is restarted (``engine.restart()``, or a
+new actor where the old one died).  ``generate`` returns once the restarted engines are healthy
+again; they serve again after the next weight sync (:meth:`RolloutEngineGroup.weights_updated`),
+so no sample comes from stale weights.  Other errors (a refused request) stop the step as before.
+
 Everything else (weights, memory, cache, pause/continue) goes to every engine and waits for
 all.  :meth:`RolloutEngineGroup.shutdown` stops every engine and its processes; it is
 idempotent and never raises, so it can run in the driver's ``finally``.
@@ -53,7 +62,13 @@ from typing import TYPE_CHECKING, Callable
 import ray
 import torch
 
-from slime.rollout.engines.base import EngineResources, GenerateOutput, GenerateRequest, RolloutEngine
+from slime.rollout.engines.base import (
+    EngineResources,
+    EngineUnavailableError,
+    GenerateOutput,
+    GenerateRequest,
+    RolloutEngine,
+)
 
 if TYPE_CHECKING:
     from slime.ray.placement import Placement
@@ -62,6 +77,11 @@ logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 1.0
 """Seconds between two health polls of an engine that answered False during start-up."""
+HEALTH_MONITOR_S = 10.0
+"""Seconds without any answer during ``generate`` after which the engines with requests in flight are asked
+for their health."""
+MAX_ATTEMPTS = 3
+"""Times one request is sent before its engines' failures stop the step."""
 SHUTDOWN_TIMEOUT_S = 60.0
 """Seconds the engines get to stop their processes before their actors are killed."""
 _ERROR_CHARS = 2000
@@ -116,6 +136,27 @@ class EngineActor:
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self.engine.resume_memory_occupation(tags)
+
+    def update_weights_from_ipc(self, serialized_per_tp_rank: list[str]) -> None:
+        self.engine.update_weights_from_ipc(serialized_per_tp_rank)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str) -> None:
+        self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str) -> None:
+        self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.engine.destroy_weights_update_group(group_name)
+
+    def restart(self) -> None:
+        self.engine.restart()
+
+    @ray.method(concurrency_group="control")
+    def memory_info(self) -> dict[str, float]:
+        return self.engine.memory_info()
 
     def flush_cache(self) -> None:
         self.engine.flush_cache()
@@ -214,13 +255,28 @@ class RolloutEngineGroup:
         self.actors = []
         self._limits: list[tuple[int, int]] | None = None
         self._shut_down = False
-        actor_class = engine_actor_class(max_concurrent_calls)
+        self._placement, self._engine_factory = placement, engine_factory
+        self._actor_class = engine_actor_class(max_concurrent_calls)
+        self.serving: list[bool] = [True] * len(self.resources)
+        """Per engine: whether it gets requests (False from its failure until the sync after its restart)."""
+        self._restarted: set[int] = set()  # restarted and healthy, waiting for the current weights
+        self._restarts: dict[int, dict] = {}  # in progress: {"ref": restart call or health poll, "deadline": ...}
+        self.restart_timeout_s = 1800.0
+        self.epoch = 0
+        """Incremented whenever an engine actor is replaced (transports reconnect to the new handles)."""
+        self.fault_counts: collections.Counter = collections.Counter()
+        """``engine_failures``, ``requests_retried``, ``engines_restarted`` since the start (for the metrics)."""
         try:
-            for i, resources in enumerate(self.resources):
-                self.actors.append(actor_class.options(**placement.engine_options(i)).remote(engine_factory, resources))
+            for i in range(len(self.resources)):
+                self.actors.append(self._new_actor(i))
         except BaseException:
             self.shutdown()  # the ones already started
             raise
+
+    def _new_actor(self, index: int):
+        return self._actor_class.options(**self._placement.engine_options(index)).remote(
+            self._engine_factory, self.resources[index]
+        )
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -236,6 +292,7 @@ class RolloutEngineGroup:
                 engine with its node, bundles, state, exception and log tail.  Every engine
                 is shut down before it is raised.
         """
+        self.restart_timeout_s = timeout_s
         started = time.monotonic()
         deadline = started + timeout_s
         polls = {actor.health.remote(): i for i, actor in enumerate(self.actors)}  # in flight
@@ -311,23 +368,44 @@ class RolloutEngineGroup:
         return self._limits
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete ``requests`` on all engines (see the module docstring for the schedule).
+        """Complete ``requests`` on the serving engines (see the module docstring for the schedule and faults).
 
         Returns:
             One output per request, in request order; ``engine_index`` says which engine served it.
 
         Raises:
-            EngineError: an engine raised or died, or returned a wrong number of outputs; the
-                message names the engine and the first request ids of its call.
+            EngineError: an engine raised another error than :class:`EngineUnavailableError`, returned a
+                wrong number of outputs, a request failed :data:`MAX_ATTEMPTS` times, no engine is left
+                to serve, or a failed engine could not be restarted; the message names the engine and
+                the first request ids concerned.
         """
         limits = self._checked_limits()
         windows = balance_windows(len(requests), [capacity for capacity, _ in limits])
         outputs: list[GenerateOutput | None] = [None] * len(requests)
+        attempts = [0] * len(requests)
         queue = collections.deque(range(len(requests)))
         in_flight = [0] * len(self.actors)  # requests sent to each engine and not yet back
         running: dict[ray.ObjectRef, tuple[int, list[int]]] = {}
+
+        def requeue(engine: int, batch: list[int], why: str) -> None:
+            for i in batch:
+                attempts[i] += 1
+            exhausted = [i for i in batch if attempts[i] >= MAX_ATTEMPTS]
+            if exhausted:
+                raise EngineError(f"{len(exhausted)} request(s) ({_rids(requests, exhausted)}) failed on "
+                                  f"{MAX_ATTEMPTS} engines; last: rollout {self.resources[engine].describe()} {why}")
+            queue.extendleft(reversed(batch))
+            self.fault_counts["requests_retried"] += len(batch)
+
+        def fail(engine: int, why: str, actor_died: bool = False) -> None:
+            """Take ``engine`` out, requeue everything it holds, start its restart."""
+            for ref in [r for r, (e, _) in running.items() if e == engine]:
+                requeue(engine, running.pop(ref)[1], why)
+            in_flight[engine] = 0
+            self._fail(engine, why, actor_died)
+
         while queue or running:
-            free = sorted((windows[e] - in_flight[e], e) for e in range(len(self.actors)))
+            free = sorted((windows[e] - in_flight[e], e) for e in range(len(self.actors)) if self.serving[e])
             free = [(room, e) for room, e in free if room > 0]
             for k, (room, engine) in enumerate(free):  # least free first: water-filling
                 share = min(room, math.ceil(len(queue) / (len(free) - k)))
@@ -336,12 +414,27 @@ class RolloutEngineGroup:
                     running[self.actors[engine].generate.remote([requests[i] for i in batch])] = (engine, batch)
                     in_flight[engine] += len(batch)
                     share -= len(batch)
-            (ref,), _ = ray.wait(list(running), num_returns=1)
+            if not running:
+                raise EngineError(
+                    f"no rollout engine is left to serve {len(queue)} request(s) ({_rids(requests, list(queue))}): "
+                    f"{self._fault_summary()}"
+                )
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=HEALTH_MONITOR_S)
+            if not ready:
+                for engine, why in self._unhealthy({e for e, _ in running.values()}).items():
+                    fail(engine, why)
+                continue
+            ref = ready[0]
             engine, batch = running.pop(ref)
             in_flight[engine] -= len(batch)
             try:
                 results = ray.get(ref)
             except Exception as e:
+                actor_died = isinstance(e, ray.exceptions.RayActorError)
+                if actor_died or isinstance(e, EngineUnavailableError):
+                    requeue(engine, batch, f"failed: {_error_tail(e, 500)}")
+                    fail(engine, _error_tail(e, 500), actor_died)
+                    continue
                 raise EngineError(
                     f"rollout {self.resources[engine].describe()} failed on {len(batch)} request(s) "
                     f"({_rids(requests, batch)}): {_error_tail(e)}"
@@ -352,9 +445,96 @@ class RolloutEngineGroup:
                     f"{len(batch)} requests ({_rids(requests, batch)}); an engine returns one output per request"
                 )
             for i, out in zip(batch, results):
+                if out.rid is not None and requests[i].rid is not None and out.rid != requests[i].rid:
+                    raise EngineError(f"rollout {self.resources[engine].describe()} answered request "
+                                      f"{requests[i].rid!r} with the output of {out.rid!r}")
                 out.engine_index = engine
                 outputs[i] = out
-        return outputs  # every index was in exactly one batch, and each batch filled its own
+        self.wait_for_restarts()
+        return outputs  # every index was answered by exactly one call (abandoned calls are never read)
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def _unhealthy(self, engines: set[int]) -> dict[int, str]:
+        """Engines of ``engines`` whose ``health()`` is False, raises, or does not answer in time -> why."""
+        refs = {self.actors[e].health.remote(): e for e in engines}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=HEALTH_MONITOR_S)
+        bad = {refs[r]: "did not answer its health check in time" for r in refs if r not in ready}
+        for ref in ready:
+            try:
+                if not ray.get(ref):
+                    bad[refs[ref]] = "reported itself unhealthy"
+            except Exception as e:  # noqa: BLE001 - the engine is reported below
+                bad[refs[ref]] = f"health check raised {_error_tail(e, 500)}"
+        return bad
+
+    def _fail(self, engine: int, why: str, actor_died: bool = False) -> None:
+        """Take ``engine`` out of the rotation and start its restart (once per failure)."""
+        if engine in self._restarts:
+            return  # already restarting
+        self.serving[engine] = False
+        self._restarted.discard(engine)
+        self.fault_counts["engine_failures"] += 1
+        logger.warning("rollout %s failed (%s); its requests go to the other engines, and it is restarted",
+                       self.resources[engine].describe(), why)
+        if actor_died:
+            try:
+                ray.kill(self.actors[engine])
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.actors[engine] = self._new_actor(engine)
+            self.epoch += 1
+            ref = self.actors[engine].health.remote()
+        else:
+            ref = self.actors[engine].restart.remote()
+        self._restarts[engine] = {"ref": ref, "restart": not actor_died,
+                                  "deadline": time.monotonic() + self.restart_timeout_s}
+
+    def wait_for_restarts(self) -> None:
+        """Block until every engine being restarted is healthy (then it waits for :meth:`weights_updated`).
+
+        Raises:
+            EngineError: a restart failed or took longer than ``--rollout-engine-start-timeout``.
+        """
+        while self._restarts:
+            engine, state = next(iter(self._restarts.items()))
+            what = f"rollout {self.resources[engine].describe()}"
+            ready, _ = ray.wait([state["ref"]], timeout=max(0.0, state["deadline"] - time.monotonic()))
+            if not ready:
+                del self._restarts[engine]
+                raise EngineError(f"{what} was not healthy within {self.restart_timeout_s:g} s of its restart"
+                                  f"{self._log_tail(engine, 'health() returned False')}")
+            try:
+                result = ray.get(state["ref"])
+            except Exception as e:
+                del self._restarts[engine]
+                raise EngineError(f"{what} could not be restarted: {_error_tail(e)}") from e
+            if state["restart"]:  # restart() returned: the new server is starting
+                state["restart"] = False
+            elif result:  # healthy
+                del self._restarts[engine]
+                self._restarted.add(engine)
+                self.fault_counts["engines_restarted"] += 1
+                logger.info("%s is up again; it serves after the next weight sync", what)
+                continue
+            else:
+                time.sleep(HEALTH_POLL_S)
+            state["ref"] = self.actors[engine].health.remote()
+
+    def weights_updated(self) -> None:
+        """Called after every weight sync (all engines received the current weights): restarted engines serve again."""
+        for engine in sorted(self._restarted):
+            self.serving[engine] = True
+        self._restarted.clear()
+
+    def _fault_summary(self) -> str:
+        out = [f"{self.resources[e].describe()}: {'restarting' if e in self._restarts else 'waiting for the next sync'}"
+               for e in range(len(self.actors)) if not self.serving[e]]
+        return "; ".join(out) or "none failed"
+
+    def memory_info(self) -> list[dict[str, float]]:
+        """Every engine's :meth:`RolloutEngine.memory_info` (GPU memory figures), in engine order."""
+        return ray.get([a.memory_info.remote() for a in self.actors])
 
     # -- broadcasts ---------------------------------------------------------------------------
 

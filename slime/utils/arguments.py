@@ -46,6 +46,7 @@ from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
 from slime.rollout.engines.config import EngineConfig
+from slime.rollout.parity import ParityConfig
 from slime.rollout.rm_hub import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.data import DataConfig
@@ -62,6 +63,7 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
     ("data", DataConfig, "ROLLOUT_ARGS (prompt data)"),
     ("rollout", RolloutConfig, "ROLLOUT_ARGS (generation)"),
     ("reward", RewardConfig, "ROLLOUT_ARGS (reward)"),
+    ("parity", ParityConfig, "ROLLOUT_ARGS (engine parity check)"),
     ("eval", EvalConfig, "EVAL_ARGS"),
     ("grpo", GRPOConfig, "GRPO_ARGS"),
     ("optimizer", OptimizerConfig, "OPTIMIZER_ARGS"),
@@ -100,6 +102,7 @@ class SlimeConfig:
     data: DataConfig
     rollout: RolloutConfig
     reward: RewardConfig
+    parity: ParityConfig
     eval: EvalConfig
     grpo: GRPOConfig
     optimizer: OptimizerConfig

@@ -605,8 +605,12 @@ class PromptDataset:
             return f"row {row} (id {self._table.column('id')[row].as_py()})"
         return f"row {row}"
 
-    def make_sample(self, row: int) -> Sample | None:
+    def make_sample(self, row: int, *, drop_images: bool = False, count_skips: bool = True) -> Sample | None:
         """Turn row ``row`` into a prompt sample, or skip it (log, count, return ``None``).
+
+        ``drop_images``: the same problem as text alone (its ``<image>`` placeholders and images left
+        out; the engine parity check's text prompts).  ``count_skips=False``: a skip is logged but not
+        counted (a row read outside the prompt stream, which counts it when it gets there).
 
         Returns:
             A :class:`Sample` with ``index=row``, ``prompt`` (text with one vision span
@@ -632,9 +636,12 @@ class PromptDataset:
             )
         label = "" if cfg.label_key is None else _label_text(record[cfg.label_key])
         if cfg.label_key is not None and not label.strip():
-            return self._skip(row, "empty_label", f"--label-key column {cfg.label_key!r} is {record[cfg.label_key]!r}")
+            return self._skip(row, "empty_label", f"--label-key column {cfg.label_key!r} is {record[cfg.label_key]!r}",
+                              count_skips)
 
         items = _image_items(record[cfg.image_key]) if cfg.image_key else []
+        if drop_images:
+            text, items = text.replace(IMAGE_PLACEHOLDER, ""), []
         num_placeholders = text.count(IMAGE_PLACEHOLDER)
         if num_placeholders != len(items):
             raise DatasetError(
@@ -647,9 +654,9 @@ class PromptDataset:
             try:
                 images.append(self.processor.resize_image(decode_image(item, base_dir=self._base_dir, field=field)))
             except ImageDecodeError as e:  # its message names the field
-                return self._skip(row, "bad_image", str(e))
+                return self._skip(row, "bad_image", str(e), count_skips)
             except ImageSizeError as e:  # e.g. aspect ratio above 200: no fixed-point size within the pixel bounds
-                return self._skip(row, "bad_image", f"field {field!r}: {e}")
+                return self._skip(row, "bad_image", f"field {field!r}: {e}", count_skips)
 
         prompt = self._render_prompt(text)
         processed = self.processor(prompt, images)
@@ -659,6 +666,7 @@ class PromptDataset:
                 "prompt_too_long",
                 f"{len(processed.input_ids)} prompt tokens (images expanded) > --rollout-max-prompt-len "
                 f"{cfg.rollout_max_prompt_len}",
+                count_skips,
             )
         multimodal_inputs = {}
         if images:
@@ -690,8 +698,9 @@ class PromptDataset:
             messages, add_generation_prompt=True, **self.cfg.apply_chat_template_kwargs
         )
 
-    def _skip(self, row: int, reason: str, detail: str) -> None:
-        self._skip_counts[reason] += 1
+    def _skip(self, row: int, reason: str, detail: str, count: bool = True) -> None:
+        if count:
+            self._skip_counts[reason] += 1
         logger.warning("skipping %s: %s: %s", self.row_name(row), reason, detail)
         return None
 

@@ -19,9 +19,14 @@ from slime.weight_sync.config import WeightSyncConfig
 WEIGHT_TRANSPORTS: Registry[type[WeightTransport]] = Registry(
     "weight-sync transport",
     "RolloutEngine.weight_transports",
-    builtins={"object_store": Builtin(target="slime.weight_sync.object_store:ObjectStoreTransport")},
+    builtins={
+        "object_store": Builtin(target="slime.weight_sync.object_store:ObjectStoreTransport"),
+        "cuda_ipc": Builtin(target="slime.weight_sync.cuda_ipc:CudaIpcTransport"),
+        "nccl": Builtin(target="slime.weight_sync.nccl:NcclTransport"),
+    },
 )
-"""Transport classes by name; the SGLang engine adds ``cuda_ipc`` and ``nccl`` (see :mod:`.base`)."""
+"""Transport classes by name: the object store (every engine), CUDA IPC and NCCL (the SGLang engine; see
+:mod:`.base`)."""
 
 OBJECT_STORE = "object_store"
 CUDA_IPC = "cuda_ipc"

@@ -24,9 +24,11 @@ class's :attr:`~slime.rollout.engines.base.RolloutEngine.weight_transports` and 
                       check_weight_sources(names sent by each rank)
                       transport.end_sync(engines)                 # driver -> engines
 
-Built now: :class:`slime.weight_sync.object_store.ObjectStoreTransport` (CPU tensors through Ray's
-object store; every engine, the transformers engine's only path).  The SGLang engine adds two
-transports on the same hooks, declared in its ``weight_transports``:
+Built: :class:`slime.weight_sync.object_store.ObjectStoreTransport` (CPU tensors through Ray's
+object store; every engine, the transformers engine's only path) and the SGLang engine's two
+transports on the same hooks, declared in its ``weight_transports``,
+:class:`slime.weight_sync.cuda_ipc.CudaIpcTransport` and :class:`slime.weight_sync.nccl.NcclTransport`
+(the modules say how they implement what follows):
 
 (a) **CUDA IPC, colocated engines** (SGLang ``/update_weights_from_tensor``).
     ``tensor_device = None`` (buckets stay on the trainer GPU).  ``connect_rank``: from the

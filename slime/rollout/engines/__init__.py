@@ -6,8 +6,9 @@ engine module (so neither transformers' model code nor sglang).  Each built-in m
 *config*: an :class:`slime.rollout.engines.config.EngineConfig` subclass with its parse-time
 checks, importable without the engine's packages.
 
-The SGLang engine is declared but not built yet (``target=None``): ``--rollout-backend sglang``
-stops at parse time, saying whether sglang is installed.
+``sglang`` (:mod:`slime.rollout.engines.sglang`) needs the ``sglang`` distribution installed in the
+run's environment (its servers run on the same Python); without it ``--rollout-backend sglang``
+stops at parse time, saying so.
 """
 
 from slime.rollout.engines.base import RolloutEngine
@@ -22,10 +23,10 @@ ENGINES: Registry[type[RolloutEngine]] = Registry(
             config="slime.rollout.engines.hf_engine_config:TransformersEngineConfig",
         ),
         "sglang": Builtin(
-            target=None,
+            target="slime.rollout.engines.sglang.engine:SGLangEngine",
             # The `sglang` extra of pyproject.toml.
             requires=("sglang==0.5.17",),
-            planned="the SGLang engine is next on the roadmap; use --rollout-backend transformers meanwhile",
+            config="slime.rollout.engines.sglang.config:SGLangEngineConfig",
         ),
     },
 )

@@ -5,8 +5,8 @@ A rollout engine is one inference server, possibly spanning several GPUs
 to all of them through :class:`slime.rollout.engine_group.RolloutEngineGroup`.  Engines are
 selected with ``--rollout-backend`` (registry: :mod:`slime.rollout.engines`):
 
-- ``sglang`` (the production engine, next on the roadmap, not in this version): each
-  method maps onto one SGLang endpoint
+- ``sglang`` (the production engine, :mod:`slime.rollout.engines.sglang`): each engine is one
+  SGLang server process on the engine's GPUs, and each method maps onto one of its endpoints
   (``/generate``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
   ``/update_weights_from_distributed``, ``/release_memory_occupation``,
   ``/resume_memory_occupation``, ``/flush_cache``, ``/pause_generation``,
@@ -42,7 +42,11 @@ Lifecycle, as :class:`slime.rollout.engine_group.RolloutEngineGroup` drives it:
    an even share of the step, :func:`slime.rollout.engine_group.balance_windows`) gets the
    next ones, in calls of at most :attr:`RolloutEngine.max_requests_per_call`, and up to
    :attr:`RolloutEngine.max_concurrent_calls` calls at once.
-4. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
+4. An engine that dies while serving (its :meth:`RolloutEngine.generate` raises
+   :class:`EngineUnavailableError`, its actor dies, or its :meth:`RolloutEngine.health` turns False)
+   is taken out of the rotation; its requests go to the other engines and it is restarted
+   (:meth:`RolloutEngine.restart`), then serves again after the next weight sync.
+5. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
    driver's ``finally``, also after errors and when the run joined an external Ray cluster.
 """
 
@@ -66,6 +70,11 @@ GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
 """Captured CUDA graphs and their memory pool (a separate tag in newer SGLang versions)."""
 GPU_MEMORY_TYPES = (GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_CUDA_GRAPH)
 """Every tag of this interface; ``tags=None`` means all of them."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve: its server died, or cannot be reached.  The call that raises it produced
+    nothing, so the engine group may send the same requests to another engine (no duplicate, no loss)."""
 
 
 def memory_tags(tags: list[str] | None) -> tuple[str, ...]:
@@ -160,6 +169,8 @@ class GenerateOutput:
             pipeline's count.
         engine_index: which engine served the request; set by the engine group, not by the
             engine.
+        rid: the request id the engine answered for, where it reports one (SGLang's
+            ``meta_info.id``); the engine group checks it against the request's ``rid``.
     """
 
     text: str
@@ -168,6 +179,7 @@ class GenerateOutput:
     finish_reason: FinishReason
     prompt_tokens: int
     engine_index: int | None = None
+    rid: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +289,14 @@ class RolloutEngine(abc.ABC):
 
     weight_transports: ClassVar[tuple[str, ...]] = ("object_store",)
     """The weight-sync transports this engine accepts (:mod:`slime.weight_sync`), best first.  Every engine
-    takes the object store (CPU tensors into :meth:`update_weights_from_tensor`); the SGLang engine is to add
-    ``"cuda_ipc"`` (colocated) and ``"nccl"`` (disaggregated), see :mod:`slime.weight_sync.base`."""
+    takes the object store (CPU tensors into :meth:`update_weights_from_tensor`); the SGLang engine adds
+    ``"cuda_ipc"`` (colocated, :meth:`update_weights_from_ipc`) and ``"nccl"`` (disaggregated,
+    :meth:`init_weights_update_group` + :meth:`update_weights_from_distributed`), see :mod:`slime.weight_sync.base`."""
+
+    parity_check: ClassVar[bool] = False
+    """Whether runs with this engine compare its log-probs with the trainer's before step 0 and after the
+    first sync (:mod:`slime.rollout.parity`; ``--skip-engine-parity-check`` turns it off).  True for an
+    engine with its own model code (SGLang); the transformers engine runs the trainer's own HF model."""
 
     max_concurrent_calls: ClassVar[int] = 1
     """:meth:`generate` calls the engine's actor runs at once, each in its own thread (read from
@@ -365,6 +383,65 @@ class RolloutEngine(abc.ABC):
         Raises:
             ValueError: an unknown tag (the message names it).
         """
+
+    # -- weight-sync transports other than the object store (see slime.weight_sync.base) ---------
+
+    def update_weights_from_ipc(self, serialized_per_tp_rank: list[str]) -> None:
+        """Load one flattened bucket from CUDA IPC handles, one per TP rank of the engine (transport
+        ``cuda_ipc``; SGLang ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``).
+
+        Args:
+            serialized_per_tp_rank: for TP rank ``i``, the base64 payload of
+                :func:`slime.weight_sync.flattened.serialize_ipc_bucket` made on that rank's GPU.
+
+        Raises:
+            NotImplementedError: the engine does not take ``cuda_ipc`` (not in its :attr:`weight_transports`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not take weights by CUDA IPC")
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str) -> None:
+        """Join the NCCL group ``group_name`` of a weight source (transport ``nccl``; SGLang
+        ``/init_weights_update_group``): the engine's TP rank ``i`` becomes rank ``rank_offset + i`` of
+        ``world_size``, rank 0 being the trainer rank that broadcasts.  Blocks until the group is formed.
+
+        Raises:
+            NotImplementedError: the engine does not take ``nccl``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not take weights over NCCL")
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str) -> None:
+        """Receive one flattened bucket broadcast from rank 0 of ``group_name`` (transport ``nccl``; SGLang
+        ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``): the tensors
+        ``names`` (HF checkpoint names) of ``dtypes`` (``"bfloat16"``, ...) and ``shapes``, concatenated
+        as bytes in that order.  Returns once they are loaded.
+
+        Raises:
+            NotImplementedError: the engine does not take ``nccl``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not take weights over NCCL")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the NCCL group ``group_name`` (before a transport reconnects); default: nothing to leave."""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def restart(self) -> None:
+        """Stop what is left of the engine's server and start a new one with the start-up weights
+        (``--hf-checkpoint``); returns once it is started (readiness: :meth:`health`).  The engine
+        group calls it after the engine died, and pushes the current weights in at the next sync.
+
+        Raises:
+            NotImplementedError: the engine cannot restart (the group then fails the run instead).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot restart")
+
+    def memory_info(self) -> dict[str, float]:
+        """GPU memory figures of the engine's GPUs for the colocation metrics: ``{"free_gib": ...,
+        "total_gib": ...}`` (GiB, summed over its GPUs) and ``"gpus"`` (how many); empty where unknown
+        (CPU engines)."""
+        return {}
 
     def flush_cache(self) -> None:
         """Drop cached prefixes (the KV/radix cache), e.g. after a weight update."""

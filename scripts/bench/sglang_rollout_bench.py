@@ -1,0 +1,410 @@
+#!/usr/bin/env python
+"""SGLang benchmarks on one GPU with a real-width scaled Qwen3.5-MoE (issue 11, acceptance 4 and 5).
+
+  python scripts/bench/sglang_rollout_bench.py build-scaled /tmp/scaled [--layers 4]
+  python scripts/bench/sglang_rollout_bench.py throughput --model /tmp/scaled [--prompts 64 --max-new-tokens 256]
+  python scripts/bench/sglang_rollout_bench.py weight-sync --model /tmp/scaled [--bucket-mb 512 --syncs 3]
+
+``build-scaled``: Qwen3.5-35B-A3B's widths (hidden 2048, 16 query / 2 KV heads of 256, 25 % interleaved M-RoPE,
+16 / 32 Gated-DeltaNet heads of 128, 256 experts of 512 top-8 plus a 512 shared expert, vocab 248,320, the
+27-block 1152-wide vision tower) at ``--layers`` depth (every 4th layer full attention), random bf16 weights
+made on the GPU, with the tiny real-geometry checkpoint's tokenizer and processor (images up to 512 x 512 px).
+
+``throughput``: the same geo3k prompts (text + image, one sample each, ``--max-new-tokens`` tokens sampled at
+temperature 1 with ``ignore_eos``) through
+
+1. SGLang through slime's engine: Ray, :class:`slime.rollout.engine_group.RolloutEngineGroup` over one
+   :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, one request per call, ``capacity`` at once);
+2. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call, timed as
+   ``sglang.bench_offline_throughput`` times it (its ``throughput_test_once``: wall time of the batch, output
+   tokens from ``meta_info.completion_tokens``); the CLI itself takes no images, so the batch is made here;
+3. the transformers engine (:class:`slime.rollout.engines.hf_engine.TransformersEngine`, bf16, batches of 32);
+
+and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
+With ``--official-cli`` it also runs ``python -m sglang.bench_offline_throughput`` on its synthetic text dataset
+(``generated-shared-prefix``) with the same server flags, for reference.
+
+``weight-sync``: a full colocated sync of the model's weights into a running SGLang engine through slime's
+CUDA-IPC transport and the real trainer group (one rank holding the checkpoint's tensors in bf16 on the GPU,
+:class:`BenchWeightsBackend`), ``--syncs`` times; prints seconds and effective GB/s (bytes of the model / sync
+seconds; goal >= 50 GB/s), and checks that a greedy answer is the same after the syncs as before.
+
+Figures go to stdout and, with ``--json FILE``, as JSON lines into FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from slime.backends.base import TrainerBackend  # noqa: E402
+from slime.rollout.engines.base import GenerateRequest, SamplingParams  # noqa: E402
+from tests.sglang_gpu_helpers import (  # noqa: E402
+    START_TIMEOUT_S,
+    SharedGpuPlacement,
+    figure,
+    load_checkpoint_tensors,
+    server_flags,
+)
+
+DATA = ROOT / "examples" / "geo3k_vlm" / "data"
+
+
+# ----------------------------------------------------------------------------- the scaled model
+
+
+def scaled_config(layers: int, token_ids: dict):
+    """The ``Qwen3_5MoeConfig`` of the real-width scaled model (module docstring)."""
+    import copy
+
+    from transformers import Qwen3_5MoeConfig
+
+    from slime.models.tiny_qwen35 import FULL_ATTENTION_INTERVAL, REAL_GEOMETRY_TEXT_CONFIG, TEXT_CONFIG, VISION_CONFIG
+
+    text = copy.deepcopy(TEXT_CONFIG)
+    text.update(copy.deepcopy(REAL_GEOMETRY_TEXT_CONFIG))
+    text.update(hidden_size=2048, num_hidden_layers=layers, num_experts=256, num_experts_per_tok=8,
+                moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
+                layer_types=["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+                             for i in range(layers)],
+                eos_token_id=token_ids["eos"], pad_token_id=token_ids["pad"], bos_token_id=None, dtype="bfloat16")
+    vision = copy.deepcopy(VISION_CONFIG)
+    vision.update(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
+                  num_position_embeddings=2304)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=token_ids["image"],
+                              video_token_id=token_ids["video"], vision_start_token_id=token_ids["vision_start"],
+                              vision_end_token_id=token_ids["vision_end"], tie_word_embeddings=False, dtype="bfloat16")
+    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    config.text_config.full_attention_interval = FULL_ATTENTION_INTERVAL
+    return config
+
+
+def build_scaled(out: Path, layers: int) -> Path:
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+
+    source = ensure_tiny_checkpoint(real_geometry=True, max_pixels=512 * 512)
+    tiny = json.loads((source / "config.json").read_text())
+    ids = {"eos": tiny["text_config"]["eos_token_id"], "pad": tiny["text_config"]["pad_token_id"],
+           "image": tiny["image_token_id"], "video": tiny["video_token_id"],
+           "vision_start": tiny["vision_start_token_id"], "vision_end": tiny["vision_end_token_id"]}
+    config = scaled_config(layers, ids)
+    started = time.monotonic()
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = Qwen3_5MoeForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(default)
+    params = sum(p.numel() for p in model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="4GB")
+    for name in source.iterdir():
+        if name.name not in ("config.json", "model.safetensors", "generation_config.json") and name.is_file():
+            shutil.copy(name, out / name.name)
+    figure(check="scaled_model", params=params, layers=layers, build_s=round(time.monotonic() - started, 1),
+           path=str(out))
+    return out
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@dataclasses.dataclass
+class BenchSamplingParams(SamplingParams):
+    """The rollout's sampling params plus SGLang's ``ignore_eos`` (every response is ``max_new_tokens`` long)."""
+
+    ignore_eos: bool = True
+
+
+def geo3k_requests(model: str, prompts: int, max_new_tokens: int) -> list[GenerateRequest]:
+    from slime.utils.arguments import parse_args
+    from slime.utils.data import PromptDataset
+    from slime.utils.processor import load_processor
+
+    cfg = parse_args(["--hf-checkpoint", model, "--prompt-data", str(DATA), "--num-rollout", "1",
+                      "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
+                      "--rollout-backend", "transformers", "--rollout-num-gpus", "1", "--input-key", "problem",
+                      "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template"])
+    dataset = PromptDataset(cfg.data, load_processor(model), seed=0)
+    params = BenchSamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
+    samples = [dataset.make_sample(row) for row in range(min(prompts, dataset.num_rows))]
+    while len(samples) < prompts:  # more prompts than rows: repeat them
+        samples.append(samples[len(samples) % dataset.num_rows])
+    return [GenerateRequest(s.prompt, s.images, params, rid=f"p{i}") for i, s in enumerate(samples)]
+
+
+# ----------------------------------------------------------------------------- throughput
+
+
+def _start_ray():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False)
+
+
+def ours(model: str, requests, mem_fraction: float, capacity: int) -> dict:
+    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.rollout.engines.sglang.engine import SGLangEngine
+    from slime.utils.arguments import parse_args
+    from tests.sglang_gpu_helpers import sglang_argv
+
+    _start_ray()
+    cfg = parse_args(["--hf-checkpoint", model, "--prompt-data", str(DATA), "--num-rollout", "1",
+                      "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
+                      "--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-server-concurrency",
+                      str(capacity), *sglang_argv(mem_fraction)])
+    engines = RolloutEngineGroup(SharedGpuPlacement([["0"]]), functools.partial(SGLangEngine.from_config, cfg),
+                                 SGLangEngine.max_concurrent_calls)
+    try:
+        t0 = time.monotonic()
+        engines.wait_until_healthy(START_TIMEOUT_S)
+        start_s = time.monotonic() - t0
+        engines.generate(requests[: min(8, len(requests))])  # warm-up
+        t0 = time.perf_counter()
+        outputs = engines.generate(requests)
+        seconds = time.perf_counter() - t0
+    finally:
+        engines.shutdown()
+    tokens = sum(len(o.output_ids) for o in outputs)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "start_s": start_s}
+
+
+def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
+    import sglang
+
+    kwargs = {}
+    flags = list(server_flags(mem_fraction))
+    while flags:  # the same server flags as keyword arguments of sglang.Engine
+        name = flags.pop(0)[2:].replace("-", "_")
+        kwargs[name] = True if not flags or flags[0].startswith("--") else _number(flags.pop(0))
+    t0 = time.monotonic()
+    engine = sglang.Engine(model_path=model, random_seed=0, log_level="error", **kwargs)
+    start_s = time.monotonic() - t0
+    try:
+        params = [r.sampling_params.to_sglang() for r in requests]
+        warm = requests[: min(8, len(requests))]
+        engine.generate(prompt=[r.text for r in warm], image_data=[r.image_data for r in warm],
+                        sampling_params=params[: len(warm)])
+        t0 = time.perf_counter()
+        out = engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
+                              sampling_params=params)
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in out)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "start_s": start_s}
+
+
+def _number(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def transformers_engine(model: str, requests, batch: int) -> dict:
+    from slime.rollout.engines.hf_engine import TransformersEngine
+
+    engine = TransformersEngine(model, device="cuda", dtype=torch.bfloat16, max_batch_size=batch)
+    plain = [dataclasses.replace(r, sampling_params=SamplingParams(
+        max_new_tokens=r.sampling_params.max_new_tokens, temperature=1.0)) for r in requests]
+    engine.generate(plain[:2])  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outputs = engine.generate(plain)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    engine.shutdown()
+    del engine
+    torch.cuda.empty_cache()
+    tokens = sum(len(o.output_ids) for o in outputs)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def official_cli(model: str, mem_fraction: float, out_dir: Path) -> dict:
+    import subprocess
+
+    result = out_dir / "bench_offline_throughput.jsonl"
+    command = [sys.executable, "-m", "sglang.bench_offline_throughput", "--model-path", model,
+               "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "8", "--gsp-prompts-per-group", "8",
+               "--gsp-output-len", "256", "--result-filename", str(result), *server_flags(mem_fraction)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    (out_dir / "bench_offline_throughput.log").write_text(done.stdout + done.stderr)
+    if done.returncode or not result.exists():
+        return {"exit_code": done.returncode}
+    return json.loads(result.read_text().splitlines()[-1])
+
+
+def throughput(args) -> None:
+    requests = geo3k_requests(args.model, args.prompts, args.max_new_tokens)
+    figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
+    figures["ours"] = ours(args.model, requests, args.mem_fraction, args.capacity)
+    figures["sglang_alone"] = sglang_alone(args.model, requests, args.mem_fraction)
+    figures["transformers"] = transformers_engine(args.model, requests, args.hf_batch)
+    figures["ours_over_sglang"] = figures["ours"]["tokens_per_s"] / figures["sglang_alone"]["tokens_per_s"]
+    figures["sglang_over_transformers"] = (figures["sglang_alone"]["tokens_per_s"]
+                                           / figures["transformers"]["tokens_per_s"])
+    if args.official_cli:
+        figures["official_cli_text_only"] = official_cli(args.model, args.mem_fraction, Path(args.out))
+    _emit(args, "throughput", figures)
+
+
+# ----------------------------------------------------------------------------- weight sync
+
+
+class BenchWeightsBackend(TrainerBackend):
+    """A trainer rank that holds the checkpoint's tensors in bf16 on its GPU and yields them in buckets of about
+    ``bucket_bytes`` (checkpoint order); nothing to train.  For the weight-sync benchmark only."""
+
+    def __init__(self, rank_info, model: str):
+        self.rank_info, self.model_path = rank_info, model
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def init(self) -> int:
+        import torch.distributed as dist
+
+        info = self.rank_info
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                rank=info.rank, world_size=info.world_size)
+        self.tensors = load_checkpoint_tensors(self.model_path)
+        return 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def iter_weight_buckets(self, bucket_bytes, device=None):
+        bucket, size = [], 0
+        for name, tensor in self.tensors.items():
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def train(self, rollout_id, samples, num_steps):
+        raise NotImplementedError
+
+    def compute_log_probs(self, samples):
+        raise NotImplementedError
+
+    def save(self, rollout_id, path):
+        raise NotImplementedError
+
+
+class _BenchPlacement(SharedGpuPlacement):
+    """One colocated engine and one trainer rank on GPU 0 (the trainer takes Ray's GPU, so it sees its id)."""
+
+    use_gpu, colocate, num_trainers, num_engines = True, True, 1, 1
+
+    def __init__(self):
+        super().__init__([["0"]], colocated=True)
+
+    def trainer_options(self, rank: int) -> dict:
+        return {"num_cpus": 0, "num_gpus": 0.5}
+
+
+def weight_sync(args) -> None:
+    import ray
+
+    from slime.ray.trainer_group import TrainerGroup
+    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.rollout.engines.sglang.engine import SGLangEngine
+    from slime.utils.arguments import parse_args
+    from slime.weight_sync.cuda_ipc import CudaIpcTransport
+    from tests.sglang_gpu_helpers import sglang_argv
+
+    _start_ray()
+    cfg = parse_args(["--hf-checkpoint", args.model, "--prompt-data", str(DATA), "--num-rollout", "1",
+                      "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
+                      "--rollout-backend", "sglang", "--colocate", *sglang_argv(args.mem_fraction)])
+    placement = _BenchPlacement()
+    engines = RolloutEngineGroup(placement, functools.partial(SGLangEngine.from_config, cfg),
+                                 SGLangEngine.max_concurrent_calls)
+    transport = CudaIpcTransport(args.bucket_mb << 20)
+    trainers = TrainerGroup(placement, functools.partial(BenchWeightsBackend, model=args.model), 1, transport)
+    try:
+        engines.wait_until_healthy(START_TIMEOUT_S)
+        trainers.init()
+        nbytes = ray.get(trainers.actors[0].__ray_call__.remote(lambda a: a.backend.nbytes()))
+        prompt = [GenerateRequest("the area of the triangle is", [], SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                                                     top_k=1), rid="greedy")]
+        before = engines.generate(prompt)[0]
+        times = []
+        for _ in range(args.syncs):
+            t0 = time.perf_counter()
+            trainers.update_weights(engines)
+            times.append(time.perf_counter() - t0)
+        after = engines.generate(prompt)[0]
+        steady = times[1:] or times
+        best = min(steady)
+        _emit(args, "weight_sync", {
+            "bytes": nbytes, "gb": nbytes / 1e9, "bucket_mb": args.bucket_mb, "sync_s": times,
+            "best_s": best, "gb_per_s": nbytes / 1e9 / best, "first_sync_s_with_connect": times[0],
+            "same_answer_after_sync": before.output_ids == after.output_ids,
+            "same_log_probs_after_sync": before.output_log_probs == after.output_log_probs,
+        })  # fmt: skip
+    finally:
+        trainers.shutdown()
+        engines.shutdown()
+
+
+def _emit(args, check: str, figures: dict) -> None:
+    figure(check=check, **figures)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"check": check, **figures}) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build-scaled", help="write the real-width scaled checkpoint")
+    build.add_argument("out", type=Path)
+    build.add_argument("--layers", type=int, default=4)
+    for name in ("throughput", "weight-sync"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", required=True)
+        p.add_argument("--mem-fraction", type=float, default=0.6, help="SGLang --mem-fraction-static")
+        p.add_argument("--json", default=None, help="append the figures to this JSON-lines file")
+        p.add_argument("--out", default=".", help="folder for logs")
+    tp = sub.choices["throughput"]
+    tp.add_argument("--prompts", type=int, default=64)
+    tp.add_argument("--max-new-tokens", type=int, default=256)
+    tp.add_argument("--capacity", type=int, default=128, help="requests in flight at our engine")
+    tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")
+    tp.add_argument("--official-cli", action="store_true", help="also run sglang.bench_offline_throughput (text)")
+    ws = sub.choices["weight-sync"]
+    ws.add_argument("--bucket-mb", type=int, default=512, help="--update-weight-buffer-size, MiB")
+    ws.add_argument("--syncs", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.command == "build-scaled":
+        build_scaled(args.out, args.layers)
+    elif args.command == "throughput":
+        throughput(args)
+    else:
+        weight_sync(args)
+
+
+if __name__ == "__main__":
+    main()

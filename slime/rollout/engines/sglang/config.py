@@ -1,0 +1,103 @@
+"""Parse-time checks of ``--rollout-backend sglang`` (importable without SGLang).
+
+Every ``--sglang-<name>`` flag is an SGLang server argument passed through as ``--<name>``
+(:class:`slime.rollout.config.SGLangConfig`), except the ones in :data:`SLIME_OWNED` (upstream
+slime's names for client-side settings, read by the engine and not passed on).  This config refuses
+the server arguments that would break what the engine relies on, naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from slime.rollout.engines.config import EngineConfig
+from slime.utils.config import ConfigError
+
+if TYPE_CHECKING:
+    from slime.rollout.config import RolloutConfig, SGLangConfig
+
+DEFAULT_SERVER_CONCURRENCY = 512
+MAX_SERVER_CONCURRENCY = 512
+"""Threads of an engine actor for ``generate`` (``SGLangEngine.max_concurrent_calls``): the most requests in flight."""
+"""Requests the engine keeps in flight at one server (upstream slime's ``--sglang-server-concurrency`` default)."""
+
+SLIME_OWNED = {
+    "server_concurrency": "requests slime keeps in flight at each engine (its capacity); the server queues "
+    "what it cannot run at once (--sglang-max-running-requests)",
+}
+"""``--sglang-*`` names that configure slime's client, not the server."""
+
+REFUSED = {
+    "api_key": "slime gives every server a per-run secret of its own (never printed); remove it",
+    "admin_api_key": "slime gives every server a per-run secret of its own (never printed); remove it",
+    "base_gpu_id": "slime sets CUDA_VISIBLE_DEVICES to the engine's GPUs and --base-gpu-id 0; remove it",
+    "nnodes": "an SGLang engine spans one node here; use --rollout-num-gpus-per-engine <= GPUs per node",
+    "node_rank": "an SGLang engine spans one node here; remove it",
+    "dist_init_addr": "an SGLang engine spans one node here; remove it",
+    "skip_tokenizer_init": "slime sends prompt text and reads the decoded response; remove it",
+    "grpc_port": "the gRPC listener bypasses SGLang's API-key check; remove it",
+    "router_ip": "slime balances requests over its engines itself (per request, retrying a dead engine's "
+    "requests elsewhere); sglang-router is not used: remove it",
+    "router_port": "slime balances requests over its engines itself; sglang-router is not used: remove it",
+}
+"""Server arguments the engine sets itself or cannot work with, and why."""
+
+
+def slime_owned_args(sglang: SGLangConfig) -> tuple[dict[str, str], list[str]]:
+    """Split ``--sglang-*`` flags into slime's own (:data:`SLIME_OWNED`) and the server's.
+
+    Returns:
+        ``({name: value}, SGLang server argv)``.
+    """
+    from slime.rollout.config import SGLangConfig, _render
+
+    owned = {k: v for k, v in sglang.server_args.items() if k in SLIME_OWNED}
+    rest = SGLangConfig({k: v for k, v in sglang.server_args.items() if k not in SLIME_OWNED})
+    return owned, _render(rest.server_args, "--")
+
+
+def server_concurrency(sglang: SGLangConfig) -> int:
+    """``--sglang-server-concurrency`` (default :data:`DEFAULT_SERVER_CONCURRENCY`).
+
+    Raises:
+        ConfigError: not one integer in 1..:data:`MAX_SERVER_CONCURRENCY`.
+    """
+    value = sglang.server_args.get("server_concurrency", str(DEFAULT_SERVER_CONCURRENCY))
+    try:
+        number = int(value) if isinstance(value, str) else None
+    except ValueError:
+        number = None
+    if number is None or not 1 <= number <= MAX_SERVER_CONCURRENCY:
+        raise ConfigError(f"--sglang-server-concurrency must be one integer in 1..{MAX_SERVER_CONCURRENCY}, got "
+                          f"{value!r}; e.g. 512 (the server queues what it cannot run at once)")
+    return number
+
+
+class SGLangEngineConfig(EngineConfig):
+    """Checks of the SGLang engine's flags (see the module docstring)."""
+
+    @classmethod
+    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
+        """Raises:
+        ConfigError: a refused server argument (:data:`REFUSED`), ``--sglang-tokenizer-worker-num``
+            above 1 (SGLang 0.5.17 enforces API keys only with one tokenizer worker), ``--sglang-dp-size``
+            above 1 without ``--sglang-enable-dp-attention`` (SGLang's weight updates need it), or a
+            bad ``--sglang-server-concurrency``.
+        """
+        args = sglang.server_args
+        for name, why in REFUSED.items():
+            if name in args:
+                raise ConfigError(f"--sglang-{name.replace('_', '-')} is not passed through: {why}")
+        workers = args.get("tokenizer_worker_num")
+        if workers is not None and workers != "1":
+            raise ConfigError(
+                f"--sglang-tokenizer-worker-num {workers}: SGLang 0.5.17 checks API keys only with one tokenizer "
+                "worker, so the server would accept weight updates from anyone; remove it (default 1)"
+            )
+        dp = args.get("dp_size", args.get("data_parallel_size"))
+        if dp is not None and dp != "1" and "enable_dp_attention" not in args:
+            raise ConfigError(
+                f"--sglang-dp-size {dp}: SGLang updates weights from tensors only with --dp-size 1 or DP attention; "
+                "add --sglang-enable-dp-attention, or run more engines (--rollout-num-gpus) instead"
+            )
+        server_concurrency(sglang)

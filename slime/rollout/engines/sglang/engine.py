@@ -1,0 +1,496 @@
+"""The SGLang rollout engine: one SGLang server process per engine, driven over its HTTP API.
+
+:class:`SGLangEngine` lives in the engine's Ray actor (:class:`slime.rollout.engine_group.EngineActor`)
+on the engine's first bundle, with ``CUDA_VISIBLE_DEVICES`` set to all of the engine's GPUs on that
+node.  It starts the server (:mod:`.launch`: command line, environment, log), talks to it through
+:class:`~.client.SGLangClient` with a per-engine secret that never leaves the actor and the server,
+and maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto one endpoint:
+
+- :meth:`SGLangEngine.generate`: one ``/generate`` call per request (``max_requests_per_call = 1``),
+  up to :attr:`capacity` at once (``--sglang-server-concurrency``; the engine group never has more
+  in flight, which is the backpressure: the rest wait in the group's queue), the prompt as text
+  plus ``image_data`` (base64 images; never pre-tokenised ``input_ids``, which SGLang would expand
+  a second time), ``sampling_params`` from the rollout flags, ``return_logprob=True``.  The output
+  takes ``output_ids``, the log-probs of ``meta_info.output_token_logprobs``,
+  ``meta_info.finish_reason.type`` and ``meta_info.prompt_tokens`` (:func:`parse_generate_response`).
+  SGLang's ``rid`` is the request's id plus a per-attempt suffix (unique while in flight, also when a
+  request is retried); the output carries the request id back (``meta_info.id``), which the engine
+  group compares with the request's.
+- weights: ``/update_weights_from_tensor`` (object store: the bucket by value; CUDA IPC: one handle
+  per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
+  ``/update_weights_from_distributed`` (NCCL).
+- memory: ``/release_memory_occupation`` and ``/resume_memory_occupation`` with the tags the server
+  has (``cuda_graph`` is dropped on releases without it, as the server plugin reports, and with
+  ``--disable-cuda-graph``); a tag already released (or not released) is not sent again.
+- ``/pause_generation`` (``abort``, SGLang 0.5.17's default, or ``retract``), ``/continue_generation``,
+  ``/flush_cache``; ``/health`` (never generates: see :mod:`.launch`) plus "is the process alive".
+
+Start-up: the constructor starts the server and returns; :meth:`health` is polled by the group.  A
+server that exits makes :meth:`health` raise with the exit code and the tail of its log.  Once
+healthy, the engine reads the plugin's reports (:mod:`.server_plugin`) and refuses to serve when
+a scheduler process lacks them or an affected SGLang runs without the multimodal-RoPE fix (unless
+``SLIME_SGLANG_MROPE_FIX=0`` asked for that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from slime.rollout.engines.base import (
+    GPU_MEMORY_TYPE_CUDA_GRAPH,
+    EngineResources,
+    EngineUnavailableError,
+    GenerateOutput,
+    GenerateRequest,
+    RolloutEngine,
+    memory_tags,
+)
+from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
+from slime.rollout.engines.sglang.config import MAX_SERVER_CONCURRENCY, server_concurrency, slime_owned_args
+from slime.rollout.engines.sglang.launch import (
+    ServerProcess,
+    ServerSpec,
+    server_command,
+    server_env,
+    server_host,
+    write_plugin_dist,
+)
+from slime.rollout.engines.sglang.server_plugin import MROPE_FIX_ENV, read_reports
+from slime.rollout.engines.sglang.versions import memory_tags_supported, needs_mrope_fix
+
+logger = logging.getLogger(__name__)
+
+MAX_CONCURRENT_CALLS = MAX_SERVER_CONCURRENCY
+"""Threads of an SGLang engine's actor for ``generate`` (one request each); the upper bound of
+``--sglang-server-concurrency``."""
+EXIT_WAIT_S = 2.0
+"""After a lost connection, how long to wait for the server's exit code before reporting only the lost connection."""
+RID_SEPARATOR = "#attempt-"
+"""Between the request's ``rid`` and the per-attempt suffix of SGLang's ``rid``."""
+FLUSH_RETRY_S = 60.0
+"""How long ``/flush_cache`` is retried while the server still has requests (it answers 400 then)."""
+
+
+class ServerReportError(RuntimeError):
+    """The server runs without what slime needs in it (the plugin's reports say what is missing)."""
+
+
+def parse_generate_response(body: dict, rid: str | None = None) -> GenerateOutput:
+    """A :class:`GenerateOutput` from SGLang's ``/generate`` answer for one request.
+
+    ``body`` is ``{"text": str, "output_ids": [int], "meta_info": {"finish_reason": {"type": ...},
+    "prompt_tokens": int, "output_token_logprobs": [[logprob, token_id, text|None], ...], "id": rid, ...}}``
+    (``tokenizer_manager.py`` of SGLang 0.5.17).  ``rid`` of the output: the request id of ``meta_info.id``
+    (:func:`generate_payload`'s form), None for another form.
+
+    Raises:
+        SGLangRequestError: a field is missing, the log-probs do not cover the output tokens one to
+            one, or the finish reason is unknown (the message names the request).
+    """
+    where = f"/generate answer{f' for rid {rid}' if rid else ''}"
+    try:
+        meta = body["meta_info"]
+        output_ids = [int(t) for t in body["output_ids"]]
+        finish = meta["finish_reason"]
+        reason = finish["type"] if isinstance(finish, dict) else finish
+        logprobs = meta["output_token_logprobs"]
+        prompt_tokens = int(meta["prompt_tokens"])
+        text = body.get("text") or ""
+    except (KeyError, TypeError, ValueError) as e:
+        raise SGLangRequestError(f"{where} lacks {e} (return_logprob must be set)", endpoint="/generate") from e
+    if reason not in ("stop", "length", "abort"):
+        raise SGLangRequestError(f"{where}: unknown finish_reason {finish!r}", endpoint="/generate")
+    ids = [int(entry[1]) for entry in logprobs]
+    if ids != output_ids:
+        raise SGLangRequestError(
+            f"{where}: {len(logprobs)} log-probs for {len(output_ids)} output tokens, or other token ids "
+            f"({ids[:5]} vs {output_ids[:5]})", endpoint="/generate",
+        )  # fmt: skip
+    if reason == "abort":
+        logger.warning("SGLang aborted request %s: %s", rid, finish.get("message") if isinstance(finish, dict) else "")
+    answered = meta.get("id")
+    return GenerateOutput(text=text, output_ids=output_ids, output_log_probs=[float(entry[0]) for entry in logprobs],
+                          finish_reason=reason, prompt_tokens=prompt_tokens,
+                          rid=answered.rpartition(RID_SEPARATOR)[0] if answered and RID_SEPARATOR in answered else None)
+
+
+def generate_payload(request: GenerateRequest) -> dict:
+    """The ``/generate`` body of one request: text, base64 images, SGLang sampling params, log-probs on.
+
+    Per-request sampling seeds (``SamplingParams.sampling_seed``, SGLang's ``sampling_seed``) travel
+    inside ``sampling_params`` once the sampling params carry them (``SamplingParams.to_sglang``).
+    """
+    payload = {
+        "text": request.text,
+        "sampling_params": request.sampling_params.to_sglang(),
+        "return_logprob": True,
+    }
+    if request.image_data:
+        payload["image_data"] = list(request.image_data)
+    if request.rid is not None:  # unique per attempt (SGLang refuses a rid in flight); the output names the request
+        payload["rid"] = f"{request.rid}{RID_SEPARATOR}{uuid.uuid4().hex[:12]}"
+    return payload
+
+
+class SGLangEngine(RolloutEngine):
+    """One SGLang server (see the module docstring).
+
+    Args:
+        spec: what the server is started with (:class:`~.launch.ServerSpec`).
+        run_dir: folder for the server's log (``server.log``), plugin folder and reports.
+        capacity: requests in flight at once (``--sglang-server-concurrency``), <= :data:`MAX_CONCURRENT_CALLS`.
+        gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them (for :meth:`memory_info`).
+        secret: the key the server requires (default: a new random one, never shown).
+        env: variables set for the server on top of this process's environment (e.g.
+            ``{"SLIME_SGLANG_MROPE_FIX": "0"}`` to measure the bug).
+
+    Raises:
+        ValueError: ``capacity`` out of range.
+        OSError: the server cannot be started.
+    """
+
+    weight_transports: ClassVar[tuple[str, ...]] = ("cuda_ipc", "nccl", "object_store")
+    max_concurrent_calls: ClassVar[int] = MAX_CONCURRENT_CALLS
+    parity_check: ClassVar[bool] = True
+
+    def __init__(self, spec: ServerSpec, run_dir: str | os.PathLike, *, capacity: int = 512,
+                 gpu_ids: list[str] | None = None, secret: str | None = None, env: dict[str, str] | None = None):
+        if not 1 <= capacity <= MAX_CONCURRENT_CALLS:
+            raise ValueError(f"--sglang-server-concurrency {capacity}: must be in 1..{MAX_CONCURRENT_CALLS}")
+        self.spec = spec
+        self.run_dir = Path(run_dir)
+        self._capacity = capacity
+        self.gpu_ids = list(gpu_ids or [])
+        self._secret = secret or secrets.token_urlsafe(32)
+        self._env_overrides = dict(env or {})
+        self._lock = threading.Lock()
+        self._released: set[str] = set()
+        self._shut_down = False
+        self.server: ServerProcess | None = None
+        self.client: SGLangClient | None = None
+        self.reports: list[dict] = []
+        self.memory_tags: tuple[str, ...] = ()
+        self.version: str | None = None
+        self._start()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, cfg, resources: EngineResources) -> SGLangEngine:
+        """Engine ``resources.index`` of a run: its server on the engine's GPUs (see :mod:`.launch`).
+
+        Raises:
+            ValueError: the engine has no GPUs, or spans several nodes.
+        """
+        cls.check_resources(resources)
+        owned, passthrough = slime_owned_args(cfg.sglang)
+        del owned
+        spec = ServerSpec(
+            model_path=cfg.checkpoint.hf_checkpoint,
+            tp_size=len(resources.local_gpu_ids) or 1,
+            host=server_host(resources.node_ip, _cluster_nodes()),
+            port=_free_port(),
+            seed=cfg.rollout.rollout_seed + resources.index,
+            colocated=resources.colocated,
+            passthrough=tuple(passthrough),
+        )
+        return cls(spec, _run_dir(cfg, resources.index), capacity=server_concurrency(cfg.sglang),
+                   gpu_ids=resources.local_gpu_ids)
+
+    @classmethod
+    def check_resources(cls, resources: EngineResources) -> None:
+        """Raises:
+        ValueError: CPU bundles (SGLang serves on CUDA GPUs), or bundles on several nodes.
+        """
+        if not resources.use_gpu:
+            raise ValueError(
+                f"--rollout-backend sglang needs GPUs, but {resources.describe()} has none; use "
+                "--rollout-backend transformers on machines without a GPU"
+            )
+        if len(resources.node_ips) > 1:
+            raise ValueError(
+                f"{resources.describe()} spans {len(resources.node_ips)} nodes; an SGLang engine spans one node "
+                "here: use --rollout-num-gpus-per-engine <= the GPUs per node"
+            )
+
+    def server_command(self) -> list[str]:
+        """The command that starts the server (no secret in it)."""
+        return server_command(self.spec)
+
+    def _start(self) -> None:
+        attempt = f"start-{time.strftime('%H%M%S')}-{os.getpid()}-{int(time.monotonic() * 1000) % 100000}"
+        folder = self.run_dir / attempt
+        reports = folder / "reports"
+        reports.mkdir(parents=True, exist_ok=True)
+        plugin = write_plugin_dist(folder / "plugin")
+        command = self.server_command()
+        logger.info("starting SGLang server: %s (log %s)", " ".join(command), folder / "server.log")
+        self.report_dir = reports
+        env = server_env({**os.environ, **self._env_overrides}, plugin, reports)
+        self.mrope_fix_disabled = env.get(MROPE_FIX_ENV) == "0"
+        self.server = ServerProcess(command, env, folder / "server.log", self._secret)
+        self.client = SGLangClient(self.spec.url, self._secret)
+        self.reports, self.memory_tags, self.version = [], (), None
+        self._released = set()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def max_requests_per_call(self) -> int:
+        return 1
+
+    # ------------------------------------------------------------------ health and reports
+
+    def health(self) -> bool:
+        """Whether the server is up and checked (see the module docstring).
+
+        Raises:
+            EngineUnavailableError: the server process exited (exit code and log tail in the message).
+            ServerReportError: the server is up without the plugin's reports or the needed fix.
+        """
+        if self._shut_down:
+            return False
+        self._check_alive()
+        if not self.client.healthy():
+            return False
+        if not self.reports:
+            self._check_reports()
+        return True
+
+    def _check_alive(self) -> None:
+        if self.server is not None and not self.server.alive():
+            raise EngineUnavailableError(
+                f"the SGLang server at {self.spec.url} exited with code {self.server.exit_code()}; log "
+                f"{self.server.log_path}, last lines:\n{self.server.log_tail(30)}"
+            )
+
+    def _check_reports(self) -> None:
+        """Read the plugin's reports (one per server process) and check them; sets the server's version and tags."""
+        reports = read_reports(self.report_dir)
+        schedulers = [r for r in reports if not r.get("main")]
+        if not any(r.get("main") for r in reports) or len(schedulers) < self.spec.tp_size:
+            raise ServerReportError(
+                f"the SGLang server at {self.spec.url} is up, but slime's plugin reported from "
+                f"{len(reports)} process(es) ({len(schedulers)} scheduler(s) for --tp-size {self.spec.tp_size}): "
+                "it did not load in every server process, so the multimodal-RoPE fix and the log redaction "
+                f"cannot be vouched for. Check the log {self.server.log_path} for 'plugin'."
+            )
+        version = reports[0]["sglang"]
+        states = {r["mrope_fix"] for r in schedulers}  # the main process runs no model
+        if states == {"pending"} and not _is_qwen35(self.client.model_info()):
+            states = {"not needed (not a Qwen3.5 model)"}  # SGLang never imported Qwen3.5's model module
+        elif needs_mrope_fix(version) and states != {"disabled" if self.mrope_fix_disabled else "applied"}:
+            raise ServerReportError(
+                f"SGLang {version} has the Qwen3.5 multimodal-RoPE bug, and the fix is {sorted(states)} in its "
+                f"processes (wanted 'applied' in all); see {self.server.log_path}"
+            )
+        self.reports, self.version = reports, version
+        self.memory_tags = memory_tags_supported(reports[0].get("memory_tags"))
+        logger.info("SGLang %s at %s: multimodal-RoPE fix %s in %d scheduler process(es); memory tags %s",
+                    version, self.spec.url, "/".join(sorted(states)), len(schedulers), list(self.memory_tags))
+
+    def log_tail(self) -> str:
+        return self.server.log_tail() if self.server is not None else ""
+
+    def _call(self, fn, *args, **kwargs):
+        """Run a client call; a dead server process turns any failure into :class:`EngineUnavailableError`."""
+        if self._shut_down:
+            raise EngineUnavailableError("the SGLang engine was shut down")
+        try:
+            return fn(*args, **kwargs)
+        except SGLangUnavailable:
+            if self.server is not None:  # a dying server resets its connections before it exits: give it a moment
+                try:
+                    self.server.process.wait(timeout=EXIT_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._check_alive()
+            raise
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Complete each request with one ``/generate`` call (the group sends one per call).
+
+        Raises:
+            EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
+            SGLangRequestError: the server refused a request or answered malformed.
+        """
+        return [parse_generate_response(self._call(self.client.generate, generate_payload(r)), r.rid)
+                for r in requests]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]],
+                                   flush_cache: bool = True) -> None:
+        """One bucket from the object store: CPU tensors sent by value (the same payload for every TP rank)."""
+        from slime.weight_sync.flattened import flatten, serialize_bucket_by_value
+
+        payload = serialize_bucket_by_value(flatten(named_tensors, device="cpu"))
+        self._call(self.client.update_weights_from_tensor, [payload] * self.spec.tp_size, "flattened_bucket",
+                   flush_cache=False)
+        if flush_cache:
+            self.flush_cache()
+
+    def update_weights_from_ipc(self, serialized_per_tp_rank: list[str]) -> None:
+        if len(serialized_per_tp_rank) != self.spec.tp_size:
+            raise ValueError(
+                f"{len(serialized_per_tp_rank)} CUDA IPC payloads for an engine of --tp-size {self.spec.tp_size}; "
+                "one per TP rank, each made on that rank's GPU"
+            )
+        self._call(self.client.update_weights_from_tensor, list(serialized_per_tp_rank), "flattened_bucket",
+                   flush_cache=False)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str) -> None:
+        self._call(self.client.init_weights_update_group, master_address, master_port, rank_offset, world_size,
+                   group_name)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str) -> None:
+        self._call(self.client.update_weights_from_distributed, names, dtypes, shapes, group_name)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        try:
+            self._call(self.client.destroy_weights_update_group, group_name)
+        except SGLangRequestError as e:  # a group this (maybe restarted) server never joined
+            logger.info("destroy_weights_update_group %s: %s", group_name, e)
+
+    # ------------------------------------------------------------------ memory, cache, pause
+
+    def _tags(self, tags: list[str] | None) -> list[str]:
+        """``tags`` (None: all) that this server has: not ``cuda_graph`` where the release lacks that tag or the
+        server captures no CUDA graphs (``--disable-cuda-graph``)."""
+        wanted = memory_tags(tags)
+        supported = self.memory_tags or memory_tags_supported(None)
+        if "--disable-cuda-graph" in self.spec.passthrough:
+            supported = tuple(t for t in supported if t != GPU_MEMORY_TYPE_CUDA_GRAPH)
+        return [t for t in wanted if t in supported]
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """``/release_memory_occupation`` for ``tags`` that are held (the server refuses a tag twice)."""
+        todo = [t for t in self._tags(tags) if t not in self._released]
+        if todo:
+            self._call(self.client.release_memory_occupation, todo)
+            self._released.update(todo)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """``/resume_memory_occupation`` for ``tags`` that are released (the server refuses the others)."""
+        todo = [t for t in self._tags(tags) if t in self._released]
+        if todo:
+            self._call(self.client.resume_memory_occupation, todo)
+            self._released.difference_update(todo)
+
+    def flush_cache(self) -> None:
+        """``/flush_cache``, retried for up to :data:`FLUSH_RETRY_S` while the server still has requests.
+
+        Raises:
+            SGLangRequestError: it still refuses after that.
+        """
+        deadline = time.monotonic() + FLUSH_RETRY_S
+        while True:
+            try:
+                self._call(self.client.flush_cache)
+                return
+            except SGLangRequestError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """``/pause_generation``: ``abort`` (SGLang 0.5.17's default: running requests return with
+        ``finish_reason "abort"``) or ``retract`` (they go back to the queue and resume after continue)."""
+        self._call(self.client.pause_generation, mode)
+
+    def continue_generation(self) -> None:
+        self._call(self.client.continue_generation)
+
+    def memory_info(self) -> dict[str, float]:
+        """Free and total memory of the engine's GPUs (``nvidia-smi``), GiB; empty when it cannot tell."""
+        return gpu_memory(self.gpu_ids)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def restart(self) -> None:
+        """Stop the old server (whatever is left of it) and start a new one on a new port."""
+        with self._lock:
+            if self._shut_down:
+                raise EngineUnavailableError("the SGLang engine was shut down")
+            if self.server is not None:
+                self.server.stop()
+            if self.client is not None:
+                self.client.close()
+            self.spec = dataclasses.replace(self.spec, port=_free_port())
+            self._start()
+
+    def shutdown(self) -> None:
+        """Stop the server and everything it started (its session); idempotent."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            if self.server is not None:
+                self.server.stop()
+
+
+def _is_qwen35(model_info: dict) -> bool:
+    """Whether SGLang's ``/model_info`` names a Qwen3.5 architecture (the ones of ``sglang/srt/models/qwen3_5*.py``)."""
+    return any(str(arch).startswith("Qwen3_5") for arch in model_info.get("architectures") or [])
+
+
+def gpu_memory(gpu_ids: list[str]) -> dict[str, float]:
+    """``{"free_gib", "total_gib", "gpus"}``, the first two summed over ``gpu_ids``, from ``nvidia-smi``; ``{}``
+    without it."""
+    if not gpu_ids or shutil.which("nvidia-smi") is None:
+        return {}
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits",
+             "-i", ",".join(gpu_ids)], capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    free = total = 0.0
+    for line in out.strip().splitlines():
+        f, t = (float(x) for x in line.split(","))
+        free, total = free + f, total + t
+    return {"free_gib": free / 1024, "total_gib": total / 1024, "gpus": float(len(gpu_ids))}
+
+
+def _cluster_nodes() -> int:
+    import ray
+
+    if not ray.is_initialized():
+        return 1
+    return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+
+
+def _free_port() -> int:
+    from slime.ray.placement import free_port
+
+    return free_port()
+
+
+def _run_dir(cfg, index: int) -> Path:
+    """``<output-dir>/sglang/engine-<index>`` when the run has an output folder, else a temporary folder."""
+    output_dir = getattr(cfg.logging, "output_dir", None)
+    if output_dir:
+        return Path(output_dir) / "sglang" / f"engine-{index}"
+    return Path(tempfile.mkdtemp(prefix=f"slime-sglang-engine-{index}-"))

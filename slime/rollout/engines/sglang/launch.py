@@ -1,0 +1,238 @@
+"""Starting and stopping one SGLang server: its command line, its environment, its process and log.
+
+The command (:func:`server_command`) is ``python -m slime.rollout.engines.sglang.server_main`` with
+SGLang's own flags (:mod:`.server_main` is SGLang's ``launch_server`` plus the run's secret read from
+standard input).  slime sets:
+
+- ``--model-path`` (``--hf-checkpoint``), ``--tp-size`` (the engine's GPUs on its node,
+  ``--rollout-num-gpus-per-engine``) and ``--base-gpu-id 0``: the engine's actor sets
+  ``CUDA_VISIBLE_DEVICES`` to exactly its GPUs (:class:`~slime.rollout.engines.base.EngineResources`)
+  and the server inherits it;
+- ``--host``: ``127.0.0.1`` on a one-node cluster, the node's own address on a larger one (never
+  ``0.0.0.0``), and ``--port``: a free port of the node;
+- ``--random-seed`` (``--rollout-seed`` + engine index: engines sample differently);
+- ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it);
+- then every ``--sglang-*`` flag, passed through as given (:class:`slime.rollout.config.SGLangConfig`).
+
+The secret never appears in the command, the environment, the log (the plugin redacts SGLang's
+``server_args=...`` line, and :meth:`ServerProcess.log_tail` scrubs it again) or anything slime prints.
+
+Environment (:func:`server_env`): ``PYTHONPATH`` = the plugin's ``*.dist-info`` folder
+(:func:`write_plugin_dist`), ``SLIME_SGLANG_PYTHONPATH`` (a tree with SGLang and its pins for the
+servers alone, e.g. an ``offline_bundle.sh --form packed --extras sglang`` tree; optional), slime's
+own source folder, then the inherited ``PYTHONPATH``; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``,
+so ``/health`` never runs a generation (SGLang's default does, which would block on a paused
+server and touch released memory); the report folder of :mod:`.server_plugin`; no ``OMP_NUM_THREADS``
+(Ray sets it for its actors, often to 1, which would make SGLang's tokenizer and image processing
+serial) unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one.
+
+:class:`ServerProcess` starts the command in a session of its own, so that stopping it
+(``SIGTERM`` to that session, then ``SIGKILL`` after a grace period) reaches SGLang's scheduler and
+detokenizer processes and nothing else.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from slime.rollout.engines.sglang.server_plugin import (
+    ENTRY_POINT,
+    ENTRY_POINT_GROUP,
+    ENTRY_POINT_NAME,
+    REPORT_DIR_ENV,
+)
+
+SERVER_MODULE = "slime.rollout.engines.sglang.server_main"
+SERVER_PYTHONPATH_ENV = "SLIME_SGLANG_PYTHONPATH"
+"""Extra ``PYTHONPATH`` entries for the SGLang servers only (colon-separated)."""
+SERVER_OMP_ENV = "SLIME_SGLANG_OMP_NUM_THREADS"
+"""``OMP_NUM_THREADS`` for the SGLang servers (default: unset, torch's own choice)."""
+LOCALHOST = "127.0.0.1"
+STOP_GRACE_S = 30.0
+"""Seconds between ``SIGTERM`` and ``SIGKILL`` when a server is stopped."""
+LOG_TAIL_LINES = 60
+_SLIME_SOURCE = str(Path(__file__).resolve().parents[4])
+"""The folder holding the ``slime`` package (the server imports the plugin and entry point from it)."""
+
+
+def server_host(node_ip: str, num_nodes: int) -> str:
+    """The address a server binds: loopback on a one-node cluster, the node's own address across
+    nodes (``0.0.0.0`` never: it would expose the weight-update endpoints on every interface).
+
+    Raises:
+        ValueError: ``num_nodes < 1``, or an empty / wildcard ``node_ip`` with several nodes.
+    """
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes = {num_nodes}; a cluster has at least one node")
+    if num_nodes == 1:
+        return LOCALHOST
+    if not node_ip or node_ip in ("0.0.0.0", "::"):
+        raise ValueError(f"cannot bind an SGLang server to {node_ip!r}: give the node's own address")
+    return node_ip
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """What one server is started with (everything but the secret).
+
+    Attributes:
+        model_path: the Hugging Face checkpoint folder (``--hf-checkpoint``).
+        tp_size: tensor-parallel size = the engine's GPUs (``--rollout-num-gpus-per-engine``).
+        host: bind address (:func:`server_host`).
+        port: HTTP port.
+        seed: SGLang's ``--random-seed``.
+        colocated: trainers share the GPUs (adds ``--enable-memory-saver``).
+        passthrough: the ``--sglang-*`` flags as SGLang flags (``SGLangConfig.server_argv()``).
+    """
+
+    model_path: str
+    tp_size: int
+    host: str
+    port: int
+    seed: int
+    colocated: bool
+    passthrough: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
+    """The server's command line (see the module docstring); holds no secret.
+
+    ``--enable-memory-saver`` is added when colocated unless the pass-through flags already have it.
+    """
+    argv = [
+        python, "-m", SERVER_MODULE,
+        "--model-path", spec.model_path,
+        "--tp-size", str(spec.tp_size),
+        "--base-gpu-id", "0",
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--random-seed", str(spec.seed),
+    ]  # fmt: skip
+    if spec.colocated and "--enable-memory-saver" not in spec.passthrough:
+        argv.append("--enable-memory-saver")
+    return argv + list(spec.passthrough)
+
+
+def write_plugin_dist(folder: str | os.PathLike) -> Path:
+    """Write the ``*.dist-info`` folder that makes :mod:`.server_plugin` an SGLang general plugin
+    (entry point ``sglang.srt.plugins: slime_server_plugin``) for processes with ``folder`` on
+    ``sys.path`` (``importlib.metadata`` finds distributions on every ``sys.path`` entry).
+
+    Returns:
+        ``folder`` (to put on the server's ``PYTHONPATH``).
+    """
+    folder = Path(folder)
+    dist = folder / "slime_sglang_plugin-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: slime-sglang-plugin\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT}\n")
+    return folder
+
+
+def server_env(base: dict[str, str], plugin_path: str | os.PathLike, report_dir: str | os.PathLike) -> dict[str, str]:
+    """The server's environment: ``base`` (the actor's) with the entries of the module docstring."""
+    env = dict(base)
+    extra = [p for p in env.get(SERVER_PYTHONPATH_ENV, "").split(os.pathsep) if p]
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(plugin_path), *extra, _SLIME_SOURCE, *inherited]))
+    env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"
+    env.pop("OMP_NUM_THREADS", None)  # Ray's per-actor value (often 1) would make SGLang's image processing serial
+    if env.get(SERVER_OMP_ENV):
+        env["OMP_NUM_THREADS"] = env[SERVER_OMP_ENV]
+    env[REPORT_DIR_ENV] = str(report_dir)
+    if env.get("SGLANG_PLUGINS"):  # an allow-list: keep ours on it
+        names = [n.strip() for n in env["SGLANG_PLUGINS"].split(",") if n.strip()]
+        env["SGLANG_PLUGINS"] = ",".join(dict.fromkeys([*names, ENTRY_POINT_NAME]))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class ServerProcess:
+    """One running server: ``Popen`` in its own session, its log file, its secret on stdin.
+
+    Args:
+        command: :func:`server_command`.
+        env: :func:`server_env`.
+        log_path: where the server's stdout and stderr go (appended).
+        secret: written to the server's stdin (:mod:`.server_main`); scrubbed from :meth:`log_tail`.
+
+    Raises:
+        OSError: the process cannot be started.
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: str | os.PathLike, secret: str):
+        self.command = list(command)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._secret = secret
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, cwd=str(self.log_path.parent),
+            )  # fmt: skip
+        try:
+            self.process.stdin.write((secret + "\n").encode())
+            self.process.stdin.close()
+        except OSError:  # it exited at once; poll() and the log say why
+            pass
+        self.started = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the server's log, with the secret (should it be there) replaced."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 256 * 1024))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        tail = "\n".join(collections.deque(text.splitlines(), maxlen=lines))
+        return tail.replace(self._secret, "<redacted>") if self._secret else tail
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """``SIGTERM`` the server's session, wait up to ``grace_s``, then ``SIGKILL`` it; idempotent.
+
+        Only the server's own session is signalled (its pid is the session's process group), so
+        nothing that this object did not start is touched.
+        """
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)  # children that outlived the parent
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

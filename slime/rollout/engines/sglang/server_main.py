@@ -1,0 +1,75 @@
+"""The SGLang server process the engine starts: ``python -m slime.rollout.engines.sglang.server_main [SGLang flags]``.
+
+The same as ``python -m sglang.launch_server [SGLang flags]`` (SGLang 0.5.17's ``launch_server``:
+load the plugins, ``prepare_server_args``, ``run_server``), with one difference: the run's secret
+is read from the first line of standard input and set as ``api_key`` and ``admin_api_key`` after
+the command line is parsed, so it is in neither the command line (``ps``, ``/proc/<pid>/cmdline``)
+nor the environment.  With both keys set to the same secret, SGLang 0.5.17 refuses every endpoint
+without ``Authorization: Bearer <secret>`` except ``/health*`` and ``/metrics``
+(``sglang.srt.utils.auth.decide_request_auth``: normal endpoints check ``api_key``, management
+endpoints ``admin_api_key``).  An empty first line leaves the server open (tests only).
+
+Everything else is SGLang's; the plugin (:mod:`.server_plugin`) is found through the
+``*.dist-info`` folder the engine put on ``PYTHONPATH``.
+
+The server also dies with the engine: a thread watches the parent process (the engine's Ray actor)
+and, once it is gone (e.g. the actor was killed), kills the server's own session (SGLang's scheduler
+and detokenizer processes with it), so no orphaned server keeps the GPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+PARENT_POLL_S = 1.0
+
+
+def exit_with_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Start a daemon thread that, once this process's parent has exited, kills this process's session (when
+    it leads one, as the engine starts it) or else this process alone."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        if os.getsid(0) == os.getpid():
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
+def main(argv: list[str]) -> None:
+    secret = sys.stdin.readline().strip()
+    sys.stdin.close()
+    exit_with_parent()
+    from slime.rollout.engines.sglang.server_plugin import MAIN_PID_ENV
+
+    os.environ[MAIN_PID_ENV] = str(os.getpid())  # children inherit it: the plugin tells main from schedulers
+
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+    from sglang.launch_server import run_server
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    server_args = prepare_server_args(argv)
+    if secret:
+        server_args.api_key = secret
+        server_args.admin_api_key = secret
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,267 @@
+"""slime's SGLang plugin: code that runs inside every SGLang server process the engine starts.
+
+SGLang (0.5.17) loads *general plugins* from the ``sglang.srt.plugins`` entry-point group in each
+of its processes (``sglang.srt.plugins.load_plugins``: the HTTP server's main process through
+``launch_server`` / ``_launch_subprocesses``, and every scheduler, i.e. tensor-parallel worker,
+process in ``run_scheduler_process``; schedulers are separate ``spawn`` processes, so a patch made
+in the parent alone would not reach them).  The engine makes this module such a plugin for its own
+servers only: it writes a one-entry-point ``*.dist-info`` folder into the server's run folder and
+puts that folder on the server's ``PYTHONPATH`` (:func:`slime.rollout.engines.sglang.launch.write_plugin_dist`),
+so nothing is installed and no other SGLang process on the machine sees it.
+
+What :func:`register` (the entry point) does, in every process:
+
+1. **The multimodal-RoPE fix**, only where :func:`~slime.rollout.engines.sglang.versions.needs_mrope_fix`
+   says the installed SGLang is affected (0.5.17, 0.5.18; see :mod:`.versions`), in every process but the
+   HTTP server's main one (which runs no model), applied when SGLang imports ``sglang.srt.models.qwen3_5``
+   (a post-import hook, :func:`arm_on_import`):
+   ``Qwen3_5AttentionDecoderLayer.forward_prepare_cuda_fused`` is wrapped so that a call with 2-D
+   (M-RoPE, ``[3, T]``) positions runs ``forward_prepare_native`` instead (QK norm, then the model's
+   own M-RoPE rotary embedding), as SGLang >= 0.5.19 does; 1-D positions (text-only models) keep the
+   fused kernel.  ``SLIME_SGLANG_MROPE_FIX=0`` in the server's environment leaves the bug in (for
+   the benchmark that measures it).  A needed fix that cannot be applied (the class or a method is
+   missing) stops the process with ``SystemExit`` naming both: SGLang catches plugin ``Exception``s
+   and would otherwise serve wrong image log-probs silently.
+2. **Secrets out of the logs**: ``ServerArgs.__repr__`` (which SGLang logs at start-up as
+   ``server_args=ServerArgs(...)``) shows ``api_key`` and ``admin_api_key`` as ``'<redacted>'``.
+3. **A weight update that has finished when it answers**: after
+   ``BaseTpWorker.update_weights_from_tensor`` the worker synchronises its CUDA stream, so the copies
+   out of the trainer's CUDA-IPC buffer are done before the HTTP call returns and the trainer may
+   free that buffer (SGLang alone returns with the copies still queued).
+4. **A report**: one JSON file per process, ``<SLIME_SGLANG_REPORT_DIR>/<pid>.json`` with the
+   SGLang version, whether this process is the server's main process, the fix's state
+   (``"applied"``; ``"pending"`` until the model module is imported; ``"not needed"``, ``"disabled"``,
+   ``"main process"``) and ``GPU_MEMORY_ALL_TYPES``; the engine reads
+   them once the server is healthy (:func:`read_reports`) to check that every scheduler process
+   carries the fix and to learn which memory tags exist.
+
+Imports SGLang only inside functions, so the engine side can import this module for
+:func:`read_reports` and the tests for the wrappers.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.metadata
+import json
+import os
+import sys
+from pathlib import Path
+
+from slime.rollout.engines.sglang.versions import MROPE_FIX_TARGET, needs_mrope_fix
+
+ENTRY_POINT_GROUP = "sglang.srt.plugins"
+"""SGLang's entry-point group of general plugins."""
+ENTRY_POINT_NAME = "slime_server_plugin"
+"""This plugin's name (add it to ``SGLANG_PLUGINS`` when that allow-list is set)."""
+ENTRY_POINT = f"{__name__}:register"
+
+REPORT_DIR_ENV = "SLIME_SGLANG_REPORT_DIR"
+"""Folder for the per-process reports (set by the engine)."""
+MAIN_PID_ENV = "SLIME_SGLANG_MAIN_PID"
+"""Pid of the server's main process (set by :mod:`.server_main` before SGLang starts its children)."""
+MROPE_FIX_ENV = "SLIME_SGLANG_MROPE_FIX"
+"""``0`` leaves the multimodal-RoPE bug in; anything else (default) applies the fix where needed."""
+
+_MARK = "_slime_patched"
+
+
+def register() -> None:
+    """The entry point SGLang calls in each process (see the module docstring).
+
+    Raises:
+        SystemExit: the installed SGLang needs the multimodal-RoPE fix and it cannot be applied.
+    """
+    version = importlib.metadata.version("sglang")
+    main = str(os.getpid()) == os.environ.get(MAIN_PID_ENV)
+    if not needs_mrope_fix(version):
+        state = "not needed"
+    elif main:  # the HTTP server's process runs no model: the schedulers carry the fix
+        state = "main process"
+    elif os.environ.get(MROPE_FIX_ENV, "1") == "0":
+        state = "disabled"
+        print(f"[slime] WARNING: SGLang {version} has the Qwen3.5 multimodal-RoPE bug and {MROPE_FIX_ENV}=0 "
+              "leaves it in: image tokens get wrong rotary positions", file=sys.stderr, flush=True)
+    else:
+        state = "pending"  # "applied" once SGLang imports the model module (arm_on_import)
+    redact_server_args(_import_attr("sglang.srt.server_args.ServerArgs"))
+    worker = _import_attr("sglang.srt.managers.tp_worker.BaseTpWorker", missing_ok=True)
+    if worker is not None:
+        synchronize_after_tensor_update(worker)
+    _write_report(version, state, main)
+    if state == "pending":
+        module_name, _, class_name = MROPE_FIX_TARGET.rpartition(".")
+
+        def patch(module) -> None:
+            try:
+                apply_rope_fix(getattr(module, class_name))
+            except AttributeError as e:
+                raise SystemExit(
+                    f"[slime] SGLang {version} needs slime's multimodal-RoPE fix, but it cannot be applied to "
+                    f"{MROPE_FIX_TARGET}: {e}. Use an SGLang release >= 0.5.19 (which has the fix) or 0.5.17"
+                ) from e
+            _write_report(version, "applied", main)
+
+        arm_on_import(module_name, patch)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs ``patch(module)`` right after ``loader`` has executed the module."""
+
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A finder for one module name that hands out the real spec with a :class:`_PatchingLoader`."""
+
+    def __init__(self, module_name: str, patch):
+        self.module_name, self.patch = module_name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.module_name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                sys.meta_path.remove(self)  # once
+                spec.loader = _PatchingLoader(spec.loader, self.patch)
+                return spec
+        return None
+
+
+def arm_on_import(module_name: str, patch) -> None:
+    """Call ``patch(module)`` once ``module_name`` is imported: at once if it already is, else right after
+    SGLang imports it (a post-import hook on ``sys.meta_path``), so the plugin itself imports no model code
+    (which could touch a GPU before the scheduler has picked its own)."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        patch(module)
+    else:
+        sys.meta_path.insert(0, _PatchOnImport(module_name, patch))
+
+
+def apply_rope_fix(layer_cls: type) -> None:
+    """Route ``layer_cls.forward_prepare_cuda_fused(positions, hidden_states)`` to
+    ``forward_prepare_native`` whenever ``positions.ndim == 2`` (M-RoPE ``[3, T]`` positions).
+
+    Idempotent.  Both methods return ``(q, k, v, gate)`` for ``self_attention``: the fused one a
+    2-D gate ``[T, heads * head_dim]``, the native one a strided ``[T, heads, head_dim]`` view, both
+    accepted by SGLang's ``fused_sigmoid_mul`` (the native path is what the layer takes without a
+    gate, and what SGLang >= 0.5.19 takes for 2-D positions).
+
+    Raises:
+        AttributeError: ``layer_cls`` lacks either method (another SGLang layout).
+    """
+    fused = layer_cls.forward_prepare_cuda_fused
+    layer_cls.forward_prepare_native  # noqa: B018 - AttributeError here, not at the first image request
+    if getattr(fused, _MARK, False):
+        return
+
+    @functools.wraps(fused)
+    def forward_prepare_cuda_fused(self, positions, hidden_states, *args, **kwargs):
+        if positions.ndim == 2:
+            return self.forward_prepare_native(positions, hidden_states, *args, **kwargs)
+        return fused(self, positions, hidden_states, *args, **kwargs)
+
+    setattr(forward_prepare_cuda_fused, _MARK, True)
+    layer_cls.forward_prepare_cuda_fused = forward_prepare_cuda_fused
+
+
+REDACTED = "'<redacted>'"
+SECRET_FIELDS = ("api_key", "admin_api_key")
+
+
+def redact_server_args(server_args_cls: type) -> None:
+    """Make ``repr(ServerArgs)`` show :data:`SECRET_FIELDS` as ``'<redacted>'`` (idempotent)."""
+    original = server_args_cls.__repr__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __repr__(self):
+        text = original(self)
+        for field in SECRET_FIELDS:
+            value = getattr(self, field, None)
+            if value:
+                text = text.replace(repr(value), REDACTED)
+        return text
+
+    setattr(__repr__, _MARK, True)
+    server_args_cls.__repr__ = __repr__
+
+
+def synchronize_after_tensor_update(worker_cls: type) -> None:
+    """After ``worker_cls.update_weights_from_tensor`` returns, wait for the worker's CUDA stream, so
+    that the copies from the trainer's IPC buffers are done before SGLang answers (idempotent)."""
+    original = worker_cls.update_weights_from_tensor
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def update_weights_from_tensor(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        return result
+
+    setattr(update_weights_from_tensor, _MARK, True)
+    worker_cls.update_weights_from_tensor = update_weights_from_tensor
+
+
+def _import_attr(path: str, missing_ok: bool = False):
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError):
+        if missing_ok:
+            return None
+        raise
+
+
+def _write_report(version: str, state: str, main: bool) -> None:
+    folder = os.environ.get(REPORT_DIR_ENV)
+    if not folder:
+        return
+    try:
+        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+
+        memory_tags = list(GPU_MEMORY_ALL_TYPES)
+    except ImportError:
+        memory_tags = None
+    report = {
+        "pid": os.getpid(),
+        "main": main,
+        "sglang": version,
+        "mrope_fix": state,
+        "memory_tags": memory_tags,
+    }
+    path = Path(folder) / f"{os.getpid()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, path)
+
+
+def read_reports(folder: str | os.PathLike) -> list[dict]:
+    """The reports of :func:`register` in ``folder``, one per SGLang process that loaded the plugin
+    (unreadable files skipped), sorted by pid."""
+    reports = []
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(reports, key=lambda r: r.get("pid", 0))

@@ -1,0 +1,260 @@
+"""The engine parity check: the rollout engine and the trainer must agree on log-probs, images included.
+
+GRPO's importance ratios compare the trainer's log-probs with the ones the engine sampled under, so
+an engine that computes another distribution than the trainer biases every update, silently.  The
+case that motivates this check: SGLang 0.5.17 and 0.5.18 give image tokens of Qwen3.5 wrong rotary
+positions (:mod:`slime.rollout.engines.sglang.versions`), which leaves text prompts alone and shows
+only on image prompts.
+
+What runs, for the first two rollout steps of a run (``k = start``: engines and trainers both at the
+start-up weights, i.e. before step 0 on a fresh run; ``k = start + 1``: after the first weight sync):
+
+1. :meth:`EngineParityCheck.generate` (rollout phase, engines on the GPU): each of ``--engine-parity-prompts``
+   fixed prompts of the training data (its first rows with an image) is sent twice, with its image
+   and as text alone (the same problem, the image left out), sampled like the rollout
+   (``--rollout-temperature``) for up to ``--engine-parity-response-len`` tokens, with the engine's
+   log-probs kept;
+2. :meth:`EngineParityCheck.compare` (training phase, the trainer on the GPU, before its step):
+   :meth:`slime.backends.base.TrainerBackend.compute_log_probs` of the same responses; per kind the
+   gap is the mean over response tokens of ``|engine log-prob - trainer log-prob|`` (nats), and its max.
+   Responses that sampled an image or video placeholder id are left out (the trainer feeds that id
+   replaced, so the tokens after it see another context; counted in ``parity/skipped_vision_token_responses``).
+
+The run stops (:class:`EngineParityError`) when the image gap is above ``--engine-parity-max-gap``,
+or above ``--engine-parity-max-ratio`` times the text gap (floored at :data:`GAP_FLOOR`, the
+agreement bf16 engines reach on text); also when the text gap itself is above
+``--engine-parity-max-gap`` (then the weights differ, not the image path).  The gaps go to the
+metrics as ``parity/logprob_gap_{image,text}`` and ``..._max``.  Figures that motivate the
+defaults (issue 11, one H200, SGLang 0.5.17, bf16, the tiny model with Qwen3.5-35B-A3B's attention
+geometry, HF fp32 reference): bug 6.0e-3 image vs 9.9e-4 text (ratio 6); fixed 9.9e-4 vs 1.07e-3.
+
+Engines whose class sets :attr:`~slime.rollout.engines.base.RolloutEngine.parity_check` (SGLang) are
+checked unless ``--skip-engine-parity-check``; the transformers engine runs the trainer's own model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from typing import TYPE_CHECKING
+
+from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.rollout.seeds import sampling_seed
+from slime.utils.config import ConfigError, check_at_least_one, flag
+from slime.utils.types import Sample
+
+if TYPE_CHECKING:
+    from slime.ray.trainer_group import TrainerGroup
+    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.utils.data import PromptDataset
+
+logger = logging.getLogger(__name__)
+
+GAP_FLOOR = 1e-3
+"""Nats: the text gap under which the ratio test uses this value instead (bf16 engines agree to about it)."""
+CHECKED_STEPS = 2
+"""The check runs at the first this many rollout steps of a run (start-up weights, then after the first sync)."""
+
+
+class EngineParityError(RuntimeError):
+    """The engine's log-probs disagree with the trainer's beyond the bounds (the message says which and why)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParityConfig:
+    """The engine parity check (ROLLOUT_ARGS (engine parity)): engine vs trainer log-probs on fixed prompts."""
+
+    skip_engine_parity_check: bool = flag(
+        False, help="Do not compare the rollout engine's log-probs with the trainer's before step 0 and after the "
+        "first weight sync (the check that catches, e.g., SGLang 0.5.17's wrong image positions for Qwen3.5)."
+    )
+    engine_parity_prompts: int = flag(
+        4, help="Prompts of the check: the first training rows with an image, each sent with and without it."
+    )
+    engine_parity_response_len: int = flag(32, help="Response tokens sampled per prompt of the check.")
+    engine_parity_max_gap: float = flag(
+        0.1, help="Largest mean |engine - trainer| log-prob gap per response token (nats) for image or text prompts."
+    )
+    engine_parity_max_ratio: float = flag(
+        3.0, help="Largest image-prompt gap as a multiple of the text-prompt gap (the latter floored at 1e-3 nats)."
+    )
+
+    def __post_init__(self):
+        check_at_least_one(self, "engine_parity_prompts", "engine_parity_response_len")
+        for name in ("engine_parity_max_gap", "engine_parity_max_ratio"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+@dataclasses.dataclass
+class ParityGaps:
+    """Gaps of one check, nats per response token: means and maxima over tokens, and token counts."""
+
+    image: float
+    text: float
+    image_max: float
+    text_max: float
+    image_tokens: int
+    text_tokens: int
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "parity/logprob_gap_image": self.image,
+            "parity/logprob_gap_text": self.text,
+            "parity/logprob_gap_image_max": self.image_max,
+            "parity/logprob_gap_text_max": self.text_max,
+            "parity/tokens_image": float(self.image_tokens),
+            "parity/tokens_text": float(self.text_tokens),
+        }
+
+
+def token_gaps(samples: list[Sample], trainer_log_probs: list[list[float]]) -> list[float]:
+    """``|engine - trainer|`` per response token of every sample, in order.
+
+    Raises:
+        ValueError: a sample whose trainer log-probs have another length than its response.
+    """
+    gaps = []
+    for sample, trainer in zip(samples, trainer_log_probs, strict=True):
+        if len(trainer) != len(sample.rollout_log_probs):
+            raise ValueError(f"sample {sample.index}: {len(trainer)} trainer log-probs for "
+                             f"{len(sample.rollout_log_probs)} response tokens")
+        gaps += [abs(a - b) for a, b in zip(sample.rollout_log_probs, trainer)]
+    return gaps
+
+
+def summarize(image_gaps: list[float], text_gaps: list[float]) -> ParityGaps:
+    """Means and maxima (0 for an empty list) of the per-token gaps of each kind."""
+    def mean(xs):
+        return statistics.fmean(xs) if xs else 0.0
+
+    return ParityGaps(mean(image_gaps), mean(text_gaps), max(image_gaps, default=0.0), max(text_gaps, default=0.0),
+                      len(image_gaps), len(text_gaps))
+
+
+def verdict(gaps: ParityGaps, max_gap: float, max_ratio: float) -> str | None:
+    """Why the gaps refuse the run (see the module docstring), or None when they pass."""
+    if gaps.text > max_gap:
+        return (f"text-prompt gap {gaps.text:.3g} nats > --engine-parity-max-gap {max_gap:g}: the engine's weights or "
+                "sampling differ from the trainer's (a failed weight sync, another dtype or temperature)")
+    limit = max_ratio * max(gaps.text, GAP_FLOOR)
+    if gaps.image > max_gap or gaps.image > limit:
+        bound = (f"--engine-parity-max-gap {max_gap:g}" if gaps.image > max_gap else
+                 f"{max_ratio:g} x the text gap (--engine-parity-max-ratio; text {gaps.text:.3g}, floored at "
+                 f"{GAP_FLOOR:g})")
+        return (f"image-prompt gap {gaps.image:.3g} nats (max {gaps.image_max:.3g}) > {bound}: the engine computes "
+                "image tokens differently from the trainer. Likely cause: an engine with the Qwen3.5 multimodal-RoPE "
+                "bug "
+                "(SGLang 0.5.17 / 0.5.18 without slime's fix: image tokens get wrong rotary positions). Way out: keep "
+                "slime's SGLang plugin enabled (do not set SLIME_SGLANG_MROPE_FIX=0), or use SGLang >= 0.5.19; "
+                "--skip-engine-parity-check runs anyway")
+    return None
+
+
+class EngineParityCheck:
+    """The check of the module docstring for one run.
+
+    Args:
+        cfg: the check's flags.
+        dataset: the training prompts (their first rows with an image are the check's prompts).
+        temperature: ``--rollout-temperature`` (the trainer's log-probs use it too).
+        enabled: the engine asks for the check and it is not skipped.
+        start: the run's first rollout id (the check runs at ``start`` and ``start + 1``).
+        seed: ``--rollout-seed``; request ``i`` of step ``k`` is seeded ``sampling_seed(seed, k, i, "parity")``.
+
+    Raises:
+        ValueError: enabled, but the training data has no row with an image among its first rows.
+    """
+
+    def __init__(self, cfg: ParityConfig, dataset: PromptDataset | None, temperature: float, *, enabled: bool,
+                 start: int = 0, seed: int = 0):
+        self.cfg, self.temperature, self.start, self.seed = cfg, temperature, start, seed
+        self.enabled = enabled and not cfg.skip_engine_parity_check
+        self.image_prompts: list[Sample] = []
+        self.text_prompts: list[Sample] = []
+        self.vision_token_ids: set[int] = set()
+        if self.enabled:
+            self.image_prompts, self.text_prompts = probe_prompts(dataset, cfg.engine_parity_prompts)
+            self.vision_token_ids = vision_token_ids(dataset.processor)
+
+    @classmethod
+    def off(cls) -> EngineParityCheck:
+        """A check that never runs."""
+        return cls(ParityConfig(skip_engine_parity_check=True), None, 1.0, enabled=False)
+
+    def due(self, rollout_id: int) -> bool:
+        return self.enabled and self.start <= rollout_id < self.start + CHECKED_STEPS
+
+    def generate(self, engines: RolloutEngineGroup, rollout_id: int) -> list[Sample] | None:
+        """Engine side: the check's samples with responses and engine log-probs, or None when not due."""
+        if not self.due(rollout_id):
+            return None
+        samples = [p.clone_prompt() for p in self.image_prompts + self.text_prompts]
+        requests = [
+            GenerateRequest(s.prompt, s.images, SamplingParams(
+                max_new_tokens=self.cfg.engine_parity_response_len, temperature=self.temperature,
+                sampling_seed=sampling_seed(self.seed, rollout_id, i, "parity")), rid=f"parity:{i}")
+            for i, s in enumerate(samples)
+        ]  # fmt: skip
+        for sample, out in zip(samples, engines.generate(requests)):
+            sample.response_token_ids = list(out.output_ids)
+            sample.rollout_log_probs = list(out.output_log_probs)
+            sample.loss_mask = [1] * len(out.output_ids)
+        return samples
+
+    def compare(self, trainers: TrainerGroup, samples: list[Sample] | None, rollout_id: int) -> dict[str, float]:
+        """Trainer side: the gaps as metrics ({} when ``samples`` is None).
+
+        Raises:
+            EngineParityError: the gaps refuse the run (:func:`verdict`).
+        """
+        if samples is None:
+            return {}
+        trainer = trainers.compute_log_probs(samples)
+        n = len(self.image_prompts)
+        # A response with an image/video placeholder id is fed to the trainer with that id replaced
+        # (slime.backends.fsdp.inputs), so its later tokens see another context than the engine's: left out.
+        keep = [not self.vision_token_ids.intersection(s.response_token_ids) for s in samples]
+        kinds = [[(s, t) for s, t, k in zip(samples[a:b], trainer[a:b], keep[a:b]) if k] for a, b in ((0, n), (n, None))]
+        gaps = summarize(*(token_gaps([s for s, _ in kind], [t for _, t in kind]) for kind in kinds))
+        when = "before the first update" if rollout_id == self.start else "after the first weight sync"
+        logger.info("engine parity %s (rollout %d): image gap %.3g (max %.3g) over %d tokens, text gap %.3g "
+                    "(max %.3g) over %d tokens", when, rollout_id, gaps.image, gaps.image_max, gaps.image_tokens,
+                    gaps.text, gaps.text_max, gaps.text_tokens)
+        why = verdict(gaps, self.cfg.engine_parity_max_gap, self.cfg.engine_parity_max_ratio)
+        if why:
+            raise EngineParityError(f"engine parity check {when} (rollout {rollout_id}) failed: {why}")
+        return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(keep.count(False))}
+
+
+def vision_token_ids(processor) -> set[int]:
+    """The image and video placeholder ids of ``processor`` (:class:`slime.utils.processor.VLProcessor`)."""
+    ids = {processor.image_token_id}
+    video = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    return ids | ({video} if isinstance(video, int) else set())
+
+
+def probe_prompts(dataset: PromptDataset, n: int) -> tuple[list[Sample], list[Sample]]:
+    """The first ``n`` rows of ``dataset`` that carry an image, with their image and as text only.
+
+    Raises:
+        ValueError: fewer than ``n`` such rows in the data (the message says how many were found).
+    """
+    image_samples, text_samples = [], []
+    for row in range(dataset.num_rows):
+        sample = dataset.make_sample(row, count_skips=False)
+        if sample is None or not sample.images:
+            continue
+        text = dataset.make_sample(row, drop_images=True, count_skips=False)
+        if text is None:
+            continue
+        image_samples.append(sample)
+        text_samples.append(text)
+        if len(image_samples) == n:
+            return image_samples, text_samples
+    raise ValueError(
+        f"the engine parity check needs {n} training rows with an image, found {len(image_samples)} in "
+        f"{dataset.num_rows} rows; lower --engine-parity-prompts or add --skip-engine-parity-check"
+    )

@@ -1,0 +1,182 @@
+"""Weight sync by CUDA IPC into colocated engines (SGLang ``/update_weights_from_tensor``, ``flattened_bucket``).
+
+Colocated runs put one trainer rank and one engine TP rank on every GPU, so the weights never leave
+the GPUs: the engine maps the trainer's buffers and copies from them.
+
+``connect`` (driver, once per run and after an engine actor is replaced): the transport carries the
+engines' :class:`~slime.rollout.engines.base.EngineResources` to the ranks.  ``connect_rank`` (every
+trainer rank): the rank finds its GPU (Ray's node id and GPU id, the same ids the engines' bundles
+carry) among the engines' GPUs, which gives its engine and its TP rank there (the engine's TP rank
+``i`` runs on its ``i``-th local GPU, ``--base-gpu-id 0`` over ``CUDA_VISIBLE_DEVICES``); all ranks
+exchange that (:func:`ipc_plan`), and every TP rank of every engine must have exactly one trainer
+rank on its GPU.  A gloo group over the trainer ranks carries the small messages.
+
+``begin_sync``: every engine ``pause_generation`` then ``flush_cache``.  ``send``, per round of the
+lockstep buckets (:meth:`~slime.backends.base.TrainerBackend.iter_weight_buckets`): the ranks share
+who sends what (names, shapes, dtypes: an ``all_gather_object``); for each source rank of the round,
+
+1. the source flattens its tensors into one **new** ``uint8`` buffer (:func:`~.flattened.flatten`),
+   the others allocate a new buffer of the same size, and the source broadcasts it over the trainers'
+   own process group (NCCL), so every GPU holds the bucket;
+2. each rank takes a CUDA IPC handle of its copy (:func:`~.flattened.serialize_ipc_bucket`; the device
+   by UUID); the handles are gathered, and each engine's TP-rank-0 trainer rank calls
+   ``update_weights_from_ipc`` with its engine's handles in TP order (one per TP rank) and waits;
+3. a barrier: no rank frees its buffer before every engine has loaded it.  The server plugin makes
+   SGLang's update return only after its copies finished (SGLang alone returns with the copies
+   queued, and a reused buffer would then corrupt the weights; :mod:`slime.rollout.engines.sglang.server_plugin`).
+
+``end_sync``: every engine ``continue_generation``.  The sync runs inside the colocated memory
+hand-over (:mod:`slime.ray.colocate`): the engines' weights are resumed before it, the KV cache after.
+Bytes moved per sync: the model once per GPU (a broadcast of every bucket to every trainer GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import ray
+import torch
+
+from slime.weight_sync.base import WeightBucket, WeightTransport
+from slime.weight_sync.flattened import FlatBucket, flatten, layout, serialize_ipc_bucket
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from slime.backends.base import RankInfo
+    from slime.ray.trainer_group import TrainerGroup
+    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.rollout.engines.base import EngineResources
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSlot:
+    """Which engine and TP rank run on one trainer rank's GPU."""
+
+    engine: int
+    tp_rank: int
+
+
+def locate(node_id: str, gpu_id: str, engines: Sequence[EngineResources]) -> EngineSlot | None:
+    """The engine TP rank on GPU ``gpu_id`` of node ``node_id`` (Ray's ids), or None if no engine uses it."""
+    for resources in engines:
+        local = [(b.node_id, gpu) for b in resources.bundles if b.node_id == resources.bundles[0].node_id
+                 for gpu in b.gpu_ids]
+        if (node_id, str(gpu_id)) in local:
+            return EngineSlot(resources.index, local.index((node_id, str(gpu_id))))
+    return None
+
+
+def ipc_plan(slots: Sequence[EngineSlot | None], engines: Sequence[EngineResources]) -> dict[int, list[int]]:
+    """For each engine, the trainer ranks on its GPUs in TP order, from every rank's :func:`locate`.
+
+    Raises:
+        ValueError: an engine TP rank with no trainer rank or with two on its GPU (the message names them).
+    """
+    plan: dict[int, dict[int, int]] = {r.index: {} for r in engines}
+    for rank, slot in enumerate(slots):
+        if slot is None:
+            continue
+        if slot.tp_rank in plan[slot.engine]:
+            raise ValueError(f"trainer ranks {plan[slot.engine][slot.tp_rank]} and {rank} share the GPU of engine "
+                             f"{slot.engine} TP rank {slot.tp_rank}; CUDA IPC needs one trainer rank per GPU")
+        plan[slot.engine][slot.tp_rank] = rank
+    out = {}
+    for resources in engines:
+        tp = len(resources.local_gpu_ids)
+        missing = [i for i in range(tp) if i not in plan[resources.index]]
+        if missing:
+            raise ValueError(
+                f"no trainer rank shares the GPU of {resources.describe()} TP rank(s) {missing}: CUDA IPC weight sync "
+                "needs every engine GPU colocated with a trainer rank (--colocate with as many rollout GPUs as "
+                "trainer GPUs)"
+            )
+        out[resources.index] = [plan[resources.index][i] for i in range(tp)]
+    return out
+
+
+class CudaIpcTransport(WeightTransport):
+    """See the module docstring."""
+
+    name = "cuda_ipc"
+    tensor_device = None
+
+    def __init__(self, bucket_bytes: int):
+        super().__init__(bucket_bytes)
+        self.engine_resources: list[EngineResources] = []
+        self._group = None
+        self._plan: dict[int, list[int]] = {}
+
+    def __getstate__(self):  # a process group does not travel
+        state = dict(self.__dict__)
+        state["_group"] = None
+        return state
+
+    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+        self.engine_resources = list(engines.resources)
+        ray.get(trainers.connect_ranks(self, engines))
+
+    def connect_rank(self, rank: RankInfo, engines: Sequence[ActorHandle]) -> None:
+        """Find this rank's engine TP rank and build the plan (collective over the trainer ranks).
+
+        Raises:
+            ValueError: see :func:`ipc_plan`.
+        """
+        import torch.distributed as dist
+
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+        self._group = dist.new_group(backend="gloo")
+        gpu_ids = ray.get_gpu_ids()
+        node = ray.get_runtime_context().get_node_id()
+        slot = locate(node, str(gpu_ids[0]), self.engine_resources) if gpu_ids else None
+        slots: list = [None] * rank.world_size
+        dist.all_gather_object(slots, slot, group=self._group)
+        self._plan = ipc_plan(slots, self.engine_resources)
+
+    def begin_sync(self, engines: RolloutEngineGroup) -> None:
+        engines.pause_generation()
+        engines.flush_cache()
+
+    def send(self, buckets: Iterable[WeightBucket], rank: RankInfo, engines: Sequence[ActorHandle]) -> list[str]:
+        """Move this rank's buckets into every engine (see the module docstring).
+
+        Raises:
+            RuntimeError: an engine refused a bucket (its message).
+        """
+        import torch.distributed as dist
+
+        sent: list[str] = []
+        device = torch.device("cuda", torch.cuda.current_device())
+        leads = {ranks[0]: engine for engine, ranks in self._plan.items()}
+        for bucket in buckets:
+            meta = layout(bucket) if bucket else None
+            metas: list = [None] * rank.world_size
+            dist.all_gather_object(metas, meta, group=self._group)
+            for source, source_meta in enumerate(metas):
+                if source_meta is None:
+                    continue
+                metadata, total = source_meta
+                if source == rank.rank:
+                    buffer = flatten(bucket, device=device).buffer
+                else:
+                    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+                if rank.world_size > 1:
+                    dist.broadcast(buffer, src=source)
+                torch.cuda.current_stream().synchronize()
+                handle = serialize_ipc_bucket(FlatBucket(buffer, metadata))
+                handles: list = [None] * rank.world_size
+                dist.all_gather_object(handles, handle, group=self._group)
+                if rank.rank in leads:
+                    engine = leads[rank.rank]
+                    ray.get(engines[engine].update_weights_from_ipc.remote([handles[r] for r in self._plan[engine]]))
+                dist.barrier(group=self._group)
+                del buffer
+            if bucket:
+                sent += [name for name, _ in bucket]
+        return sent
+
+    def end_sync(self, engines: RolloutEngineGroup) -> None:
+        engines.flush_cache()
+        engines.continue_generation()

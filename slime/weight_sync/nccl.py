@@ -1,0 +1,179 @@
+"""Weight sync by NCCL broadcast into disaggregated engines (SGLang ``/init_weights_update_group`` +
+``/update_weights_from_distributed``).
+
+Every trainer rank may be the source of some buckets (FSDP: every ``world_size``-th round; Megatron:
+its pipeline stage's and experts' tensors), so each trainer rank ``r`` owns one process group,
+``slime-weights-r<r>``, with itself as rank 0 and every engine GPU after it: engine ``e``'s TP rank
+``i`` is rank ``1 + offset(e) + i``, ``world = 1 + the engines' GPUs``.
+
+``connect`` (driver, once per run and again after an engine actor is replaced): each trainer rank
+names a free port on its node; every engine then joins the groups in rank order (its actor runs one
+call at a time, so all engines join group 0 first, then group 1, ...), while every trainer rank
+creates its own group as rank 0 and hosts its rendezvous store (:func:`init_weight_group`, the
+rendezvous SGLang's ``init_custom_process_group`` expects: a ``TCPStore`` at ``master_address:master_port``
+with the group name as prefix).  ``begin_sync``: ``pause_generation`` + ``flush_cache``.
+
+``send``, per non-empty bucket of the rank, split by dtype (SGLang rebuilds the flattened layout
+itself, back to back, so one buffer holds one dtype): start every engine's
+``update_weights_from_distributed(names, dtypes, shapes, group)`` without waiting, broadcast the
+flattened buffer from rank 0 of the rank's group, then wait for the engines.  Names are the
+Hugging Face checkpoint names, the vision tower's included (``model.visual.*``): upstream slime's
+NCCL path once dropped the vision tower's names for VLMs (slime issue 1673); this one sends exactly
+what the backend yields, and the tests check the vision names arrive.
+
+``end_sync``: ``flush_cache`` + ``continue_generation``.  A process group needs one device per rank,
+so NCCL needs the engines on other GPUs than the trainers (two GPUs at least).  ``backend="gloo"``
+runs the same protocol on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import ray
+import torch
+
+from slime.weight_sync.base import WeightBucket, WeightTransport
+from slime.weight_sync.flattened import dtype_name, flatten
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from slime.backends.base import RankInfo
+    from slime.ray.trainer_group import TrainerGroup
+    from slime.rollout.engine_group import RolloutEngineGroup
+
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def group_name(rank: int) -> str:
+    return f"slime-weights-r{rank}"
+
+
+def rank_offsets(tp_sizes: Sequence[int]) -> list[int]:
+    """Group rank of each engine's TP rank 0: ``1 + the GPUs of the engines before it``."""
+    offsets, total = [], 1
+    for tp in tp_sizes:
+        offsets.append(total)
+        total += tp
+    return offsets
+
+
+def split_by_dtype(bucket: WeightBucket) -> list[WeightBucket]:
+    """``bucket`` cut into runs of one dtype, in order (a flattened NCCL buffer holds one dtype)."""
+    runs: list[WeightBucket] = []
+    for name, tensor in bucket:
+        if runs and runs[-1][0][1].dtype == tensor.dtype:
+            runs[-1].append((name, tensor))
+        else:
+            runs.append([(name, tensor)])
+    return runs
+
+
+def init_weight_group(master_address: str, master_port: int, world_size: int, rank: int, name: str,
+                      backend: str = "nccl"):
+    """A process group outside the trainers' world, rendezvous at ``tcp://master_address:master_port``
+    (rank 0 hosts the store), as SGLang's server side creates it (``init_custom_process_group``).
+
+    Returns:
+        The process group (broadcast with ``src=0``).
+    """
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=GROUP_TIMEOUT))
+    store.set_timeout(GROUP_TIMEOUT)
+    pg, _ = _new_process_group_helper(world_size, rank, [], torch.distributed.Backend(backend),
+                                      PrefixStore(name, store), group_name=name, backend_options=None,
+                                      timeout=GROUP_TIMEOUT)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _address(actor) -> tuple[str, int]:
+    """Run in a trainer actor (``__ray_call__``): its node's address and a free port there."""
+    from slime.ray.placement import free_port, node_ip
+
+    return node_ip(), free_port()
+
+
+class NcclTransport(WeightTransport):
+    """See the module docstring.
+
+    Args:
+        bucket_bytes: ``--update-weight-buffer-size``.
+        backend: ``"nccl"`` (GPUs) or ``"gloo"`` (the same protocol on CPU tensors, for tests).
+    """
+
+    name = "nccl"
+    tensor_device = None
+
+    def __init__(self, bucket_bytes: int, backend: str = "nccl"):
+        super().__init__(bucket_bytes)
+        self.backend = backend
+        self.addresses: list[tuple[str, int]] = []
+        self.world_size = 0
+        self._group = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_group"] = None
+        return state
+
+    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+        """Form one group per trainer rank with every engine GPU (see the module docstring).
+
+        Raises:
+            ray.exceptions.RayTaskError: an engine or a rank failed to join (SGLang's message inside).
+        """
+        if self.addresses:  # a reconnect: engines leave the old groups first (a new actor has none)
+            ray.get([a.destroy_weights_update_group.remote(group_name(r))
+                     for a in engines.actors for r in range(len(self.addresses))])
+        tp_sizes = [len(r.local_gpu_ids) or 1 for r in engines.resources]
+        offsets = rank_offsets(tp_sizes)
+        self.world_size = 1 + sum(tp_sizes)
+        self.addresses = ray.get([a.__ray_call__.remote(_address) for a in trainers.actors])
+        joins = [
+            actor.init_weights_update_group.remote(address, port, offsets[e], self.world_size, group_name(r))
+            for r, (address, port) in enumerate(self.addresses)
+            for e, actor in enumerate(engines.actors)
+        ]
+        ray.get(trainers.connect_ranks(self, engines) + joins)
+
+    def connect_rank(self, rank: RankInfo, engines: Sequence[ActorHandle]) -> None:
+        address, port = self.addresses[rank.rank]
+        self._group = init_weight_group(address, port, self.world_size, 0, group_name(rank.rank), self.backend)
+
+    def begin_sync(self, engines: RolloutEngineGroup) -> None:
+        engines.pause_generation()
+        engines.flush_cache()
+
+    def send(self, buckets: Iterable[WeightBucket], rank: RankInfo, engines: Sequence[ActorHandle]) -> list[str]:
+        """Broadcast this rank's buckets to every engine (no collectives between trainer ranks).
+
+        Raises:
+            ray.exceptions.RayTaskError: an engine refused a bucket (SGLang's message inside).
+        """
+        import torch.distributed as dist
+
+        sent: list[str] = []
+        name = group_name(rank.rank)
+        for bucket in buckets:
+            for run in split_by_dtype(bucket):
+                names = [n for n, _ in run]
+                calls = [engine.update_weights_from_distributed.remote(
+                    names, [dtype_name(t.dtype) for _, t in run], [list(t.shape) for _, t in run], name)
+                    for engine in engines]  # fmt: skip
+                flat = flatten(run, align=1)
+                options = dist.BroadcastOptions()
+                options.rootRank = 0
+                self._group.broadcast([flat.buffer], options).wait()
+                ray.get(calls)
+                del flat
+                sent += names
+        return sent
+
+    def end_sync(self, engines: RolloutEngineGroup) -> None:
+        engines.flush_cache()
+        engines.continue_generation()

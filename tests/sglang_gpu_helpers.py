@@ -1,0 +1,141 @@
+"""Shared pieces of the SGLang GPU tests and benchmarks (``tests/test_sglang_gpu*.py``, ``scripts/bench/sglang_*.py``).
+
+- :data:`SERVER_FLAGS`: the SGLang flags that work with the project's trimmed GPU wheelhouse (no FA3 in
+  ``sglang-kernel``: triton attention backends), from ``../shared/gpu/README.md``;
+- :class:`SharedGpuPlacement`: engines on GPUs named by hand (several engines may share one GPU), for
+  :class:`slime.rollout.engine_group.RolloutEngineGroup` without a placement group;
+- :func:`start_engine`: one :class:`~slime.rollout.engines.sglang.engine.SGLangEngine` in this process;
+- :func:`reference_log_probs`: the Hugging Face model's log-probs of given responses (the trainer's code path:
+  :func:`slime.backends.fsdp.inputs.build_model_inputs` + ``response_log_probs``), float32;
+- :func:`figure`: one JSON line of figures into ``$SLIME_GPU_FIGURES`` (when set) and on stdout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from slime.rollout.engines.base import BundleResources, EngineResources
+from slime.rollout.engines.sglang.engine import SGLangEngine
+from slime.rollout.engines.sglang.launch import LOCALHOST, ServerSpec
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+SERVER_FLAGS = (
+    "--attention-backend", "triton", "--mm-attention-backend", "triton_attn", "--sampling-backend", "pytorch",
+    "--moe-runner-backend", "triton", "--disable-cuda-graph", "--skip-server-warmup",
+)  # fmt: skip
+START_TIMEOUT_S = 900.0
+"""A server's start-up on a fresh machine (~140 s seen for the tiny model, kernels compiling)."""
+
+
+def server_flags(mem_fraction: float, *extra: str) -> tuple[str, ...]:
+    return (*SERVER_FLAGS, "--mem-fraction-static", str(mem_fraction), *extra)
+
+
+def sglang_argv(mem_fraction: float, *extra: str) -> list[str]:
+    """:func:`server_flags` as ``--sglang-*`` flags of slime."""
+    flags, argv = server_flags(mem_fraction, *extra), []
+    for token in flags:
+        argv.append("--sglang-" + token[2:] if token.startswith("--") else token)
+    return argv
+
+
+def figure(**values) -> dict:
+    """Print ``values`` as one JSON line and append it to ``$SLIME_GPU_FIGURES`` when set."""
+    line = json.dumps(values)
+    print("FIGURE", line, flush=True)
+    path = os.environ.get("SLIME_GPU_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    return values
+
+
+class SharedGpuPlacement:
+    """Engines on GPUs of this node chosen by hand: engine ``i`` on ``gpu_ids[i]`` (ids may repeat).
+
+    Duck-types the two things :class:`~slime.rollout.engine_group.RolloutEngineGroup` reads from a
+    :class:`~slime.ray.placement.Placement`: ``engine_resources`` and ``engine_options(i)``.  Actors take no
+    Ray GPU (``num_gpus=0``) and set ``CUDA_VISIBLE_DEVICES`` from their resources themselves.
+    """
+
+    def __init__(self, gpu_ids: list[list[str]], colocated: bool = False):
+        import ray
+
+        node_ip = ray.util.get_node_ip_address()
+        node_id = ray.get_runtime_context().get_node_id()
+        self.engine_resources = [
+            EngineResources(i, tuple(BundleResources(100 * i + k, node_ip, node_id, (g,), 1.0) for k, g in enumerate(ids)),
+                            use_gpu=True, colocated=colocated)
+            for i, ids in enumerate(gpu_ids)
+        ]
+
+    def engine_options(self, index: int) -> dict:
+        from slime.ray.placement import NOSET_CUDA_VISIBLE_DEVICES
+
+        return {"num_cpus": 0, "num_gpus": 0, "runtime_env": {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}}
+
+
+def start_engine(model_path: str, run_dir: str | os.PathLike, *, mem_fraction: float = 0.25, colocated: bool = True,
+                 env: dict[str, str] | None = None, capacity: int = 128, extra: tuple[str, ...] = ()) -> SGLangEngine:
+    """One SGLang server on ``CUDA_VISIBLE_DEVICES``'s first GPU, through the engine; returns once it started."""
+    from slime.ray.placement import free_port
+
+    spec = ServerSpec(model_path=str(model_path), tp_size=1, host=LOCALHOST, port=free_port(), seed=0,
+                      colocated=colocated, passthrough=server_flags(mem_fraction, *extra))
+    return SGLangEngine(spec, run_dir, capacity=capacity, gpu_ids=["0"], env=env)
+
+
+def wait_healthy(*engines: SGLangEngine, timeout_s: float = START_TIMEOUT_S) -> float:
+    """Poll until every engine is healthy; returns the seconds it took.
+
+    Raises:
+        AssertionError: not healthy in time (with each log tail).
+    """
+    started = time.monotonic()
+    pending = list(engines)
+    while pending:
+        pending = [e for e in pending if not e.health()]
+        if pending and time.monotonic() - started > timeout_s:
+            raise AssertionError("SGLang not healthy in time:\n" + "\n---\n".join(e.log_tail() for e in pending))
+        if pending:
+            time.sleep(1.0)
+    return time.monotonic() - started
+
+
+def reference_log_probs(model, samples, temperature: float) -> list[list[float]]:
+    """Per-token log-probs of each sample's response under ``model`` (one sample per forward), float32."""
+    from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
+
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for sample in samples:
+            inputs = build_model_inputs([sample], model.config, device)
+            log_probs, _ = response_log_probs(model, inputs, temperature)
+            out.append(log_probs[0, : sample.response_length].float().tolist())
+    return out
+
+
+def mean_abs_gap(samples, reference, skip_ids: set[int] = frozenset()) -> tuple[float, float, int]:
+    """(mean, max, tokens) of ``|engine - reference|`` over every response token, leaving out responses that
+    sampled one of ``skip_ids`` (vision placeholders: the reference feeds them replaced)."""
+    gaps = [abs(a - b) for s, ref in zip(samples, reference) if not skip_ids.intersection(s.response_token_ids)
+            for a, b in zip(s.rollout_log_probs, ref)]
+    return (statistics.fmean(gaps) if gaps else 0.0), max(gaps, default=0.0), len(gaps)
+
+
+def load_checkpoint_tensors(model_path: str | Path, device: str = "cuda", dtype=torch.bfloat16) -> dict:
+    """Every tensor of the checkpoint's safetensors files by checkpoint name, on ``device`` in ``dtype``."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        tensors.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(str(path)).items()})
+    return tensors

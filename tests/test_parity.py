@@ -1,0 +1,160 @@
+"""The engine parity check (:mod:`slime.rollout.parity`): gaps, verdicts, its fixed prompts, when it runs,
+and the real driver refusing an engine whose image log-probs are off (the fake SGLang server's stand-in for
+the multimodal-RoPE bug) while accepting one that agrees.  Gap figures are worked out by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slime.rollout.parity import (
+    CHECKED_STEPS,
+    EngineParityCheck,
+    EngineParityError,
+    ParityConfig,
+    ParityGaps,
+    probe_prompts,
+    summarize,
+    token_gaps,
+    verdict,
+)
+from slime.utils.config import ConfigError
+from slime.utils.types import Sample
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+
+
+def _sample(engine_log_probs):
+    return Sample(index=0, prompt="p", label="1", rollout_log_probs=list(engine_log_probs))
+
+
+def test_token_gaps_and_their_summary_by_hand():
+    samples = [_sample([-1.0, -2.0]), _sample([-0.5])]
+    gaps = token_gaps(samples, [[-1.25, -2.0], [-0.25]])
+    assert gaps == pytest.approx([0.25, 0.0, 0.25])
+    summary = summarize(gaps, [0.5, 0.25])
+    assert (summary.image, summary.image_max, summary.image_tokens) == (pytest.approx(1 / 6), 0.25, 3)
+    assert (summary.text, summary.text_max, summary.text_tokens) == (0.375, 0.5, 2)
+    assert summarize([], []).metrics()["parity/logprob_gap_image"] == 0.0
+    with pytest.raises(ValueError, match="1 trainer log-probs for 2 response tokens"):
+        token_gaps([_sample([-1.0, -2.0])], [[-1.0]])
+
+
+def _gaps(image, text):
+    return ParityGaps(image, text, 4 * image, 4 * text, 100, 100)
+
+
+@pytest.mark.parametrize("image, text, refused, reason", [
+    (6.0e-3, 9.9e-4, True, "multimodal-RoPE bug"),  # issue 11's H200 figures with the bug: 6.0e-3 > 3 x 1e-3
+    (9.9e-4, 1.07e-3, False, None),  # and with the fix
+    (2.9e-3, 1e-5, False, None),  # the text gap is floored at 1e-3: 2.9e-3 < 3e-3
+    (3.1e-3, 1e-5, True, "3 x the text gap"),
+    (0.2, 0.09, True, "--engine-parity-max-gap 0.1"),  # absolute bound, although only 2.2 x the text gap
+    (0.01, 0.15, True, "weights or sampling differ"),  # the text gap alone is off: not the image path
+])  # fmt: skip
+def test_verdict(image, text, refused, reason):
+    why = verdict(_gaps(image, text), max_gap=0.1, max_ratio=3.0)
+    assert (why is not None) == refused
+    if refused:
+        assert reason in why
+        if "multimodal" in reason or "x the text gap" in reason:
+            assert "SGLang 0.5.17" in why and "--skip-engine-parity-check" in why
+
+
+@pytest.mark.parametrize("field, value", [("engine_parity_prompts", 0), ("engine_parity_response_len", 0),
+                                          ("engine_parity_max_gap", 0.0), ("engine_parity_max_ratio", -1.0)])
+def test_bad_parity_flags_are_refused(field, value):
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}"):
+        ParityConfig(**{field: value})
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_ckpt):
+    from slime.utils.arguments import parse_args
+    from slime.utils.data import PromptDataset
+    from slime.utils.processor import load_processor
+
+    cfg = parse_args(["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",
+                      "--rollout-batch-size", "2", "--rollout-max-response-len", "4", "--train-backend", "fsdp",
+                      "--rollout-backend", "transformers", "--rollout-num-gpus", "1", "--input-key", "problem",
+                      "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template"])
+    return PromptDataset(cfg.data, load_processor(str(tiny_ckpt)), seed=0)
+
+
+def test_the_fixed_prompts_are_the_first_image_rows_with_and_without_their_image(dataset):
+    images, texts = probe_prompts(dataset, 3)
+    image_pad = dataset.processor.image_token_id
+    for with_image, without in zip(images, texts):
+        assert with_image.index == without.index and with_image.label == without.label
+        assert with_image.images and image_pad in with_image.prompt_token_ids
+        assert not without.images and image_pad not in without.prompt_token_ids
+        assert "<|image_pad|>" not in without.prompt and not without.multimodal_inputs
+        assert len(without.prompt_token_ids) < len(with_image.prompt_token_ids)
+    assert [s.index for s in images] == [0, 1, 2]  # every bundled row has an image
+    assert all(count == 0 for count in dataset.skip_counts.values())
+    with pytest.raises(ValueError, match="needs 1000 training rows with an image, found"):
+        probe_prompts(dataset, 1000)
+
+
+def test_responses_with_a_vision_placeholder_are_left_out_of_the_gaps(dataset):
+    import types
+
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True)
+    pad = dataset.processor.image_token_id
+    image, text = check.image_prompts[0].clone_prompt(), check.text_prompts[0].clone_prompt()
+    image.response_token_ids, image.rollout_log_probs = [5, pad, 7], [-1.0, -1.0, -1.0]  # left out: gap 0.9
+    text.response_token_ids, text.rollout_log_probs = [5, 6], [-1.0, -2.0]
+    trainers = types.SimpleNamespace(compute_log_probs=lambda samples: [[-0.1, -0.1, -0.1], [-1.0, -1.9]])
+    metrics = check.compare(trainers, [image, text], 0)
+    assert metrics["parity/skipped_vision_token_responses"] == 1.0 and metrics["parity/tokens_image"] == 0
+    assert metrics["parity/logprob_gap_text"] == pytest.approx(0.05) and metrics["parity/tokens_text"] == 2
+
+
+def test_the_check_runs_at_the_first_two_steps_of_a_run_unless_skipped(dataset):
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True, start=5)
+    assert [check.due(k) for k in range(4, 9)] == [False, True, True, False, False] and CHECKED_STEPS == 2
+    skipped = EngineParityCheck(ParityConfig(skip_engine_parity_check=True), dataset, 1.0, enabled=True)
+    assert not skipped.due(0) and not skipped.image_prompts
+    assert not EngineParityCheck(ParityConfig(), dataset, 1.0, enabled=False).due(0)
+    assert not EngineParityCheck.off().due(0) and EngineParityCheck.off().compare(None, None, 0) == {}
+
+
+def _driver_cfg(tiny_ckpt, tmp_path, *extra):
+    from slime.utils.arguments import parse_args
+
+    return parse_args([
+        "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--input-key", "problem",
+        "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template",
+        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "8", "--global-batch-size", "4", "--train-backend", "fsdp",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--rollout-backend", "tests.fake_sglang:FakeSGLangEngine", "--sglang-fake-model", "hf",
+        "--engine-parity-prompts", "2", "--engine-parity-response-len", "8",
+        "--output-dir", str(tmp_path / "run"), "--no-progress-bar", *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_path):
+    from slime import train as driver
+
+    cfg = _driver_cfg(tiny_ckpt, tmp_path, "--sglang-fake-image-logprob-shift", "0.05")
+    with pytest.raises(EngineParityError, match="before the first update .* multimodal-RoPE bug"):
+        driver.train(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ckpt, tmp_path):
+    from slime import train as driver
+    from slime.utils.metrics import read_metrics
+
+    run_dir = driver.train(_driver_cfg(tiny_ckpt, tmp_path))
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for record in records:  # the fake runs the trainer's HF model in float32: the two agree to rounding
+        assert record["parity/logprob_gap_image"] < 1e-4 and record["parity/logprob_gap_text"] < 1e-4
+        assert record["parity/tokens_image"] > 0 and record["parity/tokens_text"] > 0
+        assert record["rollout/engine_failures"] == 0.0

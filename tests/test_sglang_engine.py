@@ -1,0 +1,572 @@
+"""The SGLang engine on CPU: command line, environment, plugin discovery, the HTTP client against a fake
+SGLang 0.5.17 server (:mod:`tests.fake_sglang_server`), the per-run key, memory tags, pause/flush, a server
+that dies and restarts, recording and replay, and the version gate of the multimodal-RoPE fix.
+
+Expected outputs of the fake's ``echo`` model are worked out by hand from its rules (its module docstring):
+``1 + words % 5`` tokens ``10, 11, ...`` with log-probs ``-(k + 1) / 10 - (sum of pushed weights)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime.rollout.engines.base import EngineUnavailableError, GenerateRequest, SamplingParams
+from slime.rollout.engines.sglang import server_plugin
+from slime.rollout.engines.sglang.client import SGLangAuthError, SGLangClient, SGLangRequestError
+from slime.rollout.engines.sglang.engine import generate_payload, parse_generate_response
+from slime.rollout.engines.sglang.launch import (
+    LOCALHOST,
+    ServerSpec,
+    server_command,
+    server_env,
+    server_host,
+    write_plugin_dist,
+)
+from slime.rollout.engines.sglang.versions import memory_tags_supported, needs_mrope_fix, release_tuple
+from slime.utils.config import ConfigError
+from tests.fake_sglang import FakeSGLangEngine
+
+REPO = Path(__file__).resolve().parents[1]
+START_S = 180.0
+"""Limit for a fake server to come up (a new Python process importing torch, slow under load)."""
+IMAGE = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+def _free_port() -> int:
+    from slime.ray.placement import free_port
+
+    return free_port()
+
+
+def _spec(tmp_path, *passthrough: str, tp: int = 1, colocated: bool = False) -> ServerSpec:
+    return ServerSpec(model_path=str(tmp_path / "model"), tp_size=tp, host=LOCALHOST, port=_free_port(), seed=7,
+                      colocated=colocated, passthrough=tuple(passthrough))
+
+
+def _wait_healthy(engine, timeout_s: float = START_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not engine.health():
+        assert time.monotonic() < deadline, f"fake server not healthy in {timeout_s} s:\n{engine.log_tail()}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def engine_factory(tmp_path):
+    engines = []
+
+    def make(*passthrough: str, tp: int = 1, colocated: bool = False, capacity: int = 8):
+        engine = FakeSGLangEngine(_spec(tmp_path, *passthrough, tp=tp, colocated=colocated),
+                                  tmp_path / f"engine-{len(engines)}", capacity=capacity)
+        engines.append(engine)
+        _wait_healthy(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def _params(max_new_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
+
+
+def _echo(words: int, images: int, max_new: int = 8, shift: float = 0.0):
+    """The fake echo model's answer, by its rules: (token ids, log-probs, finish reason, prompt tokens)."""
+    n = min(max_new, 1 + words % 5)
+    return [10 + k for k in range(n)], [-(k + 1) / 10 - shift for k in range(n)], \
+        ("length" if n == max_new else "stop"), words + 4 * images
+
+
+# ----------------------------------------------------------------------------- command line and environment
+
+
+def test_server_command_has_slimes_flags_then_the_passthrough_and_no_secret(tmp_path):
+    spec = ServerSpec(model_path="/ckpt", tp_size=2, host="127.0.0.1", port=31000, seed=43, colocated=True,
+                      passthrough=("--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2"))
+    command = server_command(spec, python="/py")
+    assert command == [
+        "/py", "-m", "slime.rollout.engines.sglang.server_main", "--model-path", "/ckpt", "--tp-size", "2",
+        "--base-gpu-id", "0", "--host", "127.0.0.1", "--port", "31000", "--random-seed", "43",
+        "--enable-memory-saver", "--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2",
+    ]  # fmt: skip
+    not_colocated = server_command(dataclasses.replace(spec, colocated=False), python="/py")
+    assert "--enable-memory-saver" not in not_colocated
+    assert not any("key" in token for token in command)
+    assert spec.url == "http://127.0.0.1:31000"
+
+
+def test_servers_bind_loopback_on_one_node_and_the_node_address_across_nodes():
+    assert server_host("10.0.0.5", 1) == "127.0.0.1"
+    assert server_host("10.0.0.5", 3) == "10.0.0.5"
+    for wildcard in ("0.0.0.0", "::", ""):
+        with pytest.raises(ValueError, match="node's own address"):
+            server_host(wildcard, 2)
+
+
+def test_server_env_puts_the_plugin_first_and_turns_health_generation_off(tmp_path):
+    base = {"PYTHONPATH": "/a:/b", "SLIME_SGLANG_PYTHONPATH": "/bundle", "SGLANG_PLUGINS": "other", "X": "1",
+            "OMP_NUM_THREADS": "1"}
+    env = server_env(base, tmp_path / "plugin", tmp_path / "reports")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "plugin"), "/bundle", str(REPO), "/a", "/b"]
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+    assert env["SGLANG_PLUGINS"] == "other,slime_server_plugin"
+    assert env["SLIME_SGLANG_REPORT_DIR"] == str(tmp_path / "reports") and env["X"] == "1"
+    assert "SGLANG_PLUGINS" not in server_env({}, tmp_path, tmp_path)  # no allow-list: every plugin loads
+    assert "OMP_NUM_THREADS" not in env  # Ray's actor value is not the server's
+    assert server_env({"SLIME_SGLANG_OMP_NUM_THREADS": "8"}, tmp_path, tmp_path)["OMP_NUM_THREADS"] == "8"
+
+
+def test_the_plugin_dist_makes_an_sglang_entry_point_for_processes_with_it_on_the_path(tmp_path):
+    folder = write_plugin_dist(tmp_path / "plugin")
+    probe = ("import importlib.metadata as m; "
+             "print([(e.name, e.value) for e in m.entry_points(group='sglang.srt.plugins')])")
+    found = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(folder)},
+                           capture_output=True, text=True, check=True).stdout
+    assert "('slime_server_plugin', 'slime.rollout.engines.sglang.server_plugin:register')" in found
+    alone = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": ""},
+                           capture_output=True, text=True, check=True).stdout
+    assert "slime_server_plugin" not in alone  # nothing installed: only processes with the folder see it
+
+
+# ----------------------------------------------------------------------------- requests and responses
+
+
+def test_generate_payload_is_text_plus_base64_images_never_input_ids():
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, stop=["</s>"])
+    payload = generate_payload(GenerateRequest("<|vision_start|><|image_pad|><|vision_end|>x", [IMAGE], params))
+    assert payload == {
+        "text": "<|vision_start|><|image_pad|><|vision_end|>x", "image_data": [IMAGE], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9, "top_k": -1, "stop": ["</s>"],
+                            "no_stop_trim": True},
+    }  # fmt: skip
+    assert "image_data" not in generate_payload(GenerateRequest("text only", [], params))
+
+
+def test_parse_generate_response_reads_meta_info_and_refuses_inconsistent_answers():
+    body = {"text": "ab", "output_ids": [5, 6], "meta_info": {
+        "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 11,
+        "output_token_logprobs": [[-0.5, 5, None], [-1.25, 6, None]]}}
+    out = parse_generate_response(body)
+    assert (out.text, out.output_ids, out.output_log_probs, out.finish_reason, out.prompt_tokens) == (
+        "ab", [5, 6], [-0.5, -1.25], "length", 11)
+    with pytest.raises(SGLangRequestError, match="2 output tokens"):
+        parse_generate_response({**body, "meta_info": {**body["meta_info"], "output_token_logprobs": [[-0.5, 5, None]]}})
+    with pytest.raises(SGLangRequestError, match="unknown finish_reason"):
+        parse_generate_response({**body, "meta_info": {**body["meta_info"], "finish_reason": {"type": "oops"}}})
+    with pytest.raises(SGLangRequestError, match="return_logprob"):
+        parse_generate_response({"text": "", "output_ids": [], "meta_info": {"prompt_tokens": 1}}, rid="r1")
+
+
+def test_engine_generates_text_and_image_prompts_through_the_fake_server(engine_factory, tmp_path):
+    engine = engine_factory("--fake-startup-s", "1")
+    record = tmp_path / "exchanges.jsonl"
+    engine.client.record = record
+    requests = [GenerateRequest("one two three", [], _params(), rid="t"),
+                GenerateRequest("an image of a triangle with sides", [IMAGE], _params(3), rid="i")]
+    outputs = [engine.generate([r])[0] for r in requests]
+    for out, (words, images, max_new) in zip(outputs, [(3, 0, 8), (7, 1, 3)]):
+        ids, logprobs, finish, prompt_tokens = _echo(words, images, max_new)
+        assert out.output_ids == ids and out.finish_reason == finish and out.prompt_tokens == prompt_tokens
+        assert out.rid == {3: "t", 7: "i"}[words]  # meta_info.id names the request
+        assert out.output_log_probs == pytest.approx(logprobs)
+    sent = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [r["endpoint"] for r in sent] == ["/generate", "/generate"]
+    assert sent[1]["request"]["image_data"] == [IMAGE] and "input_ids" not in sent[1]["request"]
+    assert sent[1]["request"]["rid"].startswith("i#attempt-")  # unique per attempt, names the request
+    assert engine.version == "0.5.17" and engine.memory_tags == ("weights", "kv_cache", "cuda_graph")
+    assert engine.capacity == 8 and engine.max_requests_per_call == 1
+
+
+# ----------------------------------------------------------------------------- security
+
+
+def _raw(engine, method: str, endpoint: str, body=None, key: str | None = None) -> int:
+    conn = http.client.HTTPConnection(engine.client.host, engine.client.port, timeout=30)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    conn.request(method, endpoint, body=None if body is None else json.dumps(body), headers=headers)
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def test_requests_without_the_runs_key_are_refused_and_change_no_weight(engine_factory, tmp_path):
+    engine = engine_factory()
+    weights = engine.client.get("/tensors")
+    bucket = [("model.visual.blocks.0.attn.qkv.weight", torch.full((2, 3), 0.5))]
+    from slime.weight_sync.flattened import flatten, serialize_bucket_by_value
+
+    update = {"serialized_named_tensors": [serialize_bucket_by_value(flatten(bucket))],
+              "load_format": "flattened_bucket", "flush_cache": False}
+    for key in (None, "wrong-key"):
+        assert _raw(engine, "POST", "/update_weights_from_tensor", update, key) == 401
+        assert _raw(engine, "POST", "/generate", {"text": "x", "sampling_params": {}}, key) == 401
+        assert _raw(engine, "POST", "/release_memory_occupation", {"tags": ["weights"]}, key) == 401
+        assert _raw(engine, "GET", "/server_info", None, key) == 401  # it would show the key
+        with pytest.raises(SGLangAuthError, match="lacks the run's key"):
+            SGLangClient(engine.spec.url, key).post("/update_weights_from_tensor", update)
+    assert _raw(engine, "GET", "/health") == 200  # liveness needs no key (SGLang's rule)
+    assert engine.client.get("/tensors") == weights == {}  # nothing was loaded
+    engine.update_weights_from_tensor(bucket)
+    assert engine.client.get("/tensors") == {"model.visual.blocks.0.attn.qkv.weight": [3.0, 6]}
+
+
+def test_the_secret_is_in_no_command_log_recording_or_printed_config(engine_factory, tmp_path, capsys):
+    from slime.utils.arguments import config_to_argv, parse_args
+
+    engine = engine_factory()
+    secret = engine._secret
+    engine.client.record = tmp_path / "rec.jsonl"
+    assert engine.client.server_info()["api_key"] == secret  # the fake shows it to the key holder, as SGLang does
+    engine.generate([GenerateRequest("a b", [], _params())])
+    places = {
+        "command": " ".join(engine.server_command()),
+        "server log": engine.server.log_path.read_text(),
+        "log tail": engine.log_tail(),
+        "recording": engine.client.record.read_text(),
+        "client repr": repr(engine.client),
+        "process cmdline": Path(f"/proc/{engine.server.pid}/cmdline").read_bytes().decode(errors="replace"),
+        "process environment": Path(f"/proc/{engine.server.pid}/environ").read_bytes().decode(errors="replace"),
+        "captured output": "".join(capsys.readouterr()),
+    }
+    for where, text in places.items():
+        assert secret not in text, where
+    assert "<redacted>" in places["recording"]
+    cfg = parse_args(["--hf-checkpoint", "x", "--prompt-data", "y", "--num-rollout", "1", "--rollout-batch-size",
+                      "1", "--rollout-max-response-len", "4", "--train-backend", "fsdp", "--rollout-backend",
+                      "tests.fake_sglang:FakeSGLangEngine", "--colocate", "--wandb-key", "wk-123"])
+    argv = config_to_argv(cfg, redact=True)
+    assert "wk-123" not in argv and not any("api-key" in a for a in argv)  # the engine's key is never a flag
+
+
+@pytest.mark.parametrize("flag", ["--sglang-api-key", "--sglang-admin-api-key"])
+def test_the_key_flags_are_refused(flag):
+    from slime.rollout.config import extract_sglang_args
+    from slime.rollout.engines.sglang.config import SGLangEngineConfig
+
+    sglang, _ = extract_sglang_args([flag, "mine"])
+    with pytest.raises(ConfigError, match="per-run secret"):
+        SGLangEngineConfig.check(None, sglang)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sglang-tokenizer-worker-num", "2"], "checks API keys only with one tokenizer worker"),
+    (["--sglang-dp-size", "2"], "--sglang-enable-dp-attention"),
+    (["--sglang-base-gpu-id", "1"], "CUDA_VISIBLE_DEVICES"),
+    (["--sglang-nnodes", "2"], "spans one node"),
+    (["--sglang-grpc-port", "9"], "bypasses"),
+    (["--sglang-router-ip", "10.0.0.1"], "sglang-router is not used"),
+    (["--sglang-server-concurrency", "0"], "one integer in 1..512"),
+    (["--sglang-server-concurrency", "1000"], "one integer in 1..512"),
+    (["--sglang-server-concurrency", "1", "2"], "one integer in 1..512"),
+])  # fmt: skip
+def test_sglang_flags_the_engine_cannot_honour_are_refused(flags, message):
+    from slime.rollout.config import extract_sglang_args
+    from slime.rollout.engines.sglang.config import SGLangEngineConfig, server_concurrency, slime_owned_args
+
+    sglang, _ = extract_sglang_args(flags)
+    with pytest.raises(ConfigError, match=message):
+        SGLangEngineConfig.check(None, sglang)
+    ok, _ = extract_sglang_args(["--sglang-server-concurrency", "64", "--sglang-dp-size", "2",
+                                 "--sglang-enable-dp-attention", "--sglang-mem-fraction-static", "0.7"])
+    SGLangEngineConfig.check(None, ok)
+    assert server_concurrency(ok) == 64
+    assert slime_owned_args(ok) == ({"server_concurrency": "64"},
+                                    ["--dp-size", "2", "--enable-dp-attention", "--mem-fraction-static", "0.7"])
+
+
+# ----------------------------------------------------------------------------- weights, memory, pause, flush
+
+
+def test_memory_release_resume_and_weights_pushed_after_resume(engine_factory):
+    engine = engine_factory(colocated=True)
+    assert "--enable-memory-saver" in engine.server_command()
+    engine.release_memory_occupation(["weights", "kv_cache", "cuda_graph"])
+    engine.release_memory_occupation(["kv_cache"])  # already released: not sent again (SGLang would not mind)
+    with pytest.raises(SGLangRequestError, match="memory released"):
+        engine.generate([GenerateRequest("a b", [], _params())])
+    engine.resume_memory_occupation(["weights"])
+    engine.resume_memory_occupation(["weights"])  # not released any more: not sent (SGLang would refuse it)
+    engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    out = engine.generate([GenerateRequest("a b", [], _params())])[0]
+    assert out.output_ids == [0, 0, 0]  # the weights came back empty: pushed again below
+    bucket = [("lm_head.weight", torch.tensor([[0.25, 0.5]], dtype=torch.bfloat16)), ("b", torch.tensor([1.0]))]
+    engine.update_weights_from_tensor(bucket)
+    out = engine.generate([GenerateRequest("a b", [], _params())])[0]
+    ids, logprobs, _, _ = _echo(2, 0, shift=0.25 + 0.5 + 1.0)
+    assert out.output_ids == ids and out.output_log_probs == pytest.approx(logprobs)
+
+
+def test_cuda_graph_tag_is_dropped_where_the_server_lacks_it(engine_factory, tmp_path):
+    assert memory_tags_supported(["kv_cache", "weights"]) == ("weights", "kv_cache")
+    assert memory_tags_supported(None) == ("weights", "kv_cache", "cuda_graph")
+    engine = engine_factory("--disable-cuda-graph")  # no graphs captured: nothing under that tag
+    engine.client.record = tmp_path / "rec.jsonl"
+    engine.release_memory_occupation(None)
+    engine.resume_memory_occupation(None)
+    sent = [json.loads(line)["request"] for line in engine.client.record.read_text().splitlines()]
+    assert sent == [{"tags": ["weights", "kv_cache"]}, {"tags": ["weights", "kv_cache"]}]
+
+
+def test_pause_abort_ends_requests_in_flight_and_flush_waits_for_them(engine_factory):
+    import concurrent.futures
+
+    engine = engine_factory("--fake-delay-s", "2")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(engine.generate, [GenerateRequest("a b c", [], _params())])
+        time.sleep(0.5)
+        flushing = pool.submit(engine.flush_cache)  # 400 while the request runs: retried until it is done
+        engine.pause_generation("abort")
+        assert running.result(timeout=60)[0].finish_reason == "abort"
+        flushing.result(timeout=60)
+    engine.continue_generation()
+    assert engine.generate([GenerateRequest("a b c", [], _params())])[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="pause mode"):
+        engine.pause_generation("later")
+
+
+# ----------------------------------------------------------------------------- death, restart, shutdown
+
+
+def test_a_dead_server_is_reported_and_a_restart_brings_a_new_one(engine_factory):
+    engine = engine_factory("--fake-exit-after", "2")
+    engine.generate([GenerateRequest("a", [], _params())])
+    old_port, old_pid = engine.spec.port, engine.server.pid
+    with pytest.raises(EngineUnavailableError, match="exited with code 1"):
+        engine.generate([GenerateRequest("a", [], _params())])  # the second request kills it
+    with pytest.raises(EngineUnavailableError, match="last lines"):
+        engine.health()
+    engine.restart()
+    _wait_healthy(engine)
+    assert engine.spec.port != old_port and engine.server.pid != old_pid
+    assert engine.generate([GenerateRequest("a", [], _params())])[0].output_ids == [10, 11]
+
+
+def test_shutdown_stops_the_server_and_everything_in_its_session(engine_factory):
+    engine = engine_factory()
+    pid = engine.server.pid
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        engine.shutdown()
+        engine.shutdown()  # idempotent
+        assert engine.server.exit_code() is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # nobody left in the server's session
+        assert bystander.poll() is None  # a process the engine did not start is untouched
+        assert not engine.health()
+    finally:
+        bystander.send_signal(signal.SIGKILL)
+        bystander.wait()
+
+
+# ----------------------------------------------------------------------------- recording and replay
+
+
+def test_the_fake_replays_a_recording_made_through_the_client(engine_factory, tmp_path):
+    engine = engine_factory()
+    engine.update_weights_from_tensor([("w", torch.tensor([2.0]))])
+    record = tmp_path / "rec.jsonl"
+    engine.client.record = record
+    request = GenerateRequest("four words right here", [IMAGE], _params())
+    recorded = engine.generate([request])[0]
+    assert recorded.output_log_probs[0] == pytest.approx(-0.1 - 2.0)
+    replay = engine_factory("--replay", str(record))  # a fresh server without the weight: only the recording knows
+    replayed = replay.generate([request])[0]
+    assert dataclasses.asdict(replayed) == dataclasses.asdict(recorded)
+    assert replay.generate([GenerateRequest("other words", [], _params())])[0].output_log_probs[0] == pytest.approx(-0.1)
+
+
+RECORDED = REPO / "tests" / "fixtures" / "sglang_0.5.17_h200.jsonl"
+
+
+@pytest.mark.skipif(not RECORDED.exists(), reason=f"{RECORDED.name} is recorded on the H200 (scripts/bench/h200_sglang.sh)")
+def test_real_sglang_answers_recorded_on_the_h200_parse():
+    generated = 0
+    for line in RECORDED.read_text().splitlines():
+        record = json.loads(line)
+        if record["endpoint"] == "/generate" and record["status"] == 200:
+            out = parse_generate_response(record["response"])
+            assert len(out.output_ids) == len(out.output_log_probs) > 0
+            assert all(lp <= 0 for lp in out.output_log_probs) and out.prompt_tokens > 0
+            generated += 1
+        if record["status"] == 401:
+            assert record["response"] == {"error": "Unauthorized"}
+    assert generated > 0
+
+
+# ----------------------------------------------------------------------------- the multimodal-RoPE fix
+
+
+@pytest.mark.parametrize("version, affected", [
+    ("0.5.16", False), ("0.5.17", True), ("0.5.17.post1", True), ("0.5.18rc0", True), ("0.5.18", True),
+    ("0.5.19", False), ("0.5.19rc1", False), ("0.5.23", False), ("0.6", False), ("v0.5.17+cu130", True),
+])  # fmt: skip
+def test_the_fix_is_gated_on_the_affected_releases(version, affected):
+    assert needs_mrope_fix(version) is affected
+
+
+def test_release_tuple_refuses_non_versions():
+    assert release_tuple("0.5") == (0, 5, 0)
+    with pytest.raises(ValueError, match="not an SGLang version"):
+        release_tuple("main")
+
+
+class _Layer:
+    """A stand-in for ``Qwen3_5AttentionDecoderLayer``: says which path ran."""
+
+    def forward_prepare_cuda_fused(self, positions, hidden_states):
+        return "fused", positions.shape
+
+    def forward_prepare_native(self, positions, hidden_states):
+        return "native", positions.shape
+
+
+def test_the_fix_routes_2d_positions_to_the_native_path_only():
+    layer_cls = type("Layer", (_Layer,), {})
+    server_plugin.apply_rope_fix(layer_cls)
+    server_plugin.apply_rope_fix(layer_cls)  # idempotent
+    layer, hidden = layer_cls(), torch.zeros(5, 4)
+    assert layer.forward_prepare_cuda_fused(torch.zeros(3, 5, dtype=torch.long), hidden) == ("native", (3, 5))
+    assert layer.forward_prepare_cuda_fused(torch.zeros(5, dtype=torch.long), hidden) == ("fused", (5,))
+    with pytest.raises(AttributeError):
+        server_plugin.apply_rope_fix(type("Other", (), {"forward_prepare_cuda_fused": _Layer.forward_prepare_cuda_fused}))
+
+
+@pytest.fixture
+def fake_sglang_modules(monkeypatch, tmp_path):
+    """Stand-ins for the SGLang classes the plugin patches, and its report folder."""
+    @dataclasses.dataclass
+    class ServerArgs:
+        model_path: str = "/m"
+        api_key: str | None = "s3cret-key"
+        admin_api_key: str | None = "s3cret-key"
+
+    class BaseTpWorker:
+        def update_weights_from_tensor(self, req):
+            return True, "Success"
+
+    classes = {server_plugin.MROPE_FIX_TARGET: type("Layer", (_Layer,), {}),
+               "sglang.srt.server_args.ServerArgs": ServerArgs,
+               "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker}
+    monkeypatch.setattr(server_plugin, "_import_attr", lambda path, missing_ok=False: classes[path])
+    module = server_plugin.MROPE_FIX_TARGET.rpartition(".")[0]
+
+    def arm_on_import(name, patch):  # SGLang imports the model module at once
+        assert name == module
+        patch(types.SimpleNamespace(**{server_plugin.MROPE_FIX_TARGET.rpartition(".")[2]:
+                                       classes[server_plugin.MROPE_FIX_TARGET]}))
+
+    monkeypatch.setattr(server_plugin, "arm_on_import", arm_on_import)
+    monkeypatch.setattr(server_plugin, "_write_report", lambda version, state, main: reports.append((version, state)))
+    monkeypatch.delenv(server_plugin.MROPE_FIX_ENV, raising=False)
+    monkeypatch.delenv(server_plugin.MAIN_PID_ENV, raising=False)
+    reports: list = []
+    return types.SimpleNamespace(classes=classes, reports=reports)
+
+
+@pytest.mark.parametrize("version, states, patched", [("0.5.17", ["pending", "applied"], True),
+                                                      ("0.5.18", ["pending", "applied"], True),
+                                                      ("0.5.19", ["not needed"], False)])
+def test_register_applies_the_fix_where_the_installed_sglang_needs_it(fake_sglang_modules, monkeypatch, version,
+                                                                      states, patched):
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: version)
+    server_plugin.register()
+    layer = fake_sglang_modules.classes[server_plugin.MROPE_FIX_TARGET]()
+    path, _ = layer.forward_prepare_cuda_fused(torch.zeros(3, 2), None)
+    assert path == ("native" if patched else "fused")
+    assert fake_sglang_modules.reports == [(version, state) for state in states]
+    args = fake_sglang_modules.classes["sglang.srt.server_args.ServerArgs"]()
+    assert "s3cret-key" not in f"{args=}" and "api_key='<redacted>'" in repr(args)  # redacted on every version
+    assert fake_sglang_modules.classes["sglang.srt.managers.tp_worker.BaseTpWorker"]().update_weights_from_tensor(
+        None) == (True, "Success")
+
+
+def test_the_servers_main_process_reports_without_patching_the_model(fake_sglang_modules, monkeypatch):
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.17")
+    monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
+    fake_sglang_modules.classes[server_plugin.MROPE_FIX_TARGET] = type("Renamed", (), {})  # not even looked up
+    server_plugin.register()
+    assert fake_sglang_modules.reports == [("0.5.17", "main process")]
+
+
+def test_register_leaves_the_bug_in_when_asked_and_stops_when_the_fix_cannot_apply(fake_sglang_modules, monkeypatch):
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.17")
+    monkeypatch.setenv(server_plugin.MROPE_FIX_ENV, "0")
+    server_plugin.register()
+    layer = fake_sglang_modules.classes[server_plugin.MROPE_FIX_TARGET]()
+    assert layer.forward_prepare_cuda_fused(torch.zeros(3, 2), None)[0] == "fused"
+    assert fake_sglang_modules.reports == [("0.5.17", "disabled")]
+    monkeypatch.delenv(server_plugin.MROPE_FIX_ENV)
+    fake_sglang_modules.classes[server_plugin.MROPE_FIX_TARGET] = type("Renamed", (), {})
+    with pytest.raises(SystemExit, match="needs slime's multimodal-RoPE fix"):
+        server_plugin.register()
+
+
+def test_the_fix_waits_for_sglang_to_import_the_model_module(tmp_path, monkeypatch):
+    package = tmp_path / "fakesglang_models"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "qwen.py").write_text(
+        "class Layer:\n"
+        "    def forward_prepare_cuda_fused(self, positions, hidden_states):\n        return 'fused'\n"
+        "    def forward_prepare_native(self, positions, hidden_states):\n        return 'native'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patched = []
+    server_plugin.arm_on_import("fakesglang_models.qwen",
+                                lambda module: (server_plugin.apply_rope_fix(module.Layer), patched.append(module)))
+    assert not patched and "fakesglang_models.qwen" not in sys.modules  # nothing imported by the plugin itself
+    import importlib
+
+    module = importlib.import_module("fakesglang_models.qwen")  # what SGLang's model loader does, later
+    assert patched == [module] and module.Layer().forward_prepare_cuda_fused(torch.zeros(3, 2), None) == "native"
+    assert not any(isinstance(f, server_plugin._PatchOnImport) for f in sys.meta_path)  # the hook is gone
+    server_plugin.arm_on_import("fakesglang_models.qwen", patched.append)  # already imported: at once
+    assert patched == [module, module]
+
+
+def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_path):
+    from slime.rollout.engines.sglang.engine import ServerReportError
+
+    engine = FakeSGLangEngine.__new__(FakeSGLangEngine)  # only the report check, no server
+    engine.spec, engine.report_dir = _spec(tmp_path, tp=2), tmp_path
+    engine.server = types.SimpleNamespace(log_path=tmp_path / "server.log")
+    engine.mrope_fix_disabled = False
+
+    def reports(*entries):
+        for path in tmp_path.glob("*.json"):
+            path.unlink()
+        for pid, (main, state) in enumerate(entries):
+            (tmp_path / f"{pid}.json").write_text(json.dumps(
+                {"pid": pid, "main": main, "sglang": "0.5.17", "mrope_fix": state, "memory_tags": ["weights"]}))
+
+    reports((True, "main process"), (False, "applied"))  # one scheduler for --tp-size 2
+    with pytest.raises(ServerReportError, match="1 scheduler"):
+        engine._check_reports()
+    reports((True, "main process"), (False, "applied"), (False, "disabled"))
+    with pytest.raises(ServerReportError, match="multimodal-RoPE bug"):
+        engine._check_reports()
+    engine.mrope_fix_disabled = True  # the server was started with SLIME_SGLANG_MROPE_FIX=0
+    reports((True, "main process"), (False, "disabled"), (False, "disabled"))
+    engine._check_reports()  # asked for (the benchmark that measures the bug)
+    assert engine.memory_tags == ("weights",) and engine.version == "0.5.17"
+    engine.mrope_fix_disabled = False
+    reports((True, "main process"), (False, "pending"), (False, "pending"))  # the model module never imported
+    for architectures, refused in ((["Qwen3_5MoeForConditionalGeneration"], True),
+                                   (["Qwen2_5_VLForConditionalGeneration"], False)):
+        engine.client = types.SimpleNamespace(model_info=lambda: {"architectures": architectures})
+        if refused:
+            with pytest.raises(ServerReportError, match=r"\['pending'\]"):
+                engine._check_reports()
+        else:
+            engine._check_reports()  # another architecture: the fix concerns it not

@@ -1,0 +1,151 @@
+"""SGLang engines in the real engine group (Ray, CPU bundles, the fake server of :mod:`tests.fake_sglang_server`):
+per-request balancing under the engines' capacity, and an engine that dies mid-rollout.
+
+A killed server (or a killed engine actor) must cost nothing: every request is answered exactly once
+(the request ids of the outputs are compared with the ones sent), the dead engine's requests are served
+by the other engine, the dead engine is restarted, and it serves again only after the next weight sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import ray
+
+from slime.ray.config import ClusterConfig
+from slime.ray.placement import create_placement_groups, init_ray
+from slime.rollout.engine_group import RolloutEngineGroup
+from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.train import resolve_components
+from slime.utils.arguments import parse_args
+from tests.process_tree import wait_for
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+START_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=2))
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _start(tmp_path, *sglang_flags: str, capacity: int = 4):
+    cfg = parse_args([
+        "--hf-checkpoint", str(tmp_path), "--prompt-data", str(DATA), "--num-rollout", "1",
+        "--rollout-batch-size", "2", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
+        "--rollout-backend", "tests.fake_sglang:FakeSGLangEngine", "--rollout-num-gpus", "2",
+        "--output-dir", str(tmp_path / "run"), "--sglang-server-concurrency", str(capacity), *sglang_flags,
+    ])  # fmt: skip
+    engine_cls = resolve_components(cfg).engine_cls
+    placement = create_placement_groups(cfg.cluster, use_gpu=False)
+    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
+                                 engine_cls.max_concurrent_calls)
+    try:
+        engines.wait_until_healthy(START_TIMEOUT_S)
+    except BaseException:
+        placement.remove()
+        raise
+    return placement, engines
+
+
+def _requests(n: int) -> list[GenerateRequest]:
+    """Request ``i`` has the id ``r<i>`` as its first word and ``i % 3 + 1`` words."""
+    params = SamplingParams(max_new_tokens=8)
+    return [GenerateRequest(" ".join([f"r{i}"] + ["w"] * (i % 3)), [], params, rid=f"r{i}") for i in range(n)]
+
+
+def _served_ids(outputs) -> list[str]:
+    return [out.text.split(":")[0] for out in outputs]
+
+
+def _server_pid(engines, index: int) -> int:
+    return ray.get(engines.actors[index].__ray_call__.remote(lambda actor: actor.engine.server.pid))
+
+
+def _server_info(engines, index: int) -> dict:
+    return ray.get(engines.actors[index].__ray_call__.remote(lambda actor: actor.engine.client.server_info()))
+
+
+def _stop(placement, engines):
+    engines.shutdown()
+    placement.remove()
+
+
+def test_requests_are_balanced_over_sglang_engines_within_their_capacity(local_ray, tmp_path):
+    placement, engines = _start(tmp_path, "--sglang-fake-delay-s", "0.3", capacity=3)
+    try:
+        assert engines.capacities == [3, 3]
+        requests = _requests(24)
+        outputs = engines.generate(requests)
+        assert _served_ids(outputs) == [r.rid for r in requests]  # each answered once, in request order
+        for i, out in enumerate(outputs):
+            n = 1 + (i % 3 + 1) % 5
+            assert out.output_ids == [10 + k for k in range(n)] and out.prompt_tokens == i % 3 + 1
+        served = Counter(out.engine_index for out in outputs)
+        assert served[0] + served[1] == 24 and min(served.values()) >= 8, served
+        for index in (0, 1):
+            info = _server_info(engines, index)
+            assert info["max_running"] <= 3 and info["generate_calls"] == served[index]
+    finally:
+        _stop(placement, engines)
+
+
+def _kill_later(delay_s: float, action) -> threading.Thread:
+    thread = threading.Timer(delay_s, action)
+    thread.start()
+    return thread
+
+
+def test_a_server_killed_mid_rollout_loses_and_duplicates_no_sample(local_ray, tmp_path):
+    placement, engines = _start(tmp_path, "--sglang-fake-delay-s", "0.5", capacity=4)
+    try:
+        old_pid = _server_pid(engines, 1)
+        killer = _kill_later(1.2, lambda: os.killpg(old_pid, signal.SIGKILL))
+        requests = _requests(40)
+        outputs = engines.generate(requests)
+        killer.join()
+        ids = _served_ids(outputs)
+        assert sorted(ids) == sorted(r.rid for r in requests) and len(set(ids)) == 40  # none lost, none twice
+        assert ids == [r.rid for r in requests] == [out.rid for out in outputs]
+        served = Counter(out.engine_index for out in outputs)
+        assert served[1] >= 4 and served[0] > served[1], served  # engine 1 served until it died
+        assert engines.fault_counts["engine_failures"] == 1 and engines.fault_counts["engines_restarted"] == 1
+        assert engines.fault_counts["requests_retried"] >= 1
+        assert engines.serving == [True, False]  # restarted, waiting for the current weights
+        assert _server_pid(engines, 1) != old_pid
+
+        again = engines.generate(_requests(8))
+        assert {out.engine_index for out in again} == {0}
+        engines.weights_updated()  # what a weight sync ends with
+        again = engines.generate(_requests(16))
+        assert {out.engine_index for out in again} == {0, 1} and _served_ids(again) == [f"r{i}" for i in range(16)]
+    finally:
+        _stop(placement, engines)
+
+
+def test_a_killed_engine_actor_is_replaced_and_its_server_does_not_outlive_it(local_ray, tmp_path):
+    placement, engines = _start(tmp_path, "--sglang-fake-delay-s", "0.5", capacity=4)
+    try:
+        old_pid = _server_pid(engines, 1)
+        old_actor = engines.actors[1]
+        killer = _kill_later(1.2, lambda: ray.kill(old_actor))
+        outputs = engines.generate(_requests(40))
+        killer.join()
+        assert _served_ids(outputs) == [f"r{i}" for i in range(40)]
+        assert engines.epoch == 1 and engines.actors[1] is not old_actor  # transports reconnect to it
+        assert engines.fault_counts["engine_failures"] == 1 and engines.serving == [True, False]
+        wait_for(lambda: not os.path.exists(f"/proc/{old_pid}"), timeout_s=60,
+                 what="the old server to exit with its actor")
+        assert _server_pid(engines, 1) != old_pid
+    finally:
+        _stop(placement, engines)
