@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from slime.ray.trainer_group import TrainerGroup
-from slime.train import _due, _logged_before, _resolve_num_rollout, main, resolve_components
+from slime.train import EXIT_NOT_STARTED, _due, _logged_before, _resolve_num_rollout, main, resolve_components
 from slime.utils.arguments import parse_args
 from slime.utils.config import ConfigError
 from slime.utils.types import Sample
@@ -91,7 +91,7 @@ def test_check_only_validates_and_exits_without_reading_the_checkpoint(tmp_path,
          "--rm-type 'slime.rollout.rm_hub:no_such_reward' cannot be imported"),
     ],
 )  # fmt: skip
-def test_check_only_imports_the_estimator_and_the_reward_function(tmp_path, flags, message):
+def test_check_only_imports_the_estimator_and_the_reward_function(tmp_path, flags, message, capsys):
     """Parsing checks only the form of these import paths; --check-only (and a run, before Ray) imports
     them, so a typo stops here with the flag named instead of after the engines have started."""
     argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
@@ -100,8 +100,9 @@ def test_check_only_imports_the_estimator_and_the_reward_function(tmp_path, flag
             "--rollout-backend", "transformers", "--check-only", *flags]  # fmt: skip
     with pytest.raises(SystemExit) as info:
         main(argv)
-    assert isinstance(info.value.code, str) and info.value.code.startswith("slime: error: ")
-    assert message in info.value.code, info.value.code
+    assert info.value.code == EXIT_NOT_STARTED
+    err = capsys.readouterr().err
+    assert f"slime: error: {message}" in err, err
 
 
 def test_check_only_accepts_an_importable_estimator_path(tmp_path, capsys):
