@@ -7,6 +7,8 @@
 #   site      unpack the wheels the image lacks onto /tmp/site (once per machine; every other stage needs it)
 #   tests     tests/test_megatron_gpu.py: fixed geo3k batch (acceptance 1), distributed-optimizer resume,
 #             offload/onload, export (figures -> OUT/figures.jsonl, log -> OUT/pytest_gpu.log)      ~4-6 min
+#   qwen35    tests/test_qwen35_gpu.py's bf16 checks of the native model (issue 8): tiny real geometry vs HF,
+#             35B-A3B layer shapes vs an fp32 HF reference (figures -> OUT/figures_qwen35.jsonl)           ~3-5 min
 #   bench     scripts/bench/megatron_vs_fsdp.py (acceptance 4) -> OUT/bench.jsonl, OUT/profile/*.txt   ~4-6 min
 #   learning  the colour task of tests/test_learning.py on one GPU, Megatron and FSDP (acceptance 3),
 #             then OUT/fsdp_vs_megatron.png with python -m slime.utils.plot_runs                    ~6-8 min
@@ -20,6 +22,9 @@
 #     docs/results/h200_gpu_setup.md, WHEELHOUSE (default /tmp/wh: wheelhouse.tar.000 + .001, 121.5 MB,
 #     two carries gathered there), its wheels installed with pip --no-index --no-deps --target /tmp/site.
 # The site stage takes whichever of the two is present and can be re-run when the other arrives.
+# Or, with SLIME_WHEELHOUSE=DIR set (a packed GPU-profile wheelhouse of scripts/offline_bundle.sh, extras
+# test,megatron,sglang: the way a cluster user sets up), every call first sources scripts/setup_env.sh
+# (SLIME_VENV=none, as the launcher does; a second call installs nothing) and the site stage only probes.
 #
 # Device calls that fit (64 MiB carry each; name .gpu in carry):
 #   1. carry .gpu/mcore-bundle:         bash scripts/bench/h200_megatron_backend.sh $OUT site tests bench
@@ -28,10 +33,10 @@
 #   4. (same machine, warm):            bash scripts/bench/h200_megatron_backend.sh $OUT launcher
 set -uo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/../.."
-OUT=$(mkdir -p "${1:?usage: h200_megatron_backend.sh OUT_DIR [site|tests|bench|learning|launcher ...]}" && cd "$1" && pwd)
+OUT=$(mkdir -p "${1:?usage: h200_megatron_backend.sh OUT_DIR [site|tests|qwen35|bench|learning|launcher ...]}" && cd "$1" && pwd)
 shift
 STAGES=("$@")
-[ ${#STAGES[@]} -gt 0 ] || STAGES=(site tests bench learning launcher)
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(site tests qwen35 bench learning launcher)
 MCORE_BUNDLE=${MCORE_BUNDLE:-.gpu/mcore-bundle}
 WHEELHOUSE=${WHEELHOUSE:-/tmp/wh}
 SITE=/tmp/site
@@ -39,9 +44,16 @@ export PYTHONPATH=$SITE:$PWD CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUF
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0
 export SLIME_SKIP_SETUP=1 SLIME_GPU_FIGURES=$OUT/figures.jsonl NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 status=0
+if [ -n "${SLIME_WHEELHOUSE:-}" ]; then
+  export SLIME_VENV=none
+  # shellcheck disable=SC1091
+  source scripts/setup_env.sh >>"$OUT/setup_env.log" 2>&1 || { echo "setup_env.sh failed:"; tail -n 20 "$OUT/setup_env.log"; exit 3; }
+  set +e  # setup_env.sh sets -e; a failing stage is reported and the next one still runs
+fi
 
 stage_site() {
   mkdir -p "$SITE"
+  [ -n "${SLIME_WHEELHOUSE:-}" ] && { probe; return; }
   if [ ! -f "$SITE/.mcore" ] && [ -f "$MCORE_BUNDLE/site.sha256" ]; then
     cat "$MCORE_BUNDLE"/p*/site.tar.xz.part-* > /tmp/mcore.tar.xz
     echo "$(cat "$MCORE_BUNDLE/site.sha256")  /tmp/mcore.tar.xz" | sha256sum -c --quiet || { echo "mcore bundle incomplete"; return 3; }
@@ -55,6 +67,10 @@ stage_site() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
       $(ls /tmp/wh-wheels/*.whl | grep -v -E '/(transformers|tokenizers)-') && touch "$SITE/.wheels"
   fi
+  probe
+}
+
+probe() {
   python3 - <<'PY'
 import importlib, torch
 print("torch", torch.__version__, torch.cuda.get_device_name(), "CUDA_HOME ok" if __import__("os").path.isdir("/usr/local/cuda") else "no CUDA_HOME")
@@ -66,10 +82,17 @@ for name in ("megatron.core", "fla", "tilelang", "transformers", "ray", "math_ve
         print(name, "MISSING:", type(e).__name__, e)
 PY
   ls "$SITE"/.mcore "$SITE"/.wheels 2>/dev/null
+  return 0
 }
 
 stage_tests() {
   timeout 560 python3 -m pytest -s -rA -p no:cacheprovider tests/test_megatron_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  return "${PIPESTATUS[0]}"
+}
+
+stage_qwen35() {  # issue 8's bf16 checks: tiny real geometry vs HF, 35B-A3B layer shapes vs an fp32 reference
+  SLIME_GPU_FIGURES=$OUT/figures_qwen35.jsonl timeout 400 python3 -m pytest -s -rA -p no:cacheprovider \
+    tests/test_qwen35_gpu.py -k "35b or (tiny_realgeo_matches_hf and bf16)" 2>&1 | tee "$OUT/pytest_qwen35.log"
   return "${PIPESTATUS[0]}"
 }
 
