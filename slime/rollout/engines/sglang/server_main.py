@@ -2,9 +2,10 @@
 
 The same as ``python -m sglang.launch_server [SGLang flags]`` (SGLang 0.5.17's ``launch_server``:
 load the plugins, ``prepare_server_args``, ``run_server``), with one difference: the run's secret
-is read from the first line of standard input and set as ``api_key`` and ``admin_api_key`` after
-the command line is parsed, so it is in neither the command line (``ps``, ``/proc/<pid>/cmdline``)
-nor the environment.  With both keys set to the same secret, SGLang 0.5.17 refuses every endpoint
+is read from the first line of standard input and handed to SGLang's own parser as ``--api-key``
+and ``--admin-api-key`` in this process (SGLang 0.5.17's ``ServerArgs`` is read-only once resolved,
+so the keys cannot be set afterwards), so it is in neither the command line (``ps``,
+``/proc/<pid>/cmdline``) nor the environment.  With both keys set to the same secret, SGLang 0.5.17 refuses every endpoint
 without ``Authorization: Bearer <secret>`` except ``/health*`` and ``/metrics``
 (``sglang.srt.utils.auth.decide_request_auth``: normal endpoints check ``api_key``, management
 endpoints ``admin_api_key``).  An empty first line leaves the server open (tests only).
@@ -61,10 +62,8 @@ def main(argv: list[str]) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    server_args = prepare_server_args(argv)
-    if secret:
-        server_args.api_key = secret
-        server_args.admin_api_key = secret
+    keys = ["--api-key", secret, "--admin-api-key", secret] if secret else []
+    server_args = prepare_server_args([*argv, *keys])
     try:
         run_server(server_args)
     finally:
