@@ -99,10 +99,14 @@ def test_server_command_has_slimes_flags_then_the_passthrough_and_no_secret(tmp_
     assert command == [
         "/py", "-m", "slime.rollout.engines.sglang.server_main", "--model-path", "/ckpt", "--tp-size", "2",
         "--base-gpu-id", "0", "--host", "127.0.0.1", "--port", "31000", "--random-seed", "43",
-        "--enable-memory-saver", "--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2",
+        "--enable-memory-saver", "--dtype", "bfloat16", "--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2",
     ]  # fmt: skip
     not_colocated = server_command(dataclasses.replace(spec, colocated=False), python="/py")
     assert "--enable-memory-saver" not in not_colocated
+    # a --dtype of the user's (--sglang-dtype) replaces the bfloat16 default, in either spelling
+    for given in (("--dtype", "float16"), ("--dtype=float16",)):
+        command_with_dtype = server_command(dataclasses.replace(spec, passthrough=given), python="/py")
+        assert "bfloat16" not in command_with_dtype and command_with_dtype[-len(given):] == list(given)
     assert not any("key" in token for token in command)
     assert spec.url == "http://127.0.0.1:31000"
 

@@ -45,7 +45,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=
 export SLIME_SKIP_SETUP=1 SLIME_GPU_FIGURES=$OUT/figures.jsonl NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 status=0
 if [ -n "${SLIME_WHEELHOUSE:-}" ]; then
-  export SLIME_VENV=none
+  export SLIME_VENV=none SLIME_SKIP_SETUP=0  # set up as a user would (the launcher stage's set-up then installs nothing)
   # shellcheck disable=SC1091
   source scripts/setup_env.sh >>"$OUT/setup_env.log" 2>&1 || { echo "setup_env.sh failed:"; tail -n 20 "$OUT/setup_env.log"; exit 3; }
   set +e  # setup_env.sh sets -e; a failing stage is reported and the next one still runs

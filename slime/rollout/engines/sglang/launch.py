@@ -109,7 +109,11 @@ class ServerSpec:
 def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     """The server's command line (see the module docstring); holds no secret.
 
-    ``--enable-memory-saver`` is added when colocated unless the pass-through flags already have it.
+    ``--enable-memory-saver`` is added when colocated unless the pass-through flags already have it, and
+    ``--dtype bfloat16`` unless they name a ``--dtype``: SGLang's ``auto`` serves a float32 checkpoint in
+    float16, and SGLang 0.5.17's Gated-DeltaNet state cache is bfloat16, so the first prefill of such a
+    model fails (``Index put requires the source and destination dtypes match``; seen on the H200 with
+    the tiny float32 checkpoint). bfloat16 is also what the trainers compute in.
     """
     argv = [
         python, "-m", SERVER_MODULE,
@@ -122,6 +126,8 @@ def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     ]  # fmt: skip
     if spec.colocated and "--enable-memory-saver" not in spec.passthrough:
         argv.append("--enable-memory-saver")
+    if not any(token == "--dtype" or token.startswith("--dtype=") for token in spec.passthrough):
+        argv += ["--dtype", "bfloat16"]
     return argv + list(spec.passthrough)
 
 
