@@ -28,6 +28,7 @@ from slime.rollout.engines.sglang.client import SGLangAuthError, SGLangClient, S
 from slime.rollout.engines.sglang.engine import generate_payload, parse_generate_response
 from slime.rollout.engines.sglang.launch import (
     LOCALHOST,
+    GPUStartLock,
     ServerSpec,
     server_command,
     server_env,
@@ -109,6 +110,56 @@ def test_server_command_has_slimes_flags_then_the_passthrough_and_no_secret(tmp_
         assert "bfloat16" not in command_with_dtype and command_with_dtype[-len(given):] == list(given)
     assert not any("key" in token for token in command)
     assert spec.url == "http://127.0.0.1:31000"
+
+
+def test_gpu_start_locks_serialise_engines_sharing_a_gpu_and_not_others(tmp_path):
+    import threading
+
+    first = GPUStartLock(["1", "0"], tmp_path)
+    taken = {}
+
+    def take(name, gpus):
+        taken[name] = GPUStartLock(gpus, tmp_path)
+
+    waiting = threading.Thread(target=take, args=("shares gpu 0", ["0"]))
+    waiting.start()
+    other = threading.Thread(target=take, args=("gpu 2", ["2"]))
+    other.start()
+    other.join(10)
+    assert "gpu 2" in taken  # another GPU: no wait
+    waiting.join(0.5)
+    assert waiting.is_alive() and "shares gpu 0" not in taken  # blocked while the first start holds GPU 0
+    first.release()
+    first.release()  # idempotent
+    waiting.join(10)
+    assert taken["shares gpu 0"].held and not first.held
+    assert not GPUStartLock([], tmp_path).held
+
+
+def test_a_second_engine_on_the_same_gpu_starts_its_server_once_the_first_is_healthy(tmp_path, monkeypatch):
+    """SGLang sizes its caches from the memory free around its model load; two servers measuring at once
+    on one GPU both see the other's allocations (a negative budget on the H200), so they start in turn."""
+    import tempfile
+    import threading
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = FakeSGLangEngine(_spec(tmp_path), tmp_path / "engine-0", capacity=4, gpu_ids=["0"])
+    engines = {}
+    second = threading.Thread(target=lambda: engines.setdefault(
+        "second", FakeSGLangEngine(_spec(tmp_path), tmp_path / "engine-1", capacity=4, gpu_ids=["0"])))
+    try:
+        second.start()
+        second.join(1.0)
+        assert second.is_alive() and not list((tmp_path / "engine-1").glob("start-*/server.log"))
+        _wait_healthy(first)  # the first server is up: the lock goes
+        second.join(30)
+        assert not second.is_alive()
+        _wait_healthy(engines["second"])
+    finally:
+        first.shutdown()
+        second.join(30)
+        if "second" in engines:
+            engines["second"].shutdown()
 
 
 def test_servers_bind_loopback_on_one_node_and_the_node_address_across_nodes():

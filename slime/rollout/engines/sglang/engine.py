@@ -61,6 +61,7 @@ from slime.rollout.engines.base import (
 from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
 from slime.rollout.engines.sglang.config import MAX_SERVER_CONCURRENCY, server_concurrency, slime_owned_args
 from slime.rollout.engines.sglang.launch import (
+    GPUStartLock,
     ServerProcess,
     ServerSpec,
     server_command,
@@ -184,6 +185,7 @@ class SGLangEngine(RolloutEngine):
         self.reports: list[dict] = []
         self.memory_tags: tuple[str, ...] = ()
         self.version: str | None = None
+        self._start_lock = GPUStartLock([])
         self._start()
 
     # ------------------------------------------------------------------ construction
@@ -241,7 +243,12 @@ class SGLangEngine(RolloutEngine):
         self.report_dir = reports
         env = server_env({**os.environ, **self._env_overrides}, plugin, reports)
         self.mrope_fix_disabled = env.get(MROPE_FIX_ENV) == "0"
-        self.server = ServerProcess(command, env, folder / "server.log", self._secret)
+        self._start_lock = GPUStartLock(self.gpu_ids)  # released once healthy, dead or stopped
+        try:
+            self.server = ServerProcess(command, env, folder / "server.log", self._secret)
+        except BaseException:
+            self._start_lock.release()
+            raise
         self.client = SGLangClient(self.spec.url, self._secret)
         self.reports, self.memory_tags, self.version = [], (), None
         self._released = set()
@@ -267,9 +274,14 @@ class SGLangEngine(RolloutEngine):
         """
         if self._shut_down:
             return False
-        self._check_alive()
+        try:
+            self._check_alive()
+        except EngineUnavailableError:
+            self._start_lock.release()
+            raise
         if not self.client.healthy():
             return False
+        self._start_lock.release()  # its caches are sized: the next server on these GPUs may start
         if not self.reports:
             self._check_reports()
         return True
@@ -435,6 +447,7 @@ class SGLangEngine(RolloutEngine):
                 raise EngineUnavailableError("the SGLang engine was shut down")
             if self.server is not None:
                 self.server.stop()
+            self._start_lock.release()
             if self.client is not None:
                 self.client.close()
             self.spec = dataclasses.replace(self.spec, port=_free_port())
@@ -448,6 +461,7 @@ class SGLangEngine(RolloutEngine):
             self._shut_down = True
             if self.server is not None:
                 self.server.stop()
+            self._start_lock.release()
 
 
 def _is_qwen35(model_info: dict) -> bool:

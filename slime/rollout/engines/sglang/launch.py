@@ -12,6 +12,7 @@ standard input).  slime sets:
   ``0.0.0.0``), and ``--port``: a free port of the node;
 - ``--random-seed`` (``--rollout-seed`` + engine index: engines sample differently);
 - ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it);
+- ``--dtype bfloat16`` unless ``--sglang-dtype`` is given (see :func:`server_command`);
 - then every ``--sglang-*`` flag, passed through as given (:class:`slime.rollout.config.SGLangConfig`).
 
 The secret never appears in the command, the environment, the log (the plugin redacts SGLang's
@@ -29,16 +30,24 @@ serial) unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one.
 :class:`ServerProcess` starts the command in a session of its own, so that stopping it
 (``SIGTERM`` to that session, then ``SIGKILL`` after a grace period) reaches SGLang's scheduler and
 detokenizer processes and nothing else.
+
+Servers that share a GPU start one at a time (:class:`GPUStartLock`): SGLang 0.5.17 sizes its KV and
+Gated-DeltaNet state caches from the GPU memory that is free before it loads the model, minus what is
+free after (``kv_cache_configurator._profile_available_bytes``), so a server that measures while
+another one allocates computes a negative budget and exits ("Not enough GPU memory for hybrid
+(mamba/linear-attention) state cache"; seen on the H200 with two engines on one GPU).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -242,3 +251,37 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class GPUStartLock:
+    """Exclusive ``flock`` s on one file per GPU of this node (``<tmp>/slime-sglang-start-gpu<i>.lock``),
+    taken in GPU order (so two engines never wait on each other) and held while a server starts.
+
+    Args:
+        gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them on this node; none: no lock.
+        folder: where the lock files live (default the system's temporary folder, shared by every
+            process of the node).
+
+    The lock is blocking; an engine waiting on it waits inside its start-up, which the engine group
+    bounds with ``--rollout-engine-start-timeout``.  :meth:`release` is idempotent; the kernel drops
+    the locks of a process that dies.
+    """
+
+    def __init__(self, gpu_ids: list[str], folder: str | os.PathLike | None = None):
+        folder = Path(folder or tempfile.gettempdir())
+        self._files = []
+        for gpu in sorted(set(gpu_ids), key=lambda g: (len(str(g)), str(g))):
+            f = open(folder / f"slime-sglang-start-gpu{gpu}.lock", "a")  # noqa: SIM115 - held until release()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            self._files.append(f)
+
+    @property
+    def held(self) -> bool:
+        return bool(self._files)
+
+    def release(self) -> None:
+        for f in self._files:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+        self._files = []
+
