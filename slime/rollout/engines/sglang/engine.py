@@ -252,6 +252,23 @@ class SGLangEngine(RolloutEngine):
         self.client = SGLangClient(self.spec.url, self._secret)
         self.reports, self.memory_tags, self.version = [], (), None
         self._released = set()
+        if self._start_lock.held:
+            watcher = SGLangClient(self.spec.url, self._secret)  # its own connection: the client is not shared
+            threading.Thread(target=self._release_when_up, args=(self._start_lock, self.server, watcher),
+                             name="sglang-start-lock", daemon=True).start()
+
+    @staticmethod
+    def _release_when_up(lock: GPUStartLock, server: ServerProcess, client: SGLangClient, poll_s: float = 0.5) -> None:
+        """Drop ``lock`` once ``server`` answers ``/health`` or has exited (whoever else polls, or nobody)."""
+        while lock.held and server.alive():
+            try:
+                if client.healthy():
+                    break
+            except Exception:  # noqa: BLE001 - not up yet; the engine's own health() reports real failures
+                pass
+            time.sleep(poll_s)
+        lock.release()
+        client.close()
 
     # ------------------------------------------------------------------ properties
 

@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -269,6 +270,7 @@ class GPUStartLock:
 
     def __init__(self, gpu_ids: list[str], folder: str | os.PathLike | None = None):
         folder = Path(folder or tempfile.gettempdir())
+        self._guard = threading.Lock()  # release() may run in the engine's watcher thread and its caller
         self._files = []
         for gpu in sorted(set(gpu_ids), key=lambda g: (len(str(g)), str(g))):
             f = open(folder / f"slime-sglang-start-gpu{gpu}.lock", "a")  # noqa: SIM115 - held until release()
@@ -280,8 +282,9 @@ class GPUStartLock:
         return bool(self._files)
 
     def release(self) -> None:
-        for f in self._files:
-            fcntl.flock(f, fcntl.LOCK_UN)
-            f.close()
-        self._files = []
+        with self._guard:
+            for f in self._files:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+            self._files = []
 
