@@ -101,3 +101,26 @@ def test_every_checkpoint_tensor_has_an_export_group_in_model_order(tiny_ckpt, a
     for layer in range(arch.num_layers):
         assert groups[f"model.language_model.layers.{layer}.input_layernorm.weight"] == 3 + depth + layer
     assert groups["lm_head.weight"] == groups["model.language_model.norm.weight"] == num_groups(arch) - 1
+
+
+def test_main_params_pair_with_model_params_in_groups_that_mix_bf16_and_fp32():
+    """megatron-core 0.16.1 indexes a group's main parameters by the model parameter's place in the gradient
+    buffer, while the group lists fp32 model parameters first (H200: another parameter's state came back);
+    DistributedAdam pairs them through the parallel lists the groups are built from."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from slime.backends.megatron.optimizer import DistributedAdam
+
+    a16 = torch.nn.Parameter(torch.zeros(96, dtype=torch.bfloat16))  # e.g. a projection, bf16
+    b32 = torch.nn.Parameter(torch.zeros(32))  # e.g. A_log, kept in fp32
+    a_main, b_main = torch.zeros(96), b32.detach().view(-1)
+    index, _ = DistributedOptimizer._build_optimizer_group_ranges(
+        [{"params": [a16, b32]}], [{torch.bfloat16: [{"param_map": {a16: None, b32: None}}]}])
+    group_params = [b_main, a_main]  # megatron-core's order: [*fp32 shards, *fp32 copies of the bf16 shards]
+    assert group_params[index[b32][1]] is a_main  # megatron-core's own lookup: the wrong parameter
+    part = SimpleNamespace(model_float16_groups=[[a16]], shard_fp32_from_float16_groups=[[a_main]],
+                           model_fp32_groups=[[b32]], shard_fp32_groups=[[b_main]])
+    assert DistributedAdam._main_param(part, b32) is b_main
+    assert DistributedAdam._main_param(part, a16) is a_main

@@ -150,6 +150,34 @@ class DistributedAdam:
             if not part.optimizer.state:
                 part._init_optimizer_states_with_dummy_values()
 
+    @staticmethod
+    def _main_param(part, param: Tensor) -> Tensor:
+        """The fp32 main parameter (this rank's flat shard) of model parameter ``param`` in ``part``.
+
+        Not megatron-core's ``_get_main_param_and_optimizer_states``: in 0.16.1 it indexes the optimizer's
+        group by the parameter's place in the gradient buffer, but the group lists the fp32 model
+        parameters first and the fp32 copies of the bf16 ones after, so in a group that mixes both (the
+        native model keeps e.g. ``A_log`` in fp32) it returns another parameter's state (seen on the
+        H200: a 96-element shard for a 32-element slice).  The parallel lists it builds its groups from
+        (``model_float16_groups`` / ``shard_fp32_from_float16_groups``, ``model_fp32_groups`` /
+        ``shard_fp32_groups``) pair each model parameter with its main parameter.
+        """
+        mapping = part.__dict__.get("_slime_main_params")
+        if mapping is None:
+            mapping = {}
+            for models, mains in ((part.model_float16_groups, part.shard_fp32_from_float16_groups),
+                                  (part.model_fp32_groups, part.shard_fp32_groups)):
+                for model_group, main_group in zip(models, mains):
+                    for model_param, main_param in zip(model_group, main_group):
+                        mapping[model_param] = main_param
+            part.__dict__["_slime_main_params"] = mapping
+        return mapping[param]
+
+    def _shard_state(self, part, param: Tensor) -> dict[str, Tensor]:
+        """``{"param": main shard, "exp_avg": ..., "exp_avg_sq": ..., "step": ...}`` (moments once they exist)."""
+        main = self._main_param(part, param)
+        return {"param": main, **part.optimizer.state.get(main, {})}
+
     def param_state(self, param: Tensor) -> dict[str, Tensor]:
         """``{param, exp_avg, exp_avg_sq}`` of one model parameter as whole fp32 tensors of its local shape.
 
@@ -161,7 +189,7 @@ class DistributedAdam:
         full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATE_KEYS}
         if param in part.model_param_gbuf_map:
             sl = part._get_model_param_range_map(param)["param"]
-            shard = part._get_main_param_and_optimizer_states(param)
+            shard = self._shard_state(part, param)
             for k in STATE_KEYS:
                 if k in shard:
                     full[k][sl.start: sl.end] = shard[k].detach().float()
@@ -177,7 +205,7 @@ class DistributedAdam:
         if param not in part.model_param_gbuf_map:
             return
         sl = part._get_model_param_range_map(param)["param"]
-        shard = part._get_main_param_and_optimizer_states(param)
+        shard = self._shard_state(part, param)
         for key, value in shard.items():
             if key == "step":
                 value.fill_(steps)
