@@ -123,8 +123,13 @@ def test_text_and_image_prompts_and_the_mrope_fix(servers, prompts, hf_model):
 
 
 def _greedy(engine, prompt: str) -> tuple[list[int], list[float]]:
+    """(token ids, log-probs) of a 16-token greedy answer."""
     out = engine.generate([GenerateRequest(prompt, [], SamplingParams(max_new_tokens=16, temperature=0.0, top_k=1))])[0]
     return out.output_ids, out.output_log_probs
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def _status(engine, method: str, endpoint: str, body=None, key: str | None = None) -> int:
@@ -187,8 +192,11 @@ def test_cuda_ipc_buckets_change_the_weights_and_bring_them_back(servers, checkp
     changed = _greedy(engine, prompt)
     buckets = _push_ipc(engine, weights, 2 << 20)  # the whole model again, in ~2 MB buckets
     after = _greedy(engine, prompt)
-    figure(check="ipc_update", buckets=buckets, changed=changed != before, restored=after == before)
-    assert changed != before and after == before
+    figure(check="ipc_update", buckets=buckets, changed=changed[0] != before[0], restored=after[0] == before[0],
+           logprob_max_diff=_max_diff(after[1], before[1]))
+    assert changed[0] != before[0] and after[0] == before[0]
+    # the same tokens; their log-probs agree to bf16 noise (the prompt's KV may now come from the prefix cache)
+    assert _max_diff(after[1], before[1]) <= 2e-2
 
 
 def test_release_and_resume_give_memory_back_and_weights_must_be_pushed_again(servers, checkpoint):
@@ -209,4 +217,4 @@ def test_release_and_resume_give_memory_back_and_weights_must_be_pushed_again(se
            free_gib_resumed=free_resumed, nvidia_smi=info, tags=list(engine.memory_tags))
     assert free_released - free_before > 10, "the release gave back less than 10 GiB (mem fraction 0.25 of the GPU)"
     assert abs(free_resumed - free_before) < 2
-    assert after == before
+    assert after[0] == before[0] and _max_diff(after[1], before[1]) <= 2e-2

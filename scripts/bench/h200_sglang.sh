@@ -35,6 +35,7 @@ pack() {
   tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='sglang_0.5.17_h200.jsonl' . 2>/dev/null
 }
 trap pack EXIT
+trap 'exit 143' TERM  # a timeout's SIGTERM still packs the logs (through the EXIT trap)
 export SLIME_VENV=none SLIME_WHEELHOUSE=$WH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 SLIME_GPU_FIGURES=$LOGS/figures.jsonl
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -74,8 +75,10 @@ for phase in $PHASES; do
     timed checkpoints python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e()); print(e(real_geometry=True, max_pixels=512 * 512))'
     ;;
   tests)
+    # each file bounded on its own, so a hang in one leaves the other's results and every log
     SLIME_SGLANG_RECORD=$LOGS/sglang_0.5.17_h200.jsonl timed pytest_gpu \
-      python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu.py tests/test_sglang_gpu_faults.py
+      timeout 300 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu.py
+    timed pytest_gpu_faults timeout 240 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu_faults.py
     grep -h '"check"' "$LOGS/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$LOGS/summary.txt"
     ;;
   launcher)
