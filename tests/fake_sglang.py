@@ -27,3 +27,12 @@ class FakeSGLangEngine(SGLangEngine):
         command = server_command(self.spec)
         assert command[1:3] == ["-m", SERVER_MODULE], command
         return [sys.executable, FAKE_SERVER, *command[3:]]
+
+
+class SharedGpuFakeSGLangEngine(FakeSGLangEngine):
+    """:class:`FakeSGLangEngine` as if every engine of the run were on one GPU (``"fake0"``): their server starts
+    take the same :class:`~slime.rollout.engines.sglang.launch.GPUStartLock`, as two real engines on one GPU do."""
+
+    def __init__(self, spec, run_dir, **kwargs):
+        kwargs["gpu_ids"] = ["fake0"]
+        super().__init__(spec, run_dir, **kwargs)

@@ -39,11 +39,11 @@ def local_ray():
         ray.shutdown()
 
 
-def _start(tmp_path, *sglang_flags: str, capacity: int = 4):
+def _start(tmp_path, *sglang_flags: str, capacity: int = 4, engine: str = "tests.fake_sglang:FakeSGLangEngine"):
     cfg = parse_args([
         "--hf-checkpoint", str(tmp_path), "--prompt-data", str(DATA), "--num-rollout", "1",
         "--rollout-batch-size", "2", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
-        "--rollout-backend", "tests.fake_sglang:FakeSGLangEngine", "--rollout-num-gpus", "2",
+        "--rollout-backend", engine, "--rollout-num-gpus", "2",
         "--output-dir", str(tmp_path / "run"), "--sglang-server-concurrency", str(capacity), *sglang_flags,
     ])  # fmt: skip
     engine_cls = resolve_components(cfg).engine_cls
@@ -106,8 +106,11 @@ def _kill_later(delay_s: float, action) -> threading.Thread:
     return thread
 
 
-def test_a_server_killed_mid_rollout_loses_and_duplicates_no_sample(local_ray, tmp_path):
-    placement, engines = _start(tmp_path, "--sglang-fake-delay-s", "0.5", capacity=4)
+@pytest.mark.parametrize("engine", ["tests.fake_sglang:FakeSGLangEngine", "tests.fake_sglang:SharedGpuFakeSGLangEngine"],
+                         ids=["own-gpus", "one-shared-gpu"])
+def test_a_server_killed_mid_rollout_loses_and_duplicates_no_sample(local_ray, tmp_path, engine):
+    """Also with both engines on one GPU, where starts (the first one and the restart) take the GPU's start lock."""
+    placement, engines = _start(tmp_path, "--sglang-fake-delay-s", "0.5", capacity=4, engine=engine)
     try:
         old_pid = _server_pid(engines, 1)
         killer = _kill_later(1.2, lambda: os.killpg(old_pid, signal.SIGKILL))
