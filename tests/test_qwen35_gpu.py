@@ -41,6 +41,7 @@ from qwen35_helpers import geo3k_prompts  # noqa: E402
 from slime.models.qwen3_5.config import Qwen35Kernels  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
 from slime.models.qwen3_5.weights import Ranks, StateDictReader, model_rules, read_rank_state  # noqa: E402
+from slime.models.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 
 FIGURES = os.environ.get("SLIME_GPU_FIGURES")  # a .jsonl file the figures are appended to
 MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32
@@ -328,22 +329,6 @@ def test_tiny_realgeo_packed_equals_one_at_a_time(tiny_pair):
     assert error <= 1e-2  # same kernels and weights; bf16 rounding differs only through the packing
 
 
-def scaled_35b_config(num_layers: int = 4, num_experts: int = 256):
-    """Qwen3.5-35B-A3B's config (transformers' defaults = the released sizes) cut to ``num_layers``
-    layers (3 GDN : 1 attention) and ``num_experts`` experts; widths, heads and vocab unchanged."""
-    from transformers import Qwen3_5MoeConfig
-
-    config = Qwen3_5MoeConfig()
-    text = config.text_config
-    text.num_hidden_layers = num_layers
-    text.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-    text.num_experts = num_experts
-    text.rope_parameters["rope_theta"] = 1e7
-    config.vision_config.deepstack_visual_indexes = []
-    config.vision_config.out_hidden_size = text.hidden_size  # the released model's merger output (default 3584)
-    return config
-
-
 class _HFRouting:
     """Records, or replays, the experts each HF MoE layer's router (``mlp.gate``) picks, call by call.
 
@@ -519,7 +504,7 @@ def test_35b_layer_shapes_bf16_forward_backward_match_hf(realgeo):
     ``max(2e-2, 1.5 x HF bf16's own error)``, for the logits and per parameter for the gradients."""
     from slime.utils.processor import load_processor
 
-    config = scaled_35b_config()
+    config = scaled_35b_a3b_config()
     with torch.device("cuda"):
         torch.manual_seed(0)
         hf = HF_MODELING.Qwen3_5MoeForConditionalGeneration._from_config(

@@ -1,6 +1,6 @@
 """Training speed of the Megatron backend against the FSDP backend on the same geo3k-shaped samples (one GPU).
 
-Model: a scaled Qwen3.5-35B-A3B (``qwen35_shapes.config_35b``: real width, head shapes, expert shape and
+Model: a scaled Qwen3.5-35B-A3B (``slime.models.tiny_qwen35.scaled_35b_a3b_config``: real width, head shapes, expert shape and
 vision tower; ``--layers`` layers in the 3:1 GDN / attention pattern, ``--experts`` routed experts, top-8),
 random weights saved once as a bf16 Hugging Face folder that both backends load.
 
@@ -45,14 +45,16 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from qwen35_shapes import config_35b, flops_per_step  # noqa: E402
+from qwen35_shapes import flops_per_step  # noqa: E402
+
+from slime.models.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 
 
 def write_checkpoint(folder: Path, layers: int, experts: int) -> None:
     """A random-initialised scaled Qwen3.5-35B-A3B, bf16 safetensors, built on the GPU."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    config = config_35b(layers, experts)
+    config = scaled_35b_a3b_config(layers, experts)
     with torch.device("cuda"):
         torch.manual_seed(0)
         model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=torch.bfloat16)

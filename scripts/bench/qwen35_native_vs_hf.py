@@ -48,7 +48,9 @@ from slime.models.qwen3_5.config import Qwen35Kernels, arch_from_hf_config  # no
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen35_shapes import config_35b, flops_per_step  # noqa: E402  (the scaled config and the FLOP count)
+from qwen35_shapes import flops_per_step  # noqa: E402  (the FLOP count)
+
+from slime.models.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:
@@ -82,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     initialize_single_process("cuda")
-    config = config_35b(args.layers, args.experts)
+    config = scaled_35b_a3b_config(args.layers, args.experts)
     with torch.device("cuda"):
         torch.manual_seed(0)
         hf = HF_MODELING.Qwen3_5MoeForConditionalGeneration._from_config(

@@ -1,9 +1,5 @@
-"""Shared by the Qwen3.5 benchmarks: the scaled Qwen3.5-35B-A3B config and the FLOP count of a training step.
-
-Scaled model: transformers' default ``Qwen3_5MoeConfig`` (the released 35B-A3B sizes: hidden 2048,
-16 query / 2 KV heads of 256, GDN 16 key / 32 value heads of 128, 256 experts top-8 of width 512,
-shared expert 512, vocab 248320, the vision tower at its released size) with the layers cut to
-``num_layers`` in the 3:1 pattern and the experts to ``num_experts``.
+"""Shared by the Qwen3.5 benchmarks: the FLOP count of a training step of the scaled Qwen3.5-35B-A3B
+(:func:`slime.models.tiny_qwen35.scaled_35b_a3b_config`: the released widths, layers and experts cut).
 
 FLOPs (multiply-add = 2 FLOPs; a training step = 3 x forward: forward, and a backward of twice its cost):
 
@@ -20,21 +16,6 @@ FLOPs (multiply-add = 2 FLOPs; a training step = 3 x forward: forward, and a bac
 """
 
 from __future__ import annotations
-
-
-def config_35b(num_layers: int, num_experts: int):
-    """transformers' default Qwen3.5-MoE config (the released 35B-A3B sizes), cut to the given layers and experts."""
-    from transformers import Qwen3_5MoeConfig
-
-    config = Qwen3_5MoeConfig()
-    text = config.text_config
-    text.num_hidden_layers = num_layers
-    text.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-    text.num_experts = num_experts
-    text.rope_parameters["rope_theta"] = 1e7
-    config.vision_config.deepstack_visual_indexes = []
-    config.vision_config.out_hidden_size = text.hidden_size  # the released model's merger output (default 3584)
-    return config
 
 
 def lm_flops_per_token(arch) -> float:

@@ -283,6 +283,32 @@ class TinyQwen35Options:
         return f"{kind}-seed{self.seed}-{digest}"
 
 
+def scaled_35b_a3b_config(num_layers: int = 4, num_experts: int = 256):
+    """Qwen3.5-35B-A3B's config at its real widths, cut to fit one GPU (the benchmarks' and the GPU parity
+    tests' model).
+
+    transformers' default ``Qwen3_5MoeConfig`` is the released 35B-A3B: hidden 2048, 16 query / 2 KV heads
+    of 256, Gated DeltaNet 16 key / 32 value heads of 128, 256 experts top-8 of width 512, a shared
+    expert of 512, vocab 248320, the vision tower at its released size.  Cut here: ``num_layers`` layers
+    in the 3 GDN : 1 attention pattern and ``num_experts`` experts; rope theta 1e7, no deepstack and the
+    merger's output at the hidden size, as the released checkpoint's ``config.json`` has them.
+
+    Returns:
+        a ``transformers.Qwen3_5MoeConfig`` (weights are the caller's: e.g. ``_from_config`` with a seed).
+    """
+    from transformers import Qwen3_5MoeConfig
+
+    config = Qwen3_5MoeConfig()
+    text = config.text_config
+    text.num_hidden_layers = num_layers
+    text.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    text.num_experts = num_experts
+    text.rope_parameters["rope_theta"] = 1e7
+    config.vision_config.deepstack_visual_indexes = []
+    config.vision_config.out_hidden_size = text.hidden_size  # the released model's merger output (default 3584)
+    return config
+
+
 def build_bpe_tokenizer(vocab_size: int = 2048) -> Tokenizer:
     """Train a byte-level BPE tokenizer with Qwen3.5's pre-tokenization on the shipped corpus.
 
