@@ -302,7 +302,10 @@ def test_bad_sglang_flags_are_refused(argv, fragment, capsys):
 
 def test_sglang_flags_with_the_transformers_engine_are_refused(capsys):
     err = parse_error(with_flags("--rollout-backend", "transformers", "--sglang-mem-fraction-static", "0.7"), capsys)
-    assert "--sglang-mem-fraction-static" in err and "--rollout-backend sglang" in err
+    assert "--sglang-mem-fraction-static would be ignored; remove it or use --rollout-backend sglang" in err
+    err = parse_error(with_flags("--rollout-backend", "transformers", "--sglang-dtype=float16",
+                                 "--sglang-disable-cuda-graph"), capsys)
+    assert "--sglang-dtype --sglang-disable-cuda-graph would be ignored; remove them or" in err
 
 
 # ---------------------------------------------------------------------------------------------
