@@ -136,6 +136,56 @@ def test_gpu_start_locks_serialise_engines_sharing_a_gpu_and_not_others(tmp_path
     assert not GPUStartLock([], tmp_path).held
 
 
+def _lock_is_free(path):
+    import fcntl
+
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_a_gpu_start_lock_that_fails_part_way_holds_nothing(tmp_path):
+    (tmp_path / "slime-sglang-start-gpu1.lock").mkdir()  # GPU 1's file cannot be opened as a file
+    with pytest.raises(IsADirectoryError):
+        GPUStartLock(["0", "1"], tmp_path)
+    assert _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")  # GPU 0's lock, taken first, was dropped
+
+
+def test_gpu_start_lock_files_are_shared_by_every_user_of_the_node(tmp_path, monkeypatch):
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        lock = GPUStartLock(["0"], tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "slime-sglang-start-gpu0.lock").stat().st_mode) == 0o666  # not the umask's 0600
+    lock.release()
+    # another user's file in a sticky /tmp: O_CREAT refused (fs.protected_regular), read-only is enough to flock
+    real_open = os.open
+    modes = []
+
+    def foreign_open(path, flags, *args):
+        modes.append(flags & (os.O_CREAT | os.O_RDWR | os.O_RDONLY | os.O_WRONLY))
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", foreign_open)
+    lock = GPUStartLock(["0"], tmp_path)
+    assert lock.held and modes == [os.O_RDWR | os.O_CREAT, os.O_RDONLY]
+    assert not _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
+    lock.release()
+    assert _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
+    monkeypatch.setattr(os, "open", lambda path, flags, *a: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    with pytest.raises(PermissionError, match="cannot open the SGLang start lock .*gpu0.lock.*chmod a\\+r"):
+        GPUStartLock(["0"], tmp_path)
+
+
 def test_a_second_engine_on_the_same_gpu_starts_its_server_once_the_first_is_healthy(tmp_path, monkeypatch):
     """SGLang sizes its caches from the memory free around its model load; two servers measuring at once
     on one GPU both see the other's allocations (a negative budget on the H200), so they start in turn."""
