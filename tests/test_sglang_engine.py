@@ -458,6 +458,39 @@ def test_a_dead_server_is_reported_and_a_restart_brings_a_new_one(engine_factory
     assert engine.generate([GenerateRequest("a", [], _params())])[0].output_ids == [10, 11]
 
 
+def test_a_health_poll_during_a_restart_keeps_the_new_servers_start_lock(tmp_path, monkeypatch):
+    """The old server is dead while the new one starts: a health() answer about the old one (it raises) must not
+    drop the lock that the new server holds until its caches are sized."""
+    import tempfile
+
+    from slime.rollout.engines.sglang import engine as engine_module
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    engine = FakeSGLangEngine(_spec(tmp_path), tmp_path / "engine-0", capacity=4, gpu_ids=["0"])
+    try:
+        _wait_healthy(engine)
+        engine.server.stop(grace_s=5)  # the server died
+        polled = {}
+        real_server_process = engine_module.ServerProcess
+
+        def poll_then_start(*args, **kwargs):  # the new GPU lock is taken, the new server not yet started
+            try:
+                polled["health"] = engine.health()
+            except EngineUnavailableError as e:
+                polled["health"] = str(e)
+            polled["lock file free"] = _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
+            return real_server_process(*args, **kwargs)
+
+        monkeypatch.setattr(engine_module, "ServerProcess", poll_then_start)
+        engine.restart()
+        assert "exited with code" in polled["health"]  # the poll saw the old, dead server
+        assert polled["lock file free"] is False  # ... and left the new start's lock alone
+        _wait_healthy(engine)
+    finally:
+        engine.shutdown()
+    assert _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
+
+
 def test_shutdown_stops_the_server_and_everything_in_its_session(engine_factory):
     engine = engine_factory()
     pid = engine.server.pid
