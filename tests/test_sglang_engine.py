@@ -112,6 +112,49 @@ def test_server_command_has_slimes_flags_then_the_passthrough_and_no_secret(tmp_
     assert spec.url == "http://127.0.0.1:31000"
 
 
+_STAND_IN_SGLANG = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/plugins.py": "def load_plugins():\n    pass\n",
+    "sglang/srt/utils.py": "def kill_process_tree(pid, include_parent=True):\n    pass\n",
+    # SGLang 0.5.17's parsing: argparse with --api-key / --admin-api-key taking one value each
+    "sglang/srt/server_args.py": (
+        "import argparse\n"
+        "def prepare_server_args(argv):\n"
+        "    parser = argparse.ArgumentParser()\n"
+        "    parser.add_argument('--model-path')\n"
+        "    parser.add_argument('--api-key', type=str, default=None)\n"
+        "    parser.add_argument('--admin-api-key', type=str, default=None)\n"
+        "    return parser.parse_args(argv)\n"
+    ),
+    "sglang/launch_server.py": (
+        "import os, sys\n"
+        "def run_server(args):\n"
+        "    secret = open(os.environ['PROBE_SECRET_FILE']).read()\n"
+        "    cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        "    environ = open('/proc/self/environ', 'rb').read().decode()\n"
+        "    print('keys', args.api_key == secret, args.admin_api_key == secret)\n"
+        "    print('in argv', secret in ' '.join(sys.argv) or secret in cmdline, 'in env', secret in environ)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("secret", ["-starts-with-a-dash", "plain_Secret-9"])
+def test_the_server_hands_any_secret_to_sglangs_parser_and_never_to_its_argv(tmp_path, secret):
+    """server_main against a stand-in of SGLang's modules (argparse as SGLang's): a token_urlsafe secret may
+    start with "-", which argparse would take for an option if it were a separate value."""
+    for name, text in _STAND_IN_SGLANG.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "secret").write_text(secret)  # for the check; not in the environment (nor pytest's test id)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), PROBE_SECRET_FILE=str(tmp_path / "secret"))
+    done = subprocess.run([sys.executable, "-m", "slime.rollout.engines.sglang.server_main", "--model-path", "/m"],
+                          input=secret + "\n", env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["keys True True", "in argv False in env False"]
+
+
 def test_gpu_start_locks_serialise_engines_sharing_a_gpu_and_not_others(tmp_path):
     import threading
 
