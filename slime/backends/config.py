@@ -47,7 +47,9 @@ class TrainConfig:
     )
     micro_batch_size: int = flag(1, help="Samples per forward/backward pass on one data-parallel rank.")
     use_dynamic_batch_size: bool = flag(
-        False, help="Pack micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples."
+        False, help="Pack micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples. "
+        "A Gated-DeltaNet model (Qwen3.5) packs only with --train-backend megatron at TP = PP = CP = EP = 1 (where "
+        "packing is proven equal to one sequence at a time)."
     )
     max_tokens_per_gpu: int | None = flag(
         None, help="Token budget of one packed micro-batch per GPU (with --use-dynamic-batch-size), tokens."

@@ -70,7 +70,8 @@ class MegatronConfig(BackendConfig):
     sequence_parallel: bool = flag(False, help="Split activations along the sequence across the TP group (Megatron).")
     pipeline_model_parallel_size: int = flag(1, help="Pipeline stages (Megatron PP).")
     context_parallel_size: int = flag(
-        1, help="Context-parallel GPUs splitting each sequence (Megatron CP, THD zigzag)."
+        1, help="Context-parallel GPUs splitting each sequence (Megatron CP, THD zigzag). Not implemented for the "
+        "native Qwen3.5 model yet: only 1."
     )
     expert_model_parallel_size: int = flag(1, help="Expert-parallel GPUs sharing out the MoE experts (Megatron EP).")
     expert_tensor_parallel_size: int | None = flag(
@@ -92,17 +93,23 @@ class MegatronConfig(BackendConfig):
     accumulate_allreduce_grads_in_fp32: bool = flag(False, help="Accumulate and all-reduce gradients in fp32.")
     attention_softmax_in_fp32: bool = flag(False, help="Compute the attention softmax in fp32.")
     attention_backend: str = flag(
-        "auto", choices=["flash", "fused", "unfused", "local", "auto"], help="Megatron attention implementation."
+        "auto", choices=["flash", "fused", "unfused", "local", "auto"],
+        help="Megatron attention implementation: auto = fla + torch's varlen FlashAttention for bf16 on CUDA, the "
+        "torch paths otherwise; flash = varlen FlashAttention (CUDA, bf16); local / unfused = SDPA; fused "
+        "(TransformerEngine) is refused (not installed).",
     )
     qkv_format: str = flag(
-        "thd", choices=["thd", "bshd"], help="Sequence layout: thd (packed, no padding) or bshd (padded batch)."
+        "thd", choices=["thd", "bshd"],
+        help="Sequence layout: thd (packed, no padding) or bshd (padded batch); the native Qwen3.5 model runs thd "
+        "only.",
     )
     megatron_to_hf_mode: str = flag(
         "raw",
         choices=["raw", "bridge"],
         help="Megatron backend only (upstream slime's flag): how Megatron weights are converted to and from "
         "Hugging Face names and layouts (loading --hf-checkpoint, weight sync to the engines): raw = slime's own "
-        "converters, bridge = Megatron-Bridge. --train-backend fsdp trains the HF model itself and refuses bridge.",
+        "converters, bridge = Megatron-Bridge (not supported yet: refused). --train-backend fsdp trains the HF model "
+        "itself and refuses bridge.",
     )
     save_hf: str | None = flag(
         None,
