@@ -289,6 +289,9 @@ def test_extract_sglang_args_value_forms_and_order():
     [
         (["--sglang-tp-size", "2"], "--rollout-num-gpus-per-engine"),
         (["--sglang-model-path", "m"], "--hf-checkpoint"),
+        (["--sglang-tensor-parallel-size", "2"], "--rollout-num-gpus-per-engine"),  # SGLang's alias of --tp-size
+        (["--sglang-tp", "2"], "--sglang-tp (SGLang's parser reads it as --tp-size) is set by slime"),
+        (["--sglang-random-se", "3"], "--rollout-seed"),
         (["--sglang-ep-size", "8", "--sglang-ep-size", "4"], "--sglang-ep-size is given twice"),
         (["--sglang-", "1"], "not a valid SGLang flag"),
         (["--sglang-Mem_Fraction", "1"], "not a valid SGLang flag"),

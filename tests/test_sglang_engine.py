@@ -415,6 +415,11 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-nnodes", "2"], "spans one node"),
     (["--sglang-grpc-port", "9"], "bypasses"),
     (["--sglang-router-ip", "10.0.0.1"], "sglang-router is not used"),
+    # SGLang's argparse expands unique prefixes: an abbreviation would slip past the checks above
+    (["--sglang-grpc-por", "9"], "--sglang-grpc-por abbreviates --sglang-grpc-port"),
+    (["--sglang-tokenizer-worker", "4"], "abbreviates --sglang-tokenizer-worker-num"),
+    (["--sglang-api", "k"], "abbreviates --sglang-api-key"),
+    (["--sglang-dp", "2"], "abbreviates --sglang-dp-size"),
     (["--sglang-server-concurrency", "0"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1000"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1", "2"], "one integer in 1..512"),
