@@ -1001,3 +1001,17 @@ def test_negative_stop_token_ids_are_refused(capsys):
     err = parse_error(with_flags("--rollout-stop-token-ids", "2", "-5"), capsys)
     assert "--rollout-stop-token-ids must be token ids >= 0, got -5" in err
     assert parse_args(with_flags("--rollout-stop-token-ids", "0", "7")).rollout.rollout_stop_token_ids == [0, 7]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--save", ""], "--save must be a folder, got an empty string"),
+    (["--save", " ", "--save-interval", "3"], "--save must be a folder"),  # '' passed --save-interval's check
+    (["--load", ""], "--load must be a folder"),
+    (["--ref-load", ""], "--ref-load must be a folder"),
+    (["--output-dir", ""], "--output-dir must be a folder"),
+    (["--save", "ckpts", "--save-hf", "", "--train-backend", "megatron"], "--save-hf must be a folder"),
+])  # fmt: skip
+def test_an_empty_path_is_refused_not_read_as_not_given(flags, message, capsys):
+    """``--save ''`` used to read as "no --save" downstream: nothing saved, --save-hf silently dropped, and the
+    launcher pointing its resume line at checkpoints that were never written."""
+    assert message in parse_error(with_flags("--rollout-backend", "transformers", *flags), capsys)

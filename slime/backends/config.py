@@ -265,6 +265,11 @@ class CheckpointConfig:
     def __post_init__(self):
         if not self.hf_checkpoint.strip():
             raise ConfigError("--hf-checkpoint must be a checkpoint folder, got an empty string")
+        for name in ("load", "save", "ref_load"):  # '' would read as "not given" downstream, silently
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                flag_name = f"--{name.replace('_', '-')}"
+                raise ConfigError(f"{flag_name} must be a folder, got an empty string; give one, or drop {flag_name}")
         if self.save_interval is not None:
             if self.save_interval < 1:
                 raise ConfigError(f"--save-interval must be >= 1 rollout step, got {self.save_interval}")

@@ -203,6 +203,8 @@ class MegatronConfig(BackendConfig):
         refuse_flags("megatron", self._not_implemented(), "drop or change these flags")
         self._check_parallel_sizes(cluster)
         self.check_model_layout(model, checkpoint.hf_checkpoint)
+        if self.save_hf is not None and not self.save_hf.strip():
+            raise ConfigError("--save-hf must be a folder, got an empty string; give one, or drop --save-hf")
         if self.save_hf is not None and checkpoint.save is None:
             raise ConfigError(
                 f"--save-hf {self.save_hf} is written with each checkpoint, but no --save DIR is given; add --save"
