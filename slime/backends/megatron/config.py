@@ -192,8 +192,8 @@ class MegatronConfig(BackendConfig):
         (:meth:`check_model_layout`), last the Gated-DeltaNet batching (:data:`PACKED_GDN_PROVEN`).
 
         Raises:
-            ConfigError: a refused flag; parallel sizes that do not divide the trainer GPUs; EP > 1 with
-                TP > 1 but no ``--sequence-parallel``; a layout the model cannot shard (see
+            ConfigError: a refused flag; parallel sizes that do not divide the trainer GPUs; TP > 1 without
+                ``--sequence-parallel`` (megatron-core's MoE layer refuses to train so); a layout the model cannot shard (see
                 :func:`slime.models.qwen3_5.config.check_parallel_layout`); ``--save-hf`` without ``--save``;
                 packed GDN micro-batches in an unproven layout.  The message names the flags and the fix.
         """
@@ -295,4 +295,11 @@ class MegatronConfig(BackendConfig):
             raise ConfigError(
                 f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                 "(Megatron); add it"
+            )
+        # megatron.core MoELayer.forward (0.16.1) raises in training when the attention TP group has more than one
+        # rank and sequence parallelism is off; every decoder layer of the native Qwen3.5 model is an MoE layer.
+        if tp > 1 and not self.sequence_parallel:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} needs --sequence-parallel: megatron-core's MoE layer (every layer "
+                "of Qwen3.5) refuses to train with TP > 1 without it; add --sequence-parallel"
             )
