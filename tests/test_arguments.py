@@ -289,6 +289,9 @@ def test_extract_sglang_args_value_forms_and_order():
     [
         (["--sglang-tp-size", "2"], "--rollout-num-gpus-per-engine"),
         (["--sglang-model-path", "m"], "--hf-checkpoint"),
+        (["--sglang-tensor-parallel-size", "2"], "--rollout-num-gpus-per-engine"),  # SGLang's alias of --tp-size
+        (["--sglang-tp", "2"], "--sglang-tp (SGLang's parser reads it as --tp-size) is set by slime"),
+        (["--sglang-random-se", "3"], "--rollout-seed"),
         (["--sglang-ep-size", "8", "--sglang-ep-size", "4"], "--sglang-ep-size is given twice"),
         (["--sglang-", "1"], "not a valid SGLang flag"),
         (["--sglang-Mem_Fraction", "1"], "not a valid SGLang flag"),
@@ -302,7 +305,10 @@ def test_bad_sglang_flags_are_refused(argv, fragment, capsys):
 
 def test_sglang_flags_with_the_transformers_engine_are_refused(capsys):
     err = parse_error(with_flags("--rollout-backend", "transformers", "--sglang-mem-fraction-static", "0.7"), capsys)
-    assert "--sglang-mem-fraction-static" in err and "--rollout-backend sglang" in err
+    assert "--sglang-mem-fraction-static would be ignored; remove it or use --rollout-backend sglang" in err
+    err = parse_error(with_flags("--rollout-backend", "transformers", "--sglang-dtype=float16",
+                                 "--sglang-disable-cuda-graph"), capsys)
+    assert "--sglang-dtype --sglang-disable-cuda-graph would be ignored; remove them or" in err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +414,7 @@ def test_global_batch_must_split_over_data_parallel_micro_batches(gpus, tp, mbs,
     flags = [
         "--rollout-batch-size", "6", "--n-samples-per-prompt", "4",
         "--actor-num-gpus-per-node", str(gpus), "--tensor-model-parallel-size", str(tp), "--micro-batch-size", str(mbs),
+        *(["--sequence-parallel"] if tp > 1 else []),
     ]  # fmt: skip
     err = parse_error(with_flags(*flags, "--global-batch-size", str(gbs)), capsys)
     assert f"data-parallel size {dp}" in err and f"= {dp * mbs};" in err
@@ -437,8 +444,11 @@ def test_dynamic_batch_size_ignores_micro_batch_size():
           "--expert-tensor-parallel-size", "1"], ["needs --sequence-parallel"]),
         (["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2", "--num-experts", "3"],
          ["--num-experts 3", "--expert-model-parallel-size 2"]),
-        (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3"],
-         ["--num-attention-heads 3"]),
+        (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
+          "--sequence-parallel"], ["--num-attention-heads 3"]),
+        # megatron-core's MoE layer refuses to train with TP > 1 and no sequence parallelism (at the first step)
+        (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"],
+         ["--tensor-model-parallel-size 2 needs --sequence-parallel", "MoE layer"]),
     ],
 )  # fmt: skip
 def test_parallel_sizes_must_fit_the_trainer_gpus(flags, fragments, capsys):
@@ -461,7 +471,7 @@ def test_context_parallelism_is_refused_by_the_native_model_at_parse_time(capsys
     # Megatron's GPU-count rules accept TP 2 x CP 2 on 8 GPUs; the native Qwen3.5 model has no CP yet.
     err = parse_error(with_flags(
         "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-        "--rollout-batch-size", "8",
+        "--sequence-parallel", "--rollout-batch-size", "8",
     ), capsys)  # fmt: skip
     assert "--context-parallel-size 2: context parallelism is not implemented for the native Qwen3.5 model" in err
 
@@ -995,3 +1005,17 @@ def test_negative_stop_token_ids_are_refused(capsys):
     err = parse_error(with_flags("--rollout-stop-token-ids", "2", "-5"), capsys)
     assert "--rollout-stop-token-ids must be token ids >= 0, got -5" in err
     assert parse_args(with_flags("--rollout-stop-token-ids", "0", "7")).rollout.rollout_stop_token_ids == [0, 7]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--save", ""], "--save must be a folder, got an empty string"),
+    (["--save", " ", "--save-interval", "3"], "--save must be a folder"),  # '' passed --save-interval's check
+    (["--load", ""], "--load must be a folder"),
+    (["--ref-load", ""], "--ref-load must be a folder"),
+    (["--output-dir", ""], "--output-dir must be a folder"),
+    (["--save", "ckpts", "--save-hf", "", "--train-backend", "megatron"], "--save-hf must be a folder"),
+])  # fmt: skip
+def test_an_empty_path_is_refused_not_read_as_not_given(flags, message, capsys):
+    """``--save ''`` used to read as "no --save" downstream: nothing saved, --save-hf silently dropped, and the
+    launcher pointing its resume line at checkpoints that were never written."""
+    assert message in parse_error(with_flags("--rollout-backend", "transformers", *flags), capsys)

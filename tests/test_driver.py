@@ -66,7 +66,8 @@ def test_check_only_validates_and_exits_without_reading_the_checkpoint(tmp_path,
     main([*argv, "--rollout-backend", "transformers", "--check-only"])
     assert capsys.readouterr().out.strip() == "slime: flags OK (engine TransformersEngine, trainer FSDPBackend)"
     if importlib.util.find_spec("sglang") is None:
-        missing = "slime: error: --rollout-backend sglang cannot run here: it needs sglang 0.5.17 (not installed)"
+        missing = ("slime: error: --rollout-backend sglang cannot run here: it needs sglang 0.5.17 (not installed); "
+                   "SGLang serves on GPUs and is installed by the GPU profile")
         with pytest.raises(SystemExit) as info:  # the SGLang engine without sglang installed: refused at parse time
             main([*argv, "--rollout-backend", "sglang", "--check-only"])
         assert info.value.code == 2

@@ -165,6 +165,21 @@ def test_dry_run_prints_a_parsable_command_with_extra_args_last(tiny_ckpt, tmp_p
     assert not out.exists()  # a dry run writes nothing
 
 
+@pytest.mark.slow
+def test_cpu_default_honours_an_explicit_rollout_backend(tiny_ckpt, tmp_path):
+    """SLIME_SCRIPT_ROLLOUT_BACKEND set on a machine without a GPU is passed on (the driver then refuses sglang
+    with its reason) rather than silently replaced by the transformers engine; unset, the CPU default's."""
+    for env_extra, engine in (({}, "transformers"), ({"SLIME_SCRIPT_ROLLOUT_BACKEND": "sglang"}, "sglang")):
+        result = subprocess.run(
+            ["bash", str(LAUNCHER)], cwd=REPO, env=_env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", **env_extra),
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        argv = shlex.split(result.stdout.strip().splitlines()[-1])
+        assert argv[argv.index("--rollout-backend") + 1] == engine
+        assert f"{engine} engine" in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("form", ["separate", "equals"])
 def test_dry_run_output_dir_moves_the_run_and_its_default_checkpoints(tiny_ckpt, tmp_path, form):
     mine = tmp_path / "mine"

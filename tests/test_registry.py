@@ -21,6 +21,7 @@ import torch
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.rollout.engines import ENGINES
 from slime.utils.arguments import parse_args
+from slime.utils.config import ConfigError
 from slime.utils.registry import Builtin, Registry, Unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,9 @@ def test_planned_backend_and_missing_engine_stop_at_parse_time_naming_their_pack
     assert "--train-backend megatron" not in err  # built: megatron-core is in the CPU profile too
     if _status("sglang", "0.5.17") != "installed: 0.5.17":  # built, but its package is missing here
         assert f"--rollout-backend sglang cannot run here: it needs sglang 0.5.17 ({_status('sglang', '0.5.17')})" in err
+        # ... and the way out: the GPU profile that installs it, or the engine that runs here
+        assert "installed by the GPU profile (bash scripts/setup_env.sh" in err
+        assert "here use --rollout-backend transformers" in err
 
 
 def test_the_built_backend_and_engine_parse_and_resolve():
@@ -91,6 +95,17 @@ def test_missing_package_is_named_with_what_is_installed():
     )
     with pytest.raises(Unavailable, match="no-such-dist-xyz 1.0 \\(not installed\\)"):
         registry.get("fast")
+
+
+def test_a_missing_package_message_ends_with_the_entrys_way_out():
+    registry = Registry("codec", "--codec", builtins={
+        "fast": Builtin(target="json:dumps", requires=("no-such-dist-xyz==1.0",), fix="use --codec json"),
+        "json": Builtin(target="json:dumps", fix="never shown: nothing is missing"),
+    })  # fmt: skip
+    assert registry.problem("fast") == "--codec fast cannot run here: it needs no-such-dist-xyz 1.0 (not installed); use --codec json"
+    assert registry.problem("json") is None
+    with pytest.raises(ConfigError, match="; use --codec json$"):
+        registry.resolve("fast")
 
 
 def test_a_pinned_package_at_another_version_is_refused():

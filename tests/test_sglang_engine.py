@@ -112,6 +112,49 @@ def test_server_command_has_slimes_flags_then_the_passthrough_and_no_secret(tmp_
     assert spec.url == "http://127.0.0.1:31000"
 
 
+_STAND_IN_SGLANG = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/plugins.py": "def load_plugins():\n    pass\n",
+    "sglang/srt/utils.py": "def kill_process_tree(pid, include_parent=True):\n    pass\n",
+    # SGLang 0.5.17's parsing: argparse with --api-key / --admin-api-key taking one value each
+    "sglang/srt/server_args.py": (
+        "import argparse\n"
+        "def prepare_server_args(argv):\n"
+        "    parser = argparse.ArgumentParser()\n"
+        "    parser.add_argument('--model-path')\n"
+        "    parser.add_argument('--api-key', type=str, default=None)\n"
+        "    parser.add_argument('--admin-api-key', type=str, default=None)\n"
+        "    return parser.parse_args(argv)\n"
+    ),
+    "sglang/launch_server.py": (
+        "import os, sys\n"
+        "def run_server(args):\n"
+        "    secret = open(os.environ['PROBE_SECRET_FILE']).read()\n"
+        "    cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        "    environ = open('/proc/self/environ', 'rb').read().decode()\n"
+        "    print('keys', args.api_key == secret, args.admin_api_key == secret)\n"
+        "    print('in argv', secret in ' '.join(sys.argv) or secret in cmdline, 'in env', secret in environ)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("secret", ["-starts-with-a-dash", "plain_Secret-9"])
+def test_the_server_hands_any_secret_to_sglangs_parser_and_never_to_its_argv(tmp_path, secret):
+    """server_main against a stand-in of SGLang's modules (argparse as SGLang's): a token_urlsafe secret may
+    start with "-", which argparse would take for an option if it were a separate value."""
+    for name, text in _STAND_IN_SGLANG.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "secret").write_text(secret)  # for the check; not in the environment (nor pytest's test id)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), PROBE_SECRET_FILE=str(tmp_path / "secret"))
+    done = subprocess.run([sys.executable, "-m", "slime.rollout.engines.sglang.server_main", "--model-path", "/m"],
+                          input=secret + "\n", env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["keys True True", "in argv False in env False"]
+
+
 def test_gpu_start_locks_serialise_engines_sharing_a_gpu_and_not_others(tmp_path):
     import threading
 
@@ -134,6 +177,56 @@ def test_gpu_start_locks_serialise_engines_sharing_a_gpu_and_not_others(tmp_path
     waiting.join(10)
     assert taken["shares gpu 0"].held and not first.held
     assert not GPUStartLock([], tmp_path).held
+
+
+def _lock_is_free(path):
+    import fcntl
+
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_a_gpu_start_lock_that_fails_part_way_holds_nothing(tmp_path):
+    (tmp_path / "slime-sglang-start-gpu1.lock").mkdir()  # GPU 1's file cannot be opened as a file
+    with pytest.raises(IsADirectoryError):
+        GPUStartLock(["0", "1"], tmp_path)
+    assert _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")  # GPU 0's lock, taken first, was dropped
+
+
+def test_gpu_start_lock_files_are_shared_by_every_user_of_the_node(tmp_path, monkeypatch):
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        lock = GPUStartLock(["0"], tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "slime-sglang-start-gpu0.lock").stat().st_mode) == 0o666  # not the umask's 0600
+    lock.release()
+    # another user's file in a sticky /tmp: O_CREAT refused (fs.protected_regular), read-only is enough to flock
+    real_open = os.open
+    modes = []
+
+    def foreign_open(path, flags, *args):
+        modes.append(flags & (os.O_CREAT | os.O_RDWR | os.O_RDONLY | os.O_WRONLY))
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", foreign_open)
+    lock = GPUStartLock(["0"], tmp_path)
+    assert lock.held and modes == [os.O_RDWR | os.O_CREAT, os.O_RDONLY]
+    assert not _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
+    lock.release()
+    assert _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
+    monkeypatch.setattr(os, "open", lambda path, flags, *a: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    with pytest.raises(PermissionError, match="cannot open the SGLang start lock .*gpu0.lock.*chmod a\\+r"):
+        GPUStartLock(["0"], tmp_path)
 
 
 def test_a_second_engine_on_the_same_gpu_starts_its_server_once_the_first_is_healthy(tmp_path, monkeypatch):
@@ -322,6 +415,11 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-nnodes", "2"], "spans one node"),
     (["--sglang-grpc-port", "9"], "bypasses"),
     (["--sglang-router-ip", "10.0.0.1"], "sglang-router is not used"),
+    # SGLang's argparse expands unique prefixes: an abbreviation would slip past the checks above
+    (["--sglang-grpc-por", "9"], "--sglang-grpc-por abbreviates --sglang-grpc-port"),
+    (["--sglang-tokenizer-worker", "4"], "abbreviates --sglang-tokenizer-worker-num"),
+    (["--sglang-api", "k"], "abbreviates --sglang-api-key"),
+    (["--sglang-dp", "2"], "abbreviates --sglang-dp-size"),
     (["--sglang-server-concurrency", "0"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1000"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1", "2"], "one integer in 1..512"),
@@ -406,6 +504,39 @@ def test_a_dead_server_is_reported_and_a_restart_brings_a_new_one(engine_factory
     _wait_healthy(engine)
     assert engine.spec.port != old_port and engine.server.pid != old_pid
     assert engine.generate([GenerateRequest("a", [], _params())])[0].output_ids == [10, 11]
+
+
+def test_a_health_poll_during_a_restart_keeps_the_new_servers_start_lock(tmp_path, monkeypatch):
+    """The old server is dead while the new one starts: a health() answer about the old one (it raises) must not
+    drop the lock that the new server holds until its caches are sized."""
+    import tempfile
+
+    from slime.rollout.engines.sglang import engine as engine_module
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    engine = FakeSGLangEngine(_spec(tmp_path), tmp_path / "engine-0", capacity=4, gpu_ids=["0"])
+    try:
+        _wait_healthy(engine)
+        engine.server.stop(grace_s=5)  # the server died
+        polled = {}
+        real_server_process = engine_module.ServerProcess
+
+        def poll_then_start(*args, **kwargs):  # the new GPU lock is taken, the new server not yet started
+            try:
+                polled["health"] = engine.health()
+            except EngineUnavailableError as e:
+                polled["health"] = str(e)
+            polled["lock file free"] = _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
+            return real_server_process(*args, **kwargs)
+
+        monkeypatch.setattr(engine_module, "ServerProcess", poll_then_start)
+        engine.restart()
+        assert "exited with code" in polled["health"]  # the poll saw the old, dead server
+        assert polled["lock file free"] is False  # ... and left the new start's lock alone
+        _wait_healthy(engine)
+    finally:
+        engine.shutdown()
+    assert _lock_is_free(tmp_path / "slime-sglang-start-gpu0.lock")
 
 
 def test_shutdown_stops_the_server_and_everything_in_its_session(engine_factory):

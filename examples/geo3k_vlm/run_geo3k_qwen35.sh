@@ -9,7 +9,8 @@
 # embedded default instead: a tiny random Qwen3.5 checkpoint (built on demand), the
 # geo3k sample bundled in examples/geo3k_vlm/data, the transformers engine and the FSDP2
 # trainer over gloo (SLIME_SCRIPT_TRAIN_BACKEND=megatron set explicitly: the Megatron trainer,
-# data-parallel).  See examples/geo3k_vlm/README.md for every variable.
+# data-parallel; SLIME_SCRIPT_ROLLOUT_BACKEND set explicitly: that engine, so sglang stops at once
+# with the driver's reason instead of being replaced).  See examples/geo3k_vlm/README.md for every variable.
 #
 # Variables (defaults in brackets):
 #   SLIME_SCRIPT_DATASET_NAME   [chenhegu/geo3k_imgurl] HF dataset name, local folder
@@ -147,12 +148,16 @@ if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    if [ -n "${SLIME_SCRIPT_TRAIN_BACKEND+x}" ]; then   # set explicitly: megatron runs data-parallel on CPU too
       CPU_BACKEND=$TRAIN_BACKEND; CPU_TRAINER=$TRAIN_BACKEND
    fi
-   echo "[geo3k] no GPU found: running the embedded CPU default ($([ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ] && echo "tiny random Qwen3.5-MoE checkpoint" || echo "$HF_CHECKPOINT"), data $TRAIN_DATA, transformers engine, $NUM_RANKS $CPU_TRAINER trainer ranks over gloo)."
+   CPU_ENGINE=transformers
+   if [ -n "${SLIME_SCRIPT_ROLLOUT_BACKEND+x}" ]; then  # set explicitly: honoured (the driver says if it cannot run)
+      CPU_ENGINE=$ROLLOUT_BACKEND
+   fi
+   echo "[geo3k] no GPU found: running the embedded CPU default ($([ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ] && echo "tiny random Qwen3.5-MoE checkpoint" || echo "$HF_CHECKPOINT"), data $TRAIN_DATA, $CPU_ENGINE engine, $NUM_RANKS $CPU_TRAINER trainer ranks over gloo)."
    ROLLOUT_ARGS=(--num-rollout 10 --rollout-batch-size 4 --n-samples-per-prompt 4
                  --rollout-max-response-len 32 --rollout-temperature 1.0 --global-batch-size 8)
    EVAL_SETTINGS=(--eval-interval 5 --eval-max-response-len 32)
    BACKEND_ARGS=(--train-backend "$CPU_BACKEND" --micro-batch-size 1)
-   ROLLOUT_ENGINE_ARGS=(--rollout-backend transformers --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
+   ROLLOUT_ENGINE_ARGS=(--rollout-backend "$CPU_ENGINE" --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
    MISC_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_RANKS" --save-interval 3)
    BACKEND_NAME=$CPU_BACKEND
 else

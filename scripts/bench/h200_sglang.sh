@@ -89,8 +89,9 @@ for phase in $PHASES; do
       timed launcher bash examples/geo3k_vlm/run_geo3k_qwen35.sh --num-rollout 3 --rollout-batch-size 8 \
         --global-batch-size 64 --rollout-max-response-len 128 --eval-max-response-len 128 --no-progress-bar \
         --save /tmp/h200-sglang-ckpt --overwrite-output-dir "${SGLANG_FLAGS[@]}"
-    grep -c . "$LOGS/run/command.sh" >/dev/null 2>&1 && ! grep -qi "api.key" "$LOGS/run/command.sh" \
-      && echo "command.sh: no API key in it" | tee -a "$LOGS/summary.txt"
+    if [ ! -s "$LOGS/run/command.sh" ]; then echo "command.sh: FAIL, missing or empty"
+    elif grep -qi "api.key" "$LOGS/run/command.sh"; then echo "command.sh: FAIL, an API key flag is in it"
+    else echo "command.sh: no API key in it"; fi | tee -a "$LOGS/summary.txt"
     python3 - "$LOGS/run/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOGS/summary.txt"
 import json, sys
 for line in open(sys.argv[1]):

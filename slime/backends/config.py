@@ -47,7 +47,9 @@ class TrainConfig:
     )
     micro_batch_size: int = flag(1, help="Samples per forward/backward pass on one data-parallel rank.")
     use_dynamic_batch_size: bool = flag(
-        False, help="Pack micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples."
+        False, help="Pack micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples. "
+        "A Gated-DeltaNet model (Qwen3.5) packs only with --train-backend megatron at TP = PP = CP = EP = 1 (where "
+        "packing is proven equal to one sequence at a time)."
     )
     max_tokens_per_gpu: int | None = flag(
         None, help="Token budget of one packed micro-batch per GPU (with --use-dynamic-batch-size), tokens."
@@ -263,6 +265,11 @@ class CheckpointConfig:
     def __post_init__(self):
         if not self.hf_checkpoint.strip():
             raise ConfigError("--hf-checkpoint must be a checkpoint folder, got an empty string")
+        for name in ("load", "save", "ref_load"):  # '' would read as "not given" downstream, silently
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                flag_name = f"--{name.replace('_', '-')}"
+                raise ConfigError(f"{flag_name} must be a folder, got an empty string; give one, or drop {flag_name}")
         if self.save_interval is not None:
             if self.save_interval < 1:
                 raise ConfigError(f"--save-interval must be >= 1 rollout step, got {self.save_interval}")

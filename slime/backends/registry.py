@@ -13,7 +13,7 @@ parse-time checks, its data-parallel size and its checkpoint layout, importable 
 backend's packages.
 
 ``--train-backend megatron`` needs megatron-core (installed in the CPU and GPU profiles); without
-it the flag stops at parse time, naming the package and whether it is installed.
+it the flag stops at parse time, naming the package, whether it is installed and the way out.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ TRAIN_BACKENDS: Registry[type[TrainerBackend]] = Registry(
             # (slime.backends.megatron.model.GPU_KERNEL_PACKAGES).
             requires=("megatron-core==0.16.1",),
             config="slime.backends.megatron.config:MegatronConfig",
+            fix="install megatron-core==0.16.1 (both set-up profiles have it: bash scripts/setup_env.sh), "
+            "or use --train-backend fsdp",
         ),
     },
 )

@@ -170,6 +170,7 @@ SGLANG_PREFIX = "--sglang-"
 SGLANG_ARGS_SET_BY_SLIME = {
     "model_path": "--hf-checkpoint",
     "tp_size": "--rollout-num-gpus-per-engine",
+    "tensor_parallel_size": "--rollout-num-gpus-per-engine",  # SGLang's other name of --tp-size
     "random_seed": "--rollout-seed",
     "port": "(slime assigns a free port to each engine)",
     "host": "(slime assigns each engine its node's address)",
@@ -197,10 +198,14 @@ class SGLangConfig:
 
     def __post_init__(self):
         for name in self.server_args:
-            if name in SGLANG_ARGS_SET_BY_SLIME:
-                source = SGLANG_ARGS_SET_BY_SLIME[name]
+            # SGLang's argparse expands a unique prefix (allow_abbrev): --sglang-tp 2 would be its --tp-size 2
+            full = name if name in SGLANG_ARGS_SET_BY_SLIME else next(
+                (n for n in SGLANG_ARGS_SET_BY_SLIME if n.startswith(name)), None)
+            if full is not None:
+                source = SGLANG_ARGS_SET_BY_SLIME[full]
                 fix = f"use {source}" if source.startswith("--") else source.strip("()")
-                raise ConfigError(f"--sglang-{name.replace('_', '-')} is set by slime, not passed through: {fix}")
+                what = "" if full == name else f" (SGLang's parser reads it as --{full.replace('_', '-')})"
+                raise ConfigError(f"--sglang-{name.replace('_', '-')}{what} is set by slime, not passed through: {fix}")
 
     def server_argv(self) -> list[str]:
         """The SGLang server flags, e.g. ``["--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2"]``."""

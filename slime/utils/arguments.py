@@ -82,7 +82,9 @@ SGLANG_HELP = (
     "is passed to every SGLang engine as --<name> [VALUE ...]; e.g. --sglang-mem-fraction-static 0.7 "
     "--sglang-cuda-graph-bs 1 2 4 --sglang-disable-custom-all-reduce. slime sets the model path "
     "(--hf-checkpoint), the tensor-parallel size (--rollout-num-gpus-per-engine), the seed (--rollout-seed), "
-    "host and port itself."
+    "host and port itself, and --dtype bfloat16 unless --sglang-dtype is given. Each server gets a per-run key "
+    "of its own (--sglang-api-key / --sglang-admin-api-key are refused). --sglang-server-concurrency N "
+    "(default 512) is slime's, not the server's: the requests kept in flight at each engine."
 )
 
 SECRET_FLAGS = ("--wandb-key",)

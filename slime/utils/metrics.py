@@ -126,6 +126,8 @@ class LoggingConfig:
     )
 
     def __post_init__(self):
+        if self.output_dir is not None and not self.output_dir.strip():
+            raise ConfigError("--output-dir must be a folder, got an empty string; give one, or drop --output-dir")
         if self.parent_pid is not None and self.parent_pid < 1:
             raise ConfigError(f"--parent-pid must be a process id >= 1, got {self.parent_pid}")
         if self.save_debug_rollout_data is not None:

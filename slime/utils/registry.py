@@ -49,12 +49,15 @@ class Builtin:
             checks), importable without ``requires``; ``None`` when it has none.
         planned: for ``target=None``: what is missing, e.g. "the native Megatron Qwen3.5 backend
             (next on the roadmap)".
+        fix: the way out when ``requires`` is not met, appended to :meth:`Registry.problem`'s message,
+            e.g. "install the GPU profile (...) or use --rollout-backend transformers".
     """
 
     target: str | None
     requires: tuple[str, ...] = ()
     config: str | None = None
     planned: str | None = None
+    fix: str | None = None
 
 
 class Unavailable(ImportError):
@@ -165,7 +168,8 @@ class Registry(Generic[T]):
         - a built-in planned for a later version: says so, and lists its required packages;
         - a built-in with a required package missing or at another version than its pin: every
           requirement as ``"megatron-core 0.16.1 (not installed)"``, ``"megatron-core 0.16.1
-          (installed 0.15.0, needs ==0.16.1)"`` or ``"flash-linear-attention 0.6.0 (installed: 0.6.0)"``;
+          (installed 0.15.0, needs ==0.16.1)"`` or ``"flash-linear-attention 0.6.0 (installed: 0.6.0)"``,
+          then the entry's :attr:`Builtin.fix`;
         - an import path whose module cannot be found (:func:`find_module_problem`: the module
           itself is never imported, nor, as a rule, its parent packages).
 
@@ -180,7 +184,7 @@ class Registry(Generic[T]):
                     f"; {needs}" if statuses else ""
                 )
             if not all(ok for ok, _ in statuses):
-                return f"{self.flag} {name} cannot run here: {needs}"
+                return f"{self.flag} {name} cannot run here: {needs}" + (f"; {entry.fix}" if entry.fix else "")
             return None
         if name in self._entries or not _is_import_path(name):
             return None

@@ -70,7 +70,8 @@ class MegatronConfig(BackendConfig):
     sequence_parallel: bool = flag(False, help="Split activations along the sequence across the TP group (Megatron).")
     pipeline_model_parallel_size: int = flag(1, help="Pipeline stages (Megatron PP).")
     context_parallel_size: int = flag(
-        1, help="Context-parallel GPUs splitting each sequence (Megatron CP, THD zigzag)."
+        1, help="Context-parallel GPUs splitting each sequence (Megatron CP, THD zigzag). Not implemented for the "
+        "native Qwen3.5 model yet: only 1."
     )
     expert_model_parallel_size: int = flag(1, help="Expert-parallel GPUs sharing out the MoE experts (Megatron EP).")
     expert_tensor_parallel_size: int | None = flag(
@@ -92,17 +93,23 @@ class MegatronConfig(BackendConfig):
     accumulate_allreduce_grads_in_fp32: bool = flag(False, help="Accumulate and all-reduce gradients in fp32.")
     attention_softmax_in_fp32: bool = flag(False, help="Compute the attention softmax in fp32.")
     attention_backend: str = flag(
-        "auto", choices=["flash", "fused", "unfused", "local", "auto"], help="Megatron attention implementation."
+        "auto", choices=["flash", "fused", "unfused", "local", "auto"],
+        help="Megatron attention implementation: auto = fla + torch's varlen FlashAttention for bf16 on CUDA, the "
+        "torch paths otherwise; flash = varlen FlashAttention (CUDA, bf16); local / unfused = SDPA; fused "
+        "(TransformerEngine) is refused (not installed).",
     )
     qkv_format: str = flag(
-        "thd", choices=["thd", "bshd"], help="Sequence layout: thd (packed, no padding) or bshd (padded batch)."
+        "thd", choices=["thd", "bshd"],
+        help="Sequence layout: thd (packed, no padding) or bshd (padded batch); the native Qwen3.5 model runs thd "
+        "only.",
     )
     megatron_to_hf_mode: str = flag(
         "raw",
         choices=["raw", "bridge"],
         help="Megatron backend only (upstream slime's flag): how Megatron weights are converted to and from "
         "Hugging Face names and layouts (loading --hf-checkpoint, weight sync to the engines): raw = slime's own "
-        "converters, bridge = Megatron-Bridge. --train-backend fsdp trains the HF model itself and refuses bridge.",
+        "converters, bridge = Megatron-Bridge (not supported yet: refused). --train-backend fsdp trains the HF model "
+        "itself and refuses bridge.",
     )
     save_hf: str | None = flag(
         None,
@@ -185,8 +192,8 @@ class MegatronConfig(BackendConfig):
         (:meth:`check_model_layout`), last the Gated-DeltaNet batching (:data:`PACKED_GDN_PROVEN`).
 
         Raises:
-            ConfigError: a refused flag; parallel sizes that do not divide the trainer GPUs; EP > 1 with
-                TP > 1 but no ``--sequence-parallel``; a layout the model cannot shard (see
+            ConfigError: a refused flag; parallel sizes that do not divide the trainer GPUs; TP > 1 without
+                ``--sequence-parallel`` (megatron-core's MoE layer refuses to train so); a layout the model cannot shard (see
                 :func:`slime.models.qwen3_5.config.check_parallel_layout`); ``--save-hf`` without ``--save``;
                 packed GDN micro-batches in an unproven layout.  The message names the flags and the fix.
         """
@@ -196,6 +203,8 @@ class MegatronConfig(BackendConfig):
         refuse_flags("megatron", self._not_implemented(), "drop or change these flags")
         self._check_parallel_sizes(cluster)
         self.check_model_layout(model, checkpoint.hf_checkpoint)
+        if self.save_hf is not None and not self.save_hf.strip():
+            raise ConfigError("--save-hf must be a folder, got an empty string; give one, or drop --save-hf")
         if self.save_hf is not None and checkpoint.save is None:
             raise ConfigError(
                 f"--save-hf {self.save_hf} is written with each checkpoint, but no --save DIR is given; add --save"
@@ -286,4 +295,11 @@ class MegatronConfig(BackendConfig):
             raise ConfigError(
                 f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                 "(Megatron); add it"
+            )
+        # megatron.core MoELayer.forward (0.16.1) raises in training when the attention TP group has more than one
+        # rank and sequence parallelism is off; every decoder layer of the native Qwen3.5 model is an MoE layer.
+        if tp > 1 and not self.sequence_parallel:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} needs --sequence-parallel: megatron-core's MoE layer (every layer "
+                "of Qwen3.5) refuses to train with TP > 1 without it; add --sequence-parallel"
             )

@@ -8,7 +8,8 @@ checks, importable without the engine's packages.
 
 ``sglang`` (:mod:`slime.rollout.engines.sglang`) needs the ``sglang`` distribution installed in the
 run's environment (its servers run on the same Python); without it ``--rollout-backend sglang``
-stops at parse time, saying so.
+stops at parse time, saying so and naming the way out (the GPU profile, or
+``--rollout-backend transformers``).
 """
 
 from slime.rollout.engines.base import RolloutEngine
@@ -27,6 +28,8 @@ ENGINES: Registry[type[RolloutEngine]] = Registry(
             # The `sglang` extra of pyproject.toml.
             requires=("sglang==0.5.17",),
             config="slime.rollout.engines.sglang.config:SGLangEngineConfig",
+            fix="SGLang serves on GPUs and is installed by the GPU profile (bash scripts/setup_env.sh on a GPU "
+            "node, or SLIME_WHEELHOUSE=DIR air-gapped); here use --rollout-backend transformers",
         ),
     },
 )

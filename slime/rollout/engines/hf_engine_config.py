@@ -21,8 +21,8 @@ class TransformersEngineConfig(EngineConfig):
         ConfigError: any ``--sglang-*`` flag is given; the message names them all.
         """
         if sglang.server_args:
-            flags = " ".join(arg for arg in sglang.to_argv() if arg.startswith("--"))
+            names = [arg for arg in sglang.to_argv() if arg.startswith("--")]
             raise ConfigError(
-                f"--rollout-backend {rollout.rollout_backend} does not run SGLang, so {flags} would be ignored; "
-                "remove them or use --rollout-backend sglang"
+                f"--rollout-backend {rollout.rollout_backend} does not run SGLang, so {' '.join(names)} would be "
+                f"ignored; remove {'it' if len(names) == 1 else 'them'} or use --rollout-backend sglang"
             )

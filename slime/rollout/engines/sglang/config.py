@@ -42,6 +42,13 @@ REFUSED = {
 }
 """Server arguments the engine sets itself or cannot work with, and why."""
 
+CHECKED = ("tokenizer_worker_num", "dp_size", "data_parallel_size", "enable_dp_attention")
+"""Server arguments whose values :meth:`SGLangEngineConfig.check` checks (an abbreviation of one is refused too)."""
+
+
+def _dashed(name: str) -> str:
+    return name.replace("_", "-")
+
 
 def slime_owned_args(sglang: SGLangConfig) -> tuple[dict[str, str], list[str]]:
     """Split ``--sglang-*`` flags into slime's own (:data:`SLIME_OWNED`) and the server's.
@@ -79,15 +86,23 @@ class SGLangEngineConfig(EngineConfig):
     @classmethod
     def check(cls, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
         """Raises:
-        ConfigError: a refused server argument (:data:`REFUSED`), ``--sglang-tokenizer-worker-num``
+        ConfigError: a refused server argument (:data:`REFUSED`) or an abbreviation of one of them or of
+            :data:`CHECKED` (SGLang's argparse would expand it past these checks), ``--sglang-tokenizer-worker-num``
             above 1 (SGLang 0.5.17 enforces API keys only with one tokenizer worker), ``--sglang-dp-size``
             above 1 without ``--sglang-enable-dp-attention`` (SGLang's weight updates need it), or a
             bad ``--sglang-server-concurrency``.
         """
         args = sglang.server_args
+        for given in args:  # SGLang's argparse expands a unique prefix (allow_abbrev): --grpc-por is --grpc-port
+            full = next((n for n in (*REFUSED, *CHECKED) if n != given and n.startswith(given)), None)
+            if full is not None:
+                raise ConfigError(
+                    f"--sglang-{_dashed(given)} abbreviates --sglang-{_dashed(full)} (SGLang's parser expands it), "
+                    f"which slime checks: write the full name, or drop it"
+                )
         for name, why in REFUSED.items():
             if name in args:
-                raise ConfigError(f"--sglang-{name.replace('_', '-')} is not passed through: {why}")
+                raise ConfigError(f"--sglang-{_dashed(name)} is not passed through: {why}")
         workers = args.get("tokenizer_worker_num")
         if workers is not None and workers != "1":
             raise ConfigError(

@@ -243,12 +243,15 @@ class SGLangEngine(RolloutEngine):
         self.report_dir = reports
         env = server_env({**os.environ, **self._env_overrides}, plugin, reports)
         self.mrope_fix_disabled = env.get(MROPE_FIX_ENV) == "0"
-        self._start_lock = GPUStartLock(self.gpu_ids)  # released once healthy, dead or stopped
+        lock = GPUStartLock(self.gpu_ids)  # released once healthy, dead or stopped
         try:
-            self.server = ServerProcess(command, env, folder / "server.log", self._secret)
+            server = ServerProcess(command, env, folder / "server.log", self._secret)
         except BaseException:
-            self._start_lock.release()
+            lock.release()
             raise
+        # Server and lock change together: a health() poll during a restart sees the old (dead) server with
+        # the old lock, and must not drop the new one while the new server sizes its caches.
+        self.server, self._start_lock = server, lock
         self.client = SGLangClient(self.spec.url, self._secret)
         self.reports, self.memory_tags, self.version = [], (), None
         self._released = set()

@@ -265,17 +265,26 @@ class GPUStartLock:
 
     The lock is blocking; an engine waiting on it waits inside its start-up, which the engine group
     bounds with ``--rollout-engine-start-timeout``.  :meth:`release` is idempotent; the kernel drops
-    the locks of a process that dies.
+    the locks of a process that dies.  The (empty) lock files stay: removing one while another process
+    waits on it would let a third take a lock on a new file at the same path.  They are shared by every
+    user of the node (:func:`_open_lock_file`).
+
+    Raises:
+        PermissionError: a lock file that can be neither created nor read (nothing stays locked then).
     """
 
     def __init__(self, gpu_ids: list[str], folder: str | os.PathLike | None = None):
         folder = Path(folder or tempfile.gettempdir())
         self._guard = threading.Lock()  # release() may run in the engine's watcher thread and its caller
-        self._files = []
-        for gpu in sorted(set(gpu_ids), key=lambda g: (len(str(g)), str(g))):
-            f = open(folder / f"slime-sglang-start-gpu{gpu}.lock", "a")  # noqa: SIM115 - held until release()
-            fcntl.flock(f, fcntl.LOCK_EX)
-            self._files.append(f)
+        self._files: list[int] = []
+        try:
+            for gpu in sorted(set(gpu_ids), key=lambda g: (len(str(g)), str(g))):
+                fd = _open_lock_file(folder / f"slime-sglang-start-gpu{gpu}.lock")
+                self._files.append(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:  # e.g. an unreadable lock file of the second GPU: the first one's lock goes too
+            self.release()
+            raise
 
     @property
     def held(self) -> bool:
@@ -283,8 +292,34 @@ class GPUStartLock:
 
     def release(self) -> None:
         with self._guard:
-            for f in self._files:
-                fcntl.flock(f, fcntl.LOCK_UN)
-                f.close()
+            for fd in self._files:
+                os.close(fd)  # drops the flock (this is the only descriptor of its open file description)
             self._files = []
+
+
+def _open_lock_file(path: Path) -> int:
+    """A descriptor of the lock file ``path``, created world-writable (mode 0666, whatever the umask) so that
+    every user's engines on the node share it.  A file that another user created, in a sticky folder such as
+    ``/tmp`` (where Linux's ``fs.protected_regular`` refuses ``O_CREAT`` on it) or without write permission, is
+    opened read-only: ``flock`` needs no write access.
+
+    Raises:
+        PermissionError: the file can be neither created nor read; the message names it and the way out.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except PermissionError:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except PermissionError as e:
+            raise PermissionError(
+                f"cannot open the SGLang start lock {path} (another user's, not readable): make it readable "
+                f"(chmod a+r), or remove it while no SGLang server starts on that GPU"
+            ) from e
+    try:
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o666)
+    except OSError:
+        pass
+    return fd
 

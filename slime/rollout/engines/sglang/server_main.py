@@ -2,8 +2,8 @@
 
 The same as ``python -m sglang.launch_server [SGLang flags]`` (SGLang 0.5.17's ``launch_server``:
 load the plugins, ``prepare_server_args``, ``run_server``), with one difference: the run's secret
-is read from the first line of standard input and handed to SGLang's own parser as ``--api-key``
-and ``--admin-api-key`` in this process (SGLang 0.5.17's ``ServerArgs`` is read-only once resolved,
+is read from the first line of standard input and handed to SGLang's own parser as ``--api-key=<secret>``
+and ``--admin-api-key=<secret>`` in this process (SGLang 0.5.17's ``ServerArgs`` is read-only once resolved,
 so the keys cannot be set afterwards), so it is in neither the command line (``ps``,
 ``/proc/<pid>/cmdline``) nor the environment.  With both keys set to the same secret, SGLang 0.5.17 refuses every endpoint
 without ``Authorization: Bearer <secret>`` except ``/health*`` and ``/metrics``
@@ -62,7 +62,9 @@ def main(argv: list[str]) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    keys = ["--api-key", secret, "--admin-api-key", secret] if secret else []
+    # One token each (``--api-key=<secret>``): a separate value starting with "-" (token_urlsafe's alphabet has it,
+    # 1 start in 64) would be read by argparse as an option, and the server would refuse to start.
+    keys = [f"--api-key={secret}", f"--admin-api-key={secret}"] if secret else []
     server_args = prepare_server_args([*argv, *keys])
     try:
         run_server(server_args)
