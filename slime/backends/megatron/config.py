@@ -159,6 +159,20 @@ class MegatronConfig(BackendConfig):
         """Expert tensor-parallel size with Megatron's default applied (``ETP = TP`` when unset)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
+    def layout(self):
+        """The parallel sizes as the native Qwen3.5 model takes them
+        (:class:`slime.models.qwen3_5.config.ParallelLayout`)."""
+        from slime.models.qwen3_5.config import ParallelLayout
+
+        return ParallelLayout(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel,
+            context_parallel_size=self.context_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+
     def data_parallel_size(self, world_size: int) -> int:
         """``world_size / (TP * PP * CP)`` (Megatron; :meth:`check` makes it a whole number)."""
         return world_size // self.model_parallel_size
@@ -246,7 +260,7 @@ class MegatronConfig(BackendConfig):
                 ``config.json``.
         """
         from slime.backends.config import read_hf_config
-        from slime.models.qwen3_5.config import ParallelLayout, Qwen35ConfigError, ShardedSizes, check_parallel_layout
+        from slime.models.qwen3_5.config import Qwen35ConfigError, ShardedSizes, check_parallel_layout
 
         config = read_hf_config(hf_checkpoint)
         if config is not None:
@@ -256,16 +270,8 @@ class MegatronConfig(BackendConfig):
                 **{size: getattr(model, field) for size, field in SIZES_FROM_MODEL_ARGS.items()},
                 names={size: "--" + field.replace("_", "-") for size, field in SIZES_FROM_MODEL_ARGS.items()},
             )
-        layout = ParallelLayout(
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            expert_model_parallel_size=self.expert_model_parallel_size,
-            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
-            context_parallel_size=self.context_parallel_size,
-            sequence_parallel=self.sequence_parallel,
-        )
         try:
-            check_parallel_layout(sizes, layout)
+            check_parallel_layout(sizes, self.layout())
         except Qwen35ConfigError as e:
             raise ConfigError(str(e)) from None
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from slime.backends.megatron.config import MegatronConfig
-from slime.models.qwen3_5.config import ParallelLayout, Qwen35Kernels, qwen35_config_from_hf
+from slime.models.qwen3_5.config import Qwen35Kernels, qwen35_config_from_hf
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +64,6 @@ def kernels_for(megatron: MegatronConfig, dtype: torch.dtype, device: torch.devi
     return kernels
 
 
-def layout_of(megatron: MegatronConfig) -> ParallelLayout:
-    return ParallelLayout(
-        tensor_model_parallel_size=megatron.tensor_model_parallel_size,
-        pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
-        expert_model_parallel_size=megatron.expert_model_parallel_size,
-        expert_tensor_parallel_size=megatron.expert_tensor_parallel,
-        context_parallel_size=megatron.context_parallel_size,
-        sequence_parallel=megatron.sequence_parallel,
-    )
-
-
 def build_stage(
     hf_folder: str | Path, megatron: MegatronConfig, *, dtype: torch.dtype, device: torch.device,
     load: bool = True,
@@ -108,7 +97,7 @@ def build_stage(
     )
     if device.type != "cuda":
         overrides["moe_token_dispatcher_type"] = "allgather"  # the all-to-all dispatcher uses CUDA streams
-    config = qwen35_config_from_hf(hf_folder, layout_of(megatron), params_dtype=dtype,
+    config = qwen35_config_from_hf(hf_folder, megatron.layout(), params_dtype=dtype,
                                    kernels=kernels_for(megatron, dtype, device), **overrides)
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     model = Qwen35Model(config, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1)

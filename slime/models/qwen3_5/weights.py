@@ -45,6 +45,7 @@ are skipped (counted in :class:`LoadReport`).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -67,17 +68,18 @@ class WeightMappingError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
-class TensorReader:
-    """Read Hugging Face tensors by name, optionally only a slice of dims 0 and 1."""
+class TensorReader(abc.ABC):
+    """Read Hugging Face tensors by name, optionally only a slice of dims 0 and 1 (implementations:
+    :class:`StateDictReader`, :class:`SafetensorsReader`)."""
 
-    def names(self) -> set[str]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def names(self) -> set[str]: ...
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor: ...
 
     def has(self, name: str) -> bool:
         return name in self.names()

@@ -243,14 +243,12 @@ class SGLangEngine(RolloutEngine):
         self.report_dir = reports
         env = server_env({**os.environ, **self._env_overrides}, plugin, reports)
         self.mrope_fix_disabled = env.get(MROPE_FIX_ENV) == "0"
-        lock = GPUStartLock(self.gpu_ids)  # released once healthy, dead or stopped
+        lock = GPUStartLock(self.gpu_ids)  # dropped by the watcher below once healthy or dead, or when stopped
         try:
             server = ServerProcess(command, env, folder / "server.log", self._secret)
         except BaseException:
             lock.release()
             raise
-        # Server and lock change together: a health() poll during a restart sees the old (dead) server with
-        # the old lock, and must not drop the new one while the new server sizes its caches.
         self.server, self._start_lock = server, lock
         self.client = SGLangClient(self.spec.url, self._secret)
         self.reports, self.memory_tags, self.version = [], (), None
@@ -262,16 +260,14 @@ class SGLangEngine(RolloutEngine):
 
     @staticmethod
     def _release_when_up(lock: GPUStartLock, server: ServerProcess, client: SGLangClient, poll_s: float = 0.5) -> None:
-        """Drop ``lock`` once ``server`` answers ``/health`` or has exited (whoever else polls, or nobody)."""
-        while lock.held and server.alive():
-            try:
-                if client.healthy():
-                    break
-            except Exception:  # noqa: BLE001 - not up yet; the engine's own health() reports real failures
-                pass
-            time.sleep(poll_s)
-        lock.release()
-        client.close()
+        """Drop ``lock`` once ``server`` answers ``/health`` (its caches are sized: the next server on these GPUs
+        may start) or has exited, whoever else polls it, or nobody."""
+        try:
+            while lock.held and server.alive() and not client.healthy():
+                time.sleep(poll_s)
+        finally:  # whatever happens here, the next server on these GPUs is not left waiting
+            lock.release()
+            client.close()
 
     # ------------------------------------------------------------------ properties
 
@@ -294,14 +290,9 @@ class SGLangEngine(RolloutEngine):
         """
         if self._shut_down:
             return False
-        try:
-            self._check_alive()
-        except EngineUnavailableError:
-            self._start_lock.release()
-            raise
+        self._check_alive()
         if not self.client.healthy():
             return False
-        self._start_lock.release()  # its caches are sized: the next server on these GPUs may start
         if not self.reports:
             self._check_reports()
         return True
