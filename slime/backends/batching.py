@@ -106,6 +106,17 @@ def check_train_samples(
         raise SampleError("another trainer rank received a malformed sample (its log names it); all ranks stop")
 
 
+def check_image_inputs(sample: Sample) -> None:
+    """Raises ``ValueError`` (naming the sample) unless ``sample.multimodal_inputs`` has both
+    ``pixel_values`` and ``image_grid_thw`` (the processor gives them together) or neither."""
+    mm = sample.multimodal_inputs
+    if ("pixel_values" in mm) != ("image_grid_thw" in mm):
+        raise ValueError(
+            f"sample {sample.index}: multimodal_inputs has {sorted(mm)}; pixel_values and image_grid_thw come "
+            "together (both from the processor) or not at all"
+        )
+
+
 def response_input_ids(sample: Sample, placeholders: set[int]) -> list[int]:
     """The sample's response ids as the model *input* sees them: image / video placeholder ids replaced
     by :data:`PAD_TOKEN_ID` (the log-prob *targets* keep the generated ids).

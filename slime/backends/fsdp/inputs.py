@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from slime.backends.batching import PAD_TOKEN_ID, pad_per_token, response_input_ids
+from slime.backends.batching import PAD_TOKEN_ID, check_image_inputs, pad_per_token, response_input_ids
 from slime.backends.log_probs import entropy_from_logits, gather_log_probs
 from slime.utils.processor import mm_token_type_ids
 from slime.utils.types import Sample
@@ -92,12 +92,8 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
     if getattr(config, "vision_config", None) is not None:
         pixel_values, grids = [], []
         for s in samples:
+            check_image_inputs(s)
             mm = s.multimodal_inputs
-            if ("pixel_values" in mm) != ("image_grid_thw" in mm):
-                raise ValueError(
-                    f"sample {s.index}: multimodal_inputs has {sorted(mm)}; pixel_values and image_grid_thw come "
-                    "together (both from the processor) or not at all"
-                )
             if "pixel_values" in mm:
                 pixel_values.append(mm["pixel_values"])
                 grids.append(mm["image_grid_thw"])

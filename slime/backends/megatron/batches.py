@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime.backends.batching import response_input_ids, split_into_micro_batches
+from slime.backends.batching import check_image_inputs, response_input_ids, split_into_micro_batches
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
 from slime.utils.types import Sample
@@ -109,12 +109,8 @@ def pack_micro_batch(
     placeholders = {arch.image_token_id, arch.video_token_id} - {None}
     documents, logit_index, offset = [], [], 0
     for sample in samples:
+        check_image_inputs(sample)
         mm = sample.multimodal_inputs
-        if ("pixel_values" in mm) != ("image_grid_thw" in mm):
-            raise ValueError(
-                f"sample {sample.index}: multimodal_inputs has {sorted(mm)}; pixel_values and image_grid_thw come "
-                "together (both from the processor) or not at all"
-            )
         ids = list(sample.prompt_token_ids) + response_input_ids(sample, placeholders)
         documents.append(Qwen35Document(
             torch.tensor(ids, dtype=torch.int64), mm.get("pixel_values"),
