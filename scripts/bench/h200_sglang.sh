@@ -10,6 +10,8 @@
 #                 requests without the run's key refused with the weights unchanged, CUDA-IPC updates, memory
 #                 release/resume) and tests/test_sglang_gpu_faults.py (two engines on the GPU, one killed mid-rollout:
 #                 no request lost or duplicated, restart); records the server's answers for the CPU fixture
+#     engine      tests/test_sglang_gpu.py alone (a cold machine: the first server start compiles, ~140 s)
+#     faults      tests/test_sglang_gpu_faults.py alone
 #     launcher    acceptance 2: examples/geo3k_vlm/run_geo3k_qwen35.sh, 3 colocated rollouts, FSDP + SGLang, tiny
 #                 checkpoint (log-prob gaps after each sync, the engine parity check, memory with/without release,
 #                 per-phase times)
@@ -81,12 +83,23 @@ for phase in $PHASES; do
     timed pytest_gpu_faults timeout 240 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu_faults.py
     grep -h '"check"' "$LOGS/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$LOGS/summary.txt"
     ;;
+  engine)
+    # tests/test_sglang_gpu.py alone (acceptance 1 and the key check of 3)
+    SLIME_SGLANG_RECORD=$LOGS/sglang_0.5.17_h200.jsonl timed pytest_gpu \
+      timeout 420 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu.py
+    grep -h '"check"' "$LOGS/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$LOGS/summary.txt"
+    ;;
+  faults)
+    # the fault test alone (acceptance 3), for a call that re-runs only it; a cold machine compiles SGLang's
+    # kernels on the first start (~140 s), then two more starts (the second engine, the restart) of ~50 s each
+    timed pytest_gpu_faults timeout 420 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu_faults.py
+    ;;
   launcher)
     TINY=$(python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e())')
     SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=qwen3.5-tiny SLIME_SCRIPT_HF_CHECKPOINT="$TINY" \
     SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_TRAIN_BACKEND=fsdp \
     SLIME_SCRIPT_ROLLOUT_BACKEND=sglang SLIME_SCRIPT_OUTPUT_DIR="$LOGS/run" \
-      timed launcher bash examples/geo3k_vlm/run_geo3k_qwen35.sh --num-rollout 3 --rollout-batch-size 8 \
+      timed launcher timeout 420 bash examples/geo3k_vlm/run_geo3k_qwen35.sh --num-rollout 3 --rollout-batch-size 8 \
         --global-batch-size 64 --rollout-max-response-len 128 --eval-max-response-len 128 --no-progress-bar \
         --save /tmp/h200-sglang-ckpt --overwrite-output-dir "${SGLANG_FLAGS[@]}"
     if [ ! -s "$LOGS/run/command.sh" ]; then echo "command.sh: FAIL, missing or empty"
@@ -106,16 +119,16 @@ EOF
     ;;
   throughput)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
-    timed throughput python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
+    timed throughput timeout 540 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS"
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   sync)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
-    timed weight_sync python3 scripts/bench/sglang_rollout_bench.py weight-sync --model "$SCALED" \
+    timed weight_sync timeout 420 python3 scripts/bench/sglang_rollout_bench.py weight-sync --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS"
     grep -h '"weight_sync"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
-  *) echo "unknown phase $phase (setup tests launcher throughput sync)"; exit 2 ;;
+  *) echo "unknown phase $phase (setup tests engine faults launcher throughput sync)"; exit 2 ;;
   esac
 done

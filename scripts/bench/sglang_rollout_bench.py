@@ -253,15 +253,32 @@ def official_cli(model: str, mem_fraction: float, out_dir: Path) -> dict:
     return json.loads(result.read_text().splitlines()[-1])
 
 
+def _attempt(name: str, run, *args) -> dict:
+    """``run(*args)``, or ``{"error": ...}`` with the traceback printed: one failing contender (a device call is
+    expensive) still leaves the others' figures."""
+    import traceback
+
+    try:
+        result = run(*args)
+        figure(check="throughput_part", contender=name, **result)  # on record even if a later contender hangs
+        return result
+    except Exception as e:  # noqa: BLE001 - reported in the figures and on stderr
+        traceback.print_exc()
+        print(f"{name}: FAILED ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def throughput(args) -> None:
     requests = geo3k_requests(args.model, args.prompts, args.max_new_tokens)
     figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
-    figures["ours"] = ours(args.model, requests, args.mem_fraction, args.capacity)
-    figures["sglang_alone"] = sglang_alone(args.model, requests, args.mem_fraction)
-    figures["transformers"] = transformers_engine(args.model, requests, args.hf_batch)
-    figures["ours_over_sglang"] = figures["ours"]["tokens_per_s"] / figures["sglang_alone"]["tokens_per_s"]
-    figures["sglang_over_transformers"] = (figures["sglang_alone"]["tokens_per_s"]
-                                           / figures["transformers"]["tokens_per_s"])
+    figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity)
+    figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
+    figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
+    speed = {name: figures[name].get("tokens_per_s") for name in ("ours", "sglang_alone", "transformers")}
+    if speed["ours"] and speed["sglang_alone"]:
+        figures["ours_over_sglang"] = speed["ours"] / speed["sglang_alone"]
+    if speed["sglang_alone"] and speed["transformers"]:
+        figures["sglang_over_transformers"] = speed["sglang_alone"] / speed["transformers"]
     if args.official_cli:
         figures["official_cli_text_only"] = official_cli(args.model, args.mem_fraction, Path(args.out))
     _emit(args, "throughput", figures)
