@@ -3,7 +3,7 @@
 
   python scripts/bench/sglang_rollout_bench.py build-scaled /tmp/scaled [--layers 4]
   python scripts/bench/sglang_rollout_bench.py throughput --model /tmp/scaled [--prompts 64 --max-new-tokens 256]
-  python scripts/bench/sglang_rollout_bench.py weight-sync --model /tmp/scaled [--bucket-mb 512 --syncs 3]
+  python scripts/bench/sglang_rollout_bench.py weight-sync --model /tmp/scaled [--bucket-mb 256 512 1024 2048 --syncs 3]
 
 ``build-scaled``: Qwen3.5-35B-A3B's widths (hidden 2048, 16 query / 2 KV heads of 256, 25 % interleaved M-RoPE,
 16 / 32 Gated-DeltaNet heads of 128, 256 experts of 512 top-8 plus a 512 shared expert, vocab 248,320, the
@@ -11,23 +11,30 @@
 made on the GPU, with the tiny real-geometry checkpoint's tokenizer and processor (images up to 512 x 512 px).
 
 ``throughput``: the same geo3k prompts (text + image, one sample each, ``--max-new-tokens`` tokens sampled at
-temperature 1 with ``ignore_eos``) through
+temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work) through
 
 1. SGLang through slime's engine: Ray, :class:`slime.rollout.engine_group.RolloutEngineGroup` over one
    :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, one request per call, ``capacity`` at once);
-2. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call, timed as
+   then, on the same server, the same HTTP calls from a thread pool inside the engine's actor (no Ray call per
+   request, no engine group), which tells Ray's share of the cost from the HTTP server's;
+2. the transformers engine (:class:`slime.rollout.engines.hf_engine.TransformersEngine`, bf16, batches of 32);
+3. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call, timed as
    ``sglang.bench_offline_throughput`` times it (its ``throughput_test_once``: wall time of the batch, output
-   tokens from ``meta_info.completion_tokens``); the CLI itself takes no images, so the batch is made here;
-3. the transformers engine (:class:`slime.rollout.engines.hf_engine.TransformersEngine`, bf16, batches of 32);
+   tokens from ``meta_info.completion_tokens``), with ``return_logprob=True`` (the same work as 1) and once
+   without; the CLI itself takes no images, so the batch is made here.  It runs last: ``sglang.Engine.shutdown``
+   kills every child process of its caller (Ray's, had it still been running, too);
 
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
-With ``--official-cli`` it also runs ``python -m sglang.bench_offline_throughput`` on its synthetic text dataset
-(``generated-shared-prefix``) with the same server flags, for reference.
+A contender that fails leaves ``{"error": ...}`` and the others' figures.  With ``--official-cli`` it also runs
+``python -m sglang.bench_offline_throughput`` on its synthetic text dataset (``generated-shared-prefix``) with the
+same server flags, for reference.
 
-``weight-sync``: a full colocated sync of the model's weights into a running SGLang engine through slime's
+``weight-sync``: full colocated syncs of the model's weights into a running SGLang engine through slime's
 CUDA-IPC transport and the real trainer group (one rank holding the checkpoint's tensors in bf16 on the GPU,
-:class:`BenchWeightsBackend`), ``--syncs`` times; prints seconds and effective GB/s (bytes of the model / sync
-seconds; goal >= 50 GB/s), and checks that a greedy answer is the same after the syncs as before.
+:class:`BenchWeightsBackend`): one sync to connect, then ``--syncs`` for each ``--bucket-mb`` size; prints
+seconds and effective GB/s (bytes of the model / sync seconds; goal >= 50 GB/s), where the best sync's time went
+on the trainer rank (flattening, IPC handles, the rest: the engine's load and the per-bucket collectives), and
+checks that a greedy answer is the same after the syncs as before.
 
 Figures go to stdout and, with ``--json FILE``, as JSON lines into FILE.
 """
@@ -158,7 +165,9 @@ def _start_ray():
         ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False)
 
 
-def ours(model: str, requests, mem_fraction: float, capacity: int) -> dict:
+def ours(model: str, requests, mem_fraction: float, capacity: int, out: Path) -> dict:
+    import ray
+
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
     from slime.utils.arguments import parse_args
@@ -168,7 +177,7 @@ def ours(model: str, requests, mem_fraction: float, capacity: int) -> dict:
     cfg = parse_args(["--hf-checkpoint", model, "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
                       "--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-server-concurrency",
-                      str(capacity), *sglang_argv(mem_fraction)])
+                      str(capacity), "--output-dir", str(out / "ours"), *sglang_argv(mem_fraction)])  # server log
     engines = RolloutEngineGroup(SharedGpuPlacement([["0"]]), functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
     try:
@@ -179,10 +188,26 @@ def ours(model: str, requests, mem_fraction: float, capacity: int) -> dict:
         t0 = time.perf_counter()
         outputs = engines.generate(requests)
         seconds = time.perf_counter() - t0
+        direct = ray.get(engines.actors[0].__ray_call__.remote(_generate_in_actor, requests))
     finally:
         engines.shutdown()
+        ray.shutdown()  # sglang.Engine's shutdown (sglang_alone) kills every child process of this one, Ray's too
     tokens = sum(len(o.output_ids) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "start_s": start_s}
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "start_s": start_s,
+            "same_server_without_ray_calls": direct}
+
+
+def _generate_in_actor(actor, requests) -> dict:
+    """In the engine's actor: every request at once from a thread pool straight into ``SGLangEngine.generate``
+    (the same HTTP calls, no Ray call per request, no engine group), to tell the two costs apart."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        t0 = time.perf_counter()
+        outputs = list(pool.map(lambda r: actor.engine.generate([r])[0], requests))
+        seconds = time.perf_counter() - t0
+    tokens = sum(len(o.output_ids) for o in outputs)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
@@ -200,15 +225,18 @@ def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
         params = [r.sampling_params.to_sglang() for r in requests]
         warm = requests[: min(8, len(requests))]
         engine.generate(prompt=[r.text for r in warm], image_data=[r.image_data for r in warm],
-                        sampling_params=params[: len(warm)])
-        t0 = time.perf_counter()
-        out = engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
-                              sampling_params=params)
-        seconds = time.perf_counter() - t0
+                        sampling_params=params[: len(warm)], return_logprob=True)
+        runs = {}
+        for logprobs in (True, False):
+            t0 = time.perf_counter()
+            out = engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
+                                  sampling_params=params, return_logprob=logprobs)
+            seconds = time.perf_counter() - t0
+            tokens = sum(o["meta_info"]["completion_tokens"] for o in out)
+            runs[logprobs] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
     finally:
         engine.shutdown()
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in out)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "start_s": start_s}
+    return {**runs[True], "start_s": start_s, "without_log_probs": runs[False]}
 
 
 def _number(text: str):
@@ -271,9 +299,10 @@ def _attempt(name: str, run, *args) -> dict:
 def throughput(args) -> None:
     requests = geo3k_requests(args.model, args.prompts, args.max_new_tokens)
     figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
-    figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity)
-    figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
+    figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity, Path(args.out))
     figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
+    # last: sglang.Engine.shutdown() kills every child process of this one
+    figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
     speed = {name: figures[name].get("tokens_per_s") for name in ("ours", "sglang_alone", "transformers")}
     if speed["ours"] and speed["sglang_alone"]:
         figures["ours_over_sglang"] = speed["ours"] / speed["sglang_alone"]
@@ -294,30 +323,60 @@ class BenchWeightsBackend(TrainerBackend):
     def __init__(self, rank_info, model: str):
         self.rank_info, self.model_path = rank_info, model
         self.tensors: dict[str, torch.Tensor] = {}
+        self.phase_s: dict[str, float] = {}
+        self.buckets: list[tuple[int, int, float]] = []  # (tensors, bytes, seconds the transport spent on it)
 
     def init(self) -> int:
         import torch.distributed as dist
+
+        from slime.weight_sync import cuda_ipc
 
         info = self.rank_info
         torch.cuda.set_device(0)
         dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://{info.master_addr}:{info.master_port}",
                                 rank=info.rank, world_size=info.world_size)
         self.tensors = load_checkpoint_tensors(self.model_path)
+        # where a sync's time goes, on this rank: the transport's own steps, timed in place (this process only)
+        for name in ("flatten", "serialize_ipc_bucket"):
+            setattr(cuda_ipc, name, self._timed(name, getattr(cuda_ipc, name)))
         return 0
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if name == "flatten":
+                torch.cuda.synchronize()
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return timed
+
+    def take_stats(self) -> dict:
+        """The last sync's breakdown (and reset): per bucket, the seconds from handing it to the transport to
+        being asked for the next; the flatten and IPC-handle parts of that; the rest is the engine's load (one
+        ``/update_weights_from_tensor`` round trip per bucket) and the per-bucket collectives."""
+        total = sum(b[2] for b in self.buckets)
+        stats = {"buckets": len(self.buckets), "tensors": sum(b[0] for b in self.buckets),
+                 "transport_s": total, **{f"{k}_s": v for k, v in self.phase_s.items()},
+                 "engine_and_collectives_s": total - sum(self.phase_s.values()),
+                 "slowest_bucket": max(self.buckets, key=lambda b: b[2], default=None)}
+        self.phase_s, self.buckets = {}, []
+        return stats
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def iter_weight_buckets(self, bucket_bytes, device=None):
         bucket, size = [], 0
-        for name, tensor in self.tensors.items():
+        items = list(self.tensors.items())
+        for i, (name, tensor) in enumerate(items):
             bucket.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
+            if size >= bucket_bytes or i == len(items) - 1:
+                t0 = time.perf_counter()
                 yield bucket
+                self.buckets.append((len(bucket), size, time.perf_counter() - t0))
                 bucket, size = [], 0
-        if bucket:
-            yield bucket
 
     def train(self, rollout_id, samples, num_steps):
         raise NotImplementedError
@@ -354,11 +413,12 @@ def weight_sync(args) -> None:
     _start_ray()
     cfg = parse_args(["--hf-checkpoint", args.model, "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
-                      "--rollout-backend", "sglang", "--colocate", *sglang_argv(args.mem_fraction)])
+                      "--rollout-backend", "sglang", "--colocate", "--output-dir", str(Path(args.out) / "weight-sync"),
+                      *sglang_argv(args.mem_fraction)])  # the server's log there
     placement = _BenchPlacement()
     engines = RolloutEngineGroup(placement, functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
-    transport = CudaIpcTransport(args.bucket_mb << 20)
+    transport = CudaIpcTransport(args.bucket_mb[0] << 20)
     trainers = TrainerGroup(placement, functools.partial(BenchWeightsBackend, model=args.model), 1, transport)
     try:
         engines.wait_until_healthy(START_TIMEOUT_S)
@@ -367,20 +427,30 @@ def weight_sync(args) -> None:
         prompt = [GenerateRequest("the area of the triangle is", [], SamplingParams(max_new_tokens=16, temperature=0.0,
                                                                                      top_k=1), rid="greedy")]
         before = engines.generate(prompt)[0]
-        times = []
-        for _ in range(args.syncs):
-            t0 = time.perf_counter()
-            trainers.update_weights(engines)
-            times.append(time.perf_counter() - t0)
-        after = engines.generate(prompt)[0]
-        steady = times[1:] or times
-        best = min(steady)
-        _emit(args, "weight_sync", {
-            "bytes": nbytes, "gb": nbytes / 1e9, "bucket_mb": args.bucket_mb, "sync_s": times,
-            "best_s": best, "gb_per_s": nbytes / 1e9 / best, "first_sync_s_with_connect": times[0],
-            "same_answer_after_sync": before.output_ids == after.output_ids,
-            "same_log_probs_after_sync": before.output_log_probs == after.output_log_probs,
-        })  # fmt: skip
+        actor = trainers.actors[0]
+        t0 = time.perf_counter()
+        trainers.update_weights(engines)  # the first sync also connects the transport
+        first_s = time.perf_counter() - t0
+        ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))
+        for bucket_mb in args.bucket_mb:
+            bucket_bytes = bucket_mb << 20
+            transport.bucket_bytes = bucket_bytes  # the driver's copy, and the rank's (sent at connect)
+            ray.get(actor.__ray_call__.remote(lambda a, n=bucket_bytes: setattr(a.transport, "bucket_bytes", n)))
+            times, breakdown = [], []
+            for _ in range(args.syncs):
+                t0 = time.perf_counter()
+                trainers.update_weights(engines)
+                times.append(time.perf_counter() - t0)
+                breakdown.append(ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats())))
+            after = engines.generate(prompt)[0]
+            best = min(times)
+            _emit(args, "weight_sync", {
+                "bytes": nbytes, "gb": nbytes / 1e9, "bucket_mb": bucket_mb, "sync_s": times, "best_s": best,
+                "gb_per_s": nbytes / 1e9 / best, "first_sync_s_with_connect": first_s,
+                "breakdown_of_best": breakdown[times.index(best)],
+                "same_answer_after_sync": before.output_ids == after.output_ids,
+                "same_log_probs_after_sync": before.output_log_probs == after.output_log_probs,
+            })  # fmt: skip
     finally:
         trainers.shutdown()
         engines.shutdown()
@@ -412,7 +482,8 @@ def main(argv=None) -> None:
     tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")
     tp.add_argument("--official-cli", action="store_true", help="also run sglang.bench_offline_throughput (text)")
     ws = sub.choices["weight-sync"]
-    ws.add_argument("--bucket-mb", type=int, default=512, help="--update-weight-buffer-size, MiB")
+    ws.add_argument("--bucket-mb", type=int, nargs="+", default=[256, 512, 1024, 2048],
+                    help="--update-weight-buffer-size values to measure, MiB (one engine start for all)")
     ws.add_argument("--syncs", type=int, default=3)
     args = parser.parse_args(argv)
     if args.command == "build-scaled":
