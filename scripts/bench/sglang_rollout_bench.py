@@ -34,7 +34,8 @@ CUDA-IPC transport and the real trainer group (one rank holding the checkpoint's
 :class:`BenchWeightsBackend`): one sync to connect, then ``--syncs`` for each ``--bucket-mb`` size; prints
 seconds and effective GB/s (bytes of the model / sync seconds; goal >= 50 GB/s), where the best sync's time went
 on the trainer rank (flattening, IPC handles, the rest: the engine's load and the per-bucket collectives), and
-checks that a greedy answer is the same after the syncs as before.
+checks that a greedy answer is the same after the syncs as before.  With ``--fused-experts`` (default) the sweep
+runs again with each layer's experts sent as transformers 5's two fused tensors instead of 3 x E per-expert ones.
 
 Figures go to stdout and, with ``--json FILE``, as JSON lines into FILE.
 """
@@ -366,6 +367,18 @@ class BenchWeightsBackend(TrainerBackend):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def fuse_experts(self) -> int:
+        """Replace the per-expert tensors by each layer's fused pair, ``...mlp.experts.gate_up_proj``
+        [E, 2I, H] (gate rows, then up rows) and ``...mlp.experts.down_proj`` [E, H, I]: the layout of
+        transformers 5's Qwen3.5-MoE module, which SGLang's ``load_weights`` also takes (it splits the pair
+        with ``chunk(2, dim=-2)``), without its search of the per-expert name table for every tensor.
+        Returns the number of tensors left."""
+        fused = fuse_expert_tensors(self.tensors)
+        self.tensors.clear()
+        self.tensors.update(fused)
+        torch.cuda.empty_cache()
+        return len(self.tensors)
+
     def iter_weight_buckets(self, bucket_bytes, device=None):
         bucket, size = [], 0
         items = list(self.tensors.items())
@@ -386,6 +399,39 @@ class BenchWeightsBackend(TrainerBackend):
 
     def save(self, rollout_id, path):
         raise NotImplementedError
+
+
+def fuse_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF per-expert MoE names (``<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight``) -> the fused pair of
+    :meth:`BenchWeightsBackend.fuse_experts`; every other tensor unchanged, in the original order (each fused
+    pair where its layer's first expert tensor was).
+
+    Raises:
+        ValueError: a layer whose expert ids are not 0..E-1, or that lacks one of the three projections.
+    """
+    import re
+
+    pattern = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        match = pattern.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        if prefix not in groups:
+            groups[prefix] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
+            out[prefix + ".gate_up_proj"] = out[prefix + ".down_proj"] = None  # keep the place
+        groups[prefix][proj][expert] = tensor
+    for prefix, projs in groups.items():
+        ids = sorted(projs["gate_proj"])
+        if ids != list(range(len(ids))) or any(sorted(projs[p]) != ids for p in ("up_proj", "down_proj")):
+            raise ValueError(f"{prefix}: expert ids of gate/up/down are not all 0..{len(ids) - 1}")
+        out[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in ids])
+        out[prefix + ".down_proj"] = torch.stack([projs["down_proj"][e] for e in ids])
+    return out
 
 
 class _BenchPlacement(SharedGpuPlacement):
@@ -432,7 +478,14 @@ def weight_sync(args) -> None:
         trainers.update_weights(engines)  # the first sync also connects the transport
         first_s = time.perf_counter() - t0
         ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))
-        for bucket_mb in args.bucket_mb:
+        variants = [("per_expert", mb) for mb in args.bucket_mb]
+        if args.fused_experts:
+            variants += [("fused", mb) for mb in args.bucket_mb]
+        fused = False
+        for expert_format, bucket_mb in variants:
+            if expert_format == "fused" and not fused:
+                ray.get(actor.__ray_call__.remote(lambda a: a.backend.fuse_experts()))
+                fused = True
             bucket_bytes = bucket_mb << 20
             transport.bucket_bytes = bucket_bytes  # the driver's copy, and the rank's (sent at connect)
             ray.get(actor.__ray_call__.remote(lambda a, n=bucket_bytes: setattr(a.transport, "bucket_bytes", n)))
@@ -445,7 +498,8 @@ def weight_sync(args) -> None:
             after = engines.generate(prompt)[0]
             best = min(times)
             _emit(args, "weight_sync", {
-                "bytes": nbytes, "gb": nbytes / 1e9, "bucket_mb": bucket_mb, "sync_s": times, "best_s": best,
+                "expert_format": expert_format, "bytes": nbytes, "gb": nbytes / 1e9, "bucket_mb": bucket_mb,
+                "sync_s": times, "best_s": best,
                 "gb_per_s": nbytes / 1e9 / best, "first_sync_s_with_connect": first_s,
                 "breakdown_of_best": breakdown[times.index(best)],
                 "same_answer_after_sync": before.output_ids == after.output_ids,
@@ -485,6 +539,8 @@ def main(argv=None) -> None:
     ws.add_argument("--bucket-mb", type=int, nargs="+", default=[256, 512, 1024, 2048],
                     help="--update-weight-buffer-size values to measure, MiB (one engine start for all)")
     ws.add_argument("--syncs", type=int, default=3)
+    ws.add_argument("--fused-experts", action=argparse.BooleanOptionalAction, default=True,
+                    help="also sync with each layer's experts fused into two tensors (SGLang takes both forms)")
     args = parser.parse_args(argv)
     if args.command == "build-scaled":
         build_scaled(args.out, args.layers)
