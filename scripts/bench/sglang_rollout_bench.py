@@ -25,6 +25,11 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
    kills every child process of its caller (Ray's, had it still been running, too);
 
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
+Every contender first runs the whole set once untimed (kernels compiled and autotuned for its batch shapes,
+which the Triton cache on disk would otherwise hand to whichever runs second), and SGLang's prefix cache is
+flushed before each timed pass.  SGLang alone runs without slime's server plugin, so without the
+multimodal-RoPE fix (its image positions are wrong; the fix's cost is one native rotary path in the
+full-attention layers).
 A contender that fails leaves ``{"error": ...}`` and the others' figures.  With ``--official-cli`` it also runs
 ``python -m sglang.bench_offline_throughput`` on its synthetic text dataset (``generated-shared-prefix``) with the
 same server flags, for reference.
@@ -185,10 +190,12 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, out: Path) ->
         t0 = time.monotonic()
         engines.wait_until_healthy(START_TIMEOUT_S)
         start_s = time.monotonic() - t0
-        engines.generate(requests[: min(8, len(requests))])  # warm-up
+        engines.generate(requests)  # warm-up: every prompt once (Triton JIT and autotuning, the image cache)
+        engines.flush_cache()
         t0 = time.perf_counter()
         outputs = engines.generate(requests)
         seconds = time.perf_counter() - t0
+        engines.flush_cache()
         direct = ray.get(engines.actors[0].__ray_call__.remote(_generate_in_actor, requests))
     finally:
         engines.shutdown()
@@ -224,11 +231,11 @@ def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
     start_s = time.monotonic() - t0
     try:
         params = [r.sampling_params.to_sglang() for r in requests]
-        warm = requests[: min(8, len(requests))]
-        engine.generate(prompt=[r.text for r in warm], image_data=[r.image_data for r in warm],
-                        sampling_params=params[: len(warm)], return_logprob=True)
+        engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
+                        sampling_params=params, return_logprob=True)  # warm-up, as for our engine
         runs = {}
         for logprobs in (True, False):
+            engine.flush_cache()
             t0 = time.perf_counter()
             out = engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
                                   sampling_params=params, return_logprob=logprobs)
@@ -255,7 +262,7 @@ def transformers_engine(model: str, requests, batch: int) -> dict:
     engine = TransformersEngine(model, device="cuda", dtype=torch.bfloat16, max_batch_size=batch)
     plain = [dataclasses.replace(r, sampling_params=SamplingParams(
         max_new_tokens=r.sampling_params.max_new_tokens, temperature=1.0)) for r in requests]
-    engine.generate(plain[:2])  # warm-up
+    engine.generate(plain[:batch])  # warm-up: one full batch
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outputs = engine.generate(plain)
