@@ -363,6 +363,14 @@ def write_plugin_reports(args) -> None:
             json.dump(report, f)
 
 
+class _Listener(ThreadingHTTPServer):
+    """A thread per request, and uvicorn's listen backlog (2048; ``socketserver``'s default of 5 resets
+    connections when a rollout opens dozens at once, which the real server never does)."""
+
+    daemon_threads = True
+    request_queue_size = 2048
+
+
 def main(argv):
     from slime.rollout.engines.sglang.server_main import exit_with_parent
 
@@ -373,8 +381,7 @@ def main(argv):
           f"api_key='<redacted>', port={args.port})", flush=True)
     server = FakeServer(args, secret)
     write_plugin_reports(args)
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
-    httpd.daemon_threads = True
+    httpd = _Listener((args.host, args.port), make_handler(server))
     print(f"fake sglang listening on {args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 
