@@ -120,7 +120,7 @@ EOF
   throughput)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
     timed throughput timeout 540 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
-      --json "$LOGS/bench.jsonl" --out "$LOGS"
+      --json "$LOGS/bench.jsonl" --out "$LOGS" --official-cli
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   sync)

@@ -17,12 +17,15 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
    :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, one request per call, ``capacity`` at once);
    then, on the same server, the same HTTP calls from a thread pool inside the engine's actor (no Ray call per
    request, no engine group), which tells Ray's share of the cost from the HTTP server's;
-2. the transformers engine (:class:`slime.rollout.engines.hf_engine.TransformersEngine`, bf16, batches of 32);
-3. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call, timed as
+2. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call, timed as
    ``sglang.bench_offline_throughput`` times it (its ``throughput_test_once``: wall time of the batch, output
    tokens from ``meta_info.completion_tokens``), with ``return_logprob=True`` (the same work as 1) and once
-   without; the CLI itself takes no images, so the batch is made here.  It runs last: ``sglang.Engine.shutdown``
-   kills every child process of its caller (Ray's, had it still been running, too);
+   without; the CLI itself takes no images, so the batch is made here.  It runs after Ray has stopped:
+   ``sglang.Engine.shutdown`` kills every child process of its caller;
+3. with ``--official-cli``, ``python -m sglang.bench_offline_throughput`` itself (a subprocess) on its
+   synthetic text dataset (``generated-shared-prefix``, 64 prompts, 256 output tokens) with the same server
+   flags, for reference (text only, so not the same work);
+4. the transformers engine (:class:`slime.rollout.engines.hf_engine.TransformersEngine`, bf16, batches of 32);
 
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
 Every contender first runs the whole set once untimed (kernels compiled and autotuned for its batch shapes,
@@ -30,9 +33,7 @@ which the Triton cache on disk would otherwise hand to whichever runs second), a
 flushed before each timed pass.  SGLang alone runs without slime's server plugin, so without the
 multimodal-RoPE fix (its image positions are wrong; the fix's cost is one native rotary path in the
 full-attention layers).
-A contender that fails leaves ``{"error": ...}`` and the others' figures.  With ``--official-cli`` it also runs
-``python -m sglang.bench_offline_throughput`` on its synthetic text dataset (``generated-shared-prefix``) with the
-same server flags, for reference.
+A contender that fails leaves ``{"error": ...}`` and the others' figures.
 
 ``weight-sync``: full colocated syncs of the model's weights into a running SGLang engine through slime's
 CUDA-IPC transport and the real trainer group (one rank holding the checkpoint's tensors in bf16 on the GPU,
@@ -308,16 +309,17 @@ def throughput(args) -> None:
     requests = geo3k_requests(args.model, args.prompts, args.max_new_tokens)
     figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
     figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity, Path(args.out))
-    figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
-    # last: sglang.Engine.shutdown() kills every child process of this one
+    # after Ray has stopped: sglang.Engine.shutdown() kills every child process of this one
     figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
+    if args.official_cli:
+        figures["official_cli_text_only"] = _attempt("official_cli", official_cli, args.model, args.mem_fraction,
+                                                     Path(args.out))
+    figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
     speed = {name: figures[name].get("tokens_per_s") for name in ("ours", "sglang_alone", "transformers")}
     if speed["ours"] and speed["sglang_alone"]:
         figures["ours_over_sglang"] = speed["ours"] / speed["sglang_alone"]
     if speed["sglang_alone"] and speed["transformers"]:
         figures["sglang_over_transformers"] = speed["sglang_alone"] / speed["transformers"]
-    if args.official_cli:
-        figures["official_cli_text_only"] = official_cli(args.model, args.mem_fraction, Path(args.out))
     _emit(args, "throughput", figures)
 
 
