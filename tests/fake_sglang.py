@@ -8,6 +8,7 @@ SGLang flag).  Select it with ``--rollout-backend tests.fake_sglang:FakeSGLangEn
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -36,3 +37,38 @@ class SharedGpuFakeSGLangEngine(FakeSGLangEngine):
     def __init__(self, spec, run_dir, **kwargs):
         kwargs["gpu_ids"] = ["fake0"]
         super().__init__(spec, run_dir, **kwargs)
+
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+
+
+def start_engine_group(work_dir: Path, *sglang_flags: str, num_engines: int = 2, capacity: int = 4,
+                       engine: str = "tests.fake_sglang:FakeSGLangEngine", timeout_s: float = 300.0):
+    """``num_engines`` fake SGLang engines (one CPU bundle each) in the real engine group, healthy.
+
+    Needs Ray started (:func:`slime.ray.placement.init_ray`).  ``sglang_flags`` pass through as
+    ``--sglang-*`` flags (``--sglang-fake-delay-s 2`` and the like); ``capacity`` is
+    ``--sglang-server-concurrency``.  Returns ``(placement, engines)``; the caller shuts the engines down and
+    removes the placement (done here when start-up fails).
+    """
+    from slime.ray.placement import create_placement_groups
+    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.train import resolve_components
+    from slime.utils.arguments import parse_args
+
+    cfg = parse_args([
+        "--hf-checkpoint", str(work_dir), "--prompt-data", str(DATA), "--num-rollout", "1",
+        "--rollout-batch-size", "2", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
+        "--rollout-backend", engine, "--rollout-num-gpus", str(num_engines),
+        "--output-dir", str(work_dir / "run"), "--sglang-server-concurrency", str(capacity), *sglang_flags,
+    ])  # fmt: skip
+    engine_cls = resolve_components(cfg).engine_cls
+    placement = create_placement_groups(cfg.cluster, use_gpu=False)
+    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
+                                 engine_cls.max_concurrent_calls)
+    try:
+        engines.wait_until_healthy(timeout_s)
+    except BaseException:
+        placement.remove()
+        raise
+    return placement, engines

@@ -8,26 +8,21 @@ by the other engine, the dead engine is restarted, and it serves again only afte
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import ray
 
 from slime.ray.config import ClusterConfig
-from slime.ray.placement import create_placement_groups, init_ray
-from slime.rollout.engine_group import RolloutEngineGroup
+from slime.ray.placement import init_ray
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
-from slime.train import resolve_components
-from slime.utils.arguments import parse_args
+from tests.fake_sglang import start_engine_group
 from tests.process_tree import wait_for
 
-DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 START_TIMEOUT_S = 300.0
 
 
@@ -40,22 +35,8 @@ def local_ray():
 
 
 def _start(tmp_path, *sglang_flags: str, capacity: int = 4, engine: str = "tests.fake_sglang:FakeSGLangEngine"):
-    cfg = parse_args([
-        "--hf-checkpoint", str(tmp_path), "--prompt-data", str(DATA), "--num-rollout", "1",
-        "--rollout-batch-size", "2", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
-        "--rollout-backend", engine, "--rollout-num-gpus", "2",
-        "--output-dir", str(tmp_path / "run"), "--sglang-server-concurrency", str(capacity), *sglang_flags,
-    ])  # fmt: skip
-    engine_cls = resolve_components(cfg).engine_cls
-    placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
-                                 engine_cls.max_concurrent_calls)
-    try:
-        engines.wait_until_healthy(START_TIMEOUT_S)
-    except BaseException:
-        placement.remove()
-        raise
-    return placement, engines
+    return start_engine_group(tmp_path, *sglang_flags, num_engines=2, capacity=capacity, engine=engine,
+                              timeout_s=START_TIMEOUT_S)
 
 
 def _requests(n: int) -> list[GenerateRequest]:

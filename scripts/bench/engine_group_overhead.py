@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import functools
 import json
 import os
 import sys
@@ -56,27 +55,15 @@ def main(argv=None) -> None:
     import ray
 
     from slime.ray.config import ClusterConfig
-    from slime.ray.placement import create_placement_groups, init_ray
-    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.ray.placement import init_ray
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
-    from slime.train import resolve_components
-    from slime.utils.arguments import parse_args
+    from tests.fake_sglang import start_engine_group
 
     work = Path(tempfile.mkdtemp(prefix="slime-group-overhead-"))
     started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))
-    cfg = parse_args([
-        "--hf-checkpoint", str(work), "--prompt-data", str(ROOT / "examples" / "geo3k_vlm" / "data"),
-        "--num-rollout", "1", "--rollout-batch-size", "2", "--rollout-max-response-len", "8",
-        "--train-backend", "fsdp", "--rollout-backend", "tests.fake_sglang:FakeSGLangEngine",
-        "--rollout-num-gpus", "1", "--output-dir", str(work / "run"),
-        "--sglang-server-concurrency", str(max(args.requests, 1)), "--sglang-fake-delay-s", str(args.delay_s),
-    ])  # fmt: skip
-    engine_cls = resolve_components(cfg).engine_cls
-    placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
-                                 engine_cls.max_concurrent_calls)
+    placement, engines = start_engine_group(work, "--sglang-fake-delay-s", str(args.delay_s), num_engines=1,
+                                            capacity=max(args.requests, 1), timeout_s=120.0)
     try:
-        engines.wait_until_healthy(120.0)
         image = base64.b64encode(os.urandom(args.image_kb * 1000 * 3 // 4)).decode()
         requests = [GenerateRequest(f"r{i} find the area", [image], SamplingParams(max_new_tokens=8), rid=f"r{i}")
                     for i in range(args.requests)]

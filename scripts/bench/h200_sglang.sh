@@ -57,6 +57,15 @@ timed() {  # timed NAME COMMAND...: run it, log to OUT/NAME.log, note the second
   return $status
 }
 
+engine_tests() {  # tests/test_sglang_gpu.py (acceptance 1 and the key check of 3); 409 s on a fresh machine
+  SLIME_SGLANG_RECORD=$LOGS/sglang_0.5.17_h200.jsonl timed pytest_gpu \
+    timeout 500 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu.py
+  grep -h '"check"' "$LOGS/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$LOGS/summary.txt"
+}
+fault_tests() {  # tests/test_sglang_gpu_faults.py (acceptance 3): three server starts, 213 s after engine_tests
+  timed pytest_gpu_faults timeout 420 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu_faults.py
+}
+
 # The project's own set-up, sourced as the launcher sources it (a packed wheelhouse is a tree on PYTHONPATH,
 # which only a sourced set-up exports to the commands below); a second call installs nothing.
 t0=$(now)
@@ -76,24 +85,9 @@ for phase in $PHASES; do
       2>&1 | tee -a "$LOGS/summary.txt"
     timed checkpoints python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e()); print(e(real_geometry=True, max_pixels=512 * 512))'
     ;;
-  tests)
-    # each file bounded on its own, so a hang in one leaves the other's results and every log
-    SLIME_SGLANG_RECORD=$LOGS/sglang_0.5.17_h200.jsonl timed pytest_gpu \
-      timeout 500 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu.py
-    timed pytest_gpu_faults timeout 420 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu_faults.py
-    grep -h '"check"' "$LOGS/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$LOGS/summary.txt"
-    ;;
-  engine)
-    # tests/test_sglang_gpu.py alone (acceptance 1 and the key check of 3)
-    SLIME_SGLANG_RECORD=$LOGS/sglang_0.5.17_h200.jsonl timed pytest_gpu \
-      timeout 500 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu.py
-    grep -h '"check"' "$LOGS/figures.jsonl" 2>/dev/null | tail -n 20 | tee -a "$LOGS/summary.txt"
-    ;;
-  faults)
-    # the fault test alone (acceptance 3), for a call that re-runs only it; a cold machine compiles SGLang's
-    # kernels on the first start (~140 s), then two more starts (the second engine, the restart) of ~50 s each
-    timed pytest_gpu_faults timeout 420 python3 -m pytest -s -rA -p no:cacheprovider tests/test_sglang_gpu_faults.py
-    ;;
+  tests) engine_tests; fault_tests ;;  # each file bounded on its own: a hang in one leaves the other's results
+  engine) engine_tests ;;
+  faults) fault_tests ;;
   launcher)
     TINY=$(python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e())')
     SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=qwen3.5-tiny SLIME_SCRIPT_HF_CHECKPOINT="$TINY" \
