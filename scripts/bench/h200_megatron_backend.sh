@@ -3,6 +3,12 @@
 #
 #   bash scripts/bench/h200_megatron_backend.sh OUT_DIR [STAGE ...]      (default stages: all, in this order)
 #
+# STAGE+STAGE runs those stages at the same time (e.g. launcher+learning: both are small models, so the GPU has
+# room for both; their times are then measured side by side, not alone).  Every stage's timeout is cut to what
+# is left of the device call (SLIME_CALL_S, default 590 s, counted from the script's start), so that the logs
+# still come back: every *.log, and the launcher's run folder, are packed into OUT/logs.tar.gz on exit (the
+# device tool brings back 8 files, 2 folders deep).
+#
 # Stages (each bounded by its own timeout, so that a device call of <= 600 s can run one or two):
 #   site      unpack the wheels the image lacks onto /tmp/site (once per machine; every other stage needs it)
 #   tests     tests/test_megatron_gpu.py: fixed geo3k batch (acceptance 1), distributed-optimizer resume,
@@ -43,6 +49,25 @@ SITE=/tmp/site
 export PYTHONPATH=$SITE:$PWD CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0
 export SLIME_SKIP_SETUP=1 SLIME_GPU_FIGURES=$OUT/figures.jsonl NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+CALL_S=${SLIME_CALL_S:-590}
+WORK=/tmp/h200-megatron-backend  # run folders that are not results (packed into logs.tar.gz)
+mkdir -p "$WORK"
+left() {  # left CAP: CAP seconds, or what is left of the device call if less (at least 30)
+  local rest=$(( CALL_S - 5 - SECONDS ))
+  [ "$rest" -lt "$1" ] || rest=$1
+  echo $(( rest > 30 ? rest : 30 ))
+}
+pack() {
+  local logs
+  logs=$(cd "$OUT" && ls ./*.log 2>/dev/null)
+  [ -n "$logs" ] || [ -d "$WORK/launcher-run" ] || return 0
+  local run=()
+  [ -d "$WORK/launcher-run" ] && run=(-C "$WORK" launcher-run)
+  tar czf "$OUT/logs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' \
+    -C "$OUT" $logs "${run[@]}" && (cd "$OUT" && rm -f $logs)
+}
+trap pack EXIT
+trap 'exit 143' TERM  # a timeout's SIGTERM still packs the logs (through the EXIT trap)
 status=0
 if [ -n "${SLIME_WHEELHOUSE:-}" ]; then
   export SLIME_VENV=none SLIME_SKIP_SETUP=0  # set up as a user would (the launcher stage's set-up then installs nothing)
@@ -87,30 +112,35 @@ PY
 }
 
 stage_tests() {
-  timeout 560 python3 -m pytest -s -rA -p no:cacheprovider tests/test_megatron_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  timeout "$(left 560)" python3 -m pytest -s -rA -p no:cacheprovider tests/test_megatron_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
   return "${PIPESTATUS[0]}"
 }
 
 stage_qwen35() {  # issue 8's bf16 checks: tiny real geometry vs HF, 35B-A3B layer shapes vs an fp32 reference
-  SLIME_GPU_FIGURES=$OUT/figures_qwen35.jsonl timeout 400 python3 -m pytest -s -rA -p no:cacheprovider \
+  SLIME_GPU_FIGURES=$OUT/figures_qwen35.jsonl timeout "$(left 400)" python3 -m pytest -s -rA -p no:cacheprovider \
     tests/test_qwen35_gpu.py -k "35b or (tiny_realgeo_matches_hf and bf16)" 2>&1 | tee "$OUT/pytest_qwen35.log"
   return "${PIPESTATUS[0]}"
 }
 
 stage_bench() {
-  timeout 560 python3 scripts/bench/megatron_vs_fsdp.py --json "$OUT/bench.jsonl" --profile "$OUT/profile" \
+  timeout "$(left 560)" python3 scripts/bench/megatron_vs_fsdp.py --json "$OUT/bench.jsonl" --profile "$OUT/profile" \
     --workdir /tmp/bench-megatron-vs-fsdp 2>&1 | tee "$OUT/bench.log"
   return "${PIPESTATUS[0]}"
 }
 
-stage_learning() {
+stage_learning() {  # the two backends' runs at the same time (each a small model; their own processes)
   mkdir -p "$OUT/learning"
-  SLIME_TEST_ARTIFACTS=$OUT/learning timeout 580 python3 -m pytest -s -rA -p no:cacheprovider \
-    tests/test_learning.py -k one_gpu 2>&1 | tee "$OUT/pytest_learning.log"
-  local rc=${PIPESTATUS[0]} b
+  local b rc=0 pids=()
+  for b in fsdp megatron; do
+    SLIME_TEST_ARTIFACTS=$OUT/learning timeout "$(left 580)" python3 -m pytest -s -rA -p no:cacheprovider \
+      tests/test_learning.py -k "one_gpu and $b" >"$OUT/pytest_learning_$b.log" 2>&1 &
+    pids+=($!)
+  done
+  for b in "${pids[@]}"; do wait "$b" || rc=$?; done
+  for b in fsdp megatron; do echo "--- $b:"; grep -E "rewards per rollout|passed|failed|Error" "$OUT/pytest_learning_$b.log" | tail -n 4; done
   python3 -m slime.utils.plot_runs "$OUT/learning/colour-fsdp/out" "$OUT/learning/colour-megatron/out" \
     --labels FSDP Megatron --title "colour task on one H200: same seed and flags" -o "$OUT/fsdp_vs_megatron.png"
-  # the device tool brings back 8 files, 2 folders deep: the runs' metrics and driver logs, flat
+  # the device tool brings back 8 files, 2 folders deep: the runs' metrics flat, their driver logs packed
   for b in fsdp megatron; do
     cp "$OUT/learning/colour-$b/out/metrics.jsonl" "$OUT/colour_gpu_${b}_metrics.jsonl"
     cp "$OUT/learning/colour-$b/driver.log" "$OUT/driver_$b.log"
@@ -122,7 +152,7 @@ stage_learning() {
 stage_launcher() {
   local tiny run ckpt rc
   tiny=$(python3 scripts/tools/make_tiny_qwen35.py | tail -n 1)
-  run=$OUT/launcher-run; ckpt=/tmp/launcher-ckpt; rm -rf "$run" "$ckpt"
+  run=$WORK/launcher-run; ckpt=$WORK/launcher-ckpt; rm -rf "$run" "$ckpt"
   launch() {  # launch SECONDS ARGS...
     local limit=$1; shift
     SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=qwen3.5-tiny SLIME_SCRIPT_HF_CHECKPOINT="$tiny" \
@@ -134,10 +164,10 @@ stage_launcher() {
   }
   # the first run compiles fla's and the engine's kernels for the tiny shapes (the FSDP + SGLang launcher's
   # first step took 108 s); the resume gets what is left of a 600 s device call
-  launch 360 --num-rollout 3 >"$OUT/launcher_first.log" 2>&1; rc=$?
+  launch "$(left 360)" --num-rollout 3 >"$OUT/launcher_first.log" 2>&1; rc=$?
   tail -n 3 "$OUT/launcher_first.log"
   if [ "$rc" -eq 0 ]; then
-    launch $(( 585 - SECONDS > 60 ? 585 - SECONDS : 60 )) --num-rollout 5 --load "$ckpt" \
+    launch "$(left 600)" --num-rollout 5 --load "$ckpt" \
       >"$OUT/launcher_resume.log" 2>&1; rc=$?
     tail -n 3 "$OUT/launcher_resume.log"
   fi
@@ -151,15 +181,27 @@ for line in open(sys.argv[1]):
     print("step", r["step"], {k: round(r[k], 5) for k in keys if k in r}, perf)
 PY
   grep -h "resumed from\|done. Output" "$OUT"/launcher_*.log | tee -a "$OUT/launcher.txt"
-  rm -f "$run/.slime.lock"  # the run is over; the device tool brings back 8 files
+  cp "$run/metrics.jsonl" "$OUT/launcher_metrics.jsonl" 2>/dev/null
+  return "$rc"
+}
+
+run_stage() {  # run_stage NAME: one stage, timed, its exit status noted in stages.txt
+  local start rc
+  echo "=== stage $1 ($(date +%T))"
+  start=$(date +%s)
+  "stage_$1"; rc=$?
+  echo "=== stage $1: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
   return "$rc"
 }
 
 for stage in "${STAGES[@]}"; do
-  echo "=== stage $stage ($(date +%T))"
-  start=$(date +%s)
-  "stage_$stage"; rc=$?
-  echo "=== stage $stage: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
-  [ "$rc" -eq 0 ] || status=$rc
+  if [[ $stage == *+* ]]; then  # side by side: each one's console into OUT/stage_NAME.log, shown when all end
+    pids=(); IFS=+ read -r -a together <<<"$stage"
+    for one in "${together[@]}"; do run_stage "$one" >"$OUT/stage_$one.log" 2>&1 & pids+=($!); done
+    for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+    for one in "${together[@]}"; do tail -n 25 "$OUT/stage_$one.log"; done
+  else
+    run_stage "$stage" || status=$?
+  fi
 done
 exit "$status"

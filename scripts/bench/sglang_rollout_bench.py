@@ -22,10 +22,10 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
    tokens from ``meta_info.completion_tokens``), with ``return_logprob=True`` (the same work as 1) and once
    without; the CLI itself takes no images, so the batch is made here.  It runs after Ray has stopped:
    ``sglang.Engine.shutdown`` kills every child process of its caller;
-3. with ``--official-cli``, ``python -m sglang.bench_offline_throughput`` itself (a subprocess) on its
+3. the transformers engine (:class:`slime.rollout.engines.hf_engine.TransformersEngine`, bf16, batches of 32);
+4. with ``--official-cli``, last, ``python -m sglang.bench_offline_throughput`` itself (a subprocess) on its
    synthetic text dataset (``generated-shared-prefix``, 64 prompts, 256 output tokens) with the same server
    flags, for reference (text only, so not the same work);
-4. the transformers engine (:class:`slime.rollout.engines.hf_engine.TransformersEngine`, bf16, batches of 32);
 
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
 Every contender first runs the whole set once untimed (kernels compiled and autotuned for its batch shapes,
@@ -318,10 +318,10 @@ def throughput(args) -> None:
     figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity, Path(args.out))
     # after Ray has stopped: sglang.Engine.shutdown() kills every child process of this one
     figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
-    if args.official_cli:
+    figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
+    if args.official_cli:  # last: for reference only (text prompts, not the same work)
         figures["official_cli_text_only"] = _attempt("official_cli", official_cli, args.model, args.mem_fraction,
                                                      Path(args.out))
-    figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
     speed = {name: figures[name].get("tokens_per_s") for name in ("ours", "sglang_alone", "transformers")}
     if speed["ours"] and speed["sglang_alone"]:
         figures["ours_over_sglang"] = speed["ours"] / speed["sglang_alone"]

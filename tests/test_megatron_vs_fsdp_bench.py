@@ -1,0 +1,40 @@
+"""A CPU run of ``scripts/bench/megatron_vs_fsdp.py`` on the tiny checkpoint: the script the H200 runs for issue 9's
+benchmark must get to its figures, and both backends must train the same step on the same samples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "megatron_vs_fsdp.py"
+
+
+@pytest.mark.timeout(300)
+def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
+    out = tmp_path / "bench.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--device", "cpu", "--checkpoint", str(tiny_ckpt), "--samples", "4",
+         "--prompt-text", "16", "--image-grid", "1", "4", "4", "--response-min", "8", "--response-max", "32",
+         "--max-tokens-per-gpu", "256", "--json", str(out), "--profile", str(tmp_path / "profile"),
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    megatron, fsdp, ratio = rows
+    assert (megatron["backend"], fsdp["backend"]) == ("megatron", "fsdp")
+    # the same 4 samples for both: prompts of 16 text tokens + vision start / end + 4 merged image tokens (a 4x4
+    # patch grid, merged 2x2) = 22 tokens, responses of 8-32 tokens
+    assert megatron["tokens"] == fsdp["tokens"] and megatron["samples"] == fsdp["samples"] == 4
+    assert 4 * (22 + 8) <= megatron["tokens"] <= 4 * (22 + 32)
+    assert megatron["micro_batches"] == 1  # packed: every sample in one micro-batch of <= 256 tokens
+    # the same checkpoint, samples and GRPO loss: both backends' first step has the same loss (fp32 on CPU)
+    assert megatron["loss"] == pytest.approx(fsdp["loss"], rel=1e-5)
+    # the ratios are those of the two rows
+    assert ratio["megatron_over_fsdp"]["speedup"] == round(fsdp["step_s"] / megatron["step_s"], 2)
+    assert ratio["megatron_over_fsdp"]["tokens_per_s"] == round(megatron["tokens_per_s"] / fsdp["tokens_per_s"], 2)
+    assert {p.name for p in (tmp_path / "profile").iterdir()} == {"megatron.txt", "fsdp.txt"}
