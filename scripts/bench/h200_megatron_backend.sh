@@ -60,9 +60,9 @@ left() {  # left CAP: CAP seconds, or what is left of the device call if less (a
 pack() {
   local logs
   logs=$(cd "$OUT" && ls ./*.log 2>/dev/null)
-  [ -n "$logs" ] || [ -d "$WORK/launcher-run" ] || return 0
   local run=()
-  [ -d "$WORK/launcher-run" ] && run=(-C "$WORK" launcher-run)
+  [[ -d "$WORK/launcher-run" && " ${STAGES[*]} " == *launcher* ]] && run=(-C "$WORK" launcher-run)  # this call's
+  [ -n "$logs" ] || [ ${#run[@]} -gt 0 ] || return 0
   tar czf "$OUT/logs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' \
     -C "$OUT" $logs "${run[@]}" && (cd "$OUT" && rm -f $logs)
 }
