@@ -156,19 +156,23 @@ def colour_prior_checkpoint(tmp_path_factory) -> Path:
     processor = load_processor(src)
     prompts = PromptDataset(cfg.data, processor, seed=0).next_batch(len(COLOURS))
 
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
+    # On a GPU machine with flash-linear-attention installed, transformers' Gated DeltaNet takes fla's Triton
+    # kernels, which cannot run on CPU tensors: there the forward runs on the GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(src, dtype=torch.float32).to(device).eval()
     last_hidden = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p.prompt_token_ids])
             out = model(
-                input_ids=ids,
-                pixel_values=p.multimodal_inputs["pixel_values"],
-                image_grid_thw=p.multimodal_inputs["image_grid_thw"],
-                mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id),
+                input_ids=ids.to(device),
+                pixel_values=p.multimodal_inputs["pixel_values"].to(device),
+                image_grid_thw=p.multimodal_inputs["image_grid_thw"].to(device),
+                mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id).to(device),
                 output_hidden_states=True,
             )
-            last_hidden.append(out.hidden_states[-1][0, -1])
+            last_hidden.append(out.hidden_states[-1][0, -1].cpu())
+    del model
     h_mean = torch.stack(last_hidden).mean(0)
 
     dst = work / "checkpoint"

@@ -24,7 +24,8 @@ Reported per backend (median of ``--steps`` timed steps after ``--warmup``): ste
 769-798 TFLOP/s; the datasheet's dense bf16 is 989, also printed as ``mfu_datasheet``), with FLOPs from ``qwen35_shapes.flops_per_step`` (3 x forward:
 language model per token, causal attention per document, the LM head at the response positions only, the
 vision tower per patch), peak GPU memory (``max_memory_allocated``), and the Megatron / FSDP ratio.
-``--profile DIR`` writes the top CUDA kernels of one step per backend (``torch.profiler``).
+``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``).
+Each step's time is printed as it ends, so a run cut off by a time limit still shows how far it got.
 
 Usage (megatron-core, fla and their dependencies on PYTHONPATH, CUDA_HOME set for fla's tilelang backward):
     python scripts/bench/megatron_vs_fsdp.py --json OUT/bench.jsonl --profile OUT/profile
@@ -120,11 +121,15 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
     start = time.perf_counter()
     backend.init()
     init_s = time.perf_counter() - start
-    for k in range(args.warmup):
-        backend.train(k, samples, num_steps=1)
+    print(f"{name}: built in {init_s:.1f} s", flush=True)
     cuda = args.device == "cuda"
+    for k in range(args.warmup):
+        start = time.perf_counter()
+        backend.train(k, samples, num_steps=1)
+        if cuda:
+            torch.cuda.synchronize()
+        print(f"{name}: warm-up step {k + 1}/{args.warmup} in {time.perf_counter() - start:.1f} s", flush=True)
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times, metrics = [], {}
     for k in range(args.steps):
@@ -133,9 +138,10 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        print(f"{name}: timed step {k + 1}/{args.steps} in {times[-1]:.2f} s", flush=True)  # a cut-off run still tells
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     profile = None
-    if args.profile:
+    if args.profile and name in args.profile_backends:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -165,7 +171,10 @@ def main() -> None:
                         help="bf16 TFLOP/s ceiling for MFU (790: an 8192^3 bf16 matmul measured on an H200 here).")
     parser.add_argument("--backends", nargs="+", default=["megatron", "fsdp"], choices=["megatron", "fsdp"])
     parser.add_argument("--json", type=Path, default=None, help="Append one JSON line per backend here.")
-    parser.add_argument("--profile", type=Path, default=None, help="Write each backend's top CUDA kernels here.")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="Write the top CUDA kernels of one more step of each of --profile-backends here.")
+    parser.add_argument("--profile-backends", nargs="+", default=["megatron", "fsdp"], choices=["megatron", "fsdp"],
+                        help="Which backends --profile profiles (each costs one more step).")
     parser.add_argument("--workdir", type=Path, default=None, help="Where the checkpoint goes (default: a temp dir).")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="Train this Hugging Face folder instead of the scaled model (a tiny one: a smoke run).")
