@@ -63,6 +63,7 @@ from slime.utils.lifetime import watch_parent
 from slime.utils.run_lock import RunDirError, claim_run_dirs
 from slime.utils.timer import timed
 from slime.weight_sync import make_transport
+from slime.weight_sync.fused_experts import checkpoint_num_experts
 
 logger = logging.getLogger("slime")
 
@@ -286,7 +287,8 @@ def start_workers(
     cleanup.callback(engines.shutdown)
     backend_factory = functools.partial(components.backend_cls.from_config, cfg)
     transport = make_transport(
-        engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate
+        engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate,
+        num_experts=checkpoint_num_experts(cfg.checkpoint.hf_checkpoint),
     )
     trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size, transport)
     cleanup.callback(trainers.shutdown)

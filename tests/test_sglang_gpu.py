@@ -22,6 +22,7 @@ import torch
 
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.parity import GAP_FLOOR, ParityGaps, verdict
+from slime.weight_sync.fused_experts import checkpoint_num_experts
 from tests.sglang_gpu_helpers import (
     HAVE_SGLANG,
     figure,
@@ -162,9 +163,12 @@ def test_requests_without_the_runs_key_are_refused_and_the_weights_stay(servers,
     assert _greedy(engine, "the area of a triangle is") == before  # nothing changed
 
 
-def _push_ipc(engine, named, bucket_bytes: int) -> int:
-    """Push ``named`` over CUDA IPC in buckets of about ``bucket_bytes`` (a fresh buffer each); returns the buckets."""
-    from slime.weight_sync.flattened import flatten, serialize_ipc_bucket
+def _push_ipc(engine, named, bucket_bytes: int, num_experts: int | None = None) -> int:
+    """Push ``named`` over CUDA IPC in buckets of about ``bucket_bytes`` (a fresh buffer each), the MoE layers a
+    bucket holds whole as their two fused expert tensors when ``num_experts`` is given (as slime's transport
+    sends them, :mod:`slime.weight_sync.fused_experts`); returns the buckets."""
+    from slime.weight_sync.flattened import FlatBucket, flatten, serialize_ipc_bucket
+    from slime.weight_sync.fused_experts import fused_layout
 
     buckets, current, size = [], [], 0
     for name, tensor in named.items():
@@ -176,7 +180,8 @@ def _push_ipc(engine, named, bucket_bytes: int) -> int:
     if current:
         buckets.append(current)
     for bucket in buckets:
-        flat = flatten(bucket, device="cuda")
+        ordered, metadata, _ = fused_layout(bucket, num_experts)
+        flat = FlatBucket(flatten(ordered, device="cuda").buffer, metadata)
         torch.cuda.synchronize()
         engine.update_weights_from_ipc([serialize_ipc_bucket(flat)])
         del flat
@@ -190,7 +195,8 @@ def test_cuda_ipc_buckets_change_the_weights_and_bring_them_back(servers, checkp
     weights = load_checkpoint_tensors(checkpoint)
     _push_ipc(engine, {"lm_head.weight": weights["lm_head.weight"].flip(0)}, 1 << 30)
     changed = _greedy(engine, prompt)
-    buckets = _push_ipc(engine, weights, 2 << 20)  # the whole model again, in ~2 MB buckets
+    # the whole model again, in ~2 MB buckets, experts fused where a bucket holds a whole layer (slime's form)
+    buckets = _push_ipc(engine, weights, 2 << 20, checkpoint_num_experts(checkpoint))
     after = _greedy(engine, prompt)
     figure(check="ipc_update", buckets=buckets, changed=changed[0] != before[0], restored=after[0] == before[0],
            logprob_max_diff=_max_diff(after[1], before[1]))
@@ -208,7 +214,7 @@ def test_release_and_resume_give_memory_back_and_weights_must_be_pushed_again(se
     engine.release_memory_occupation(["weights", "kv_cache", "cuda_graph"])
     free_released = torch.cuda.mem_get_info()[0] / 2**30
     engine.resume_memory_occupation(["weights"])
-    _push_ipc(engine, load_checkpoint_tensors(checkpoint), 64 << 20)
+    _push_ipc(engine, load_checkpoint_tensors(checkpoint), 64 << 20, checkpoint_num_experts(checkpoint))
     engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
     free_resumed = torch.cuda.mem_get_info()[0] / 2**30
     after = _greedy(engine, prompt)

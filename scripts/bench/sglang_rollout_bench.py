@@ -3,7 +3,7 @@
 
   python scripts/bench/sglang_rollout_bench.py build-scaled /tmp/scaled [--layers 4]
   python scripts/bench/sglang_rollout_bench.py throughput --model /tmp/scaled [--prompts 64 --max-new-tokens 256]
-  python scripts/bench/sglang_rollout_bench.py weight-sync --model /tmp/scaled [--bucket-mb 256 512 1024 2048 --syncs 3]
+  python scripts/bench/sglang_rollout_bench.py weight-sync --model /tmp/scaled [--bucket-mb 512 1024 2048 4096 --syncs 3]
 
 ``build-scaled``: Qwen3.5-35B-A3B's widths (hidden 2048, 16 query / 2 KV heads of 256, 25 % interleaved M-RoPE,
 16 / 32 Gated-DeltaNet heads of 128, 256 experts of 512 top-8 plus a 512 shared expert, vocab 248,320, the
@@ -40,8 +40,10 @@ CUDA-IPC transport and the real trainer group (one rank holding the checkpoint's
 :class:`BenchWeightsBackend`): one sync to connect, then ``--syncs`` for each ``--bucket-mb`` size; prints
 seconds and effective GB/s (bytes of the model / sync seconds; goal >= 50 GB/s), where the best sync's time went
 on the trainer rank (flattening, IPC handles, the rest: the engine's load and the per-bucket collectives), and
-checks that a greedy answer is the same after the syncs as before.  With ``--fused-experts`` (default) the sweep
-runs again with each layer's experts sent as transformers 5's two fused tensors instead of 3 x E per-expert ones.
+checks that a greedy answer is the same after the syncs as before.  The transport sends each MoE layer's experts
+as two fused tensors (:mod:`slime.weight_sync.fused_experts`; first proven to load: negated experts change the
+answer, the originals bring it back); with ``--per-expert`` (default) the sweep runs again with the 3 x E tensors
+per layer of the checkpoint's names, for comparison.
 
 Figures go to stdout and, with ``--json FILE``, as JSON lines into FILE.
 """
@@ -383,18 +385,6 @@ class BenchWeightsBackend(TrainerBackend):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def fuse_experts(self) -> int:
-        """Replace the per-expert tensors by each layer's fused pair, ``...mlp.experts.gate_up_proj``
-        [E, 2I, H] (gate rows, then up rows) and ``...mlp.experts.down_proj`` [E, H, I]: the layout of
-        transformers 5's Qwen3.5-MoE module, which SGLang's ``load_weights`` also takes (it splits the pair
-        with ``chunk(2, dim=-2)``), without its search of the per-expert name table for every tensor.
-        Returns the number of tensors left."""
-        fused = fuse_expert_tensors(self.tensors)
-        self.tensors.clear()
-        self.tensors.update(fused)
-        torch.cuda.empty_cache()
-        return len(self.tensors)
-
     def iter_weight_buckets(self, bucket_bytes, device=None):
         bucket, size = [], 0
         items = list(self.tensors.items())
@@ -417,39 +407,6 @@ class BenchWeightsBackend(TrainerBackend):
         raise NotImplementedError
 
 
-def fuse_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF per-expert MoE names (``<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight``) -> the fused pair of
-    :meth:`BenchWeightsBackend.fuse_experts`; every other tensor unchanged, in the original order (each fused
-    pair where its layer's first expert tensor was).
-
-    Raises:
-        ValueError: a layer whose expert ids are not 0..E-1, or that lacks one of the three projections.
-    """
-    import re
-
-    pattern = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        match = pattern.match(name)
-        if match is None:
-            out[name] = tensor
-            continue
-        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-        if prefix not in groups:
-            groups[prefix] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
-            out[prefix + ".gate_up_proj"] = out[prefix + ".down_proj"] = None  # keep the place
-        groups[prefix][proj][expert] = tensor
-    for prefix, projs in groups.items():
-        ids = sorted(projs["gate_proj"])
-        if ids != list(range(len(ids))) or any(sorted(projs[p]) != ids for p in ("up_proj", "down_proj")):
-            raise ValueError(f"{prefix}: expert ids of gate/up/down are not all 0..{len(ids) - 1}")
-        out[prefix + ".gate_up_proj"] = torch.stack(
-            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in ids])
-        out[prefix + ".down_proj"] = torch.stack([projs["down_proj"][e] for e in ids])
-    return out
-
-
 class _BenchPlacement(SharedGpuPlacement):
     """One colocated engine and one trainer rank on GPU 0 (the trainer takes Ray's GPU, so it sees its id)."""
 
@@ -470,6 +427,7 @@ def weight_sync(args) -> None:
     from slime.rollout.engines.sglang.engine import SGLangEngine
     from slime.utils.arguments import parse_args
     from slime.weight_sync.cuda_ipc import CudaIpcTransport
+    from slime.weight_sync.fused_experts import checkpoint_num_experts
     from tests.sglang_gpu_helpers import sglang_argv
 
     _start_ray()
@@ -480,7 +438,7 @@ def weight_sync(args) -> None:
     placement = _BenchPlacement()
     engines = RolloutEngineGroup(placement, functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
-    transport = CudaIpcTransport(args.bucket_mb[0] << 20)
+    transport = CudaIpcTransport(args.bucket_mb[0] << 20, num_experts=checkpoint_num_experts(args.model))
     trainers = TrainerGroup(placement, functools.partial(BenchWeightsBackend, model=args.model), 1, transport)
     try:
         engines.wait_until_healthy(START_TIMEOUT_S)
@@ -494,18 +452,19 @@ def weight_sync(args) -> None:
         trainers.update_weights(engines)  # the first sync also connects the transport
         first_s = time.perf_counter() - t0
         ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))
-        variants = [("per_expert", mb) for mb in args.bucket_mb]
-        if args.fused_experts:
-            variants += [("fused", mb) for mb in args.bucket_mb]
+        variants = [("fused", mb) for mb in args.bucket_mb]  # what slime sends (the checkpoint's expert count)
+        if args.per_expert:
+            variants += [("per_expert", mb) for mb in args.bucket_mb]
         fused_loads = None
         for expert_format, bucket_mb in variants:
-            if expert_format == "fused" and fused_loads is None:
-                ray.get(actor.__ray_call__.remote(lambda a: a.backend.fuse_experts()))
-                trainers._weight_names = None  # other names from here on (the group checks every sync's names)
-                fused_loads = _fused_experts_load(trainers, engines, prompt, before)
+            experts = checkpoint_num_experts(args.model) if expert_format == "fused" else None
             bucket_bytes = bucket_mb << 20
-            transport.bucket_bytes = bucket_bytes  # the driver's copy, and the rank's (sent at connect)
-            ray.get(actor.__ray_call__.remote(lambda a, n=bucket_bytes: setattr(a.transport, "bucket_bytes", n)))
+            transport.bucket_bytes, transport.num_experts = bucket_bytes, experts  # the driver's copy, and the rank's
+            ray.get(actor.__ray_call__.remote(
+                lambda a, n=bucket_bytes, e=experts: (setattr(a.transport, "bucket_bytes", n),
+                                                      setattr(a.transport, "num_experts", e))))
+            if expert_format == "fused" and fused_loads is None:
+                fused_loads = _fused_experts_load(trainers, engines, prompt, before)
             times, breakdown = [], []
             for _ in range(args.syncs):
                 t0 = time.perf_counter()
@@ -529,17 +488,19 @@ def weight_sync(args) -> None:
 
 
 def _negate_experts(actor) -> int:
-    """On the trainer actor: negate every fused expert tensor in place (twice is the identity)."""
-    tensors = [t for n, t in actor.backend.tensors.items() if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    """On the trainer actor: negate every routed expert's tensor in place (twice is the identity)."""
+    from slime.weight_sync.fused_experts import EXPERT_WEIGHT
+
+    tensors = [t for n, t in actor.backend.tensors.items() if EXPERT_WEIGHT.match(n)]
     for tensor in tensors:
         tensor.neg_()
     return len(tensors)
 
 
 def _fused_experts_load(trainers, engines, prompt, before) -> bool:
-    """Whether the engine really loads the fused expert form: the greedy answer changes after a sync of
-    negated fused experts, and is ``before`` again after the original ones (SGLang's fused loader skips a name
-    it does not know without an error, so an unchanged answer alone would prove nothing)."""
+    """Whether the engine really loads the fused expert form: the greedy answer changes after a (fused) sync of
+    negated experts, and is ``before`` again after the original ones (SGLang's fused loader skips a name it does
+    not know without an error, so an unchanged answer alone would prove nothing)."""
     import ray
 
     actor = trainers.actors[0]
@@ -578,11 +539,12 @@ def main(argv=None) -> None:
     tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")
     tp.add_argument("--official-cli", action="store_true", help="also run sglang.bench_offline_throughput (text)")
     ws = sub.choices["weight-sync"]
-    ws.add_argument("--bucket-mb", type=int, nargs="+", default=[256, 512, 1024, 2048],
+    ws.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                     help="--update-weight-buffer-size values to measure, MiB (one engine start for all)")
     ws.add_argument("--syncs", type=int, default=3)
-    ws.add_argument("--fused-experts", action=argparse.BooleanOptionalAction, default=True,
-                    help="also sync with each layer's experts fused into two tensors (SGLang takes both forms)")
+    ws.add_argument("--per-expert", action=argparse.BooleanOptionalAction, default=True,
+                    help="also sync with every expert's tensors sent apart (3 per expert, the checkpoint's names: "
+                    "slime's transport before it fused them), for comparison")
     args = parser.parse_args(argv)
     if args.command == "build-scaled":
         build_scaled(args.out, args.layers)

@@ -64,16 +64,17 @@ def choose_transport(supported: Sequence[str], *, use_gpu: bool, colocate: bool)
 
 
 def make_transport(
-    supported: Sequence[str], cfg: WeightSyncConfig, *, use_gpu: bool, colocate: bool
+    supported: Sequence[str], cfg: WeightSyncConfig, *, use_gpu: bool, colocate: bool, num_experts: int | None = None
 ) -> WeightTransport:
-    """Build the run's transport (:func:`choose_transport`) with ``--update-weight-buffer-size``.
+    """Build the run's transport (:func:`choose_transport`) with ``--update-weight-buffer-size`` and the model's
+    routed experts per layer (``num_experts``, see :class:`~.base.WeightTransport`).
 
     Raises:
         ConfigError: see :func:`choose_transport`.
         slime.utils.registry.Unavailable / ImportError: the chosen transport is not in this version.
     """
     name = choose_transport(supported, use_gpu=use_gpu, colocate=colocate)
-    return WEIGHT_TRANSPORTS.get(name)(bucket_bytes=cfg.update_weight_buffer_size)
+    return WEIGHT_TRANSPORTS.get(name)(bucket_bytes=cfg.update_weight_buffer_size, num_experts=num_experts)
 
 
 __all__ = [

@@ -99,11 +99,19 @@ class WeightTransport(abc.ABC):
     tensor_device: ClassVar[str | None] = None
     """Where the backend should put the yielded tensors: ``"cpu"``, or ``None`` for the rank's own device."""
 
-    def __init__(self, bucket_bytes: int | None = None):
+    def __init__(self, bucket_bytes: int | None = None, num_experts: int | None = None):
+        """``bucket_bytes``: ``--update-weight-buffer-size`` (None: the default); ``num_experts``: routed experts per
+        MoE layer of the model (:func:`slime.weight_sync.fused_experts.checkpoint_num_experts`), for a transport
+        that sends a layer's experts as fused tensors (CUDA IPC); None: a dense model, or unknown.
+
+        Raises:
+            ValueError: ``bucket_bytes <= 0``.
+        """
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"--update-weight-buffer-size must be > 0 bytes, got {bucket_bytes}")
         self.bucket_bytes_given = bucket_bytes is not None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.num_experts = num_experts
 
     # ------------------------------------------------------------------ once per run
 

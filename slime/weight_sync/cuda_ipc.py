@@ -16,8 +16,10 @@ lockstep buckets (:meth:`~slime.backends.base.TrainerBackend.iter_weight_buckets
 who sends what (names, shapes, dtypes: an ``all_gather_object``); for each source rank of the round,
 
 1. the source flattens its tensors into one **new** ``uint8`` buffer (:func:`~.flattened.flatten`),
-   the others allocate a new buffer of the same size, and the source broadcasts it over the trainers'
-   own process group (NCCL), so every GPU holds the bucket;
+   each MoE layer whose experts it holds in full laid out and described as the two fused tensors
+   (:func:`~.fused_experts.fused_layout`: the same bytes, 2 names for SGLang to load instead of 3 per
+   expert), the others allocate a new buffer of the same size, and the source broadcasts it over the
+   trainers' own process group (NCCL), so every GPU holds the bucket;
 2. each rank takes a CUDA IPC handle of its copy (:func:`~.flattened.serialize_ipc_bucket`; the device
    by UUID); the handles are gathered, and each engine's TP-rank-0 trainer rank calls
    ``update_weights_from_ipc`` with its engine's handles in TP order (one per TP rank) and waits;
@@ -39,7 +41,8 @@ import ray
 import torch
 
 from slime.weight_sync.base import WeightBucket, WeightTransport
-from slime.weight_sync.flattened import FlatBucket, flatten, layout, serialize_ipc_bucket
+from slime.weight_sync.flattened import FlatBucket, flatten, serialize_ipc_bucket
+from slime.weight_sync.fused_experts import fused_layout
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -102,8 +105,8 @@ class CudaIpcTransport(WeightTransport):
     name = "cuda_ipc"
     tensor_device = None
 
-    def __init__(self, bucket_bytes: int):
-        super().__init__(bucket_bytes)
+    def __init__(self, bucket_bytes: int | None = None, num_experts: int | None = None):
+        super().__init__(bucket_bytes, num_experts)
         self.engine_resources: list[EngineResources] = []
         self._group = None
         self._plan: dict[int, list[int]] = {}
@@ -151,7 +154,10 @@ class CudaIpcTransport(WeightTransport):
         device = torch.device("cuda", torch.cuda.current_device())
         leads = {ranks[0]: engine for engine, ranks in self._plan.items()}
         for bucket in buckets:
-            meta = layout(bucket) if bucket else None
+            ordered, meta = bucket, None
+            if bucket:
+                ordered, metadata, total = fused_layout(bucket, self.num_experts)
+                meta = (metadata, total)
             metas: list = [None] * rank.world_size
             dist.all_gather_object(metas, meta, group=self._group)
             for source, source_meta in enumerate(metas):
@@ -159,7 +165,7 @@ class CudaIpcTransport(WeightTransport):
                     continue
                 metadata, total = source_meta
                 if source == rank.rank:
-                    buffer = flatten(bucket, device=device).buffer
+                    buffer = flatten(ordered, device=device).buffer
                 else:
                     buffer = torch.empty(total, dtype=torch.uint8, device=device)
                 if rank.world_size > 1:

@@ -109,8 +109,8 @@ class NcclTransport(WeightTransport):
     name = "nccl"
     tensor_device = None
 
-    def __init__(self, bucket_bytes: int, backend: str = "nccl"):
-        super().__init__(bucket_bytes)
+    def __init__(self, bucket_bytes: int | None = None, num_experts: int | None = None, backend: str = "nccl"):
+        super().__init__(bucket_bytes, num_experts)  # the broadcast sends experts as the checkpoint names them
         self.backend = backend
         self.addresses: list[tuple[str, int]] = []
         self.world_size = 0
