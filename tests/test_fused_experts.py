@@ -51,8 +51,8 @@ def test_fused_layer_keeps_its_place_and_the_other_tensors_theirs():
     before, after = ("model.layers.0.input_layernorm.weight", torch.ones(8)), ("lm_head.weight", torch.ones(3, 8))
     bucket = [before, *_layer("model.layers.0", 3), after]
     read, names, ordered = _read(bucket, 3)
-    assert names == [before[0], "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
-                     after[0]]
+    assert names == [before[0], after[0], "model.layers.0.mlp.experts.gate_up_proj",
+                     "model.layers.0.mlp.experts.down_proj"]  # fused entries last (the order SGLang loads)
     tensors = dict(bucket)
     gate_up = read["model.layers.0.mlp.experts.gate_up_proj"]
     assert gate_up.shape == (3, 8, 8)  # [E, 2I, H]
@@ -62,6 +62,21 @@ def test_fused_layer_keeps_its_place_and_the_other_tensors_theirs():
         assert torch.equal(read["model.layers.0.mlp.experts.down_proj"][e],
                            tensors[f"model.layers.0.mlp.experts.{e}.down_proj.weight"])
     assert ordered[0] == before[0] and ordered[-1] == after[0] and len(ordered) == len(bucket)
+
+
+def test_no_per_expert_name_follows_a_fused_one():
+    """SGLang 0.5.17 reads every expert name after the first fused one with its fused table, so a per-expert
+    tensor there would be skipped: a bucket with a whole layer and part of another must list the part first."""
+    from slime.weight_sync.fused_experts import EXPERT_WEIGHT
+
+    whole = _layer("model.layers.0", 4)
+    part = [(n, t) for n, t in _layer("model.layers.1", 4) if ".experts.3." not in n]  # expert 3 elsewhere
+    read, names, _ = _read([*whole, *part], 4)
+    first_fused = min(i for i, n in enumerate(names) if n.endswith((".gate_up_proj", ".down_proj")))
+    assert not any(EXPERT_WEIGHT.match(n) for n in names[first_fused:])
+    assert {n for n in names if EXPERT_WEIGHT.match(n)} == {n for n, _ in part}
+    for name, tensor in part:
+        assert torch.equal(read[name], tensor)
 
 
 @pytest.mark.parametrize("case", ["part_of_the_experts", "one_projection_missing", "no_expert_count", "padding"])

@@ -53,6 +53,7 @@ Hyper-parameters, and why (see :data:`TRAIN_FLAGS`):
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -156,9 +157,9 @@ def colour_prior_checkpoint(tmp_path_factory) -> Path:
     processor = load_processor(src)
     prompts = PromptDataset(cfg.data, processor, seed=0).next_batch(len(COLOURS))
 
-    # On a GPU machine with flash-linear-attention installed, transformers' Gated DeltaNet takes fla's Triton
+    # With flash-linear-attention installed (the GPU profile), transformers' Gated DeltaNet takes fla's Triton
     # kernels, which cannot run on CPU tensors: there the forward runs on the GPU.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and importlib.util.find_spec("fla") else "cpu"
     model = Qwen3_5MoeForConditionalGeneration.from_pretrained(src, dtype=torch.float32).to(device).eval()
     last_hidden = []
     with torch.no_grad():
@@ -236,10 +237,11 @@ def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_pa
     )
 
 
-GPU_FLAGS = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate"]
-"""One GPU, trainer and engine colocated (the engine in bf16, the trainer in fp32 as on CPU)."""
+GPU_FLAGS = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate", "--bf16"]
+"""One GPU, trainer and engine colocated, both computing in bf16 as the launcher trains on a GPU (``--bf16``:
+fp32 master weights); the bf16 kernels (fla's Gated DeltaNet among them) are those the H200 runs proved."""
 GPU_LOGPROB_GAP_MAX = 5e-2
-"""The engine runs bf16 on a GPU while the trainer stays fp32: the gap is bf16 rounding, not 1e-3."""
+"""Engine and trainer both compute in bf16 on the GPU, in different kernels: the gap is bf16 rounding, not 1e-3."""
 
 
 @pytest.mark.gpu

@@ -31,3 +31,22 @@ def test_bench_backend_times_each_bucket_the_transport_holds(bench):
     stats = backend.take_stats()
     assert stats["buckets"] == 3 and stats["tensors"] == 5
     assert backend.take_stats()["buckets"] == 0  # reset
+
+
+def test_bench_backend_buckets_hold_whole_layers_as_the_real_backends_do(bench):
+    """A layer split between buckets would be sent per expert (``fused_layout`` fuses whole layers only), so the
+    bench's fused figures would measure the old form."""
+    names = ["model.visual.patch_embed.proj.weight", "model.visual.blocks.0.attn.qkv.weight",
+             "model.visual.blocks.0.mlp.fc1.weight", "model.language_model.embed_tokens.weight",
+             *[f"model.language_model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(2)
+               for p in ("gate_proj", "up_proj", "down_proj")],
+             "model.language_model.layers.1.input_layernorm.weight", "lm_head.weight"]
+    backend = bench.BenchWeightsBackend(None, "unused")
+    backend.tensors = {n: torch.zeros(50, dtype=torch.bfloat16) for n in names}  # 100 B each
+    groups = [[n for n, _ in g] for g in bench.weight_groups(list(backend.tensors.items()))]
+    assert [len(g) for g in groups] == [1, 2, 1, 6, 1, 1]
+    buckets = [[n for n, _ in b] for b in backend.iter_weight_buckets(250)]
+    # a bucket closes at the first group boundary at or past 250 B: 100 + 200, then the embedding + the layer
+    assert [len(b) for b in buckets] == [3, 7, 2]
+    assert all(any(n in b for b in buckets) for n in names) and sum(map(len, buckets)) == len(names)
+    assert backend.take_stats()["buckets"] == 3

@@ -70,8 +70,15 @@ pack() {
   tar czf "$OUT/logs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' \
     -C "$OUT" $logs "${run[@]}" && (cd "$OUT" && rm -f $logs)
 }
+BG_PIDS=()  # stages running side by side (STAGE+STAGE)
+stop_stages() {  # a SIGTERM (the call's limit) stops side-by-side stages too, then packs (the EXIT trap)
+  local pid
+  for pid in "${BG_PIDS[@]}"; do pkill -TERM -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null; done
+  wait
+  exit 143
+}
 trap pack EXIT
-trap 'exit 143' TERM  # a timeout's SIGTERM still packs the logs (through the EXIT trap)
+trap stop_stages TERM
 status=0
 if [ -n "${SLIME_WHEELHOUSE:-}" ]; then
   export SLIME_VENV=none SLIME_SKIP_SETUP=0  # set up as a user would (the launcher stage's set-up then installs nothing)
@@ -127,10 +134,11 @@ stage_qwen35() {  # issue 8's bf16 checks: tiny real geometry vs HF, 35B-A3B lay
 }
 
 stage_bench() {
-  # One timed step each (after one warm-up), and only Megatron profiled (one more step): in run 3 the FSDP
-  # backend had not finished its warm-up, 2 timed and 1 profiled step 200 s after its start.
+  # 16 samples (21.6k tokens) a step, one timed step each after one warm-up, only Megatron profiled (one more
+  # step): in run 3 (32 samples) the FSDP backend had not finished its warm-up, 2 timed and 1 profiled step
+  # 200 s after its start (> 45 s a step), and a device call lasts 600 s.
   timeout "$(left 560)" python3 scripts/bench/megatron_vs_fsdp.py --json "$OUT/bench.jsonl" --profile "$OUT/profile" \
-    --warmup 1 --steps 1 --profile-backends megatron --backends ${SLIME_BENCH_BACKENDS:-megatron fsdp} --workdir /tmp/bench-megatron-vs-fsdp 2>&1 | tee "$OUT/bench.log"
+    --samples 16 --warmup 1 --steps 1 --profile-backends megatron --backends ${SLIME_BENCH_BACKENDS:-megatron fsdp} --workdir /tmp/bench-megatron-vs-fsdp 2>&1 | tee "$OUT/bench.log"
   return "${PIPESTATUS[0]}"
 }
 
@@ -202,9 +210,10 @@ run_stage() {  # run_stage NAME: one stage, timed, its exit status noted in stag
 
 for stage in "${STAGES[@]}"; do
   if [[ $stage == *+* ]]; then  # side by side: each one's console into OUT/stage_NAME.log, shown when all end
-    pids=(); IFS=+ read -r -a together <<<"$stage"
-    for one in "${together[@]}"; do run_stage "$one" >"$OUT/stage_$one.log" 2>&1 & pids+=($!); done
-    for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+    BG_PIDS=(); IFS=+ read -r -a together <<<"$stage"
+    for one in "${together[@]}"; do run_stage "$one" >"$OUT/stage_$one.log" 2>&1 & BG_PIDS+=($!); done
+    for pid in "${BG_PIDS[@]}"; do wait "$pid" || status=$?; done
+    BG_PIDS=()
     for one in "${together[@]}"; do tail -n 25 "$OUT/stage_$one.log"; done
   else
     run_stage "$stage" || status=$?

@@ -230,7 +230,8 @@ def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
         name = flags.pop(0)[2:].replace("-", "_")
         kwargs[name] = True if not flags or flags[0].startswith("--") else _number(flags.pop(0))
     t0 = time.monotonic()
-    engine = sglang.Engine(model_path=model, random_seed=0, log_level="error", **kwargs)
+    # log_level "info": its decode-batch lines (running requests, tokens/s) sit beside our server's in the logs
+    engine = sglang.Engine(model_path=model, random_seed=0, log_level="info", **kwargs)
     start_s = time.monotonic() - t0
     try:
         params = [r.sampling_params.to_sglang() for r in requests]
@@ -344,6 +345,7 @@ class BenchWeightsBackend(TrainerBackend):
         self.tensors: dict[str, torch.Tensor] = {}
         self.phase_s: dict[str, float] = {}
         self.buckets: list[tuple[int, int, float]] = []  # (tensors, bytes, seconds the transport spent on it)
+        self.sent = {"names": 0, "fused_names": 0}  # bucket metadata entries the engine got, fused ones among them
 
     def init(self) -> int:
         import torch.distributed as dist
@@ -358,7 +360,16 @@ class BenchWeightsBackend(TrainerBackend):
         # where a sync's time goes, on this rank: the transport's own steps, timed in place (this process only)
         for name in ("flatten", "serialize_ipc_bucket"):
             setattr(cuda_ipc, name, self._timed(name, getattr(cuda_ipc, name)))
+        cuda_ipc.fused_layout = self._counted(cuda_ipc.fused_layout)
         return 0
+
+    def _counted(self, fused_layout):
+        def counted(*args, **kwargs):
+            ordered, metadata, total = fused_layout(*args, **kwargs)
+            self.sent["names"] += len(metadata)
+            self.sent["fused_names"] += sum(m.name.endswith((".gate_up_proj", ".down_proj")) for m in metadata)
+            return ordered, metadata, total
+        return counted
 
     def _timed(self, name, fn):
         def timed(*args, **kwargs):
@@ -378,24 +389,24 @@ class BenchWeightsBackend(TrainerBackend):
         stats = {"buckets": len(self.buckets), "tensors": sum(b[0] for b in self.buckets),
                  "transport_s": total, **{f"{k}_s": v for k, v in self.phase_s.items()},
                  "engine_and_collectives_s": total - sum(self.phase_s.values()),
-                 "slowest_bucket": max(self.buckets, key=lambda b: b[2], default=None)}
-        self.phase_s, self.buckets = {}, []
+                 "slowest_bucket": max(self.buckets, key=lambda b: b[2], default=None),
+                 "names_sent": self.sent["names"], "fused_names_sent": self.sent["fused_names"]}
+        self.phase_s, self.buckets, self.sent = {}, [], {"names": 0, "fused_names": 0}
         return stats
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def iter_weight_buckets(self, bucket_bytes, device=None):
-        bucket, size = [], 0
-        items = list(self.tensors.items())
-        for i, (name, tensor) in enumerate(items):
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes or i == len(items) - 1:
-                t0 = time.perf_counter()
-                yield bucket
-                self.buckets.append((len(bucket), size, time.perf_counter() - t0))
-                bucket, size = [], 0
+        """Buckets of whole layers, as the real backends cut them (``slime.backends.batching.bucket_by_bytes``'s
+        rule over :func:`weight_groups`): a bucket closes at the first group boundary at or past ``bucket_bytes``."""
+        from slime.backends.batching import bucket_by_bytes
+
+        for bucket in bucket_by_bytes(weight_groups(list(self.tensors.items())), bucket_bytes):
+            t0 = time.perf_counter()
+            yield bucket
+            self.buckets.append((len(bucket), sum(t.numel() * t.element_size() for _, t in bucket),
+                                 time.perf_counter() - t0))
 
     def train(self, rollout_id, samples, num_steps):
         raise NotImplementedError
@@ -405,6 +416,23 @@ class BenchWeightsBackend(TrainerBackend):
 
     def save(self, rollout_id, path):
         raise NotImplementedError
+
+
+def weight_groups(named: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors of one decoder layer or vision block (``...layers.<i>.`` / ``...blocks.<i>.``) as one
+    group, every other tensor a group of its own: the units the real backends never split between buckets."""
+    import re
+
+    unit = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")
+    groups, key = [], object()
+    for name, tensor in named:
+        match = unit.match(name)
+        this = match.group(1) if match else None
+        if this is None or this != key:
+            groups.append([])
+        groups[-1].append((name, tensor))
+        key = this if this is not None else object()
+    return groups
 
 
 class _BenchPlacement(SharedGpuPlacement):
@@ -464,7 +492,10 @@ def weight_sync(args) -> None:
                 lambda a, n=bucket_bytes, e=experts: (setattr(a.transport, "bucket_bytes", n),
                                                       setattr(a.transport, "num_experts", e))))
             if expert_format == "fused" and fused_loads is None:
+                ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))  # count from here
                 fused_loads = _fused_experts_load(trainers, engines, prompt, before)
+                sent = ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))["fused_names_sent"]
+                fused_loads = fused_loads and sent > 0  # the transport really sent fused tensors in those syncs
             times, breakdown = [], []
             for _ in range(args.syncs):
                 t0 = time.perf_counter()

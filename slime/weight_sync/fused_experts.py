@@ -89,7 +89,8 @@ def fused_layout(bucket: Sequence[tuple[str, torch.Tensor]], num_experts: int | 
     Returns:
         ``(ordered, metadata, total bytes)``: ``flatten(ordered, align=align)`` writes the buffer, and
         ``unflatten(buffer, metadata)`` reads it as ``<layer>.gate_up_proj`` [E, 2I, H] and ``<layer>.down_proj``
-        [E, H, I] for each fused layer and the other tensors by their own names.
+        [E, H, I] for each fused layer and the other tensors by their own names; the fused entries come last
+        in ``metadata`` (the order SGLang loads them in; see the comment at the end).
 
     Raises:
         ValueError: see :func:`slime.weight_sync.flattened.layout` (an empty bucket, a repeated name).
@@ -114,6 +115,7 @@ def fused_layout(bucket: Sequence[tuple[str, torch.Tensor]], num_experts: int | 
             ordered += projs["down_proj"]
     per_tensor, total = layout(ordered, align)
     metadata: list[TensorMeta] = []
+    fused: list[TensorMeta] = []
     i = 0
     while i < len(per_tensor):
         layer = blocks.get(i)
@@ -125,11 +127,15 @@ def fused_layout(bucket: Sequence[tuple[str, torch.Tensor]], num_experts: int | 
         if all(a.end == b.start for run in (gate_up, down) for a, b in zip(run, run[1:])):
             inter, hidden = gate_up[0].shape
             dtype = gate_up[0].dtype
-            metadata.append(TensorMeta(f"{layer}.gate_up_proj", (num_experts, 2 * inter, hidden), dtype,
-                                       gate_up[0].start, gate_up[-1].end - gate_up[0].start))
-            metadata.append(TensorMeta(f"{layer}.down_proj", (num_experts, hidden, inter), dtype,
-                                       down[0].start, down[-1].end - down[0].start))
+            fused.append(TensorMeta(f"{layer}.gate_up_proj", (num_experts, 2 * inter, hidden), dtype,
+                                    gate_up[0].start, gate_up[-1].end - gate_up[0].start))
+            fused.append(TensorMeta(f"{layer}.down_proj", (num_experts, hidden, inter), dtype,
+                                    down[0].start, down[-1].end - down[0].start))
         else:  # cannot happen (_complete_layers checks the sizes); one by one is still a correct bucket
             metadata += gate_up + down
         i += 3 * num_experts
-    return ordered, metadata, total
+    # The fused entries last: SGLang 0.5.17's Qwen3.5 load_weights switches to its fused-expert name table at
+    # the first fused name and keeps it for the rest of the call (one call per bucket), where a per-expert
+    # name after it would match nothing and be skipped with a log line only (qwen3_5.py, load_weights).
+    # The byte layout stays as it is: every entry carries its own offsets.
+    return ordered, metadata + fused, total
