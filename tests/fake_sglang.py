@@ -8,7 +8,6 @@ SGLang flag).  Select it with ``--rollout-backend tests.fake_sglang:FakeSGLangEn
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -51,10 +50,8 @@ def start_engine_group(work_dir: Path, *sglang_flags: str, num_engines: int = 2,
     ``--sglang-server-concurrency``.  Returns ``(placement, engines)``; the caller shuts the engines down and
     removes the placement (done here when start-up fails).
     """
-    from slime.ray.placement import create_placement_groups
-    from slime.rollout.engine_group import RolloutEngineGroup
-    from slime.train import resolve_components
     from slime.utils.arguments import parse_args
+    from tests.stub_engines import start_engines
 
     cfg = parse_args([
         "--hf-checkpoint", str(work_dir), "--prompt-data", str(DATA), "--num-rollout", "1",
@@ -62,13 +59,4 @@ def start_engine_group(work_dir: Path, *sglang_flags: str, num_engines: int = 2,
         "--rollout-backend", engine, "--rollout-num-gpus", str(num_engines),
         "--output-dir", str(work_dir / "run"), "--sglang-server-concurrency", str(capacity), *sglang_flags,
     ])  # fmt: skip
-    engine_cls = resolve_components(cfg).engine_cls
-    placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
-                                 engine_cls.max_concurrent_calls)
-    try:
-        engines.wait_until_healthy(timeout_s)
-    except BaseException:
-        placement.remove()
-        raise
-    return placement, engines
+    return start_engines(cfg, timeout_s)

@@ -26,6 +26,28 @@ from slime.rollout.engines.base import EngineResources, GenerateOutput, Generate
 from slime.rollout.engines.hf_engine import TransformersEngine
 
 
+def start_engines(cfg, timeout_s: float):
+    """``(placement, engines)`` for ``cfg``'s ``--rollout-backend``, built as the driver builds them (the engine class
+    through the registry, CPU placement groups) and healthy; the caller removes the placement.  If the engines do
+    not start, the placement is removed and the error raised."""
+    import functools
+
+    from slime.ray.placement import create_placement_groups
+    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.train import resolve_components
+
+    engine_cls = resolve_components(cfg).engine_cls
+    placement = create_placement_groups(cfg.cluster, use_gpu=False)
+    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
+                                 engine_cls.max_concurrent_calls)
+    try:
+        engines.wait_until_healthy(timeout_s)
+    except BaseException:
+        placement.remove()
+        raise
+    return placement, engines
+
+
 class EchoEngine(RolloutEngine):
     """Answers every request at once with ``{"engine", "call", "rid", "threads", "bundles", "node_ips", "cpus"}``
     (``call``: 1 for the engine's first generate call, 2 for its second, ...); ``prompt_tokens`` is the

@@ -10,7 +10,6 @@ thread counts and schedules are worked out by hand from the flags.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -21,12 +20,12 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from slime.ray.config import ClusterConfig
-from slime.ray.placement import create_placement_groups, init_ray, node_ip
-from slime.rollout.engine_group import EngineError, EngineStartError, RolloutEngineGroup, balance_windows
+from slime.ray.placement import init_ray, node_ip
+from slime.rollout.engine_group import EngineError, EngineStartError, balance_windows
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
-from slime.train import resolve_components
 from slime.utils.arguments import parse_args
 from tests.process_tree import read_proc, wait_for
+from tests.stub_engines import start_engines
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 START_TIMEOUT_S = 300.0
@@ -53,16 +52,7 @@ def _cfg(tmp_path, engine: str, *cluster: str):
 
 def _start(cfg, timeout_s: float = START_TIMEOUT_S):
     """(placement, engines) as the driver builds them; the caller removes the placement."""
-    engine_cls = resolve_components(cfg).engine_cls  # through the registry's module:Class path
-    placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    engine_factory = functools.partial(engine_cls.from_config, cfg)
-    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
-    try:
-        engines.wait_until_healthy(timeout_s)
-    except BaseException:
-        placement.remove()
-        raise
-    return placement, engines
+    return start_engines(cfg, timeout_s)
 
 
 def _requests(n: int) -> list[GenerateRequest]:

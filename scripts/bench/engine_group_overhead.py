@@ -35,15 +35,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def _direct(actor, requests) -> float:
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        t0 = time.perf_counter()
-        list(pool.map(lambda r: actor.engine.generate([r])[0], requests))
-        return time.perf_counter() - t0
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -58,6 +49,7 @@ def main(argv=None) -> None:
     from slime.ray.placement import init_ray
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
     from tests.fake_sglang import start_engine_group
+    from tests.sglang_gpu_helpers import generate_in_actor
 
     work = Path(tempfile.mkdtemp(prefix="slime-group-overhead-"))
     started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))
@@ -73,7 +65,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             engines.generate(requests)
             group.append(time.perf_counter() - t0)
-        direct = ray.get(engines.actors[0].__ray_call__.remote(_direct, requests))
+        direct = ray.get(engines.actors[0].__ray_call__.remote(generate_in_actor, requests))["seconds"]
     finally:
         engines.shutdown()
         placement.remove()

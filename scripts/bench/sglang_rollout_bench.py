@@ -70,6 +70,7 @@ from tests.sglang_gpu_helpers import (  # noqa: E402
     START_TIMEOUT_S,
     SharedGpuPlacement,
     figure,
+    generate_in_actor,
     load_checkpoint_tensors,
     server_flags,
 )
@@ -199,26 +200,13 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, out: Path) ->
         outputs = engines.generate(requests)
         seconds = time.perf_counter() - t0
         engines.flush_cache()
-        direct = ray.get(engines.actors[0].__ray_call__.remote(_generate_in_actor, requests))
+        direct = ray.get(engines.actors[0].__ray_call__.remote(generate_in_actor, requests))
     finally:
         engines.shutdown()
         ray.shutdown()  # sglang.Engine's shutdown (sglang_alone) kills every child process of this one, Ray's too
     tokens = sum(len(o.output_ids) for o in outputs)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "start_s": start_s,
             "same_server_without_ray_calls": direct}
-
-
-def _generate_in_actor(actor, requests) -> dict:
-    """In the engine's actor: every request at once from a thread pool straight into ``SGLangEngine.generate``
-    (the same HTTP calls, no Ray call per request, no engine group), to tell the two costs apart."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        t0 = time.perf_counter()
-        outputs = list(pool.map(lambda r: actor.engine.generate([r])[0], requests))
-        seconds = time.perf_counter() - t0
-    tokens = sum(len(o.output_ids) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
