@@ -137,8 +137,12 @@ stage_bench() {
   # 16 samples (21.6k tokens) a step, one timed step each after one warm-up, only Megatron profiled (one more
   # step): in run 3 (32 samples) the FSDP backend had not finished its warm-up, 2 timed and 1 profiled step
   # 200 s after its start (> 45 s a step), and a device call lasts 600 s.
-  timeout "$(left 560)" python3 scripts/bench/megatron_vs_fsdp.py --json "$OUT/bench.jsonl" --profile "$OUT/profile" \
-    --samples 16 --warmup 1 --steps 1 --profile-backends megatron --backends ${SLIME_BENCH_BACKENDS:-megatron fsdp} --workdir /tmp/bench-megatron-vs-fsdp 2>&1 | tee "$OUT/bench.log"
+  # SLIME_BENCH_BACKENDS picks the backends (default both), SLIME_BENCH_PROFILE the profiled ones (default
+  # megatron; "none": no profile, e.g. in a call that only warms the kernel caches).
+  local profile=(--profile "$OUT/profile" --profile-backends ${SLIME_BENCH_PROFILE:-megatron})
+  [ "${SLIME_BENCH_PROFILE:-}" = none ] && profile=()
+  timeout "$(left 560)" python3 scripts/bench/megatron_vs_fsdp.py --json "$OUT/bench.jsonl" "${profile[@]}" \
+    --samples 16 --warmup 1 --steps 1 --backends ${SLIME_BENCH_BACKENDS:-megatron fsdp} --workdir /tmp/bench-megatron-vs-fsdp 2>&1 | tee "$OUT/bench.log"
   return "${PIPESTATUS[0]}"
 }
 
