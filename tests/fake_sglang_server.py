@@ -9,7 +9,8 @@ Started by :class:`tests.fake_sglang.FakeSGLangEngine` exactly where the engine 
   open; every other endpoint needs ``Authorization: Bearer <key>`` or gets 401 ``{"error": "Unauthorized"}``;
 - ``GET /health``: 503 while "starting" (``--fake-startup-s``), then 200; ``/get_weight_version`` 404
   (0.5.17 moved it to ``/model_info``);
-- ``POST /generate``: ``text`` + ``image_data`` (base64 list) + ``sampling_params`` + ``return_logprob``;
+- ``POST /generate``: ``text`` + ``image_data`` (base64 list) + ``sampling_params`` + ``return_logprob``,
+  or SGLang's batch form (every field a list; answered with a list; the requests run side by side);
   ``input_ids`` together with ``image_data`` is refused (real SGLang expands the image tokens a second time
   and crashes); answers ``{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type", ...},
   "prompt_tokens", "completion_tokens", "output_token_logprobs": [[logprob, id, null], ...], ...}}``;
@@ -159,6 +160,37 @@ class FakeServer:
                      "max_running": self.max_running, "generate_calls": self.generate_calls}
 
     def ep_generate(self, body):
+        if isinstance(body.get("text"), list):  # the batch's requests run side by side, as in a real server
+            from concurrent.futures import ThreadPoolExecutor
+
+            ones = self._split_batch(body)
+            with ThreadPoolExecutor(len(ones)) as pool:
+                return 200, [answer for _, answer in pool.map(self._generate_one, ones)]
+        return self._generate_one(body)
+
+    @staticmethod
+    def _split_batch(body):
+        """SGLang's batch form (``GenerateReqInput.normalize_batch_and_arguments``): every per-request field a
+        list of the batch's length (``sampling_params`` and ``return_logprob`` may be one value for all); the
+        answer is the list of single answers, in order (a bad entry fails the whole call, as there)."""
+        texts = body["text"]
+        n = len(texts)
+        if n == 0:
+            raise FakeError("text is an empty list")
+        images = body.get("image_data")
+        if images is not None and (not isinstance(images, list) or len(images) != n):
+            raise FakeError("The length of image_data should be equal to the batch size.")
+        rids = body.get("rid")
+        if rids is not None and (not isinstance(rids, list) or len(rids) != n):
+            raise FakeError("The specified rids length mismatch with the batch_size for batch processing.")
+        params = body.get("sampling_params")
+        if isinstance(params, list) and len(params) != n:
+            raise FakeError("The length of sampling_params should be equal to the batch size.")
+        return [{**{k: v for k, v in body.items() if k not in ("text", "image_data", "rid", "sampling_params")},
+                 "text": texts[i], "image_data": images[i] if images else None, "rid": rids[i] if rids else None,
+                 "sampling_params": params[i] if isinstance(params, list) else params} for i in range(n)]
+
+    def _generate_one(self, body):
         if body.get("input_ids") is not None and body.get("image_data"):
             raise FakeError("input_ids with image_data: the image placeholders would be expanded twice", 500)
         if not isinstance(body.get("text"), str):

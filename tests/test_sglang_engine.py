@@ -334,7 +334,41 @@ def test_engine_generates_text_and_image_prompts_through_the_fake_server(engine_
     assert sent[1]["request"]["image_data"] == [IMAGE] and "input_ids" not in sent[1]["request"]
     assert sent[1]["request"]["rid"].startswith("i#attempt-")  # unique per attempt, names the request
     assert engine.version == "0.5.17" and engine.memory_tags == ("weights", "kv_cache", "cuda_graph")
-    assert engine.capacity == 8 and engine.max_requests_per_call == 1
+    assert engine.capacity == 8 and engine.max_requests_per_call == 8  # min(--sglang-requests-per-call 32, capacity)
+
+
+def test_several_requests_go_in_one_batched_generate_call(engine_factory, tmp_path):
+    """SGLang's batch form: one ``/generate`` with list fields (``[]`` images for a text prompt), answered in
+    request order with the same outputs as single calls (the echo model's rules, computed here)."""
+    engine = engine_factory()
+    record = tmp_path / "exchanges.jsonl"
+    engine.client.record = record
+    requests = [GenerateRequest("one two three", [], _params(), rid="t"),
+                GenerateRequest("an image of a triangle with sides", [IMAGE], _params(3), rid="i"),
+                GenerateRequest("four words and images", [IMAGE, IMAGE], _params(), rid=None)]
+    outputs = engine.generate(requests)
+    for out, (words, images, max_new), rid in zip(outputs, [(3, 0, 8), (7, 1, 3), (4, 2, 8)], ["t", "i", None]):
+        ids, logprobs, finish, prompt_tokens = _echo(words, images, max_new)
+        assert (out.output_ids, out.finish_reason, out.prompt_tokens, out.rid) == (ids, finish, prompt_tokens, rid)
+        assert out.output_log_probs == pytest.approx(logprobs)
+    sent = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(sent) == 1 and sent[0]["endpoint"] == "/generate"
+    body = sent[0]["request"]
+    assert body["text"] == [r.text for r in requests] and body["image_data"] == [[], [IMAGE], [IMAGE, IMAGE]]
+    assert [p["max_new_tokens"] for p in body["sampling_params"]] == [8, 3, 8] and body["return_logprob"] is True
+    assert body["rid"][0].startswith("t#attempt-") and body["rid"][1].startswith("i#attempt-")
+    assert len(set(body["rid"])) == 3 and "#attempt-" not in body["rid"][2]
+    text_only = [GenerateRequest("a b", [], _params(), rid="x"), GenerateRequest("c", [], _params(), rid="y")]
+    engine.generate(text_only)
+    assert "image_data" not in json.loads(record.read_text().splitlines()[-1])["request"]
+
+
+def test_a_batch_answered_with_another_number_of_outputs_is_refused(engine_factory, monkeypatch):
+    engine = engine_factory()
+    one = engine.client.generate({"text": "a b", "sampling_params": _params().to_sglang(), "return_logprob": True})
+    monkeypatch.setattr(engine.client, "generate", lambda payload: [one])
+    with pytest.raises(SGLangRequestError, match="a batch of 2 requests with 1 outputs"):
+        engine.generate([GenerateRequest("a b", [], _params()), GenerateRequest("c d", [], _params())])
 
 
 # ----------------------------------------------------------------------------- security
@@ -423,10 +457,17 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-server-concurrency", "0"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1000"], "one integer in 1..512"),
     (["--sglang-server-concurrency", "1", "2"], "one integer in 1..512"),
+    (["--sglang-requests-per-call", "0"], "requests-per-call must be one integer in 1..512"),
+    (["--sglang-server-concurrency", "8", "--sglang-requests-per-call", "16"], "requests-per-call .* in 1..8"),
 ])  # fmt: skip
 def test_sglang_flags_the_engine_cannot_honour_are_refused(flags, message):
     from slime.rollout.config import extract_sglang_args
-    from slime.rollout.engines.sglang.config import SGLangEngineConfig, server_concurrency, slime_owned_args
+    from slime.rollout.engines.sglang.config import (
+        SGLangEngineConfig,
+        requests_per_call,
+        server_concurrency,
+        slime_owned_args,
+    )
 
     sglang, _ = extract_sglang_args(flags)
     with pytest.raises(ConfigError, match=message):
@@ -434,7 +475,9 @@ def test_sglang_flags_the_engine_cannot_honour_are_refused(flags, message):
     ok, _ = extract_sglang_args(["--sglang-server-concurrency", "64", "--sglang-dp-size", "2",
                                  "--sglang-enable-dp-attention", "--sglang-mem-fraction-static", "0.7"])
     SGLangEngineConfig.check(None, ok)
-    assert server_concurrency(ok) == 64
+    assert server_concurrency(ok) == 64 and requests_per_call(ok) == 32
+    small, _ = extract_sglang_args(["--sglang-server-concurrency", "16"])
+    assert requests_per_call(small) == 16  # the default, cut to the concurrency
     assert slime_owned_args(ok) == ({"server_concurrency": "64"},
                                     ["--dp-size", "2", "--enable-dp-attention", "--mem-fraction-static", "0.7"])
 

@@ -84,7 +84,8 @@ SGLANG_HELP = (
     "(--hf-checkpoint), the tensor-parallel size (--rollout-num-gpus-per-engine), the seed (--rollout-seed), "
     "host and port itself, and --dtype bfloat16 unless --sglang-dtype is given. Each server gets a per-run key "
     "of its own (--sglang-api-key / --sglang-admin-api-key are refused). --sglang-server-concurrency N "
-    "(default 512) is slime's, not the server's: the requests kept in flight at each engine."
+    "(default 512) and --sglang-requests-per-call N (default 32) are slime's, not the server's: the requests "
+    "kept in flight at each engine, and how many of them go in one batched /generate call."
 )
 
 SECRET_FLAGS = ("--wandb-key",)

@@ -17,13 +17,20 @@ if TYPE_CHECKING:
     from slime.rollout.config import RolloutConfig, SGLangConfig
 
 DEFAULT_SERVER_CONCURRENCY = 512
-MAX_SERVER_CONCURRENCY = 512
-"""Threads of an engine actor for ``generate`` (``SGLangEngine.max_concurrent_calls``): the most requests in flight."""
 """Requests the engine keeps in flight at one server (upstream slime's ``--sglang-server-concurrency`` default)."""
+MAX_SERVER_CONCURRENCY = 512
+"""Threads of an engine actor for ``generate`` (``SGLangEngine.max_concurrent_calls``): the most calls in flight."""
+DEFAULT_REQUESTS_PER_CALL = 32
+"""Requests in one batched ``/generate`` call (``--sglang-requests-per-call``), see :data:`SLIME_OWNED`."""
 
 SLIME_OWNED = {
     "server_concurrency": "requests slime keeps in flight at each engine (its capacity); the server queues "
     "what it cannot run at once (--sglang-max-running-requests)",
+    "requests_per_call": "requests sent in one batched /generate call (at most the engine's capacity): SGLang "
+    "tokenises a batch's prompts one after the other and schedules each as soon as it is ready, whereas many "
+    "single-request calls arriving at once are pre-processed side by side and reach the scheduler together "
+    "(on the H200, 64 image prompts sent singly waited 2 s before decoding began); a call returns when its last "
+    "request ends, so smaller calls free the group's window sooner",
 }
 """``--sglang-*`` names that configure slime's client, not the server."""
 
@@ -63,21 +70,36 @@ def slime_owned_args(sglang: SGLangConfig) -> tuple[dict[str, str], list[str]]:
     return owned, _render(rest.server_args, "--")
 
 
+def _owned_int(sglang: SGLangConfig, name: str, default: int, top: int, hint: str) -> int:
+    value = sglang.server_args.get(name, str(default))
+    try:
+        number = int(value) if isinstance(value, str) else None
+    except ValueError:
+        number = None
+    if number is None or not 1 <= number <= top:
+        raise ConfigError(f"--sglang-{_dashed(name)} must be one integer in 1..{top}, got {value!r}; {hint}")
+    return number
+
+
 def server_concurrency(sglang: SGLangConfig) -> int:
     """``--sglang-server-concurrency`` (default :data:`DEFAULT_SERVER_CONCURRENCY`).
 
     Raises:
         ConfigError: not one integer in 1..:data:`MAX_SERVER_CONCURRENCY`.
     """
-    value = sglang.server_args.get("server_concurrency", str(DEFAULT_SERVER_CONCURRENCY))
-    try:
-        number = int(value) if isinstance(value, str) else None
-    except ValueError:
-        number = None
-    if number is None or not 1 <= number <= MAX_SERVER_CONCURRENCY:
-        raise ConfigError(f"--sglang-server-concurrency must be one integer in 1..{MAX_SERVER_CONCURRENCY}, got "
-                          f"{value!r}; e.g. 512 (the server queues what it cannot run at once)")
-    return number
+    return _owned_int(sglang, "server_concurrency", DEFAULT_SERVER_CONCURRENCY, MAX_SERVER_CONCURRENCY,
+                      "e.g. 512 (the server queues what it cannot run at once)")
+
+
+def requests_per_call(sglang: SGLangConfig) -> int:
+    """``--sglang-requests-per-call`` (default :data:`DEFAULT_REQUESTS_PER_CALL`, at most the server concurrency).
+
+    Raises:
+        ConfigError: not one integer in 1..``--sglang-server-concurrency``.
+    """
+    return _owned_int(sglang, "requests_per_call", min(DEFAULT_REQUESTS_PER_CALL, server_concurrency(sglang)),
+                      server_concurrency(sglang), f"e.g. {DEFAULT_REQUESTS_PER_CALL} (at most "
+                      "--sglang-server-concurrency; 1 sends every request in a call of its own)")
 
 
 class SGLangEngineConfig(EngineConfig):
@@ -90,7 +112,7 @@ class SGLangEngineConfig(EngineConfig):
             :data:`CHECKED` (SGLang's argparse would expand it past these checks), ``--sglang-tokenizer-worker-num``
             above 1 (SGLang 0.5.17 enforces API keys only with one tokenizer worker), ``--sglang-dp-size``
             above 1 without ``--sglang-enable-dp-attention`` (SGLang's weight updates need it), or a
-            bad ``--sglang-server-concurrency``.
+            bad ``--sglang-server-concurrency`` or ``--sglang-requests-per-call``.
         """
         args = sglang.server_args
         for given in args:  # SGLang's argparse expands a unique prefix (allow_abbrev): --grpc-por is --grpc-port
@@ -115,4 +137,4 @@ class SGLangEngineConfig(EngineConfig):
                 f"--sglang-dp-size {dp}: SGLang updates weights from tensors only with --dp-size 1 or DP attention; "
                 "add --sglang-enable-dp-attention, or run more engines (--rollout-num-gpus) instead"
             )
-        server_concurrency(sglang)
+        requests_per_call(sglang)  # checks --sglang-server-concurrency too

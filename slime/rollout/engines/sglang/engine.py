@@ -6,11 +6,18 @@ node.  It starts the server (:mod:`.launch`: command line, environment, log), ta
 :class:`~.client.SGLangClient` with a per-engine secret that never leaves the actor and the server,
 and maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto one endpoint:
 
-- :meth:`SGLangEngine.generate`: one ``/generate`` call per request (``max_requests_per_call = 1``),
-  up to :attr:`capacity` at once (``--sglang-server-concurrency``; the engine group never has more
-  in flight, which is the backpressure: the rest wait in the group's queue), the prompt as text
-  plus ``image_data`` (base64 images; never pre-tokenised ``input_ids``, which SGLang would expand
-  a second time), ``sampling_params`` from the rollout flags, ``return_logprob=True``.  The output
+- :meth:`SGLangEngine.generate`: one ``/generate`` call per engine-group call, in SGLang's batch form
+  when it holds several requests (every field a list; ``max_requests_per_call`` =
+  ``--sglang-requests-per-call``, default 32), up to :attr:`capacity` requests at once
+  (``--sglang-server-concurrency``; the engine group never has more in flight, which is the
+  backpressure: the rest wait in the group's queue), the prompt as text plus ``image_data`` (base64
+  images; never pre-tokenised ``input_ids``, which SGLang would expand a second time),
+  ``sampling_params`` from the rollout flags, ``return_logprob=True``.  Why batches: SGLang's
+  tokenizer manager pre-processes a batch's prompts one after the other and hands each to the
+  scheduler as soon as it is ready, while many single-request calls that arrive together are
+  pre-processed side by side (the image processor runs in its event loop) and reach the scheduler
+  together, late: on the H200, 64 image prompts sent singly reached it 2 s after the first three
+  (``docs/results/h200_sglang.md``, run 6).  The output
   takes ``output_ids``, the log-probs of ``meta_info.output_token_logprobs``,
   ``meta_info.finish_reason.type`` and ``meta_info.prompt_tokens`` (:func:`parse_generate_response`).
   SGLang's ``rid`` is the request's id plus a per-attempt suffix (unique while in flight, also when a
@@ -59,7 +66,13 @@ from slime.rollout.engines.base import (
     memory_tags,
 )
 from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
-from slime.rollout.engines.sglang.config import MAX_SERVER_CONCURRENCY, server_concurrency, slime_owned_args
+from slime.rollout.engines.sglang.config import (
+    DEFAULT_REQUESTS_PER_CALL,
+    MAX_SERVER_CONCURRENCY,
+    requests_per_call,
+    server_concurrency,
+    slime_owned_args,
+)
 from slime.rollout.engines.sglang.launch import (
     GPUStartLock,
     ServerProcess,
@@ -75,7 +88,7 @@ from slime.rollout.engines.sglang.versions import memory_tags_supported, needs_m
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_CALLS = MAX_SERVER_CONCURRENCY
-"""Threads of an SGLang engine's actor for ``generate`` (one request each); the upper bound of
+"""Threads of an SGLang engine's actor for ``generate`` (one call each); the upper bound of
 ``--sglang-server-concurrency``."""
 EXIT_WAIT_S = 2.0
 """After a lost connection, how long to wait for the server's exit code before reporting only the lost connection."""
@@ -146,6 +159,32 @@ def generate_payload(request: GenerateRequest) -> dict:
     return payload
 
 
+def generate_batch_payload(requests: list[GenerateRequest]) -> dict:
+    """The ``/generate`` body of several requests in one call: SGLang's batch form of :func:`generate_payload`
+    (``GenerateReqInput`` with every field a list, one entry per request, in request order).
+
+    ``image_data`` is a list of per-request image lists (``[]`` for a prompt without images; left out when
+    no request has one), ``rid`` a list (a fresh id where the request has none: SGLang wants one per
+    entry), ``return_logprob`` one value for all.  The answer is a list of single-request answers in the
+    same order (``tokenizer_manager.py``, ``_handle_batch_request``).
+
+    Raises:
+        ValueError: ``requests`` is empty.
+    """
+    if not requests:
+        raise ValueError("a batched /generate call needs at least one request")
+    singles = [generate_payload(r) for r in requests]
+    payload = {
+        "text": [p["text"] for p in singles],
+        "sampling_params": [p["sampling_params"] for p in singles],
+        "return_logprob": True,
+        "rid": [p.get("rid") or uuid.uuid4().hex for p in singles],
+    }
+    if any("image_data" in p for p in singles):
+        payload["image_data"] = [p.get("image_data", []) for p in singles]
+    return payload
+
+
 class SGLangEngine(RolloutEngine):
     """One SGLang server (see the module docstring).
 
@@ -153,13 +192,15 @@ class SGLangEngine(RolloutEngine):
         spec: what the server is started with (:class:`~.launch.ServerSpec`).
         run_dir: folder for the server's log (``server.log``), plugin folder and reports.
         capacity: requests in flight at once (``--sglang-server-concurrency``), <= :data:`MAX_CONCURRENT_CALLS`.
+        requests_per_call: the most requests in one ``/generate`` call (``--sglang-requests-per-call``),
+            1..``capacity``; default ``min(DEFAULT_REQUESTS_PER_CALL, capacity)``.
         gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them (for :meth:`memory_info`).
         secret: the key the server requires (default: a new random one, never shown).
         env: variables set for the server on top of this process's environment (e.g.
             ``{"SLIME_SGLANG_MROPE_FIX": "0"}`` to measure the bug).
 
     Raises:
-        ValueError: ``capacity`` out of range.
+        ValueError: ``capacity`` or ``requests_per_call`` out of range.
         OSError: the server cannot be started.
     """
 
@@ -168,9 +209,16 @@ class SGLangEngine(RolloutEngine):
     parity_check: ClassVar[bool] = True
 
     def __init__(self, spec: ServerSpec, run_dir: str | os.PathLike, *, capacity: int = 512,
-                 gpu_ids: list[str] | None = None, secret: str | None = None, env: dict[str, str] | None = None):
+                 requests_per_call: int | None = None, gpu_ids: list[str] | None = None, secret: str | None = None,
+                 env: dict[str, str] | None = None):
         if not 1 <= capacity <= MAX_CONCURRENT_CALLS:
             raise ValueError(f"--sglang-server-concurrency {capacity}: must be in 1..{MAX_CONCURRENT_CALLS}")
+        if requests_per_call is None:
+            requests_per_call = min(DEFAULT_REQUESTS_PER_CALL, capacity)
+        if not 1 <= requests_per_call <= capacity:
+            raise ValueError(f"--sglang-requests-per-call {requests_per_call}: must be in 1..{capacity} "
+                             "(--sglang-server-concurrency)")
+        self._requests_per_call = requests_per_call
         self.spec = spec
         self.run_dir = Path(run_dir)
         self._capacity = capacity
@@ -210,7 +258,7 @@ class SGLangEngine(RolloutEngine):
             passthrough=tuple(passthrough),
         )
         return cls(spec, _run_dir(cfg, resources.index), capacity=server_concurrency(cfg.sglang),
-                   gpu_ids=resources.local_gpu_ids)
+                   requests_per_call=requests_per_call(cfg.sglang), gpu_ids=resources.local_gpu_ids)
 
     @classmethod
     def check_resources(cls, resources: EngineResources) -> None:
@@ -277,7 +325,7 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def max_requests_per_call(self) -> int:
-        return 1
+        return self._requests_per_call
 
     # ------------------------------------------------------------------ health and reports
 
@@ -350,14 +398,25 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete each request with one ``/generate`` call (the group sends one per call).
+        """Complete the requests with one ``/generate`` call: :func:`generate_payload` for one request,
+        :func:`generate_batch_payload` for several (at most :attr:`max_requests_per_call`).
 
         Raises:
             EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
-            SGLangRequestError: the server refused a request or answered malformed.
+            SGLangRequestError: the server refused a request (for a batch: the whole call), answered
+                malformed, or answered a batch with another number of outputs.
         """
-        return [parse_generate_response(self._call(self.client.generate, generate_payload(r)), r.rid)
-                for r in requests]
+        if not requests:
+            return []
+        if len(requests) == 1:
+            return [parse_generate_response(self._call(self.client.generate, generate_payload(requests[0])),
+                                            requests[0].rid)]
+        bodies = self._call(self.client.generate, generate_batch_payload(requests))
+        if not isinstance(bodies, list) or len(bodies) != len(requests):
+            got = f"{len(bodies)} outputs" if isinstance(bodies, list) else type(bodies).__name__
+            raise SGLangRequestError(f"/generate answered a batch of {len(requests)} requests with {got}",
+                                     endpoint="/generate")
+        return [parse_generate_response(body, r.rid) for body, r in zip(bodies, requests)]
 
     # ------------------------------------------------------------------ weights
 
