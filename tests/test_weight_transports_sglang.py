@@ -38,7 +38,7 @@ SAFE_PREFIXES = ("builtins.", "collections.", "copyreg.", "types.", "torch.")
 
 
 def test_flatten_aligns_each_tensor_and_rebuilds_them_as_sglang_does():
-    bucket = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(6.0).reshape(2, 3)),
+    bucket = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(6.0).reshape(3, 2).t()),
               ("c", torch.tensor([7], dtype=torch.int64))]
     meta, total = layout(bucket)
     assert [(m.start, m.nbytes) for m in meta] == [(0, 6), (16, 24), (48, 8)] and total == 56
@@ -79,6 +79,65 @@ def test_by_value_payload_uses_only_classes_sglangs_safe_unpickler_accepts():
 def _resources(index, node, gpus, bundle0):
     return EngineResources(index, tuple(BundleResources(bundle0 + k, f"10.0.0.{node}", f"node{node}", (g,), 1.0)
                                         for k, g in enumerate(gpus)), use_gpu=True, colocated=True)
+
+
+def test_cuda_ipc_send_makes_the_next_bucket_while_the_engine_loads_one(monkeypatch, tmp_path):
+    """One trainer rank, one engine (CPU stand-ins for CUDA and Ray): each update goes out only after the
+    previous one was answered, the next buffer is made in between, and every buffer the engine is given
+    still holds its bucket's bytes when the engine's answer is awaited (no buffer freed or reused early)."""
+    import torch.distributed as dist
+
+    from slime.backends.base import RankInfo
+    from slime.weight_sync import cuda_ipc
+    from slime.weight_sync.cuda_ipc import CudaIpcTransport
+
+    events, given = [], {}
+
+    def fake_flatten(named, device):
+        events.append(f"flatten {named[0][0]}")
+        return flatten(named, device="cpu")
+
+    def fake_handle(bucket):
+        key = f"h{len(given)}"
+        given[key] = (bucket.buffer, bucket.buffer.clone())  # the buffer, and its bytes when handed over
+        return key
+
+    class Ref:
+        def __init__(self, handles):
+            self.handles = handles
+
+    class FakeRay:
+        @staticmethod
+        def get(ref):
+            events.append(f"answer {ref.handles[0]}")
+            buffer, bytes_then = given[ref.handles[0]]
+            assert torch.equal(buffer, bytes_then), "a buffer changed before the engine had loaded it"
+
+    class Engine:
+        class update_weights_from_ipc:  # noqa: N801 - an actor method's .remote
+            @staticmethod
+            def remote(handles):
+                events.append(f"update {handles[0]}")
+                return Ref(handles)
+
+    monkeypatch.setattr(cuda_ipc, "flatten", fake_flatten)
+    monkeypatch.setattr(cuda_ipc, "serialize_ipc_bucket", fake_handle)
+    monkeypatch.setattr(cuda_ipc, "ray", FakeRay)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(synchronize=lambda: None))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        transport = CudaIpcTransport(bucket_bytes=1 << 20)
+        transport._group, transport._plan = dist.new_group(backend="gloo"), {0: [0]}
+        buckets = [[(f"w{i}", torch.full((5,), float(i)))] for i in range(3)]
+        sent = transport.send(iter(buckets), RankInfo(0, 1, "127.0.0.1", 0, "cpu"), [Engine()])
+    finally:
+        dist.destroy_process_group()
+    assert sent == ["w0", "w1", "w2"]
+    assert events == ["flatten w0", "update h0", "flatten w1", "answer h0", "update h1", "flatten w2", "answer h1",
+                      "update h2", "answer h2"]
+    for i, (buffer, _) in enumerate(given.values()):
+        assert torch.equal(unflatten(buffer, flatten(buckets[i]).metadata)[0][1], buckets[i][0][1])
 
 
 def test_each_trainer_rank_feeds_the_engine_tp_rank_on_its_gpu():

@@ -16,7 +16,10 @@
 #                 checkpoint (log-prob gaps after each sync, the engine parity check, memory with/without release,
 #                 per-phase times)
 #     throughput  acceptance 4: scripts/bench/sglang_rollout_bench.py throughput on the real-width scaled model
-#     sync        acceptance 5: scripts/bench/sglang_rollout_bench.py weight-sync on the same model
+#                 (SLIME_THROUGHPUT_ARGS replaces the default extra flags "--official-cli", e.g.
+#                 "--contenders ours sglang_alone" for a short call)
+#     sync        acceptance 5: scripts/bench/sglang_rollout_bench.py weight-sync on the same model (SLIME_SYNC_ARGS:
+#                 extra flags, e.g. "--bucket-mb 2048 4096 --no-per-expert")
 # WHEELHOUSE: from scripts/offline_bundle.sh with --extras test,sglang (see docs/results/h200_sglang.md for the
 # build and carry commands); parts gathered in one folder.  OUT_DIR receives five files (the device tool brings
 # back at most 8): summary.txt, figures.jsonl, metrics.jsonl (the launcher run), sglang_0.5.17_h200.jsonl.gz (the
@@ -114,13 +117,13 @@ EOF
   throughput)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
     timed throughput timeout 480 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
-      --json "$LOGS/bench.jsonl" --out "$LOGS" --official-cli
+      --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_THROUGHPUT_ARGS:---official-cli}
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   sync)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
     timed weight_sync timeout 420 python3 scripts/bench/sglang_rollout_bench.py weight-sync --model "$SCALED" \
-      --json "$LOGS/bench.jsonl" --out "$LOGS"
+      --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_SYNC_ARGS:-}
     grep -h '"weight_sync"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   *) echo "unknown phase $phase (setup tests engine faults launcher throughput sync)"; exit 2 ;;

@@ -14,9 +14,9 @@ made on the GPU, with the tiny real-geometry checkpoint's tokenizer and processo
 temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work) through
 
 1. SGLang through slime's engine: Ray, :class:`slime.rollout.engine_group.RolloutEngineGroup` over one
-   :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, one request per call, ``capacity`` at once);
-   then, on the same server, the same HTTP calls from a thread pool inside the engine's actor (no Ray call per
-   request, no engine group), which tells Ray's share of the cost from the HTTP server's;
+   :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, batched ``/generate`` calls of
+   ``--requests-per-call`` requests, ``capacity`` at once); then, on the same server, one HTTP call per request
+   from a thread pool inside the engine's actor (no Ray call, no engine group, no batching);
 2. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call, timed as
    ``sglang.bench_offline_throughput`` times it (its ``throughput_test_once``: wall time of the batch, output
    tokens from ``meta_info.completion_tokens``), with ``return_logprob=True`` (the same work as 1) and once
@@ -175,7 +175,7 @@ def _start_ray():
         ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False)
 
 
-def ours(model: str, requests, mem_fraction: float, capacity: int, out: Path) -> dict:
+def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_call: int, out: Path) -> dict:
     import ray
 
     from slime.rollout.engine_group import RolloutEngineGroup
@@ -187,7 +187,8 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, out: Path) ->
     cfg = parse_args(["--hf-checkpoint", model, "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
                       "--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-server-concurrency",
-                      str(capacity), "--output-dir", str(out / "ours"), *sglang_argv(mem_fraction)])  # server log
+                      str(capacity), "--sglang-requests-per-call", str(requests_per_call), "--output-dir",
+                      str(out / "ours"), *sglang_argv(mem_fraction)])  # the server's log there
     engines = RolloutEngineGroup(SharedGpuPlacement([["0"]]), functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
     try:
@@ -306,14 +307,17 @@ def _attempt(name: str, run, *args) -> dict:
 def throughput(args) -> None:
     requests = geo3k_requests(args.model, args.prompts, args.max_new_tokens)
     figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
-    figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity, Path(args.out))
-    # after Ray has stopped: sglang.Engine.shutdown() kills every child process of this one
-    figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
-    figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
+    if "ours" in args.contenders:
+        figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity,
+                                   args.requests_per_call, Path(args.out))
+    if "sglang_alone" in args.contenders:  # after Ray has stopped: sglang.Engine.shutdown() kills our children
+        figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
+    if "transformers" in args.contenders:
+        figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
     if args.official_cli:  # last: for reference only (text prompts, not the same work)
         figures["official_cli_text_only"] = _attempt("official_cli", official_cli, args.model, args.mem_fraction,
                                                      Path(args.out))
-    speed = {name: figures[name].get("tokens_per_s") for name in ("ours", "sglang_alone", "transformers")}
+    speed = {name: figures.get(name, {}).get("tokens_per_s") for name in ("ours", "sglang_alone", "transformers")}
     if speed["ours"] and speed["sglang_alone"]:
         figures["ours_over_sglang"] = speed["ours"] / speed["sglang_alone"]
     if speed["sglang_alone"] and speed["transformers"]:
@@ -371,8 +375,9 @@ class BenchWeightsBackend(TrainerBackend):
 
     def take_stats(self) -> dict:
         """The last sync's breakdown (and reset): per bucket, the seconds from handing it to the transport to
-        being asked for the next; the flatten and IPC-handle parts of that; the rest is the engine's load (one
-        ``/update_weights_from_tensor`` round trip per bucket) and the per-bucket collectives."""
+        being asked for the next; the flatten and IPC-handle parts of that; the rest is waiting for the engine's
+        load (one ``/update_weights_from_tensor`` round trip per bucket, overlapped with making the next bucket)
+        and the per-bucket collectives."""
         total = sum(b[2] for b in self.buckets)
         stats = {"buckets": len(self.buckets), "tensors": sum(b[0] for b in self.buckets),
                  "transport_s": total, **{f"{k}_s": v for k, v in self.phase_s.items()},
@@ -555,6 +560,10 @@ def main(argv=None) -> None:
     tp.add_argument("--prompts", type=int, default=64)
     tp.add_argument("--max-new-tokens", type=int, default=256)
     tp.add_argument("--capacity", type=int, default=128, help="requests in flight at our engine")
+    tp.add_argument("--requests-per-call", type=int, default=32,
+                    help="our engine's --sglang-requests-per-call (requests in one batched /generate)")
+    tp.add_argument("--contenders", nargs="+", default=["ours", "sglang_alone", "transformers"],
+                    choices=["ours", "sglang_alone", "transformers"], help="which contenders run (in this order)")
     tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")
     tp.add_argument("--official-cli", action="store_true", help="also run sglang.bench_offline_throughput (text)")
     ws = sub.choices["weight-sync"]

@@ -22,10 +22,14 @@ who sends what (names, shapes, dtypes: an ``all_gather_object``); for each sourc
    trainers' own process group (NCCL), so every GPU holds the bucket;
 2. each rank takes a CUDA IPC handle of its copy (:func:`~.flattened.serialize_ipc_bucket`; the device
    by UUID); the handles are gathered, and each engine's TP-rank-0 trainer rank calls
-   ``update_weights_from_ipc`` with its engine's handles in TP order (one per TP rank) and waits;
-3. a barrier: no rank frees its buffer before every engine has loaded it.  The server plugin makes
-   SGLang's update return only after its copies finished (SGLang alone returns with the copies
-   queued, and a reused buffer would then corrupt the weights; :mod:`slime.rollout.engines.sglang.server_plugin`).
+   ``update_weights_from_ipc`` with its engine's handles in TP order (one per TP rank), without waiting;
+3. the ranks make the next buffer (1. and 2.) while the engines load this one, then the lead ranks wait
+   for the engines' answers and all ranks pass a barrier before the next update goes out and this
+   buffer is freed: no rank frees a buffer before every engine has loaded it, updates reach an engine
+   one at a time and in order, and at most two buffers per rank are alive (twice
+   ``--update-weight-buffer-size``).  The server plugin makes SGLang's update return only after its
+   copies finished (SGLang alone returns with the copies queued, and a reused buffer would then
+   corrupt the weights; :mod:`slime.rollout.engines.sglang.server_plugin`).
 
 ``end_sync``: every engine ``continue_generation``.  The sync runs inside the colocated memory
 hand-over (:mod:`slime.ray.colocate`): the engines' weights are resumed before it, the KV cache after.
@@ -153,6 +157,16 @@ class CudaIpcTransport(WeightTransport):
         sent: list[str] = []
         device = torch.device("cuda", torch.cuda.current_device())
         leads = {ranks[0]: engine for engine, ranks in self._plan.items()}
+        loading: tuple[ray.ObjectRef | None, torch.Tensor] | None = None  # the engines' load, and its buffer
+
+        def wait_loaded() -> None:  # every engine has loaded the previous buffer, every rank is past it
+            nonlocal loading
+            if loading is not None:
+                if loading[0] is not None:
+                    ray.get(loading[0])
+                dist.barrier(group=self._group)
+                loading = None
+
         for bucket in buckets:
             ordered, meta = bucket, None
             if bucket:
@@ -164,6 +178,7 @@ class CudaIpcTransport(WeightTransport):
                 if source_meta is None:
                     continue
                 metadata, total = source_meta
+                # made while the engines still load the previous buffer: the two overlap
                 if source == rank.rank:
                     buffer = flatten(ordered, device=device).buffer
                 else:
@@ -174,13 +189,16 @@ class CudaIpcTransport(WeightTransport):
                 handle = serialize_ipc_bucket(FlatBucket(buffer, metadata))
                 handles: list = [None] * rank.world_size
                 dist.all_gather_object(handles, handle, group=self._group)
+                wait_loaded()  # one update at a time, in order; the previous buffer is freed here
+                ref = None
                 if rank.rank in leads:
                     engine = leads[rank.rank]
-                    ray.get(engines[engine].update_weights_from_ipc.remote([handles[r] for r in self._plan[engine]]))
-                dist.barrier(group=self._group)
+                    ref = engines[engine].update_weights_from_ipc.remote([handles[r] for r in self._plan[engine]])
+                loading = (ref, buffer)
                 del buffer
             if bucket:
                 sent += [name for name, _ in bucket]
+        wait_loaded()
         return sent
 
     def end_sync(self, engines: RolloutEngineGroup) -> None:

@@ -120,8 +120,15 @@ def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]], device: torch.dev
     metadata, total = layout(named_tensors, align)
     device = torch.device(device) if device is not None else named_tensors[0][1].device
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    for meta, (_, tensor) in zip(metadata, named_tensors):
-        buffer[meta.start : meta.end].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    targets = [buffer[meta.start : meta.end] for meta in metadata]
+    sources = [tensor.detach().contiguous().reshape(-1).view(torch.uint8) for _, tensor in named_tensors]
+    if all(source.device == buffer.device for source in sources):
+        # one multi-tensor kernel per few hundred tensors instead of one copy per tensor: a bucket of 3,469
+        # expert tensors took 62-69 ms to flatten one copy at a time on the H200 (run 6), launch-bound
+        torch._foreach_copy_(targets, sources)
+    else:
+        for target, source in zip(targets, sources):
+            target.copy_(source)
     return FlatBucket(buffer, metadata)
 
 
