@@ -15,11 +15,12 @@
 #             offload/onload, export (figures -> OUT/figures.jsonl, log -> OUT/pytest_gpu.log)      ~4-6 min
 #   qwen35    tests/test_qwen35_gpu.py's bf16 checks of the native model (issue 8): tiny real geometry vs HF,
 #             35B-A3B layer shapes vs an fp32 HF reference (figures -> OUT/figures_qwen35.jsonl)           ~3-5 min
-#   bench     scripts/bench/megatron_vs_fsdp.py (acceptance 4) -> OUT/bench.jsonl, OUT/profile/megatron.txt; on a
-#             fresh machine ~1 min for the checkpoint and ~5 min for Megatron (fla's kernels compiled and autotuned
-#             for these shapes in the warm-up step), then FSDP (> 45 s a step): more than one call, so a first
-#             call runs `SLIME_BENCH_BACKENDS=megatron ... bench` (caches on the machine's disk), the next the whole
-#             comparison (Megatron then takes ~1 min)
+#   bench     scripts/bench/megatron_vs_fsdp.py (acceptance 4), 16 samples, 1 warm-up + 1 timed step per backend
+#             -> OUT/bench.jsonl, OUT/profile/<backend>.txt for SLIME_BENCH_PROFILE's backends. The warm-up steps
+#             compile fla's kernels for these shapes (caches on the machine's disk): the first time on a machine
+#             Megatron's took 144.3 s, FSDP's 106.7 s (H200 run 4), so a first call runs `SLIME_BENCH_BACKENDS=megatron
+#             SLIME_BENCH_PROFILE=none ... bench` (beside `learning`: the caches only), the next the whole
+#             comparison, 260 s in run 4 (Megatron 0.96 s a step after a 3.3 s warm-up, FSDP 4.23 s)
 #   learning  the colour task of tests/test_learning.py on one GPU, Megatron and FSDP (acceptance 3),
 #             then OUT/fsdp_vs_megatron.png with python -m slime.utils.plot_runs                    ~6-8 min
 #   launcher  run_geo3k_qwen35.sh with the tiny checkpoint, megatron + transformers, colocated: 3 rollouts
@@ -36,11 +37,13 @@
 # test,megatron,sglang: the way a cluster user sets up), every call first sources scripts/setup_env.sh
 # (SLIME_VENV=none, as the launcher does; a second call installs nothing) and the site stage only probes.
 #
-# Device calls that fit (64 MiB carry each; name .gpu in carry):
-#   1. carry .gpu/mcore-bundle:         bash scripts/bench/h200_megatron_backend.sh $OUT site tests bench
-#   2. carry .gpu/gs-p0:                mkdir -p /tmp/wh && cp .gpu/gs-p0/* /tmp/wh/
-#   3. carry .gpu/gs-p1:                cp .gpu/gs-p1/* /tmp/wh/ && bash scripts/bench/h200_megatron_backend.sh $OUT site learning
-#   4. (same machine, warm):            bash scripts/bench/h200_megatron_backend.sh $OUT launcher
+# Device calls that fit (64 MiB carry each; name .gpu in carry), as in H200 run 4 (h200_megatron_backend.md):
+#   1-5. carry .gpu/wh-full/part-000 .. part-004, one a call:  mkdir -p /tmp/wh && cp .gpu/wh-full/part-00N/* /tmp/wh/
+#   6. SLIME_BENCH_BACKENDS=megatron SLIME_BENCH_PROFILE=none SLIME_WHEELHOUSE=/tmp/wh \
+#        bash scripts/bench/h200_megatron_backend.sh $OUT learning+bench                         (405 s in run 4)
+#   7. SLIME_BENCH_PROFILE="megatron fsdp" SLIME_WHEELHOUSE=/tmp/wh \
+#        bash scripts/bench/h200_megatron_backend.sh $OUT bench                                  (260 s in run 4)
+#   tests (acceptance 1, runs 1-2), launcher (acceptance 2, run 3) alike: SLIME_WHEELHOUSE=/tmp/wh ... $OUT tests
 set -uo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/../.."
 OUT=$(mkdir -p "${1:?usage: h200_megatron_backend.sh OUT_DIR [site|tests|qwen35|bench|learning|launcher ...]}" && cd "$1" && pwd)
@@ -134,9 +137,10 @@ stage_qwen35() {  # issue 8's bf16 checks: tiny real geometry vs HF, 35B-A3B lay
 }
 
 stage_bench() {
-  # 16 samples (21.6k tokens) a step, one timed step each after one warm-up, only Megatron profiled (one more
-  # step): in run 3 (32 samples) the FSDP backend had not finished its warm-up, 2 timed and 1 profiled step
-  # 200 s after its start (> 45 s a step), and a device call lasts 600 s.
+  # 16 samples (22,554 tokens) a step, one timed step each after one warm-up, so that both backends fit one
+  # device call of 600 s: in run 3 (32 samples) the FSDP backend had not finished its warm-up, 2 timed and
+  # 1 profiled step 200 s after its start; run 4 showed its warm-up step alone takes 106.7 s (fla's kernels
+  # compiled in its process), then 4.23 s a step at 16 samples.
   # SLIME_BENCH_BACKENDS picks the backends (default both), SLIME_BENCH_PROFILE the profiled ones (default
   # megatron; "none": no profile, e.g. in a call that only warms the kernel caches).
   local profile=(--profile "$OUT/profile" --profile-backends ${SLIME_BENCH_PROFILE:-megatron})
