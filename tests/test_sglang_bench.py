@@ -50,3 +50,12 @@ def test_bench_backend_buckets_hold_whole_layers_as_the_real_backends_do(bench):
     assert [len(b) for b in buckets] == [3, 7, 2]
     assert all(any(n in b for b in buckets) for n in names) and sum(map(len, buckets)) == len(names)
     assert backend.take_stats()["buckets"] == 3
+
+
+def test_timed_passes_report_the_median_pass(bench, monkeypatch):
+    clock = iter([0.0, 2.0, 10.0, 11.0, 20.0, 24.0])  # passes of 2, 1 and 4 s
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    flushes = []
+    result = bench.timed_passes(lambda: 512, 3, lambda: flushes.append(1))
+    assert result == {"tokens": 512, "seconds": 2.0, "tokens_per_s": 256.0, "passes_s": [2.0, 1.0, 4.0]}
+    assert len(flushes) == 3  # the prefix cache flushed before every pass

@@ -17,7 +17,7 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
    :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, batched ``/generate`` calls of
    ``--requests-per-call`` requests, ``capacity`` at once); then, on the same server, one HTTP call per request
    from a thread pool inside the engine's actor (no Ray call, no engine group, no batching);
-2. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call, timed as
+2. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call per pass, timed as
    ``sglang.bench_offline_throughput`` times it (its ``throughput_test_once``: wall time of the batch, output
    tokens from ``meta_info.completion_tokens``), with ``return_logprob=True`` (the same work as 1) and once
    without; the CLI itself takes no images, so the batch is made here.  It runs after Ray has stopped:
@@ -29,8 +29,8 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
 
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
 Every contender first runs the whole set once untimed (kernels compiled and autotuned for its batch shapes,
-which the Triton cache on disk would otherwise hand to whichever runs second), and SGLang's prefix cache is
-flushed before each timed pass.  SGLang alone runs without slime's server plugin, so without the
+which the Triton cache on disk would otherwise hand to whichever runs second), then ``--repeats`` timed passes
+(the median is reported, every pass's seconds beside it), SGLang's prefix cache flushed before each.  SGLang alone runs without slime's server plugin, so without the
 multimodal-RoPE fix (its image positions are wrong; the fix's cost is one native rotary path in the
 full-attention layers).
 A contender that fails leaves ``{"error": ...}`` and the others' figures.
@@ -54,7 +54,9 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -175,7 +177,23 @@ def _start_ray():
         ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False)
 
 
-def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_call: int, out: Path) -> dict:
+def timed_passes(run, repeats: int, flush=None) -> dict:
+    """``repeats`` timed calls of ``run()`` (which returns its output token count), ``flush()`` before each:
+    ``tokens``, the median wall ``seconds`` and its ``tokens_per_s``, and every pass's seconds (``passes_s``).
+    One pass is too noisy to compare contenders (the H200s' decode rate moved by 30 % within one pass)."""
+    times, tokens = [], 0
+    for _ in range(repeats):
+        if flush is not None:
+            flush()
+        t0 = time.perf_counter()
+        tokens = run()
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "passes_s": times}
+
+
+def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_call: int, out: Path,
+         repeats: int) -> dict:
     import ray
 
     from slime.rollout.engine_group import RolloutEngineGroup
@@ -196,21 +214,17 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
         engines.wait_until_healthy(START_TIMEOUT_S)
         start_s = time.monotonic() - t0
         engines.generate(requests)  # warm-up: every prompt once (Triton JIT and autotuning, the image cache)
-        engines.flush_cache()
-        t0 = time.perf_counter()
-        outputs = engines.generate(requests)
-        seconds = time.perf_counter() - t0
-        engines.flush_cache()
-        direct = ray.get(engines.actors[0].__ray_call__.remote(generate_in_actor, requests))
+        result = timed_passes(lambda: sum(len(o.output_ids) for o in engines.generate(requests)), repeats,
+                              engines.flush_cache)
+        direct = timed_passes(lambda: ray.get(engines.actors[0].__ray_call__.remote(generate_in_actor, requests))
+                              ["tokens"], repeats, engines.flush_cache)  # includes one Ray call per pass
     finally:
         engines.shutdown()
         ray.shutdown()  # sglang.Engine's shutdown (sglang_alone) kills every child process of this one, Ray's too
-    tokens = sum(len(o.output_ids) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "start_s": start_s,
-            "same_server_without_ray_calls": direct}
+    return {**result, "start_s": start_s, "same_server_one_http_call_per_request": direct}
 
 
-def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
+def sglang_alone(model: str, requests, mem_fraction: float, repeats: int) -> dict:
     import sglang
 
     kwargs = {}
@@ -226,15 +240,12 @@ def sglang_alone(model: str, requests, mem_fraction: float) -> dict:
         params = [r.sampling_params.to_sglang() for r in requests]
         engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
                         sampling_params=params, return_logprob=True)  # warm-up, as for our engine
-        runs = {}
-        for logprobs in (True, False):
-            engine.flush_cache()
-            t0 = time.perf_counter()
+        def run(logprobs: bool) -> int:
             out = engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
                                   sampling_params=params, return_logprob=logprobs)
-            seconds = time.perf_counter() - t0
-            tokens = sum(o["meta_info"]["completion_tokens"] for o in out)
-            runs[logprobs] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+            return sum(o["meta_info"]["completion_tokens"] for o in out)
+
+        runs = {logprobs: timed_passes(lambda: run(logprobs), repeats, engine.flush_cache) for logprobs in (True, False)}
     finally:
         engine.shutdown()
     return {**runs[True], "start_s": start_s, "without_log_probs": runs[False]}
@@ -309,9 +320,10 @@ def throughput(args) -> None:
     figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
     if "ours" in args.contenders:
         figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity,
-                                   args.requests_per_call, Path(args.out))
+                                   args.requests_per_call, Path(args.out), args.repeats)
     if "sglang_alone" in args.contenders:  # after Ray has stopped: sglang.Engine.shutdown() kills our children
-        figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction)
+        figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction,
+                                           args.repeats)
     if "transformers" in args.contenders:
         figures["transformers"] = _attempt("transformers", transformers_engine, args.model, requests, args.hf_batch)
     if args.official_cli:  # last: for reference only (text prompts, not the same work)
@@ -562,6 +574,7 @@ def main(argv=None) -> None:
     tp.add_argument("--capacity", type=int, default=128, help="requests in flight at our engine")
     tp.add_argument("--requests-per-call", type=int, default=32,
                     help="our engine's --sglang-requests-per-call (requests in one batched /generate)")
+    tp.add_argument("--repeats", type=int, default=3, help="timed passes per SGLang contender (median reported)")
     tp.add_argument("--contenders", nargs="+", default=["ours", "sglang_alone", "transformers"],
                     choices=["ours", "sglang_alone", "transformers"], help="which contenders run (in this order)")
     tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")
@@ -578,6 +591,11 @@ def main(argv=None) -> None:
         build_scaled(args.out, args.layers)
     elif args.command == "throughput":
         throughput(args)
+        # sglang.Engine leaves worker pools behind whose exit hooks can hang the interpreter's exit (on the H200,
+        # run 7: 150 s after the last figure, until the call's limit); every figure is printed and written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     else:
         weight_sync(args)
 
