@@ -54,7 +54,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -591,11 +590,6 @@ def main(argv=None) -> None:
         build_scaled(args.out, args.layers)
     elif args.command == "throughput":
         throughput(args)
-        # sglang.Engine leaves worker pools behind whose exit hooks can hang the interpreter's exit (on the H200,
-        # run 7: 150 s after the last figure, until the call's limit); every figure is printed and written
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     else:
         weight_sync(args)
 
