@@ -59,3 +59,12 @@ def test_timed_passes_report_the_median_pass(bench, monkeypatch):
     result = bench.timed_passes(lambda: 512, 3, lambda: flushes.append(1))
     assert result == {"tokens": 512, "seconds": 2.0, "tokens_per_s": 256.0, "passes_s": [2.0, 1.0, 4.0]}
     assert len(flushes) == 3  # the prefix cache flushed before every pass
+
+
+@pytest.mark.parametrize("repeats", ["0", "-1", "two"])
+def test_repeats_below_one_are_refused_before_any_engine_starts(bench, monkeypatch, capsys, repeats):
+    """No median of no pass: the flag is refused by name before the (minutes-long) engine starts."""
+    monkeypatch.setattr(bench, "throughput", lambda args: pytest.fail("the bench ran with --repeats " + repeats))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["throughput", "--model", "unused", "--repeats", repeats])
+    assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err

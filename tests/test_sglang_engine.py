@@ -459,6 +459,9 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-server-concurrency", "1", "2"], "one integer in 1..512"),
     (["--sglang-requests-per-call", "0"], "requests-per-call must be one integer in 1..512"),
     (["--sglang-server-concurrency", "8", "--sglang-requests-per-call", "16"], "requests-per-call .* in 1..8"),
+    # SGLang 0.5.17 refuses every batched /generate holding an image under it (_validate_batch_tokenization_constraints)
+    (["--sglang-enable-tokenizer-batch-encode"], "tokenizer-batch-encode: .*image prompt.*--sglang-requests-per-call 1"),
+    (["--sglang-enable-tokenizer-batch", "--sglang-requests-per-call", "1"], "abbreviates"),
 ])  # fmt: skip
 def test_sglang_flags_the_engine_cannot_honour_are_refused(flags, message):
     from slime.rollout.config import extract_sglang_args
@@ -478,6 +481,8 @@ def test_sglang_flags_the_engine_cannot_honour_are_refused(flags, message):
     assert server_concurrency(ok) == 64 and requests_per_call(ok) == 32
     small, _ = extract_sglang_args(["--sglang-server-concurrency", "16"])
     assert requests_per_call(small) == 16  # the default, cut to the concurrency
+    single, _ = extract_sglang_args(["--sglang-enable-tokenizer-batch-encode", "--sglang-requests-per-call", "1"])
+    SGLangEngineConfig.check(None, single)  # no batched call, so SGLang never batch-tokenises
     assert slime_owned_args(ok) == ({"server_concurrency": "64"},
                                     ["--dp-size", "2", "--enable-dp-attention", "--mem-fraction-static", "0.7"])
 

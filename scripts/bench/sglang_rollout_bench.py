@@ -555,6 +555,17 @@ def _emit(args, check: str, figures: dict) -> None:
             f.write(json.dumps({"check": check, **figures}) + "\n")
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: an int >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -573,7 +584,8 @@ def main(argv=None) -> None:
     tp.add_argument("--capacity", type=int, default=128, help="requests in flight at our engine")
     tp.add_argument("--requests-per-call", type=int, default=32,
                     help="our engine's --sglang-requests-per-call (requests in one batched /generate)")
-    tp.add_argument("--repeats", type=int, default=3, help="timed passes per SGLang contender (median reported)")
+    tp.add_argument("--repeats", type=_at_least_one, default=3,
+                    help="timed passes per SGLang contender (median reported), >= 1")
     tp.add_argument("--contenders", nargs="+", default=["ours", "sglang_alone", "transformers"],
                     choices=["ours", "sglang_alone", "transformers"], help="which contenders run (in this order)")
     tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")

@@ -49,7 +49,8 @@ REFUSED = {
 }
 """Server arguments the engine sets itself or cannot work with, and why."""
 
-CHECKED = ("tokenizer_worker_num", "dp_size", "data_parallel_size", "enable_dp_attention")
+CHECKED = ("tokenizer_worker_num", "dp_size", "data_parallel_size", "enable_dp_attention",
+           "enable_tokenizer_batch_encode")
 """Server arguments whose values :meth:`SGLangEngineConfig.check` checks (an abbreviation of one is refused too)."""
 
 
@@ -112,7 +113,10 @@ class SGLangEngineConfig(EngineConfig):
             :data:`CHECKED` (SGLang's argparse would expand it past these checks), ``--sglang-tokenizer-worker-num``
             above 1 (SGLang 0.5.17 enforces API keys only with one tokenizer worker), ``--sglang-dp-size``
             above 1 without ``--sglang-enable-dp-attention`` (SGLang's weight updates need it), or a
-            bad ``--sglang-server-concurrency`` or ``--sglang-requests-per-call``.
+            bad ``--sglang-server-concurrency`` or ``--sglang-requests-per-call``, or
+            ``--sglang-enable-tokenizer-batch-encode`` with ``--sglang-requests-per-call`` above 1 (SGLang 0.5.17
+            then refuses every batched ``/generate`` that holds an image: ``tokenizer_manager.py``,
+            ``_validate_batch_tokenization_constraints``).
         """
         args = sglang.server_args
         for given in args:  # SGLang's argparse expands a unique prefix (allow_abbrev): --grpc-por is --grpc-port
@@ -137,4 +141,11 @@ class SGLangEngineConfig(EngineConfig):
                 f"--sglang-dp-size {dp}: SGLang updates weights from tensors only with --dp-size 1 or DP attention; "
                 "add --sglang-enable-dp-attention, or run more engines (--rollout-num-gpus) instead"
             )
-        requests_per_call(sglang)  # checks --sglang-server-concurrency too
+        batched = requests_per_call(sglang) > 1  # checks --sglang-server-concurrency too
+        if batched and "enable_tokenizer_batch_encode" in args:
+            raise ConfigError(
+                "--sglang-enable-tokenizer-batch-encode: SGLang 0.5.17 then refuses every batched /generate call "
+                "that holds an image prompt ('For multimodal input processing do not set "
+                "enable_tokenizer_batch_encode'), and slime sends up to --sglang-requests-per-call requests per call; "
+                "remove it, or add --sglang-requests-per-call 1 (which leaves it nothing to batch)"
+            )
