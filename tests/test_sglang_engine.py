@@ -630,10 +630,11 @@ def test_real_sglang_answers_recorded_on_the_h200_parse():
     for line in RECORDED.read_text().splitlines():
         record = json.loads(line)
         if record["endpoint"] == "/generate" and record["status"] == 200:
-            out = parse_generate_response(record["response"])
-            assert len(out.output_ids) == len(out.output_log_probs) > 0
-            assert all(lp <= 0 for lp in out.output_log_probs) and out.prompt_tokens > 0
-            generated += 1
+            answers = record["response"] if isinstance(record["response"], list) else [record["response"]]  # a batch
+            for out in map(parse_generate_response, answers):
+                assert len(out.output_ids) == len(out.output_log_probs) > 0
+                assert all(lp <= 0 for lp in out.output_log_probs) and out.prompt_tokens > 0
+                generated += 1
         if record["status"] == 401:
             assert record["response"] == {"error": "Unauthorized"}
     assert generated > 0

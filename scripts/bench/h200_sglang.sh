@@ -117,7 +117,7 @@ EOF
   throughput)
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
     timed throughput timeout 480 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
-      --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_THROUGHPUT_ARGS:---official-cli}
+      --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_THROUGHPUT_ARGS---official-cli}
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   sync)

@@ -587,7 +587,8 @@ def main(argv=None) -> None:
     tp.add_argument("--repeats", type=_at_least_one, default=3,
                     help="timed passes per SGLang contender (median reported), >= 1")
     tp.add_argument("--contenders", nargs="+", default=["ours", "sglang_alone", "transformers"],
-                    choices=["ours", "sglang_alone", "transformers"], help="which contenders run (in this order)")
+                    choices=["ours", "sglang_alone", "transformers"],
+                    help="which contenders run (always in the order ours, sglang_alone, transformers)")
     tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")
     tp.add_argument("--official-cli", action="store_true", help="also run sglang.bench_offline_throughput (text)")
     ws = sub.choices["weight-sync"]

@@ -24,11 +24,12 @@ Why half, and why not per engine type: a window below an even share is what lets
 move work off a slow engine, and it has a price when the engines are equally fast.  An engine
 that batches per call (transformers) runs two calls of half the size instead of one (the same
 work on CPU; on a GPU, decoding is memory-bound, so a half batch takes nearly as long as a full
-one); a continuous-batching server (SGLang: one request per call, many calls at once) decodes
+one); a continuous-batching server (SGLang: batched calls of up to ``--sglang-requests-per-call``,
+many calls at once) decodes
 a batch of at most half the requests it could while the queue lasts, and the requests that
 wait in the queue start later, which lengthens the step's long tail.  Half bounds what a slow
 engine holds to half its even share and keeps each engine at half the batch of an even split;
-a smaller window (e.g. ``max_requests_per_call``, 1 for a server) would cut the batch of every
+a smaller window (e.g. ``max_requests_per_call``) would cut the batch of every
 engine to a few requests, a larger one leaves too little in the queue to rebalance.  With one
 engine nothing needs balancing, so it gets its full ``capacity`` and runs exactly as it would
 alone (transformers: batches of ``capacity`` requests, one after the other).  The recipe runs

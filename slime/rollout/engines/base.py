@@ -333,7 +333,8 @@ class RolloutEngine(abc.ABC):
     def max_requests_per_call(self) -> int:
         """The most requests in one :meth:`generate` call (>= 1); default :attr:`capacity` (one
         call is one batch).  A continuous-batching server with :attr:`max_concurrent_calls` > 1
-        sets it small (e.g. 1), so that requests come back one by one as they finish."""
+        sets it smaller (SGLang: ``--sglang-requests-per-call``), so that a call's requests come back
+        and free the group's window without waiting for the whole step."""
         return self.capacity
 
     @abc.abstractmethod
