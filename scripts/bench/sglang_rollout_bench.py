@@ -30,9 +30,9 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
 Every contender first runs the whole set once untimed (kernels compiled and autotuned for its batch shapes,
 which the Triton cache on disk would otherwise hand to whichever runs second), then ``--repeats`` timed passes
-(the median is reported, every pass's seconds beside it), SGLang's prefix cache flushed before each.  SGLang alone runs without slime's server plugin, so without the
-multimodal-RoPE fix (its image positions are wrong; the fix's cost is one native rotary path in the
-full-attention layers).
+(the median is reported, every pass's seconds beside it), SGLang's prefix cache flushed before each.  SGLang
+alone runs without slime's server plugin, so without the multimodal-RoPE fix (its image positions are wrong;
+the fix's cost is one native rotary path in the full-attention layers).
 A contender that fails leaves ``{"error": ...}`` and the others' figures.
 
 ``weight-sync``: full colocated syncs of the model's weights into a running SGLang engine through slime's
@@ -244,7 +244,8 @@ def sglang_alone(model: str, requests, mem_fraction: float, repeats: int) -> dic
                                   sampling_params=params, return_logprob=logprobs)
             return sum(o["meta_info"]["completion_tokens"] for o in out)
 
-        runs = {logprobs: timed_passes(lambda: run(logprobs), repeats, engine.flush_cache) for logprobs in (True, False)}
+        runs = {logprobs: timed_passes(lambda: run(logprobs), repeats, engine.flush_cache)
+                for logprobs in (True, False)}
     finally:
         engine.shutdown()
     return {**runs[True], "start_s": start_s, "without_log_probs": runs[False]}

@@ -19,8 +19,9 @@ class WeightSyncConfig:
         help="Bytes per weight-sync bucket: each trainer rank sends its weights to the engines in buckets of about "
         "this size (whole layers; a layer larger than this is a bucket of its own). Default: 512 MiB (536870912 "
         "bytes, upstream slime's). Into colocated SGLang engines (CUDA IPC) larger buckets are faster, at the cost of "
-        "one bucket of free GPU memory during the sync: a 9.66 GB model synced at 35.7 GB/s in 512 MiB buckets and "
-        "47.8 GB/s in 2 GiB ones on one H200 (docs/results/h200_sglang.md, run 5). Through Ray's object store (the transformers engine, every CPU run) a bucket is "
+        "free GPU memory during the sync (up to two buckets alive): a 9.66 GB model synced at 27.0 GB/s in 512 MiB "
+        "buckets and 33.1 GB/s in 4 GiB ones on one H200 (docs/results/h200_sglang.md, run 6). Through Ray's "
+        "object store (the transformers engine, every CPU run) a bucket is "
         "at most half the smallest node's store divided by the trainer ranks, since every rank may hold one there "
         "at once: a larger value is lowered to that, with a warning.",
     )

@@ -92,15 +92,21 @@ def server_concurrency(sglang: SGLangConfig) -> int:
                       "e.g. 512 (the server queues what it cannot run at once)")
 
 
+def default_requests_per_call(capacity: int) -> int:
+    """:data:`DEFAULT_REQUESTS_PER_CALL`, cut to an engine's ``capacity`` (``--sglang-server-concurrency``)."""
+    return min(DEFAULT_REQUESTS_PER_CALL, capacity)
+
+
 def requests_per_call(sglang: SGLangConfig) -> int:
-    """``--sglang-requests-per-call`` (default :data:`DEFAULT_REQUESTS_PER_CALL`, at most the server concurrency).
+    """``--sglang-requests-per-call`` (default :func:`default_requests_per_call`).
 
     Raises:
         ConfigError: not one integer in 1..``--sglang-server-concurrency``.
     """
-    return _owned_int(sglang, "requests_per_call", min(DEFAULT_REQUESTS_PER_CALL, server_concurrency(sglang)),
-                      server_concurrency(sglang), f"e.g. {DEFAULT_REQUESTS_PER_CALL} (at most "
-                      "--sglang-server-concurrency; 1 sends every request in a call of its own)")
+    capacity = server_concurrency(sglang)
+    return _owned_int(sglang, "requests_per_call", default_requests_per_call(capacity), capacity,
+                      f"e.g. {default_requests_per_call(capacity)} (at most --sglang-server-concurrency; 1 sends "
+                      "every request in a call of its own)")
 
 
 class SGLangEngineConfig(EngineConfig):

@@ -67,8 +67,8 @@ from slime.rollout.engines.base import (
 )
 from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
 from slime.rollout.engines.sglang.config import (
-    DEFAULT_REQUESTS_PER_CALL,
     MAX_SERVER_CONCURRENCY,
+    default_requests_per_call,
     requests_per_call,
     server_concurrency,
     slime_owned_args,
@@ -193,7 +193,7 @@ class SGLangEngine(RolloutEngine):
         run_dir: folder for the server's log (``server.log``), plugin folder and reports.
         capacity: requests in flight at once (``--sglang-server-concurrency``), <= :data:`MAX_CONCURRENT_CALLS`.
         requests_per_call: the most requests in one ``/generate`` call (``--sglang-requests-per-call``),
-            1..``capacity``; default ``min(DEFAULT_REQUESTS_PER_CALL, capacity)``.
+            1..``capacity``; default :func:`~.config.default_requests_per_call`.
         gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them (for :meth:`memory_info`).
         secret: the key the server requires (default: a new random one, never shown).
         env: variables set for the server on top of this process's environment (e.g.
@@ -214,7 +214,7 @@ class SGLangEngine(RolloutEngine):
         if not 1 <= capacity <= MAX_CONCURRENT_CALLS:
             raise ValueError(f"--sglang-server-concurrency {capacity}: must be in 1..{MAX_CONCURRENT_CALLS}")
         if requests_per_call is None:
-            requests_per_call = min(DEFAULT_REQUESTS_PER_CALL, capacity)
+            requests_per_call = default_requests_per_call(capacity)
         if not 1 <= requests_per_call <= capacity:
             raise ValueError(f"--sglang-requests-per-call {requests_per_call}: must be in 1..{capacity} "
                              "(--sglang-server-concurrency)")
