@@ -691,7 +691,12 @@ def fake_sglang_modules(monkeypatch, tmp_path):
         def update_weights_from_tensor(self, req):
             return True, "Success"
 
+    class Qwen3_5MoeForConditionalGeneration:
+        def load_weights(self, weights):
+            return {name for name, _ in weights}
+
     classes = {server_plugin.MROPE_FIX_TARGET: type("Layer", (_Layer,), {}),
+               "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
                "sglang.srt.server_args.ServerArgs": ServerArgs,
                "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker}
     monkeypatch.setattr(server_plugin, "_import_attr", lambda path, missing_ok=False: classes[path])
@@ -700,12 +705,14 @@ def fake_sglang_modules(monkeypatch, tmp_path):
     def arm_on_import(name, patch):  # SGLang imports the model module at once
         assert name == module
         patch(types.SimpleNamespace(**{server_plugin.MROPE_FIX_TARGET.rpartition(".")[2]:
-                                       classes[server_plugin.MROPE_FIX_TARGET]}))
+                                       classes[server_plugin.MROPE_FIX_TARGET],
+                                       "Qwen3_5MoeForConditionalGeneration": classes["Qwen3_5MoeForConditionalGeneration"]}))
 
     monkeypatch.setattr(server_plugin, "arm_on_import", arm_on_import)
     monkeypatch.setattr(server_plugin, "_write_report", lambda version, state, main: reports.append((version, state)))
     monkeypatch.delenv(server_plugin.MROPE_FIX_ENV, raising=False)
     monkeypatch.delenv(server_plugin.MAIN_PID_ENV, raising=False)
+    monkeypatch.delenv(server_plugin.FAST_EXPERT_LOAD_ENV, raising=False)
     reports: list = []
     return types.SimpleNamespace(classes=classes, reports=reports)
 
@@ -725,6 +732,24 @@ def test_register_applies_the_fix_where_the_installed_sglang_needs_it(fake_sglan
     assert "s3cret-key" not in f"{args=}" and "api_key='<redacted>'" in repr(args)  # redacted on every version
     assert fake_sglang_modules.classes["sglang.srt.managers.tp_worker.BaseTpWorker"]().update_weights_from_tensor(
         None) == (True, "Success")
+
+
+@pytest.mark.parametrize("env, main, wrapped", [(None, False, True), ("0", False, False), (None, True, False)])
+def test_register_wraps_the_moe_load_weights_in_scheduler_processes(fake_sglang_modules, monkeypatch, env, main,
+                                                                    wrapped):
+    from slime.rollout.engines.sglang import expert_load
+
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.19")
+    if env is not None:
+        monkeypatch.setenv(server_plugin.FAST_EXPERT_LOAD_ENV, env)
+    if main:
+        monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
+    model_cls = fake_sglang_modules.classes["Qwen3_5MoeForConditionalGeneration"]
+    server_plugin.register()
+    assert getattr(model_cls.load_weights, expert_load._MARK, False) is wrapped
+    assert model_cls().load_weights(iter([("a.weight", torch.zeros(1))])) == {"a.weight"}  # the rest streams through
+    state = ("0.5.19", "not needed")  # a fixed SGLang: no RoPE fix anywhere
+    assert fake_sglang_modules.reports == [state] * (2 if wrapped else 1)  # rewritten after each wrapped load
 
 
 def test_the_servers_main_process_reports_without_patching_the_model(fake_sglang_modules, monkeypatch):

@@ -50,6 +50,7 @@ import os
 import sys
 from pathlib import Path
 
+from slime.rollout.engines.sglang import expert_load
 from slime.rollout.engines.sglang.versions import MROPE_FIX_TARGET, needs_mrope_fix
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
@@ -64,6 +65,11 @@ MAIN_PID_ENV = "SLIME_SGLANG_MAIN_PID"
 """Pid of the server's main process (set by :mod:`.server_main` before SGLang starts its children)."""
 MROPE_FIX_ENV = "SLIME_SGLANG_MROPE_FIX"
 """``0`` leaves the multimodal-RoPE bug in; anything else (default) applies the fix where needed."""
+
+FAST_EXPERT_LOAD_ENV = "SLIME_SGLANG_FAST_EXPERT_LOAD"
+"""``0`` leaves fused expert tensors to SGLang's own per-expert loader (:mod:`.expert_load`); default on."""
+FAST_EXPERT_LOAD_TARGETS = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+"""The classes of ``sglang.srt.models.qwen3_5`` whose ``load_weights`` :mod:`.expert_load` wraps."""
 
 _MARK = "_slime_patched"
 
@@ -86,15 +92,23 @@ def register() -> None:
               "leaves it in: image tokens get wrong rotary positions", file=sys.stderr, flush=True)
     else:
         state = "pending"  # "applied" once SGLang imports the model module (arm_on_import)
+    fast_experts = not main and os.environ.get(FAST_EXPERT_LOAD_ENV, "1") != "0"
     redact_server_args(_import_attr("sglang.srt.server_args.ServerArgs"))
     worker = _import_attr("sglang.srt.managers.tp_worker.BaseTpWorker", missing_ok=True)
     if worker is not None:
         synchronize_after_tensor_update(worker)
-    _write_report(version, state, main)
-    if state == "pending":
-        module_name, _, class_name = MROPE_FIX_TARGET.rpartition(".")
+    report = {"version": version, "state": state, "main": main}
 
-        def patch(module) -> None:
+    def save_report() -> None:
+        _write_report(report["version"], report["state"], report["main"])
+
+    save_report()
+    if state != "pending" and not fast_experts:
+        return
+    module_name, _, class_name = MROPE_FIX_TARGET.rpartition(".")
+
+    def patch(module) -> None:
+        if state == "pending":
             try:
                 apply_rope_fix(getattr(module, class_name))
             except AttributeError as e:
@@ -102,9 +116,18 @@ def register() -> None:
                     f"[slime] SGLang {version} needs slime's multimodal-RoPE fix, but it cannot be applied to "
                     f"{MROPE_FIX_TARGET}: {e}. Use an SGLang release >= 0.5.19 (which has the fix) or 0.5.17"
                 ) from e
-            _write_report(version, "applied", main)
+            report["state"] = "applied"
+            save_report()
+        if fast_experts:
+            for model_cls in FAST_EXPERT_LOAD_TARGETS:
+                cls = getattr(module, model_cls, None)
+                if cls is None or not hasattr(cls, "load_weights"):
+                    print(f"[slime] fast expert load: {module_name}.{model_cls} not found; SGLang's loader "
+                          "loads its experts", file=sys.stderr, flush=True)
+                    continue
+                expert_load.wrap_load_weights(cls, on_load=save_report)  # the report gets the figures
 
-        arm_on_import(module_name, patch)
+    arm_on_import(module_name, patch)
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -248,6 +271,7 @@ def _write_report(version: str, state: str, main: bool) -> None:
         "sglang": version,
         "mrope_fix": state,
         "memory_tags": memory_tags,
+        "expert_load": expert_load.STATS.as_dict(),
     }
     path = Path(folder) / f"{os.getpid()}.json"
     tmp = path.with_suffix(".tmp")

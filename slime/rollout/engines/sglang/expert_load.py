@@ -1,0 +1,287 @@
+"""Fused-expert weight loading inside SGLang's server processes: a layer's routed experts in a few copies.
+
+slime's weight sync sends each complete MoE layer's experts as two fused tensors
+(:mod:`slime.weight_sync.fused_experts`): ``<layer>.mlp.experts.gate_up_proj`` [E, 2I, H] (expert ``e``'s
+gate rows, then its up rows) and ``<layer>.mlp.experts.down_proj`` [E, H, I].  SGLang 0.5.17's Qwen3.5 MoE
+``load_weights`` (``sglang/srt/models/qwen3_5.py``) loads such a tensor expert by expert: it splits
+``gate_up_proj`` into gate and up halves and calls the ``FusedMoE`` layer's ``weight_loader`` once per
+expert and half, ``3 E`` Python calls per layer, each narrowing and copying one [I, H] slice.  On one H200
+those calls were most of a sync's engine time (a 4-layer real-width Qwen3.5-35B-A3B: 192-261 ms of engine
+time for 9.66 GB, ``docs/results/h200_sglang.md`` run 6); at 40 layers they would be 30,720 calls.
+
+:func:`wrap_load_weights` wraps a model class's ``load_weights`` so that each fused expert tensor whose
+``FusedMoE`` layer has the plain layout (:func:`plain_layout_problem`: unquantized, gated, no Triton-kernel
+or FlashInfer TRT-LLM layout, no padding, no EPLB expert remapping, no fused shared experts) is copied with
+three slice copies (two for ``down_proj``) into the layer's ``w13_weight`` [E_local, 2 I_tp, H] and
+``w2_weight`` [E_local, H, I_tp].  The slices are SGLang's own (``FusedMoE._load_w13`` / ``_load_w2``):
+
+- local experts: global ``e`` with ``FusedMoE._map_global_expert_id_to_local_expert_id(e) >= 0``, which must
+  be one contiguous run ``lo..hi-1`` mapped to ``0..E_local-1`` (expert parallelism's shard);
+- ``I_tp = I / moe_tp_size``, rank ``r`` takes rows ``r I_tp .. (r+1) I_tp`` of the gate half into
+  ``w13[:, :I_tp]`` and the same rows of the up half into ``w13[:, I_tp:]``, and columns ``r I_tp ..`` of
+  ``down_proj`` into ``w2``.
+
+**Every fast copy is checked against SGLang's own loader**: for the first and the last local expert the copied
+slice is saved, SGLang's ``weight_loader`` loads that expert again, and the two must be bitwise equal.  If
+they differ (a layout this module does not know), the fast path is switched off for the rest of the process,
+a warning names the tensor, and SGLang's loader loads the whole tensor as it would have without slime.
+Every other name, and every tensor the fast path declines, goes to SGLang's ``load_weights`` unchanged, in
+its order; the weights stream through (a load from disk is not materialised).
+
+Imports SGLang only inside functions: the CPU tests drive it with stand-in layers, and with SGLang's real
+``FusedMoE.weight_loader`` where SGLang is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FUSED_SUFFIXES = {".mlp.experts.gate_up_proj": "w13_weight", ".mlp.experts.down_proj": "w2_weight"}
+"""The fused checkpoint names (suffix) and the ``FusedMoE`` parameter each one fills."""
+NAME_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""), ("", ""))
+"""How SGLang's Qwen3.5 classes rename a checkpoint name to their module path, tried in order."""
+
+_MARK = "_slime_fast_expert_load"
+
+
+class ExpertLoadStats:
+    """What the fast path did in this process, for the server plugin's report (:meth:`as_dict`).
+
+    ``fast``: fused tensors copied by the fast path; ``declined``: handed to SGLang's loader, by reason;
+    ``load_weights_calls`` / ``load_weights_s``: calls of the wrapped ``load_weights`` and their wall time
+    (seconds, the copies only queued on the GPU); ``disabled``: why the fast path was switched off, or None.
+    """
+
+    def __init__(self):
+        self.fast = 0
+        self.declined: dict[str, int] = {}
+        self.load_weights_calls = 0
+        self.load_weights_s = 0.0
+        self.disabled: str | None = None
+
+    def decline(self, reason: str) -> None:
+        if reason not in self.declined:
+            logger.info("slime fast expert load: SGLang's loader takes %s", reason)
+        self.declined[reason] = self.declined.get(reason, 0) + 1
+
+    def as_dict(self) -> dict:
+        return {"fast": self.fast, "declined": dict(self.declined), "load_weights_calls": self.load_weights_calls,
+                "load_weights_s": round(self.load_weights_s, 6), "disabled": self.disabled}
+
+
+STATS = ExpertLoadStats()
+"""This process's figures (one model per SGLang scheduler process)."""
+
+
+def fused_target(name: str) -> tuple[str, str] | None:
+    """``(the experts' module path in the checkpoint, FusedMoE parameter)`` of a fused expert name, else None:
+    ``"model.language_model.layers.3.mlp.experts.down_proj"`` -> ``("model.language_model.layers.3.mlp.experts",
+    "w2_weight")``."""
+    for suffix, param in FUSED_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix) + len(".mlp.experts")], param
+    return None
+
+
+def resolve_layer(model: torch.nn.Module, module_path: str) -> tuple[str, torch.nn.Module] | None:
+    """The ``FusedMoE`` layer a checkpoint module path names in ``model`` (SGLang's renaming, :data:`NAME_PREFIXES`),
+    as ``(its path in model, module)``; None when no renaming names a module with ``w13_weight``."""
+    for old, new in NAME_PREFIXES:
+        if not module_path.startswith(old):
+            continue
+        path = new + module_path[len(old):]
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if hasattr(module, "w13_weight") and hasattr(module, "w2_weight"):
+            return path, module
+    return None
+
+
+def plain_layout_problem(layer: torch.nn.Module, param: torch.nn.Parameter) -> str | None:
+    """Why ``layer`` (an SGLang ``FusedMoE``) is not in the plain layout the fast path copies into, or None.
+
+    Plain: ``UnquantizedFusedMoEMethod`` without a compressed-tensors ``scheme``, a gated MLP, gate rows first
+    (no ``load_up_proj_weight_first``), none of the Triton-kernel (transposed), FlashInfer TRT-LLM (swapped or
+    reshaped), padded or pre-sharded layouts, no fused shared experts, no EPLB expert-location metadata, and
+    ``param.weight_loader`` being ``FusedMoE.weight_loader`` (the per-expert form the check calls).
+    """
+    method = getattr(layer, "quant_method", None)
+    if type(method).__name__ != "UnquantizedFusedMoEMethod" or hasattr(layer, "scheme"):
+        return f"quantized experts ({type(method).__name__})"
+    config = getattr(layer, "moe_runner_config", None)
+    if not getattr(config, "is_gated", False):
+        return "a non-gated expert MLP"
+    if getattr(method, "load_up_proj_weight_first", False):
+        return "up rows first (load_up_proj_weight_first)"
+    for flag in ("use_triton_kernels", "use_flashinfer_trtllm_moe", "use_padded_loading", "use_presharded_weights",
+                 "_has_fused_shared"):
+        if getattr(layer, flag, False):
+            return f"FusedMoE.{flag}"
+    if getattr(param, "_sglang_require_global_experts", False) or getattr(param, "is_transposed", False):
+        return "a parameter with global experts or a transposed layout"
+    loader = getattr(param, "weight_loader", None)
+    if getattr(loader, "__name__", None) != "weight_loader" or getattr(loader, "__self__", None) is not layer:
+        return "a parameter without FusedMoE.weight_loader"
+    try:
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        if get_global_expert_location_metadata() is not None:
+            return "EPLB expert-location metadata"
+    except ImportError:
+        pass  # no SGLang (the CPU tests' stand-in layers): nothing remaps experts
+    except Exception:  # noqa: BLE001 - SGLang's runtime context not set up: not the server's model load
+        return "no SGLang runtime context"
+    return None
+
+
+def local_experts(layer: torch.nn.Module, num_experts: int) -> tuple[int, int] | None:
+    """``(lo, hi)``: the global experts ``lo..hi-1`` this rank holds, as ``layer``'s own mapping
+    (``_map_global_expert_id_to_local_expert_id``) says, when they are one run mapped to ``0..hi-lo-1``
+    and fill ``layer.w13_weight``'s expert dim; None otherwise."""
+    mapping = getattr(layer, "_map_global_expert_id_to_local_expert_id", None)
+    if mapping is None:
+        return None
+    local = [(e, mapping(e)) for e in range(num_experts)]
+    held = [(e, i) for e, i in local if i >= 0]
+    if not held:
+        return None
+    lo, hi = held[0][0], held[-1][0] + 1
+    if [i for _, i in held] != list(range(hi - lo)) or [e for e, _ in held] != list(range(lo, hi)):
+        return None
+    if hi - lo != layer.w13_weight.shape[0]:
+        return None
+    return lo, hi
+
+
+def _slices(layer, param_name: str, tensor: torch.Tensor, lo: int, hi: int):
+    """``[(destination view, source view)]`` of one fused tensor into ``layer``'s parameter (module docstring),
+    or None when the shapes do not fit."""
+    param = getattr(layer, param_name).data
+    tp_rank, tp_size = int(getattr(layer, "moe_tp_rank", 0)), int(getattr(layer, "moe_tp_size", 1))
+    if param_name == "w13_weight":
+        experts, two_inter, hidden = tensor.shape
+        inter = two_inter // 2
+        if two_inter % 2 or inter % tp_size:
+            return None
+        shard = inter // tp_size
+        if tuple(param.shape) != (hi - lo, 2 * shard, hidden):
+            return None
+        rows = slice(tp_rank * shard, (tp_rank + 1) * shard)
+        gate = tensor[lo:hi, :inter][:, rows]
+        up = tensor[lo:hi, inter:][:, rows]
+        return [(param[:, :shard], gate), (param[:, shard:], up)]
+    experts, hidden, inter = tensor.shape
+    if inter % tp_size:
+        return None
+    shard = inter // tp_size
+    if tuple(param.shape) != (hi - lo, hidden, shard):
+        return None
+    return [(param, tensor[lo:hi, :, tp_rank * shard:(tp_rank + 1) * shard])]
+
+
+def _sglang_load_one(layer, param, param_path: str, tensor: torch.Tensor, expert: int) -> None:
+    """SGLang's own load of global ``expert`` from a fused tensor (what its ``load_weights`` does per expert)."""
+    if param_path.endswith("w13_weight"):
+        gate, up = tensor.chunk(2, dim=-2)
+        param.weight_loader(param, gate[expert], param_path, "w1", expert)
+        param.weight_loader(param, up[expert], param_path, "w3", expert)
+    else:
+        param.weight_loader(param, tensor[expert], param_path, "w2", expert)
+
+
+def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor, stats: ExpertLoadStats = STATS) -> bool:
+    """Copy one fused expert tensor into its ``FusedMoE`` layer (module docstring); False when it is left to
+    SGLang's loader (not a fused name, not the plain layout, shapes that do not fit, the fast path off, or the
+    check against SGLang's loader failed, which also switches the fast path off).
+
+    Args:
+        model: the SGLang model (``self`` of ``load_weights``).
+        name: the checkpoint name, e.g. ``model.language_model.layers.0.mlp.experts.gate_up_proj``.
+        tensor: [E, 2I, H] (``gate_up_proj``) or [E, H, I] (``down_proj``), any device, the parameter's dtype or
+            one ``copy_`` converts from.
+    """
+    target = fused_target(name)
+    if target is None or stats.disabled is not None:
+        return False
+    if tensor.dim() != 3:
+        stats.decline("a fused expert tensor that is not 3-D")
+        return False
+    found = resolve_layer(model, target[0])
+    if found is None:
+        stats.decline("a fused expert name without a FusedMoE layer")
+        return False
+    path, layer = found
+    param_name = target[1]
+    param = getattr(layer, param_name)
+    problem = plain_layout_problem(layer, param)
+    if problem is not None:
+        stats.decline(problem)
+        return False
+    held = local_experts(layer, tensor.shape[0])
+    slices = _slices(layer, param_name, tensor, *held) if held is not None else None
+    if slices is None:
+        stats.decline("fused expert shapes that do not match the layer")
+        return False
+    for destination, source in slices:
+        destination.copy_(source)
+    lo, hi = held
+    param_path = f"{path}.{param_name}"
+    for expert in sorted({lo, hi - 1}):  # SGLang's loader on the first and the last local expert must agree
+        copied = param.data[expert - lo].clone()
+        _sglang_load_one(layer, param, param_path, tensor, expert)
+        if not torch.equal(param.data[expert - lo], copied):
+            stats.disabled = (f"{name}: expert {expert} differs from SGLang's own load; the fast path is off in "
+                              "this process and SGLang's loader loads every fused expert tensor")
+            print(f"[slime] WARNING: fast expert load {stats.disabled}", file=sys.stderr, flush=True)
+            return False
+    stats.fast += 1
+    return True
+
+
+def wrap_load_weights(model_cls: type, stats: ExpertLoadStats = STATS, on_load=None) -> None:
+    """Wrap ``model_cls.load_weights(self, weights)`` so that fused expert tensors go through :func:`fast_load`
+    and everything else to the original, streamed in order (idempotent).  ``on_load()`` runs after each call
+    (the plugin rewrites its report there).  The return value is the original's (SGLang's set of loaded names),
+    with the fast-loaded parameters' names added."""
+    original = model_cls.load_weights
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def load_weights(self, weights):
+        started = time.perf_counter()
+        fast_names: list[str] = []
+
+        def rest():
+            for name, tensor in weights:
+                if fast_load(self, name, tensor, stats):
+                    fast_names.append(name)
+                else:
+                    yield name, tensor
+
+        try:
+            loaded = original(self, rest())
+        finally:
+            stats.load_weights_calls += 1
+            stats.load_weights_s += time.perf_counter() - started
+            if on_load is not None:
+                on_load()
+        if isinstance(loaded, set):
+            for name in fast_names:
+                module_path, param_name = fused_target(name)
+                found = resolve_layer(self, module_path)
+                if found is not None:
+                    loaded.add(f"{found[0]}.{param_name}")
+        return loaded
+
+    setattr(load_weights, _MARK, True)
+    model_cls.load_weights = load_weights
