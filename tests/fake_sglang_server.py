@@ -27,10 +27,10 @@ Started by :class:`tests.fake_sglang.FakeSGLangEngine` exactly where the engine 
 Two models (``--fake-model``):
 
 - ``echo`` (default): no weights needed; a response is ``1 + (number of words of the prompt) % 5`` tokens
-  (capped by ``max_new_tokens``), token ``k`` is ``10 + k``, the text ``"<first word>: t10 t11 ..."`` (the
-  first word identifies the request), token ``k``'s log-prob ``-(k + 1) / 10 - shift`` where
-  ``shift`` is the sum of every pushed tensor's elements (so a weight update shows), ``prompt_tokens`` the
-  number of whitespace-separated words plus 4 per image;
+  (capped by ``max_new_tokens``; exactly ``max_new_tokens`` with SGLang's ``ignore_eos``), token ``k`` is
+  ``10 + k``, the text ``"<first word>: t10 t11 ..."`` (the first word identifies the request), token
+  ``k``'s log-prob ``-(k + 1) / 10 - shift`` where ``shift`` is the sum of every pushed tensor's elements (so
+  a weight update shows), ``prompt_tokens`` the number of whitespace-separated words plus 4 per image;
 - ``hf``: slime's transformers engine on ``--model-path`` (CPU, float32): real tokens and log-probs that the
   trainer reproduces, and pushed weights really load.  ``--fake-image-logprob-shift X`` adds ``X`` to every
   log-prob of a request with images (a stand-in for SGLang's multimodal-RoPE bug).
@@ -273,7 +273,7 @@ class FakeServer:
         words = body["text"].split()
         images = body.get("image_data") or []
         max_new = int(params.get("max_new_tokens", 128))
-        n = min(max_new, 1 + len(words) % 5)
+        n = max_new if params.get("ignore_eos") else min(max_new, 1 + len(words) % 5)  # its "EOS" ignored
         shift = sum(float(t.double().sum()) for t in self.tensors.values())
         ids = [0] * n if self.weights_lost else [10 + k for k in range(n)]
         logprobs = [-(k + 1) / 10 - shift for k in range(n)]
