@@ -27,16 +27,23 @@ Started by :class:`tests.fake_sglang.FakeSGLangEngine` exactly where the engine 
 Two models (``--fake-model``):
 
 - ``echo`` (default): no weights needed; a response is ``1 + (number of words of the prompt) % 5`` tokens
-  (capped by ``max_new_tokens``), token ``k`` is ``10 + k``, the text ``"<first word>: t10 t11 ..."`` (the
-  first word identifies the request), token ``k``'s log-prob ``-(k + 1) / 10 - shift`` where
-  ``shift`` is the sum of every pushed tensor's elements (so a weight update shows), ``prompt_tokens`` the
-  number of whitespace-separated words plus 4 per image;
+  (capped by ``max_new_tokens``; exactly ``max_new_tokens`` with SGLang's ``ignore_eos``), token ``k`` is
+  ``10 + k``, the text ``"<first word>: t10 t11 ..."`` (the first word identifies the request), token
+  ``k``'s log-prob ``-(k + 1) / 10 - shift`` where ``shift`` is the sum of every pushed tensor's elements (so
+  a weight update shows), ``prompt_tokens`` the number of whitespace-separated words plus 4 per image;
 - ``hf``: slime's transformers engine on ``--model-path`` (CPU, float32): real tokens and log-probs that the
   trainer reproduces, and pushed weights really load.  ``--fake-image-logprob-shift X`` adds ``X`` to every
   log-prob of a request with images (a stand-in for SGLang's multimodal-RoPE bug).
 
 Faults and timing: ``--fake-delay-s`` per request, ``--fake-exit-after N`` (the process exits with code 1
-when the N-th ``/generate`` request arrives: a crash mid-rollout).  Plugin: the server finds slime's SGLang
+when the N-th ``/generate`` request arrives: a crash mid-rollout).  Refusals as 0.5.17 answers them:
+``--context-length N`` (SGLang's flag; echo model) refuses a prompt of ``N`` or more tokens, or one whose
+``max_new_tokens`` would not fit, with SGLang's message and 400 ``{"error": {"message": ...}}``; a batch with
+such a prompt is refused as a whole with that message (``_handle_batch_request`` pre-processes the prompts in
+order; the first refusal fails the call, which names neither the request nor its index).
+``--fake-refuse-batches N`` refuses the first ``N`` batched calls (400) whatever they hold: a refusal of the
+batch as such, whose requests are fine alone.  ``/server_info`` counts ``generate_calls`` (requests that ran)
+and ``generate_http_calls`` (``/generate`` calls, refused ones included).  Plugin: the server finds slime's SGLang
 plugin through ``importlib.metadata`` entry points (the ``*.dist-info`` on ``PYTHONPATH``) and, as the real
 plugin would in a main and ``--tp-size`` scheduler processes, writes its reports (``--fake-version`` is the
 SGLang version reported).  ``--replay FILE``: answer from a recording (JSON lines ``{"method", "endpoint",
@@ -88,6 +95,8 @@ def parse_args(argv):
     p.add_argument("--fake-startup-s", type=float, default=0.0)
     p.add_argument("--fake-delay-s", type=float, default=0.0)
     p.add_argument("--fake-exit-after", type=int, default=0)
+    p.add_argument("--fake-refuse-batches", type=int, default=0)
+    p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--fake-image-logprob-shift", type=float, default=0.0)
     p.add_argument("--replay", default=None)
     args, unknown = p.parse_known_args(argv)
@@ -105,7 +114,9 @@ class FakeServer:
         self.abort_epoch = 0
         self.running = 0
         self.max_running = 0
-        self.generate_calls = 0
+        self.generate_calls = 0  # requests that ran
+        self.generate_http_calls = 0  # /generate calls (a batch is one), refused ones included
+        self.refused_batches = 0
         self.released: set[str] = set()
         self.weights_lost = False  # weights released and resumed, not pushed since
         self.tensors: dict = {}
@@ -157,16 +168,48 @@ class FakeServer:
     def ep_server_info(self, body):
         return 200, {"version": self.args.fake_version, "tp_size": self.args.tp_size, "api_key": self.secret,
                      "port": self.args.port, "host": self.args.host, "unknown_args": self.args.unknown,
-                     "max_running": self.max_running, "generate_calls": self.generate_calls}
+                     "max_running": self.max_running, "generate_calls": self.generate_calls,
+                     "generate_http_calls": self.generate_http_calls}
 
     def ep_generate(self, body):
+        with self.lock:
+            self.generate_http_calls += 1
         if isinstance(body.get("text"), list):  # the batch's requests run side by side, as in a real server
             from concurrent.futures import ThreadPoolExecutor
 
             ones = self._split_batch(body)
+            with self.lock:
+                refuse = self.refused_batches < self.args.fake_refuse_batches
+                self.refused_batches += refuse
+            if refuse:
+                raise FakeError(f"fake: batched /generate refused ({self.refused_batches} of "
+                                f"--fake-refuse-batches {self.args.fake_refuse_batches})")
+            for one in ones:  # in order, as SGLang pre-processes a batch: the first refusal fails the call
+                self._validate(one)
             with ThreadPoolExecutor(len(ones)) as pool:
                 return 200, [answer for _, answer in pool.map(self._generate_one, ones)]
+        self._validate(body)
         return self._generate_one(body)
+
+    def _validate(self, body):
+        """SGLang's ``TokenizerManager._validate_one_request`` against ``--context-length`` (echo model only:
+        its prompt tokens are known before it runs), with SGLang's messages; raised as a ``ValueError`` there,
+        which the ``/generate`` endpoint answers with 400 ``{"error": {"message": ...}}`` (for a batch: the
+        whole call, the rest of it aborted)."""
+        context = self.args.context_length
+        if context is None or self.engine is not None or not isinstance(body.get("text"), str):
+            return
+        prompt_tokens = len(body["text"].split()) + 4 * len(body.get("image_data") or [])
+        if prompt_tokens >= context:
+            raise FakeError(f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+                            f"({context} tokens).")
+        max_new = (body.get("sampling_params") or {}).get("max_new_tokens")
+        if max_new is not None and max_new + prompt_tokens > context:
+            raise FakeError(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                f"requested a total of {max_new + prompt_tokens} tokens: {prompt_tokens} tokens from the input "
+                f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in the "
+                "input messages or the completion to fit within the limit.")
 
     @staticmethod
     def _split_batch(body):
@@ -230,7 +273,7 @@ class FakeServer:
         words = body["text"].split()
         images = body.get("image_data") or []
         max_new = int(params.get("max_new_tokens", 128))
-        n = min(max_new, 1 + len(words) % 5)
+        n = max_new if params.get("ignore_eos") else min(max_new, 1 + len(words) % 5)  # its "EOS" ignored
         shift = sum(float(t.double().sum()) for t in self.tensors.values())
         ids = [0] * n if self.weights_lost else [10 + k for k in range(n)]
         logprobs = [-(k + 1) / 10 - shift for k in range(n)]

@@ -8,7 +8,7 @@
 - :func:`reference_log_probs`: the Hugging Face model's log-probs of given responses (the trainer's code path:
   :func:`slime.backends.fsdp.inputs.build_model_inputs` + ``response_log_probs``), float32;
 - :func:`figure`: one JSON line of figures into ``$SLIME_GPU_FIGURES`` (when set) and on stdout;
-- :func:`generate_in_actor`: requests sent from inside an engine's actor, without the engine group.
+- :func:`generate_in_actor`: requests sent from inside an engine's actor in calls of N, without the engine group.
 """
 
 from __future__ import annotations
@@ -142,16 +142,40 @@ def load_checkpoint_tensors(model_path: str | Path, device: str = "cuda", dtype=
     return tensors
 
 
-def generate_in_actor(actor, requests) -> dict:
-    """In an engine's actor (``actor.__ray_call__.remote(generate_in_actor, requests)``): every request at once from
-    a thread pool straight into the engine's ``generate`` (the same calls, no Ray call per request, no engine
-    group), to tell the group's cost from the engine's.  Returns output ``tokens``, wall ``seconds`` and
-    ``tokens_per_s``."""
+def generate_in_actor(actor, requests, requests_per_call: int = 1) -> dict:
+    """In an engine's actor (``actor.__ray_call__.remote(generate_in_actor, requests, n)``): the requests in
+    consecutive calls of ``requests_per_call`` straight into the engine's ``generate`` (the last call may hold
+    fewer), all calls in flight at once from a thread pool, as many as the engine's ``capacity`` allows
+    (``capacity // requests_per_call`` calls, at least one; the engine group keeps at most ``capacity`` requests
+    in flight at an engine the same way): the same calls as the group's, without its Ray call per call and its
+    scheduling, to tell the group's cost from the engine's.  ``requests_per_call=1`` is one HTTP call per request.
+
+    Returns:
+        ``tokens`` (output tokens of all requests), wall ``seconds``, ``tokens_per_s``, ``calls`` and
+        ``calls_at_once`` (the pool's size).
+
+    Raises:
+        ValueError: ``requests_per_call`` below 1, or an engine call answered with another number of outputs
+            or another request's output (``rid``).
+    """
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(requests)) as pool:
+    if requests_per_call < 1:
+        raise ValueError(f"requests_per_call must be >= 1, got {requests_per_call}")
+    calls = [requests[k:k + requests_per_call] for k in range(0, len(requests), requests_per_call)]
+    at_once = max(1, min(len(calls), actor.engine.capacity // requests_per_call))
+
+    def call(batch):
+        outputs = actor.engine.generate(batch)
+        if len(outputs) != len(batch) or [o.rid for o in outputs] != [r.rid for r in batch]:
+            raise ValueError(f"a call of {len(batch)} requests ({[r.rid for r in batch][:3]}...) was answered with "
+                             f"{len(outputs)} outputs ({[o.rid for o in outputs][:3]}...)")
+        return outputs
+
+    with ThreadPoolExecutor(at_once) as pool:
         t0 = time.perf_counter()
-        outputs = list(pool.map(lambda r: actor.engine.generate([r])[0], requests))
+        outputs = [out for batch in pool.map(call, calls) for out in batch]
         seconds = time.perf_counter() - t0
     tokens = sum(len(o.output_ids) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "calls": len(calls),
+            "calls_at_once": at_once}

@@ -1,4 +1,5 @@
-"""CPU checks of the pieces of ``scripts/bench/sglang_rollout_bench.py`` that decide what the H200 measures."""
+"""CPU checks of the pieces of ``scripts/bench/sglang_rollout_bench.py`` that decide what the H200 measures (the
+in-actor calls of N requests against the fake SGLang server of :mod:`tests.fake_sglang_server`, in Ray)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
+from slime.rollout.engines.base import GenerateRequest
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "sglang_rollout_bench.py"
 
@@ -19,7 +22,11 @@ def bench():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
+    # Ray's workers cannot import it by this name: its objects (BenchSamplingParams) travel by value, as they do
+    # from the script's __main__ on the H200
+    ray.cloudpickle.register_pickle_by_value(module)
     yield module
+    ray.cloudpickle.unregister_pickle_by_value(module)
     sys.modules.pop(spec.name, None)
 
 
@@ -68,3 +75,67 @@ def test_repeats_below_one_are_refused_before_any_engine_starts(bench, monkeypat
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["throughput", "--model", "unused", "--repeats", repeats])
     assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def fake_engines(tmp_path_factory):
+    """One fake SGLang engine (capacity 8) in the real engine group, each request taking 0.05 s."""
+    from slime.ray.config import ClusterConfig
+    from slime.ray.placement import init_ray
+    from tests.fake_sglang import start_engine_group
+
+    started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))
+    placement, engines = start_engine_group(tmp_path_factory.mktemp("bench"), "--sglang-fake-delay-s", "0.05",
+                                            num_engines=1, capacity=8, timeout_s=300.0)
+    yield engines
+    engines.shutdown()
+    placement.remove()
+    if started:
+        ray.shutdown()
+
+
+def _server_info(engines) -> dict:
+    return ray.get(engines.actors[0].__ray_call__.remote(lambda actor: actor.engine.client.server_info()))
+
+
+def test_the_same_server_sweep_counts_every_token_of_calls_of_n_within_the_capacity(bench, fake_engines, capsys):
+    """With ``ignore_eos`` (the bench's sampling params) every response is ``max_new_tokens`` long, so a pass's
+    tokens are ``sum(max_new_tokens)`` over the requests whatever ``N`` (without it the echo model would stop
+    after ``1 + words % 5`` tokens, fewer here); calls of ``N`` make ``ceil(12 / N)`` HTTP calls a pass."""
+    params = bench.BenchSamplingParams(max_new_tokens=5, temperature=1.0)
+    requests = [GenerateRequest(" ".join([f"p{i}"] + ["w"] * (i % 4)), [], params, rid=f"p{i}") for i in range(12)]
+    expected = sum(r.sampling_params.max_new_tokens for r in requests)
+    assert expected == 60
+    before = _server_info(fake_engines)["generate_http_calls"]
+    figures = bench.same_server_sweep(fake_engines, requests, [1, 3, 8, 3], repeats=2, group_tokens_per_s=100.0)
+    assert list(figures) == ["same_server_calls_of_1", "same_server_calls_of_3", "same_server_calls_of_8",
+                             "same_server_one_http_call_per_request"]  # each N once, and the old name of N = 1
+    for n, calls, at_once in [(1, 12, 8), (3, 4, 2), (8, 2, 1)]:  # at most capacity 8 requests in flight
+        result = figures[f"same_server_calls_of_{n}"]
+        assert result["tokens"] == expected and (result["calls"], result["calls_at_once"]) == (calls, at_once)
+        assert len(result["passes_s"]) == 2 and result["tokens_per_s"] == pytest.approx(expected / result["seconds"])
+    assert figures["same_server_one_http_call_per_request"] is figures["same_server_calls_of_1"]
+    info = _server_info(fake_engines)
+    assert info["generate_http_calls"] - before == 2 * (12 + 4 + 2) and info["max_running"] <= 8
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("same server, calls of")]
+    assert len(lines) == 3 and "calls of 3 request(s) from the engine actor (4 calls, 2 at once)" in lines[1]
+    assert "ours / this" in lines[0]
+    with pytest.raises(ValueError, match=r"--direct-requests-per-call \[9\]: each must be in 1..8"):
+        bench.same_server_sweep(fake_engines, requests, [3, 9], repeats=1)
+
+
+@pytest.mark.parametrize("sizes, refused", [(["129"], True), (["0"], True), (["1", "128"], False)])
+def test_direct_requests_per_call_above_the_capacity_are_refused_before_any_engine_starts(bench, monkeypatch,
+                                                                                          capsys, sizes, refused):
+    ran = []
+    monkeypatch.setattr(bench, "throughput", lambda args: ran.append(args.direct_requests_per_call))
+    argv = ["throughput", "--model", "unused", "--capacity", "128", "--direct-requests-per-call", *sizes]
+    if refused:
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv)
+        assert exit_info.value.code == 2 and "--direct-requests-per-call" in capsys.readouterr().err and not ran
+    else:
+        bench.main(argv)
+        assert ran == [[1, 128]]
+    bench.main(["throughput", "--model", "unused"])
+    assert ran[-1] == [1, 8, 32]  # the default

@@ -371,6 +371,77 @@ def test_a_batch_answered_with_another_number_of_outputs_is_refused(engine_facto
         engine.generate([GenerateRequest("a b", [], _params()), GenerateRequest("c d", [], _params())])
 
 
+def _generate_http_calls(engine) -> int:
+    return engine.client.server_info()["generate_http_calls"]
+
+
+def test_a_refused_prompt_in_a_batch_is_named_and_the_others_complete_alone(engine_factory, tmp_path, caplog):
+    """SGLang 0.5.17 refuses a batch with one prompt over ``--context-length`` as a whole (400, naming no request);
+    the engine sends the batch's requests again one per call: the good ones complete (their answers are the echo
+    model's, worked out here), and the error names the first refused rid with SGLang's reason."""
+    engine = engine_factory("--context-length", "6")
+    requests = [GenerateRequest("one two", [], _params(3), rid="r0"),  # 2 + 3 tokens <= 6
+                GenerateRequest("a b c d e f g", [], _params(3), rid="r1"),  # 7 prompt tokens >= 6
+                GenerateRequest("one", [IMAGE], _params(1), rid="r2"),  # 1 + 4 prompt tokens, + 1 = 6
+                GenerateRequest("x y z", [], _params(4), rid="r3")]  # 3 + 4 = 7 > 6
+    before = _generate_http_calls(engine)
+    record = tmp_path / "exchanges.jsonl"
+    engine.client.record = record
+    with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.engine"), \
+            pytest.raises(SGLangRequestError) as refused:
+        engine.generate(requests)
+    message = str(refused.value)
+    assert message.startswith("SGLang refused request rid 'r1':") and refused.value.status == 400
+    assert "The input (7 tokens) is longer than the model's context length (6 tokens)." in message
+    assert "2 of a batch of 4 requests failed when sent alone: rid 'r1', rid 'r3'" in message
+    assert "refused a batched /generate of 4 requests" in caplog.text and "one request per call" in caplog.text
+    assert _generate_http_calls(engine) - before == 1 + 4  # the batch, then one call per request
+    exchanges = [x for x in map(json.loads, record.read_text().splitlines()) if x["endpoint"] == "/generate"]
+    assert [isinstance(x["request"]["text"], list) for x in exchanges] == [True] + [False] * 4
+    assert exchanges[0]["status"] == 400 and "rid" not in json.dumps(exchanges[0]["response"])  # names no request
+    alone = {x["request"]["rid"].partition("#")[0]: x for x in exchanges[1:]}
+    assert {rid: x["status"] for rid, x in alone.items()} == {"r0": 200, "r1": 400, "r2": 200, "r3": 400}
+    assert "Requested token count exceeds" in alone["r3"]["response"]["error"]["message"]
+    for rid, (words, images, max_new) in {"r0": (2, 0, 3), "r2": (1, 1, 1)}.items():
+        out = parse_generate_response(alone[rid]["response"], rid)
+        ids, logprobs, finish, prompt_tokens = _echo(words, images, max_new)
+        assert (out.output_ids, out.finish_reason, out.prompt_tokens, out.rid) == (ids, finish, prompt_tokens, rid)
+        assert out.output_log_probs == pytest.approx(logprobs)
+    assert engine.client.server_info()["generate_calls"] == 2  # only the good ones ran
+    # a single request is not sent twice, and its refusal names it too
+    before = _generate_http_calls(engine)
+    with pytest.raises(SGLangRequestError, match=r"^SGLang refused request rid 'r1': .*400 The input \(7 tokens\)"):
+        engine.generate([requests[1]])
+    assert _generate_http_calls(engine) - before == 1
+
+
+def test_a_refused_batch_whose_requests_complete_alone_returns_them_in_request_order(engine_factory, caplog):
+    engine = engine_factory("--fake-refuse-batches", "1")
+    requests = [GenerateRequest("an image of a triangle with sides", [IMAGE], _params(3), rid="i"),
+                GenerateRequest("one two three", [], _params(), rid="t"),
+                GenerateRequest("four words and images", [IMAGE, IMAGE], _params(), rid=None)]
+    with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.engine"):
+        outputs = engine.generate(requests)
+    for out, (words, images, max_new), rid in zip(outputs, [(7, 1, 3), (3, 0, 8), (4, 2, 8)], ["i", "t", None]):
+        ids, logprobs, finish, prompt_tokens = _echo(words, images, max_new)
+        assert (out.output_ids, out.finish_reason, out.prompt_tokens, out.rid) == (ids, finish, prompt_tokens, rid)
+        assert out.output_log_probs == pytest.approx(logprobs)
+    assert "fake: batched /generate refused" in caplog.text and "refused the batch, not a request" in caplog.text
+    info = engine.client.server_info()
+    assert (info["generate_http_calls"], info["generate_calls"]) == (1 + 3, 3)
+    assert [o.rid for o in engine.generate(requests[:2])] == ["i", "t"]  # the next batch is not refused: one call
+    assert _generate_http_calls(engine) == 4 + 1
+
+
+def test_a_batch_with_a_wrong_key_is_not_sent_again_one_by_one(engine_factory, tmp_path):
+    engine = engine_factory()
+    record = tmp_path / "exchanges.jsonl"
+    engine.client = SGLangClient(engine.spec.url, "not-the-key", record=record)
+    with pytest.raises(SGLangAuthError):
+        engine.generate([GenerateRequest("a b", [], _params(), rid="a"), GenerateRequest("c", [], _params(), rid="c")])
+    assert len(record.read_text().splitlines()) == 1
+
+
 # ----------------------------------------------------------------------------- security
 
 

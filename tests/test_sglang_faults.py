@@ -1,5 +1,6 @@
 """SGLang engines in the real engine group (Ray, CPU bundles, the fake server of :mod:`tests.fake_sglang_server`):
-per-request balancing under the engines' capacity, and an engine that dies mid-rollout.
+per-request balancing under the engines' capacity, a prompt the servers refuse, and an engine that dies
+mid-rollout.
 
 A killed server (or a killed engine actor) must cost nothing: every request is answered exactly once
 (the request ids of the outputs are compared with the ones sent), the dead engine's requests are served
@@ -19,6 +20,7 @@ import ray
 
 from slime.ray.config import ClusterConfig
 from slime.ray.placement import init_ray
+from slime.rollout.engine_group import EngineError
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from tests.fake_sglang import start_engine_group
 from tests.process_tree import wait_for
@@ -77,6 +79,26 @@ def test_requests_are_balanced_over_sglang_engines_within_their_capacity(local_r
         for index in (0, 1):
             info = _server_info(engines, index)
             assert info["max_running"] <= 3 and info["generate_calls"] == served[index]
+    finally:
+        _stop(placement, engines)
+
+
+def test_a_refused_prompt_fails_the_rollout_naming_its_rid_and_no_engine(local_ray, tmp_path):
+    """One prompt over the servers' ``--context-length`` among 12 (the others fit with their 8 new tokens): its
+    batch is refused as a whole (SGLang 0.5.17's answer names no request), and the engine group's error names that
+    prompt's rid and SGLang's reason, not just the first rids of its batch; no engine is taken out for it."""
+    placement, engines = _start(tmp_path, "--sglang-context-length", "12", capacity=4)
+    try:
+        requests = _requests(12)
+        requests[6] = GenerateRequest(" ".join(["r6"] + ["w"] * 12), [], requests[6].sampling_params, rid="r6")
+        with pytest.raises(EngineError) as failed:
+            engines.generate(requests)
+        message = str(failed.value)
+        assert "SGLang refused request rid 'r6'" in message, message
+        assert "The input (13 tokens) is longer than the model's context length (12 tokens)." in message
+        assert "1 of a batch of" in message
+        assert engines.fault_counts["engine_failures"] == 0 and engines.serving == [True, True]
+        assert _served_ids(engines.generate(_requests(12))) == [f"r{i}" for i in range(12)]  # still serving
     finally:
         _stop(placement, engines)
 

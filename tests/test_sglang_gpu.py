@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 from pathlib import Path
 
@@ -90,18 +91,32 @@ def hf_model(checkpoint):
     return AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32).cuda().eval()
 
 
+def _with_response(sample, out):
+    """A copy of ``sample`` with ``out``'s response tokens and log-probs (every token trained on)."""
+    s = sample.clone_prompt()
+    s.response_token_ids, s.rollout_log_probs = list(out.output_ids), list(out.output_log_probs)
+    s.loss_mask = [1] * len(out.output_ids)
+    return s
+
+
 def _generate(engine, samples, seed: int = 0):
-    """Each prompt through ``engine.generate`` (one request per call, as the engine group sends them)."""
+    """Each prompt through ``engine.generate``, one request per call (the batched call has its own test)."""
     params = SamplingParams(max_new_tokens=RESPONSE_TOKENS, temperature=TEMPERATURE)
     done = []
     for sample in samples:
         out = engine.generate([GenerateRequest(sample.prompt, sample.images, params)])[0]
         assert out.prompt_tokens == len(sample.prompt_token_ids), "SGLang saw another prompt than the data pipeline"
-        s = sample.clone_prompt()
-        s.response_token_ids, s.rollout_log_probs = list(out.output_ids), list(out.output_log_probs)
-        s.loss_mask = [1] * len(out.output_ids)
-        done.append(s)
+        done.append(_with_response(sample, out))
     return done
+
+
+def _gaps(hf_model, image_samples, text_samples) -> ParityGaps:
+    """Mean and max ``|engine - HF float32|`` log-prob gaps of image and of text responses (vision placeholder
+    tokens sampled into a response leave that response out: the reference feeds them replaced)."""
+    skip = {hf_model.config.image_token_id, hf_model.config.video_token_id}
+    image = mean_abs_gap(image_samples, reference_log_probs(hf_model, image_samples, TEMPERATURE), skip)
+    text = mean_abs_gap(text_samples, reference_log_probs(hf_model, text_samples, TEMPERATURE), skip)
+    return ParityGaps(image[0], text[0], image[1], text[1], image[2], text[2])
 
 
 def test_text_and_image_prompts_and_the_mrope_fix(servers, prompts, hf_model):
@@ -112,15 +127,62 @@ def test_text_and_image_prompts_and_the_mrope_fix(servers, prompts, hf_model):
         assert {r["mrope_fix"] for r in engine.reports if not r["main"]} == {"applied" if name == "fixed" else "disabled"}
         image_samples, text_samples = _generate(engine, images), _generate(engine, texts)
         assert all(s.response_length > 0 for s in image_samples + text_samples)
-        skip = {hf_model.config.image_token_id, hf_model.config.video_token_id}
-        image = mean_abs_gap(image_samples, reference_log_probs(hf_model, image_samples, TEMPERATURE), skip)
-        text = mean_abs_gap(text_samples, reference_log_probs(hf_model, text_samples, TEMPERATURE), skip)
-        gaps[name] = ParityGaps(image[0], text[0], image[1], text[1], image[2], text[2])
-        figure(check="mrope_gap", engine=name, image_gap=image[0], image_max=image[1], image_tokens=image[2],
-               text_gap=text[0], text_max=text[1], text_tokens=text[2])
+        g = gaps[name] = _gaps(hf_model, image_samples, text_samples)
+        figure(check="mrope_gap", engine=name, image_gap=g.image, image_max=g.image_max, image_tokens=g.image_tokens,
+               text_gap=g.text, text_max=g.text_max, text_tokens=g.text_tokens)
     assert verdict(gaps["fixed"], max_gap=0.1, max_ratio=3.0) is None, gaps["fixed"]
     assert gaps["bug"].image > 3.0 * max(gaps["bug"].text, GAP_FLOOR), gaps["bug"]  # the bug, visible
     assert "multimodal-RoPE" in verdict(gaps["bug"], max_gap=0.1, max_ratio=3.0)
+
+
+def _mixed_requests(images, texts, max_new_tokens: int, temperature: float):
+    """(samples, requests): the image and text problems interleaved (image 0, text 0, image 1, ...), request ``i``
+    with rid ``mixed-<i>``."""
+    samples = [s for pair in zip(images, texts, strict=True) for s in pair]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    return samples, [GenerateRequest(s.prompt, s.images, params, rid=f"mixed-{i}") for i, s in enumerate(samples)]
+
+
+def test_one_batched_call_of_image_and_text_prompts_answers_each_request_in_order(servers, prompts, hf_model,
+                                                                                  tmp_path):
+    """The engine group's form since run 7: the 12 image and 12 text problems interleaved in one batched
+    ``/generate`` call (SGLang's list form, :func:`~slime.rollout.engines.sglang.engine.generate_batch_payload`).
+    One output per request in request order (SGLang's ``meta_info.id`` names each), each prompt as long as the
+    data pipeline made it, one log-prob per output token (read from SGLang's raw answer), and log-probs as close
+    to the HF model's as single calls give (the fixed server)."""
+    engine = servers["fixed"]
+    samples, requests = _mixed_requests(*prompts, RESPONSE_TOKENS, TEMPERATURE)
+    assert len(requests) <= engine.max_requests_per_call, "the test needs the requests in one call"
+    kept, engine.client.record = engine.client.record, tmp_path / "batched.jsonl"
+    try:
+        outputs = engine.generate(requests)
+    finally:
+        engine.client.record = kept
+    lines = (tmp_path / "batched.jsonl").read_text().splitlines()
+    if kept:  # the CPU tests' recording gets the batched exchange too
+        with open(kept, "a") as f:
+            f.writelines(line + "\n" for line in lines)
+    exchanges = [json.loads(line) for line in lines]
+    assert [(x["endpoint"], x["status"]) for x in exchanges] == [("/generate", 200)], "not one successful call"
+    sent, answers = exchanges[0]["request"], exchanges[0]["response"]
+    assert sent["text"] == [s.prompt for s in samples] and len(answers) == len(requests)
+    assert sent["image_data"] == [list(s.images) for s in samples]  # [] for each text prompt
+    assert [o.rid for o in outputs] == [r.rid for r in requests]
+    assert [a["meta_info"]["id"].partition("#")[0] for a in answers] == [r.rid for r in requests]
+    assert [o.prompt_tokens for o in outputs] == [len(s.prompt_token_ids) for s in samples], \
+        "SGLang saw another prompt than the data pipeline"
+    for out, answer in zip(outputs, answers):
+        raw = answer["meta_info"]["output_token_logprobs"]  # [[log-prob, token id, text], ...]
+        assert 0 < len(out.output_ids) <= RESPONSE_TOKENS and out.finish_reason in ("stop", "length")
+        assert [entry[1] for entry in raw] == answer["output_ids"] == out.output_ids
+        assert out.output_log_probs == [entry[0] for entry in raw]
+        assert all(math.isfinite(lp) and lp <= 0 for lp in out.output_log_probs)
+    done = [_with_response(s, o) for s, o in zip(samples, outputs)]
+    gaps = _gaps(hf_model, done[0::2], done[1::2])
+    figure(check="batched_call", requests=len(requests), image_gap=gaps.image, text_gap=gaps.text,
+           image_tokens=gaps.image_tokens, text_tokens=gaps.text_tokens,
+           output_tokens=sum(len(o.output_ids) for o in outputs))
+    assert verdict(gaps, max_gap=0.1, max_ratio=3.0) is None, gaps
 
 
 def _greedy(engine, prompt: str) -> tuple[list[int], list[float]]:

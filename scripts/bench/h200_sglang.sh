@@ -6,7 +6,7 @@
 #                 the sglang extra, as the launcher sets it up for a cluster user; a second call installs nothing)
 #     setup       versions, the plan of a second set-up, the two tiny checkpoints
 #     tests       acceptance 1 and 3: tests/test_sglang_gpu.py (real SGLang through the engine interface: text and
-#                 geo3k image prompts, image/text log-prob gaps vs HF fp32 with and without the multimodal-RoPE fix,
+#                 geo3k image prompts, one per call and in one batched call, image/text log-prob gaps vs HF fp32 with and without the multimodal-RoPE fix,
 #                 requests without the run's key refused with the weights unchanged, CUDA-IPC updates, memory
 #                 release/resume) and tests/test_sglang_gpu_faults.py (two engines on the GPU, one killed mid-rollout:
 #                 no request lost or duplicated, restart); records the server's answers for the CPU fixture

@@ -15,8 +15,13 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
 
 1. SGLang through slime's engine: Ray, :class:`slime.rollout.engine_group.RolloutEngineGroup` over one
    :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, batched ``/generate`` calls of
-   ``--requests-per-call`` requests, ``capacity`` at once); then, on the same server, one HTTP call per request
-   from a thread pool inside the engine's actor (no Ray call, no engine group, no batching);
+   ``--requests-per-call`` requests, ``capacity`` at once); then, on the same warm server, for each ``N`` of
+   ``--direct-requests-per-call`` (default 1 8 32), the requests in calls of ``N`` from a thread pool inside the
+   engine's actor, every call of a pass in flight at once up to ``--capacity`` requests (no Ray call per call,
+   no engine group): ``same_server_calls_of_<N>``, with ``tokens_per_s``, ``seconds``, ``passes_s``, ``calls``
+   and ``calls_at_once``, and a summary line each (with ours / it).  ``N = 1`` is one HTTP call per request,
+   the figure of runs 4 to 7, also written under its old name ``same_server_one_http_call_per_request`` (the
+   same figures); ``N = --requests-per-call`` is the group's own calls without the group;
 2. SGLang alone: ``sglang.Engine`` in this process, one batched ``generate`` call per pass, timed as
    ``sglang.bench_offline_throughput`` times it (its ``throughput_test_once``: wall time of the batch, output
    tokens from ``meta_info.completion_tokens``), with ``return_logprob=True`` (the same work as 1) and once
@@ -191,8 +196,58 @@ def timed_passes(run, repeats: int, flush=None) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "passes_s": times}
 
 
+ONE_CALL_PER_REQUEST = "same_server_one_http_call_per_request"
+"""The name of the ``same_server_calls_of_1`` figures in runs 4 to 7, still written beside it (an alias)."""
+
+
+def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
+                      group_tokens_per_s: float | None = None) -> dict:
+    """On the warm server of ``engines``' engine 0, for each ``N`` of ``sizes``: ``repeats`` timed passes of the
+    requests in calls of ``N`` from inside the engine's actor (:func:`tests.sglang_gpu_helpers.generate_in_actor`:
+    all calls of a pass in flight at once, at most the engine's capacity of requests; one Ray call per pass), the
+    prefix cache flushed before each.  No untimed pass per ``N``: the server is warm from the group's passes, and
+    the median absorbs a first pass that meets new batch shapes.
+
+    Returns:
+        ``{"same_server_calls_of_<N>": {"tokens", "seconds", "tokens_per_s", "passes_s", "calls",
+        "calls_at_once"}}`` (:func:`timed_passes`'s figures; ``tokens`` of the last pass), and
+        :data:`ONE_CALL_PER_REQUEST` with the same figures as ``same_server_calls_of_1`` when 1 is in ``sizes``.
+        Prints one summary line per ``N`` (with ours / it, given ``group_tokens_per_s``).
+
+    Raises:
+        ValueError: an ``N`` below 1 or above the engine's capacity (calls of ``N`` could not all be in flight).
+    """
+    import ray
+
+    actor = engines.actors[0]
+    capacity = engines.capacities[0]
+    bad = [n for n in sizes if not 1 <= n <= capacity]
+    if bad:
+        raise ValueError(f"--direct-requests-per-call {bad}: each must be in 1..{capacity} (the engine's capacity, "
+                         "--capacity)")
+    figures = {}
+    for n in dict.fromkeys(sizes):  # in the given order, once each
+        last = {}
+
+        def one_pass(n=n, last=last) -> int:
+            last.update(ray.get(actor.__ray_call__.remote(generate_in_actor, requests, n)))
+            return last["tokens"]
+
+        result = timed_passes(one_pass, repeats, engines.flush_cache)
+        result.update(calls=last["calls"], calls_at_once=last["calls_at_once"])
+        figures[f"same_server_calls_of_{n}"] = result
+        ratio = f"; ours / this {group_tokens_per_s / result['tokens_per_s']:.3f}" if group_tokens_per_s else ""
+        print(f"same server, calls of {n} request(s) from the engine actor ({result['calls']} calls, "
+              f"{result['calls_at_once']} at once): {result['tokens_per_s']:.0f} output tok/s, median "
+              f"{result['seconds']:.2f} s of passes {', '.join(f'{t:.2f}' for t in result['passes_s'])} s{ratio}",
+              flush=True)
+    if "same_server_calls_of_1" in figures:
+        figures[ONE_CALL_PER_REQUEST] = figures["same_server_calls_of_1"]
+    return figures
+
+
 def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_call: int, out: Path,
-         repeats: int) -> dict:
+         repeats: int, direct_requests_per_call: list[int]) -> dict:
     import ray
 
     from slime.rollout.engine_group import RolloutEngineGroup
@@ -215,12 +270,11 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
         engines.generate(requests)  # warm-up: every prompt once (Triton JIT and autotuning, the image cache)
         result = timed_passes(lambda: sum(len(o.output_ids) for o in engines.generate(requests)), repeats,
                               engines.flush_cache)
-        direct = timed_passes(lambda: ray.get(engines.actors[0].__ray_call__.remote(generate_in_actor, requests))
-                              ["tokens"], repeats, engines.flush_cache)  # includes one Ray call per pass
+        direct = same_server_sweep(engines, requests, direct_requests_per_call, repeats, result["tokens_per_s"])
     finally:
         engines.shutdown()
         ray.shutdown()  # sglang.Engine's shutdown (sglang_alone) kills every child process of this one, Ray's too
-    return {**result, "start_s": start_s, "same_server_one_http_call_per_request": direct}
+    return {**result, "start_s": start_s, **direct}
 
 
 def sglang_alone(model: str, requests, mem_fraction: float, repeats: int) -> dict:
@@ -320,7 +374,7 @@ def throughput(args) -> None:
     figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
     if "ours" in args.contenders:
         figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity,
-                                   args.requests_per_call, Path(args.out), args.repeats)
+                                   args.requests_per_call, Path(args.out), args.repeats, args.direct_requests_per_call)
     if "sglang_alone" in args.contenders:  # after Ray has stopped: sglang.Engine.shutdown() kills our children
         figures["sglang_alone"] = _attempt("sglang_alone", sglang_alone, args.model, requests, args.mem_fraction,
                                            args.repeats)
@@ -585,6 +639,11 @@ def main(argv=None) -> None:
     tp.add_argument("--capacity", type=int, default=128, help="requests in flight at our engine")
     tp.add_argument("--requests-per-call", type=int, default=32,
                     help="our engine's --sglang-requests-per-call (requests in one batched /generate)")
+    tp.add_argument("--direct-requests-per-call", type=_at_least_one, nargs="+", default=[1, 8, 32], metavar="N",
+                    help="after ours, on the same server: calls of N requests from inside the engine's actor, all of a "
+                    "pass at once (at most --capacity requests), --repeats passes each, for each N given (1 to "
+                    "--capacity; 1: one HTTP call per request, reported also under its old name "
+                    f"{ONE_CALL_PER_REQUEST})")
     tp.add_argument("--repeats", type=_at_least_one, default=3,
                     help="timed passes per SGLang contender (median reported), >= 1")
     tp.add_argument("--contenders", nargs="+", default=["ours", "sglang_alone", "transformers"],
@@ -600,6 +659,11 @@ def main(argv=None) -> None:
                     help="also sync with every expert's tensors sent apart (3 per expert, the checkpoint's names: "
                     "slime's transport before it fused them), for comparison")
     args = parser.parse_args(argv)
+    if args.command == "throughput":
+        over = [n for n in args.direct_requests_per_call if n > args.capacity]
+        if over:  # before the (minutes-long) engine start
+            tp.error(f"--direct-requests-per-call {over}: at most --capacity {args.capacity} (a call's requests are "
+                     "all in flight at the engine)")
     if args.command == "build-scaled":
         build_scaled(args.out, args.layers)
     elif args.command == "throughput":

@@ -22,7 +22,11 @@ and maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto on
   ``meta_info.finish_reason.type`` and ``meta_info.prompt_tokens`` (:func:`parse_generate_response`).
   SGLang's ``rid`` is the request's id plus a per-attempt suffix (unique while in flight, also when a
   request is retried); the output carries the request id back (``meta_info.id``), which the engine
-  group compares with the request's.
+  group compares with the request's.  SGLang 0.5.17 refuses a whole batch when it refuses one of its
+  prompts (e.g. one longer than ``--context-length``: HTTP 400 ``{"error": {"message": ...}}``, naming
+  neither the request nor its index), so a refused batch is sent again one request per call (logged as a
+  warning): the error then names the refused request's ``rid`` and SGLang's reason, and a batch whose
+  requests all complete alone returns their outputs.
 - weights: ``/update_weights_from_tensor`` (object store: the bucket by value; CUDA IPC: one handle
   per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
   ``/update_weights_from_distributed`` (NCCL).
@@ -51,6 +55,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
 
@@ -401,22 +406,100 @@ class SGLangEngine(RolloutEngine):
         """Complete the requests with one ``/generate`` call: :func:`generate_payload` for one request,
         :func:`generate_batch_payload` for several (at most :attr:`max_requests_per_call`).
 
+        A refused batch (an HTTP error answer, :class:`SGLangRequestError`; not a lost server or a refused
+        key) is sent again one request per call, all at once (:meth:`_generate_one_by_one`): SGLang 0.5.17
+        fails the whole call when one of its prompts is refused (``_handle_batch_request`` pre-processes them
+        in order and the first ``ValueError`` ends the call with 400 ``{"error": {"message": ...}}``, naming
+        neither the request nor its index), so this is how the refused request is named.  If every request
+        then completes (the batch itself was refused), their outputs are returned.
+
+        Returns:
+            One output per request, in request order.
+
         Raises:
             EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
-            SGLangRequestError: the server refused a request (for a batch: the whole call), answered
-                malformed, or answered a batch with another number of outputs.
+            SGLangRequestError: the server refused a request (the message names its ``rid`` and SGLang's
+                reason; for a batch: the first refused one in request order, sent alone, and how many of the
+                batch were refused), answered malformed, or answered a batch with another number of outputs.
         """
         if not requests:
             return []
         if len(requests) == 1:
-            return [parse_generate_response(self._call(self.client.generate, generate_payload(requests[0])),
-                                            requests[0].rid)]
-        bodies = self._call(self.client.generate, generate_batch_payload(requests))
+            return [self._generate_single(requests[0], 0)]
+        try:
+            bodies = self._call(self.client.generate, generate_batch_payload(requests))
+        except SGLangRequestError as e:
+            return self._generate_one_by_one(requests, e)
         if not isinstance(bodies, list) or len(bodies) != len(requests):
             got = f"{len(bodies)} outputs" if isinstance(bodies, list) else type(bodies).__name__
             raise SGLangRequestError(f"/generate answered a batch of {len(requests)} requests with {got}",
                                      endpoint="/generate")
         return [parse_generate_response(body, r.rid) for body, r in zip(bodies, requests)]
+
+    def _generate_single(self, request: GenerateRequest, index: int) -> GenerateOutput:
+        """``request`` in a ``/generate`` call of its own; a refusal names the request (``index``: its place
+        in this engine's call, for a request without ``rid``).
+
+        Raises:
+            SGLangRequestError: refused (``rid`` and SGLang's reason in the message; ``status`` kept) or
+                answered malformed.
+        """
+        try:
+            body = self._call(self.client.generate, generate_payload(request))
+        except SGLangRequestError as e:
+            raise SGLangRequestError(f"SGLang refused request {_request_name(request, index)}: {e}",
+                                     endpoint="/generate", status=e.status) from e
+        return parse_generate_response(body, request.rid)
+
+    def _generate_one_by_one(self, requests: list[GenerateRequest],
+                             refusal: SGLangRequestError) -> list[GenerateOutput]:
+        """After SGLang refused the batch ``requests`` with ``refusal``: each request in a call of its own.
+
+        All calls are in flight at once, from a pool of ``len(requests)`` threads: the engine group counts
+        the batch's requests as in flight at this engine already, so the server gets no more at once than
+        the batch gave it (the backpressure holds), and the refused request is found in one generation's
+        time (one after the other, a refused 32nd request would wait for 31 generations).  Each thread closes
+        its own keep-alive connection (the client's connections are per thread) before it ends.
+
+        Raises:
+            EngineUnavailableError: a call found the server gone (first, so that the group can retry the
+                batch elsewhere).
+            SGLangRequestError: the first request in request order that was refused (or answered malformed)
+                when sent alone, with how many were.
+        """
+        logger.warning("SGLang at %s refused a batched /generate of %d requests (%s); sending them again one "
+                       "request per call to find the refused one. The refusal: %s", self.spec.url, len(requests),
+                       _request_names(requests), refusal)
+
+        def one(index: int) -> GenerateOutput | BaseException:
+            try:
+                return self._generate_single(requests[index], index)
+            except Exception as e:  # noqa: BLE001 - every outcome is looked at below, in request order
+                return e
+            finally:
+                self.client.close()  # this thread's connection
+
+        with ThreadPoolExecutor(len(requests), thread_name_prefix="sglang-one-by-one") as pool:
+            outcomes = list(pool.map(one, range(len(requests))))
+        failures = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        if not failures:
+            logger.warning("all %d requests of the refused batch completed when sent one per call: SGLang refused "
+                           "the batch, not a request of it (%s)", len(requests), refusal)
+            return outcomes
+        gone = [o for _, o in failures if isinstance(o, EngineUnavailableError)]
+        if gone:
+            raise gone[0]
+        first = failures[0][1]
+        if not isinstance(first, SGLangRequestError):
+            raise first
+        refused = [i for i, o in failures if isinstance(o, SGLangRequestError)]
+        same_reason = str(refusal).split(": ", 1)[-1] in str(first)  # the address before the first ": "
+        batch_reason = "" if same_reason else f"; the batch was refused with: {refusal}"
+        raise SGLangRequestError(
+            f"{first} ({len(refused)} of a batch of {len(requests)} requests failed when sent alone: "
+            f"{_request_names([requests[i] for i in refused], refused)}{batch_reason})",
+            endpoint="/generate", status=first.status,
+        ) from first
 
     # ------------------------------------------------------------------ weights
 
@@ -532,6 +615,19 @@ class SGLangEngine(RolloutEngine):
             if self.server is not None:
                 self.server.stop()
             self._start_lock.release()
+
+
+def _request_name(request: GenerateRequest, index: int) -> str:
+    """``rid '<rid>'``, or ``#<index> of the call (no rid)`` for a request without one (``index``: its place in
+    the engine's ``generate`` call)."""
+    return f"rid {request.rid!r}" if request.rid is not None else f"#{index} of the call (no rid)"
+
+
+def _request_names(requests: list[GenerateRequest], indices: list[int] | None = None, shown: int = 3) -> str:
+    """The first ``shown`` requests' names (:func:`_request_name`; ``indices``: their places, default 0, 1, ...)."""
+    indices = list(range(len(requests))) if indices is None else indices
+    names = [_request_name(r, i) for r, i in zip(requests[:shown], indices)]
+    return ", ".join(names) + (f", ... ({len(requests)} in all)" if len(requests) > shown else "")
 
 
 def _is_qwen35(model_info: dict) -> bool:
