@@ -139,3 +139,26 @@ def test_direct_requests_per_call_above_the_capacity_are_refused_before_any_engi
         assert ran == [[1, 128]]
     bench.main(["throughput", "--model", "unused"])
     assert ran[-1] == [1, 8, 32]  # the default
+
+
+def test_the_engines_expert_load_figures_are_read_summed_and_taken_per_sync(bench, tmp_path):
+    import json
+    import types
+
+    reports = [{"pid": 1, "main": True, "expert_load": {"fast": 99}},  # the HTTP process: no model, left out
+               {"pid": 2, "main": False, "expert_load": {"fast": 8, "load_weights_calls": 4, "load_weights_s": 0.5,
+                                                         "declined": {"quantized experts": 1}, "disabled": None}},
+               {"pid": 3, "main": False, "expert_load": {"fast": 8, "load_weights_calls": 4, "load_weights_s": 0.25,
+                                                         "declined": {}, "disabled": "layer 0: differs"}}]
+    for report in reports:
+        (tmp_path / f"{report['pid']}.json").write_text(json.dumps(report))
+    loads = bench._read_expert_loads(types.SimpleNamespace(engine=types.SimpleNamespace(report_dir=tmp_path)))
+    assert [load["fast"] for load in loads] == [8, 8]
+    before = bench._sum_expert_loads([])
+    after = bench._sum_expert_loads(loads)
+    assert after == {"fast": 16, "load_weights_calls": 8, "load_weights_s": 0.75, "declined": {"quantized experts": 1},
+                     "disabled": "layer 0: differs"}
+    delta = bench._expert_load_delta(before, after, syncs=2)
+    assert delta == {"fast_per_sync": 8.0, "load_weights_calls_per_sync": 4.0, "load_weights_s_per_sync": 0.375,
+                     "declined": {"quantized experts": 1}, "disabled": "layer 0: differs"}
+    assert bench._expert_load_delta(after, after, syncs=2)["declined"] == {}

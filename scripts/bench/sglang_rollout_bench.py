@@ -47,8 +47,13 @@ seconds and effective GB/s (bytes of the model / sync seconds; goal >= 50 GB/s),
 on the trainer rank (flattening, IPC handles, the rest: the engine's load and the per-bucket collectives), and
 checks that a greedy answer is the same after the syncs as before.  The transport sends each MoE layer's experts
 as two fused tensors (:mod:`slime.weight_sync.fused_experts`; first proven to load: negated experts change the
-answer, the originals bring it back); with ``--per-expert`` (default) the sweep runs again with the 3 x E tensors
-per layer of the checkpoint's names, for comparison.
+answer, the originals bring it back), which slime's server plugin copies into each ``FusedMoE`` layer in a few
+slice copies (:mod:`slime.rollout.engines.sglang.expert_load`); each figure carries what the engine's loader did
+(``engine_expert_load``: fused tensors fast-loaded, SGLang ``load_weights`` calls and their Python seconds per
+sync, the reasons SGLang's loader took a tensor).  With ``--per-expert`` (default) the sweep runs again with the
+3 x E tensors per layer of the checkpoint's names, and with ``--compare-sglang-expert-load`` (default), last, the
+server is restarted with ``SLIME_SGLANG_FAST_EXPERT_LOAD=0`` and the fused form timed at the largest bucket size
+with SGLang's own per-expert loading of fused tensors (``fused_sglang_loader``), side by side.
 
 Figures go to stdout and, with ``--json FILE``, as JSON lines into FILE.
 """
@@ -512,6 +517,7 @@ def weight_sync(args) -> None:
     from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
+    from slime.rollout.engines.sglang.server_plugin import FAST_EXPERT_LOAD_ENV
     from slime.utils.arguments import parse_args
     from slime.weight_sync.cuda_ipc import CudaIpcTransport
     from slime.weight_sync.fused_experts import checkpoint_num_experts
@@ -542,9 +548,14 @@ def weight_sync(args) -> None:
         variants = [("fused", mb) for mb in args.bucket_mb]  # what slime sends (the checkpoint's expert count)
         if args.per_expert:
             variants += [("per_expert", mb) for mb in args.bucket_mb]
+        if args.compare_sglang_expert_load:  # last: SGLang's own per-expert loader of fused tensors, a new server
+            variants.append(("fused_sglang_loader", max(args.bucket_mb)))
         fused_loads = None
         for expert_format, bucket_mb in variants:
-            experts = checkpoint_num_experts(args.model) if expert_format == "fused" else None
+            if expert_format == "fused_sglang_loader":
+                _restart_engine(engines, {FAST_EXPERT_LOAD_ENV: "0"})
+                trainers.update_weights(engines)  # one sync to warm the new server's load path, untimed
+            experts = checkpoint_num_experts(args.model) if expert_format != "per_expert" else None
             bucket_bytes = bucket_mb << 20
             transport.bucket_bytes, transport.num_experts = bucket_bytes, experts  # the driver's copy, and the rank's
             ray.get(actor.__ray_call__.remote(
@@ -556,18 +567,20 @@ def weight_sync(args) -> None:
                 sent = ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))["fused_names_sent"]
                 fused_loads = fused_loads and sent > 0  # the transport really sent fused tensors in those syncs
             times, breakdown = [], []
+            loads_before = _engine_expert_load(engines)
             for _ in range(args.syncs):
                 t0 = time.perf_counter()
                 trainers.update_weights(engines)
                 times.append(time.perf_counter() - t0)
                 breakdown.append(ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats())))
+            engine_load = _expert_load_delta(loads_before, _engine_expert_load(engines), args.syncs)
             after = engines.generate(prompt)[0]
             best = min(times)
             _emit(args, "weight_sync", {
                 "expert_format": expert_format, "bytes": nbytes, "gb": nbytes / 1e9, "bucket_mb": bucket_mb,
                 "sync_s": times, "best_s": best,
                 "gb_per_s": nbytes / 1e9 / best, "first_sync_s_with_connect": first_s,
-                "breakdown_of_best": breakdown[times.index(best)],
+                "breakdown_of_best": breakdown[times.index(best)], "engine_expert_load": engine_load,
                 "same_answer_after_sync": before.output_ids == after.output_ids,
                 "same_log_probs_after_sync": before.output_log_probs == after.output_log_probs,
                 **({"fused_experts_load": fused_loads} if expert_format == "fused" else {}),
@@ -575,6 +588,56 @@ def weight_sync(args) -> None:
     finally:
         trainers.shutdown()
         engines.shutdown()
+
+
+def _read_expert_loads(actor) -> list[dict]:
+    """On the engine actor: the ``expert_load`` figures of the server plugin's scheduler reports, one per TP rank."""
+    from slime.rollout.engines.sglang.server_plugin import read_reports
+
+    return [r.get("expert_load") or {} for r in read_reports(actor.engine.report_dir) if not r.get("main")]
+
+
+def _sum_expert_loads(loads: list[dict]) -> dict:
+    """Per-rank ``expert_load`` figures (:class:`slime.rollout.engines.sglang.expert_load.ExpertLoadStats`) summed."""
+    total = {"fast": 0, "load_weights_calls": 0, "load_weights_s": 0.0, "declined": {}, "disabled": None}
+    for load in loads:
+        for key in ("fast", "load_weights_calls", "load_weights_s"):
+            total[key] += load.get(key, 0)
+        for reason, count in (load.get("declined") or {}).items():
+            total["declined"][reason] = total["declined"].get(reason, 0) + count
+        total["disabled"] = total["disabled"] or load.get("disabled")
+    return total
+
+
+def _engine_expert_load(engines) -> dict:
+    """The engine's expert-load figures now (:func:`_read_expert_loads`, :func:`_sum_expert_loads`)."""
+    import ray
+
+    return _sum_expert_loads(ray.get(engines.actors[0].__ray_call__.remote(_read_expert_loads)))
+
+
+def _expert_load_delta(before: dict, after: dict, syncs: int) -> dict:
+    """What the engine's loader did in ``syncs`` syncs, per sync: fused tensors fast-loaded, ``load_weights`` calls
+    and their wall seconds (SGLang's Python loading; the GPU copies are waited for after it), the reasons
+    SGLang's loader took a fused tensor, and whether the fast path switched itself off."""
+    return {"fast_per_sync": (after["fast"] - before["fast"]) / syncs,
+            "load_weights_calls_per_sync": (after["load_weights_calls"] - before["load_weights_calls"]) / syncs,
+            "load_weights_s_per_sync": (after["load_weights_s"] - before["load_weights_s"]) / syncs,
+            "declined": {r: n - before["declined"].get(r, 0) for r, n in after["declined"].items()
+                         if n > before["declined"].get(r, 0)},
+            "disabled": after["disabled"]}
+
+
+def _restart_engine(engines, env: dict[str, str]) -> None:
+    """Restart the engine's server with ``env`` on top of its environment, and wait until it is healthy."""
+    import ray
+
+    def restart(actor):
+        actor.engine._env_overrides.update(env)
+        actor.engine.restart()
+
+    ray.get(engines.actors[0].__ray_call__.remote(restart))
+    engines.wait_until_healthy(START_TIMEOUT_S)
 
 
 def _negate_experts(actor) -> int:
@@ -655,6 +718,9 @@ def main(argv=None) -> None:
     ws.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                     help="--update-weight-buffer-size values to measure, MiB (one engine start for all)")
     ws.add_argument("--syncs", type=int, default=3)
+    ws.add_argument("--compare-sglang-expert-load", action=argparse.BooleanOptionalAction, default=True,
+                    help="last, restart the server with SLIME_SGLANG_FAST_EXPERT_LOAD=0 and time the fused form at the "
+                         "largest --bucket-mb with SGLang's own per-expert loader (expert_format fused_sglang_loader)")
     ws.add_argument("--per-expert", action=argparse.BooleanOptionalAction, default=True,
                     help="also sync with every expert's tensors sent apart (3 per expert, the checkpoint's names: "
                     "slime's transport before it fused them), for comparison")

@@ -28,10 +28,16 @@ What :func:`register` (the entry point) does, in every process:
    ``BaseTpWorker.update_weights_from_tensor`` the worker synchronises its CUDA stream, so the copies
    out of the trainer's CUDA-IPC buffer are done before the HTTP call returns and the trainer may
    free that buffer (SGLang alone returns with the copies still queued).
-4. **A report**: one JSON file per process, ``<SLIME_SGLANG_REPORT_DIR>/<pid>.json`` with the
+4. **Fused experts in a few copies** (:mod:`.expert_load`), in every process but the main one, on any
+   SGLang version: the ``load_weights`` of :data:`FAST_EXPERT_LOAD_TARGETS` (Qwen3.5 MoE) is wrapped, when
+   SGLang imports ``sglang.srt.models.qwen3_5``, so that a fused ``gate_up_proj`` / ``down_proj`` tensor is
+   copied into its ``FusedMoE`` layer with slice copies instead of SGLang's 3 E per-expert loader calls, each
+   copy checked against SGLang's own loader.  ``SLIME_SGLANG_FAST_EXPERT_LOAD=0`` leaves SGLang's loader.
+5. **A report**: one JSON file per process, ``<SLIME_SGLANG_REPORT_DIR>/<pid>.json`` with the
    SGLang version, whether this process is the server's main process, the fix's state
    (``"applied"``; ``"pending"`` until the model module is imported; ``"not needed"``, ``"disabled"``,
-   ``"main process"``) and ``GPU_MEMORY_ALL_TYPES``; the engine reads
+   ``"main process"``), ``GPU_MEMORY_ALL_TYPES`` and the fast expert load's figures (``expert_load``,
+   rewritten after every ``load_weights`` call); the engine reads
    them once the server is healthy (:func:`read_reports`) to check that every scheduler process
    carries the fix and to learn which memory tags exist.
 
