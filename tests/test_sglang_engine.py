@@ -805,10 +805,12 @@ def test_register_applies_the_fix_where_the_installed_sglang_needs_it(fake_sglan
         None) == (True, "Success")
 
 
-@pytest.mark.parametrize("env, main, wrapped", [(None, False, True), ("0", False, False), (None, True, False)])
+@pytest.mark.parametrize("env, main, wrapped", [(None, False, True), ("0", False, True), (None, True, False)])
 def test_register_wraps_the_moe_load_weights_in_scheduler_processes(fake_sglang_modules, monkeypatch, env, main,
                                                                     wrapped):
     from slime.rollout.engines.sglang import expert_load
+
+    monkeypatch.setattr(expert_load, "STATS", expert_load.ExpertLoadStats())
 
     monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.19")
     if env is not None:
@@ -819,6 +821,8 @@ def test_register_wraps_the_moe_load_weights_in_scheduler_processes(fake_sglang_
     server_plugin.register()
     assert getattr(model_cls.load_weights, expert_load._MARK, False) is wrapped
     assert model_cls().load_weights(iter([("a.weight", torch.zeros(1))])) == {"a.weight"}  # the rest streams through
+    assert expert_load.STATS.disabled == ("SLIME_SGLANG_FAST_EXPERT_LOAD=0" if env == "0" else None)
+    assert expert_load.STATS.load_weights_calls == (1 if wrapped else 0)  # timed also when the fast path is off
     state = ("0.5.19", "not needed")  # a fixed SGLang: no RoPE fix anywhere
     assert fake_sglang_modules.reports == [state] * (2 if wrapped else 1)  # rewritten after each wrapped load
 

@@ -42,6 +42,7 @@ class StandInMoE(torch.nn.Module):
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self.calls = 0
+        self._num_global_routed = experts
 
     def _map_global_expert_id_to_local_expert_id(self, expert):
         local = expert - self.ep_rank * self.local
@@ -185,6 +186,48 @@ def test_other_layouts_are_left_to_sglangs_loader(wrapped, change, reason):
     model.load_weights([(f"{LAYER}.gate_up_proj", gate_up)])
     assert model.received == [f"{LAYER}.gate_up_proj"]
     assert [r for r in wrapped.stats.declined if reason in r] and wrapped.stats.fast == 0
+
+
+def test_a_loader_that_writes_nothing_cannot_pass_the_check(wrapped):
+    class Silent(StandInMoE):
+        def weight_loader(self, param, loaded, name, shard_id, expert):  # e.g. maps the expert elsewhere
+            self.calls += 1
+
+    gate_up, _ = _fused()
+    model = wrapped.cls(Silent(dtype=torch.float64))
+    model.load_weights([(f"{LAYER}.gate_up_proj", gate_up)])
+    assert "differs from SGLang's own load" in wrapped.stats.disabled
+    assert model.received == [f"{LAYER}.gate_up_proj"] and wrapped.stats.fast == 0
+
+
+def test_a_tensor_with_another_expert_count_is_left_to_sglangs_loader(wrapped):
+    gate_up, _ = _fused(experts=4)
+    model = wrapped.cls(StandInMoE(experts=8, ep_rank=0, ep_size=2, dtype=torch.float64))  # 4 local of 8
+    model.load_weights([(f"{LAYER}.gate_up_proj", gate_up)])
+    assert [r for r in wrapped.stats.declined if "number of experts" in r] and wrapped.stats.fast == 0
+
+
+def test_the_weights_stream_through_in_order(wrapped):
+    """Each tensor is loaded before the next one is pulled (a load from disk is never held whole)."""
+    gate_up, down = _fused()
+    events = []
+
+    def weights():
+        for name, tensor in ((f"{LAYER}.gate_up_proj", gate_up), ("model.language_model.norm.weight", torch.ones(3)),
+                             (f"{LAYER}.down_proj", down), ("model.language_model.norm.weight", torch.zeros(3))):
+            events.append(f"pull {name}")
+            yield name, tensor
+
+    class Logging(SGLangLikeModel):
+        def load_weights(self, weights):
+            for name, _ in weights:
+                events.append(f"load {name}")
+
+    expert_load.wrap_load_weights(Logging, wrapped.stats)
+    Logging(StandInMoE(dtype=torch.float64)).load_weights(weights())
+    norm = "model.language_model.norm.weight"
+    assert events == [f"pull {LAYER}.gate_up_proj", f"pull {norm}", f"load {norm}", f"pull {LAYER}.down_proj",
+                      f"pull {norm}", f"load {norm}"]  # the experts fast-loaded as pulled, the rest passed on
 
 
 def test_names_and_shapes_that_do_not_fit_are_left_to_sglangs_loader():

@@ -18,7 +18,8 @@
 #     throughput  acceptance 4: scripts/bench/sglang_rollout_bench.py throughput on the real-width scaled model
 #                 (SLIME_THROUGHPUT_ARGS replaces the default extra flags "--official-cli", e.g.
 #                 "--contenders ours sglang_alone" for a short call)
-#     sync        acceptance 5: scripts/bench/sglang_rollout_bench.py weight-sync on the same model (SLIME_SYNC_ARGS:
+#     sync        tests/test_sglang_expert_load.py, then acceptance 5: scripts/bench/sglang_rollout_bench.py weight-sync
+#                 on the same model (SLIME_SYNC_ARGS:
 #                 extra flags, e.g. "--bucket-mb 2048 4096 --no-per-expert")
 # WHEELHOUSE: from scripts/offline_bundle.sh with --extras test,sglang (see docs/results/h200_sglang.md for the
 # build and carry commands); parts gathered in one folder.  OUT_DIR receives five files (the device tool brings
@@ -121,6 +122,8 @@ EOF
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
     ;;
   sync)
+    # the fast expert load against SGLang's real FusedMoE loader and Qwen3.5 load_weights (seconds; skipped on CPU)
+    timed pytest_expert_load timeout 180 python3 -m pytest -q -rA -p no:cacheprovider tests/test_sglang_expert_load.py || true
     [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
     timed weight_sync timeout 420 python3 scripts/bench/sglang_rollout_bench.py weight-sync --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_SYNC_ARGS:-}

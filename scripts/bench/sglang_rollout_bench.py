@@ -552,15 +552,16 @@ def weight_sync(args) -> None:
             variants.append(("fused_sglang_loader", max(args.bucket_mb)))
         fused_loads = None
         for expert_format, bucket_mb in variants:
-            if expert_format == "fused_sglang_loader":
-                _restart_engine(engines, {FAST_EXPERT_LOAD_ENV: "0"})
-                trainers.update_weights(engines)  # one sync to warm the new server's load path, untimed
             experts = checkpoint_num_experts(args.model) if expert_format != "per_expert" else None
             bucket_bytes = bucket_mb << 20
             transport.bucket_bytes, transport.num_experts = bucket_bytes, experts  # the driver's copy, and the rank's
             ray.get(actor.__ray_call__.remote(
                 lambda a, n=bucket_bytes, e=experts: (setattr(a.transport, "bucket_bytes", n),
                                                       setattr(a.transport, "num_experts", e))))
+            if expert_format == "fused_sglang_loader":  # the transport set first: the warm-up sync is this form
+                _restart_engine(engines, {FAST_EXPERT_LOAD_ENV: "0"})
+                trainers.update_weights(engines)  # one sync to warm the new server's load path, untimed
+                ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))  # not in the timed figures
             if expert_format == "fused" and fused_loads is None:
                 ray.get(actor.__ray_call__.remote(lambda a: a.backend.take_stats()))  # count from here
                 fused_loads = _fused_experts_load(trainers, engines, prompt, before)

@@ -56,7 +56,8 @@ class ExpertLoadStats:
 
     ``fast``: fused tensors copied by the fast path; ``declined``: handed to SGLang's loader, by reason;
     ``load_weights_calls`` / ``load_weights_s``: calls of the wrapped ``load_weights`` and their wall time
-    (seconds, the copies only queued on the GPU); ``disabled``: why the fast path was switched off, or None.
+    (seconds; the check's comparisons wait for the GPU, other copies may still be queued at the end);
+    ``disabled``: why the fast path is off (``SLIME_SGLANG_FAST_EXPERT_LOAD=0``, or a failed check), or None.
     """
 
     def __init__(self):
@@ -226,6 +227,10 @@ def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor, stats: Ex
     if problem is not None:
         stats.decline(problem)
         return False
+    routed = getattr(layer, "_num_global_routed", None)
+    if routed is not None and tensor.shape[0] != routed:  # SGLang loops over the config's expert count
+        stats.decline("a fused expert tensor with another number of experts than the layer")
+        return False
     held = local_experts(layer, tensor.shape[0])
     slices = _slices(layer, param_name, tensor, *held) if held is not None else None
     if slices is None:
@@ -237,6 +242,7 @@ def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor, stats: Ex
     param_path = f"{path}.{param_name}"
     for expert in sorted({lo, hi - 1}):  # SGLang's loader on the first and the last local expert must agree
         copied = param.data[expert - lo].clone()
+        param.data[expert - lo].fill_(float("nan"))  # so that a loader writing nothing here cannot pass
         _sglang_load_one(layer, param, param_path, tensor, expert)
         if not torch.equal(param.data[expert - lo], copied):
             stats.disabled = (f"{name}: expert {expert} differs from SGLang's own load; the fast path is off in "
@@ -274,7 +280,10 @@ def wrap_load_weights(model_cls: type, stats: ExpertLoadStats = STATS, on_load=N
             stats.load_weights_calls += 1
             stats.load_weights_s += time.perf_counter() - started
             if on_load is not None:
-                on_load()
+                try:
+                    on_load()
+                except Exception as e:  # noqa: BLE001 - a report that cannot be written must not fail the load
+                    logger.warning("slime fast expert load: on_load failed: %s", e)
         if isinstance(loaded, set):
             for name in fast_names:
                 module_path, param_name = fused_target(name)

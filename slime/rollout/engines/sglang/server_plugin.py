@@ -32,7 +32,8 @@ What :func:`register` (the entry point) does, in every process:
    SGLang version: the ``load_weights`` of :data:`FAST_EXPERT_LOAD_TARGETS` (Qwen3.5 MoE) is wrapped, when
    SGLang imports ``sglang.srt.models.qwen3_5``, so that a fused ``gate_up_proj`` / ``down_proj`` tensor is
    copied into its ``FusedMoE`` layer with slice copies instead of SGLang's 3 E per-expert loader calls, each
-   copy checked against SGLang's own loader.  ``SLIME_SGLANG_FAST_EXPERT_LOAD=0`` leaves SGLang's loader.
+   copy checked against SGLang's own loader.  ``SLIME_SGLANG_FAST_EXPERT_LOAD=0`` leaves every tensor to
+   SGLang's loader (the wrapper then only times it, for the report).
 5. **A report**: one JSON file per process, ``<SLIME_SGLANG_REPORT_DIR>/<pid>.json`` with the
    SGLang version, whether this process is the server's main process, the fix's state
    (``"applied"``; ``"pending"`` until the model module is imported; ``"not needed"``, ``"disabled"``,
@@ -98,7 +99,9 @@ def register() -> None:
               "leaves it in: image tokens get wrong rotary positions", file=sys.stderr, flush=True)
     else:
         state = "pending"  # "applied" once SGLang imports the model module (arm_on_import)
-    fast_experts = not main and os.environ.get(FAST_EXPERT_LOAD_ENV, "1") != "0"
+    fast_experts = not main  # wrapped also when off: the report then times SGLang's own loading
+    if os.environ.get(FAST_EXPERT_LOAD_ENV, "1") == "0":
+        expert_load.STATS.disabled = f"{FAST_EXPERT_LOAD_ENV}=0"
     redact_server_args(_import_attr("sglang.srt.server_args.ServerArgs"))
     worker = _import_attr("sglang.srt.managers.tp_worker.BaseTpWorker", missing_ok=True)
     if worker is not None:
@@ -131,7 +134,7 @@ def register() -> None:
                     print(f"[slime] fast expert load: {module_name}.{model_cls} not found; SGLang's loader "
                           "loads its experts", file=sys.stderr, flush=True)
                     continue
-                expert_load.wrap_load_weights(cls, on_load=save_report)  # the report gets the figures
+                expert_load.wrap_load_weights(cls, expert_load.STATS, on_load=save_report)  # the report gets the figures
 
     arm_on_import(module_name, patch)
 
