@@ -9,6 +9,9 @@ expert by expert in float64; and, where SGLang is installed (the GPU image), SGL
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 import types
 
 import pytest
@@ -43,6 +46,7 @@ class StandInMoE(torch.nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         self.calls = 0
         self._num_global_routed = experts
+        self.layer_id = 0
 
     def _map_global_expert_id_to_local_expert_id(self, expert):
         local = expert - self.ep_rank * self.local
@@ -188,6 +192,55 @@ def test_other_layouts_are_left_to_sglangs_loader(wrapped, change, reason):
     assert [r for r in wrapped.stats.declined if reason in r] and wrapped.stats.fast == 0
 
 
+def _set_expert_location(monkeypatch, metadata):
+    """Make ``get_global_expert_location_metadata()`` return ``metadata``, with or without SGLang installed."""
+    if importlib.util.find_spec("sglang") is None:
+        for name in ("sglang", "sglang.srt", "sglang.srt.eplb"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        module = types.ModuleType("sglang.srt.eplb.expert_location")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    else:
+        module = importlib.import_module("sglang.srt.eplb.expert_location")
+    monkeypatch.setattr(module, "get_global_expert_location_metadata", lambda: metadata, raising=False)
+
+
+def _location(physical_to_logical, logical=8):
+    """Expert-location metadata as SGLang keeps it, as far as the fast path reads it."""
+    row = torch.tensor(physical_to_logical)
+    return types.SimpleNamespace(physical_to_logical_map_cpu=row[None], num_physical_experts=row.numel(),
+                                 num_logical_experts=logical)
+
+
+@pytest.mark.parametrize("physical_to_logical, reason", [
+    (list(range(8)), None),                      # SGLang's trivial metadata, set on every MoE server
+    ([1, 0, 2, 3, 4, 5, 6, 7], "EPLB expert remapping"),
+    (list(range(8)) + [0, 1], "EPLB redundant experts"),
+])
+def test_expert_location_metadata_is_fast_only_when_it_is_the_identity(wrapped, monkeypatch, physical_to_logical,
+                                                                       reason):
+    _set_expert_location(monkeypatch, _location(physical_to_logical))
+    gate_up, down = _fused()
+    moe = StandInMoE(dtype=torch.float64)
+    model = wrapped.cls(moe)
+    model.load_weights([(f"{LAYER}.gate_up_proj", gate_up), (f"{LAYER}.down_proj", down)])
+    if reason is None:
+        w13, w2 = _expected(gate_up, down, 0, 1, 0, 1)
+        assert wrapped.stats.fast == 2 and not wrapped.stats.declined
+        assert torch.equal(moe.w13_weight, w13) and torch.equal(moe.w2_weight, w2)
+    else:
+        assert wrapped.stats.fast == 0 and set(wrapped.stats.declined) == {reason}, wrapped.stats.as_dict()
+        assert model.received == [f"{LAYER}.gate_up_proj", f"{LAYER}.down_proj"]
+
+
+def test_a_layer_past_the_metadatas_layers_is_the_identity(wrapped, monkeypatch):
+    _set_expert_location(monkeypatch, _location([1, 0, 2, 3, 4, 5, 6, 7]))  # layer 0 remapped
+    moe = StandInMoE(dtype=torch.float64)
+    moe.layer_id = 3  # SGLang's fallback for a layer the map does not cover (draft layers): logical e -> [e]
+    gate_up, _ = _fused()
+    wrapped.cls(moe).load_weights([(f"{LAYER}.gate_up_proj", gate_up)])
+    assert wrapped.stats.fast == 1 and torch.equal(moe.w13_weight, _expected(gate_up, _fused()[1], 0, 1, 0, 1)[0])
+
+
 def test_a_loader_that_writes_nothing_cannot_pass_the_check(wrapped):
     class Silent(StandInMoE):
         def weight_loader(self, param, loaded, name, shard_id, expert):  # e.g. maps the expert elsewhere
@@ -274,7 +327,7 @@ def _sglang_fused_moe(experts, hidden, inter, tp_rank, tp_size, ep_rank, ep_size
         use_triton_kernels=False, use_flashinfer_trtllm_moe=False, use_presharded_weights=False,
         use_padded_loading=False,  # a cached property, True on CPU only (SGLang's CPU layout)
         intermediate_size_per_partition=inter // tp_size, hidden_size=hidden,
-        moe_runner_config=types.SimpleNamespace(is_gated=True))
+        moe_runner_config=types.SimpleNamespace(is_gated=True), layer_id=0)
     shard = inter // tp_size
     for name, shape in (("w13_weight", (local, 2 * shard, hidden)), ("w2_weight", (local, hidden, shard))):
         param = torch.nn.Parameter(torch.full(shape, float("nan"), dtype=dtype), requires_grad=False)
@@ -327,3 +380,36 @@ def test_sglangs_qwen35_moe_load_weights_with_the_wrapper():
     moe_fast, moe_slow = fast.model.layers[0].mlp.experts, slow.model.layers[0].mlp.experts
     assert torch.equal(moe_fast.w13_weight, moe_slow.w13_weight) and torch.equal(moe_fast.w2_weight, moe_slow.w2_weight)
     assert torch.equal(fast.model.norm, torch.arange(3.0)) and "model.norm" in loaded
+
+
+@pytest.mark.parametrize("remapped", [False, True])
+def test_with_sglangs_own_expert_location_metadata(monkeypatch, remapped):
+    """SGLang's ``ExpertLocationMetadata`` (trivial, as every MoE server has it, or with experts 0 and 1
+    swapped) seen by both SGLang's ``FusedMoE.weight_loader`` and the fast path: trivial is fast-loaded and
+    equals SGLang's load; swapped is left to SGLang's loader."""
+    location = pytest.importorskip("sglang.srt.eplb.expert_location")
+    layer_module = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer")
+    physical = torch.tensor([[1, 0, 2, 3, 4, 5, 6, 7]] if remapped else [list(range(8))])
+    all_physical = torch.full((1, 8, 8), -1)  # logical e -> its physical slots, padded with -1 (SGLang's form)
+    all_physical[0, :, 0] = torch.argsort(physical[0])  # a permutation: one slot each
+    metadata = location.ExpertLocationMetadata(
+        physical_to_logical_map=physical, physical_to_logical_map_cpu=physical,
+        logical_to_all_physical_map=all_physical, logical_to_all_physical_map_cpu=all_physical,
+        logical_to_all_physical_map_num_valid=torch.ones(1, 8, dtype=torch.long), ep_size=1,
+        logical_to_rank_dispatch_physical_map=None)
+    for module in (location, layer_module):
+        monkeypatch.setattr(module, "get_global_expert_location_metadata", lambda: metadata)
+    gate_up, down = _fused(experts=8, hidden=16, inter=8, seed=9)
+    names = [(f"{LAYER}.gate_up_proj", gate_up), (f"{LAYER}.down_proj", down)]
+    stats = expert_load.ExpertLoadStats()
+    cls = type("Wrapped", (SGLangLikeModel,), {})
+    expert_load.wrap_load_weights(cls, stats)
+    fast = cls(_sglang_fused_moe(8, 16, 8, 0, 1, 0, 1, torch.bfloat16))
+    slow = SGLangLikeModel(_sglang_fused_moe(8, 16, 8, 0, 1, 0, 1, torch.bfloat16))
+    fast.load_weights(names)
+    slow.load_weights(names)
+    assert stats.fast == (0 if remapped else 2), stats.as_dict()
+    moe_fast, moe_slow = fast.model.layers[0].mlp.experts, slow.model.layers[0].mlp.experts
+    assert torch.equal(moe_fast.w13_weight, moe_slow.w13_weight) and torch.equal(moe_fast.w2_weight, moe_slow.w2_weight)
+    if remapped:  # SGLang put logical expert 0 into physical slot 1
+        assert torch.equal(moe_slow.w13_weight[1, :8].double(), gate_up[0, :8].to(torch.bfloat16).double())

@@ -112,7 +112,8 @@ def plain_layout_problem(layer: torch.nn.Module, param: torch.nn.Parameter) -> s
 
     Plain: ``UnquantizedFusedMoEMethod`` without a compressed-tensors ``scheme``, a gated MLP, gate rows first
     (no ``load_up_proj_weight_first``), none of the Triton-kernel (transposed), FlashInfer TRT-LLM (swapped or
-    reshaped), padded or pre-sharded layouts, no fused shared experts, no EPLB expert-location metadata, and
+    reshaped), padded or pre-sharded layouts, no fused shared experts, no EPLB remapping or redundant experts
+    (:func:`expert_location_problem`), and
     ``param.weight_loader`` being ``FusedMoE.weight_loader`` (the per-expert form the check calls).
     """
     method = getattr(layer, "quant_method", None)
@@ -132,15 +133,43 @@ def plain_layout_problem(layer: torch.nn.Module, param: torch.nn.Parameter) -> s
     loader = getattr(param, "weight_loader", None)
     if getattr(loader, "__name__", None) != "weight_loader" or getattr(loader, "__self__", None) is not layer:
         return "a parameter without FusedMoE.weight_loader"
+    return expert_location_problem(layer)
+
+
+def expert_location_problem(layer: torch.nn.Module) -> str | None:
+    """Why SGLang's expert-location metadata makes ``layer``'s physical experts differ from the checkpoint's
+    logical ones, or None.
+
+    SGLang sets the metadata on every MoE server, EPLB or not (``ExpertLocationMetadata.init_trivial``: physical
+    expert i is logical expert i); ``FusedMoE.weight_loader`` then loads logical expert e into every physical
+    slot of ``logical_to_all_physical(layer_id, e)``.  The fast copy is the per-expert load only when that is
+    ``[e]`` for every e: as many physical as logical experts and ``physical_to_logical_map[layer_id]`` (int,
+    [num_physical]) equal to ``arange``.  EPLB rebalancing or redundant experts (``--ep-num-redundant-experts``)
+    are declined.  A layer id past the map's layers is the identity (SGLang's own fallback for draft layers).
+    """
     try:
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
-        if get_global_expert_location_metadata() is not None:
-            return "EPLB expert-location metadata"
+        metadata = get_global_expert_location_metadata()
     except ImportError:
-        pass  # no SGLang (the CPU tests' stand-in layers): nothing remaps experts
+        return None  # no SGLang (the CPU tests' stand-in layers): nothing remaps experts
     except Exception:  # noqa: BLE001 - SGLang's runtime context not set up: not the server's model load
         return "no SGLang runtime context"
+    if metadata is None:
+        return None
+    physical_to_logical = getattr(metadata, "physical_to_logical_map_cpu", None)
+    if physical_to_logical is None:
+        physical_to_logical = metadata.physical_to_logical_map.cpu()
+    layer_id = getattr(layer, "layer_id", None)
+    if layer_id is None:
+        return "EPLB expert-location metadata without the layer's id"
+    if layer_id >= physical_to_logical.shape[0]:
+        return None
+    row = physical_to_logical[layer_id]
+    if metadata.num_physical_experts != metadata.num_logical_experts:
+        return "EPLB redundant experts"
+    if not torch.equal(row.to(torch.long), torch.arange(row.numel())):
+        return "EPLB expert remapping"
     return None
 
 
