@@ -228,8 +228,10 @@ def _sglang_load_one(layer, param, param_path: str, tensor: torch.Tensor, expert
         param.weight_loader(param, tensor[expert], param_path, "w2", expert)
 
 
-def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor, stats: ExpertLoadStats = STATS) -> bool:
-    """Copy one fused expert tensor into its ``FusedMoE`` layer (module docstring); False when it is left to
+def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor,
+              stats: ExpertLoadStats = STATS) -> str | None:
+    """Copy one fused expert tensor into its ``FusedMoE`` layer (module docstring) and return the parameter's
+    name in the model (e.g. ``model.layers.0.mlp.experts.w13_weight``); None when it is left to
     SGLang's loader (not a fused name, not the plain layout, shapes that do not fit, the fast path off, or the
     check against SGLang's loader failed, which also switches the fast path off).
 
@@ -241,30 +243,30 @@ def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor, stats: Ex
     """
     target = fused_target(name)
     if target is None or stats.disabled is not None:
-        return False
+        return None
     if tensor.dim() != 3:
         stats.decline("a fused expert tensor that is not 3-D")
-        return False
+        return None
     found = resolve_layer(model, target[0])
     if found is None:
         stats.decline("a fused expert name without a FusedMoE layer")
-        return False
+        return None
     path, layer = found
     param_name = target[1]
     param = getattr(layer, param_name)
     problem = plain_layout_problem(layer, param)
     if problem is not None:
         stats.decline(problem)
-        return False
+        return None
     routed = getattr(layer, "_num_global_routed", None)
     if routed is not None and tensor.shape[0] != routed:  # SGLang loops over the config's expert count
         stats.decline("a fused expert tensor with another number of experts than the layer")
-        return False
+        return None
     held = local_experts(layer, tensor.shape[0])
     slices = _slices(layer, param_name, tensor, *held) if held is not None else None
     if slices is None:
         stats.decline("fused expert shapes that do not match the layer")
-        return False
+        return None
     for destination, source in slices:
         destination.copy_(source)
     lo, hi = held
@@ -277,9 +279,9 @@ def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor, stats: Ex
             stats.disabled = (f"{name}: expert {expert} differs from SGLang's own load; the fast path is off in "
                               "this process and SGLang's loader loads every fused expert tensor")
             print(f"[slime] WARNING: fast expert load {stats.disabled}", file=sys.stderr, flush=True)
-            return False
+            return None
     stats.fast += 1
-    return True
+    return param_path
 
 
 def wrap_load_weights(model_cls: type, stats: ExpertLoadStats = STATS, on_load=None) -> None:
@@ -294,14 +296,15 @@ def wrap_load_weights(model_cls: type, stats: ExpertLoadStats = STATS, on_load=N
     @functools.wraps(original)
     def load_weights(self, weights):
         started = time.perf_counter()
-        fast_names: list[str] = []
+        fast_loaded: list[str] = []  # the parameters' names in the model, for SGLang's set of loaded names
 
         def rest():
             for name, tensor in weights:
-                if fast_load(self, name, tensor, stats):
-                    fast_names.append(name)
-                else:
+                param_path = fast_load(self, name, tensor, stats)
+                if param_path is None:
                     yield name, tensor
+                else:
+                    fast_loaded.append(param_path)
 
         try:
             loaded = original(self, rest())
@@ -314,11 +317,7 @@ def wrap_load_weights(model_cls: type, stats: ExpertLoadStats = STATS, on_load=N
                 except Exception as e:  # noqa: BLE001 - a report that cannot be written must not fail the load
                     logger.warning("slime fast expert load: on_load failed: %s", e)
         if isinstance(loaded, set):
-            for name in fast_names:
-                module_path, param_name = fused_target(name)
-                found = resolve_layer(self, module_path)
-                if found is not None:
-                    loaded.add(f"{found[0]}.{param_name}")
+            loaded.update(fast_loaded)
         return loaded
 
     setattr(load_weights, _MARK, True)
