@@ -384,12 +384,13 @@ def test_sglangs_qwen35_moe_load_weights_with_the_wrapper():
 
 @pytest.mark.parametrize("remapped", [False, True])
 def test_with_sglangs_own_expert_location_metadata(monkeypatch, remapped):
-    """SGLang's ``ExpertLocationMetadata`` (trivial, as every MoE server has it, or with experts 0 and 1
+    """SGLang's ``ExpertLocationMetadata`` (trivial, as every MoE server has it, or with experts 3 and 4
     swapped) seen by both SGLang's ``FusedMoE.weight_loader`` and the fast path: trivial is fast-loaded and
-    equals SGLang's load; swapped is left to SGLang's loader."""
+    equals SGLang's load; swapped is declined by name and left to SGLang's loader (the check against SGLang's
+    loader looks at the first and last expert only, so a swap of middle experts is this guard's alone)."""
     location = pytest.importorskip("sglang.srt.eplb.expert_location")
     layer_module = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer")
-    physical = torch.tensor([[1, 0, 2, 3, 4, 5, 6, 7]] if remapped else [list(range(8))])
+    physical = torch.tensor([[0, 1, 2, 4, 3, 5, 6, 7]] if remapped else [list(range(8))])
     all_physical = torch.full((1, 8, 8), -1)  # logical e -> its physical slots, padded with -1 (SGLang's form)
     all_physical[0, :, 0] = torch.argsort(physical[0])  # a permutation: one slot each
     metadata = location.ExpertLocationMetadata(
@@ -409,7 +410,8 @@ def test_with_sglangs_own_expert_location_metadata(monkeypatch, remapped):
     fast.load_weights(names)
     slow.load_weights(names)
     assert stats.fast == (0 if remapped else 2), stats.as_dict()
+    assert stats.declined == ({"EPLB expert remapping": 2} if remapped else {}), stats.as_dict()
     moe_fast, moe_slow = fast.model.layers[0].mlp.experts, slow.model.layers[0].mlp.experts
     assert torch.equal(moe_fast.w13_weight, moe_slow.w13_weight) and torch.equal(moe_fast.w2_weight, moe_slow.w2_weight)
-    if remapped:  # SGLang put logical expert 0 into physical slot 1
-        assert torch.equal(moe_slow.w13_weight[1, :8].double(), gate_up[0, :8].to(torch.bfloat16).double())
+    if remapped:  # SGLang put logical expert 3 into physical slot 4
+        assert torch.equal(moe_slow.w13_weight[4, :8].double(), gate_up[3, :8].to(torch.bfloat16).double())

@@ -157,17 +157,15 @@ def expert_location_problem(layer: torch.nn.Module) -> str | None:
         return "no SGLang runtime context"
     if metadata is None:
         return None
-    physical_to_logical = getattr(metadata, "physical_to_logical_map_cpu", None)
-    if physical_to_logical is None:
-        physical_to_logical = metadata.physical_to_logical_map.cpu()
+    if metadata.num_physical_experts != metadata.num_logical_experts:
+        return "EPLB redundant experts"
+    physical_to_logical = metadata.physical_to_logical_map_cpu  # [layers, num_physical], kept by SGLang's update()
     layer_id = getattr(layer, "layer_id", None)
     if layer_id is None:
         return "EPLB expert-location metadata without the layer's id"
     if layer_id >= physical_to_logical.shape[0]:
         return None
     row = physical_to_logical[layer_id]
-    if metadata.num_physical_experts != metadata.num_logical_experts:
-        return "EPLB redundant experts"
     if not torch.equal(row.to(torch.long), torch.arange(row.numel())):
         return "EPLB expert remapping"
     return None
