@@ -147,11 +147,18 @@ def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_
 
 
 @pytest.mark.slow
-def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ckpt, tmp_path, backend):
+    """With either trainer the weights pushed into the SGLang engine (the fake server runs the HF model on what it
+    receives) give the trainer's log-probs after the first sync: every tensor arrived under its HF name."""
     from slime import train as driver
     from slime.utils.metrics import read_metrics
 
-    run_dir = driver.train(_driver_cfg(tiny_ckpt, tmp_path))
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    cfg = _driver_cfg(tiny_ckpt, tmp_path, "--train-backend", backend)
+    assert cfg.train.train_backend == backend
+    run_dir = driver.train(cfg)
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
     for record in records:  # the fake runs the trainer's HF model in float32: the two agree to rounding
