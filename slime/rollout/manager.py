@@ -280,7 +280,9 @@ def check_prompt_lengths(
         "with other pixel bounds than --image-min-pixels / --image-max-pixels (the number of image tokens follows "
         "the resized size)"
     )
-    summary = f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline"
+    summary = (
+        f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline"
+    )
     if len(bad) == len(samples) or len(bad) > max_fraction * len(samples):
         raise PromptMismatchError(
             f"{summary} ({first}). The trainer would train on other tokens than the engine generated from. {cause}. "
@@ -386,10 +388,10 @@ def _drop_mismatched_groups(samples: list[Sample], n: int) -> tuple[list[Sample]
     if not kept:
         failed = sum(s.status == SampleStatus.FAILED for s in samples)
         raise PromptMismatchError(
-            f"every one of the {len(samples) // n} groups of this rollout holds a sample whose prompt has another length "
-            f"in the rollout engine than in the data pipeline ({failed} samples; see the warning above for the first "
-            "few and the likely cause), so no group is left to train on; fix the engine's processor / chat template / "
-            "pixel bounds, or lower --max-prompt-length-mismatch-fraction to stop at the first such rollout"
+            f"every one of the {len(samples) // n} groups of this rollout holds a sample whose prompt has another "
+            f"length in the rollout engine than in the data pipeline ({failed} samples; see the warning above for "
+            "the first few and the likely cause), so no group is left to train on; fix the engine's processor / chat "
+            "template / pixel bounds, or lower --max-prompt-length-mismatch-fraction to stop at the first such rollout"
         )
     return kept, dropped
 
