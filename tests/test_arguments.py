@@ -591,6 +591,8 @@ def test_requested_gpus_must_fit_the_cluster(colocate, available, fits):
         (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or >= 1"),
         (["--rollout-engine-start-timeout", "0"], "--rollout-engine-start-timeout must be > 0 seconds, got 0.0"),
         (["--rollout-engine-start-timeout", "nan"], "--rollout-engine-start-timeout must be a finite number, got nan"),
+        (["--max-prompt-length-mismatch-fraction", "1.5"], "--max-prompt-length-mismatch-fraction must be in [0, 1]"),
+        (["--max-prompt-length-mismatch-fraction", "-0.1"], "must be in [0, 1], got -0.1; e.g. 0.1, or 0 to stop"),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1, got 0"),
         (["--num-epoch", "1"], "--num-rollout 2 and --num-epoch 1 both given"),
         (["--eval-interval", "5"], "--eval-interval 5 needs datasets to evaluate: add --eval-prompt-data"),

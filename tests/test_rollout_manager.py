@@ -1,4 +1,4 @@
-"""RolloutManager with a scripted engine group (no Ray): rewards, group advantages,
+"""RolloutManager with a scripted engine group (no Ray): rewards, group advantages, prompt length mismatches,
 truncation and skip counters, truncation options, per-request seeds, eval isolation.
 
 The engine stand-in answers ``\\boxed{5}`` to odd-numbered requests and ``\\boxed{7}`` to
@@ -235,6 +235,118 @@ def test_prompt_length_mismatch_is_caught_for_any_engine(tmp_path, tiny_ckpt):
     assert (f"sample 6 (dataset index 1, rid 1:6): engine 0 saw {true_len[6] - 2} prompt tokens, the data "
             f"pipeline computed {true_len[6]}") in message
     assert "--image-min-pixels / --image-max-pixels" in message
+    assert "--max-prompt-length-mismatch-fraction 0.1" in message  # 2 / 8 is over the default
+
+
+def _true_lengths(requests):
+    return [len(PROCESSOR(r.text, [decode_image(b) for b in r.image_data]).input_ids) for r in requests]
+
+
+def test_one_prompt_length_mismatch_drops_its_group_only(tmp_path, tiny_ckpt, caplog):
+    # Request 2 of 8 (group 0: rows 0's samples 0..3) comes back one token long; 1 / 8 is under the fraction.
+    extra = ("--max-prompt-length-mismatch-fraction", "0.2")
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "bad").mkdir()
+    reference = _manager(tmp_path / "ref", tiny_ckpt, ScriptedEngines(), extra=extra)
+    engines = ScriptedEngines(miscount={2: 1})
+    manager = _manager(tmp_path / "bad", tiny_ckpt, engines, extra=extra)
+    try:
+        expected_batch = reference.generate(0)
+        with caplog.at_level(logging.WARNING, logger="slime.rollout.manager"):
+            batch = manager.generate(0)
+    finally:
+        reference.close()
+        manager.close()
+    samples = batch.samples
+    assert len(samples) == 8  # the batch keeps its size: --global-batch-size 8 still splits it
+    assert [s.group_index for s in samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [s.status for s in samples] == [SampleStatus.COMPLETED] * 2 + [SampleStatus.FAILED] + [
+        SampleStatus.COMPLETED] * 5  # fmt: skip
+    # Group 0 gives no gradient: every response token masked, advantage 0.
+    for s in samples[:4]:
+        assert s.loss_mask == [0] * len(s.response_token_ids) and len(s.response_token_ids) == 2
+        assert s.advantage == 0.0
+    # Group 1 is trained on as without the mismatch: rewards [0, 1, 0, 1], advantages
+    # +-0.5 / (sqrt(1/3) + 1e-6) (unbiased std, eps 1e-6), full loss masks; the same as the clean run's.
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert [s.reward for s in samples[4:]] == [0.0, 1.0, 0.0, 1.0]
+    assert [s.advantage for s in samples[4:]] == pytest.approx([-expected, expected] * 2, rel=1e-6)
+    for got, want in zip(samples[4:], expected_batch.samples[4:]):
+        assert (got.prompt_token_ids, got.response_token_ids, got.loss_mask, got.rollout_log_probs) == (
+            want.prompt_token_ids, want.response_token_ids, want.loss_mask, want.rollout_log_probs)
+        assert got.advantage == want.advantage
+    m = batch.metrics
+    assert m["rollout/prompt_length_mismatches"] == 1.0
+    assert m["rollout/prompt_length_mismatch_groups"] == 1.0
+    # The failed sample is left out of the reward statistics: rewards 0, 1, (failed), 1, 0, 1, 0, 1.
+    assert m["rollout/num_samples"] == 7.0
+    assert m["rollout/reward_mean"] == pytest.approx(4 / 7)
+    assert m["rollout/zero_std_group_frac"] == 0.0
+    assert expected_batch.metrics["rollout/prompt_length_mismatches"] == 0.0
+    assert expected_batch.metrics["rollout/prompt_length_mismatch_groups"] == 0.0
+    (requests,) = engines.calls
+    true_len = _true_lengths(requests)
+    warning = caplog.text
+    assert "1 of 8 prompts have another length in the rollout engine than in the data pipeline" in warning
+    assert (f"sample 2 (dataset index 0, rid 0:2): engine 0 saw {true_len[2] + 1} prompt tokens, the data "
+            f"pipeline computed {true_len[2]}") in warning
+    assert "--image-min-pixels / --image-max-pixels" in warning
+
+
+@pytest.mark.parametrize("fraction, raises", [("0.25", False), ("0.24", True), ("0", True)])
+def test_prompt_length_mismatch_fraction_boundary(tmp_path, tiny_ckpt, fraction, raises):
+    # 2 of 8 samples mismatch, both in group 1: a fraction of exactly 0.25.
+    engines = ScriptedEngines(miscount={5: 3, 7: -1})
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--max-prompt-length-mismatch-fraction", fraction))
+    try:
+        if raises:
+            with pytest.raises(PromptMismatchError, match=r"^2 of 8 prompts have another length"):
+                manager.generate(0)
+            return
+        batch = manager.generate(0)
+    finally:
+        manager.close()
+    assert batch.metrics["rollout/prompt_length_mismatches"] == 2.0
+    assert batch.metrics["rollout/prompt_length_mismatch_groups"] == 1.0
+    assert [s.advantage == 0.0 for s in batch.samples] == [False] * 4 + [True] * 4
+
+
+def test_every_prompt_mismatching_stops_the_run_whatever_the_fraction(tmp_path, tiny_ckpt):
+    engines = ScriptedEngines(miscount={i: 1 for i in range(8)})
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--max-prompt-length-mismatch-fraction", "1"))
+    try:
+        with pytest.raises(PromptMismatchError) as info:
+            manager.generate(0)
+    finally:
+        manager.close()
+    assert str(info.value).startswith("8 of 8 prompts have another length in the rollout engine")
+    assert "--image-min-pixels / --image-max-pixels" in str(info.value)
+
+
+def test_a_mismatch_in_every_group_leaves_nothing_to_train_on(tmp_path, tiny_ckpt):
+    # One mismatch per group (samples 1 and 4): 2 / 8 is allowed, but no group is left.
+    engines = ScriptedEngines(miscount={1: 1, 4: 1})
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--max-prompt-length-mismatch-fraction", "0.5"))
+    try:
+        with pytest.raises(PromptMismatchError, match="every one of the 2 groups of this rollout holds a sample"):
+            manager.generate(0)
+    finally:
+        manager.close()
+
+
+def test_eval_leaves_a_mismatching_sample_out_of_its_metrics(tmp_path, tiny_ckpt):
+    # Set "a" (labels 7, 7, 7) gets answers 7, 5, 7: request 1 (the wrong one) mismatches, so the
+    # set's accuracy is 2 / 2 over 2 samples (3 samples with it would give 2 / 3).
+    engines = ScriptedEngines(miscount={1: -1})
+    manager = _manager(tmp_path, tiny_ckpt, engines, eval_labels={"a": ["7", "7", "7"]},
+                       extra=("--max-prompt-length-mismatch-fraction", "0.4"))
+    try:
+        metrics = manager.evaluate(0)
+    finally:
+        manager.close()
+    assert metrics["eval/a/prompt_length_mismatches"] == 1.0
+    assert metrics["eval/a/num_samples"] == 2.0
+    assert metrics["eval/a/accuracy"] == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------------------------------

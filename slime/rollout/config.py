@@ -79,6 +79,15 @@ class RolloutConfig:
         "health check passes; an engine that is not healthy by then stops the run with its index, node and bundles.",
     )
 
+    max_prompt_length_mismatch_fraction: float = flag(
+        0.1,
+        help="Largest fraction of a rollout's (or an eval set's) samples whose prompt length in the engine may differ "
+        "from the data pipeline's before the run stops (PromptMismatchError). Below it, each mismatching sample is "
+        "an error of that sample, counted (rollout/prompt_length_mismatches) and logged: its GRPO group is left out "
+        "of the loss, and it is left out of the eval metrics. A rollout where every sample mismatches always stops "
+        "(a misconfigured processor, chat template or pixel bounds). In [0, 1]; 0 = any mismatch stops the run.",
+    )
+
     def __post_init__(self):
         check_name_or_import_path("--rollout-backend", self.rollout_backend, ENGINES.names())
         if self.num_rollout is None and self.num_epoch is None:
@@ -95,6 +104,11 @@ class RolloutConfig:
             raise ConfigError(
                 f"--rollout-engine-start-timeout must be > 0 seconds, got {self.rollout_engine_start_timeout}; "
                 "e.g. 1800 for a large model"
+            )
+        if not 0 <= self.max_prompt_length_mismatch_fraction <= 1:  # also refuses NaN
+            raise ConfigError(
+                "--max-prompt-length-mismatch-fraction must be in [0, 1], got "
+                f"{self.max_prompt_length_mismatch_fraction}; e.g. 0.1, or 0 to stop at the first mismatch"
             )
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")

@@ -35,7 +35,8 @@ class RolloutBatch:
 
     Attributes:
         samples: ``rollout_batch_size * n_samples_per_prompt`` samples; the n samples of
-            a prompt are contiguous and share ``group_index``.
+            a prompt are contiguous and share ``group_index``.  The groups dropped for a prompt
+            length mismatch are among them, with ``loss_mask`` 0 and advantage 0.
         metrics: ``rollout/*`` and ``data/*`` metrics of this step.
     """
 
@@ -103,7 +104,10 @@ class RolloutManager:
         Rewards are scored against each prompt's label, truncated samples are treated as
         ``--stop-properly-penalty-coef`` / ``--overlong-filter`` say (:func:`_apply_truncation_options`),
         and the rewards are turned into group advantages with the ``--advantage-estimator``
-        (shared GRPO math).  Sample ``i = group_index * n + j`` of the step is drawn with
+        (shared GRPO math).  A group holding a sample whose engine saw another prompt length
+        (status ``FAILED``) is left out of the loss (:func:`_drop_mismatched_groups`), and counted
+        in ``rollout/prompt_length_mismatches`` (samples) and ``rollout/prompt_length_mismatch_groups``.
+        Sample ``i = group_index * n + j`` of the step is drawn with
         ``sampling_seed(--rollout-seed, rollout_id, i)``, so the step's responses depend neither
         on the engines' history nor on which engine serves which request (exact resume).
         """
@@ -114,11 +118,15 @@ class RolloutManager:
             prompt.group_index = group_index
             samples.extend(prompt.clone_prompt() for _ in range(n))
         self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
-        metrics = _sample_metrics("rollout", samples)  # the reward function's verdicts, before shaping
-        metrics.update(_apply_truncation_options(samples, self.grpo))
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        kept, dropped = _drop_mismatched_groups(samples, n)
+        metrics = _sample_metrics("rollout", [s for s in samples if s.status != SampleStatus.FAILED])
+        metrics["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in samples))
+        metrics["rollout/prompt_length_mismatch_groups"] = float(len(dropped) // n)
+        # The reward function's verdicts above are before shaping; shaping and advantages see the kept groups only.
+        metrics.update(_apply_truncation_options(kept, self.grpo))
+        rewards = torch.tensor([s.reward for s in kept], dtype=torch.float64)
         advantages = compute_advantages(rewards, n, self.grpo)
-        for sample, advantage in zip(samples, advantages.tolist()):
+        for sample, advantage in zip(kept, advantages.tolist()):
             sample.advantage = advantage
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
         # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/inputs.py).
@@ -131,7 +139,11 @@ class RolloutManager:
         return RolloutBatch(samples, metrics)
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
-        """Accuracy and response statistics on every ``--eval-prompt-data`` set (no training)."""
+        """Accuracy and response statistics on every ``--eval-prompt-data`` set (no training).
+
+        A sample whose engine saw another prompt length (status ``FAILED``) is left out of its set's
+        metrics (``num_samples`` counts the others) and counted in ``eval/<name>/prompt_length_mismatches``.
+        """
         e = self.eval_cfg
         params = SamplingParams(
             max_new_tokens=e.eval_max_response_len or self.cfg.rollout_max_response_len,
@@ -145,10 +157,11 @@ class RolloutManager:
         for name, prompts in self.eval_sets.items():
             samples = [p.clone_prompt() for p in prompts for _ in range(e.n_samples_per_eval_prompt)]
             self._generate_and_score(samples, params, rollout_id, f"eval/{name}")
-            for key, value in _sample_metrics(f"eval/{name}", samples).items():
-                metrics[key] = value
+            usable = [s for s in samples if s.status != SampleStatus.FAILED]  # never empty: check_prompt_lengths
+            metrics.update(_sample_metrics(f"eval/{name}", usable))
+            metrics[f"eval/{name}/prompt_length_mismatches"] = float(len(samples) - len(usable))
             logger.info("eval %s at rollout %d: accuracy %.4f over %d samples", name, rollout_id,
-                        metrics[f"eval/{name}/accuracy"], len(samples))
+                        metrics[f"eval/{name}/accuracy"], len(usable))
         metrics.update({f"eval/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
         return metrics
 
@@ -167,7 +180,9 @@ class RolloutManager:
 
     def _generate_and_score(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str) -> None:
         """Generate one response per sample (request ``i`` seeded by :func:`sampling_seed` of its
-        position ``i``), record it on the sample and score it."""
+        position ``i``), record it on the sample and score it.  A sample whose engine saw another
+        prompt length gets status ``FAILED`` (:func:`check_prompt_lengths`, which raises
+        :class:`PromptMismatchError` when too many do)."""
         if self.engines is None:
             raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         requests = [
@@ -180,7 +195,7 @@ class RolloutManager:
             for i, s in enumerate(samples)
         ]
         outputs = self.engines.generate(requests)
-        check_prompt_lengths(samples, requests, outputs)
+        mismatched = check_prompt_lengths(samples, requests, outputs, self.cfg.max_prompt_length_mismatch_fraction)
         for sample, out in zip(samples, outputs):
             sample.response = out.text
             sample.response_token_ids = list(out.output_ids)
@@ -191,6 +206,8 @@ class RolloutManager:
                 "length": SampleStatus.TRUNCATED,
                 "abort": SampleStatus.ABORTED,
             }[out.finish_reason]
+        for i in mismatched:
+            samples[i].status = SampleStatus.FAILED
         rewards = self.scorer.score([s.response for s in samples], [s.label for s in samples])
         for sample, reward in zip(samples, rewards):
             sample.reward = float(reward)
@@ -222,12 +239,26 @@ class RolloutManager:
         self.scorer.close()
 
 
-def check_prompt_lengths(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput]) -> None:
+def check_prompt_lengths(
+    samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput], max_fraction: float
+) -> list[int]:
     """Compare each engine's prompt length (``GenerateOutput.prompt_tokens``) with the data pipeline's
     ``len(sample.prompt_token_ids)``, for whatever engine served the request.
 
+    A mismatching sample is an error of that sample: its position is returned (the caller marks it
+    :attr:`SampleStatus.FAILED`) and a warning names the first few.  Many mismatches are a
+    misconfiguration, not a per-sample fault, and stop the run.
+
+    Args:
+        samples, requests, outputs: position ``i`` of each is one request (same length).
+        max_fraction: ``--max-prompt-length-mismatch-fraction``, in [0, 1].
+
+    Returns:
+        Positions (ascending) of the samples whose lengths differ; empty when all agree.
+
     Raises:
-        PromptMismatchError: naming the count of mismatching samples and, for the first few, the
+        PromptMismatchError: every sample mismatches, or more than ``max_fraction * len(samples)``
+            do; the message names the count of mismatching samples and, for the first few, the
             sample (position in the batch, dataset index, request id), the engine and both lengths,
             with the likely cause.
     """
@@ -237,19 +268,33 @@ def check_prompt_lengths(samples: list[Sample], requests: list[GenerateRequest],
         if out.prompt_tokens != len(sample.prompt_token_ids)
     ]
     if not bad:
-        return
+        return []
     first = "; ".join(
         f"sample {i} (dataset index {sample.index}, rid {req.rid}): engine "
         f"{'?' if out.engine_index is None else out.engine_index} saw {out.prompt_tokens} prompt tokens, "
         f"the data pipeline computed {len(sample.prompt_token_ids)}"
         for i, sample, req, out in bad[:3]
     )
-    raise PromptMismatchError(
-        f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline "
-        f"({first}). The trainer would train on other tokens than the engine generated from. Likely cause: the engine "
-        "loads another processor or chat template than --hf-checkpoint, or resizes images with other pixel bounds "
-        "than --image-min-pixels / --image-max-pixels (the number of image tokens follows the resized size)"
+    cause = (
+        "Likely cause: the engine loads another processor or chat template than --hf-checkpoint, or resizes images "
+        "with other pixel bounds than --image-min-pixels / --image-max-pixels (the number of image tokens follows "
+        "the resized size)"
     )
+    summary = (
+        f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline"
+    )
+    if len(bad) == len(samples) or len(bad) > max_fraction * len(samples):
+        raise PromptMismatchError(
+            f"{summary} ({first}). The trainer would train on other tokens than the engine generated from. {cause}. "
+            f"(More than --max-prompt-length-mismatch-fraction {max_fraction:g} of the samples, or all of them, "
+            "stop the run; fewer are counted and left out per sample.)"
+        )
+    logger.warning(
+        "%s (%s): each is an error of that sample (status failed, counted in prompt_length_mismatches); a training "
+        "rollout leaves each one's whole group out of the loss, an eval leaves the sample out of its metrics. %s",
+        summary, first, cause,
+    )  # fmt: skip
+    return [i for i, _, _, _ in bad]
 
 
 def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
@@ -307,6 +352,48 @@ def _apply_truncation_options(samples: list[Sample], grpo: GRPOConfig) -> dict[s
             sample.loss_mask = [0] * sample.response_length
         metrics["rollout/loss_masked_samples"] = float(len(truncated))
     return metrics
+
+
+def _drop_mismatched_groups(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
+    """Leave every group that holds a ``FAILED`` sample (its engine saw another prompt) out of the loss.
+
+    GRPO advantages compare the ``n`` responses of one prompt, so a group missing one is not a
+    group; and a failed response was generated from other tokens than the trainer would feed.
+    The dropped samples stay in the batch, so its size (a multiple of ``--global-batch-size``, split
+    evenly over the data-parallel ranks) is unchanged, but give no gradient: ``loss_mask`` 0 on every
+    response token and advantage 0.  As for ``--overlong-filter``, under the default per-sample
+    loss they still count in the number of samples that normalises the loss; with
+    ``--calculate-per-token-loss`` they count nowhere.
+
+    Args:
+        samples: a step's samples, ``n`` contiguous per group.
+        n: ``--n-samples-per-prompt``.
+
+    Returns:
+        (kept samples, dropped samples), each in batch order and made of whole groups.
+
+    Raises:
+        PromptMismatchError: every group holds a failed sample (nothing left to train on).
+    """
+    kept, dropped = [], []
+    for start in range(0, len(samples), n):
+        group = samples[start : start + n]
+        if any(s.status == SampleStatus.FAILED for s in group):
+            for sample in group:
+                sample.loss_mask = [0] * sample.response_length
+                sample.advantage = 0.0
+            dropped.extend(group)
+        else:
+            kept.extend(group)
+    if not kept:
+        failed = sum(s.status == SampleStatus.FAILED for s in samples)
+        raise PromptMismatchError(
+            f"every one of the {len(samples) // n} groups of this rollout holds a sample whose prompt has another "
+            f"length in the rollout engine than in the data pipeline ({failed} samples; see the warning above for "
+            "the first few and the likely cause), so no group is left to train on; fix the engine's processor / chat "
+            "template / pixel bounds, or lower --max-prompt-length-mismatch-fraction to stop at the first such rollout"
+        )
+    return kept, dropped
 
 
 def _zero_std_group_fraction(rewards: torch.Tensor, n: int) -> float:

@@ -27,6 +27,10 @@ class SampleStatus(str, enum.Enum):
     """Cut at ``--rollout-max-response-len`` tokens (SGLang ``finish_reason.type == "length"``)."""
     ABORTED = "aborted"
     """Aborted by the engine (e.g. generation paused for a weight update)."""
+    FAILED = "failed"
+    """The engine's response is unusable: it reported another prompt length than the data pipeline
+    computed (:func:`slime.rollout.manager.check_prompt_lengths`), so it conditioned on other tokens
+    than the trainer would feed.  Left out of the step's metrics; its whole group is left out of the loss."""
 
 
 @dataclasses.dataclass
