@@ -491,7 +491,7 @@ class RolloutEngineGroup:
         left = f"no rollout engine is left to serve {len(queued)} request(s) ({_rids(requests, queued)})"
         if self._resync is None or not (self._restarts or self._restarted):
             raise EngineError(f"{left}: {self._fault_summary()}")
-        logger.warning("%s: waiting for the restarts (%s), then re-syncing the weights mid-rollout", left,
+        logger.warning("%s (%s): re-syncing the restarted engines with the current weights mid-rollout", left,
                        self._fault_summary())
         self.wait_for_restarts()
         try:
