@@ -177,7 +177,8 @@ def test_setup_wires_the_engines_resync_hook_to_the_colocated_resync(tmp_path, t
     import types
 
     cfg = parse_args(["--hf-checkpoint", str(tiny_ckpt), "--num-rollout", "1", "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--colocate", "--rollout-max-response-len", "8",
+                      "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--colocate",
+                      "--rollout-max-response-len", "8",
                       "--output-dir", str(tmp_path / "run"),
                       "--train-backend", "fsdp", "--rollout-backend", "transformers"])  # fmt: skip
     rec = _MidRolloutResync()

@@ -267,7 +267,8 @@ class _ResyncHook:
     def __call__(self) -> None:
         import torch
 
-        self.seen.append({"serving": list(self.engines.serving), "restarted": self.engines.fault_counts["engines_restarted"]})
+        self.seen.append({"serving": list(self.engines.serving),
+                          "restarted": self.engines.fault_counts["engines_restarted"]})
         if self.error is not None:
             raise self.error
         ray.get([a.update_weights_from_tensor.remote([("version", torch.tensor(self.version))])
