@@ -167,11 +167,12 @@ class Run:
     parity: EngineParityCheck = dataclasses.field(default_factory=EngineParityCheck.off)
 
     def engine_metrics(self) -> dict[str, float]:
-        """``rollout/engine_failures``, ``rollout/requests_retried``, ``rollout/engines_restarted`` (run totals)."""
+        """``rollout/engine_failures``, ``rollout/requests_retried``, ``rollout/engines_restarted``,
+        ``rollout/mid_rollout_resyncs`` (run totals)."""
         if not isinstance(self.engines, RolloutEngineGroup):
             return {}
         return {f"rollout/{name}": float(self.engines.fault_counts[name])
-                for name in ("engine_failures", "requests_retried", "engines_restarted")}
+                for name in ("engine_failures", "requests_retried", "engines_restarted", "mid_rollout_resyncs")}
 
 
 @dataclasses.dataclass
@@ -264,9 +265,24 @@ def setup(
                     cfg.checkpoint.load, start, dropped)
     with memory.sync_phase():
         trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
+    engines.set_resync(functools.partial(resync_engines, memory, trainers, engines))
     parity = EngineParityCheck(cfg.parity, rollout_manager.dataset, cfg.rollout.rollout_temperature,
                                enabled=components.engine_cls.parity_check, start=start, seed=cfg.rollout.rollout_seed)
     return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout, parity)
+
+
+def resync_engines(memory: ColocatedMemory, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+    """Push the trainers' current weights into every engine in the middle of a rollout (the engine group's
+    re-sync hook, :meth:`RolloutEngineGroup.set_resync`: restarted engines, and no other engine left to serve).
+
+    The weights are the ones the rollout started with (the trainers have not trained since the last sync).
+    Colocated memory order (:meth:`ColocatedMemory.resync_phase`): engines release everything, trainers
+    onload, trainers offload all but their weights; engines resume their weights, the push, trainers
+    offload, engines resume the KV cache and CUDA graphs; engines resident and trainers offloaded again, as
+    the rest of the rollout expects.  ``trainers.update_weights`` ends with ``engines.weights_updated()``.
+    """
+    with memory.resync_phase():
+        trainers.update_weights(engines)
 
 
 def start_workers(

@@ -4,7 +4,7 @@
 :class:`EchoEngine` runs no model: each output's text is a JSON record of what the engine was
 given and who served the request, so tests can check the engine's resources, its thread count,
 the request order and which engine served each request.  The subclasses add one behaviour each
-(slow, never healthy, failing constructor).  :class:`ServerEngine` is the real transformers
+(slow, never healthy, failing constructor, a server that dies).  :class:`ServerEngine` is the real transformers
 engine plus a "server" process that, like a daemonised server, is not a child of the engine's
 actor, so only the engine's own ``shutdown()`` stops it.
 """
@@ -22,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from slime.rollout.engines.base import EngineResources, GenerateOutput, GenerateRequest, RolloutEngine
+from slime.rollout.engines.base import (
+    EngineResources,
+    EngineUnavailableError,
+    GenerateOutput,
+    GenerateRequest,
+    RolloutEngine,
+)
 from slime.rollout.engines.hf_engine import TransformersEngine
 
 
@@ -170,6 +176,42 @@ class FailingEngine(EchoEngine):
         if resources.index == 1:
             raise OSError("no server binary at /opt/server (stub)")
         super().__init__(resources)
+
+
+class CrashingEngine(EchoEngine):
+    """Engine 0's "server" dies on its second generate call (:class:`EngineUnavailableError`, nothing
+    served); ``restart()`` brings up a new one that serves.  Outputs also carry ``"life"`` (restarts so
+    far) and ``"weights"``: the ``"version"`` tensor last pushed with ``update_weights_from_tensor``, 0 at
+    start-up and after a restart (the start-up weights)."""
+
+    def __init__(self, resources: EngineResources):
+        super().__init__(resources)
+        self.life = self.weights = 0
+
+    def crashes(self) -> bool:
+        return self.resources.index == 0 and self.life == 0 and self.calls == 1
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        if self.crashes():
+            raise EngineUnavailableError(f"server of engine {self.resources.index} died (stub)")
+        outputs = super().generate(requests)
+        for out in outputs:
+            out.text = json.dumps({**json.loads(out.text), "life": self.life, "weights": self.weights})
+        return outputs
+
+    def restart(self) -> None:
+        self.life += 1
+        self.calls = self.weights = 0
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> None:
+        self.weights = int(dict(named_tensors)["version"])
+
+
+class AlwaysCrashingEngine(CrashingEngine):
+    """Every generate call raises :class:`EngineUnavailableError`, also after each restart."""
+
+    def crashes(self) -> bool:
+        return True
 
 
 class LeakyEngine(EchoEngine):

@@ -5,6 +5,7 @@ No Ray; the CUDA variants are skipped on CPU machines."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,98 @@ def test_colocated_step_hands_memory_over_in_upstream_order(tmp_path):
         ("engines.resume", ["kv_cache", "cuda_graph"]),
     ]
     assert calls == startup + _one_step(0) + _one_step(1)
+
+
+class _MidRolloutResync(_Recorder):
+    """A rollout whose only engine dies once in step 0: the engine group calls the driver's re-sync hook
+    (:func:`slime.train.resync_engines`, as ``train.setup`` wires it) in the middle of ``generate``.  The
+    engines' free memory (``memory_info``) drops by 1 GiB at every call, so a re-measure would show."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory: ColocatedMemory | None = None
+        self.free_gib = 100.0
+
+    def memory_info(self):
+        self.calls.append(("engines.memory_info",))
+        self.free_gib -= 1.0
+        return [{"gpus": 1, "free_gib": self.free_gib}]
+
+    def generate(self, rollout_id):
+        self.calls.append(("rollout.generate", rollout_id))
+        if rollout_id == 0:
+            train.resync_engines(self.memory, self, self)
+            self.calls.append(("rollout.generate continues", rollout_id))
+        return RolloutBatch(samples=[], metrics={})
+
+
+def test_a_mid_rollout_resync_keeps_the_memory_order_and_the_step_figures(tmp_path):
+    cfg = parse_args(
+        "--hf-checkpoint unused --num-rollout 1 --rollout-batch-size 2 --n-samples-per-prompt 2 "
+        "--rollout-max-response-len 8 --global-batch-size 4 --colocate --no-progress-bar "
+        "--train-backend fsdp --rollout-backend transformers".split()
+    )
+    rec = _MidRolloutResync()
+    rec.memory = memory = ColocatedMemory(rec, rec, enabled=True, measure=True)
+    with memory.startup_phase():
+        rec.calls.append(("trainers.init",))
+    with memory.sync_phase():
+        rec.update_weights(rec)
+    memory.metrics()  # the start-up's figures
+    del rec.calls[:]
+    run = train.Run(engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=1)
+    with MetricsLogger(tmp_path, cfg.wandb, run_name="resync") as metrics_log:
+        train.loop(cfg, run, metrics_log)
+    resync = [  # engines resident, trainers offloaded -> the same state again, nothing measured
+        ("engines.release", ["weights", "kv_cache", "cuda_graph"]),
+        ("trainers.onload",),
+        ("trainers.offload", "keep_weights=True"),
+        ("engines.resume", ["weights"]),
+        ("trainers.update_weights",),
+        ("trainers.offload", "keep_weights=False"),
+        ("engines.resume", ["kv_cache", "cuda_graph"]),
+    ]
+    step = _one_step(0)
+    measured = [("engines.memory_info",), step[1], ("engines.memory_info",)]  # around the release
+    assert rec.calls == [step[0], *resync, ("rollout.generate continues", 0), *measured, *step[2:]]
+    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    # The start-up measured 99 and 98 GiB; the step's own train_phase 97 (resident) and 96 (released).
+    assert record["memory/free_gib_engines_resident"] == 97.0 and record["memory/free_gib_engines_released"] == 96.0
+
+
+def test_setup_wires_the_engines_resync_hook_to_the_colocated_resync(tmp_path, tiny_ckpt, monkeypatch):
+    """``train.setup`` (workers and placement stood in for) hands the engines a hook that re-syncs in the
+    colocated order, and only after its own first sync."""
+    import contextlib
+    import types
+
+    cfg = parse_args(["--hf-checkpoint", str(tiny_ckpt), "--num-rollout", "1", "--rollout-batch-size", "2",
+                      "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--colocate",
+                      "--rollout-max-response-len", "8",
+                      "--output-dir", str(tmp_path / "run"),
+                      "--train-backend", "fsdp", "--rollout-backend", "transformers"])  # fmt: skip
+    rec = _MidRolloutResync()
+    hooks = []
+    rec.init = lambda: rec.calls.append(("trainers.init",)) or 0
+    rec.set_resync = lambda hook: (hooks.append(hook), rec.calls.append(("engines.set_resync",)))
+    placement = types.SimpleNamespace(colocate=True, use_gpu=True, remove=lambda: None)
+    monkeypatch.setattr(train, "cluster_num_gpus", lambda: 0)
+    monkeypatch.setattr(train, "check_cpu_memory", lambda *args: None)
+    monkeypatch.setattr(train, "create_placement_groups", lambda *args, **kwargs: placement)
+    monkeypatch.setattr(train, "start_workers", lambda *args: (rec, rec))
+    components = train.Components(engine_cls=types.SimpleNamespace(parity_check=False), backend_cls=None)
+    manager = types.SimpleNamespace(engines=None, dataset=None)
+    with contextlib.ExitStack() as cleanup:
+        train.setup(cfg, components, manager, cleanup)
+    assert len(hooks) == 1 and rec.calls[-2:] == [("engines.resume", ["kv_cache", "cuda_graph"]),
+                                                  ("engines.set_resync",)]  # after the first sync
+    del rec.calls[:]
+    hooks[0]()
+    assert rec.calls == [
+        ("engines.release", ["weights", "kv_cache", "cuda_graph"]), ("trainers.onload",),
+        ("trainers.offload", "keep_weights=True"), ("engines.resume", ["weights"]), ("trainers.update_weights",),
+        ("trainers.offload", "keep_weights=False"), ("engines.resume", ["kv_cache", "cuda_graph"]),
+    ]  # fmt: skip
 
 
 def test_disabled_mode_makes_no_memory_calls(tmp_path):

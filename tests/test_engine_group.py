@@ -248,3 +248,110 @@ def test_shutdown_stops_what_an_engine_left_running_and_is_idempotent(local_ray,
         assert f"left 1 process(es) running after shutdown(); killed: pid {child.pid}" in caplog.text
     finally:
         placement.remove()
+
+
+# ---------------------------------------------------------------------------------------
+# an engine that dies mid-rollout with no other engine left: the mid-rollout re-sync
+# ---------------------------------------------------------------------------------------
+
+
+class _ResyncHook:
+    """The driver's re-sync hook as the tests see it: pushes weights version ``version`` into every engine
+    (``update_weights_from_tensor``, as a transport does) and ends with ``weights_updated()``, recording the
+    group's state at each call; ``error`` makes it raise instead, ``ends_sync=False`` skips ``weights_updated``."""
+
+    def __init__(self, engines, version: int = 1, error: Exception | None = None, ends_sync: bool = True):
+        self.engines, self.version, self.error, self.ends_sync = engines, version, error, ends_sync
+        self.seen: list[dict] = []
+
+    def __call__(self) -> None:
+        import torch
+
+        self.seen.append({"serving": list(self.engines.serving),
+                          "restarted": self.engines.fault_counts["engines_restarted"]})
+        if self.error is not None:
+            raise self.error
+        ray.get([a.update_weights_from_tensor.remote([("version", torch.tensor(self.version))])
+                 for a in self.engines.actors])
+        if self.ends_sync:
+            self.engines.weights_updated()
+
+
+def test_one_engine_that_dies_mid_rollout_is_restarted_re_synced_and_serves_the_rest(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "CrashingEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    placement, engines = _start(cfg)
+    try:
+        hook = _ResyncHook(engines)
+        engines.set_resync(hook)
+        records = _records(engines.generate(_requests(7)))
+        # Capacity 2, one call at a time: call 1 serves r0 r1; call 2 (r2 r3) dies; after the restart and the
+        # re-sync, the new server's calls serve r2 r3, r4 r5, r6 with the pushed weights (version 1).
+        assert [r["rid"] for r in records] == [f"r{i}" for i in range(7)]  # each once, in request order
+        assert [(r["life"], r["weights"], r["call"]) for r in records] == [
+            (0, 0, 1), (0, 0, 1), (1, 1, 1), (1, 1, 1), (1, 1, 2), (1, 1, 2), (1, 1, 3)]  # fmt: skip
+        assert hook.seen == [{"serving": [False], "restarted": 1}]  # called once, after the restart
+        assert dict(engines.fault_counts) == {"engine_failures": 1, "requests_retried": 2, "engines_restarted": 1,
+                                              "mid_rollout_resyncs": 1}
+        assert engines.serving == [True]
+        assert [r["life"] for r in _records(engines.generate(_requests(2)))] == [1, 1]  # no further re-sync
+        assert len(hook.seen) == 1 and engines.fault_counts["mid_rollout_resyncs"] == 1
+    finally:
+        engines.shutdown()
+        placement.remove()
+
+
+def test_with_a_survivor_the_restarted_engine_waits_for_the_next_sync_and_no_re_sync_runs(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "CrashingEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
+    placement, engines = _start(cfg)
+    try:
+        hook = _ResyncHook(engines)
+        engines.set_resync(hook)
+        records = _records(engines.generate(_requests(12)))
+        assert [r["rid"] for r in records] == [f"r{i}" for i in range(12)]
+        assert all(r["life"] == 0 for r in records)  # engine 0 served only before it died
+        assert hook.seen == [] and engines.fault_counts["mid_rollout_resyncs"] == 0
+        assert engines.fault_counts["engine_failures"] == 1 and engines.fault_counts["engines_restarted"] == 1
+        assert engines.serving == [False, True]
+    finally:
+        engines.shutdown()
+        placement.remove()
+
+
+def test_a_mid_rollout_re_sync_that_cannot_help_fails_clearly_and_cannot_loop(local_ray, tmp_path):
+    """Engine 0 dies on every call.  Without a hook: today's error.  A hook that raises, or that returns without
+    ``weights_updated()``: a clear error.  A working hook: the same requests go out again after each re-sync,
+    each failure counting one attempt, so the third failure stops the step (MAX_ATTEMPTS = 3)."""
+    from slime.rollout.engine_group import MAX_ATTEMPTS
+
+    cfg = _cfg(tmp_path, "AlwaysCrashingEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    placement, engines = _start(cfg)
+    try:
+        with pytest.raises(EngineError, match=r"no rollout engine is left to serve 3 request\(s\) \(#0 rid r0, #1 rid "
+                                              r"r1, #2 rid r2\): engine 0 .*restarting"):
+            engines.generate(_requests(3))
+        assert engines.fault_counts["engine_failures"] == 1 and engines.fault_counts["mid_rollout_resyncs"] == 0
+
+        engines.set_resync(_ResyncHook(engines, error=RuntimeError("weight push failed (stub)")))
+        with pytest.raises(EngineError, match=r"re-syncing the restarted engines failed: RuntimeError: weight push "
+                                              r"failed \(stub\)"):
+            engines.generate(_requests(3))
+        assert engines.fault_counts["engines_restarted"] == 1  # the restart finished before the hook ran
+
+        engines.set_resync(_ResyncHook(engines, ends_sync=False))
+        with pytest.raises(EngineError, match=r"no engine serves \(a re-sync hook must end with weights_updated"):
+            engines.generate(_requests(3))
+
+        hook = _ResyncHook(engines)
+        engines.set_resync(hook)
+        with pytest.raises(EngineError, match=rf"(?s)2 request\(s\) \(#0 rid r0, #1 rid r1\) failed on {MAX_ATTEMPTS} "
+                                              r"engines; last: rollout engine 0 .*died \(stub\)"):
+            engines.generate(_requests(3))
+        # re-sync, fail (attempt 1), restart, re-sync, fail (2), restart, re-sync, fail (3): stop
+        assert len(hook.seen) == MAX_ATTEMPTS == 3
+        assert engines.fault_counts["mid_rollout_resyncs"] == 3
+        assert engines.fault_counts["engine_failures"] == 1 + 2  # the first generate's, then two here
+        with pytest.raises(TypeError, match="set_resync"):
+            engines.set_resync("not callable")
+    finally:
+        engines.shutdown()
+        placement.remove()

@@ -5,6 +5,7 @@ mid-rollout.
 A killed server (or a killed engine actor) must cost nothing: every request is answered exactly once
 (the request ids of the outputs are compared with the ones sent), the dead engine's requests are served
 by the other engine, the dead engine is restarted, and it serves again only after the next weight sync.
+With one engine, the rollout waits for its restart and re-syncs it mid-rollout (the engine group's re-sync hook).
 """
 
 from __future__ import annotations
@@ -135,6 +136,32 @@ def test_a_server_killed_mid_rollout_loses_and_duplicates_no_sample(local_ray, t
         engines.weights_updated()  # what a weight sync ends with
         again = engines.generate(_requests(16))
         assert {out.engine_index for out in again} == {0, 1} and _served_ids(again) == [f"r{i}" for i in range(16)]
+    finally:
+        _stop(placement, engines)
+
+
+def test_the_only_server_killed_mid_rollout_is_re_synced_and_loses_and_duplicates_no_sample(local_ray, tmp_path):
+    placement, engines = start_engine_group(tmp_path, "--sglang-fake-delay-s", "0.5", num_engines=1, capacity=4,
+                                            timeout_s=START_TIMEOUT_S)
+    try:
+        resyncs = []
+
+        def resync():  # what the driver's hook ends with (trainers.update_weights -> weights_updated)
+            resyncs.append((list(engines.serving), _server_pid(engines, 0)))
+            engines.weights_updated()
+
+        engines.set_resync(resync)
+        old_pid = _server_pid(engines, 0)
+        killer = _kill_later(1.2, lambda: os.killpg(old_pid, signal.SIGKILL))
+        requests = _requests(24)
+        outputs = engines.generate(requests)
+        killer.join()
+        ids = _served_ids(outputs)
+        assert ids == [r.rid for r in requests] == [out.rid for out in outputs] and len(set(ids)) == 24
+        assert len(resyncs) == 1 and resyncs[0][0] == [False] and resyncs[0][1] != old_pid  # after the restart
+        assert engines.fault_counts["engine_failures"] == 1 and engines.fault_counts["engines_restarted"] == 1
+        assert engines.fault_counts["mid_rollout_resyncs"] == 1 and engines.fault_counts["requests_retried"] >= 1
+        assert engines.serving == [True] and _server_info(engines, 0)["generate_calls"] >= 1  # the new server served
     finally:
         _stop(placement, engines)
 

@@ -20,6 +20,13 @@ when created, release everything before the trainers load the model and optimize
 slime offloads the rollout engines right after creating them); after loading, the trainers keep
 only their weights (step 3) and the first sync runs steps 4-6.
 
+Mid-rollout re-sync (:meth:`ColocatedMemory.resync_phase`, when a restarted engine needs the
+current weights because no other engine is left to serve, see :mod:`slime.rollout.engine_group`):
+during a rollout the engines hold everything and the trainers nothing (after step 6), so the re-sync
+runs steps 1 and 3 with nothing trained between, then steps 4-6 around the push, and leaves the
+same state for the rest of the rollout.  The trainers' optimizer state travels to the GPU and back
+with it (``onload`` has no weights-only form); the peak is the training step's.
+
 Peak during the sync: trainer weights + engine weights.  (The order this replaces resumed the
 engines' weights *and* KV cache while the trainer still held weights and optimizer state.)
 
@@ -94,12 +101,14 @@ class ColocatedMemory:
         figures, self._figures = self._figures, {}
         return figures
 
-    def _release_engines(self) -> None:
+    def _release_engines(self, measure: bool = True) -> None:
         if not self._engines_released:
-            self._measure("free_gib_engines_resident")
+            if measure:
+                self._measure("free_gib_engines_resident")
             self.engines.release_memory_occupation(list(RELEASED_FOR_TRAINING))
             self._engines_released = True
-            self._measure("free_gib_engines_released")
+            if measure:
+                self._measure("free_gib_engines_released")
 
     @contextlib.contextmanager
     def startup_phase(self) -> Iterator[None]:
@@ -133,3 +142,18 @@ class ColocatedMemory:
         if resume:
             self.engines.resume_memory_occupation(list(RESUMED_AFTER_SYNC))  # 6
             self._engines_released = False
+
+    @contextlib.contextmanager
+    def resync_phase(self) -> Iterator[None]:
+        """Around a weight push in the middle of a rollout (engines resident, trainers offloaded): steps 1
+        and 3 without training (engines out, trainers in, trainers keep only their weights), then
+        :meth:`sync_phase` (steps 4-6), so the engines hold everything again afterwards.
+
+        Nothing is measured: :meth:`metrics` keeps the figures of the step's own :meth:`train_phase`.
+        """
+        if self.enabled:
+            self._release_engines(measure=False)  # 1
+            self.trainers.onload()
+            self.trainers.offload(keep_weights=True)  # 3
+        with self.sync_phase():  # 4-6
+            yield

@@ -42,7 +42,15 @@ flight go back to the front of the queue for the other engines (each request is 
 once: results of abandoned calls are never read), and it is restarted (``engine.restart()``, or a
 new actor where the old one died).  ``generate`` returns once the restarted engines are healthy
 again; they serve again after the next weight sync (:meth:`RolloutEngineGroup.weights_updated`),
-so no sample comes from stale weights.  Other errors (a refused request) stop the step as before.
+so no sample comes from stale weights.  When no engine is left serving while requests wait (one
+engine, or all of them down), ``generate`` waits for the restarts and calls the driver's re-sync
+hook (:meth:`RolloutEngineGroup.set_resync`: the trainers push their current weights, which are the
+ones the rollout started with, into every engine, inside the colocated memory hand-over), then
+serves the queued requests on the re-synced engines (``fault_counts["mid_rollout_resyncs"]``);
+without a hook it fails.  This cannot loop: each re-sync follows a failure of an engine with
+requests in flight, which counts one more attempt for each of them, and a request sent
+:data:`MAX_ATTEMPTS` times stops the step.  Other errors (a refused request, a restart that fails)
+stop the step as before.
 
 Everything else (weights, memory, cache, pause/continue) goes to every engine and waits for
 all.  :meth:`RolloutEngineGroup.shutdown` stops every engine and its processes; it is
@@ -266,7 +274,9 @@ class RolloutEngineGroup:
         self.epoch = 0
         """Incremented whenever an engine actor is replaced (transports reconnect to the new handles)."""
         self.fault_counts: collections.Counter = collections.Counter()
-        """``engine_failures``, ``requests_retried``, ``engines_restarted`` since the start (for the metrics)."""
+        """``engine_failures``, ``requests_retried``, ``engines_restarted``, ``mid_rollout_resyncs`` since the
+        start (for the metrics)."""
+        self._resync: Callable[[], None] | None = None  # set_resync()
         try:
             for i in range(len(self.resources)):
                 self.actors.append(self._new_actor(i))
@@ -281,6 +291,20 @@ class RolloutEngineGroup:
 
     def __len__(self) -> int:
         return len(self.actors)
+
+    def set_resync(self, resync: Callable[[], None] | None) -> None:
+        """Let :meth:`generate` re-sync restarted engines mid-rollout when no other engine is left to serve.
+
+        Args:
+            resync: called with no arguments once every engine being restarted is healthy again; it must push
+                the current policy weights into every engine and end with :meth:`weights_updated` (the driver
+                passes :func:`slime.train.resync_engines`, i.e. ``trainers.update_weights(engines)`` inside the
+                colocated memory hand-over).  ``None`` turns the re-sync off: a rollout with no engine left then
+                fails (:class:`EngineError`).
+        """
+        if resync is not None and not callable(resync):
+            raise TypeError(f"set_resync() takes a callable or None, got {resync!r}")
+        self._resync = resync
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -377,8 +401,9 @@ class RolloutEngineGroup:
         Raises:
             EngineError: an engine raised another error than :class:`EngineUnavailableError`, returned a
                 wrong number of outputs, a request failed :data:`MAX_ATTEMPTS` times, no engine is left
-                to serve, or a failed engine could not be restarted; the message names the engine and
-                the first request ids concerned.
+                to serve (and none could be re-synced, :meth:`set_resync`), a failed engine could not be
+                restarted, or the mid-rollout re-sync raised; the message names the engine and the first
+                request ids concerned.
         """
         limits = self._checked_limits()
         windows = balance_windows(len(requests), [capacity for capacity, _ in limits])
@@ -415,11 +440,9 @@ class RolloutEngineGroup:
                     running[self.actors[engine].generate.remote([requests[i] for i in batch])] = (engine, batch)
                     in_flight[engine] += len(batch)
                     share -= len(batch)
-            if not running:
-                raise EngineError(
-                    f"no rollout engine is left to serve {len(queue)} request(s) ({_rids(requests, list(queue))}): "
-                    f"{self._fault_summary()}"
-                )
+            if not running:  # requests queued, and no engine serves
+                self._resync_mid_rollout(requests, list(queue))
+                continue
             ready, _ = ray.wait(list(running), num_returns=1, timeout=HEALTH_MONITOR_S)
             if not ready:
                 for engine, why in self._unhealthy({e for e, _ in running.values()}).items():
@@ -455,6 +478,31 @@ class RolloutEngineGroup:
         return outputs  # every index was answered by exactly one call (abandoned calls are never read)
 
     # -- faults -------------------------------------------------------------------------------
+
+    def _resync_mid_rollout(self, requests: list[GenerateRequest], queued: list[int]) -> None:
+        """No engine serves and ``queued`` requests wait: wait for the restarts, then re-sync the engines
+        through the :meth:`set_resync` hook, so that the restarted ones serve the rest of the rollout.
+
+        Raises:
+            EngineError: no hook is set, or no engine is being restarted or waiting for the weights (nothing
+                to re-sync); a restart failed (:meth:`wait_for_restarts`); the hook raised, or returned without
+                any engine serving (it did not end with :meth:`weights_updated`).
+        """
+        left = f"no rollout engine is left to serve {len(queued)} request(s) ({_rids(requests, queued)})"
+        if self._resync is None or not (self._restarts or self._restarted):
+            raise EngineError(f"{left}: {self._fault_summary()}")
+        logger.warning("%s (%s): re-syncing the restarted engines with the current weights mid-rollout", left,
+                       self._fault_summary())
+        self.wait_for_restarts()
+        try:
+            self._resync()
+        except Exception as e:
+            raise EngineError(f"{left}, and re-syncing the restarted engines failed: {_error_tail(e)}") from e
+        if not any(self.serving):
+            raise EngineError(f"{left}: the mid-rollout re-sync returned, but no engine serves (a re-sync hook "
+                              f"must end with weights_updated()): {self._fault_summary()}")
+        self.fault_counts["mid_rollout_resyncs"] += 1
+        logger.info("rollout engines re-synced mid-rollout; %d request(s) go on", len(queued))
 
     def _unhealthy(self, engines: set[int]) -> dict[int, str]:
         """Engines of ``engines`` whose ``health()`` is False, raises, or does not answer in time -> why."""

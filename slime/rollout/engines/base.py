@@ -45,7 +45,8 @@ Lifecycle, as :class:`slime.rollout.engine_group.RolloutEngineGroup` drives it:
 4. An engine that dies while serving (its :meth:`RolloutEngine.generate` raises
    :class:`EngineUnavailableError`, its actor dies, or its :meth:`RolloutEngine.health` turns False)
    is taken out of the rotation; its requests go to the other engines and it is restarted
-   (:meth:`RolloutEngine.restart`), then serves again after the next weight sync.
+   (:meth:`RolloutEngine.restart`), then serves again after the next weight sync (mid-rollout when no
+   other engine is left to serve, :meth:`slime.rollout.engine_group.RolloutEngineGroup.set_resync`).
 5. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
    driver's ``finally``, also after errors and when the run joined an external Ray cluster.
 """
