@@ -293,6 +293,7 @@ def test_one_engine_that_dies_mid_rollout_is_restarted_re_synced_and_serves_the_
         assert dict(engines.fault_counts) == {"engine_failures": 1, "requests_retried": 2, "engines_restarted": 1,
                                               "mid_rollout_resyncs": 1}
         assert engines.serving == [True]
+        assert engines.epoch == 1  # restarted in place: the transports reconnect at the next sync (NCCL groups)
         assert [r["life"] for r in _records(engines.generate(_requests(2)))] == [1, 1]  # no further re-sync
         assert len(hook.seen) == 1 and engines.fault_counts["mid_rollout_resyncs"] == 1
     finally:

@@ -177,7 +177,7 @@ class TrainerGroup:
         """Push the current weights into every rollout engine through the run's transport.
 
         The first call connects the transport (:meth:`WeightTransport.connect`, once per run, and again
-        after an engine actor was replaced); every call then runs ``begin_sync``, every rank's ``send``,
+        after an engine was restarted); every call then runs ``begin_sync``, every rank's ``send``,
         and ``end_sync`` (which, for the object store, flushes the engines' caches), and tells the engine
         group that every engine has the current weights (restarted engines serve again).
 
@@ -188,7 +188,7 @@ class TrainerGroup:
             RuntimeError: no tensor was sent, a tensor came from two ranks, or this sync sent another
                 set of names than the first one (names missing or extra are listed).
         """
-        if self._connected_engines != (engines, engines.epoch):  # first sync, or an engine actor was replaced
+        if self._connected_engines != (engines, engines.epoch):  # first sync, or an engine was restarted
             self.transport.connect(self, engines)
             self._connected_engines = (engines, engines.epoch)
         self.transport.begin_sync(engines)

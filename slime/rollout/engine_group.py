@@ -272,7 +272,8 @@ class RolloutEngineGroup:
         self._restarts: dict[int, dict] = {}  # in progress: {"ref": restart call or health poll, "deadline": ...}
         self.restart_timeout_s = 1800.0
         self.epoch = 0
-        """Incremented whenever an engine actor is replaced (transports reconnect to the new handles)."""
+        """Incremented whenever an engine is restarted, in place or as a new actor: the transports reconnect
+        (a new actor has new handles; a new server joined none of the NCCL weight-update groups)."""
         self.fault_counts: collections.Counter = collections.Counter()
         """``engine_failures``, ``requests_retried``, ``engines_restarted``, ``mid_rollout_resyncs`` since the
         start (for the metrics)."""
@@ -532,10 +533,10 @@ class RolloutEngineGroup:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             self.actors[engine] = self._new_actor(engine)
-            self.epoch += 1
             ref = self.actors[engine].health.remote()
         else:
             ref = self.actors[engine].restart.remote()
+        self.epoch += 1  # a new server either way: it is in no weight-update group (NCCL) the transport made
         self._restarts[engine] = {"ref": ref, "restart": not actor_died,
                                   "deadline": time.monotonic() + self.restart_timeout_s}
 

@@ -283,7 +283,7 @@ def check_prompt_lengths(
     summary = (
         f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline"
     )
-    if len(bad) == len(samples) or len(bad) > max_fraction * len(samples):
+    if len(bad) == len(samples) or len(bad) / len(samples) > max_fraction:
         raise PromptMismatchError(
             f"{summary} ({first}). The trainer would train on other tokens than the engine generated from. {cause}. "
             f"(More than --max-prompt-length-mismatch-fraction {max_fraction:g} of the samples, or all of them, "
@@ -391,7 +391,7 @@ def _drop_mismatched_groups(samples: list[Sample], n: int) -> tuple[list[Sample]
             f"every one of the {len(samples) // n} groups of this rollout holds a sample whose prompt has another "
             f"length in the rollout engine than in the data pipeline ({failed} samples; see the warning above for "
             "the first few and the likely cause), so no group is left to train on; fix the engine's processor / chat "
-            "template / pixel bounds, or lower --max-prompt-length-mismatch-fraction to stop at the first such rollout"
+            "template / pixel bounds"
         )
     return kept, dropped
 

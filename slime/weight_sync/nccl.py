@@ -142,6 +142,10 @@ class NcclTransport(WeightTransport):
         ray.get(trainers.connect_ranks(self, engines) + joins)
 
     def connect_rank(self, rank: RankInfo, engines: Sequence[ActorHandle]) -> None:
+        import torch.distributed as dist
+
+        if self._group is not None:  # a reconnect: the old group's engine ranks are gone
+            dist.destroy_process_group(self._group)
         address, port = self.addresses[rank.rank]
         self._group = init_weight_group(address, port, self.world_size, 0, group_name(rank.rank), self.backend)
 
