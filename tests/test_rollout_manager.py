@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import logging
+import json
 import math
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -118,6 +120,7 @@ def _manager(tmp_path, tiny_ckpt, engines, extra=(), eval_labels=None):
     return RolloutManager(
         rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
         processor=load_processor(tiny_ckpt), engines=engines, seed=cfg.rollout.rollout_seed,
+        debug_dump=cfg.logging.save_debug_rollout_data,  # as slime/train.py passes it
     )
 
 
@@ -249,7 +252,8 @@ def test_one_prompt_length_mismatch_drops_its_group_only(tmp_path, tiny_ckpt, ca
     (tmp_path / "bad").mkdir()
     reference = _manager(tmp_path / "ref", tiny_ckpt, ScriptedEngines(), extra=extra)
     engines = ScriptedEngines(miscount={2: 1})
-    manager = _manager(tmp_path / "bad", tiny_ckpt, engines, extra=extra)
+    dump = tmp_path / "bad" / "dump_{rollout_id}.jsonl"
+    manager = _manager(tmp_path / "bad", tiny_ckpt, engines, extra=(*extra, "--save-debug-rollout-data", str(dump)))
     try:
         expected_batch = reference.generate(0)
         with caplog.at_level(logging.WARNING, logger="slime.rollout.manager"):
@@ -291,6 +295,9 @@ def test_one_prompt_length_mismatch_drops_its_group_only(tmp_path, tiny_ckpt, ca
     assert (f"sample 2 (dataset index 0, rid 0:2): engine 0 saw {true_len[2] + 1} prompt tokens, the data "
             f"pipeline computed {true_len[2]}") in warning
     assert "--image-min-pixels / --image-max-pixels" in warning
+    rows = [json.loads(line) for line in Path(str(dump).format(rollout_id=0)).read_text().splitlines()]
+    assert [(r["status"], r["in_loss"]) for r in rows] == [("completed", False)] * 2 + [("failed", False)] + [
+        ("completed", False)] + [("completed", True)] * 4  # the whole of group 0 is out of the loss  # fmt: skip
 
 
 @pytest.mark.parametrize("fraction, raises", [("0.25", False), ("0.24", True), ("0", True)])

@@ -131,7 +131,8 @@ class RolloutManager:
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
         # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/inputs.py).
         metrics["rollout/vision_token_responses"] = float(
-            sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in samples)
+            sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in samples
+                if s.status != SampleStatus.FAILED)
         )
         metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
         metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
@@ -225,6 +226,7 @@ class RolloutManager:
                 f.write(json.dumps({
                     "rollout_id": rollout_id, "index": s.index, "group_index": s.group_index, "label": s.label,
                     "response": s.response, "reward": s.reward, "advantage": s.advantage, "status": s.status.value,
+                    "in_loss": any(s.loss_mask or ()),  # False: a dropped group's sample, or fully masked
                     "response_length": s.response_length, "prompt": s.prompt,
                 }) + "\n")
 

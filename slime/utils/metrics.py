@@ -101,8 +101,8 @@ class LoggingConfig:
     run_name: str | None = flag(None, help="Name of the run (default: slime-<timestamp>).")
     save_debug_rollout_data: str | None = flag(
         None,
-        help="Write every rollout's samples (prompt index, response, reward, ...) to this path; it may contain "
-        "'{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl.",
+        help="Write every rollout's samples (prompt index, response, reward, advantage, status, whether it is in "
+        "the loss, ...) to this path; it may contain '{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl.",
     )
     no_progress_bar: bool = flag(False, help="Disable the progress bar over rollout steps (e.g. for log files).")
     check_only: bool = flag(
