@@ -119,8 +119,9 @@ class RolloutManager:
             samples.extend(prompt.clone_prompt() for _ in range(n))
         self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
         kept, dropped = _drop_mismatched_groups(samples, n)
-        metrics = _sample_metrics("rollout", [s for s in samples if s.status != SampleStatus.FAILED])
-        metrics["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in samples))
+        usable = [s for s in samples if s.status != SampleStatus.FAILED]
+        metrics = _sample_metrics("rollout", usable)
+        metrics["rollout/prompt_length_mismatches"] = float(len(samples) - len(usable))
         metrics["rollout/prompt_length_mismatch_groups"] = float(len(dropped) // n)
         # The reward function's verdicts above are before shaping; shaping and advantages see the kept groups only.
         metrics.update(_apply_truncation_options(kept, self.grpo))
@@ -131,8 +132,7 @@ class RolloutManager:
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
         # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/inputs.py).
         metrics["rollout/vision_token_responses"] = float(
-            sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in samples
-                if s.status != SampleStatus.FAILED)
+            sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in usable)
         )
         metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
         metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
