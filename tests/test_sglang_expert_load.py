@@ -160,6 +160,31 @@ def test_a_bf16_layer_gets_the_same_bits_as_sglangs_per_expert_load(wrapped):
     assert torch.equal(fast.w13_weight, slow.w13_weight) and torch.equal(fast.w2_weight, slow.w2_weight)
 
 
+def test_a_nan_in_the_checked_experts_keeps_the_fast_path_on(wrapped, capsys):
+    """A diverged policy's NaN is a value to load, not a layout disagreement: torch.equal(nan, nan) is False."""
+    gate_up, down = _fused()
+    gate_up[0, 1, 2] = gate_up[-1, 0, 0] = float("nan")  # the first and the last expert: the two the check reloads
+    down[0, 3, 1] = float("nan")
+    moe = StandInMoE(dtype=torch.float64)
+    wrapped.cls(moe).load_weights([(f"{LAYER}.gate_up_proj", gate_up), (f"{LAYER}.down_proj", down)])
+    assert wrapped.stats.disabled is None and wrapped.stats.fast == 2, wrapped.stats.as_dict()
+    assert "fast expert load" not in capsys.readouterr().err
+    w13, w2 = _expected(gate_up, down, 0, 1, 0, 1)
+    assert torch.equal(moe.w13_weight.view(torch.int64), w13.view(torch.int64))  # bit for bit, the NaNs included
+    assert torch.equal(moe.w2_weight.view(torch.int64), w2.view(torch.int64))
+    assert moe.w13_weight.isnan().sum() == 2 and moe.w2_weight.isnan().sum() == 1
+
+
+def test_same_bits_tells_nan_and_signed_zeros_apart_from_equal():
+    nan = torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16)
+    assert expert_load.same_bits(nan, nan.clone()) and not torch.equal(nan, nan.clone())
+    zeros = torch.tensor([0.0]), torch.tensor([-0.0])
+    assert torch.equal(*zeros) and not expert_load.same_bits(*zeros)
+    assert not expert_load.same_bits(torch.zeros(2), torch.zeros(2, dtype=torch.float64))  # dtypes differ
+    assert expert_load.same_bits(torch.arange(3), torch.arange(3)) and not expert_load.same_bits(
+        torch.arange(3), torch.arange(1, 4))
+
+
 def test_a_layout_the_check_disagrees_with_switches_the_fast_path_off(wrapped, capsys):
     gate_up, down = _fused()
     moe = StandInMoE(up_first=True, dtype=torch.float64)  # a layout the plain-layout test does not see

@@ -22,7 +22,8 @@ three slice copies (two for ``down_proj``) into the layer's ``w13_weight`` [E_lo
   ``down_proj`` into ``w2``.
 
 **Every fast copy is checked against SGLang's own loader**: for the first and the last local expert the copied
-slice is saved, SGLang's ``weight_loader`` loads that expert again, and the two must be bitwise equal.  If
+slice is saved, SGLang's ``weight_loader`` loads that expert again, and the two must hold the same bits (NaN
+included: :func:`same_bits`).  If
 they differ (a layout this module does not know), the fast path is switched off for the rest of the process,
 a warning names the tensor, and SGLang's loader loads the whole tensor as it would have without slime.
 Every other name, and every tensor the fast path declines, goes to SGLang's ``load_weights`` unchanged, in
@@ -226,6 +227,24 @@ def _sglang_load_one(layer, param, param_path: str, tensor: torch.Tensor, expert
         param.weight_loader(param, tensor[expert], param_path, "w2", expert)
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (same shape and dtype, a floating or integer dtype) hold the same bits.
+
+    Unlike ``torch.equal`` this holds for NaN (NaN != NaN as numbers): a pushed tensor with a NaN in the
+    first or last expert (a diverged policy) loads through both paths to the same bits, and the check against
+    SGLang's loader must not call that a layout disagreement.  ``-0.0`` and ``0.0`` count as different here
+    (``torch.equal`` calls them equal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        kind = _INT_OF_SIZE[a.element_size()]
+        a, b = a.view(kind), b.view(kind)
+    return torch.equal(a, b)
+
+
 def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor,
               stats: ExpertLoadStats = STATS) -> str | None:
     """Copy one fused expert tensor into its ``FusedMoE`` layer (module docstring) and return the parameter's
@@ -273,7 +292,7 @@ def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor,
         copied = param.data[expert - lo].clone()
         param.data[expert - lo].fill_(float("nan"))  # so that a loader writing nothing here cannot pass
         _sglang_load_one(layer, param, param_path, tensor, expert)
-        if not torch.equal(param.data[expert - lo], copied):
+        if not same_bits(param.data[expert - lo], copied):
             stats.disabled = (f"{name}: expert {expert} differs from SGLang's own load; the fast path is off in "
                               "this process and SGLang's loader loads every fused expert tensor")
             print(f"[slime] WARNING: fast expert load {stats.disabled}", file=sys.stderr, flush=True)
