@@ -277,9 +277,10 @@ def resync_engines(memory: ColocatedMemory, trainers: TrainerGroup, engines: Rol
 
     The weights are the ones the rollout started with (the trainers have not trained since the last sync).
     Colocated memory order (:meth:`ColocatedMemory.resync_phase`): engines release everything, trainers
-    onload, trainers offload all but their weights; engines resume their weights, the push, trainers
-    offload, engines resume the KV cache and CUDA graphs; engines resident and trainers offloaded again, as
-    the rest of the rollout expects.  ``trainers.update_weights`` ends with ``engines.weights_updated()``.
+    onload their weights only (the optimizer state stays off the GPU); engines resume their weights, the
+    push, trainers offload, engines resume the KV cache and CUDA graphs; engines resident and trainers
+    offloaded again, as the rest of the rollout expects (the next training step onloads everything).
+    ``trainers.update_weights`` ends with ``engines.weights_updated()``.
     """
     with memory.resync_phase():
         trainers.update_weights(engines)

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from slime import train
-from slime.backends.base import RankInfo
+from slime.backends.base import TRAINING_STATE, WEIGHTS, RankInfo, TrainerBackend
 from slime.ray.colocate import ColocatedMemory
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutBatch
@@ -39,8 +39,8 @@ class _Recorder:
         self.calls: list[tuple] = []
 
     # trainer group
-    def onload(self):
-        self.calls.append(("trainers.onload",))
+    def onload(self, weights_only: bool = False):
+        self.calls.append(("trainers.onload", "weights_only=True") if weights_only else ("trainers.onload",))
 
     def offload(self, keep_weights: bool = False):
         self.calls.append(("trainers.offload", f"keep_weights={keep_weights}"))
@@ -155,8 +155,7 @@ def test_a_mid_rollout_resync_keeps_the_memory_order_and_the_step_figures(tmp_pa
         train.loop(cfg, run, metrics_log)
     resync = [  # engines resident, trainers offloaded -> the same state again, nothing measured
         ("engines.release", ["weights", "kv_cache", "cuda_graph"]),
-        ("trainers.onload",),
-        ("trainers.offload", "keep_weights=True"),
+        ("trainers.onload", "weights_only=True"),  # the optimizer state stays off the GPU
         ("engines.resume", ["weights"]),
         ("trainers.update_weights",),
         ("trainers.offload", "keep_weights=False"),
@@ -199,8 +198,8 @@ def test_setup_wires_the_engines_resync_hook_to_the_colocated_resync(tmp_path, t
     del rec.calls[:]
     hooks[0]()
     assert rec.calls == [
-        ("engines.release", ["weights", "kv_cache", "cuda_graph"]), ("trainers.onload",),
-        ("trainers.offload", "keep_weights=True"), ("engines.resume", ["weights"]), ("trainers.update_weights",),
+        ("engines.release", ["weights", "kv_cache", "cuda_graph"]), ("trainers.onload", "weights_only=True"),
+        ("engines.resume", ["weights"]), ("trainers.update_weights",),
         ("trainers.offload", "keep_weights=False"), ("engines.resume", ["kv_cache", "cuda_graph"]),
     ]  # fmt: skip
 
@@ -243,7 +242,7 @@ class _CheckpointPusher:
         with safe_open(Path(ckpt_dir) / "model.safetensors", "pt") as f:
             self.tensors = [(name, f.get_tensor(name)) for name in f.keys()]
 
-    def onload(self):
+    def onload(self, weights_only: bool = False):
         pass
 
     def offload(self, keep_weights: bool = False):
@@ -409,3 +408,223 @@ def test_fsdp_offload_keep_weights_moves_all_but_the_policy(device, tiny_ckpt, t
         memory, nbytes = result["memory"], result["bytes"]
         assert memory["trained"] - memory["kept"] >= nbytes["rest"] > 0, (memory, nbytes)
         assert memory["kept"] - memory["offloaded"] >= nbytes["policy"] > 0, (memory, nbytes)
+
+
+# ---------------------------------------------------------------------------------------
+# trainer half: the shared hand-over (TrainerBackend.offload / onload), weights-only onload
+# ---------------------------------------------------------------------------------------
+
+
+class _CountedGpu(TrainerBackend):
+    """A backend whose "GPU" is a counter of GiB: 80 in all, the policy weights take 2, the training state
+    (fp32 main weights, Adam moments, gradients) 6; ``engines`` holds the engine side's share.  Only the
+    shared hand-over of :class:`TrainerBackend` runs; ``_move_part`` records every move."""
+
+    TOTAL, SIZES = 80.0, {WEIGHTS: 2.0, TRAINING_STATE: 6.0}
+
+    def __init__(self):
+        self.device = torch.device("cuda")  # a device object only: the CUDA calls are stood in for
+        self.model = torch.nn.Linear(1, 1)
+        self.resident = {WEIGHTS, TRAINING_STATE}  # where the stand-in says the parts are
+        self.moves: list[tuple[str, bool]] = []
+        self.engines: _CountedEngines | None = None
+
+    def free_gib(self) -> float:
+        return self.TOTAL - self.engines.held() - sum(self.SIZES[part] for part in self.resident)
+
+    def _move_part(self, part, onto_device):
+        assert (part in self.resident) != onto_device, f"{part} moved twice the same way"
+        self.resident ^= {part}
+        self.moves.append((part, onto_device))
+
+    def init(self):
+        return 0
+
+    def train(self, rollout_id, samples, num_steps):
+        return self.memory_metrics()
+
+    def compute_log_probs(self, samples):
+        return []
+
+    def iter_weight_buckets(self, bucket_bytes, device=None):
+        yield from ()
+
+    def save(self, rollout_id, path):
+        pass
+
+
+class _CountedEngines:
+    """The engine group's memory tags on the same counter: weights 3 GiB, KV cache 16, CUDA graphs 4, and
+    ``context`` GiB that no tag releases (a restarted server's new CUDA context)."""
+
+    SIZES = {"weights": 3.0, "kv_cache": 16.0, "cuda_graph": 4.0}
+
+    def __init__(self):
+        self.resident, self.context = set(self.SIZES), 0.0
+
+    def held(self) -> float:
+        return self.context + sum(self.SIZES[tag] for tag in self.resident)
+
+    def release_memory_occupation(self, tags):
+        self.resident -= set(tags)
+
+    def resume_memory_occupation(self, tags):
+        self.resident |= set(tags)
+
+
+def test_a_resync_onloads_only_the_weights_and_records_its_figures_apart(monkeypatch):
+    """Start-up, step 0, a mid-rollout re-sync in step 1, step 2, through ColocatedMemory onto the shared
+    hand-over: the re-sync never moves the training state, and each step's metrics hold the figures since
+    the previous step's training, the re-sync's under ``perf/resync_*`` (the training phase's survive)."""
+    import slime.backends.base as base
+
+    trainer, engines = _CountedGpu(), _CountedEngines()
+    trainer.engines = engines
+    monkeypatch.setattr(base, "_free_gib", lambda device: trainer.free_gib())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    memory = ColocatedMemory(trainer, engines, enabled=True)
+
+    def step(rollout_id: int) -> dict[str, float]:
+        with memory.train_phase():
+            metrics = trainer.train(rollout_id, [], 1)
+        with memory.sync_phase():
+            pass
+        return metrics
+
+    with memory.startup_phase():  # engines out, then the trainer (all 8 GiB resident) keeps its weights
+        pass
+    with memory.sync_phase():
+        pass
+    assert trainer.resident == set() and engines.resident == set(_CountedEngines.SIZES)
+    step0 = step(0)
+    engines.context = 1.0  # the only engine died and came back in step 1's rollout
+    trainer.moves.clear()
+    with memory.resync_phase():
+        assert trainer.resident == {WEIGHTS} and engines.resident == {"weights"}  # the push's peak
+    assert trainer.moves == [(WEIGHTS, True), (WEIGHTS, False)]  # the training state stayed on the CPU
+    assert trainer.resident == set() and engines.resident == set(_CountedEngines.SIZES)
+    step1 = step(1)
+    assert trainer.moves[2:4] == [(WEIGHTS, True), (TRAINING_STATE, True)]  # step 1 trains with everything
+    step2 = step(2)
+
+    # By hand: free = 80 - engine tags held - context - trainer parts held.
+    startup = {  # offload(keep_weights=True) with the engines out, offload() with their weights in
+        "perf/train_free_gib_before_offload_keep_weights": 72.0, "perf/train_free_gib_after_offload_keep_weights": 78.0,
+        "perf/train_free_gib_before_offload": 75.0, "perf/train_free_gib_after_offload": 77.0,
+    }  # fmt: skip
+    assert step0 == {**startup, "perf/train_free_gib_before_onload": 80.0, "perf/train_free_gib_after_onload": 72.0}
+    assert step1 == {
+        **startup,  # step 0's offloads, the same figures as the start-up's; not the re-sync's
+        "perf/resync_free_gib_before_onload_weights": 79.0, "perf/resync_free_gib_after_onload_weights": 77.0,
+        "perf/resync_free_gib_before_offload": 74.0, "perf/resync_free_gib_after_offload": 76.0,
+        "perf/train_free_gib_before_onload": 79.0, "perf/train_free_gib_after_onload": 71.0,
+    }  # fmt: skip
+    assert step2 == {  # step 1's offloads with the 1 GiB context; no re-sync figure left over
+        "perf/train_free_gib_before_offload_keep_weights": 71.0, "perf/train_free_gib_after_offload_keep_weights": 77.0,
+        "perf/train_free_gib_before_offload": 74.0, "perf/train_free_gib_after_offload": 76.0,
+        "perf/train_free_gib_before_onload": 79.0, "perf/train_free_gib_after_onload": 71.0,
+    }  # fmt: skip
+
+
+def test_training_or_pushing_offloaded_parts_is_refused():
+    """The shared hand-over tracks the parts on every device (here a CPU backend, where nothing moves):
+    train() needs a full onload, the weight push and log-probs the weights."""
+    trainer = _CountedGpu()
+    trainer.device = torch.device("cpu")
+    trainer.offload(keep_weights=True)
+    trainer._require_on_device("iter_weight_buckets()", training=False)  # the weights stayed
+    with pytest.raises(RuntimeError, match=r"train\(\) needs this rank's training_state on the device.*onload\(\)"):
+        trainer._require_on_device("train()", training=True)
+    trainer.offload()
+    with pytest.raises(RuntimeError, match=r"iter_weight_buckets\(\) needs this rank's weights"):
+        trainer._require_on_device("iter_weight_buckets()", training=False)
+    trainer.onload(weights_only=True)
+    trainer._require_on_device("iter_weight_buckets()", training=False)
+    with pytest.raises(RuntimeError, match="training_state"):
+        trainer._require_on_device("train()", training=True)
+    trainer.onload()
+    trainer._require_on_device("train()", training=True)
+    assert trainer.moves == [] and trainer.memory_metrics() == {}  # CPU: nothing moved, nothing measured
+
+
+def _resync_job(rank: int, device: str, backend_name: str, ckpt_dir: Path, samples, resync: bool, out: Path) -> None:
+    """One rank (world size 1): step 0 (train, offload(keep_weights=True), push, offload()), then with ``resync``
+    the mid-rollout re-sync's trainer half (onload(weights_only=True), push, offload()), then step 1 (onload(),
+    train); writes the weights after step 1, by Hugging Face name, and what the re-sync saw."""
+    info = RankInfo(rank, 1, "127.0.0.1", 0, device)
+    if backend_name == "fsdp":
+        from tests.test_fsdp_backend import make_backend
+    else:
+        from tests.test_megatron_backend import make_megatron as make_backend
+    backend = make_backend(info, ckpt_dir)
+    backend.init()
+
+    def push() -> dict[str, torch.Tensor]:
+        return {name: t.clone() for bucket in backend.iter_weight_buckets(1 << 20, device="cpu") for name, t in bucket}
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+    backend.train(0, samples, num_steps=1)  # creates the Adam moments
+    backend.offload(keep_weights=True)
+    trained = push()
+    backend.offload()
+    seen: dict = {"allocated": {"offloaded": allocated()}, "refused": {}}
+    try:
+        push()
+    except RuntimeError as e:
+        seen["refused"]["push"] = str(e)
+    if resync:
+        backend.onload(weights_only=True)
+        seen["allocated"]["weights_only"] = allocated()
+        seen["same_push"] = push().keys() == trained.keys() and all(
+            torch.equal(t, trained[n]) for n, t in push().items())
+        try:
+            backend.train(1, samples, num_steps=1)
+        except RuntimeError as e:
+            seen["refused"]["train"] = str(e)
+        backend.offload()
+    backend.onload()
+    seen["allocated"]["onloaded"] = allocated()
+    metrics = backend.train(1, samples, num_steps=1)
+    torch.save(dict(weights=push(), seen=seen, metrics=metrics), out / f"resync_{resync}.pt")
+
+
+@pytest.mark.parametrize(("backend_name", "device"), [
+    ("fsdp", "cpu"), ("megatron", "cpu"), pytest.param("fsdp", "cuda", marks=CUDA.marks),
+])  # fmt: skip
+def test_a_resync_leaves_the_next_training_step_unchanged(backend_name, device, tiny_ckpt, tmp_path):
+    """The weights after a training step that follows a mid-rollout re-sync are those of a run without it (bit
+    for bit on CPU): the re-sync pushes the trained weights, and the next onload brings the optimizer state
+    back.  On CUDA the weights-only onload brings back less than the full one (Adam's fp32 moments alone are
+    twice the fp32 parameters).  (Megatron on CUDA, bf16 with the distributed optimizer:
+    ``tests/test_megatron_gpu.py``.)"""
+    if backend_name == "megatron":
+        pytest.importorskip("megatron.core")
+    from tests.test_fsdp_backend import make_samples
+
+    samples = make_samples(tiny_ckpt, [5, 3, 6, 4], images=[True, False, True, False])
+    for resync in (False, True):
+        spawn_ranks(_resync_job, device, backend_name, tiny_ckpt, samples, resync, tmp_path, world_size=1,
+                    device=device)
+    plain, resynced = (torch.load(tmp_path / f"resync_{r}.pt") for r in (False, True))
+
+    seen = resynced["seen"]
+    assert seen["same_push"]  # the re-sync pushed the weights step 0 trained
+    assert "weights on the device" in seen["refused"]["push"]  # offload() took them: no push without an onload
+    assert "training_state on the device" in seen["refused"]["train"]  # no training on a weights-only onload
+    assert plain["weights"].keys() == resynced["weights"].keys()
+    if device == "cpu":
+        assert all(torch.equal(resynced["weights"][n], w) for n, w in plain["weights"].items())
+    else:  # CUDA kernels may reduce in another order from one process to the next
+        worst = max((resynced["weights"][n].double() - w.double()).abs().max().item()
+                    for n, w in plain["weights"].items())
+        assert worst <= 1e-5, worst
+        moved = seen["allocated"]
+        weights = moved["weights_only"] - moved["offloaded"]
+        assert 0 < weights and moved["onloaded"] - moved["weights_only"] >= 2 * weights * 0.9, moved
+        assert "perf/resync_free_gib_after_onload_weights" in resynced["metrics"]
+        assert not any(k.startswith("perf/resync_") for k in plain["metrics"])
+    assert resynced["metrics"].keys() == plain["metrics"].keys() | {
+        k for k in resynced["metrics"] if k.startswith("perf/resync_")}

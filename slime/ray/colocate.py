@@ -23,9 +23,12 @@ only their weights (step 3) and the first sync runs steps 4-6.
 Mid-rollout re-sync (:meth:`ColocatedMemory.resync_phase`, when a restarted engine needs the
 current weights because no other engine is left to serve, see :mod:`slime.rollout.engine_group`):
 during a rollout the engines hold everything and the trainers nothing (after step 6), so the re-sync
-runs steps 1 and 3 with nothing trained between, then steps 4-6 around the push, and leaves the
-same state for the rest of the rollout.  The trainers' optimizer state travels to the GPU and back
-with it (``onload`` has no weights-only form); the peak is the training step's.
+runs step 1, then the trainers onload their weights only (``onload(weights_only=True)``: the optimizer
+state, gradient buffers and reference model stay on the CPU), then steps 4-6 around the push, and
+leaves the same state for the rest of the rollout.  Its peak is the sync's: trainer weights + engine
+weights.  The trainers record its free-memory figures under ``perf/resync_free_gib_*``, apart from the
+training phase's ``perf/train_free_gib_*`` (:meth:`slime.backends.base.TrainerBackend.offload`); the
+engines' figures (``memory/free_gib_engines_*``) are not re-measured.
 
 Peak during the sync: trainer weights + engine weights.  (The order this replaces resumed the
 engines' weights *and* KV cache while the trainer still held weights and optimizer state.)
@@ -69,7 +72,7 @@ class ColocatedMemory:
     """The hand-over above, as two context managers around training and the weight sync.
 
     Args:
-        trainers: the trainer group (``onload()``, ``offload(keep_weights=...)``).
+        trainers: the trainer group (``onload(weights_only=...)``, ``offload(keep_weights=...)``).
         engines: the engine group (``release_memory_occupation(tags)``,
             ``resume_memory_occupation(tags)``).
         enabled: whether trainers and engines share GPUs; when False both phases make no calls.
@@ -145,15 +148,16 @@ class ColocatedMemory:
 
     @contextlib.contextmanager
     def resync_phase(self) -> Iterator[None]:
-        """Around a weight push in the middle of a rollout (engines resident, trainers offloaded): steps 1
-        and 3 without training (engines out, trainers in, trainers keep only their weights), then
-        :meth:`sync_phase` (steps 4-6), so the engines hold everything again afterwards.
+        """Around a weight push in the middle of a rollout (engines resident, trainers offloaded): step 1
+        (engines out), the trainers' weights in (``onload(weights_only=True)``: what step 3 would keep,
+        without moving the optimizer state to the GPU and back), then :meth:`sync_phase` (steps 4-6), so
+        the engines hold everything again afterwards.
 
-        Nothing is measured: :meth:`metrics` keeps the figures of the step's own :meth:`train_phase`.
+        Nothing is measured here: :meth:`metrics` keeps the figures of the step's own :meth:`train_phase`
+        (the trainers record theirs as ``perf/resync_free_gib_*``).
         """
         if self.enabled:
             self._release_engines(measure=False)  # 1
-            self.trainers.onload()
-            self.trainers.offload(keep_weights=True)  # 3
+            self.trainers.onload(weights_only=True)  # the state step 3 leaves
         with self.sync_phase():  # 4-6
             yield

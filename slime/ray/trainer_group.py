@@ -85,8 +85,8 @@ class TrainerActor:
     def offload(self, keep_weights: bool = False) -> None:
         self.backend.offload(keep_weights)
 
-    def onload(self) -> None:
-        self.backend.onload()
+    def onload(self, weights_only: bool = False) -> None:
+        self.backend.onload(weights_only)
 
 
 class TrainerGroup:
@@ -213,9 +213,10 @@ class TrainerGroup:
         weights stay for the weight sync (see :meth:`TrainerBackend.offload`)."""
         ray.get([a.offload.remote(keep_weights) for a in self.actors])
 
-    def onload(self) -> None:
-        """Every rank moves everything :meth:`offload` moved back to the GPU."""
-        ray.get([a.onload.remote() for a in self.actors])
+    def onload(self, weights_only: bool = False) -> None:
+        """Every rank moves everything :meth:`offload` moved back to the GPU; with ``weights_only`` the policy
+        weights alone, for a weight push (see :meth:`TrainerBackend.onload`)."""
+        ray.get([a.onload.remote(weights_only) for a in self.actors])
 
     def shutdown(self) -> None:
         """Kill every rank's actor (its process and the process group it held).

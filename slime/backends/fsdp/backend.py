@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from slime.backends.base import RankInfo, TrainerBackend
+from slime.backends.base import WEIGHTS, RankInfo, TrainerBackend
 from slime.backends.batching import (
     check_train_samples,
     loss_normalizer,
@@ -254,6 +254,7 @@ class FSDPBackend(TrainerBackend):
             SampleError: a malformed sample on any rank (see :func:`check_train_samples`).
         """
         self._require_init()
+        self._require_on_device("compute_log_probs()", training=False)
         check_train_samples(samples)
         return [lp.tolist() for lp in self._log_probs(self.model, samples)]
 
@@ -281,15 +282,19 @@ class FSDPBackend(TrainerBackend):
             ``train/pg_loss``, ``train/pg_clipfrac``, ``train/ppo_kl``, ``train/entropy``,
             ``train/kl_loss`` (with ``--use-kl-loss``), ``train/grad_norm`` (before clipping),
             ``train/lr``, and (unless ``--use-rollout-logprobs``) ``train/logprob_abs_diff``
-            with ``_image`` / ``_text`` splits, a split being omitted when it has no sample.
+            with ``_image`` / ``_text`` splits, a split being omitted when it has no sample; colocated on
+            GPU this rank's free memory around the offloads / onloads since the last ``train``
+            (``perf/{train,resync}_free_gib_*``, :meth:`TrainerBackend.memory_metrics`).
 
         Raises:
             SampleError: a malformed sample on any rank, or a missing ``rollout_log_probs``
                 with ``--use-rollout-logprobs`` (see :func:`check_train_samples`).
             ValueError: ``len(samples)`` is not a positive multiple of ``num_steps``.
             FloatingPointError: the gradient norm is not finite.
+            RuntimeError: the optimizer state is offloaded (no :meth:`onload` after :meth:`offload`).
         """
         self._require_init()
+        self._require_on_device("train()", training=True)
         check_train_samples(samples, need_rollout_log_probs=self.train_cfg.use_rollout_logprobs)
         steps = split_into_steps(range(len(samples)), num_steps)
         old_log_probs = self._old_log_probs(samples)
@@ -310,6 +315,7 @@ class FSDPBackend(TrainerBackend):
         if not self.train_cfg.use_rollout_logprobs:
             gap = logprob_gap_sums(samples, old_log_probs, vision_placeholder_ids(self.model.config))
             metrics.update(logprob_gap_metrics(all_reduce_sums(gap)))
+        metrics.update(self.memory_metrics())
         return metrics
 
     def _old_log_probs(self, samples: Sequence[Sample]) -> list[Tensor]:
@@ -414,6 +420,7 @@ class FSDPBackend(TrainerBackend):
         ``--bf16`` on GPU, else float32), on ``device`` (default: this rank's device).
         """
         self._require_init()
+        self._require_on_device("iter_weight_buckets()", training=False)
         yield from iter_hf_weight_buckets(self.model, self.compute_dtype, bucket_bytes, device=device or self.device)
 
     def save(self, rollout_id: int, path: Path) -> None:
@@ -483,39 +490,22 @@ class FSDPBackend(TrainerBackend):
     # colocated memory
     # ------------------------------------------------------------------------------------
 
-    def offload(self, keep_weights: bool = False) -> None:
-        """Move the AdamW state and the reference shards to CPU, and the policy shards too unless
-        ``keep_weights``; then free the GPU cache.
-
-        For colocated runs, where the engines use the GPU while the trainer waits
-        (``keep_weights=True`` during the weight sync, which gathers the policy shards).  A no-op
-        on CPU.  Gradients need no move: ``zero_grad(set_to_none=True)`` frees them after each
-        optimizer step.
-        """
-        self._move_to(torch.device("cpu"), policy=not keep_weights)
-
-    def onload(self) -> None:
-        """Undo :meth:`offload` (a no-op on CPU)."""
-        self._move_to(self.device, policy=True)
-
-    def _move_to(self, device: torch.device, *, policy: bool) -> None:
-        """Move the optimizer state and the reference model to ``device``, and the policy if ``policy``.
-
-        Moving what is already there costs nothing, so every combination of offload and onload is safe.
-        """
-        if self.device.type != "cuda" or self.model is None:
-            return
-        if policy:
+    def _move_part(self, part: str, onto_device: bool) -> None:
+        """Colocated offload (:meth:`TrainerBackend.offload` / :meth:`~TrainerBackend.onload` decide what and
+        when): :data:`WEIGHTS` is the policy's FSDP shards (``model.to``: the parameter objects stay, so the
+        optimizer keeps stepping them); :data:`TRAINING_STATE` the AdamW state tensors and the reference
+        model's shards.  Gradients need no move: ``zero_grad(set_to_none=True)`` frees them after each
+        optimizer step."""
+        device = self.device if onto_device else torch.device("cpu")
+        if part == WEIGHTS:
             self.model.to(device)
+            return
         if self.ref_model is not None:
             self.ref_model.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, Tensor):
                     state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize(self.device)
-        if device.type == "cpu":
-            torch.cuda.empty_cache()
 
     def _require_init(self) -> None:
         if self.model is None:

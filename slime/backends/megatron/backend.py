@@ -20,7 +20,8 @@ non-zero, and resumes from ``--load``.  What a rollout's :meth:`MegatronBackend.
 Weights leave by Hugging Face name (:mod:`.weight_export`, vision tower included); checkpoints are a
 ``torch.distributed.checkpoint`` of Hugging Face-named fp32 tensors plus optimizer moments, scheduler
 and RNG (:mod:`.checkpoint`); colocated runs offload gradients, optimizer state and (without
-``keep_weights``) the weights with megatron-core's buffer-offload API (:meth:`MegatronBackend.offload`).
+``keep_weights``) the weights with megatron-core's buffer-offload API, and onload the weights alone for a
+mid-rollout re-sync (:meth:`MegatronBackend._move_part`, under the shared :meth:`TrainerBackend.offload`).
 
 Precision: ``--bf16`` on GPU trains bf16 parameters with fp32 main weights and moments in the
 distributed optimizer (``A_log`` stays fp32); ``--accumulate-allreduce-grads-in-fp32`` accumulates and
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime.backends.base import RankInfo, TrainerBackend
+from slime.backends.base import WEIGHTS, RankInfo, TrainerBackend
 from slime.backends.batching import check_train_samples, loss_normalizer, split_into_steps
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.lr_schedule import LRSchedule
@@ -58,8 +59,6 @@ from slime.utils.ppo_utils import GRPOConfig
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
-
-GiB = float(1 << 30)
 
 
 class MegatronBackend(TrainerBackend):
@@ -111,7 +110,6 @@ class MegatronBackend(TrainerBackend):
         self.dtype = torch.float32
         self.model = self.ref_model = self.optimizer = None
         self.groups: Groups | None = None
-        self.memory_metrics: dict[str, float] = {}
 
     @classmethod
     def from_config(cls, cfg, rank_info: RankInfo) -> "MegatronBackend":
@@ -260,6 +258,7 @@ class MegatronBackend(TrainerBackend):
             SampleError: a malformed sample on any rank.
         """
         self._require_init()
+        self._require_on_device("compute_log_probs()", training=False)
         check_train_samples(samples)
         batches = self._micro_batches(samples, dp_group=None)
         per_batch = self._forward_log_probs(self.model, batches)
@@ -289,15 +288,18 @@ class MegatronBackend(TrainerBackend):
             ``train/pg_clipfrac``, ``train/ppo_kl``, ``train/entropy``, ``train/kl_loss`` (with a KL loss),
             ``train/grad_norm`` (before clipping), ``train/lr``, ``train/micro_batches`` (per step and rank),
             the log-prob gap ``train/logprob_abs_diff`` with ``_image`` / ``_text`` splits (unless
-            ``--use-rollout-logprobs``), and on GPU the free memory around the last offload / onload
-            (``perf/train_free_gib_*``).
+            ``--use-rollout-logprobs``), and colocated on GPU this rank's free memory around the offloads /
+            onloads since the last ``train`` (``perf/{train,resync}_free_gib_*``,
+            :meth:`TrainerBackend.memory_metrics`).
 
         Raises:
             SampleError: a malformed sample on any rank.
             ValueError: ``len(samples)`` is not a positive multiple of ``num_steps``.
             NonFiniteGradNorm: the gradient norm is not finite (no update applied).
+            RuntimeError: the optimizer state is offloaded (no :meth:`onload` after :meth:`offload`).
         """
         self._require_init()
+        self._require_on_device("train()", training=True)
         check_train_samples(samples, need_rollout_log_probs=self.train_cfg.use_rollout_logprobs)
         steps = split_into_steps(list(range(len(samples))), num_steps)
         plans = []
@@ -322,7 +324,7 @@ class MegatronBackend(TrainerBackend):
                 totals[name] += value
         metrics = {name: value / num_steps for name, value in totals.items()}
         metrics.update(gap)
-        metrics.update(self.memory_metrics)
+        metrics.update(self.memory_metrics())
         return metrics
 
     def _attach_old_log_probs(self, samples: Sequence[Sample], batches: Sequence[MicroBatch]) -> dict[str, float]:
@@ -380,6 +382,7 @@ class MegatronBackend(TrainerBackend):
         (:func:`slime.backends.megatron.weight_export.iter_buckets`), in the parameters' dtype (bf16 with
         ``--bf16`` on GPU, ``A_log`` fp32), on ``device`` (default: this rank's)."""
         self._require_init()
+        self._require_on_device("iter_weight_buckets()", training=False)
         yield from iter_buckets(self.model, bucket_bytes, device=device or self.device)
 
     def save(self, rollout_id: int, path: Path) -> None:
@@ -400,48 +403,25 @@ class MegatronBackend(TrainerBackend):
     # colocated memory
     # ------------------------------------------------------------------------------------
 
-    def offload(self, keep_weights: bool = False) -> None:
-        """Free this rank's GPU memory for colocated engines (a no-op on CPU): gradient buffers and optimizer
-        state, the reference model, and unless ``keep_weights`` the policy's parameter buffers.  Records the
-        free GPU memory before and after (``perf/train_free_gib_before_offload`` / ``_after_offload``).
+    def _move_part(self, part: str, onto_device: bool) -> None:
+        """Colocated offload (:meth:`TrainerBackend.offload` / :meth:`~TrainerBackend.onload` decide what and
+        when): :data:`WEIGHTS` is the policy's parameter buffers; :data:`TRAINING_STATE` the gradient buffers,
+        the optimizer state (fp32 main weights, Adam moments) and the reference model
+        (:meth:`slime.backends.megatron.optimizer.DistributedAdam.move_weights` / ``move_training_state``).
 
         It uses megatron-core's own RL offload API (``offload_grad_buffers``, the optimizers'
         ``offload_to_cpu``, the buffers' ``offload_to_cpu``: storage resized to 0, pinned CPU copies),
         not ``torch_memory_saver``: that pauses only memory allocated inside its regions (its LD_PRELOAD
         hook, or its allocator mode), i.e. every trainer allocation from start-up on, which nothing here
         has measured yet; the buffer moves are exact and measured by ``tests/test_megatron_gpu.py``."""
-        if self.device.type != "cuda" or self.model is None:
+        if part == WEIGHTS:
+            self.optimizer.move_weights(onto_device)
             return
-        before = _free_gib(self.device)
-        self.optimizer.offload(weights=not keep_weights)
+        self.optimizer.move_training_state(onto_device)
         if self.ref_model is not None:
-            self.ref_model.to("cpu")
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        after = _free_gib(self.device)
-        suffix = "offload_keep_weights" if keep_weights else "offload"
-        self.memory_metrics[f"perf/train_free_gib_before_{suffix}"] = before
-        self.memory_metrics[f"perf/train_free_gib_after_{suffix}"] = after
-        logger.info("offload(keep_weights=%s): free GPU memory %.2f -> %.2f GiB", keep_weights, before, after)
-
-    def onload(self) -> None:
-        """Undo :meth:`offload` (a no-op on CPU); records ``perf/train_free_gib_before_onload`` / ``_after_onload``."""
-        if self.device.type != "cuda" or self.model is None:
-            return
-        before = _free_gib(self.device)
-        self.optimizer.onload()
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
-        torch.cuda.synchronize(self.device)
-        self.memory_metrics["perf/train_free_gib_before_onload"] = before
-        self.memory_metrics["perf/train_free_gib_after_onload"] = _free_gib(self.device)
+            self.ref_model.to(self.device if onto_device else "cpu")
 
     def _require_init(self) -> None:
         if self.model is None:
             raise RuntimeError("MegatronBackend.init() must run before train / compute_log_probs / save / weight sync")
 
-
-def _free_gib(device: torch.device) -> float:
-    """Free memory of ``device`` as the driver reports it (``cudaMemGetInfo``), GiB."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free / GiB

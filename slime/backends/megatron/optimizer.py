@@ -214,21 +214,26 @@ class DistributedAdam:
 
     # ---------------------------------------------------------------- colocated memory
 
-    def offload(self, weights: bool) -> None:
-        """Free the gradient buffers and move the optimizer state to CPU (megatron-core's RL offload API:
-        ``offload_grad_buffers`` resizes the buffers' storage to 0); with ``weights`` also the bf16
-        parameter buffers (kept in pinned CPU memory)."""
-        self.ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
-        self.optimizer.offload_to_cpu()
-        if weights:
-            for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+    def move_weights(self, onto_device: bool) -> None:
+        """Move the model's parameter buffers (bf16 with ``--bf16``) off the GPU (megatron-core's RL offload API:
+        a pinned CPU copy, storage resized to 0) or back (``onto_device``)."""
+        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            if onto_device:
+                buffer.reload_from_cpu(move_params=True, move_grads=False)
+            else:
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
 
-    def onload(self) -> None:
-        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
-            buffer.reload_from_cpu(move_params=True, move_grads=False)
-        self.optimizer.restore_from_cpu()
-        self.ddp.restore_grad_buffers(synchronize=True)
+    def move_training_state(self, onto_device: bool) -> None:
+        """Free the gradient buffers and move the optimizer state (fp32 main weights, Adam moments) to CPU, or
+        restore both (``onto_device``; the gradient buffers come back zeroed): megatron-core's
+        ``offload_grad_buffers`` / ``restore_grad_buffers`` and the optimizers' ``offload_to_cpu`` /
+        ``restore_from_cpu``."""
+        if onto_device:
+            self.optimizer.restore_from_cpu()
+            self.ddp.restore_grad_buffers(synchronize=True)
+        else:
+            self.ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
+            self.optimizer.offload_to_cpu()
 
 
 class LocalDataParallel(torch.nn.Module):
@@ -363,8 +368,8 @@ class LocalAdam:
         for key in ("exp_avg", "exp_avg_sq"):
             slot[key] = state[key].to(param.dtype).clone()
 
-    def offload(self, weights: bool) -> None:  # CPU: nothing to free
+    def move_weights(self, onto_device: bool) -> None:  # CPU: nothing to move (the backend never calls it)
         pass
 
-    def onload(self) -> None:
+    def move_training_state(self, onto_device: bool) -> None:
         pass
