@@ -48,7 +48,7 @@ from slime.ray.placement import (
 from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
-from slime.rollout.manager import PromptMismatchError, RolloutManager
+from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 from slime.rollout.rm_hub import resolve_reward_function
 from slime.rollout.parity import EngineParityCheck, EngineParityError
 from slime.utils import checkpoint as ckpt
@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
               + ("; resume it with --load" if started else ""), started=bool(started))
     except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
-            EngineStartError, PromptMismatchError, RunDirError, EngineParityError) as e:
+            EngineStartError, PromptMismatchError, RolloutAbortedError, RunDirError,
+            EngineParityError) as e:
         _fail(str(e), started=bool(started))
 
 
