@@ -287,11 +287,30 @@ class RolloutManager:
         self.scorer.close()
 
 
+PROMPT_LENGTH_CAUSES = (
+    "Likely cause: the engine loads another processor or chat template than --hf-checkpoint, or resizes images "
+    "with other pixel bounds than --image-min-pixels / --image-max-pixels (the number of image tokens follows "
+    "the resized size)"
+)
+"""The likely causes of a prompt length mismatch, shown in its warnings and errors."""
+
+
+def prompt_length_mismatches(samples: list[Sample], outputs: list[GenerateOutput]) -> list[int]:
+    """Positions (ascending) where the engine's prompt length (``outputs[i].prompt_tokens``) differs from the
+    locally processed ``len(samples[i].prompt_token_ids)``; ``samples`` and ``outputs`` pair up by position.
+
+    Raises:
+        ValueError: ``samples`` and ``outputs`` differ in length.
+    """
+    return [i for i, (sample, out) in enumerate(zip(samples, outputs, strict=True))
+            if out.prompt_tokens != len(sample.prompt_token_ids)]
+
+
 def check_prompt_lengths(
     samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput], max_fraction: float
 ) -> list[int]:
     """Compare each engine's prompt length (``GenerateOutput.prompt_tokens``) with the data pipeline's
-    ``len(sample.prompt_token_ids)``, for whatever engine served the request.
+    ``len(sample.prompt_token_ids)`` (:func:`prompt_length_mismatches`), for whatever engine served the request.
 
     A mismatching sample is an error of that sample: its position is returned (the caller marks it
     :attr:`SampleStatus.FAILED`) and a warning names the first few.  Many mismatches are a
@@ -310,11 +329,7 @@ def check_prompt_lengths(
             sample (position in the batch, dataset index, request id), the engine and both lengths,
             with the likely cause.
     """
-    bad = [
-        (i, sample, req, out)
-        for i, (sample, req, out) in enumerate(zip(samples, requests, outputs))
-        if out.prompt_tokens != len(sample.prompt_token_ids)
-    ]
+    bad = [(i, samples[i], requests[i], outputs[i]) for i in prompt_length_mismatches(samples, outputs)]
     if not bad:
         return []
     first = "; ".join(
@@ -323,11 +338,7 @@ def check_prompt_lengths(
         f"the data pipeline computed {len(sample.prompt_token_ids)}"
         for i, sample, req, out in bad[:_LOGGED_SAMPLES]
     )
-    cause = (
-        "Likely cause: the engine loads another processor or chat template than --hf-checkpoint, or resizes images "
-        "with other pixel bounds than --image-min-pixels / --image-max-pixels (the number of image tokens follows "
-        "the resized size)"
-    )
+    cause = PROMPT_LENGTH_CAUSES
     summary = (
         f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline"
     )
