@@ -128,8 +128,9 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
     for rollout_id in range(run.start, run.num_rollout):
         times: dict[str, float] = {}
         with timed("rollout", times):
+            # The first two steps only; first, so that an engine the probe refuses costs no rollout.
+            parity_probe = run.parity.generate(engines, rollout_id)
             batch = rollout_manager.generate(rollout_id)
-            parity_probe = run.parity.generate(engines, rollout_id)  # the first two steps only
         with timed("train", times), memory.train_phase():
             parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
             train_metrics = trainers.train(rollout_id, batch.samples)

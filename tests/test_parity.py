@@ -219,6 +219,24 @@ def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_
 
 
 @pytest.mark.slow
+def test_the_driver_refuses_an_engine_that_sees_other_image_prompt_lengths_before_comparing_log_probs(
+    tiny_ckpt, tmp_path
+):
+    """The fake server reports 3 more prompt tokens per image than it saw (and its log-probs are the trainer's): the
+    probe stops the run naming the lengths, before the rollout's own check and without the multimodal-RoPE advice."""
+    from slime import train as driver
+
+    cfg = _driver_cfg(tiny_ckpt, tmp_path, "--sglang-fake-image-prompt-tokens-shift", "3")
+    with pytest.raises(EngineParityError) as info:
+        driver.train(cfg)
+    message = str(info.value)
+    assert message.startswith("engine parity check before the first update (rollout 0) failed before comparing "
+                              "log-probs: 2 of its 4 prompts have another length in the rollout engine")
+    assert "the image prompt of training row 0 (rid parity:0): engine 0 saw " in message
+    assert "multimodal-RoPE bug, which this is not" in message and "Qwen3.5 multimodal-RoPE bug (SGLang" not in message
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ckpt, tmp_path, backend):
     """With either trainer the weights pushed into the SGLang engine (the fake server runs the HF model on what it

@@ -268,7 +268,7 @@ class RolloutManager:
         path = Path(self.debug_dump.format(rollout_id=rollout_id))
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
-            for s in samples:
+            for s in samples:  # reward None: a failed or aborted sample, not scored
                 f.write(json.dumps({
                     "rollout_id": rollout_id, "index": s.index, "group_index": s.group_index, "label": s.label,
                     "response": s.response, "reward": s.reward, "advantage": s.advantage, "status": s.status.value,

@@ -9,9 +9,9 @@ only on image prompts.
 What runs, for the first two rollout steps of a run (``k = start``: engines and trainers both at the
 start-up weights, i.e. before step 0 on a fresh run; ``k = start + 1``: after the first weight sync):
 
-1. :meth:`EngineParityCheck.generate` (rollout phase, engines on the GPU): each of ``--engine-parity-prompts``
-   fixed prompts of the training data (its first rows with an image) is sent twice, with its image
-   and as text alone (the same problem, the image left out), sampled like the rollout
+1. :meth:`EngineParityCheck.generate` (rollout phase, engines on the GPU, before the step's rollout): each of
+   ``--engine-parity-prompts`` fixed prompts of the training data (its first rows with an image) is sent twice,
+   with its image and as text alone (the same problem, the image left out), sampled like the rollout
    (``--rollout-temperature``) for up to ``--engine-parity-response-len`` tokens, with the engine's
    log-probs kept.  First of all, the prompt length the engine reports must equal the trainer's processed
    prompt token count for every prompt (:func:`check_probe_prompt_lengths`), else the run stops there: the
