@@ -358,9 +358,8 @@ def check_prompt_lengths(
 
 ABORT_CAUSES = (
     "Likely cause: generation paused in abort mode or the request aborted while it ran (SGLang's "
-    "/pause_generation defaults to mode=abort; a weight sync or memory release during generation), or the engine "
-    "refused the request (e.g. a prompt plus --rollout-max-response-len over its context length); the engine's "
-    "log names the reason of each"
+    "/pause_generation defaults to mode=abort; a weight sync or memory release during generation), or the engine's "
+    "scheduler aborted the request itself (e.g. one it cannot admit); the engine's log names the reason of each"
 )
 """The likely causes of ``finish_reason "abort"``, shown in the abort warning and errors."""
 
@@ -477,7 +476,7 @@ def _drop_unusable_groups(samples: list[Sample], n: int) -> tuple[list[Sample], 
     When every group is dropped the step has nothing to train on, and it stops, as for prompt length
     mismatches: an optimizer step on all-masked samples would still move the weights (AdamW's momentum
     and weight decay) and advance the LR schedule on no signal, and aborts in every group are a
-    systematic fault of the engines (paused or out of memory during generation), not bad luck.
+    systematic fault of the engines (paused during generation, or aborting what they cannot admit), not bad luck.
 
     Args:
         samples: a step's samples, ``n`` contiguous per group.
