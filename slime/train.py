@@ -48,7 +48,7 @@ from slime.ray.placement import (
 from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
-from slime.rollout.manager import PromptMismatchError, RolloutManager
+from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 from slime.rollout.rm_hub import resolve_reward_function
 from slime.rollout.parity import EngineParityCheck, EngineParityError
 from slime.utils import checkpoint as ckpt
@@ -128,8 +128,9 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
     for rollout_id in range(run.start, run.num_rollout):
         times: dict[str, float] = {}
         with timed("rollout", times):
+            # The first two steps only; first, so that an engine the probe refuses costs no rollout.
+            parity_probe = run.parity.generate(engines, rollout_id)
             batch = rollout_manager.generate(rollout_id)
-            parity_probe = run.parity.generate(engines, rollout_id)  # the first two steps only
         with timed("train", times), memory.train_phase():
             parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
             train_metrics = trainers.train(rollout_id, batch.samples)
@@ -396,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
               + ("; resume it with --load" if started else ""), started=bool(started))
     except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
-            EngineStartError, PromptMismatchError, RunDirError, EngineParityError) as e:
+            EngineStartError, PromptMismatchError, RolloutAbortedError, RunDirError,
+            EngineParityError) as e:
         _fail(str(e), started=bool(started))
 
 

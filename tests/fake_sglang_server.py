@@ -33,7 +33,9 @@ Two models (``--fake-model``):
   a weight update shows), ``prompt_tokens`` the number of whitespace-separated words plus 4 per image;
 - ``hf``: slime's transformers engine on ``--model-path`` (CPU, float32): real tokens and log-probs that the
   trainer reproduces, and pushed weights really load.  ``--fake-image-logprob-shift X`` adds ``X`` to every
-  log-prob of a request with images (a stand-in for SGLang's multimodal-RoPE bug).
+  log-prob of a request with images (a stand-in for SGLang's multimodal-RoPE bug);
+  ``--fake-image-prompt-tokens-shift N`` reports ``N`` more prompt tokens per image than it saw (a stand-in for
+  an engine whose processor makes another number of image tokens).
 
 Faults and timing: ``--fake-delay-s`` per request, ``--fake-exit-after N`` (the process exits with code 1
 when the N-th ``/generate`` request arrives: a crash mid-rollout).  Refusals as 0.5.17 answers them:
@@ -98,6 +100,7 @@ def parse_args(argv):
     p.add_argument("--fake-refuse-batches", type=int, default=0)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--fake-image-logprob-shift", type=float, default=0.0)
+    p.add_argument("--fake-image-prompt-tokens-shift", type=int, default=0)
     p.add_argument("--replay", default=None)
     args, unknown = p.parse_known_args(argv)
     args.unknown = unknown
@@ -292,7 +295,8 @@ class FakeServer:
         shift = self.args.fake_image_logprob_shift if request.image_data else 0.0
         logprobs = [min(0.0, lp + shift) for lp in out.output_log_probs]
         finish = {"type": out.finish_reason}
-        return self._answer(out.text, out.output_ids, logprobs, finish, out.prompt_tokens, body.get("rid"))
+        prompt_tokens = out.prompt_tokens + self.args.fake_image_prompt_tokens_shift * len(request.image_data)
+        return self._answer(out.text, out.output_ids, logprobs, finish, prompt_tokens, body.get("rid"))
 
     @staticmethod
     def _answer(text, ids, logprobs, finish, prompt_tokens, rid=None):

@@ -221,9 +221,11 @@ def test_sigterm_becomes_system_exit_during_a_run():
     assert signal.getsignal(signal.SIGTERM) is before  # restored after the run
 
 
-@pytest.mark.parametrize("starts, expected_status", [(False, 2), (True, 1)])
+@pytest.mark.parametrize(
+    "starts, error, expected_status", [(False, None, 2), (True, "mismatch", 1), (True, "abort", 1)]
+)
 def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the_lock_holder(
-    tiny_ckpt, tmp_path, monkeypatch, capsys, starts, expected_status
+    tiny_ckpt, tmp_path, monkeypatch, capsys, starts, error, expected_status
 ):
     """An error before the first rollout step exits 2 (nothing to resume; the launcher prints no
     resume line), one after it exits 1; command.sh is written once the run holds its folders."""
@@ -232,13 +234,15 @@ def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the
     import sys
 
     from slime import train as driver
-    from slime.rollout.manager import PromptMismatchError
+    from slime.rollout.manager import PromptMismatchError, RolloutAbortedError
     from slime.utils.data import DatasetError
+
+    messages = {"mismatch": "engine saw 12 prompt tokens", "abort": "every one of the 2 groups holds an aborted sample"}
 
     def train(cfg, on_start=None):
         if starts:
             on_start()
-            raise PromptMismatchError("engine saw 12 prompt tokens, the data pipeline 13")
+            raise (PromptMismatchError if error == "mismatch" else RolloutAbortedError)(messages[error])
         raise DatasetError("train.parquet row 3: no 'problem' column")
 
     monkeypatch.setattr(driver, "train", train)
@@ -251,6 +255,6 @@ def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the
         main(argv)
     assert info.value.code == expected_status
     err = capsys.readouterr().err
-    assert ("engine saw 12 prompt tokens" if starts else "row 3: no 'problem' column") in err
+    assert f"slime: error: {messages[error] if starts else 'train.parquet row 3'}" in err
     without_parent = argv[:-4] + argv[-2:]
     assert shlex.split((run / "command.sh").read_text()) == [sys.executable, "-m", "slime.train", *without_parent]

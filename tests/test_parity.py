@@ -112,6 +112,78 @@ def test_responses_with_a_vision_placeholder_are_left_out_of_the_gaps(dataset):
     assert metrics["parity/logprob_gap_text"] == pytest.approx(0.05) and metrics["parity/tokens_text"] == 2
 
 
+class _StubEngines:
+    """Duck-typed engine group: answers every probe request with two tokens of log-prob -1 and reports as its prompt
+    length what the checkpoint's processor makes of the request's text and images (the engine's own processing),
+    plus ``shift(i, request)`` tokens for request ``i``."""
+
+    def __init__(self, processor, shift=lambda i, request: 0):
+        self.processor, self.shift, self.calls = processor, shift, 0
+
+    def generate(self, requests):
+        from slime.rollout.engines.base import GenerateOutput
+        from slime.utils.image import decode_image
+
+        self.calls += 1
+        outs = []
+        for i, r in enumerate(requests):
+            length = len(self.processor(r.text, [decode_image(b) for b in r.image_data]).input_ids)
+            outs.append(GenerateOutput("x", [5, 6], [-1.0, -1.0], "stop", length + self.shift(i, r),
+                                       engine_index=i % 2))
+        return outs
+
+
+def _processed_lengths(processor, samples):
+    """What the processor makes of each sample's prompt text and (base64) images, as the stub engine computes it."""
+    from slime.utils.image import decode_image
+
+    return [len(processor(s.prompt, [decode_image(b) for b in s.images]).input_ids) for s in samples]
+
+
+def test_the_probe_keeps_the_engine_answers_when_the_prompt_lengths_agree(dataset):
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=2), dataset, 1.0, enabled=True)
+    samples = check.generate(_StubEngines(dataset.processor), 0)
+    assert [s.index for s in samples] == [0, 1, 0, 1]
+    assert all(s.response_token_ids == [5, 6] and s.rollout_log_probs == [-1.0, -1.0] for s in samples)
+
+
+@pytest.mark.parametrize("rollout_id, when", [(0, "before the first update (rollout 0)"),
+                                              (1, "after the first weight sync (rollout 1)")])
+def test_the_probe_refuses_an_engine_that_sees_other_image_prompt_lengths(dataset, rollout_id, when):
+    """An engine that expands each image into 4 more tokens than the trainer's processor: the image prompts'
+    lengths differ (the text prompts' agree), which the probe names before any log-prob comparison."""
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=2), dataset, 1.0, enabled=True)
+    engines = _StubEngines(dataset.processor, shift=lambda i, r: 4 * len(r.image_data))
+    with pytest.raises(EngineParityError) as info:
+        check.generate(engines, rollout_id)
+    message = str(info.value)
+    local = [len(s.prompt_token_ids) for s in check.image_prompts]
+    engine = [n + 4 for n in _processed_lengths(dataset.processor, check.image_prompts)]  # one image per prompt
+    assert [e - n for e, n in zip(engine, local)] == [4, 4]  # the processing agrees but for the shift
+    assert message.startswith(f"engine parity check {when} failed before comparing log-probs: 2 of its 4 prompts "
+                              "have another length in the rollout engine than in the trainer")
+    assert (f"the image prompt of training row 0 (rid parity:0): engine 0 saw {engine[0]} prompt tokens, the "
+            f"trainer's processor computed {local[0]}; the image prompt of training row 1 (rid parity:1): engine 1 saw "
+            f"{engine[1]} prompt tokens, the trainer's processor computed {local[1]})") in message
+    assert "text prompt" not in message
+    assert "--hf-checkpoint" in message and "--image-min-pixels / --image-max-pixels" in message
+    assert "multimodal-RoPE bug, which this is not" in message
+    assert "Likely cause: an engine with the Qwen3.5 multimodal-RoPE bug" not in message  # verdict()'s advice
+    assert engines.calls == 1
+
+
+def test_the_probe_names_a_text_prompt_whose_length_differs(dataset):
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=2), dataset, 1.0, enabled=True)
+    engines = _StubEngines(dataset.processor, shift=lambda i, r: -1 if i == 3 else 0)  # request 3: row 1 as text
+    with pytest.raises(EngineParityError) as info:
+        check.generate(engines, 0)
+    (local,) = _processed_lengths(dataset.processor, check.text_prompts[1:])
+    assert local == len(check.text_prompts[1].prompt_token_ids)
+    assert "1 of its 4 prompts have another length" in str(info.value)
+    assert (f"(the text prompt of training row 1 (rid parity:3): engine 1 saw {local - 1} prompt tokens, the "
+            f"trainer's processor computed {local})") in str(info.value)
+
+
 def test_the_check_runs_at_the_first_two_steps_of_a_run_unless_skipped(dataset):
     check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True, start=5)
     assert [check.due(k) for k in range(4, 9)] == [False, True, True, False, False] and CHECKED_STEPS == 2
@@ -144,6 +216,24 @@ def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_
     with pytest.raises(EngineParityError, match="before the first update .* multimodal-RoPE bug"):
         driver.train(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_the_driver_refuses_an_engine_that_sees_other_image_prompt_lengths_before_comparing_log_probs(
+    tiny_ckpt, tmp_path
+):
+    """The fake server reports 3 more prompt tokens per image than it saw (and its log-probs are the trainer's): the
+    probe stops the run naming the lengths, before the rollout's own check and without the multimodal-RoPE advice."""
+    from slime import train as driver
+
+    cfg = _driver_cfg(tiny_ckpt, tmp_path, "--sglang-fake-image-prompt-tokens-shift", "3")
+    with pytest.raises(EngineParityError) as info:
+        driver.train(cfg)
+    message = str(info.value)
+    assert message.startswith("engine parity check before the first update (rollout 0) failed before comparing "
+                              "log-probs: 2 of its 4 prompts have another length in the rollout engine")
+    assert "the image prompt of training row 0 (rid parity:0): engine 0 saw " in message
+    assert "multimodal-RoPE bug, which this is not" in message and "Qwen3.5 multimodal-RoPE bug (SGLang" not in message
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """RolloutManager with a scripted engine group (no Ray): rewards, group advantages, prompt length mismatches,
-truncation and skip counters, truncation options, per-request seeds, eval isolation.
+aborted samples, truncation and skip counters, truncation options, per-request seeds, eval isolation.
 
 The engine stand-in answers ``\\boxed{5}`` to odd-numbered requests and ``\\boxed{7}`` to
 even ones, so every expected reward and advantage is worked out by hand below.
@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from slime.rollout.engines.base import GenerateOutput
-from slime.rollout.manager import PromptMismatchError, RolloutManager
+from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 from slime.utils.arguments import parse_args
 from slime.utils.image import decode_image
 from slime.utils.types import SampleStatus
@@ -47,12 +47,15 @@ class ScriptedEngines:
     """Duck-typed RolloutEngineGroup: request i of a call answers 5 if i is odd, else 7;
     every ``truncate_every``-th request ends by length.  The prompt length it reports is what
     the checkpoint's processor makes of the request's text and images, plus ``miscount[i]``
-    tokens for request i (an engine that sees another prompt)."""
+    tokens for request i (an engine that sees another prompt).  The requests in ``abort`` end with
+    ``finish_reason "abort"`` after one token (same text: scoring one would count it)."""
 
-    def __init__(self, truncate_every: int = 0, extra_token: int | None = None, miscount: dict[int, int] | None = None):
+    def __init__(self, truncate_every: int = 0, extra_token: int | None = None, miscount: dict[int, int] | None = None,
+                 abort: set[int] = frozenset()):
         self.truncate_every = truncate_every
         self.extra_token = extra_token
         self.miscount = miscount or {}
+        self.abort = abort
         self.calls = []
 
     def generate(self, requests):
@@ -64,9 +67,12 @@ class ScriptedEngines:
             ids = [11, 12, 13] if truncated else [11, 12]
             if self.extra_token is not None and i % 4 == 1:
                 ids = [self.extra_token] + ids[1:]
+            reason = "length" if truncated else "stop"
+            if i in self.abort:
+                ids, reason = ids[:1], "abort"
             prompt_tokens = len(PROCESSOR(req.text, [decode_image(b) for b in req.image_data]).input_ids)
-            outs.append(GenerateOutput(text, ids, [-0.5] * len(ids), "length" if truncated else "stop",
-                                       prompt_tokens + self.miscount.get(i, 0), engine_index=i % 2))
+            outs.append(GenerateOutput(text, ids, [-0.5] * len(ids), reason, prompt_tokens + self.miscount.get(i, 0),
+                                       engine_index=i % 2))
         return outs
 
 
@@ -286,6 +292,10 @@ def test_one_prompt_length_mismatch_drops_its_group_only(tmp_path, tiny_ckpt, ca
     assert m["rollout/num_samples"] == 7.0
     assert m["rollout/reward_mean"] == pytest.approx(4 / 7)
     assert m["rollout/zero_std_group_frac"] == 0.0
+    # The scorer saw the 7 usable responses only (the clean run: 8); the failed one keeps no reward.
+    assert (m["rollout/reward_responses"], expected_batch.metrics["rollout/reward_responses"]) == (7, 8)
+    assert samples[2].reward is None
+    assert (m["rollout/aborted_samples"], m["rollout/aborted_groups"]) == (0.0, 0.0)
     assert expected_batch.metrics["rollout/prompt_length_mismatches"] == 0.0
     assert expected_batch.metrics["rollout/prompt_length_mismatch_groups"] == 0.0
     (requests,) = engines.calls
@@ -354,6 +364,127 @@ def test_eval_leaves_a_mismatching_sample_out_of_its_metrics(tmp_path, tiny_ckpt
     assert metrics["eval/a/prompt_length_mismatches"] == 1.0
     assert metrics["eval/a/num_samples"] == 2.0
     assert metrics["eval/a/accuracy"] == pytest.approx(1.0)
+    assert metrics["eval/reward_responses"] == 2  # the failed sample is not scored
+
+
+# ---------------------------------------------------------------------------------------
+# Aborted samples (finish_reason "abort"): the group-drop path of the mismatches
+
+
+def test_one_aborted_sample_drops_its_group_only(tmp_path, tiny_ckpt, caplog):
+    # Request 5 (group 1: row 1's samples 4..7, answer 5 to label 5) is aborted after one token.
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "bad").mkdir()
+    reference = _manager(tmp_path / "ref", tiny_ckpt, ScriptedEngines())
+    dump = tmp_path / "bad" / "dump_{rollout_id}.jsonl"
+    manager = _manager(tmp_path / "bad", tiny_ckpt, ScriptedEngines(abort={5}),
+                       extra=("--save-debug-rollout-data", str(dump)))
+    try:
+        expected_batch = reference.generate(0)
+        with caplog.at_level(logging.WARNING, logger="slime.rollout.manager"):
+            batch = manager.generate(0)
+    finally:
+        reference.close()
+        manager.close()
+    samples = batch.samples
+    assert len(samples) == 8 and [s.group_index for s in samples] == [0] * 4 + [1] * 4
+    assert [s.status for s in samples] == [SampleStatus.COMPLETED] * 5 + [SampleStatus.ABORTED] + [
+        SampleStatus.COMPLETED] * 2  # fmt: skip
+    # Group 1 gives no gradient: every response token masked (the aborted one has 1 token), advantage 0.
+    assert [s.loss_mask for s in samples[4:]] == [[0, 0], [0], [0, 0], [0, 0]]
+    assert [s.advantage for s in samples[4:]] == [0.0] * 4
+    # Group 0 is trained on as in the clean run: rewards [0, 1, 0, 1], advantages +-0.5 / (sqrt(1/3) + 1e-6).
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert [s.advantage for s in samples[:4]] == pytest.approx([-expected, expected] * 2, rel=1e-6)
+    for got, want in zip(samples[:4], expected_batch.samples[:4]):
+        assert (got.response_token_ids, got.loss_mask, got.reward, got.advantage) == (
+            want.response_token_ids, want.loss_mask, want.reward, want.advantage)
+    # The aborted response ("\boxed{5}", right for label 5) is not scored: scored, it would make the mean 4/8.
+    assert samples[5].reward is None
+    m = batch.metrics
+    assert (m["rollout/aborted_samples"], m["rollout/aborted_groups"]) == (1.0, 1.0)
+    assert (m["rollout/prompt_length_mismatches"], m["rollout/prompt_length_mismatch_groups"]) == (0.0, 0.0)
+    assert m["rollout/num_samples"] == 7.0 and m["rollout/reward_responses"] == 7
+    assert m["rollout/reward_mean"] == pytest.approx(3 / 7)  # rewards 0, 1, 0, 1, 0, (aborted), 0, 1
+    assert m["rollout/response_len_mean"] == 2.0  # the aborted sample's 1 token is left out
+    assert (expected_batch.metrics["rollout/aborted_samples"], expected_batch.metrics["rollout/aborted_groups"]) == (
+        0.0, 0.0)  # fmt: skip
+    assert "1 of 8 train samples were aborted by the rollout engine (sample 5 (dataset index 1, rid 1:5, engine 1, " \
+        "response length 1))" in caplog.text
+    assert "/pause_generation" in caplog.text
+    rows = [json.loads(line) for line in Path(str(dump).format(rollout_id=0)).read_text().splitlines()]
+    assert [(r["status"], r["in_loss"], r["reward"]) for r in rows[4:]] == [
+        ("completed", False, 0.0), ("aborted", False, None), ("completed", False, 0.0), ("completed", False, 1.0)]
+
+
+def test_aborts_and_mismatches_in_one_group_count_in_both_and_drop_it_once(tmp_path, tiny_ckpt, caplog):
+    # Group 0: request 1 mismatches, 2 is aborted, 3 both (it counts as a mismatch); group 1 is clean.
+    engines = ScriptedEngines(miscount={1: 1, 3: -1}, abort={2, 3})
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--max-prompt-length-mismatch-fraction", "0.25"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="slime.rollout.manager"):
+            batch = manager.generate(0)
+    finally:
+        manager.close()
+    samples = batch.samples
+    assert [s.status for s in samples[:4]] == [SampleStatus.COMPLETED, SampleStatus.FAILED, SampleStatus.ABORTED,
+                                               SampleStatus.FAILED]
+    assert all(not any(s.loss_mask) and s.advantage == 0.0 for s in samples[:4])
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert [s.advantage for s in samples[4:]] == pytest.approx([-expected, expected] * 2, rel=1e-6)
+    m = batch.metrics
+    assert (m["rollout/prompt_length_mismatches"], m["rollout/prompt_length_mismatch_groups"]) == (2.0, 1.0)
+    assert (m["rollout/aborted_samples"], m["rollout/aborted_groups"]) == (1.0, 1.0)
+    # Usable: sample 0 (reward 0) and group 1 (0, 1, 0, 1).
+    assert (m["rollout/num_samples"], m["rollout/reward_responses"]) == (5.0, 5)
+    assert m["rollout/reward_mean"] == pytest.approx(2 / 5)
+    assert "1 of 8 train samples were aborted by the rollout engine (sample 2 (dataset index 0, rid 0:2" in caplog.text
+
+
+@pytest.mark.parametrize("miscount, abort, counts", [
+    ({}, {0, 7}, "aborted (2 samples in 2 groups) or one whose prompt has another length in the engine than in the "
+     "data pipeline (0 samples in 0 groups)"),
+    ({1: 1}, {6}, "aborted (1 samples in 1 groups) or one whose prompt has another length in the engine than in the "
+     "data pipeline (1 samples in 1 groups)"),
+])  # fmt: skip
+def test_an_abort_in_every_group_leaves_nothing_to_train_on(tmp_path, tiny_ckpt, miscount, abort, counts):
+    engines = ScriptedEngines(miscount=miscount, abort=abort)
+    manager = _manager(tmp_path, tiny_ckpt, engines, extra=("--max-prompt-length-mismatch-fraction", "0.5"))
+    try:
+        with pytest.raises(RolloutAbortedError) as info:
+            manager.generate(0)
+    finally:
+        manager.close()
+    message = str(info.value)
+    assert message.startswith("every one of the 2 groups of this rollout holds a sample the rollout engine ")
+    assert counts in message and "so no group is left to train on" in message and "/pause_generation" in message
+
+
+def test_eval_leaves_an_aborted_sample_out_of_its_metrics(tmp_path, tiny_ckpt):
+    # Set "a" (labels 7, 7, 7) gets answers 7, 5, 7 and set "b" (label 5) gets 5; request 1 of "a" is
+    # aborted: accuracy 2 / 2 over 2 samples (3 samples with it would give 2 / 3), 3 responses scored.
+    engines = ScriptedEngines(abort={1})
+    manager = _manager(tmp_path, tiny_ckpt, engines, eval_labels={"a": ["7", "7", "7"], "b": ["5"]})
+    try:
+        metrics = manager.evaluate(0)
+    finally:
+        manager.close()
+    assert (metrics["eval/a/aborted_samples"], metrics["eval/a/prompt_length_mismatches"]) == (1.0, 0.0)
+    assert (metrics["eval/a/num_samples"], metrics["eval/a/accuracy"]) == (2.0, pytest.approx(1.0))
+    assert metrics["eval/a/response_len_mean"] == 2.0
+    assert metrics["eval/b/aborted_samples"] == 0.0 and metrics["eval/b/num_samples"] == 1.0
+    assert metrics["eval/reward_responses"] == 3
+
+
+def test_an_eval_set_with_every_sample_aborted_stops_with_a_clear_error(tmp_path, tiny_ckpt):
+    engines = ScriptedEngines(abort={0, 1})
+    manager = _manager(tmp_path, tiny_ckpt, engines, eval_labels={"a": ["7", "7"]})
+    try:
+        with pytest.raises(RolloutAbortedError, match=r"every one of the 2 samples of eval set 'a' at rollout 4 was "
+                           r"aborted by the rollout engine \(2\) or saw another prompt length \(0\)"):
+            manager.evaluate(4)
+    finally:
+        manager.close()
 
 
 # ---------------------------------------------------------------------------------------

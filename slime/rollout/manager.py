@@ -36,7 +36,8 @@ class RolloutBatch:
     Attributes:
         samples: ``rollout_batch_size * n_samples_per_prompt`` samples; the n samples of
             a prompt are contiguous and share ``group_index``.  The groups dropped for a prompt
-            length mismatch are among them, with ``loss_mask`` 0 and advantage 0.
+            length mismatch or an aborted sample (:func:`_drop_unusable_groups`) are among them,
+            with ``loss_mask`` 0 and advantage 0.
         metrics: ``rollout/*`` and ``data/*`` metrics of this step.
     """
 
@@ -47,6 +48,17 @@ class RolloutBatch:
 class PromptMismatchError(RuntimeError):
     """A rollout engine saw a prompt of another length than the data pipeline computed, so the
     trainer would train on tokens the engine never conditioned on."""
+
+
+class RolloutAbortedError(RuntimeError):
+    """Every group of a training rollout (or every sample of an eval set) was left out for an aborted
+    sample (with or without prompt length mismatches), so nothing is left to train on or to measure."""
+
+
+UNUSABLE = (SampleStatus.FAILED, SampleStatus.ABORTED)
+"""Statuses of a sample that is neither scored nor in the metrics, and whose whole group leaves the loss."""
+_LOGGED_SAMPLES = 3
+"""Samples named in a mismatch or abort warning."""
 
 
 class RolloutManager:
@@ -105,11 +117,21 @@ class RolloutManager:
         ``--stop-properly-penalty-coef`` / ``--overlong-filter`` say (:func:`_apply_truncation_options`),
         and the rewards are turned into group advantages with the ``--advantage-estimator``
         (shared GRPO math).  A group holding a sample whose engine saw another prompt length
-        (status ``FAILED``) is left out of the loss (:func:`_drop_mismatched_groups`), and counted
-        in ``rollout/prompt_length_mismatches`` (samples) and ``rollout/prompt_length_mismatch_groups``.
+        (status ``FAILED``) or whose engine aborted it (status ``ABORTED``, a cut-off response) is
+        left out of the loss (:func:`_drop_unusable_groups`), and counted in
+        ``rollout/prompt_length_mismatches`` / ``rollout/aborted_samples`` (samples) and
+        ``rollout/prompt_length_mismatch_groups`` / ``rollout/aborted_groups`` (groups holding at
+        least one; a group with both counts in both).  The failed and aborted samples are not scored
+        and are left out of every per-sample metric (``rollout/num_samples`` counts the others, and so
+        does the scorer's ``rollout/reward_responses``); the other samples of their groups are in them.
         Sample ``i = group_index * n + j`` of the step is drawn with
         ``sampling_seed(--rollout-seed, rollout_id, i)``, so the step's responses depend neither
         on the engines' history nor on which engine serves which request (exact resume).
+
+        Raises:
+            PromptMismatchError: too many prompt length mismatches (:func:`check_prompt_lengths`), or one
+                in every group.
+            RolloutAbortedError: every group holds an aborted or failed sample, not all of them a failed one.
         """
         n = self.cfg.n_samples_per_prompt
         prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
@@ -118,11 +140,13 @@ class RolloutManager:
             prompt.group_index = group_index
             samples.extend(prompt.clone_prompt() for _ in range(n))
         self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
-        kept, dropped = _drop_mismatched_groups(samples, n)
-        usable = [s for s in samples if s.status != SampleStatus.FAILED]
+        kept, _ = _drop_unusable_groups(samples, n)
+        usable = [s for s in samples if s.status not in UNUSABLE]
         metrics = _sample_metrics("rollout", usable)
-        metrics["rollout/prompt_length_mismatches"] = float(len(samples) - len(usable))
-        metrics["rollout/prompt_length_mismatch_groups"] = float(len(dropped) // n)
+        metrics["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in samples))
+        metrics["rollout/prompt_length_mismatch_groups"] = float(_groups_holding(samples, n, SampleStatus.FAILED))
+        metrics["rollout/aborted_samples"] = float(sum(s.status == SampleStatus.ABORTED for s in samples))
+        metrics["rollout/aborted_groups"] = float(_groups_holding(samples, n, SampleStatus.ABORTED))
         # The reward function's verdicts above are before shaping; shaping and advantages see the kept groups only.
         metrics.update(_apply_truncation_options(kept, self.grpo))
         rewards = torch.tensor([s.reward for s in kept], dtype=torch.float64)
@@ -135,6 +159,7 @@ class RolloutManager:
             sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in usable)
         )
         metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
+        # The scorer's counts (responses, timeouts, errors, ...): only the usable samples were scored.
         metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
         self._dump(rollout_id, samples)
         return RolloutBatch(samples, metrics)
@@ -142,8 +167,14 @@ class RolloutManager:
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Accuracy and response statistics on every ``--eval-prompt-data`` set (no training).
 
-        A sample whose engine saw another prompt length (status ``FAILED``) is left out of its set's
-        metrics (``num_samples`` counts the others) and counted in ``eval/<name>/prompt_length_mismatches``.
+        A sample whose engine saw another prompt length (status ``FAILED``) or that its engine aborted
+        (status ``ABORTED``) is not scored and is left out of its set's metrics (``num_samples`` counts the
+        others, ``eval/reward_responses`` the scored samples of every set), and counted in
+        ``eval/<name>/prompt_length_mismatches`` or ``eval/<name>/aborted_samples``.
+
+        Raises:
+            PromptMismatchError: too many prompt length mismatches in a set (:func:`check_prompt_lengths`).
+            RolloutAbortedError: every sample of a set was aborted or failed (no accuracy to report).
         """
         e = self.eval_cfg
         params = SamplingParams(
@@ -158,9 +189,17 @@ class RolloutManager:
         for name, prompts in self.eval_sets.items():
             samples = [p.clone_prompt() for p in prompts for _ in range(e.n_samples_per_eval_prompt)]
             self._generate_and_score(samples, params, rollout_id, f"eval/{name}")
-            usable = [s for s in samples if s.status != SampleStatus.FAILED]  # never empty: check_prompt_lengths
+            usable = [s for s in samples if s.status not in UNUSABLE]
+            failed, aborted = (sum(s.status == status for s in samples) for status in UNUSABLE)
+            if not usable:  # check_prompt_lengths stops an all-failed set: some were aborted
+                raise RolloutAbortedError(
+                    f"every one of the {len(samples)} samples of eval set {name!r} at rollout {rollout_id} was aborted "
+                    f"by the rollout engine ({aborted}) or saw another prompt length ({failed}), so the set has no "
+                    f"accuracy; see the warnings above for the first few. {ABORT_CAUSES}"
+                )
             metrics.update(_sample_metrics(f"eval/{name}", usable))
-            metrics[f"eval/{name}/prompt_length_mismatches"] = float(len(samples) - len(usable))
+            metrics[f"eval/{name}/prompt_length_mismatches"] = float(failed)
+            metrics[f"eval/{name}/aborted_samples"] = float(aborted)
             logger.info("eval %s at rollout %d: accuracy %.4f over %d samples", name, rollout_id,
                         metrics[f"eval/{name}/accuracy"], len(usable))
         metrics.update({f"eval/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
@@ -183,7 +222,9 @@ class RolloutManager:
         """Generate one response per sample (request ``i`` seeded by :func:`sampling_seed` of its
         position ``i``), record it on the sample and score it.  A sample whose engine saw another
         prompt length gets status ``FAILED`` (:func:`check_prompt_lengths`, which raises
-        :class:`PromptMismatchError` when too many do)."""
+        :class:`PromptMismatchError` when too many do); one whose engine answered ``finish_reason
+        "abort"`` gets ``ABORTED`` (a warning names the first few, :func:`warn_aborted`).  Those two keep
+        ``reward`` None: only the other samples are scored."""
         if self.engines is None:
             raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         requests = [
@@ -208,9 +249,14 @@ class RolloutManager:
                 "abort": SampleStatus.ABORTED,
             }[out.finish_reason]
         for i in mismatched:
-            samples[i].status = SampleStatus.FAILED
-        rewards = self.scorer.score([s.response for s in samples], [s.label for s in samples])
-        for sample, reward in zip(samples, rewards):
+            samples[i].status = SampleStatus.FAILED  # also when aborted: its prompt is the first thing wrong
+        warn_aborted(samples, requests, outputs, stream)
+        # Neither a failed nor an aborted sample is scored: its reward would be a verdict on a response the
+        # trainer cannot use (another prompt, or a cut-off one), and it would enter the scorer's counts.
+        # Upstream slime does not score an aborted sample either (its generate_and_rm returns it unscored).
+        scored = [s for s in samples if s.status not in UNUSABLE]
+        rewards = self.scorer.score([s.response for s in scored], [s.label for s in scored])
+        for sample, reward in zip(scored, rewards):
             sample.reward = float(reward)
 
     def _seed(self, rollout_id: int, sample_index: int, stream: str) -> int:
@@ -222,7 +268,7 @@ class RolloutManager:
         path = Path(self.debug_dump.format(rollout_id=rollout_id))
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
-            for s in samples:
+            for s in samples:  # reward None: a failed or aborted sample, not scored
                 f.write(json.dumps({
                     "rollout_id": rollout_id, "index": s.index, "group_index": s.group_index, "label": s.label,
                     "response": s.response, "reward": s.reward, "advantage": s.advantage, "status": s.status.value,
@@ -241,11 +287,30 @@ class RolloutManager:
         self.scorer.close()
 
 
+PROMPT_LENGTH_CAUSES = (
+    "Likely cause: the engine loads another processor or chat template than --hf-checkpoint, or resizes images "
+    "with other pixel bounds than --image-min-pixels / --image-max-pixels (the number of image tokens follows "
+    "the resized size)"
+)
+"""The likely causes of a prompt length mismatch, shown in its warnings and errors."""
+
+
+def prompt_length_mismatches(samples: list[Sample], outputs: list[GenerateOutput]) -> list[int]:
+    """Positions (ascending) where the engine's prompt length (``outputs[i].prompt_tokens``) differs from the
+    locally processed ``len(samples[i].prompt_token_ids)``; ``samples`` and ``outputs`` pair up by position.
+
+    Raises:
+        ValueError: ``samples`` and ``outputs`` differ in length.
+    """
+    return [i for i, (sample, out) in enumerate(zip(samples, outputs, strict=True))
+            if out.prompt_tokens != len(sample.prompt_token_ids)]
+
+
 def check_prompt_lengths(
     samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput], max_fraction: float
 ) -> list[int]:
     """Compare each engine's prompt length (``GenerateOutput.prompt_tokens``) with the data pipeline's
-    ``len(sample.prompt_token_ids)``, for whatever engine served the request.
+    ``len(sample.prompt_token_ids)`` (:func:`prompt_length_mismatches`), for whatever engine served the request.
 
     A mismatching sample is an error of that sample: its position is returned (the caller marks it
     :attr:`SampleStatus.FAILED`) and a warning names the first few.  Many mismatches are a
@@ -264,24 +329,16 @@ def check_prompt_lengths(
             sample (position in the batch, dataset index, request id), the engine and both lengths,
             with the likely cause.
     """
-    bad = [
-        (i, sample, req, out)
-        for i, (sample, req, out) in enumerate(zip(samples, requests, outputs))
-        if out.prompt_tokens != len(sample.prompt_token_ids)
-    ]
+    bad = [(i, samples[i], requests[i], outputs[i]) for i in prompt_length_mismatches(samples, outputs)]
     if not bad:
         return []
     first = "; ".join(
         f"sample {i} (dataset index {sample.index}, rid {req.rid}): engine "
         f"{'?' if out.engine_index is None else out.engine_index} saw {out.prompt_tokens} prompt tokens, "
         f"the data pipeline computed {len(sample.prompt_token_ids)}"
-        for i, sample, req, out in bad[:3]
+        for i, sample, req, out in bad[:_LOGGED_SAMPLES]
     )
-    cause = (
-        "Likely cause: the engine loads another processor or chat template than --hf-checkpoint, or resizes images "
-        "with other pixel bounds than --image-min-pixels / --image-max-pixels (the number of image tokens follows "
-        "the resized size)"
-    )
+    cause = PROMPT_LENGTH_CAUSES
     summary = (
         f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline"
     )
@@ -297,6 +354,43 @@ def check_prompt_lengths(
         summary, first, cause,
     )  # fmt: skip
     return [i for i, _, _, _ in bad]
+
+
+ABORT_CAUSES = (
+    "Likely cause: generation paused in abort mode or the request aborted while it ran (SGLang's "
+    "/pause_generation defaults to mode=abort; a weight sync or memory release during generation), or the engine's "
+    "scheduler aborted the request itself (e.g. one it cannot admit); the engine's log names the reason of each"
+)
+"""The likely causes of ``finish_reason "abort"``, shown in the abort warning and errors."""
+
+
+def warn_aborted(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput],
+                 stream: str) -> int:
+    """Warn about the samples of one ``generate`` call that have status ``ABORTED`` (the engine answered
+    ``finish_reason "abort"``: the response is cut off wherever the engine stopped), naming the first few.
+
+    Args:
+        samples, requests, outputs: position ``i`` of each is one request (same length).
+        stream: ``"train"`` or ``"eval/<name>"``, named in the warning.
+
+    Returns:
+        The number of aborted samples (0: no warning).
+    """
+    bad = [(i, s, req, out) for i, (s, req, out) in enumerate(zip(samples, requests, outputs))
+           if s.status == SampleStatus.ABORTED]  # fmt: skip
+    if bad:
+        first = "; ".join(
+            f"sample {i} (dataset index {s.index}, rid {req.rid}, engine "
+            f"{'?' if out.engine_index is None else out.engine_index}, response length {len(out.output_ids)})"
+            for i, s, req, out in bad[:_LOGGED_SAMPLES]
+        )
+        logger.warning(
+            "%d of %d %s samples were aborted by the rollout engine (%s%s): each is left unscored and out of the "
+            "metrics (counted in aborted_samples); a training rollout leaves each one's whole group out of the "
+            "loss. %s",
+            len(bad), len(samples), stream, first, ", ..." if len(bad) > _LOGGED_SAMPLES else "", ABORT_CAUSES,
+        )  # fmt: skip
+    return len(bad)
 
 
 def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
@@ -356,16 +450,33 @@ def _apply_truncation_options(samples: list[Sample], grpo: GRPOConfig) -> dict[s
     return metrics
 
 
-def _drop_mismatched_groups(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
-    """Leave every group that holds a ``FAILED`` sample (its engine saw another prompt) out of the loss.
+def _groups_holding(samples: list[Sample], n: int, status: SampleStatus) -> int:
+    """Number of the groups (``n`` contiguous samples each) that hold at least one sample of ``status``."""
+    return sum(any(s.status == status for s in samples[start : start + n]) for start in range(0, len(samples), n))
+
+
+def _drop_unusable_groups(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
+    """Leave every group that holds a ``FAILED`` sample (its engine saw another prompt) or an ``ABORTED`` one
+    (its engine cut the response off) out of the loss.
 
     GRPO advantages compare the ``n`` responses of one prompt, so a group missing one is not a
-    group; and a failed response was generated from other tokens than the trainer would feed.
-    The dropped samples stay in the batch, so its size (a multiple of ``--global-batch-size``, split
-    evenly over the data-parallel ranks) is unchanged, but give no gradient: ``loss_mask`` 0 on every
+    group; a failed response was generated from other tokens than the trainer would feed, and an
+    aborted one stops wherever the engine stopped (scoring it, as 0 mostly, would bias the group's
+    mean and std).  The dropped samples stay in the batch, so its size (a multiple of ``--global-batch-size``,
+    split evenly over the data-parallel ranks) is unchanged, but give no gradient: ``loss_mask`` 0 on every
     response token and advantage 0.  As for ``--overlong-filter``, under the default per-sample
     loss they still count in the number of samples that normalises the loss; with
     ``--calculate-per-token-loss`` they count nowhere.
+
+    Upstream slime never trains on an aborted group either, but gets there another way: its rollout
+    aborts only the requests left over once it has enough groups (over-sampling), so they are not in the
+    step, and with ``--partial-rollout`` it puts those groups back into its data buffer to finish later.
+    Here every request of the step is one of its groups, so the group is dropped rather than refilled.
+
+    When every group is dropped the step has nothing to train on, and it stops, as for prompt length
+    mismatches: an optimizer step on all-masked samples would still move the weights (AdamW's momentum
+    and weight decay) and advance the LR schedule on no signal, and aborts in every group are a
+    systematic fault of the engines (paused during generation, or aborting what they cannot admit), not bad luck.
 
     Args:
         samples: a step's samples, ``n`` contiguous per group.
@@ -376,26 +487,36 @@ def _drop_mismatched_groups(samples: list[Sample], n: int) -> tuple[list[Sample]
 
     Raises:
         PromptMismatchError: every group holds a failed sample (nothing left to train on).
+        RolloutAbortedError: every group holds a failed or an aborted sample, not every one a failed one.
     """
     kept, dropped = [], []
     for start in range(0, len(samples), n):
         group = samples[start : start + n]
-        if any(s.status == SampleStatus.FAILED for s in group):
+        if any(s.status in UNUSABLE for s in group):
             for sample in group:
                 sample.loss_mask = [0] * sample.response_length
                 sample.advantage = 0.0
             dropped.extend(group)
         else:
             kept.extend(group)
-    if not kept:
-        failed = sum(s.status == SampleStatus.FAILED for s in samples)
+    if kept:
+        return kept, dropped
+    groups = len(samples) // n
+    failed, aborted = (sum(s.status == status for s in samples) for status in UNUSABLE)
+    failed_groups, aborted_groups = (_groups_holding(samples, n, status) for status in UNUSABLE)
+    if failed_groups == groups:
         raise PromptMismatchError(
-            f"every one of the {len(samples) // n} groups of this rollout holds a sample whose prompt has another "
+            f"every one of the {groups} groups of this rollout holds a sample whose prompt has another "
             f"length in the rollout engine than in the data pipeline ({failed} samples; see the warning above for "
             "the first few and the likely cause), so no group is left to train on; fix the engine's processor / chat "
             "template / pixel bounds"
         )
-    return kept, dropped
+    raise RolloutAbortedError(
+        f"every one of the {groups} groups of this rollout holds a sample the rollout engine aborted ({aborted} "
+        f"samples in {aborted_groups} groups) or one whose prompt has another length in the engine than in the data "
+        f"pipeline ({failed} samples in {failed_groups} groups), so no group is left to train on; see the warnings "
+        f"above for the first few. {ABORT_CAUSES}"
+    )
 
 
 def _zero_std_group_fraction(rewards: torch.Tensor, n: int) -> float:

@@ -9,11 +9,13 @@ only on image prompts.
 What runs, for the first two rollout steps of a run (``k = start``: engines and trainers both at the
 start-up weights, i.e. before step 0 on a fresh run; ``k = start + 1``: after the first weight sync):
 
-1. :meth:`EngineParityCheck.generate` (rollout phase, engines on the GPU): each of ``--engine-parity-prompts``
-   fixed prompts of the training data (its first rows with an image) is sent twice, with its image
-   and as text alone (the same problem, the image left out), sampled like the rollout
+1. :meth:`EngineParityCheck.generate` (rollout phase, engines on the GPU, before the step's rollout): each of
+   ``--engine-parity-prompts`` fixed prompts of the training data (its first rows with an image) is sent twice,
+   with its image and as text alone (the same problem, the image left out), sampled like the rollout
    (``--rollout-temperature``) for up to ``--engine-parity-response-len`` tokens, with the engine's
-   log-probs kept;
+   log-probs kept.  First of all, the prompt length the engine reports must equal the trainer's processed
+   prompt token count for every prompt (:func:`check_probe_prompt_lengths`), else the run stops there: the
+   gaps of other prompts would mislead;
 2. :meth:`EngineParityCheck.compare` (training phase, the trainer on the GPU, before its step):
    :meth:`slime.backends.base.TrainerBackend.compute_log_probs` of the same responses; per kind the
    gap is the mean over response tokens of ``|engine log-prob - trainer log-prob|`` (nats), and its max.
@@ -39,7 +41,8 @@ import logging
 import statistics
 from typing import TYPE_CHECKING
 
-from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
+from slime.rollout.manager import PROMPT_LENGTH_CAUSES, prompt_length_mismatches
 from slime.rollout.seeds import sampling_seed
 from slime.utils.config import ConfigError, check_at_least_one, flag
 from slime.utils.types import Sample
@@ -187,8 +190,17 @@ class EngineParityCheck:
     def due(self, rollout_id: int) -> bool:
         return self.enabled and self.start <= rollout_id < self.start + CHECKED_STEPS
 
+    def when(self, rollout_id: int) -> str:
+        """The check's moment in words, for its messages."""
+        return "before the first update" if rollout_id == self.start else "after the first weight sync"
+
     def generate(self, engines: RolloutEngineGroup, rollout_id: int) -> list[Sample] | None:
-        """Engine side: the check's samples with responses and engine log-probs, or None when not due."""
+        """Engine side: the check's samples with responses and engine log-probs, or None when not due.
+
+        Raises:
+            EngineParityError: the engine saw another prompt length than the trainer's processor computed for
+                one of the prompts (:func:`check_probe_prompt_lengths`).
+        """
         if not self.due(rollout_id):
             return None
         samples = [p.clone_prompt() for p in self.image_prompts + self.text_prompts]
@@ -198,7 +210,10 @@ class EngineParityCheck:
                 sampling_seed=sampling_seed(self.seed, rollout_id, i, "parity")), rid=f"parity:{i}")
             for i, s in enumerate(samples)
         ]  # fmt: skip
-        for sample, out in zip(samples, engines.generate(requests)):
+        outputs = engines.generate(requests)
+        where = f"{self.when(rollout_id)} (rollout {rollout_id})"
+        check_probe_prompt_lengths(samples, requests, outputs, len(self.image_prompts), where)
+        for sample, out in zip(samples, outputs):
             sample.response_token_ids = list(out.output_ids)
             sample.rollout_log_probs = list(out.output_log_probs)
             sample.loss_mask = [1] * len(out.output_ids)
@@ -219,7 +234,7 @@ class EngineParityCheck:
         keep = [not self.vision_token_ids.intersection(s.response_token_ids) for s in samples]
         kinds = [[(s, t) for s, t, k in zip(samples[a:b], trainer[a:b], keep[a:b]) if k] for a, b in ((0, n), (n, None))]
         gaps = summarize(*(token_gaps([s for s, _ in kind], [t for _, t in kind]) for kind in kinds))
-        when = "before the first update" if rollout_id == self.start else "after the first weight sync"
+        when = self.when(rollout_id)
         logger.info("engine parity %s (rollout %d): image gap %.3g (max %.3g) over %d tokens, text gap %.3g "
                     "(max %.3g) over %d tokens", when, rollout_id, gaps.image, gaps.image_max, gaps.image_tokens,
                     gaps.text, gaps.text_max, gaps.text_tokens)
@@ -227,6 +242,49 @@ class EngineParityCheck:
         if why:
             raise EngineParityError(f"engine parity check {when} (rollout {rollout_id}) failed: {why}")
         return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(keep.count(False))}
+
+
+def check_probe_prompt_lengths(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput],
+                               num_image: int, when: str) -> None:
+    """Refuse the check's answers when the engine saw another prompt length than the trainer's processor computed
+    (:func:`slime.rollout.manager.prompt_length_mismatches`) for any of its prompts.
+
+    The engine's log-probs would then be of other prompts than the trainer scores, so the gaps would not measure
+    the engine: an image-token count that differs shows as an image gap far above the text gap, which
+    :func:`verdict` would blame on the multimodal-RoPE bug.  Unlike a training rollout (where a few mismatching
+    samples are left out), one mismatching fixed prompt stops the run: the prompts are few and chosen, so a
+    mismatch is the configuration's, not the sample's.
+
+    Args:
+        samples, requests, outputs: position ``i`` of each is one prompt of the check (the ``num_image`` image
+            prompts first, then the text prompts).
+        num_image: number of image prompts.
+        when: the check's moment (:meth:`EngineParityCheck.when` and the rollout id), named in the message.
+
+    Raises:
+        EngineParityError: some prompt's lengths differ; the message gives their count and, for the first few,
+            the prompt (image or text, training row, request id), the engine and both lengths, with the likely
+            causes.
+    """
+    bad = prompt_length_mismatches(samples, outputs)
+    if not bad:
+        return
+
+    def describe(i: int) -> str:
+        engine = "?" if outputs[i].engine_index is None else outputs[i].engine_index
+        return (f"the {'image' if i < num_image else 'text'} prompt of training row {samples[i].index} (rid "
+                f"{requests[i].rid}): engine {engine} saw {outputs[i].prompt_tokens} prompt tokens, the trainer's "
+                f"processor computed {len(samples[i].prompt_token_ids)}")
+
+    first = "; ".join(describe(i) for i in bad[:3])
+    raise EngineParityError(
+        f"engine parity check {when} failed before comparing log-probs: {len(bad)} of its {len(samples)} prompts "
+        f"have another length in the rollout engine than in the trainer ({first}). The engine's log-probs would be of "
+        f"other prompts, so the gaps would not measure the engine (an image-prompt gap would read as the "
+        f"multimodal-RoPE bug, which this is not). {PROMPT_LENGTH_CAUSES}; both sides read --hf-checkpoint's "
+        "processor files, but with their own code: the engine's multimodal processor may resize the (already resized) "
+        "images again with its own pixel bounds, or another transformers version may tokenize otherwise"
+    )
 
 
 def vision_token_ids(processor) -> set[int]:

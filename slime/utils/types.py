@@ -26,11 +26,14 @@ class SampleStatus(str, enum.Enum):
     TRUNCATED = "truncated"
     """Cut at ``--rollout-max-response-len`` tokens (SGLang ``finish_reason.type == "length"``)."""
     ABORTED = "aborted"
-    """Aborted by the engine (e.g. generation paused for a weight update)."""
+    """Aborted by the engine (``finish_reason "abort"``, e.g. generation paused in abort mode): the response
+    is cut off wherever the engine stopped.  Not scored, left out of the step's metrics; its whole group is
+    left out of the loss (:func:`slime.rollout.manager._drop_unusable_groups`)."""
     FAILED = "failed"
     """The engine's response is unusable: it reported another prompt length than the data pipeline
     computed (:func:`slime.rollout.manager.check_prompt_lengths`), so it conditioned on other tokens
-    than the trainer would feed.  Left out of the step's metrics; its whole group is left out of the loss."""
+    than the trainer would feed (also when the engine aborted it).  Not scored, left out of the step's
+    metrics; its whole group is left out of the loss."""
 
 
 @dataclasses.dataclass
