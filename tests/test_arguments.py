@@ -280,8 +280,25 @@ def test_extract_sglang_args_value_forms_and_order():
     }
     assert sglang.server_argv() == [
         "--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2", "4", "--disable-custom-all-reduce",
-        "--chunked-prefill-size", "-1", "--attention-backend", "triton",
+        "--chunked-prefill-size=-1", "--attention-backend", "triton",
     ]  # fmt: skip
+
+
+def test_a_value_that_starts_with_a_dash_reaches_sglangs_parser_and_command_sh_whole():
+    """``--sglang-chat-template=-x`` is one value; as ``--chat-template -x`` argparse would read ``-x`` as a flag."""
+    import argparse
+
+    sglang, _ = extract_sglang_args(["--sglang-chat-template=-my", "--sglang-weight-decay=-1e-3",
+                                     "--sglang-cuda-graph-bs", "1", "2"])  # fmt: skip
+    assert sglang.server_args == {"chat_template": "-my", "weight_decay": "-1e-3", "cuda_graph_bs": ["1", "2"]}
+    server = argparse.ArgumentParser()  # argparse, as SGLang's ServerArgs.add_cli_args uses it
+    server.add_argument("--chat-template")
+    server.add_argument("--weight-decay", type=float)
+    server.add_argument("--cuda-graph-bs", type=int, nargs="+")
+    parsed = server.parse_args(sglang.server_argv())
+    assert (parsed.chat_template, parsed.weight_decay, parsed.cuda_graph_bs) == ("-my", -0.001, [1, 2])
+    again, rest = extract_sglang_args(sglang.to_argv())  # command.sh read back
+    assert rest == [] and again == sglang
 
 
 @pytest.mark.parametrize(

@@ -231,13 +231,20 @@ class SGLangConfig:
 
 
 def _render(server_args: dict[str, SGLangValue], prefix: str) -> list[str]:
+    """Flags for ``server_args``: ``[--name, value]``, or ``--name=value`` for one value that starts with
+    ``-`` (``--sglang-chat-template=-x``, ``-1e-3``): argparse would read ``-x`` as the next flag, both in
+    SGLang's parser and in :func:`extract_sglang_args` reading ``command.sh`` back."""
     argv: list[str] = []
     for name, value in server_args.items():
-        argv.append(prefix + name.replace("_", "-"))
+        flag = prefix + name.replace("_", "-")
         if isinstance(value, list):
-            argv += value
-        elif value is not True:
-            argv.append(value)
+            argv += [flag, *value]
+        elif value is True:
+            argv.append(flag)
+        elif value.startswith("-"):
+            argv.append(f"{flag}={value}")
+        else:
+            argv += [flag, value]
     return argv
 
 
