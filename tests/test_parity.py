@@ -63,6 +63,16 @@ def test_verdict(image, text, refused, reason):
             assert "SGLang 0.5.17" in why and "--skip-engine-parity-check" in why
 
 
+@pytest.mark.parametrize("image_tokens, text_tokens, missing", [(0, 100, "no image-prompt"), (100, 0, "no text-prompt"),
+                                                               (0, 0, "no image and no text-prompt")])
+def test_a_kind_with_nothing_to_compare_refuses_instead_of_passing_at_gap_0(image_tokens, text_tokens, missing):
+    gaps = summarize([], [])  # what compare() makes when every response of both kinds was left out
+    assert (gaps.image, gaps.text, gaps.image_tokens) == (0.0, 0.0, 0)
+    why = verdict(ParityGaps(0.0, 0.0, 0.0, 0.0, image_tokens, text_tokens), max_gap=0.1, max_ratio=3.0)
+    assert why is not None and missing in why and "--skip-engine-parity-check" in why, why
+    assert verdict(ParityGaps(0.0, 0.0, 0.0, 0.0, 1, 1), max_gap=0.1, max_ratio=3.0) is None  # one token is enough
+
+
 @pytest.mark.parametrize("field, value", [("engine_parity_prompts", 0), ("engine_parity_response_len", 0),
                                           ("engine_parity_max_gap", 0.0), ("engine_parity_max_ratio", -1.0)])
 def test_bad_parity_flags_are_refused(field, value):
@@ -101,15 +111,23 @@ def test_the_fixed_prompts_are_the_first_image_rows_with_and_without_their_image
 def test_responses_with_a_vision_placeholder_are_left_out_of_the_gaps(dataset):
     import types
 
-    check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True)
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=2), dataset, 1.0, enabled=True)
     pad = dataset.processor.image_token_id
-    image, text = check.image_prompts[0].clone_prompt(), check.text_prompts[0].clone_prompt()
+    image, image2 = (p.clone_prompt() for p in check.image_prompts)
+    text, text2 = (p.clone_prompt() for p in check.text_prompts)
     image.response_token_ids, image.rollout_log_probs = [5, pad, 7], [-1.0, -1.0, -1.0]  # left out: gap 0.9
+    image2.response_token_ids, image2.rollout_log_probs = [8], [-2.0]
     text.response_token_ids, text.rollout_log_probs = [5, 6], [-1.0, -2.0]
-    trainers = types.SimpleNamespace(compute_log_probs=lambda samples: [[-0.1, -0.1, -0.1], [-1.0, -1.9]])
-    metrics = check.compare(trainers, [image, text], 0)
-    assert metrics["parity/skipped_vision_token_responses"] == 1.0 and metrics["parity/tokens_image"] == 0
-    assert metrics["parity/logprob_gap_text"] == pytest.approx(0.05) and metrics["parity/tokens_text"] == 2
+    text2.response_token_ids, text2.rollout_log_probs = [9], [-3.0]
+    trainer = [[-0.1, -0.1, -0.1], [-2.01], [-1.0, -1.9], [-3.0]]
+    trainers = types.SimpleNamespace(compute_log_probs=lambda samples: trainer)
+    metrics = check.compare(trainers, [image, image2, text, text2], 0)
+    assert metrics["parity/skipped_vision_token_responses"] == 1.0 and metrics["parity/tokens_image"] == 1
+    assert metrics["parity/logprob_gap_image"] == pytest.approx(0.01)  # image2 alone
+    assert metrics["parity/logprob_gap_text"] == pytest.approx(0.1 / 3) and metrics["parity/tokens_text"] == 3
+    image2.response_token_ids = [pad]  # now every image response is left out: nothing to compare
+    with pytest.raises(EngineParityError, match="no image-prompt response token to compare"):
+        check.compare(trainers, [image, image2, text, text2], 0)
 
 
 class _StubEngines:

@@ -138,7 +138,16 @@ def summarize(image_gaps: list[float], text_gaps: list[float]) -> ParityGaps:
 
 
 def verdict(gaps: ParityGaps, max_gap: float, max_ratio: float) -> str | None:
-    """Why the gaps refuse the run (see the module docstring), or None when they pass."""
+    """Why the gaps refuse the run (see the module docstring), or None when they pass.
+
+    A kind with no response token to compare refuses too (its gap would read 0 and pass): every response of
+    it was empty or left out for a sampled image/video placeholder."""
+    empty = [kind for kind, tokens in (("image", gaps.image_tokens), ("text", gaps.text_tokens)) if tokens == 0]
+    if empty:
+        return (f"no {' and no '.join(empty)}-prompt response token to compare (every such response was empty or "
+                "sampled an image/video placeholder, see parity/skipped_vision_token_responses), so the check "
+                "cannot tell whether the engine agrees with the trainer. Way out: more --engine-parity-prompts or "
+                "a longer --engine-parity-response-len; --skip-engine-parity-check runs anyway")
     if gaps.text > max_gap:
         return (f"text-prompt gap {gaps.text:.3g} nats > --engine-parity-max-gap {max_gap:g}: the engine's weights or "
                 "sampling differ from the trainer's (a failed weight sync, another dtype or temperature)")
