@@ -13,11 +13,11 @@ import json
 import logging
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from slime.rollout.config import EvalConfig, RolloutConfig
-from slime.rollout.engine_group import RolloutEngineGroup
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.rm_hub import RewardConfig, RewardScorer
 from slime.rollout.seeds import sampling_seed
@@ -25,6 +25,9 @@ from slime.utils.data import DataConfig, PromptDataset, load_eval_samples
 from slime.utils.ppo_utils import GRPOConfig, compute_advantages
 from slime.utils.processor import VLProcessor
 from slime.utils.types import Sample, SampleStatus
+
+if TYPE_CHECKING:  # the engine group imports Ray; the flags import this module's neighbours (parity)
+    from slime.rollout.engine_group import RolloutEngineGroup
 
 logger = logging.getLogger(__name__)
 
