@@ -247,11 +247,11 @@ def test_the_last_guard_refuses_sglangs_real_server_args_from_a_config_file(tmp_
     for text, named in [("tokenizer-worker-num: 4\n", "tokenizer_worker_num=4"),
                         ("smg-grpc-mode: true\n", "smg_grpc_mode is set"),
                         ("grpc-mode: true\n", "grpc_mode is set"),
-                        ("crash-dump-folder: /tmp/dumps\n", "crash_dump_folder='/tmp/dumps'"),
-                        ("host: 0.0.0.0\n", "host='0.0.0.0'")]:
+                        ("crash-dump-folder: /tmp/dumps\n", "crash_dump_folder='/tmp/dumps'")]:
         server_args = resolved(text)
         with pytest.raises(UnsafeServerArgs, match=named):
             check_server_args(server_args, "127.0.0.1", "k", environ={})
+    check_server_args(resolved("host: 0.0.0.0\n"), "127.0.0.1", "k", environ={})  # the command line wins over a file
 
 
 def test_gpu_start_locks_serialise_engines_sharing_a_gpu_and_not_others(tmp_path):
