@@ -117,14 +117,21 @@ _STAND_IN_SGLANG = {
     "sglang/srt/__init__.py": "",
     "sglang/srt/plugins.py": "def load_plugins():\n    pass\n",
     "sglang/srt/utils.py": "def kill_process_tree(pid, include_parent=True):\n    pass\n",
-    # SGLang 0.5.17's parsing: argparse with --api-key / --admin-api-key taking one value each
+    # SGLang 0.5.17's parsing: argparse with --api-key / --admin-api-key taking one value each, and the fields
+    # server_main's last guard reads (their names and defaults as in 0.5.17's ServerArgs)
     "sglang/srt/server_args.py": (
         "import argparse\n"
         "def prepare_server_args(argv):\n"
         "    parser = argparse.ArgumentParser()\n"
         "    parser.add_argument('--model-path')\n"
+        "    parser.add_argument('--host', default='127.0.0.1')\n"
         "    parser.add_argument('--api-key', type=str, default=None)\n"
         "    parser.add_argument('--admin-api-key', type=str, default=None)\n"
+        "    parser.add_argument('--grpc-port', type=int, default=None)\n"
+        "    parser.add_argument('--grpc-mode', action='store_true')\n"
+        "    parser.add_argument('--smg-grpc-mode', action='store_true')\n"
+        "    parser.add_argument('--tokenizer-worker-num', type=int, default=1)\n"
+        "    parser.add_argument('--crash-dump-folder', default=None)\n"
         "    return parser.parse_args(argv)\n"
     ),
     "sglang/launch_server.py": (
@@ -149,10 +156,102 @@ def test_the_server_hands_any_secret_to_sglangs_parser_and_never_to_its_argv(tmp
     (tmp_path / "secret").write_text(secret)  # for the check; not in the environment (nor pytest's test id)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), PROBE_SECRET_FILE=str(tmp_path / "secret"))
-    done = subprocess.run([sys.executable, "-m", "slime.rollout.engines.sglang.server_main", "--model-path", "/m"],
+    done = subprocess.run([sys.executable, "-m", "slime.rollout.engines.sglang.server_main", "--model-path", "/m",
+                           "--host", "127.0.0.1"],
                           input=secret + "\n", env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["keys True True", "in argv False in env False"]
+
+
+def _stand_in_server(tmp_path, secret: str, *flags: str, extra_env: dict | None = None):
+    """server_main against :data:`_STAND_IN_SGLANG` with slime's ``--host 127.0.0.1`` and then ``flags``."""
+    for name, text in _STAND_IN_SGLANG.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "secret").write_text(secret)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), PROBE_SECRET_FILE=str(tmp_path / "secret"),
+               **(extra_env or {}))
+    return subprocess.run([sys.executable, "-m", "slime.rollout.engines.sglang.server_main", "--model-path", "/m",
+                           "--host", "127.0.0.1", *flags], input=secret + "\n", env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("secret, flags, extra_env, named", [
+    ("s3cret", ["--tokenizer-worker-num", "4"], None, "tokenizer_worker_num=4"),
+    ("s3cret", ["--grpc-port", "30001"], None, "grpc_port=30001"),
+    ("s3cret", ["--grpc-mode"], None, "grpc_mode is set"),
+    ("s3cret", ["--smg-grpc-mode"], None, "smg_grpc_mode is set"),
+    ("s3cret", ["--host", "0.0.0.0"], None, "host='0.0.0.0', not the '127.0.0.1' slime gave"),
+    ("s3cret", ["--crash-dump-folder", "/tmp/d"], None, "crash_dump_folder='/tmp/d'"),
+    ("s3cret", [], {"SGLANG_RUST_SERVER": "True"}, "SGLANG_RUST_SERVER is set"),
+    ("", [], None, "no secret on standard input"),
+])  # fmt: skip
+def test_the_server_refuses_to_serve_with_resolved_arguments_that_skip_the_key(tmp_path, secret, flags, extra_env,
+                                                                               named):
+    """The last guard of server_main, on what SGLang's parser resolved (any route: here flags that slipped past
+    the parse-time checks): exit code 2, the setting named, run_server never called."""
+    done = _stand_in_server(tmp_path, secret, *flags, extra_env=extra_env)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "slime refuses to start this SGLang server" in done.stderr and named in done.stderr
+    assert "keys" not in done.stdout  # run_server never ran
+    assert not secret or secret not in done.stderr
+
+
+def test_the_servers_last_guard_checks_each_field_of_sglangs_server_args():
+    from slime.rollout.engines.sglang.server_main import UnsafeServerArgs, check_server_args, given_value
+
+    safe = dict(grpc_port=None, grpc_mode=False, smg_grpc_mode=False, tokenizer_worker_num=1, host="10.0.0.5",
+                api_key="k", admin_api_key="k", crash_dump_folder=None)
+    check_server_args(types.SimpleNamespace(**safe), "10.0.0.5", "k", environ={})
+    for field, bad in [("grpc_port", 9), ("grpc_mode", True), ("smg_grpc_mode", True), ("tokenizer_worker_num", 2),
+                       ("host", "0.0.0.0"), ("api_key", "other"), ("admin_api_key", None),
+                       ("crash_dump_folder", "/d")]:
+        with pytest.raises(UnsafeServerArgs, match=field):
+            check_server_args(types.SimpleNamespace(**{**safe, field: bad}), "10.0.0.5", "k", environ={})
+    with pytest.raises(UnsafeServerArgs, match="SGLANG_RUST_SERVER"):
+        check_server_args(types.SimpleNamespace(**safe), "10.0.0.5", "k", environ={"SGLANG_RUST_SERVER": "1"})
+    check_server_args(types.SimpleNamespace(**safe), "10.0.0.5", "k", environ={"SGLANG_RUST_SERVER": "false"})
+    with pytest.raises(UnsafeServerArgs, match="host"):  # no --host from slime: nothing to compare with
+        check_server_args(types.SimpleNamespace(**safe), None, "k", environ={})
+    assert given_value(["--host", "a", "--host", "b"], "--host") == "a"  # slime's own, first
+    assert given_value(["--port", "1", "--host=h"], "--host") == "h" and given_value([], "--host") is None
+
+
+_TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1,
+               "vocab_size": 256, "max_position_embeddings": 128, "torch_dtype": "float32"}
+
+
+def test_the_last_guard_refuses_sglangs_real_server_args_from_a_config_file(tmp_path):
+    """SGLang 0.5.17's own prepare_server_args (ConfigArgumentMerger for --config, ServerArgs.__post_init__ on
+    CPU): settings a config file gives reach ServerArgs past slime's flag checks, and the guard refuses them.
+    Runs where SGLang is installed (e.g. /tmp/sgl-venv); skips elsewhere."""
+    pytest.importorskip("sglang.srt.server_args")
+    from sglang.srt.server_args import prepare_server_args
+
+    from slime.rollout.engines.sglang.server_main import UnsafeServerArgs, check_server_args
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(_TINY_LLAMA))
+
+    def resolved(config_text: str | None):
+        argv = ["--model-path", str(tmp_path / "model"), "--host", "127.0.0.1", "--device", "cpu",
+                "--api-key=k", "--admin-api-key=k"]
+        if config_text is not None:
+            (tmp_path / "sglang.yaml").write_text(config_text)
+            argv += ["--config", str(tmp_path / "sglang.yaml")]
+        return prepare_server_args(argv)
+
+    check_server_args(resolved(None), "127.0.0.1", "k", environ={})  # slime's own command passes
+    for text, named in [("tokenizer-worker-num: 4\n", "tokenizer_worker_num=4"),
+                        ("smg-grpc-mode: true\n", "smg_grpc_mode is set"),
+                        ("grpc-mode: true\n", "grpc_mode is set"),
+                        ("crash-dump-folder: /tmp/dumps\n", "crash_dump_folder='/tmp/dumps'")]:
+        server_args = resolved(text)
+        with pytest.raises(UnsafeServerArgs, match=named):
+            check_server_args(server_args, "127.0.0.1", "k", environ={})
+    check_server_args(resolved("host: 0.0.0.0\n"), "127.0.0.1", "k", environ={})  # the command line wins over a file
 
 
 def test_gpu_start_locks_serialise_engines_sharing_a_gpu_and_not_others(tmp_path):
@@ -229,6 +328,24 @@ def test_gpu_start_lock_files_are_shared_by_every_user_of_the_node(tmp_path, mon
         GPUStartLock(["0"], tmp_path)
 
 
+def test_a_gpu_start_lock_that_is_a_symbolic_link_is_not_followed(tmp_path):
+    """In a folder every user writes (/tmp), another user's link must not make slime create a file, or make one
+    world-writable, wherever the link points."""
+    import errno
+    import stat
+
+    target = tmp_path / "victim"
+    (tmp_path / "slime-sglang-start-gpu0.lock").symlink_to(target)  # dangling: O_CREAT would create the target
+    with pytest.raises(OSError, match="start lock .*gpu0.lock is a symbolic link") as refused:
+        GPUStartLock(["0"], tmp_path)
+    assert refused.value.errno == errno.ELOOP and not target.exists()
+    target.write_text("mine")
+    target.chmod(0o600)
+    with pytest.raises(OSError, match="symbolic link"):
+        GPUStartLock(["0"], tmp_path)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600  # not made world-writable
+
+
 def test_a_second_engine_on_the_same_gpu_starts_its_server_once_the_first_is_healthy(tmp_path, monkeypatch):
     """SGLang sizes its caches from the memory free around its model load; two servers measuring at once
     on one GPU both see the other's allocations (a negative budget on the H200), so they start in turn."""
@@ -274,6 +391,21 @@ def test_server_env_puts_the_plugin_first_and_turns_health_generation_off(tmp_pa
     assert "SGLANG_PLUGINS" not in server_env({}, tmp_path, tmp_path)  # no allow-list: every plugin loads
     assert "OMP_NUM_THREADS" not in env  # Ray's actor value is not the server's
     assert server_env({"SLIME_SGLANG_OMP_NUM_THREADS": "8"}, tmp_path, tmp_path)["OMP_NUM_THREADS"] == "8"
+
+
+def test_server_env_drops_the_variables_that_open_listeners_without_the_key(tmp_path, caplog):
+    """SGLang 0.5.17 starts its native gRPC listener (no key check) from SGLANG_GRPC_PORT and replaces its HTTP
+    server from SGLANG_RUST_SERVER; it renames the deprecated SGL_ spellings to SGLANG_ at import."""
+    base = {"SGLANG_GRPC_PORT": "30001", "SGL_GRPC_PORT": "30002", "SGLANG_RUST_SERVER": "1",
+            "SGL_RUST_SERVER": "true", "SGLANG_LOG_LEVEL": "info"}
+    with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.launch"):
+        env = server_env(base, tmp_path / "plugin", tmp_path / "reports")
+    assert not {"SGLANG_GRPC_PORT", "SGL_GRPC_PORT", "SGLANG_RUST_SERVER", "SGL_RUST_SERVER"} & set(env)
+    assert env["SGLANG_LOG_LEVEL"] == "info"  # the others pass
+    warned = " | ".join(r.getMessage() for r in caplog.records)
+    for name in ("SGLANG_GRPC_PORT", "SGL_GRPC_PORT", "SGLANG_RUST_SERVER", "SGL_RUST_SERVER"):
+        assert f"does not inherit {name}: " in warned
+    assert "skips the API-key check" in warned
 
 
 def test_the_plugin_dist_makes_an_sglang_entry_point_for_processes_with_it_on_the_path(tmp_path):
@@ -519,6 +651,13 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-base-gpu-id", "1"], "CUDA_VISIBLE_DEVICES"),
     (["--sglang-nnodes", "2"], "spans one node"),
     (["--sglang-grpc-port", "9"], "bypasses"),
+    # other routes to a listener without the key check, or to the key on disk
+    (["--sglang-config", "sglang.yaml"], "--sglang-config is not passed through: SGLang merges the file's settings"),
+    (["--sglang-grpc-mode"], "--sglang-grpc-mode is not passed through: .*never checks the API key"),
+    (["--sglang-smg-grpc-mode"], "--sglang-smg-grpc-mode is not passed through: .*never checks the API key"),
+    (["--sglang-nccl-init-addr", "10.0.0.1:5000"], "--sglang-nccl-init-addr is not passed through: .*--dist-init-addr"),
+    (["--sglang-crash-dump-folder", "/tmp/d"], "--sglang-crash-dump-folder is not passed through: .*secret"),
+    (["--sglang-crash-dump", "/tmp/d"], "abbreviates --sglang-crash-dump-folder"),
     (["--sglang-router-ip", "10.0.0.1"], "sglang-router is not used"),
     # SGLang's argparse expands unique prefixes: an abbreviation would slip past the checks above
     (["--sglang-grpc-por", "9"], "--sglang-grpc-por abbreviates --sglang-grpc-port"),
@@ -623,6 +762,29 @@ def test_a_dead_server_is_reported_and_a_restart_brings_a_new_one(engine_factory
     _wait_healthy(engine)
     assert engine.spec.port != old_port and engine.server.pid != old_pid
     assert engine.generate([GenerateRequest("a", [], _params())])[0].output_ids == [10, 11]
+
+
+def test_a_restarted_server_gets_a_new_key_and_refuses_the_old_one(tmp_path):
+    engine = FakeSGLangEngine(_spec(tmp_path), tmp_path / "engine-0", capacity=4,
+                              env={"SGLANG_GRPC_PORT": "30001"})  # an actor environment with it set
+    try:
+        _wait_healthy(engine)
+        environ = Path(f"/proc/{engine.server.pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith(b"SGLANG_GRPC_PORT=")]  # the server never saw it
+        old_secret, old_client = engine._secret, engine.client
+        engine.client.record = tmp_path / "rec.jsonl"
+        engine.restart()
+        _wait_healthy(engine)
+        new_secret = engine._secret
+        assert new_secret != old_secret and engine.client is not old_client
+        assert _raw(engine, "POST", "/generate", {"text": "x", "sampling_params": {}}, old_secret) == 401
+        assert _raw(engine, "GET", "/server_info", None, old_secret) == 401
+        assert engine.client.server_info()["api_key"] == new_secret  # the new client carries the new key
+        assert engine.generate([GenerateRequest("a", [], _params())])[0].output_ids == [10, 11]
+        recording = engine.client.record.read_text()  # the recording goes on across the restart, redacted
+        assert "/server_info" in recording and new_secret not in recording and old_secret not in recording
+    finally:
+        engine.shutdown()
 
 
 def test_a_health_poll_during_a_restart_keeps_the_new_servers_start_lock(tmp_path, monkeypatch):

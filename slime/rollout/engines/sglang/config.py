@@ -41,8 +41,15 @@ REFUSED = {
     "nnodes": "an SGLang engine spans one node here; use --rollout-num-gpus-per-engine <= GPUs per node",
     "node_rank": "an SGLang engine spans one node here; remove it",
     "dist_init_addr": "an SGLang engine spans one node here; remove it",
+    "nccl_init_addr": "SGLang's other name for --dist-init-addr; an SGLang engine spans one node here: remove it",
     "skip_tokenizer_init": "slime sends prompt text and reads the decoded response; remove it",
     "grpc_port": "the gRPC listener bypasses SGLang's API-key check; remove it",
+    "grpc_mode": "SGLang's legacy gRPC server (on --port + 10000) never checks the API key; remove it",
+    "smg_grpc_mode": "SGLang's legacy gRPC server (on --port + 10000) never checks the API key; remove it",
+    "config": "SGLang merges the file's settings past slime's checks of these flags (e.g. grpc-port, "
+    "tokenizer-worker-num); give each setting as an --sglang-<name> flag instead",
+    "crash_dump_folder": "SGLang pickles its server arguments, the per-run secret among them, into that folder when "
+    "the server crashes or is stopped (slime stops it with SIGTERM); remove it",
     "router_ip": "slime balances requests over its engines itself (per request, retrying a dead engine's "
     "requests elsewhere); sglang-router is not used: remove it",
     "router_port": "slime balances requests over its engines itself; sglang-router is not used: remove it",

@@ -200,7 +200,8 @@ class SGLangEngine(RolloutEngine):
         requests_per_call: the most requests in one ``/generate`` call (``--sglang-requests-per-call``),
             1..``capacity``; default :func:`~.config.default_requests_per_call`.
         gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them (for :meth:`memory_info`).
-        secret: the key the server requires (default: a new random one, never shown).
+        secret: the key the first server requires (default: a new random one, never shown); a restarted
+            server gets a new random one (:meth:`restart`).
         env: variables set for the server on top of this process's environment (e.g.
             ``{"SLIME_SGLANG_MROPE_FIX": "0"}`` to measure the bug).
 
@@ -228,7 +229,7 @@ class SGLangEngine(RolloutEngine):
         self.run_dir = Path(run_dir)
         self._capacity = capacity
         self.gpu_ids = list(gpu_ids or [])
-        self._secret = secret or secrets.token_urlsafe(32)
+        self._secret = secret or _new_secret()
         self._env_overrides = dict(env or {})
         self._lock = threading.Lock()
         self._released: set[str] = set()
@@ -594,17 +595,24 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ lifecycle
 
     def restart(self) -> None:
-        """Stop the old server (whatever is left of it) and start a new one on a new port."""
+        """Stop the old server (whatever is left of it) and start a new one on a new port, with a new secret.
+
+        The new secret leaves nothing the old server (or a process that read its key, e.g. from a dump) could
+        use; the new client carries it, and a recording (``client.record``) goes on, redacting it."""
         with self._lock:
             if self._shut_down:
                 raise EngineUnavailableError("the SGLang engine was shut down")
             if self.server is not None:
                 self.server.stop()
             self._start_lock.release()
+            record = None
             if self.client is not None:
                 self.client.close()
+                record = self.client.record
             self.spec = dataclasses.replace(self.spec, port=_free_port())
+            self._secret = _new_secret()
             self._start()
+            self.client.record = record
 
     def shutdown(self) -> None:
         """Stop the server and everything it started (its session); idempotent."""
@@ -615,6 +623,11 @@ class SGLangEngine(RolloutEngine):
             if self.server is not None:
                 self.server.stop()
             self._start_lock.release()
+
+
+def _new_secret() -> str:
+    """A server's key: 32 random bytes, URL-safe base64 (``secrets.token_urlsafe``)."""
+    return secrets.token_urlsafe(32)
 
 
 def _request_name(request: GenerateRequest, index: int) -> str:

@@ -25,7 +25,8 @@ own source folder, then the inherited ``PYTHONPATH``; ``SGLANG_ENABLE_HEALTH_END
 so ``/health`` never runs a generation (SGLang's default does, which would block on a paused
 server and touch released memory); the report folder of :mod:`.server_plugin`; no ``OMP_NUM_THREADS``
 (Ray sets it for its actors, often to 1, which would make SGLang's tokenizer and image processing
-serial) unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one.
+serial) unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one; and without the variables of
+:data:`UNSAFE_SERVER_ENV` (``SGLANG_GRPC_PORT``, ``SGLANG_RUST_SERVER``: listeners that skip the key check).
 
 :class:`ServerProcess` starts the command in a session of its own, so that stopping it
 (``SIGTERM`` to that session, then ``SIGKILL`` after a grace period) reaches SGLang's scheduler and
@@ -42,9 +43,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import fcntl
+import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,11 +63,21 @@ from slime.rollout.engines.sglang.server_plugin import (
     REPORT_DIR_ENV,
 )
 
+logger = logging.getLogger(__name__)
+
 SERVER_MODULE = "slime.rollout.engines.sglang.server_main"
 SERVER_PYTHONPATH_ENV = "SLIME_SGLANG_PYTHONPATH"
 """Extra ``PYTHONPATH`` entries for the SGLang servers only (colon-separated)."""
 SERVER_OMP_ENV = "SLIME_SGLANG_OMP_NUM_THREADS"
 """``OMP_NUM_THREADS`` for the SGLang servers (default: unset, torch's own choice)."""
+UNSAFE_SERVER_ENV = {
+    "SGLANG_GRPC_PORT": "starts SGLang's native gRPC listener, which skips the API-key check "
+    "(ServerArgs._handle_deprecated_args reads it when --grpc-port is unset)",
+    "SGLANG_RUST_SERVER": "replaces SGLang's Python HTTP server and tokenizer manager (whose API-key check and "
+    "endpoints slime relies on) with an embedded Rust server in the scheduler",
+}
+"""Variables of the actor's environment that the server does not inherit, and why (SGLang 0.5.17's
+``sglang/srt/environ.py``; each also under its deprecated ``SGL_`` spelling, which SGLang renames to ``SGLANG_``)."""
 LOCALHOST = "127.0.0.1"
 STOP_GRACE_S = 30.0
 """Seconds between ``SIGTERM`` and ``SIGKILL`` when a server is stopped."""
@@ -158,8 +172,13 @@ def write_plugin_dist(folder: str | os.PathLike) -> Path:
 
 
 def server_env(base: dict[str, str], plugin_path: str | os.PathLike, report_dir: str | os.PathLike) -> dict[str, str]:
-    """The server's environment: ``base`` (the actor's) with the entries of the module docstring."""
+    """The server's environment: ``base`` (the actor's) with the entries of the module docstring, less
+    :data:`UNSAFE_SERVER_ENV` (a warning names each variable dropped)."""
     env = dict(base)
+    for name in UNSAFE_SERVER_ENV:
+        for spelling in (name, "SGL_" + name.removeprefix("SGLANG_")):
+            if env.pop(spelling, None) is not None:
+                logger.warning("the SGLang server does not inherit %s: it %s", spelling, UNSAFE_SERVER_ENV[name])
     extra = [p for p in env.get(SERVER_PYTHONPATH_ENV, "").split(os.pathsep) if p]
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(plugin_path), *extra, _SLIME_SOURCE, *inherited]))
@@ -303,21 +322,36 @@ def _open_lock_file(path: Path) -> int:
     ``/tmp`` (where Linux's ``fs.protected_regular`` refuses ``O_CREAT`` on it) or without write permission, is
     opened read-only: ``flock`` needs no write access.
 
+    A symbolic link at ``path`` is never followed (``O_NOFOLLOW``): in a folder every user writes, another user's
+    link would otherwise have slime create, or make world-writable (``fchmod``), the file it points to.
+
     Raises:
         PermissionError: the file can be neither created nor read; the message names it and the way out.
+        OSError: ``path`` is a symbolic link (``ELOOP``); the message names it and the way out.
     """
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    except PermissionError:
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except PermissionError as e:
-            raise PermissionError(
-                f"cannot open the SGLang start lock {path} (another user's, not readable): make it readable "
-                f"(chmod a+r), or remove it while no SGLang server starts on that GPU"
-            ) from e
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o666)
+        except PermissionError:
+            try:
+                return os.open(path, os.O_RDONLY | flags)
+            except PermissionError as e:
+                raise PermissionError(
+                    f"cannot open the SGLang start lock {path} (another user's, not readable): make it readable "
+                    f"(chmod a+r), or remove it while no SGLang server starts on that GPU"
+                ) from e
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise OSError(
+            errno.ELOOP, f"the SGLang start lock {path} is a symbolic link, which slime does not follow (someone "
+            f"else's link could point it at any file): remove it, or give the lock files another folder "
+            f"(TMPDIR)", str(path),
+        ) from e
     try:
-        if os.fstat(fd).st_uid == os.geteuid():
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # not a hard link to a file
             os.fchmod(fd, 0o666)
     except OSError:
         pass

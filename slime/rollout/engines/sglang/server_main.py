@@ -8,7 +8,14 @@ so the keys cannot be set afterwards), so it is in neither the command line (``p
 ``/proc/<pid>/cmdline``) nor the environment.  With both keys set to the same secret, SGLang 0.5.17 refuses every endpoint
 without ``Authorization: Bearer <secret>`` except ``/health*`` and ``/metrics``
 (``sglang.srt.utils.auth.decide_request_auth``: normal endpoints check ``api_key``, management
-endpoints ``admin_api_key``).  An empty first line leaves the server open (tests only).
+endpoints ``admin_api_key``).  No secret (an empty first line) and the server does not start.
+
+Before ``run_server``, :func:`check_server_args` checks what SGLang resolved, whatever the route (a flag, an
+SGLang ``--config`` file, an environment variable): no gRPC listener (SGLang 0.5.17's gRPC servers skip the
+API-key check), one tokenizer worker (keys are enforced only then), the host slime gave, both keys the
+secret, no crash-dump folder (SGLang would pickle the secret into it), no embedded Rust server.  Anything else
+and the process exits with code 2, naming the setting (``slime.rollout.engines.sglang.config`` refuses the
+flags earlier, at parse time; this is the last guard).
 
 Everything else is SGLang's; the plugin (:mod:`.server_plugin`) is found through the
 ``*.dist-info`` folder the engine put on ``PYTHONPATH``.
@@ -27,6 +34,68 @@ import threading
 import time
 
 PARENT_POLL_S = 1.0
+REFUSED_EXIT_CODE = 2
+"""The server's exit code when :func:`check_server_args` refuses the resolved arguments."""
+_TRUE = ("true", "1", "yes", "y")
+"""What SGLang 0.5.17's ``EnvBool`` reads as true (``sglang/srt/environ.py``)."""
+
+
+class UnsafeServerArgs(ValueError):
+    """SGLang resolved server arguments that would open the server to requests without the run's key, or write
+    the key to disk (:func:`check_server_args`)."""
+
+
+def given_value(argv: list[str], flag: str) -> str | None:
+    """The value of the first ``flag`` in ``argv`` (``--flag value`` or ``--flag=value``), None without one: slime's
+    own flags come first in the server's command (:func:`~.launch.server_command`)."""
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith(flag + "="):
+            return token[len(flag) + 1:]
+    return None
+
+
+def check_server_args(server_args, host: str | None, secret: str, environ=None) -> None:
+    """Refuse SGLang 0.5.17 ``ServerArgs`` (as ``prepare_server_args`` resolved them) that slime cannot run safely.
+
+    Args:
+        server_args: ``sglang.srt.server_args.ServerArgs`` (fields ``grpc_port``, ``grpc_mode``, ``smg_grpc_mode``,
+            ``tokenizer_worker_num``, ``host``, ``api_key``, ``admin_api_key``, ``crash_dump_folder``).
+        host: the ``--host`` slime gave (:func:`given_value`).
+        secret: the run's secret (read from standard input).
+        environ: the server's environment (default ``os.environ``), for ``SGLANG_RUST_SERVER``.
+
+    Raises:
+        UnsafeServerArgs: the message names every setting refused and why.
+    """
+    environ = os.environ if environ is None else environ
+    problems = []
+    if not secret:
+        problems.append("no secret on standard input: the server would accept requests from anyone")
+    if getattr(server_args, "grpc_port", None) is not None:
+        problems.append(f"grpc_port={server_args.grpc_port} (from --grpc-port, SGLANG_GRPC_PORT or a --config file): "
+                        "SGLang's gRPC listener skips the API-key check")
+    for name in ("grpc_mode", "smg_grpc_mode"):
+        if getattr(server_args, name, False):
+            problems.append(f"{name} is set: SGLang's legacy gRPC server never checks the API key")
+    workers = getattr(server_args, "tokenizer_worker_num", 1)
+    if workers != 1:
+        problems.append(f"tokenizer_worker_num={workers}: SGLang 0.5.17 enforces API keys only with one tokenizer "
+                        "worker")
+    if host is None or getattr(server_args, "host", None) != host:
+        problems.append(f"host={getattr(server_args, 'host', None)!r}, not the {host!r} slime gave (--host)")
+    if secret and (getattr(server_args, "api_key", None) != secret
+                   or getattr(server_args, "admin_api_key", None) != secret):
+        problems.append("api_key / admin_api_key are not the run's secret")
+    if getattr(server_args, "crash_dump_folder", None) is not None:
+        problems.append(f"crash_dump_folder={server_args.crash_dump_folder!r}: SGLang pickles its server arguments, "
+                        "the secret among them, into it on a crash or SIGTERM")
+    if environ.get("SGLANG_RUST_SERVER", "").strip().lower() in _TRUE:
+        problems.append("SGLANG_RUST_SERVER is set: its embedded Rust server replaces the HTTP server whose key "
+                        "check slime relies on")
+    if problems:
+        raise UnsafeServerArgs("slime refuses to start this SGLang server: " + "; ".join(problems))
 
 
 def exit_with_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
@@ -66,6 +135,11 @@ def main(argv: list[str]) -> None:
     # 1 start in 64) would be read by argparse as an option, and the server would refuse to start.
     keys = [f"--api-key={secret}", f"--admin-api-key={secret}"] if secret else []
     server_args = prepare_server_args([*argv, *keys])
+    try:
+        check_server_args(server_args, given_value(argv, "--host"), secret)
+    except UnsafeServerArgs as e:
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(REFUSED_EXIT_CODE)
     try:
         run_server(server_args)
     finally:
