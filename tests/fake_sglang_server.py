@@ -42,7 +42,8 @@ session, the fake starts ``--fake-scheduler-processes`` children (default ``--tp
 process group before it listens.  Each only sleeps (up to an hour, a bound for a test that leaks it), and none
 watches its parent: only a stop that reaches the whole group (the engine's, or ``exit_with_parent`` 's thread
 and session guard, which the fake starts as the real server does) ends them.
-``/server_info`` lists their pids (``scheduler_pids``).
+``/server_info`` lists their pids (``scheduler_pids``); one that gets ``SIGTERM`` writes
+``scheduler-<pid>.exit`` in the server's working folder before it exits.
 
 Faults and timing: ``--fake-delay-s`` per request, ``--fake-exit-after N`` (the process exits with code 1
 when the N-th ``/generate`` request arrives: a crash mid-rollout).  Refusals as 0.5.17 answers them:
@@ -453,13 +454,24 @@ def write_plugin_reports(args) -> None:
 
 
 SCHEDULER_LIFETIME_S = 3600
+SCHEDULER_CODE = """
+import os, signal, sys, time
+def stopped(signum, frame):
+    with open(f"scheduler-{{os.getpid()}}.exit", "w") as f:
+        f.write("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
+time.sleep({lifetime_s})
+"""
+"""A scheduler stand-in: sleeps; on ``SIGTERM`` writes ``scheduler-<pid>.exit`` (``SIGTERM``) in its working folder
+(the server's log folder) and exits, so that a test can tell an orderly stop that reached it from a kill."""
 
 
 def start_scheduler_processes(args) -> list[int]:
     """Start the stand-ins for SGLang's scheduler processes (module docstring): in this process's session and
     group, no file descriptor but the log inherited, not watching this process.  Returns their pids."""
     count = args.tp_size if args.fake_scheduler_processes is None else args.fake_scheduler_processes
-    code = f"import time; time.sleep({SCHEDULER_LIFETIME_S})"
+    code = SCHEDULER_CODE.format(lifetime_s=SCHEDULER_LIFETIME_S)
     children = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL) for _ in range(count)]
     return [child.pid for child in children]
 

@@ -673,6 +673,8 @@ def test_shutdown_stops_the_server_and_everything_in_its_session(engine_factory)
         wait_for(lambda: not any(is_alive(s) for s in schedulers), timeout_s=60,
                  what="the server's scheduler stand-in (its child, in its session) to be stopped with it")
         assert not wait_session_gone(pid, timeout_s=60)  # nobody left in the server's session
+        for s in schedulers:  # the orderly stop (SIGTERM to the session) reached it, not only the main process
+            assert (engine.server.log_path.parent / f"scheduler-{s.pid}.exit").read_text() == "SIGTERM"
         assert bystander.poll() is None  # a process the engine did not start is untouched
         assert not engine.health()
     finally:
@@ -746,6 +748,20 @@ def test_stop_kills_the_children_of_a_server_whose_main_process_exited_first(tmp
     assert server.process.returncode == 3  # reaped by stop(), after the group was killed
     server.stop()
     assert len(calls) == 1  # reaped: the number is never signalled again
+
+
+def test_stop_terms_then_kills_the_group_of_a_running_server(tmp_path, monkeypatch):
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \
+           "time.sleep(600)"
+    server = ServerProcess([sys.executable, "-c", code], dict(os.environ), tmp_path / "server.log", secret="")
+    kids = wait_for(lambda: [p for p in all_processes() if p.ppid == server.pid], timeout_s=START_S,
+                    what="the stand-in server's child")
+    assert kids[0].sid == kids[0].pgid == server.pid
+    calls = _record_killpg(monkeypatch)
+    server.stop(grace_s=30)
+    assert calls == [(server.pid, signal.SIGTERM, True), (server.pid, signal.SIGKILL, True)]
+    assert server.process.returncode == -signal.SIGTERM
+    wait_for(lambda: not is_alive(kids[0]), timeout_s=60, what="the running server's child to be stopped")
 
 
 def test_stop_signals_no_group_once_the_server_and_its_session_are_gone(tmp_path, monkeypatch):
