@@ -37,6 +37,14 @@ Two models (``--fake-model``):
   ``--fake-image-prompt-tokens-shift N`` reports ``N`` more prompt tokens per image than it saw (a stand-in for
   an engine whose processor makes another number of image tokens).
 
+Processes: like SGLang, whose scheduler (one per TP rank) and detokenizer processes run in the server's
+session, the fake starts ``--fake-scheduler-processes`` children (default ``--tp-size``) in its session and
+process group before it listens.  Each only sleeps (up to an hour, a bound for a test that leaks it), and none
+watches its parent: only a stop that reaches the whole group (the engine's, or ``exit_with_parent`` 's thread
+and session guard, which the fake starts as the real server does) ends them.
+``/server_info`` lists their pids (``scheduler_pids``); one that gets ``SIGTERM`` writes
+``scheduler-<pid>.exit`` in the server's working folder before it exits.
+
 Faults and timing: ``--fake-delay-s`` per request, ``--fake-exit-after N`` (the process exits with code 1
 when the N-th ``/generate`` request arrives: a crash mid-rollout).  Refusals as 0.5.17 answers them:
 ``--context-length N`` (SGLang's flag; echo model) refuses a prompt of ``N`` or more tokens, or one whose
@@ -63,6 +71,7 @@ import io
 import json
 import os
 import pickle
+import subprocess
 import sys
 import threading
 import time
@@ -102,6 +111,7 @@ def parse_args(argv):
     p.add_argument("--fake-image-logprob-shift", type=float, default=0.0)
     p.add_argument("--fake-image-prompt-tokens-shift", type=int, default=0)
     p.add_argument("--replay", default=None)
+    p.add_argument("--fake-scheduler-processes", type=int, default=None)
     args, unknown = p.parse_known_args(argv)
     args.unknown = unknown
     return args
@@ -129,6 +139,7 @@ class FakeServer:
             from slime.rollout.engines.hf_engine import TransformersEngine
 
             self.engine = TransformersEngine(args.model_path, seed=args.random_seed, max_batch_size=1)
+        self.scheduler_pids: list[int] = []
         self.replay = []
         if args.replay:
             with open(args.replay) as f:
@@ -172,7 +183,7 @@ class FakeServer:
         return 200, {"version": self.args.fake_version, "tp_size": self.args.tp_size, "api_key": self.secret,
                      "port": self.args.port, "host": self.args.host, "unknown_args": self.args.unknown,
                      "max_running": self.max_running, "generate_calls": self.generate_calls,
-                     "generate_http_calls": self.generate_http_calls}
+                     "generate_http_calls": self.generate_http_calls, "scheduler_pids": self.scheduler_pids}
 
     def ep_generate(self, body):
         with self.lock:
@@ -442,6 +453,29 @@ def write_plugin_reports(args) -> None:
             json.dump(report, f)
 
 
+SCHEDULER_LIFETIME_S = 3600
+SCHEDULER_CODE = """
+import os, signal, sys, time
+def stopped(signum, frame):
+    with open(f"scheduler-{{os.getpid()}}.exit", "w") as f:
+        f.write("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
+time.sleep({lifetime_s})
+"""
+"""A scheduler stand-in: sleeps; on ``SIGTERM`` writes ``scheduler-<pid>.exit`` (``SIGTERM``) in its working folder
+(the server's log folder) and exits, so that a test can tell an orderly stop that reached it from a kill."""
+
+
+def start_scheduler_processes(args) -> list[int]:
+    """Start the stand-ins for SGLang's scheduler processes (module docstring): in this process's session and
+    group, no file descriptor but the log inherited, not watching this process.  Returns their pids."""
+    count = args.tp_size if args.fake_scheduler_processes is None else args.fake_scheduler_processes
+    code = SCHEDULER_CODE.format(lifetime_s=SCHEDULER_LIFETIME_S)
+    children = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL) for _ in range(count)]
+    return [child.pid for child in children]
+
+
 class _Listener(ThreadingHTTPServer):
     """A thread per request, and uvicorn's listen backlog (2048; ``socketserver``'s default of 5 resets
     connections when a rollout opens dozens at once, which the real server never does)."""
@@ -459,6 +493,7 @@ def main(argv):
     print(f"fake sglang {args.fake_version}: server_args=ServerArgs(model_path={args.model_path!r}, "
           f"api_key='<redacted>', port={args.port})", flush=True)
     server = FakeServer(args, secret)
+    server.scheduler_pids = start_scheduler_processes(args)
     write_plugin_reports(args)
     httpd = _Listener((args.host, args.port), make_handler(server))
     print(f"fake sglang listening on {args.host}:{args.port}", flush=True)

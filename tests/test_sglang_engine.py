@@ -29,6 +29,7 @@ from slime.rollout.engines.sglang.engine import generate_payload, parse_generate
 from slime.rollout.engines.sglang.launch import (
     LOCALHOST,
     GPUStartLock,
+    ServerProcess,
     ServerSpec,
     server_command,
     server_env,
@@ -38,6 +39,7 @@ from slime.rollout.engines.sglang.launch import (
 from slime.rollout.engines.sglang.versions import memory_tags_supported, needs_mrope_fix, release_tuple
 from slime.utils.config import ConfigError
 from tests.fake_sglang import FakeSGLangEngine
+from tests.process_tree import all_processes, is_alive, read_proc, wait_for, wait_session_gone
 
 REPO = Path(__file__).resolve().parents[1]
 START_S = 180.0
@@ -823,18 +825,141 @@ def test_a_health_poll_during_a_restart_keeps_the_new_servers_start_lock(tmp_pat
 def test_shutdown_stops_the_server_and_everything_in_its_session(engine_factory):
     engine = engine_factory()
     pid = engine.server.pid
+    schedulers = [read_proc(p) for p in engine.client.server_info()["scheduler_pids"]]
+    assert len(schedulers) == 1 and all(s is not None and s.sid == s.pgid == pid and is_alive(s) for s in schedulers)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         engine.shutdown()
         engine.shutdown()  # idempotent
         assert engine.server.exit_code() is not None
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)  # nobody left in the server's session
+        wait_for(lambda: not any(is_alive(s) for s in schedulers), timeout_s=60,
+                 what="the server's scheduler stand-in (its child, in its session) to be stopped with it")
+        assert not wait_session_gone(pid, timeout_s=60)  # nobody left in the server's session
+        for s in schedulers:  # the orderly stop (SIGTERM to the session) reached it, not only the main process
+            assert (engine.server.log_path.parent / f"scheduler-{s.pid}.exit").read_text() == "SIGTERM"
         assert bystander.poll() is None  # a process the engine did not start is untouched
         assert not engine.health()
     finally:
         bystander.send_signal(signal.SIGKILL)
         bystander.wait()
+
+
+def test_a_server_whose_main_process_alone_is_killed_takes_its_session_with_it(engine_factory):
+    """As Ray kills an exiting actor's direct children (and an OOM killer may): nothing in the main process runs,
+    and the server's session guard (``exit_with_parent``) kills the rest of the session."""
+    engine = engine_factory()
+    pid = engine.server.pid
+    schedulers = [read_proc(p) for p in engine.client.server_info()["scheduler_pids"]]
+    assert len(schedulers) == 1 and all(s is not None and s.sid == pid and is_alive(s) for s in schedulers)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(is_alive(s) for s in schedulers), timeout_s=60,
+             what="the scheduler stand-in of a server whose main process was killed to be killed by its guard")
+    assert not wait_session_gone(pid, timeout_s=60)
+    assert engine.server.exit_code() == -signal.SIGKILL
+    with pytest.raises(EngineUnavailableError, match="exited with code -9"):
+        engine.health()
+
+
+_LEADER = """
+import os, subprocess, sys, time
+children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(int(sys.argv[2]))]
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(" ".join(str(c.pid) for c in children))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+os._exit(3)
+"""
+"""A server's main process that starts ``argv[2]`` children in its session, writes their pids to ``argv[1]``
+and exits with code 3, leaving them (as a crashed SGLang main process can leave its schedulers)."""
+
+
+def _exited_leader(tmp_path, children: int):
+    """A :class:`ServerProcess` whose main process has exited (code 3, seen through ``alive()`` and ``exit_code()``
+    as ``health()`` sees it), and its children (:data:`_LEADER`)."""
+    pids = tmp_path / "children"
+    server = ServerProcess([sys.executable, "-c", _LEADER, str(pids), str(children)], dict(os.environ),
+                           tmp_path / "server.log", secret="s3cret")
+    wait_for(lambda: not server.alive(), timeout_s=START_S, what="the stand-in server to exit")
+    assert server.exit_code() == 3, server.log_tail()
+    kids = [read_proc(int(p)) for p in pids.read_text().split()]
+    assert len(kids) == children and all(k is not None and k.sid == k.pgid == server.pid for k in kids)
+    return server, kids
+
+
+def _record_killpg(monkeypatch) -> list[tuple[int, int, bool]]:
+    """Record every ``os.killpg(pgid, sig)`` with whether, at that moment, a process (a zombie counts) of session
+    ``pgid`` exists: one that holds the number, so that the group cannot be another's."""
+    calls = []
+    real_killpg = os.killpg
+
+    def killpg(pgid, sig):
+        calls.append((pgid, sig, any(p.sid == pgid for p in all_processes())))
+        real_killpg(pgid, sig)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    return calls
+
+
+def test_stop_kills_the_children_of_a_server_whose_main_process_exited_first(tmp_path, monkeypatch):
+    server, kids = _exited_leader(tmp_path, children=1)
+    leader = read_proc(server.pid)
+    assert leader is not None and leader.state == "Z"  # health polls did not reap it: the group's number is kept
+    calls = _record_killpg(monkeypatch)
+    server.stop(grace_s=5)
+    assert calls == [(server.pid, signal.SIGKILL, True)]  # no SIGTERM to a dead main process; the number still ours
+    wait_for(lambda: not is_alive(kids[0]), timeout_s=60, what="the child that outlived its server to be killed")
+    assert server.process.returncode == 3  # reaped by stop(), after the group was killed
+    server.stop()
+    assert len(calls) == 1  # reaped: the number is never signalled again
+
+
+def test_stop_terms_then_kills_the_group_of_a_running_server(tmp_path, monkeypatch):
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \
+           "time.sleep(600)"
+    server = ServerProcess([sys.executable, "-c", code], dict(os.environ), tmp_path / "server.log", secret="")
+    kids = wait_for(lambda: [p for p in all_processes() if p.ppid == server.pid], timeout_s=START_S,
+                    what="the stand-in server's child")
+    assert kids[0].sid == kids[0].pgid == server.pid
+    calls = _record_killpg(monkeypatch)
+    server.stop(grace_s=30)
+    assert calls == [(server.pid, signal.SIGTERM, True), (server.pid, signal.SIGKILL, True)]
+    assert server.process.returncode == -signal.SIGTERM
+    wait_for(lambda: not is_alive(kids[0]), timeout_s=60, what="the running server's child to be stopped")
+
+
+def test_stop_signals_no_group_once_the_server_and_its_session_are_gone(tmp_path, monkeypatch):
+    server, _ = _exited_leader(tmp_path, children=0)
+    calls = _record_killpg(monkeypatch)
+    for _ in range(3):  # the restart path: health() saw it dead, then restart() stops it
+        assert not server.alive() and server.exit_code() == 3
+    server.stop(grace_s=5)
+    assert [held for _, _, held in calls] == [True]  # signalled while the zombie held the number, then reaped
+    assert read_proc(server.pid) is None or read_proc(server.pid).sid != server.pid
+    server.stop()
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("children", [1, 0])
+def test_a_server_reaped_behind_its_back_is_not_signalled_and_its_survivors_are_named(tmp_path, monkeypatch, caplog,
+                                                                                       children):
+    """Something else reaps the main process (os.waitpid here): its number may now be anyone's, so stop() signals
+    nothing and names the processes it finds in a session of that number (the surviving child here)."""
+    server, kids = _exited_leader(tmp_path, children=children)
+    os.waitpid(server.pid, 0)
+    calls = _record_killpg(monkeypatch)
+    try:
+        with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.launch"):
+            server.stop(grace_s=5)
+            server.stop()
+        assert calls == [] and server.exit_code() == 3
+        warnings = [r.getMessage() for r in caplog.records if "reaped by something other than slime" in r.getMessage()]
+        if children:
+            assert len(warnings) == 1 and f"pid {kids[0].pid} (python" in warnings[0] and is_alive(kids[0])
+        else:
+            assert warnings == []
+    finally:
+        for kid in kids:
+            if is_alive(kid):
+                os.kill(kid.pid, signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- recording and replay

@@ -24,7 +24,7 @@ from slime.ray.placement import init_ray
 from slime.rollout.engine_group import EngineError
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from tests.fake_sglang import start_engine_group
-from tests.process_tree import wait_for
+from tests.process_tree import is_alive, read_proc, wait_for, wait_session_gone
 
 START_TIMEOUT_S = 300.0
 
@@ -170,6 +170,8 @@ def test_a_killed_engine_actor_is_replaced_and_its_server_does_not_outlive_it(lo
     placement, engines = _start(tmp_path, "--sglang-fake-delay-s", "0.5", capacity=4)
     try:
         old_pid = _server_pid(engines, 1)
+        schedulers = [read_proc(pid) for pid in _server_info(engines, 1)["scheduler_pids"]]
+        assert len(schedulers) == 1 and all(s is not None and s.sid == old_pid and is_alive(s) for s in schedulers)
         old_actor = engines.actors[1]
         killer = _kill_later(1.2, lambda: ray.kill(old_actor))
         outputs = engines.generate(_requests(40))
@@ -179,6 +181,9 @@ def test_a_killed_engine_actor_is_replaced_and_its_server_does_not_outlive_it(lo
         assert engines.fault_counts["engine_failures"] == 1 and engines.serving == [True, False]
         wait_for(lambda: not os.path.exists(f"/proc/{old_pid}"), timeout_s=60,
                  what="the old server to exit with its actor")
+        wait_for(lambda: not any(is_alive(s) for s in schedulers), timeout_s=60,
+                 what="the old server's scheduler stand-in (its child, in its session) to exit with it")
+        assert not wait_session_gone(old_pid, timeout_s=60)
         assert _server_pid(engines, 1) != old_pid
     finally:
         _stop(placement, engines)

@@ -394,10 +394,7 @@ class SGLangEngine(RolloutEngine):
             return fn(*args, **kwargs)
         except SGLangUnavailable:
             if self.server is not None:  # a dying server resets its connections before it exits: give it a moment
-                try:
-                    self.server.process.wait(timeout=EXIT_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    pass
+                self.server.wait_exit(EXIT_WAIT_S)  # not reaped: stop() still owns the process group
             self._check_alive()
             raise
 

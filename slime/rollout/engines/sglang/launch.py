@@ -29,8 +29,10 @@ serial) unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one; and without the varia
 :data:`UNSAFE_SERVER_ENV` (``SGLANG_GRPC_PORT``, ``SGLANG_RUST_SERVER``: listeners that skip the key check).
 
 :class:`ServerProcess` starts the command in a session of its own, so that stopping it
-(``SIGTERM`` to that session, then ``SIGKILL`` after a grace period) reaches SGLang's scheduler and
-detokenizer processes and nothing else.
+(``SIGTERM`` to that session's process group, then ``SIGKILL`` after a grace period) reaches SGLang's
+scheduler and detokenizer processes and nothing else: the server's main process is reaped only after
+the group is killed, so the group's number cannot have passed to another process in between (see
+:class:`ServerProcess`).
 
 Servers that share a GPU start one at a time (:class:`GPUStartLock`): SGLang 0.5.17 sizes its KV and
 Gated-DeltaNet state caches from the GPU memory that is free before it loads the model, minus what is
@@ -197,6 +199,26 @@ def server_env(base: dict[str, str], plugin_path: str | os.PathLike, report_dir:
 class ServerProcess:
     """One running server: ``Popen`` in its own session, its log file, its secret on stdin.
 
+    The server is its session's leader, so its pid is also the number of its session and process group,
+    which every process it starts (SGLang's scheduler and detokenizer) inherits.  :meth:`stop` signals
+    that group with ``os.killpg``; to be sure the number still names *this* group, the leader is never
+    reaped before the group is killed:
+
+    - :meth:`alive`, :meth:`exit_code` and :meth:`wait_exit` look at the leader with
+      ``os.waitid(P_PID, pid, WEXITED | WNOHANG | WNOWAIT)``, which reports an exit without reaping
+      (``Popen.poll()`` / ``wait()`` would reap);
+    - an exited, unreaped leader stays a zombie, and Linux frees a pid number only once no task uses
+      it as its pid, process group or session (``free_pid`` runs when the last one detaches), so while
+      the zombie exists no new process can get that number, nor lead a group or session of it; and
+      only members of the server's session can join its group (``setpgid`` stays within a session);
+    - :meth:`stop` sends the group ``SIGTERM``, waits, sends ``SIGKILL``, and only then reaps the
+      leader; after that it never signals the number again.
+
+    Should something else in this process reap the leader (a stray ``os.wait()``; nothing in slime does),
+    the number proves nothing any more: :meth:`stop` then signals nothing and logs a warning naming the
+    processes that ``/proc`` shows in a session of that number (the server's children, or, if the whole
+    session ended and the number was reused, another program's processes: the two cannot be told apart).
+
     Args:
         command: :func:`server_command`.
         env: :func:`server_env`.
@@ -212,6 +234,11 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._secret = secret
+        self._guard = threading.Lock()  # the leader's state: read by the engine's watcher thread, reaped by stop()
+        self._stopping = threading.Lock()
+        self._exit: int | None = None  # the leader's exit code once seen (Popen's convention)
+        self._reaped = False  # by stop(), or stop() found it reaped elsewhere: its number is never signalled again
+        self._reaped_elsewhere = False  # by something else: its number may be another's
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -220,19 +247,55 @@ class ServerProcess:
         try:
             self.process.stdin.write((secret + "\n").encode())
             self.process.stdin.close()
-        except OSError:  # it exited at once; poll() and the log say why
+        except OSError:  # it exited at once; exit_code() and the log say why
             pass
         self.started = time.monotonic()
 
     @property
     def pid(self) -> int:
+        """The server's pid, also its session's and process group's number."""
         return self.process.pid
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        """Whether the server's main process still runs (it is not reaped by this: see the class docstring)."""
+        return self.exit_code() is None
 
     def exit_code(self) -> int | None:
-        return self.process.poll()
+        """None while the main process runs, else its exit status as ``Popen.returncode`` gives it (``-N``:
+        killed by signal ``N``; ``0`` when something else reaped it unseen, as ``Popen`` has it).  Does not reap."""
+        with self._guard:
+            self._look()
+            return self._exit
+
+    def _look(self) -> bool:
+        """Look at the main process without reaping it (the caller holds ``_guard``); record its exit code once it
+        exited.  Returns whether it is still this object's child (running, or a zombie holding its number)."""
+        if self._reaped or self._reaped_elsewhere:
+            return False
+        try:
+            info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            info = False
+        if info is False or (info is None and self._exit is not None):  # reaped behind our back (None: the number
+            self._reaped_elsewhere = True  # went to a new child of ours)
+            if self._exit is None:
+                self._exit = 0
+            self.process.returncode = self._exit  # Popen must not wait for it either
+            return False
+        if info is not None and self._exit is None:
+            killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+            self._exit = -info.si_status if killed else info.si_status
+        return True
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` seconds for the main process to exit, without reaping it; its
+        :meth:`exit_code` (None: it still runs)."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.005
+        while (code := self.exit_code()) is None and time.monotonic() < deadline:
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.1)
+        return code
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the server's log, with the secret (should it be there) replaced."""
@@ -248,29 +311,80 @@ class ServerProcess:
         return tail.replace(self._secret, "<redacted>") if self._secret else tail
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """``SIGTERM`` the server's session, wait up to ``grace_s``, then ``SIGKILL`` it; idempotent.
+        """``SIGTERM`` the server's process group (its session), wait up to ``grace_s`` seconds for the main
+        process, ``SIGKILL`` the group (children that outlived it), then reap the main process; idempotent.
 
-        Only the server's own session is signalled (its pid is the session's process group), so
-        nothing that this object did not start is touched.
+        The group is signalled only while its number is known to be the server's (class docstring): never
+        after this object reaped the main process, so nothing that this object did not start is touched.
+        A main process that survives ``SIGKILL`` for 10 s (stuck in the kernel) stays unreaped, and a later
+        ``stop()`` signals its group again.
         """
-        if self.process.poll() is None:
-            _signal_group(self.process.pid, signal.SIGTERM)
+        with self._stopping:
+            if self._reaped:
+                return
+            if not self._owns_number():
+                self._warn_unsignalled()
+                self._reaped = True
+                return
+            if self.alive():
+                self._signal_group(signal.SIGTERM)
+                self.wait_exit(grace_s)
+            self._signal_group(signal.SIGKILL)
+            if self.wait_exit(10.0) is None:
+                return
+            with self._guard:
+                if self._look():
+                    try:
+                        self.process.wait(timeout=1.0)  # it has exited: this returns at once
+                    except subprocess.TimeoutExpired:
+                        return
+                self._reaped = True
+
+    def _owns_number(self) -> bool:
+        """Whether the main process is still this object's unreaped child, so that its number names its group."""
+        with self._guard:
+            return self._look()
+
+    def _signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the server's process group while its number is the server's (class docstring)."""
+        with self._guard:
+            if not self._look():
+                return
             try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
-        _signal_group(self.process.pid, signal.SIGKILL)  # children that outlived the parent
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+
+    def _warn_unsignalled(self) -> None:
+        sid = self.process.pid
+        found = [f"pid {pid} ({command})" for pid, command in _session_processes(sid)]
+        if found:
+            logger.warning(
+                "the SGLang server's main process (pid %d) was reaped by something other than slime, so its process "
+                "group can no longer be told from another with the same number; not signalled: %s",
+                sid, "; ".join(found),
+            )
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def _session_processes(sid: int) -> list[tuple[int, str]]:
+    """``(pid, command name)`` of each process of session ``sid`` (Linux ``/proc/<pid>/stat``, field 6)."""
     try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # after "(comm)": state, ppid, pgrp, session, ...
+        if len(fields) > 3 and int(fields[3]) == sid:
+            found.append((int(name), stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")))
+    return found
 
 
 class GPUStartLock:

@@ -20,15 +20,18 @@ flags earlier, at parse time; this is the last guard).
 Everything else is SGLang's; the plugin (:mod:`.server_plugin`) is found through the
 ``*.dist-info`` folder the engine put on ``PYTHONPATH``.
 
-The server also dies with the engine: a thread watches the parent process (the engine's Ray actor)
-and, once it is gone (e.g. the actor was killed), kills the server's own session (SGLang's scheduler
-and detokenizer processes with it), so no orphaned server keeps the GPU memory.
+The server also dies with the engine (:func:`exit_with_parent`): a thread watches the parent process (the
+engine's Ray actor) and, once it is gone (e.g. the actor was killed), kills the server's own session (SGLang's
+scheduler and detokenizer processes with it); and a guard process in the session kills the session once the
+server's main process is gone, however it ended (Ray kills an exiting actor's direct children, which the thread
+cannot see), so no orphaned server process keeps the GPU memory.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -98,10 +101,33 @@ def check_server_args(server_args, host: str | None, secret: str, environ=None) 
         raise UnsafeServerArgs("slime refuses to start this SGLang server: " + "; ".join(problems))
 
 
+_SESSION_GUARD = """
+import os, signal, sys, time
+main, poll_s = int(sys.argv[1]), float(sys.argv[2])
+while os.getppid() == main:
+    time.sleep(poll_s)
+if os.getsid(0) == main:
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+"""
+"""The session guard (:func:`exit_with_parent`): argv ``<main pid> <poll seconds>``."""
+
+
 def exit_with_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
-    """Start a daemon thread that, once this process's parent has exited, kills this process's session (when
-    it leads one, as the engine starts it) or else this process alone."""
+    """Tie this process's session to this process and to its parent (the engine's actor); returns the thread.
+
+    - A daemon thread polls ``os.getppid()`` every ``poll_s`` seconds; once the parent has exited it kills this
+      process's session (when it leads one, as the engine starts it) with ``SIGKILL``, or else this process alone.
+    - When this process leads its session, a *session guard*: a small process (``python -I``) in the session that
+      polls its own parent (this process) and, once this process has exited however it ended, ``SIGKILL`` s the
+      session.  Ray kills an actor's direct children when the actor exits (``RAY_kill_child_processes_on_worker_exit``,
+      default on; not recursive) and an OOM killer may pick this process: neither lets the thread run, and both
+      would leave SGLang's scheduler and detokenizer processes behind.  The session's number is held by its
+      members (the guard among them) until the last one exits, so the guard's ``killpg`` reaches this session only.
+    """
     parent = os.getppid()
+    if os.getsid(0) == os.getpid():
+        subprocess.Popen([sys.executable, "-I", "-c", _SESSION_GUARD, str(os.getpid()), str(poll_s)],
+                         stdin=subprocess.DEVNULL)
 
     def watch():
         while os.getppid() == parent:
