@@ -57,7 +57,7 @@ from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
 from slime.utils.data import DatasetError, load_table
-from slime.utils.ppo_utils import resolve_advantage_estimator
+from slime.grpo.advantages import resolve_advantage_estimator
 from slime.utils.processor import load_processor
 from slime.utils.lifetime import watch_parent
 from slime.utils.run_lock import RunDirError, claim_run_dirs

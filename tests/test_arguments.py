@@ -674,7 +674,7 @@ def test_kl_flags(caplog):
 
 def test_only_group_relative_estimators_warn_about_groups_of_one(monkeypatch, caplog):
     """The warning follows the mark on the estimator's registry entry, not a list of names."""
-    from slime.utils.ppo_utils import ADVANTAGE_ESTIMATORS, group_relative
+    from slime.grpo.config import ADVANTAGE_ESTIMATORS, group_relative
 
     monkeypatch.setitem(ADVANTAGE_ESTIMATORS._entries, "per_sample", lambda rewards, group_size, cfg: rewards)
     monkeypatch.setitem(ADVANTAGE_ESTIMATORS._entries, "ranked", group_relative(lambda rewards, group_size, cfg: rewards))

@@ -19,7 +19,7 @@ from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutBatch
 from slime.utils.arguments import parse_args
 from slime.utils.metrics import MetricsLogger
-from slime.utils.ppo_utils import GRPOConfig
+from slime.grpo.config import GRPOConfig
 from tests.spawn_ranks import spawn_ranks
 
 CUDA = pytest.param(

@@ -110,7 +110,7 @@ def test_check_only_accepts_an_importable_estimator_path(tmp_path, capsys):
     argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
             "--num-rollout", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--rollout-backend",
-            "transformers", "--check-only", "--advantage-estimator", "slime.utils.ppo_utils:dr_grpo",
+            "transformers", "--check-only", "--advantage-estimator", "slime.grpo.advantages:dr_grpo",
             "--rm-type", "slime.rollout.rm_hub:geo3k_reward"]  # fmt: skip
     main(argv)
     assert capsys.readouterr().out.startswith("slime: flags OK")

@@ -1,4 +1,4 @@
-"""Log-probs and entropies from logits (slime/backends/log_probs.py), CPU only.
+"""Log-probs and entropies from logits (slime/grpo/log_probs.py), CPU only.
 
 References are computed here independently: float64 ``torch.log_softmax`` over the real
 vocabulary (gradients by float64 autograd through it), or ``math`` loops.  The vocab-parallel
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from slime.backends.log_probs import entropy_from_logits, gather_log_probs, vocab_parallel_log_probs
+from slime.grpo.log_probs import entropy_from_logits, gather_log_probs, vocab_parallel_log_probs
 from tests.spawn_ranks import spawn_ranks
 
 TP = 2

@@ -93,7 +93,7 @@ def make_samples(config, args) -> list:
 
 def build_backend(name: str, rank_info, ckpt: Path, args):
     from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
-    from slime.utils.ppo_utils import GRPOConfig
+    from slime.grpo.config import GRPOConfig
 
     common = dict(optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0), grpo=GRPOConfig(),
                   checkpoint=CheckpointConfig(hf_checkpoint=str(ckpt)), rollout_temperature=1.0, num_rollout=100,

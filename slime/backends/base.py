@@ -12,7 +12,7 @@ exist, selected with ``--train-backend``:
   megatron-core's schedule, its DDP and distributed optimizer
   (:mod:`slime.backends.megatron.backend`; flags and checks in :mod:`slime.backends.megatron.config`).
 
-Both compute the loss with the shared GRPO math (:mod:`slime.utils.ppo_utils`) and export
+Both compute the loss with the shared GRPO math (:mod:`slime.grpo.loss`) and export
 their weights by Hugging Face parameter name for the weight sync (:mod:`slime.weight_sync`):
 each rank yields the tensors it is the source of (:meth:`TrainerBackend.iter_weight_buckets`).
 A backend's flags, parse-time checks, data-parallel size and checkpoint layout live in its

@@ -13,9 +13,9 @@ Every training backend cuts its share of a rollout the same way::
                                                                           # average over ranks
 
 so that the gradients summed over micro-batches and averaged over data-parallel ranks are
-the gradient of the step's global mean loss (:func:`slime.utils.ppo_utils.aggregate_loss`).
-Log-probs from logits: :mod:`slime.backends.log_probs`; the loss:
-:func:`slime.utils.ppo_utils.grpo_micro_batch_loss`.
+the gradient of the step's global mean loss (:func:`slime.grpo.loss.aggregate_loss`).
+Log-probs from logits: :mod:`slime.grpo.log_probs`; the loss:
+:func:`slime.grpo.loss.grpo_micro_batch_loss`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from slime.rollout.engines.base import GenerateOutput, GenerateRequest, Sampling
 from slime.rollout.rm_hub import RewardConfig, RewardScorer
 from slime.rollout.seeds import sampling_seed
 from slime.utils.data import DataConfig, PromptDataset, load_eval_samples
-from slime.utils.ppo_utils import GRPOConfig, compute_advantages
+from slime.grpo.advantages import compute_advantages
+from slime.grpo.config import GRPOConfig
 from slime.utils.processor import VLProcessor
 from slime.utils.types import Sample, SampleStatus
 

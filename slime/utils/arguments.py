@@ -51,7 +51,7 @@ from slime.rollout.rm_hub import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.data import DataConfig
 from slime.utils.metrics import LoggingConfig, WandbConfig
-from slime.utils.ppo_utils import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
+from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ def _check_batch_sizes(
 
 
 def _check_group_size(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
-    """Warn when a group-relative estimator (marked in its registry entry, :func:`slime.utils.ppo_utils.group_relative`)
+    """Warn when a group-relative estimator (marked in its registry entry, :func:`slime.grpo.config.group_relative`)
     gets groups of one response: every advantage is then 0.  An estimator given as an import path is
     not imported at parse time, so it is not checked here."""
     name = grpo.advantage_estimator

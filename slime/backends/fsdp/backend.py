@@ -9,7 +9,7 @@ NCCL for CUDA tensors plus gloo for CPU tensors on GPU machines).  What a rollou
    slime); reference log-probs likewise when a KL term needs them;
 2. ``num_steps`` optimizer steps, each over one equal chunk of the samples, cut into
    micro-batches of ``--micro-batch-size``; each micro-batch's GRPO loss
-   (:func:`slime.utils.ppo_utils.grpo_micro_batch_loss`) is normalised by the step's global sample
+   (:func:`slime.grpo.loss.grpo_micro_batch_loss`) is normalised by the step's global sample
    (or token) count and multiplied by the data-parallel size, so that the gradients summed
    over micro-batches and averaged by FSDP over ranks are those of the step's global mean;
 3. per step: clip the global gradient norm (``--clip-grad``), AdamW step with the rate of
@@ -64,7 +64,8 @@ from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
-from slime.utils.ppo_utils import GRPOConfig, grpo_micro_batch_loss
+from slime.grpo.config import GRPOConfig
+from slime.grpo.loss import grpo_micro_batch_loss
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)

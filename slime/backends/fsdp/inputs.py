@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from slime.backends.batching import PAD_TOKEN_ID, check_image_inputs, pad_per_token, response_input_ids
-from slime.backends.log_probs import entropy_from_logits, gather_log_probs
+from slime.grpo.log_probs import entropy_from_logits, gather_log_probs
 from slime.utils.processor import mm_token_type_ids
 from slime.utils.types import Sample
 
@@ -137,8 +137,8 @@ def response_log_probs(
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``.
 
-    Log-probs follow :func:`slime.backends.log_probs.gather_log_probs`; entropies
-    :func:`slime.backends.log_probs.entropy_from_logits` of the same temperature-scaled
+    Log-probs follow :func:`slime.grpo.log_probs.gather_log_probs`; entropies
+    :func:`slime.grpo.log_probs.entropy_from_logits` of the same temperature-scaled
     distribution.  Both are differentiable when grad mode is on.
 
     Args:

@@ -55,7 +55,7 @@ from slime.backends.megatron.schedule import run_micro_batches
 from slime.backends.megatron.weight_export import iter_buckets
 from slime.backends.train_metrics import logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
-from slime.utils.ppo_utils import GRPOConfig
+from slime.grpo.config import GRPOConfig
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ length ``P_s`` and response length ``R_s`` has its response predicted at ``o_s +
 o_s + P_s + R_s - 2``.  Those ``K = sum R_s`` positions are the model's ``logit_index`` (the LM head
 runs only there), and every per-token tensor of the loss is laid out on them, packed: ``targets``,
 ``loss_mask``, old / reference log-probs ``[K]`` with the response boundaries ``cu_seqlens`` ``[S + 1]``
-(the layout of :func:`slime.utils.ppo_utils.grpo_micro_batch_loss`).
+(the layout of :func:`slime.grpo.loss.grpo_micro_batch_loss`).
 
 Micro-batches (:func:`plan_micro_batches`): ``--micro-batch-size`` consecutive samples, or with
 ``--use-dynamic-batch-size`` bins of at most ``--max-tokens-per-gpu`` tokens (longest-processing-time

@@ -5,10 +5,10 @@ micro-batch and, on the last pipeline stage, ``loss_func(output)``.  Here ``outp
 logits at the micro-batch's response-predicting positions, this TP rank's vocabulary columns
 ``[K, 1, Vp / tp]``; both loss functions turn them into per-token log-probs (and entropies) of the
 sampled tokens under ``softmax(logits / --rollout-temperature)``, as the engines sample, with
-:func:`slime.backends.log_probs.vocab_parallel_log_probs` (no full-vocabulary tensor; the TP
+:func:`slime.grpo.log_probs.vocab_parallel_log_probs` (no full-vocabulary tensor; the TP
 vocabulary padding is left out of the softmax).
 
-- :func:`grpo_loss_func`: the shared GRPO loss (:func:`slime.utils.ppo_utils.grpo_micro_batch_loss`)
+- :func:`grpo_loss_func`: the shared GRPO loss (:func:`slime.grpo.loss.grpo_micro_batch_loss`)
   with the step's global normaliser, returned as megatron-core's 3-tuple ``(loss * num_microbatches *
   dp, 1, metrics)``: the schedule divides by the token count (1) and by ``num_microbatches``, DDP
   averages gradients over the ``dp`` data-parallel ranks, so the gradient summed over micro-batches
@@ -26,9 +26,10 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from slime.backends.log_probs import vocab_parallel_log_probs
+from slime.grpo.log_probs import vocab_parallel_log_probs
 from slime.backends.megatron.batches import MicroBatch
-from slime.utils.ppo_utils import GRPOConfig, grpo_micro_batch_loss
+from slime.grpo.config import GRPOConfig
+from slime.grpo.loss import grpo_micro_batch_loss
 
 
 @dataclasses.dataclass(frozen=True)

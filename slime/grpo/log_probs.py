@@ -1,7 +1,7 @@
 """Per-token log-probs and entropies of the sampled tokens, from a model's logits.
 
 Every training backend turns logits into the two per-token quantities the GRPO loss
-(:mod:`slime.utils.ppo_utils`) needs.  For a temperature ``tau`` and ``z = logits / tau``
+(:mod:`slime.grpo.loss`) needs.  For a temperature ``tau`` and ``z = logits / tau``
 (the rollout engines sample from, and SGLang reports log-probs of, ``softmax(z)``):
 
 - log-prob of token ``y``: ``log p(y) = z_y - logsumexp(z)``;

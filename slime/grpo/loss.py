@@ -1,40 +1,16 @@
-"""GRPO math shared by every training backend: advantages, clipped policy loss, KL, entropy, aggregation.
+"""The GRPO loss of one micro-batch: clipped policy loss, KL, entropy, aggregation.
 
-Pure torch and backend-neutral: tensors in, tensors out, no model, no ``torch.distributed``.
-Loss terms are computed in float32 (float64 inputs stay float64).  A backend turns its logits
-into per-token log-probs and entropies (:mod:`slime.backends.log_probs`, full-vocabulary or
-vocab-parallel) and calls :func:`grpo_micro_batch_loss` once per micro-batch.
-
-What it follows:
-
-- GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, Sec. 4.1): each prompt is sampled
-  ``n`` times; a response's advantage is its reward minus the group mean, divided by the
-  group std, and is the same for every response token (outcome supervision).  The
-  objective averages token terms per response, then over responses (eq. 3): our default
-  "sample-mean" aggregation.
-- Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
-  arXiv:2503.20783): no division by the group std (estimator ``dr_grpo``, or
-  ``--disable-grpo-std-normalization`` with ``grpo``).
-- PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347, eq. 7) with DAPO's
-  clip-higher (Yu et al. 2025, arXiv:2503.14476, Sec. 3.1): the ratio is clipped to
-  ``[1 - eps_clip, 1 + eps_clip_high]``.
-- KL estimators k1 / k2 / k3 (Schulman 2020, "Approximating KL Divergence",
-  http://joschu.net/blog/kl-approx.html); DeepSeekMath's KL term (eq. 4) is k3.
-
-Where it departs:
-
-- The group std is the unbiased one (Bessel, ``n - 1``), as ``torch.std`` in upstream
-  slime / verl; the paper does not say.  ``eps = 1e-6`` is added to the std (upstream).
-- A group whose rewards are all equal gets exactly 0 advantage (upstream leaves a rounding
-  residue, e.g. for fp32 rewards of 0.9, which the std division then amplifies).
-- A batch whose size is not a multiple of the group size raises (upstream slime silently
-  normalises the whole batch as one group).
-- Dr.GRPO's second change, summing token losses over a constant generation budget, is not
-  implemented; ``--calculate-per-token-loss`` (token mean) is the nearest option.
-- ``low_var_kl`` is k3 clamped to ``[-10, 10]`` (upstream slime / verl behaviour).
-- ``--kl-coef`` subtracts ``kl_coef * k1(pi_old, ref)`` from each token's advantage
-  (:func:`apply_kl_penalty_to_advantages`); upstream slime applies it to per-token rewards
-  of PPO / REINFORCE++ only and ignores it for GRPO.
+Pure torch and backend-neutral: tensors in, tensors out, no model, no ``torch.distributed``; loss
+terms in float32 (float64 inputs stay float64).  A backend turns its logits into per-token
+log-probs and entropies (:mod:`slime.grpo.log_probs`) and calls :func:`grpo_micro_batch_loss`
+once per micro-batch.  Formulas: PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347,
+eq. 7) with DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476, Sec. 3.1); KL estimators k1 /
+k2 / k3 (Schulman 2020, http://joschu.net/blog/kl-approx.html; DeepSeekMath's KL term, eq. 4, is
+k3); GRPO's sample-mean aggregation (DeepSeekMath eq. 3).  Departures from upstream slime:
+``low_var_kl`` is k3 clamped to ``[-10, 10]`` (slime / verl); ``--kl-coef`` subtracts
+``kl_coef * k1(pi_old, ref)`` from each token's advantage (upstream: PPO / REINFORCE++ rewards
+only); Dr.GRPO's constant generation budget is not implemented (``--calculate-per-token-loss``,
+token mean, is the nearest option).
 
 Token layouts: every per-token tensor of one call has the same shape, one of
 
@@ -50,83 +26,15 @@ so padding may hold garbage log-probs without producing NaN values or gradients.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-from slime.utils.config import ConfigError, flag
-from slime.utils.registry import Registry
+from slime.grpo.config import KL_TYPES, GRPOConfig
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOW_VAR_KL_BOUND = 10.0
 """``low_var_kl`` is k3 clamped to ``[-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND]`` (upstream slime / verl)."""
-
-
-@dataclasses.dataclass
-class GRPOConfig:
-    """GRPO (GRPO_ARGS): advantages, clipped policy loss, KL and entropy terms."""
-
-    advantage_estimator: str = flag("grpo", help="Advantage estimator (registered name).")
-    disable_grpo_std_normalization: bool = flag(
-        False, help="Do not divide group-centred rewards by the group std (Dr.GRPO, Liu et al. 2025)."
-    )
-    use_kl_loss: bool = flag(False, help="Add a KL(policy || reference) term to the loss (needs a reference model).")
-    kl_loss_coef: float = flag(0.0, help="Weight of the KL loss term; > 0 requires a reference model.")
-    kl_loss_type: str = flag(
-        "low_var_kl", choices=list(KL_TYPES), help="KL estimator for the KL loss (Schulman 2020)."
-    )
-    kl_coef: float = flag(0.0, help="KL penalty folded into the per-token advantage (reward shaping, k1 estimator).")
-    entropy_coef: float = flag(0.0, help="Weight of the entropy bonus (subtracted from the loss).")
-    eps_clip: float = flag(0.2, help="Lower PPO clip range: ratio >= 1 - eps_clip.")
-    eps_clip_high: float | None = flag(None, help="Upper PPO clip range (DAPO clip-higher); default: --eps-clip.")
-    calculate_per_token_loss: bool = flag(
-        False, help="Average the loss over all tokens of the batch instead of per sample first (the default)."
-    )
-    stop_properly_penalty_coef: float | None = flag(
-        None,
-        help="Multiply the reward of every truncated training sample (cut at --rollout-max-response-len) by this "
-        "factor in [0, 1] before advantages; 0 zeroes it (ProRL's stop-properly penalty, OpenRLHF's flag). "
-        "Default: truncated samples keep their reward, so one that already holds a correct box scores 1 "
-        "(upstream slime). Eval is never shaped.",
-    )
-    overlong_filter: bool = flag(
-        False,
-        help="Mask truncated training samples out of the loss (DAPO's overlong filtering): loss mask 0 on every "
-        "token, so they give no gradient; their rewards still enter their group's mean and std.",
-    )
-
-    def __post_init__(self):
-        if self.eps_clip_high is None:
-            self.eps_clip_high = self.eps_clip
-        for name in ("eps_clip", "eps_clip_high", "kl_loss_coef", "kl_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.kl_loss_type not in KL_TYPES:
-            raise ConfigError(f"--kl-loss-type {self.kl_loss_type!r} is unknown; choose one of {', '.join(KL_TYPES)}")
-        if self.kl_loss_coef > 0 and not self.use_kl_loss:
-            raise ConfigError(
-                f"--kl-loss-coef {self.kl_loss_coef} has no effect without --use-kl-loss; "
-                "add --use-kl-loss or set --kl-loss-coef 0"
-            )
-        coef = self.stop_properly_penalty_coef
-        if coef is not None and not 0 <= coef <= 1:
-            raise ConfigError(
-                f"--stop-properly-penalty-coef must be in [0, 1] (a factor on truncated samples' rewards), got {coef}; "
-                "use 0 to zero them, or leave it unset to keep their rewards"
-            )
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ConfigError(
-                f"--advantage-estimator {self.advantage_estimator!r} is unknown; "
-                f"choose one of {', '.join(ADVANTAGE_ESTIMATORS.names())} or a 'package.module:attr' path"
-            )
-
-    @property
-    def needs_ref_model(self) -> bool:
-        """A reference model exists only when a KL coefficient is non-zero."""
-        return (self.use_kl_loss and self.kl_loss_coef > 0) or self.kl_coef > 0
 
 
 def _float(x: Tensor) -> Tensor:
@@ -141,133 +49,7 @@ def _check_same_shape(**tensors: Tensor) -> None:
         raise ValueError(f"per-token tensors must have one shape, got {shapes}")
 
 
-# --- advantages ---------------------------------------------------------------------
-
-
-def compute_group_advantages(
-    rewards: Tensor, n_samples_per_prompt: int, normalize_std: bool = True, eps: float = 1e-6
-) -> Tensor:
-    """GRPO outcome advantages: ``A_i = (r_i - mean(g)) / (std(g) + eps)`` per group ``g``.
-
-    Shao et al. 2024 (DeepSeekMath), Sec. 4.1.2; without the std division when
-    ``normalize_std`` is False (Dr.GRPO, Liu et al. 2025).  ``std`` is the unbiased sample
-    std (divides by ``n - 1``), as ``torch.std`` in upstream slime / verl.
-
-    Rewards are promoted to float64 before any arithmetic.  A group whose rewards are all
-    equal (``max == min``) gets exactly 0 for every member, whatever the value and dtype;
-    this covers ``n_samples_per_prompt == 1``, where every advantage is 0.
-
-    Args:
-        rewards: ``[num_prompts * n_samples_per_prompt]``, any real or bool dtype; the
-            ``n_samples_per_prompt`` samples of one prompt are contiguous.
-        n_samples_per_prompt: group size ``n`` (``--n-samples-per-prompt``), >= 1.
-        normalize_std: divide the centred rewards by ``std + eps``.
-        eps: added to the std (reward units).
-
-    Returns:
-        float32 ``[num_prompts * n_samples_per_prompt]``, one advantage per sample.
-
-    Raises:
-        ValueError: ``rewards`` is not 1-D, ``n_samples_per_prompt < 1``, its length is not a
-            multiple of ``n_samples_per_prompt``, or a reward is NaN / infinite.
-    """
-    n = n_samples_per_prompt
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [num_prompts * n_samples_per_prompt], got shape {tuple(rewards.shape)}")
-    if n < 1:
-        raise ValueError(f"n_samples_per_prompt (--n-samples-per-prompt) must be >= 1, got {n}")
-    if rewards.numel() % n != 0:
-        raise ValueError(
-            f"{rewards.numel()} rewards is not a multiple of n_samples_per_prompt={n} "
-            "(--n-samples-per-prompt): every prompt needs exactly n contiguous samples; "
-            "check that no sample was dropped from the batch"
-        )
-    r = rewards.detach().to(torch.float64)
-    non_finite = (~torch.isfinite(r)).nonzero()
-    if non_finite.numel() > 0:
-        i = int(non_finite[0])
-        raise ValueError(f"reward of sample {i} (group {i // n}) is {r[i].item()}; rewards must be finite")
-    groups = r.view(-1, n)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    if normalize_std and n > 1:
-        centred = centred / (groups.std(dim=1, correction=1, keepdim=True) + eps)
-    all_equal = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
-    return torch.where(all_equal, 0.0, centred).view(-1).to(torch.float32)
-
-
-AdvantageEstimator = Callable[[Tensor, int, GRPOConfig], Tensor]
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "--advantage-estimator")
-"""Every entry maps ``(rewards [N], group_size, cfg) -> float32 advantages [N]``.  An entry that compares
-the responses of one prompt carries ``group_relative = True`` (:func:`group_relative`)."""
-
-
-def group_relative(estimator: AdvantageEstimator) -> AdvantageEstimator:
-    """Mark ``estimator`` as group-relative: each advantage compares a response with the others of its
-    prompt, so groups of one response give 0 (the parse-time check warns about
-    ``--n-samples-per-prompt 1``).  Sets ``estimator.group_relative = True`` and returns it; a user's
-    ``package.module:function`` estimator may set the same attribute."""
-    estimator.group_relative = True  # type: ignore[attr-defined]
-    return estimator
-
-
-def is_group_relative(estimator: AdvantageEstimator) -> bool:
-    """Whether ``estimator`` was marked with :func:`group_relative`."""
-    return getattr(estimator, "group_relative", False) is True
-
-
-@ADVANTAGE_ESTIMATORS.register("grpo")
-@group_relative
-def grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
-    """GRPO advantages (:func:`compute_group_advantages`); no std division with ``--disable-grpo-std-normalization``."""
-    return compute_group_advantages(rewards, group_size, normalize_std=not cfg.disable_grpo_std_normalization)
-
-
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
-@group_relative
-def dr_grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
-    """Dr.GRPO advantages (Liu et al. 2025): group-centred rewards, never divided by the std."""
-    return compute_group_advantages(rewards, group_size, normalize_std=False)
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as ``name`` (or a ``package.module:attr`` path).
-
-    Raises:
-        KeyError: unknown name; the message lists the valid ones.
-    """
-    return ADVANTAGE_ESTIMATORS.get(name)
-
-
-def resolve_advantage_estimator(cfg: GRPOConfig) -> AdvantageEstimator:
-    """The ``--advantage-estimator`` of ``cfg``, imported and checked; the driver calls it before Ray starts.
-
-    :class:`GRPOConfig` checks only the form of an import path; this imports it (through
-    :meth:`slime.utils.registry.Registry.resolve`) and checks that it accepts ``(rewards,
-    group_size, cfg)``.
-
-    Raises:
-        ConfigError: naming ``--advantage-estimator``: the module cannot be imported, has no such
-            attribute, or the object is not a function of ``(rewards, group_size, cfg)``.
-    """
-    name = cfg.advantage_estimator
-    estimator = ADVANTAGE_ESTIMATORS.resolve(name)
-    if not callable(estimator):
-        raise ConfigError(f"--advantage-estimator {name!r} is a {type(estimator).__name__}, not a function")
-    try:
-        inspect.signature(estimator).bind(torch.zeros(1), 1, cfg)
-    except TypeError:
-        raise ConfigError(
-            f"--advantage-estimator {name!r} has the signature {inspect.signature(estimator)}; an advantage "
-            "estimator must accept (rewards: Tensor, group_size: int, cfg: GRPOConfig) and return advantages"
-        ) from None
-    except ValueError:  # no signature available (some builtins): accept it and let calls fail
-        pass
-    return estimator
-
-
-def compute_advantages(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
-    """Per-sample advantages ``[N]`` (float32) with the estimator ``cfg.advantage_estimator``."""
-    return get_advantage_estimator(cfg.advantage_estimator)(rewards, group_size, cfg)
+# --- KL reward shaping --------------------------------------------------------------
 
 
 def apply_kl_penalty_to_advantages(
@@ -533,7 +315,7 @@ def grpo_loss(
     - ``pg_loss``: :func:`compute_policy_loss` with ``cfg.eps_clip`` / ``cfg.eps_clip_high``;
     - ``kl_loss``: :func:`compute_approx_kl` (``cfg.kl_loss_type``) of ``log_probs`` vs
       ``ref_log_probs``, when ``cfg.use_kl_loss`` and ``ref_log_probs`` is given;
-    - ``entropy``: the given per-token entropy (:func:`slime.backends.log_probs.entropy_from_logits`),
+    - ``entropy``: the given per-token entropy (:func:`slime.grpo.log_probs.entropy_from_logits`),
       when given.
 
     Args:
@@ -657,26 +439,10 @@ def grpo_micro_batch_loss(
     ``dp``; scale the returned loss back before the backward pass:
 
     - FSDP / DDP: ``(loss * dp_size).backward()``.
-    - megatron-core 0.16 ``forward_backward_func``: ``forward_step_calc_loss`` calls
-      ``loss_func(output_tensor)`` per micro-batch; a 3-tuple ``(loss, num_tokens, metrics)``
-      has its loss divided by ``max(num_tokens, 1)`` and by ``num_microbatches`` (when
-      ``config.calculate_per_token_loss`` is False), and the DDP wrapper then averages
-      gradients over the data-parallel x context-parallel group.  So, with this function's
-      ``global_normalizer`` (and, under context parallelism, ``sample_token_counts`` of the
-      whole sequences), a ``loss_func`` is::
-
-          def loss_func(output_tensor):  # GPTModel without labels: this TP rank's [1, T, V/tp] logits (THD)
-              log_probs, entropy = vocab_parallel_log_probs(  # targets [T]: the next token at each position
-                  output_tensor[0], targets, temperature, tp_group, vocab_size=V, with_entropy=True)
-              loss, metrics = grpo_micro_batch_loss(
-                  log_probs, old, advantages, loss_mask, cfg, global_normalizer=N,
-                  ref_log_probs=ref, entropy=entropy, cu_seqlens=cu_seqlens)
-              scale = num_microbatches * dp_cp_size  # undo Megatron's 1 / num_microbatches and DP average
-              return loss * scale, torch.ones((), dtype=torch.int, device=loss.device), metrics
-
-      (``vocab_parallel_log_probs`` is :func:`slime.backends.log_probs.vocab_parallel_log_probs`.)
-      Megatron's own ``config.calculate_per_token_loss`` stays False: ``--calculate-per-token-loss``
-      (``cfg``) is already in ``global_normalizer``.
+    - megatron-core: :func:`slime.backends.megatron.loss.grpo_loss_func` multiplies it by the
+      micro-batches of the step and the data-parallel size (the schedule divides by the first, DDP
+      averages over the second); Megatron's own ``calculate_per_token_loss`` stays False, since
+      ``--calculate-per-token-loss`` is already in ``global_normalizer``.
 
     Args:
         log_probs: current-policy log-probs of the sampled tokens (nats, with grad),

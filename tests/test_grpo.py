@@ -1,4 +1,4 @@
-"""Tests of the GRPO math (slime/utils/ppo_utils.py), CPU only.
+"""Tests of the GRPO math (slime/grpo/: advantages, loss), CPU only.
 
 References are written here independently: numbers worked out by hand (the arithmetic is
 in the test), or float64 loops over groups / samples / tokens using ``math``.
@@ -13,21 +13,21 @@ import pytest
 import torch
 
 from slime.utils.config import ConfigError
-from slime.utils.ppo_utils import (
-    ADVANTAGE_ESTIMATORS,
-    GRPOConfig,
+from slime.grpo.advantages import (
+    compute_advantages,
+    compute_group_advantages,
+    get_advantage_estimator,
+    resolve_advantage_estimator,
+)
+from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
+from slime.grpo.loss import (
     aggregate_loss,
     apply_kl_penalty_to_advantages,
-    compute_advantages,
     compute_approx_kl,
-    compute_group_advantages,
     compute_policy_loss,
-    get_advantage_estimator,
     grpo_loss,
     grpo_micro_batch_loss,
-    is_group_relative,
     per_token_advantages,
-    resolve_advantage_estimator,
 )
 
 EPS = 1e-6
@@ -246,7 +246,7 @@ def test_registry_dispatch():
     torch.testing.assert_close(compute_advantages(rewards, 4, GRPOConfig()), centred / (0.5 + EPS))
     torch.testing.assert_close(compute_advantages(rewards, 4, GRPOConfig(advantage_estimator="dr_grpo")), centred)
     torch.testing.assert_close(compute_advantages(rewards, 4, GRPOConfig(disable_grpo_std_normalization=True)), centred)
-    by_path = GRPOConfig(advantage_estimator="slime.utils.ppo_utils:dr_grpo")
+    by_path = GRPOConfig(advantage_estimator="slime.grpo.advantages:dr_grpo")
     torch.testing.assert_close(compute_advantages(rewards, 4, by_path), centred)
 
 
@@ -268,8 +268,8 @@ def test_builtin_estimators_are_marked_group_relative():
     "path, message",
     [
         ("nope_xyz.mod:fn", "--advantage-estimator nope_xyz.mod:fn: cannot be imported here: ModuleNotFoundError"),
-        ("slime.utils.ppo_utils:no_such_fn", "has no attribute 'no_such_fn'"),
-        ("slime.utils.ppo_utils:KL_TYPES", "--advantage-estimator 'slime.utils.ppo_utils:KL_TYPES' is a tuple"),
+        ("slime.grpo.advantages:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("slime.grpo.config:KL_TYPES", "--advantage-estimator 'slime.grpo.config:KL_TYPES' is a tuple"),
         ("math:sqrt", "an advantage estimator must accept (rewards: Tensor, group_size: int, cfg: GRPOConfig)"),
     ],
 )
@@ -281,9 +281,9 @@ def test_resolving_an_estimator_path_names_the_flag(path, message):
 
 
 def test_resolving_an_estimator_path_returns_it():
-    from slime.utils.ppo_utils import dr_grpo
+    from slime.grpo.advantages import dr_grpo
 
-    assert resolve_advantage_estimator(GRPOConfig(advantage_estimator="slime.utils.ppo_utils:dr_grpo")) is dr_grpo
+    assert resolve_advantage_estimator(GRPOConfig(advantage_estimator="slime.grpo.advantages:dr_grpo")) is dr_grpo
     assert resolve_advantage_estimator(GRPOConfig()) is get_advantage_estimator("grpo")
 
 
