@@ -56,9 +56,9 @@ from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, valid
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
-from slime.utils.data import DatasetError, load_table
+from slime.data.sources import DatasetError, load_table
 from slime.grpo.advantages import resolve_advantage_estimator
-from slime.utils.processor import load_processor
+from slime.data.processor import load_processor
 from slime.utils.lifetime import watch_parent
 from slime.utils.run_lock import RunDirError, claim_run_dirs
 from slime.utils.timer import timed

@@ -65,7 +65,7 @@ def geo3k_prompts(processor, rows: list[int]) -> list[dict]:
     """
     import pandas as pd
 
-    from slime.utils.image import decode_image
+    from slime.data.image import decode_image
 
     frame = pd.read_parquet(GEO3K)
     prompts = []

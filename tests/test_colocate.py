@@ -260,7 +260,7 @@ def test_engine_generates_the_same_after_a_colocated_step(device, tiny_ckpt):
     generation is refused until every released tag is back, and the resumed engine, after the
     weight push, gives the same tokens and log-probs as before."""
     from slime.rollout.engines.hf_engine import TransformersEngine
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     engine = TransformersEngine(str(tiny_ckpt), device=device, dtype=dtype)
@@ -289,7 +289,7 @@ def test_engine_generates_the_same_after_a_colocated_step(device, tiny_ckpt):
 
 def test_engine_weights_tag_alone_round_trips(tiny_ckpt):
     from slime.rollout.engines.hf_engine import TransformersEngine
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     engine = TransformersEngine(str(tiny_ckpt))
     requests = _greedy_requests(load_processor(tiny_ckpt))
@@ -306,7 +306,7 @@ def test_engine_weights_tag_alone_round_trips(tiny_ckpt):
 @pytest.mark.parametrize("method", ["release_memory_occupation", "resume_memory_occupation"])
 def test_engine_unknown_tag_raises_and_changes_nothing(method, tiny_ckpt):
     from slime.rollout.engines.hf_engine import TransformersEngine
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     engine = TransformersEngine(str(tiny_ckpt))
     requests = _greedy_requests(load_processor(tiny_ckpt))[:1]

@@ -1,4 +1,4 @@
-"""slime.utils.data on real Geometry3K rows (the bundled sample) and the tiny Qwen3.5 checkpoint.
+"""slime.data (rows, prompts, cursor) on real Geometry3K rows (the bundled sample) and the tiny Qwen3.5 checkpoint.
 
 References used below, independent of the code under test:
 - the engine's view of an image: transformers' ``Qwen2VLImageProcessorPil`` loaded straight
@@ -25,9 +25,11 @@ import torch
 from PIL import Image
 
 from slime.utils.config import ConfigError
-from slime.utils.data import DataConfig, DatasetError, PromptDataset, load_eval_samples, resolve_source
-from slime.utils.image import decode_image
-from slime.utils.processor import load_processor
+from slime.data.config import DataConfig
+from slime.data.dataset import PromptDataset, load_eval_samples
+from slime.data.sources import DatasetError, resolve_source
+from slime.data.image import decode_image
+from slime.data.processor import load_processor
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SAMPLE_DIR = os.path.join(REPO, "examples", "geo3k_vlm", "data")
@@ -377,7 +379,7 @@ def test_placeholder_scan_lists_ten_bad_rows_then_counts(tmp_path, processor):
 
 def test_placeholder_scan_decodes_no_image(tmp_path, processor, monkeypatch):
     """Loading reads only text and list lengths; images are decoded when their row is drawn."""
-    import slime.utils.data as data_module
+    import slime.data.dataset as data_module
 
     decoded = []
 
@@ -447,7 +449,7 @@ def test_skip_unreadable_images(tmp_path, processor, caplog):
         },
     )
     dataset = PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)
-    with caplog.at_level(logging.WARNING, logger="slime.utils.data"):
+    with caplog.at_level(logging.WARNING, logger="slime.data.dataset"):
         batch = dataset.next_batch(5)
     assert [s.index for s in batch] == [0, 2, 3, 5, 7]  # skipped rows are replaced by the next ones
     assert dataset.skip_counts == {"bad_image": 3, "empty_label": 0, "prompt_too_long": 0}
@@ -468,7 +470,7 @@ def test_skip_extreme_aspect_ratio(tmp_path, processor):
 def test_skip_empty_and_missing_labels(tmp_path, processor, caplog):
     path, rows = _skip_fixture(tmp_path, {0: {"answer": ""}, 3: {"answer": None}, 5: {"answer": "  "}})
     dataset = PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)
-    with caplog.at_level(logging.WARNING, logger="slime.utils.data"):
+    with caplog.at_level(logging.WARNING, logger="slime.data.dataset"):
         batch = dataset.next_batch(5)
     assert [s.index for s in batch] == [1, 2, 4, 6, 7]
     assert dataset.skip_counts == {"bad_image": 0, "empty_label": 3, "prompt_too_long": 0}
@@ -491,7 +493,7 @@ def test_skip_prompts_over_max_len(tmp_path, processor, tiny_ckpt, caplog):
     assert 0 < len(expected_kept) < 16
 
     dataset = PromptDataset(geo3k_config(prompt_data=path, rollout_max_prompt_len=limit), processor, seed=0)
-    with caplog.at_level(logging.WARNING, logger="slime.utils.data"):
+    with caplog.at_level(logging.WARNING, logger="slime.data.dataset"):
         batch = dataset.eval_samples()
     assert [s.index for s in batch] == expected_kept
     assert all(len(s.prompt_token_ids) <= limit for s in batch)

@@ -11,7 +11,7 @@ from slime.ray.trainer_group import TrainerGroup
 from slime.train import EXIT_NOT_STARTED, _due, _logged_before, _resolve_num_rollout, main, resolve_components
 from slime.utils.arguments import parse_args
 from slime.utils.config import ConfigError
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 
@@ -235,7 +235,7 @@ def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the
 
     from slime import train as driver
     from slime.rollout.manager import PromptMismatchError, RolloutAbortedError
-    from slime.utils.data import DatasetError
+    from slime.data.sources import DatasetError
 
     messages = {"mismatch": "engine saw 12 prompt tokens", "abort": "every one of the 2 groups holds an aborted sample"}
 

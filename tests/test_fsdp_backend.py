@@ -24,10 +24,10 @@ from slime.backends.base import RankInfo
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.fsdp.config import FSDPConfig
 from slime.utils import checkpoint as ckpt
-from slime.utils.image import encode_image_base64
+from slime.data.image import encode_image_base64
 from slime.grpo.config import GRPOConfig
-from slime.utils.processor import load_processor
-from slime.utils.types import Sample
+from slime.data.processor import load_processor
+from slime.data.sample import Sample
 from tests.spawn_ranks import spawn_ranks
 
 WORLD = 2

@@ -1,4 +1,4 @@
-"""slime.utils.image: every accepted image form, the RGB conversion rules, and each error."""
+"""slime.data.image: every accepted image form, the RGB conversion rules, and each error."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from slime.utils.image import ImageDecodeError, decode_image, encode_image_base64
+from slime.data.image import ImageDecodeError, decode_image, encode_image_base64
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "geo3k_vlm", "data", "train.parquet")
 

@@ -146,8 +146,8 @@ def colour_prior_checkpoint(tmp_path_factory) -> Path:
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     from slime.utils.arguments import parse_args
-    from slime.utils.data import PromptDataset
-    from slime.utils.processor import load_processor, mm_token_type_ids
+    from slime.data.dataset import PromptDataset
+    from slime.data.processor import load_processor, mm_token_type_ids
 
     src = ensure_tiny_checkpoint(vocab_words=VOCAB_WORDS)
     work = tmp_path_factory.mktemp("colour_prior")

@@ -43,7 +43,7 @@ from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.megatron.config import MegatronConfig  # noqa: E402
 from slime.utils import checkpoint as ckpt  # noqa: E402
 from slime.grpo.config import GRPOConfig  # noqa: E402
-from slime.utils.types import Sample  # noqa: E402
+from slime.data.sample import Sample  # noqa: E402
 from tests.spawn_ranks import spawn_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,8 +106,9 @@ def fixed_batch(realgeo) -> list[Sample]:
 
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
     from slime.rollout.engines.hf_engine import TransformersEngine
-    from slime.utils.data import DataConfig, PromptDataset
-    from slime.utils.processor import load_processor
+    from slime.data.config import DataConfig
+    from slime.data.dataset import PromptDataset
+    from slime.data.processor import load_processor
 
     data = DataConfig(prompt_data=str(DATA), input_key="problem", label_key="answer",
                       multimodal_keys={"image": "images"}, apply_chat_template=True)

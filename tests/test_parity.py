@@ -21,7 +21,7 @@ from slime.rollout.parity import (
     verdict,
 )
 from slime.utils.config import ConfigError
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 
@@ -83,8 +83,8 @@ def test_bad_parity_flags_are_refused(field, value):
 @pytest.fixture(scope="module")
 def dataset(tiny_ckpt):
     from slime.utils.arguments import parse_args
-    from slime.utils.data import PromptDataset
-    from slime.utils.processor import load_processor
+    from slime.data.dataset import PromptDataset
+    from slime.data.processor import load_processor
 
     cfg = parse_args(["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "2", "--rollout-max-response-len", "4", "--train-backend", "fsdp",
@@ -140,7 +140,7 @@ class _StubEngines:
 
     def generate(self, requests):
         from slime.rollout.engines.base import GenerateOutput
-        from slime.utils.image import decode_image
+        from slime.data.image import decode_image
 
         self.calls += 1
         outs = []
@@ -153,7 +153,7 @@ class _StubEngines:
 
 def _processed_lengths(processor, samples):
     """What the processor makes of each sample's prompt text and (base64) images, as the stub engine computes it."""
-    from slime.utils.image import decode_image
+    from slime.data.image import decode_image
 
     return [len(processor(s.prompt, [decode_image(b) for b in s.images]).input_ids) for s in samples]
 

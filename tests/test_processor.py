@@ -1,4 +1,4 @@
-"""slime.utils.processor against transformers' own Qwen2-VL image processor / Qwen3VLProcessor
+"""slime.data.processor against transformers' own Qwen2-VL image processor / Qwen3VLProcessor
 and against token counts worked out by hand."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from slime.utils.config import ConfigError
-from slime.utils.processor import ImageSizeError, load_processor, mm_token_type_ids
+from slime.data.processor import ImageSizeError, load_processor, mm_token_type_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

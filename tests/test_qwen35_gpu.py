@@ -240,7 +240,7 @@ def test_fla_kernels_match_float64_recurrence(dtype, bound):
 @pytest.fixture(scope="module")
 def tiny_pair(realgeo):
     """(HF fp32 model, documents, HF fp32 logits of the documents one at a time)."""
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     hf = HF_MODELING.Qwen3_5MoeForConditionalGeneration.from_pretrained(
         realgeo, dtype=torch.float32, attn_implementation="sdpa").cuda()
@@ -502,7 +502,7 @@ def test_35b_layer_shapes_bf16_forward_backward_match_hf(realgeo):
     """bf16 at Qwen3.5-35B-A3B's widths: ours (fla + varlen) and HF bf16 each against HF in fp32 (same
     weights, TF32 off, torch GDN, SDPA), both replaying the fp32 run's routing.  Ours may be at most
     ``max(2e-2, 1.5 x HF bf16's own error)``, for the logits and per parameter for the gradients."""
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     config = scaled_35b_a3b_config()
     with torch.device("cuda"):

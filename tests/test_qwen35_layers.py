@@ -58,7 +58,7 @@ def test_positions_match_transformers_get_rope_index(realgeo):
     from transformers import AutoConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel
 
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     config = AutoConfig.from_pretrained(realgeo)
     prompts = geo3k_prompts(load_processor(realgeo), [0, 5])

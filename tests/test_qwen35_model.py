@@ -51,7 +51,7 @@ def models(realgeo_ckpt):
 @pytest.fixture(scope="module")
 def documents(realgeo_ckpt, models):
     """One geo3k image prompt with a 24-token response and two text sequences."""
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     processor = load_processor(realgeo_ckpt)
     gen = torch.Generator().manual_seed(1)

@@ -21,8 +21,8 @@ from PIL import Image
 from slime.rollout.engines.base import GenerateOutput
 from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 from slime.utils.arguments import parse_args
-from slime.utils.image import decode_image
-from slime.utils.types import SampleStatus
+from slime.data.image import decode_image
+from slime.data.sample import SampleStatus
 
 
 def _png(colour) -> bytes:
@@ -83,7 +83,7 @@ PROCESSOR = None
 @pytest.fixture(autouse=True)
 def processor(tiny_ckpt):
     global PROCESSOR
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     PROCESSOR = load_processor(tiny_ckpt)
     return PROCESSOR
@@ -121,7 +121,7 @@ def _manager(tmp_path, tiny_ckpt, engines, extra=(), eval_labels=None):
             "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", *extra,
         ]
     )
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     return RolloutManager(
         rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
@@ -158,7 +158,7 @@ def test_rewards_and_group_advantages(tmp_path, tiny_ckpt):
 
 
 def test_generated_image_placeholders_are_counted(tmp_path, tiny_ckpt):
-    from slime.utils.processor import load_processor
+    from slime.data.processor import load_processor
 
     image_token = load_processor(tiny_ckpt).image_token_id
     manager = _manager(tmp_path, tiny_ckpt, ScriptedEngines(extra_token=image_token))

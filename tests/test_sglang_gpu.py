@@ -57,8 +57,8 @@ def prompts(checkpoint):
     """12 geo3k problems with their image, and the same problems as text only."""
     from slime.rollout.parity import probe_prompts
     from slime.utils.arguments import parse_args
-    from slime.utils.data import PromptDataset
-    from slime.utils.processor import load_processor
+    from slime.data.dataset import PromptDataset
+    from slime.data.processor import load_processor
 
     cfg = parse_args(["--hf-checkpoint", str(checkpoint), "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",

@@ -23,7 +23,7 @@ from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutManager
 from slime.train import resolve_components, start_workers
 from slime.utils.arguments import parse_args
-from slime.utils.processor import load_processor
+from slime.data.processor import load_processor
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 TOLERANCE = 1e-4

@@ -26,7 +26,7 @@ Bad input is an error, never a silently dropped or malformed row:
 
 A number answer is written with ``str`` (a parquet float64 ``3.0`` gives ``\\boxed{3.0}``);
 a .jsonl answer keeps its text as written (``1e-3`` stays ``1e-3``, see
-:func:`slime.utils.data.read_jsonl`).  On good data the output equals the README snippet's.
+:func:`slime.data.sources.read_jsonl`).  On good data the output equals the README snippet's.
 
 Usage::
 
@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slime.utils.config import ConfigError
-from slime.utils.data import DatasetError, list_rows, read_jsonl, resolve_source
+from slime.data.sources import DatasetError, list_rows, read_jsonl, resolve_source
 
 
 def format_answer(answer: str) -> str:
@@ -62,13 +62,13 @@ def sft_messages(problem: str, answer: str) -> list[dict[str, str]]:
 def load_split(spec: str, split: str, answer_key: str = "answer") -> datasets.Dataset:
     """Load ``spec`` (hub name, file or folder; ``NAME@split`` overrides ``split``) as a ``datasets.Dataset``.
 
-    A .jsonl file is read with :func:`slime.utils.data.read_jsonl` (``answer_key`` keeps its
+    A .jsonl file is read with :func:`slime.data.sources.read_jsonl` (``answer_key`` keeps its
     text as written); a parquet file with ``datasets.Dataset.from_parquet`` (HF feature
     metadata kept).
 
     Raises:
         ConfigError: a local path that does not exist, or a folder without ``<split>.parquet``
-            / ``<split>.jsonl`` (see :func:`slime.utils.data.resolve_source`).
+            / ``<split>.jsonl`` (see :func:`slime.data.sources.resolve_source`).
         DatasetError: a parquet file that cannot be read, a .jsonl line that is not a JSON
             object (the message gives the line), or no rows at all.
     """
@@ -120,7 +120,7 @@ def check_rows(dataset: datasets.Dataset, problem_key: str, answer_key: str, *, 
     """Refuse rows that cannot make an SFT example (only the two text columns are read; ``name`` is for messages).
 
     Raises:
-        DatasetError: naming the first :data:`~slime.utils.data.LISTED_ROWS` bad rows
+        DatasetError: naming the first :data:`~slime.data.sources.LISTED_ROWS` bad rows
             (index, and id when the data has an ``id`` column) and counting the rest.
     """
     ids = list(dataset["id"]) if "id" in dataset.column_names else None

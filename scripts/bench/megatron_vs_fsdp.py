@@ -67,7 +67,7 @@ def write_checkpoint(folder: Path, layers: int, experts: int) -> None:
 
 def make_samples(config, args) -> list:
     """Geo3k-shaped samples (module docstring): token ids, one image's pixels and grid, a response."""
-    from slime.utils.types import Sample
+    from slime.data.sample import Sample
 
     gen = torch.Generator().manual_seed(0)
     vision, vocab = config.vision_config, config.text_config.vocab_size

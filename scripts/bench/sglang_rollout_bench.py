@@ -161,8 +161,8 @@ class BenchSamplingParams(SamplingParams):
 
 def geo3k_requests(model: str, prompts: int, max_new_tokens: int) -> list[GenerateRequest]:
     from slime.utils.arguments import parse_args
-    from slime.utils.data import PromptDataset
-    from slime.utils.processor import load_processor
+    from slime.data.dataset import PromptDataset
+    from slime.data.processor import load_processor
 
     cfg = parse_args(["--hf-checkpoint", model, "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",

@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

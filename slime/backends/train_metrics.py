@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 from slime.backends.base import RankInfo, TrainerBackend
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
 from slime.rollout.engine_group import RolloutEngineGroup
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 from slime.weight_sync import WeightTransport, check_weight_sources
 
 logger = logging.getLogger(__name__)

@@ -21,11 +21,12 @@ from slime.rollout.config import EvalConfig, RolloutConfig
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.rm_hub import RewardConfig, RewardScorer
 from slime.rollout.seeds import sampling_seed
-from slime.utils.data import DataConfig, PromptDataset, load_eval_samples
+from slime.data.config import DataConfig
+from slime.data.dataset import PromptDataset, load_eval_samples
 from slime.grpo.advantages import compute_advantages
 from slime.grpo.config import GRPOConfig
-from slime.utils.processor import VLProcessor
-from slime.utils.types import Sample, SampleStatus
+from slime.data.processor import VLProcessor
+from slime.data.sample import Sample, SampleStatus
 
 if TYPE_CHECKING:  # the engine group imports Ray; the flags import this module's neighbours (parity)
     from slime.rollout.engine_group import RolloutEngineGroup

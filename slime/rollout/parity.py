@@ -45,12 +45,12 @@ from slime.rollout.engines.base import GenerateOutput, GenerateRequest, Sampling
 from slime.rollout.manager import PROMPT_LENGTH_CAUSES, prompt_length_mismatches
 from slime.rollout.seeds import sampling_seed
 from slime.utils.config import ConfigError, check_at_least_one, flag
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 
 if TYPE_CHECKING:
     from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
-    from slime.utils.data import PromptDataset
+    from slime.data.dataset import PromptDataset
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ def check_probe_prompt_lengths(samples: list[Sample], requests: list[GenerateReq
 
 
 def vision_token_ids(processor) -> set[int]:
-    """The image and video placeholder ids of ``processor`` (:class:`slime.utils.processor.VLProcessor`)."""
+    """The image and video placeholder ids of ``processor`` (:class:`slime.data.processor.VLProcessor`)."""
     ids = {processor.image_token_id}
     video = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
     return ids | ({video} if isinstance(video, int) else set())

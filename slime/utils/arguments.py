@@ -49,7 +49,7 @@ from slime.rollout.engines.config import EngineConfig
 from slime.rollout.parity import ParityConfig
 from slime.rollout.rm_hub import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
-from slime.utils.data import DataConfig
+from slime.data.config import DataConfig
 from slime.utils.metrics import LoggingConfig, WandbConfig
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.weight_sync.config import WeightSyncConfig

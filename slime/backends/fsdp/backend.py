@@ -66,7 +66,7 @@ from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, l
 from slime.utils import checkpoint as ckpt
 from slime.grpo.config import GRPOConfig
 from slime.grpo.loss import grpo_micro_batch_loss
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from slime.backends.megatron.weight_export import iter_buckets
 from slime.backends.train_metrics import logprob_gap_metrics, logprob_gap_sums
 from slime.utils import checkpoint as ckpt
 from slime.grpo.config import GRPOConfig
-from slime.utils.types import Sample
+from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

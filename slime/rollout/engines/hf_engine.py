@@ -58,8 +58,8 @@ from slime.rollout.engines.base import (
     memory_tags,
 )
 from slime.rollout.seeds import SEED_BITS, uniform
-from slime.utils.image import decode_image
-from slime.utils.processor import load_processor, mm_token_type_ids
+from slime.data.image import decode_image
+from slime.data.processor import load_processor, mm_token_type_ids
 
 
 def sample_next_tokens(
@@ -126,7 +126,7 @@ class TransformersEngine(RolloutEngine):
         hf_checkpoint: local Hugging Face checkpoint folder (weights, tokenizer, processor configs).
         device: torch device of the model, e.g. ``"cpu"`` or ``"cuda:0"``.
         dtype: parameter dtype, e.g. ``torch.float32`` on CPU, ``torch.bfloat16`` on GPU.
-        min_pixels, max_pixels: narrower image pixel bounds for :func:`slime.utils.processor.load_processor`.
+        min_pixels, max_pixels: narrower image pixel bounds for :func:`slime.data.processor.load_processor`.
         seed: seed of the engine's generator, which gives a sampling seed to every request that
             has none (``sampling_params.sampling_seed is None``).
         max_batch_size: requests per forward batch (>= 1).

@@ -40,7 +40,7 @@ class SampleStatus(str, enum.Enum):
 class Sample:
     """One prompt and one response, with everything the trainer needs.
 
-    Prompt fields come from :mod:`slime.utils.data`; response fields from a rollout engine.
+    Prompt fields come from :mod:`slime.data.dataset`; response fields from a rollout engine.
 
     Attributes:
         index: position of the dataset row this prompt came from (stable id used in logs).

@@ -1,18 +1,9 @@
-"""Dataset rows -> prompts: loading, images, chat template, limits, skips, shuffling, cursor.
+"""Dataset rows -> prompt samples: images, chat template, limits, skips, shuffling, cursor.
 
 The rollout manager asks a :class:`PromptDataset` for ``--rollout-batch-size`` prompts per
 step with :meth:`PromptDataset.next_batch`; evaluation walks a dataset once with
-:meth:`PromptDataset.eval_samples`.  Each prompt is a :class:`slime.utils.types.Sample`
-with its prompt fields filled in.
-
-Where rows come from (``--prompt-data``, ``--eval-prompt-data``; :func:`load_table`):
-
-- a local ``.parquet`` or ``.jsonl`` file;
-- a folder holding ``<split>.parquet`` (or ``<split>.jsonl``): ``train`` for training,
-  ``test`` for evaluation (the bundled ``examples/geo3k_vlm/data``);
-- otherwise a Hugging Face dataset name for ``datasets.load_dataset(name, split=split)``,
-  e.g. ``chenhegu/geo3k_imgurl`` (what the launcher's ``SLIME_SCRIPT_DATASET_NAME``
-  drives).  ``NAME@split`` (and ``FOLDER@split``) picks another split.
+:meth:`PromptDataset.eval_samples`.  Each prompt is a :class:`slime.data.sample.Sample`
+with its prompt fields filled in.  Rows come from :func:`slime.data.sources.load_table`.
 
 How a row becomes a prompt (:meth:`PromptDataset.make_sample`):
 
@@ -21,7 +12,7 @@ How a row becomes a prompt (:meth:`PromptDataset.make_sample`):
    also used by slime).  Every row is checked when the dataset is loaded (placeholder
    count against the image list's length; nothing decoded), and a mismatch is one error
    naming the bad rows, so it cannot surface hours into a run;
-2. each image is decoded to RGB (:func:`slime.utils.image.decode_image`) and resized
+2. each image is decoded to RGB (:func:`slime.data.image.decode_image`) and resized
    **once** with ``processor.resize_image`` to the processor's pixel bounds.  The resize is
    a fixed point of the processor, and the base64 PNGs sent to the engine are of the
    resized images, so the engine and the trainer see the same image-token counts;
@@ -31,9 +22,6 @@ How a row becomes a prompt (:meth:`PromptDataset.make_sample`):
    each placeholder is replaced by the model's vision span (:data:`VISION_SPAN`);
 4. the processor tokenises the prompt and expands the image tokens, giving
    ``prompt_token_ids`` and ``pixel_values`` / ``image_grid_thw``.
-
-Labels are strings: a .jsonl label keeps its text as written, numbers included
-(:func:`read_jsonl`).
 
 Rows are skipped, never silently: an unreadable image, an empty or missing label, or a
 prompt longer than ``--rollout-max-prompt-len`` tokens (images expanded).  Every skip is
@@ -51,26 +39,22 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import logging
-import os
-from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from slime.utils.config import ConfigError, flag
-from slime.utils.image import ImageDecodeError, decode_image, encode_image_base64
-from slime.utils.processor import ImageSizeError
-from slime.utils.types import Sample
+from slime.data.config import DataConfig
+from slime.data.image import ImageDecodeError, decode_image, encode_image_base64
+from slime.data.processor import ImageSizeError
+from slime.data.sample import Sample
+from slime.data.sources import LISTED_ROWS, DatasetError, list_rows, load_table
+from slime.utils.config import ConfigError
 
 if TYPE_CHECKING:
-    from slime.utils.processor import VLProcessor
+    from slime.data.processor import VLProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -85,286 +69,12 @@ formatted with ``processor.image_token``."""
 SKIP_REASONS = ("bad_image", "empty_label", "prompt_too_long")
 """Why a row can be skipped; the keys of :attr:`PromptDataset.skip_counts`."""
 
-LOCAL_SUFFIXES = (".parquet", ".jsonl")
-"""File types ``--prompt-data`` reads directly."""
-
-LISTED_ROWS = 10
-"""Bad rows named in one error message; the rest are counted."""
-
-
-class DatasetError(ValueError):
-    """A dataset row or file cannot be used; the message names the file, row and field."""
-
-
-def _json_object(text: str) -> dict:
-    """argparse ``type=`` for JSON-object flags; argparse prefixes the error with the flag name."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e}); quote it for the shell") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
-    return value
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """Prompt data (part of ROLLOUT_ARGS): where rows come from and how they become prompts."""
-
-    prompt_data: str | None = flag(
-        None,
-        help="Training prompts: a .parquet/.jsonl file, a folder with train.parquet (or train.jsonl), or a Hugging "
-        "Face dataset name; NAME@split (or FOLDER@split) picks another split than 'train'.",
-    )
-    input_key: str = flag("input", help="Column holding the prompt text (may contain <image> placeholders).")
-    label_key: str | None = flag(
-        "label",
-        help="Column holding the ground-truth answer; rows whose label is missing or empty are skipped. A .jsonl "
-        "number keeps its text as written (3 -> '3', 1e-3 -> '1e-3').",
-    )
-    multimodal_keys: dict | None = flag(
-        None,
-        type=_json_object,
-        help='JSON map of modality -> column, e.g. \'{"image": "images"}\'. Only "image" is supported; the column '
-        "holds a list of images (HF Image structs, paths, URLs, base64 / data URIs), one per <image> placeholder.",
-    )
-    apply_chat_template: bool = flag(False, help="Wrap the prompt in the model's chat template.")
-    apply_chat_template_kwargs: dict = flag(
-        default_factory=dict, type=_json_object, help="JSON kwargs for apply_chat_template, e.g. '{\"enable_thinking\": false}'."
-    )
-    rollout_shuffle: bool = flag(
-        False, help="Shuffle prompts each epoch (deterministic in --rollout-seed and the epoch)."
-    )
-    rollout_max_prompt_len: int | None = flag(
-        None, help="Skip (and count) rows whose prompt, images expanded, is longer than this many tokens."
-    )
-    image_min_pixels: int | None = flag(
-        None, help="Lower bound on image area, pixels (default: the checkpoint's preprocessor config)."
-    )
-    image_max_pixels: int | None = flag(
-        None,
-        help="Upper bound on image area, pixels (default: the checkpoint's preprocessor config). Images are resized "
-        "once, before rollout, so rollout and training see the same image tokens.",
-    )
-
-    def __post_init__(self):
-        for name in ("rollout_max_prompt_len", "image_min_pixels", "image_max_pixels"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        if self.image_min_pixels and self.image_max_pixels and self.image_min_pixels > self.image_max_pixels:
-            raise ConfigError(
-                f"--image-min-pixels ({self.image_min_pixels}) must be <= --image-max-pixels ({self.image_max_pixels})"
-            )
-        for name in ("multimodal_keys", "apply_chat_template_kwargs"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, dict):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a JSON object, got {value!r}")
-        unknown = sorted(set(self.multimodal_keys or {}) - {"image"})
-        if unknown:
-            raise ConfigError(
-                f"--multimodal-keys has unsupported modalities {unknown} ({self.multimodal_keys}); only 'image' is "
-                "supported, e.g. '{\"image\": \"images\"}'"
-            )
-        if self.image_key is not None and (not isinstance(self.image_key, str) or not self.image_key):
-            raise ConfigError(
-                f"--multimodal-keys image must name a column, got {self.image_key!r}; e.g. '{{\"image\": \"images\"}}'"
-            )
-        if not self.input_key:
-            raise ConfigError("--input-key must name the prompt column, got an empty string")
-
-    @property
-    def image_key(self) -> str | None:
-        """The image column (``--multimodal-keys`` ``image``), or ``None`` for text-only data."""
-        return (self.multimodal_keys or {}).get("image")
-
-
-# ---------------------------------------------------------------------------- loading
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSource:
-    """Where the rows of one split live: a local file, or a Hugging Face dataset name and split.
-
-    Exactly one of ``path`` and ``hub_name`` is set.
-    """
-
-    path: str | None
-    """Local ``.parquet`` / ``.jsonl`` file."""
-    hub_name: str | None
-    """Name for ``datasets.load_dataset``."""
-    split: str
-    """Split of the hub dataset (or of the folder the file was picked from)."""
-
-    def __str__(self) -> str:
-        return self.path if self.path is not None else f"{self.hub_name}@{self.split}"
-
-
-def resolve_source(spec: str, *, default_split: str, flag_name: str = "--prompt-data") -> DataSource:
-    """Decide what ``spec`` names (see the module docstring for the accepted forms).
-
-    Args:
-        spec: the ``--prompt-data`` / ``--eval-prompt-data`` value.
-        default_split: the split of a folder or hub dataset when ``spec`` has no ``@split``
-            (``"train"`` for training, ``"test"`` for evaluation).
-        flag_name: the flag that carried ``spec``, for error messages.
-
-    Raises:
-        ConfigError: a path that looks local (ends in .parquet / .jsonl, or starts with
-            ``/``, ``.`` or ``~``) does not exist, a file of another type, or a folder
-            without ``<split>.parquet`` / ``<split>.jsonl``.  Anything else is taken as a
-            hub name (checked when loaded).
-    """
-    location, split = spec, default_split
-    if "@" in spec and not os.path.exists(spec):
-        location, split = spec.rsplit("@", 1)
-    path = os.path.expanduser(location)
-    if os.path.isdir(path):
-        for suffix in LOCAL_SUFFIXES:
-            candidate = os.path.join(path, split + suffix)
-            if os.path.isfile(candidate):
-                return DataSource(path=candidate, hub_name=None, split=split)
-        raise ConfigError(
-            f"{flag_name} {spec!r}: the folder has no {split}.parquet or {split}.jsonl (it holds "
-            f"{sorted(os.listdir(path))}); add the file, or name a file or FOLDER@split"
-        )
-    if os.path.isfile(path):
-        if not path.endswith(LOCAL_SUFFIXES):
-            raise ConfigError(f"{flag_name} {spec!r}: unsupported file type; use a .parquet or .jsonl file")
-        return DataSource(path=path, hub_name=None, split=split)
-    if path.endswith(LOCAL_SUFFIXES) or location.startswith(("/", ".", "~")):
-        raise ConfigError(f"{flag_name} {spec!r}: file not found ({os.path.abspath(path)}); fix the path")
-    return DataSource(path=None, hub_name=location, split=split)
-
-
-@dataclasses.dataclass
-class LoadedTable:
-    """Rows of one dataset split, as an Arrow table, with where they came from.
-
-    Attributes:
-        table: the rows; image columns keep their stored form (e.g. ``{bytes, path}``
-            structs), decoded later one row at a time.
-        source: what was loaded (its ``str`` is used in messages).
-        base_dir: folder that relative image paths resolve against (the file's folder;
-            ``None`` for hub datasets).
-    """
-
-    table: pa.Table
-    source: DataSource
-    base_dir: str | None
-
-
-def load_table(
-    spec: str, *, default_split: str, flag_name: str = "--prompt-data", text_columns: Collection[str] = ()
-) -> LoadedTable:
-    """Load the rows that ``spec`` names (resolved by :func:`resolve_source`).
-
-    Local files are read with pyarrow (parquet memory-mapped) or :func:`read_jsonl`; hub
-    datasets through ``datasets.load_dataset(name, split=split)`` (which uses the
-    ``datasets`` cache), with their Image columns read undecoded.
-
-    Args:
-        spec, default_split, flag_name: see :func:`resolve_source`.
-        text_columns: columns whose JSON numbers keep their text in a .jsonl file (the
-            label column; see :func:`read_jsonl`).  Parquet and hub data keep their stored types.
-
-    Raises:
-        ConfigError: see :func:`resolve_source`; or the hub dataset cannot be loaded (the
-            message carries the ``datasets`` error).
-        DatasetError: a malformed .jsonl line, or a .jsonl column whose values cannot share one
-            type; or a file that is not parquet / UTF-8 text (the message names the flag and file).
-    """
-    source = resolve_source(spec, default_split=default_split, flag_name=flag_name)
-    if source.path is None:
-        return LoadedTable(table=_read_hub(source, spec=spec, flag_name=flag_name), source=source, base_dir=None)
-    try:
-        if source.path.endswith(".parquet"):
-            table = pq.read_table(source.path, memory_map=True)
-        else:
-            table = read_jsonl(source.path, text_columns=text_columns)
-    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
-        kind = "a parquet" if source.path.endswith(".parquet") else "a UTF-8 JSON-lines"
-        raise DatasetError(f"{flag_name} {spec}: {source.path} cannot be read as {kind} file ({e})") from None
-    except DatasetError as e:  # read_jsonl names the file and line; add the flag
-        raise DatasetError(f"{flag_name} {spec}: {e}") from None
-    return LoadedTable(table=table, source=source, base_dir=os.path.dirname(os.path.abspath(source.path)))
-
-
-def read_jsonl(path: str, *, text_columns: Collection[str] = ()) -> pa.Table:
-    """Read a JSON-lines file (one JSON object per line; blank lines ignored) into an Arrow table.
-
-    The columns are every key that appears on any line, in order of first appearance; a
-    line without a key has null there.  Each column's type is inferred from all its values.
-
-    In ``text_columns`` a value is kept *as written*: a JSON string is its decoded text
-    (``"3"`` -> ``3``), and a JSON number is its token exactly as it appears on the line,
-    not a float or int re-formatted (``3`` -> ``3``, ``3.50`` -> ``3.50``, ``1e-3`` ->
-    ``1e-3``, ``-0`` -> ``-0``; likewise Python's ``NaN`` / ``Infinity`` extensions).
-    Without this, a column holding both ``3`` and ``3.5`` becomes float64 and ``3`` reads
-    back as ``"3.0"``.  Other JSON values (``true``, lists, objects) are left as parsed.
-
-    Raises:
-        DatasetError: a line that is not valid JSON or not an object (the message gives the
-            line number), or a column whose values cannot share one Arrow type (it names the column).
-    """
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path} line {line_number}: invalid JSON ({e}); fix or remove the line") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path} line {line_number}: expected a JSON object, got {type(row).__name__}")
-            if any(_is_json_number(row.get(column)) for column in text_columns):
-                # Parse again with every number kept as its token; only the text columns take it.
-                as_written = json.loads(line, parse_int=str, parse_float=str, parse_constant=str)
-                for column in text_columns:
-                    if _is_json_number(row.get(column)):
-                        row[column] = as_written[column]
-            rows.append(row)
-    names = list(dict.fromkeys(name for row in rows for name in row))
-    columns = {}
-    for name in names:
-        try:
-            columns[name] = pa.array([row.get(name) for row in rows])
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise DatasetError(
-                f"{path}: column {name!r} holds values of different types across lines ({e}); make them agree"
-            ) from None
-    return pa.table(columns)
-
-
-def _is_json_number(value: Any) -> bool:
-    """Whether ``json.loads`` produced ``value`` from a JSON number (bool is a JSON literal, not a number)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _read_hub(source: DataSource, *, spec: str, flag_name: str) -> pa.Table:
-    import datasets  # heavy; only needed for hub datasets
-
-    try:
-        dataset = datasets.load_dataset(source.hub_name, split=source.split)
-    except Exception as e:  # the hub client raises many types (offline, 404, bad split, ...)
-        raise ConfigError(
-            f"{flag_name} {spec!r}: not a local file or folder, and datasets.load_dataset({source.hub_name!r}, "
-            f"split={source.split!r}) failed: {type(e).__name__}: {e}"
-        ) from e
-    # The Arrow view is the stored form: Image columns stay {bytes, path} structs, not decoded here.
-    return dataset.with_format("arrow")[:]
-
-
-# ---------------------------------------------------------------------------- prompts
-
-
 class PromptDataset:
     """Rows of one dataset split, turned into prompt :class:`Sample` s on demand.
 
     Args:
         cfg: the data flags (columns, chat template, limits, shuffle).
-        processor: the model's processor (:func:`slime.utils.processor.load_processor`
+        processor: the model's processor (:func:`slime.data.processor.load_processor`
             with ``--image-min-pixels`` / ``--image-max-pixels``).  Its pixel bounds fix the
             size of the images sent to the engine and of the ``pixel_values`` the trainer
             receives, so both see the same image tokens.
@@ -726,13 +436,6 @@ def _is_list_type(data_type: pa.DataType) -> bool:
             pa.types.is_large_list_view,
         )
     )
-
-
-def list_rows(descriptions: list[str], total: int, limit: int = LISTED_ROWS) -> str:
-    """``"a; b; c"``, at most ``limit`` of ``descriptions``, then ``"; and N more"`` up to ``total`` rows."""
-    shown = "; ".join(descriptions[:limit])
-    more = total - min(len(descriptions), limit)
-    return shown + (f"; and {more} more" if more > 0 else "")
 
 
 def _image_items(value: Any) -> list:
