@@ -51,7 +51,7 @@ from slime.rollout.engines import ENGINES
 from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 from slime.rollout.rm_hub import resolve_reward_function
 from slime.rollout.parity import EngineParityCheck, EngineParityError
-from slime.utils import checkpoint as ckpt
+from slime.checkpoints import layout as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
@@ -317,7 +317,7 @@ def start_workers(
 def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_manager: RolloutManager) -> None:
     """Write every part of the checkpoint of ``rollout_id``, without marking it as the latest.
 
-    :func:`loop` marks it (:func:`slime.utils.checkpoint.mark_latest`) once the step's metrics
+    :func:`loop` marks it (:func:`slime.checkpoints.layout.mark_latest`) once the step's metrics
     records are on disk, so that a resume, which starts after the marked step, never misses them.
     """
     root = cfg.checkpoint.save

@@ -11,9 +11,9 @@ import pytest
 def tiny_ckpt() -> Path:
     """Folder of the default tiny random Qwen3.5-MoE checkpoint (BPE tokenizer, seed 0).
 
-    Built once into ``<repo>/.cache/tiny-qwen35/`` by ``slime.models.tiny_qwen35`` and reused
+    Built once into ``<repo>/.cache/tiny-qwen35/`` by ``slime.checkpoints.tiny_qwen35`` and reused
     across sessions; a changed recipe rebuilds it.  Read-only: copy it before modifying files.
     """
-    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint()

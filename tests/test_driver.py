@@ -145,7 +145,7 @@ def test_uneven_split_is_refused():
 
 def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
     from slime.train import prepare
-    from slime.utils.checkpoint import CheckpointError
+    from slime.checkpoints.layout import CheckpointError
 
     folder = tmp_path / "no_weights"
     folder.mkdir()
@@ -157,7 +157,7 @@ def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
 
 def test_load_folder_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_ckpt):
     from slime.train import prepare
-    from slime.utils.checkpoint import CheckpointError
+    from slime.checkpoints.layout import CheckpointError
 
     load = tmp_path / "garbage"
     (load / "iter_0000001").mkdir(parents=True)

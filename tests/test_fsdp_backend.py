@@ -23,7 +23,7 @@ from safetensors import safe_open
 from slime.backends.base import RankInfo
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.fsdp.config import FSDPConfig
-from slime.utils import checkpoint as ckpt
+from slime.checkpoints import layout as ckpt
 from slime.data.image import encode_image_base64
 from slime.grpo.config import GRPOConfig
 from slime.data.processor import load_processor

@@ -63,7 +63,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 from slime.utils.metrics import read_metrics
 from tests.learning_task import COLOURS, VOCAB_WORDS, write_colour_dataset
 

@@ -27,7 +27,7 @@ pytest.importorskip("megatron.core")
 from slime.backends.base import RankInfo  # noqa: E402
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from slime.backends.megatron.config import MegatronConfig  # noqa: E402
-from slime.utils import checkpoint as ckpt  # noqa: E402
+from slime.checkpoints import layout as ckpt  # noqa: E402
 from slime.grpo.config import GRPOConfig  # noqa: E402
 from slime.weight_sync import check_weight_sources  # noqa: E402
 from tests.spawn_ranks import spawn_ranks  # noqa: E402

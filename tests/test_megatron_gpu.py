@@ -41,7 +41,7 @@ pytest.importorskip("megatron.core")
 from slime.backends.base import RankInfo  # noqa: E402
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from slime.backends.megatron.config import MegatronConfig  # noqa: E402
-from slime.utils import checkpoint as ckpt  # noqa: E402
+from slime.checkpoints import layout as ckpt  # noqa: E402
 from slime.grpo.config import GRPOConfig  # noqa: E402
 from slime.data.sample import Sample  # noqa: E402
 from tests.spawn_ranks import spawn_ranks  # noqa: E402
@@ -64,7 +64,7 @@ def record(name: str, value) -> None:
 
 @pytest.fixture(scope="module")
 def realgeo():
-    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(real_geometry=True, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 

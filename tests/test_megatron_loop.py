@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from slime.backends.megatron.config import MegatronConfig
-from slime.utils import checkpoint as ckpt
+from slime.checkpoints import layout as ckpt
 from slime.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -41,7 +41,7 @@ from qwen35_helpers import geo3k_prompts  # noqa: E402
 from slime.models.qwen3_5.config import Qwen35Kernels  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
 from slime.models.qwen3_5.weights import Ranks, StateDictReader, model_rules, read_rank_state  # noqa: E402
-from slime.models.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
+from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 
 FIGURES = os.environ.get("SLIME_GPU_FIGURES")  # a .jsonl file the figures are appended to
 MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32
@@ -64,7 +64,7 @@ def megatron_gpu():
 
 @pytest.fixture(scope="module")
 def realgeo():
-    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(real_geometry=True, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 

@@ -49,7 +49,7 @@ def test_packing_rejects_bad_lengths():
 
 @pytest.fixture(scope="module")
 def realgeo():
-    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(real_geometry=True, min_pixels=256 * 1024, max_pixels=400 * 1024)
 

@@ -27,7 +27,7 @@ MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32  # 256..400 merged image t
 
 @pytest.fixture(scope="module")
 def realgeo_ckpt():
-    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(real_geometry=True, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 

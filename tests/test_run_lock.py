@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.utils.checkpoint import CheckpointError
+from slime.checkpoints.layout import CheckpointError
 from slime.utils.run_lock import LOCK_FILE, RunDirError, check_run_dirs, claim_run_dirs
 
 REPO = Path(__file__).resolve().parents[1]

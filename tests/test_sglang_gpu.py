@@ -47,7 +47,7 @@ TEMPERATURE = 1.0
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(real_geometry=True, max_pixels=512 * 512)
 

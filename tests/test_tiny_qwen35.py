@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime.models.tiny_qwen35 import TinyQwen35Options, build_tiny_checkpoint, ensure_tiny_checkpoint
+from slime.checkpoints.tiny_qwen35 import TinyQwen35Options, build_tiny_checkpoint, ensure_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

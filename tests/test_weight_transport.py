@@ -142,7 +142,7 @@ def perturbed(tiny_ckpt, tmp_path_factory):
     perturbed state dict in the model's in-memory layout, the original one)."""
     from transformers import AutoModelForImageTextToText
 
-    from slime.utils import checkpoint as ckpt
+    from slime.checkpoints import layout as ckpt
 
     root = tmp_path_factory.mktemp("perturbed") / "ckpt"
     model = AutoModelForImageTextToText.from_pretrained(tiny_ckpt, dtype=torch.float32)
@@ -171,7 +171,7 @@ def _engine_state(engines) -> dict[str, torch.Tensor]:
 def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
     from slime.ray.placement import create_placement_groups, init_ray
     from slime.train import resolve_components, start_workers
-    from slime.utils import checkpoint as ckpt
+    from slime.checkpoints import layout as ckpt
     from slime.utils.arguments import parse_args
 
     root, expected, original = perturbed

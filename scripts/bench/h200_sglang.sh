@@ -87,13 +87,13 @@ for phase in $PHASES; do
     timed setup_again bash scripts/setup_env.sh --dry-run
     python3 -c 'import importlib.metadata as m; print({p: m.version(p) for p in ("torch", "transformers", "sglang", "sglang-kernel", "torch-memory-saver", "ray")})' \
       2>&1 | tee -a "$LOGS/summary.txt"
-    timed checkpoints python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e()); print(e(real_geometry=True, max_pixels=512 * 512))'
+    timed checkpoints python3 -c 'from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e()); print(e(real_geometry=True, max_pixels=512 * 512))'
     ;;
   tests) engine_tests; fault_tests ;;  # each file bounded on its own: a hang in one leaves the other's results
   engine) engine_tests ;;
   faults) fault_tests ;;
   launcher)
-    TINY=$(python3 -c 'from slime.models.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e())')
+    TINY=$(python3 -c 'from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint as e; print(e())')
     SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=qwen3.5-tiny SLIME_SCRIPT_HF_CHECKPOINT="$TINY" \
     SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_TRAIN_BACKEND=fsdp \
     SLIME_SCRIPT_ROLLOUT_BACKEND=sglang SLIME_SCRIPT_OUTPUT_DIR="$LOGS/run" \

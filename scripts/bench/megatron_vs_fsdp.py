@@ -1,6 +1,6 @@
 """Training speed of the Megatron backend against the FSDP backend on the same geo3k-shaped samples (one GPU).
 
-Model: a scaled Qwen3.5-35B-A3B (``slime.models.tiny_qwen35.scaled_35b_a3b_config``: real width, head shapes, expert shape and
+Model: a scaled Qwen3.5-35B-A3B (``slime.checkpoints.tiny_qwen35.scaled_35b_a3b_config``: real width, head shapes, expert shape and
 vision tower; ``--layers`` layers in the 3:1 GDN / attention pattern, ``--experts`` routed experts, top-8),
 random weights saved once as a bf16 Hugging Face folder that both backends load.
 
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen35_shapes import flops_per_step  # noqa: E402
 
-from slime.models.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
+from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 
 
 def write_checkpoint(folder: Path, layers: int, experts: int) -> None:

@@ -50,7 +50,7 @@ from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E40
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen35_shapes import flops_per_step  # noqa: E402  (the FLOP count)
 
-from slime.models.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
+from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:

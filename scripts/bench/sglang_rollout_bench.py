@@ -98,7 +98,12 @@ def scaled_config(layers: int, token_ids: dict):
 
     from transformers import Qwen3_5MoeConfig
 
-    from slime.models.tiny_qwen35 import FULL_ATTENTION_INTERVAL, REAL_GEOMETRY_TEXT_CONFIG, TEXT_CONFIG, VISION_CONFIG
+    from slime.checkpoints.tiny_qwen35 import (
+        FULL_ATTENTION_INTERVAL,
+        REAL_GEOMETRY_TEXT_CONFIG,
+        TEXT_CONFIG,
+        VISION_CONFIG,
+    )
 
     text = copy.deepcopy(TEXT_CONFIG)
     text.update(copy.deepcopy(REAL_GEOMETRY_TEXT_CONFIG))
@@ -121,7 +126,7 @@ def scaled_config(layers: int, token_ids: dict):
 def build_scaled(out: Path, layers: int) -> Path:
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from slime.models.tiny_qwen35 import ensure_tiny_checkpoint
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     source = ensure_tiny_checkpoint(real_geometry=True, max_pixels=512 * 512)
     tiny = json.loads((source / "config.json").read_text())

@@ -1,4 +1,4 @@
-# The tiny random Qwen3.5-MoE test model (slime/models/tiny_qwen35.py, default options: BPE
+# The tiny random Qwen3.5-MoE test model (slime/checkpoints/tiny_qwen35.py, default options: BPE
 # tokenizer of 2048 ids) as slime / Megatron flags.  Same architecture flags as
 # Qwen3.5-35B-A3B; tests/test_model_args.py checks the numbers against the built config.json.
 # A word-level tiny checkpoint (vocab_words=...) has a smaller vocab: override --vocab-size.

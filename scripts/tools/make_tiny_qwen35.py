@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the tiny random Qwen3.5-MoE checkpoint (see slime/models/tiny_qwen35.py).
+"""Build the tiny random Qwen3.5-MoE checkpoint (see slime/checkpoints/tiny_qwen35.py).
 
   python scripts/tools/make_tiny_qwen35.py                      # cached under .cache/tiny-qwen35/, prints the path
   python scripts/tools/make_tiny_qwen35.py --out /tmp/tiny --force
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from slime.models.tiny_qwen35 import TinyQwen35Options, build_tiny_checkpoint, ensure_tiny_checkpoint  # noqa: E402
+from slime.checkpoints.tiny_qwen35 import TinyQwen35Options, build_tiny_checkpoint, ensure_tiny_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -147,7 +147,7 @@ class TrainerBackend(abc.ABC):
 
         What a complete checkpoint holds is the backend's to say
         (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`); the driver adds
-        ``rollout_state.pt`` and marks the checkpoint complete (:mod:`slime.utils.checkpoint`).
+        ``rollout_state.pt`` and marks the checkpoint complete (:mod:`slime.checkpoints.layout`).
         """
 
     def data_parallel_rank_and_size(self) -> tuple[int, int]:

@@ -5,7 +5,7 @@ and :class:`BackendConfig`, the base of each backend's own flag group.
 Flag names and meanings follow Megatron-LM (``megatron/training/arguments.py``) and upstream
 slime, so the ``MODEL_ARGS`` arrays of ``scripts/models/*.sh`` parse unchanged.  Every
 MODEL_ARGS flag is optional: the FSDP backend reads the architecture from ``--hf-checkpoint``;
-the values that are given must agree with it (:mod:`slime.models.qwen35_args`, at parse time).
+the values that are given must agree with it (:mod:`slime.checkpoints.model_args`, at parse time).
 
 Each backend owns a flag group next to its code (``slime/backends/<name>/config.py``, importable
 without the backend's packages): :class:`slime.backends.fsdp.config.FSDPConfig` and
@@ -139,7 +139,7 @@ class BackendConfig:
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         """What a complete checkpoint of this backend holds: paths relative to its iteration folder
-        (:func:`slime.utils.checkpoint.iteration_dir`), checked before ``--load`` resumes from it."""
+        (:func:`slime.checkpoints.layout.iteration_dir`), checked before ``--load`` resumes from it."""
         return ()
 
 
@@ -352,7 +352,7 @@ def _layer_pattern(flag_name: str, text: str | None, num_layers: int | None) -> 
 class ModelConfig:
     """Model architecture (MODEL_ARGS), Megatron names; unset ones come from --hf-checkpoint, given ones must match it.
 
-    The comparison with ``<hf_checkpoint>/config.json`` is :func:`slime.models.qwen35_args.check_model_args`.
+    The comparison with ``<hf_checkpoint>/config.json`` is :func:`slime.checkpoints.model_args.check_model_args`.
     """
 
     spec: list[str] | None = flag(

@@ -1,1 +1,1 @@
-"""Model definitions and helpers: the tiny Qwen3.5-MoE test checkpoint (``tiny_qwen35``)."""
+"""Model code: the native Megatron-core Qwen3.5 model (:mod:`.qwen3_5`: config, specs, layers, HF weight load / export)."""

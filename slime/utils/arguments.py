@@ -41,7 +41,7 @@ from slime.backends.config import (
 from slime.backends.fsdp.config import FSDPConfig
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.registry import TRAIN_BACKENDS
-from slime.models.qwen35_args import check_model_args
+from slime.checkpoints.model_args import check_model_args
 from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES

@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from slime.utils import checkpoint as ckpt
+from slime.checkpoints import layout as ckpt
 from slime.utils.timer import phase_key
 
 logger = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs, v
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
-from slime.utils import checkpoint as ckpt
+from slime.checkpoints import layout as ckpt
 from slime.grpo.config import GRPOConfig
 from slime.grpo.loss import grpo_micro_batch_loss
 from slime.data.sample import Sample
@@ -437,7 +437,7 @@ class FSDPBackend(TrainerBackend):
         - ``trainer/scheduler.pt``: ``{"optimizer_steps": n}`` (the LR schedule's position).
         - ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states.
 
-        ``path`` is the iteration folder (``slime.utils.checkpoint.iteration_dir``); an
+        ``path`` is the iteration folder (``slime.checkpoints.layout.iteration_dir``); an
         existing ``model/`` or ``trainer/`` in it is replaced.
         """
         self._require_init()

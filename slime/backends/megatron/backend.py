@@ -54,7 +54,7 @@ from slime.backends.megatron.parallel import Groups, init_model_parallel, init_w
 from slime.backends.megatron.schedule import run_micro_batches
 from slime.backends.megatron.weight_export import iter_buckets
 from slime.backends.train_metrics import logprob_gap_metrics, logprob_gap_sums
-from slime.utils import checkpoint as ckpt
+from slime.checkpoints import layout as ckpt
 from slime.grpo.config import GRPOConfig
 from slime.data.sample import Sample
 

@@ -2,7 +2,7 @@
 Hugging Face names, plus scheduler and RNG; and the ``--save-hf`` export.
 
 Layout of ``<iteration folder>/trainer/`` (the driver adds ``rollout_state.pt`` next to it,
-:mod:`slime.utils.checkpoint`)::
+:mod:`slime.checkpoints.layout`)::
 
     state/               torch.distributed.checkpoint (.distcp files + .metadata), full fp32 tensors:
                            param/<hf name>        the fp32 main weights (the model's weights are their cast)
@@ -53,7 +53,7 @@ from slime.backends.megatron.optimizer import STATE_KEYS
 from slime.backends.megatron.weight_export import ordered_rules
 from slime.backends.rng import rng_state, set_rng_state
 from slime.models.qwen3_5.weights import ExportGroups, StateDictReader, export_rule, read_rank_state
-from slime.utils.checkpoint import CheckpointError
+from slime.checkpoints.layout import CheckpointError
 
 logger = logging.getLogger(__name__)
 

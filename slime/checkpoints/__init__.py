@@ -1,0 +1,7 @@
+"""Checkpoints: where a run's checkpoint parts live, the MODEL_ARGS check against a Hugging Face
+checkpoint, and the tiny test checkpoint.
+
+- :mod:`.layout`: the ``--save`` / ``--load`` folder layout (iterations, the latest marker, completeness);
+- :mod:`.model_args`: MODEL_ARGS flags against the ``--hf-checkpoint``'s ``config.json`` (parse time);
+- :mod:`.tiny_qwen35`: the tiny (and scaled) random Qwen3.5-MoE checkpoint builder for tests and benchmarks.
+"""
