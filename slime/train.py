@@ -49,7 +49,7 @@ from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
 from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
-from slime.rollout.rm_hub import resolve_reward_function
+from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.rollout.parity import EngineParityCheck, EngineParityError
 from slime.checkpoints import layout as ckpt
 from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate

@@ -19,7 +19,8 @@ import torch
 
 from slime.rollout.config import EvalConfig, RolloutConfig
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
-from slime.rollout.rm_hub import RewardConfig, RewardScorer
+from slime.rollout.rm_hub.config import RewardConfig
+from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.seeds import sampling_seed
 from slime.data.config import DataConfig
 from slime.data.dataset import PromptDataset, load_eval_samples

@@ -47,7 +47,7 @@ from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extrac
 from slime.rollout.engines import ENGINES
 from slime.rollout.engines.config import EngineConfig
 from slime.rollout.parity import ParityConfig
-from slime.rollout.rm_hub import RewardConfig
+from slime.rollout.rm_hub.config import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.data.config import DataConfig
 from slime.utils.metrics import LoggingConfig, WandbConfig

@@ -1,7 +1,7 @@
 """Reward functions ("reward models"), registered by name and selected with ``--rm-type``.
 
 Every reward function has one signature, ``fn(response: str, label: str, cfg:
-RewardConfig) -> float``, and is registered in :data:`REWARD_FUNCTIONS`:
+RewardConfig) -> float``, and is registered in :data:`.config.REWARD_FUNCTIONS`:
 
 ``math`` (default)
     1.0 if the last ``\\boxed{}``/``\\fbox{}`` of the response equals the label under
@@ -22,144 +22,8 @@ All built-in rewards are binary (0.0 / 1.0): non-binary rewards such as 0 / 0.9 
 exact in fp32 and left a spurious ``reward - mean`` in groups of equal rewards (seed
 README, "Numerical Precision with Non-Binary Rewards").
 
-Rewards are computed in batches by :class:`RewardScorer` (:mod:`.scorer`): a pool of
+Rewards are computed in batches by :class:`.scorer.RewardScorer`: a pool of
 worker processes that runs each call under a timeout, because math-verify / SymPy can run
 for ever on answers such as ``9^{9^{9^{9^{9}}}}``.  ``python -m slime.rollout.rm_hub``
 scores responses from the command line (:mod:`.__main__`).
 """
-
-from __future__ import annotations
-
-import dataclasses
-import inspect
-import math
-from typing import Protocol
-
-from slime.rollout.rm_hub.deepscaler import deepscaler_reward
-from slime.rollout.rm_hub.geo3k import geo3k_reward
-from slime.rollout.rm_hub.math_reward import EmptyLabelError, math_reward
-from slime.utils.config import ConfigError, flag
-from slime.utils.registry import Registry
-
-
-class RewardFunction(Protocol):
-    """The one signature of reward functions: ``(response, label, cfg) -> float``.
-
-    ``response`` is the generated text, ``label`` the gold answer of the dataset row, and
-    ``cfg`` the :class:`RewardConfig`.  Returns the reward (0.0 or 1.0 for the built-in
-    ones).  Raising marks the response as an error: it scores 0.0 and is counted.
-
-    A user function runs in a scorer worker under a ``SIGALRM`` timer (:mod:`.scorer`), so
-    it should not arm ``SIGALRM`` itself (e.g. math-verify's ``parse``/``verify`` with their
-    default timeouts: pass ``parsing_timeout=None`` / ``timeout_seconds=None``); if it does,
-    only the hard deadline still bounds it.
-    """
-
-    def __call__(self, response: str, label: str, cfg: RewardConfig) -> float: ...
-
-
-REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function", "--rm-type")
-"""Name -> reward function.  ``name in REWARD_FUNCTIONS`` also accepts ``module:function`` paths."""
-REWARD_FUNCTIONS.register("math")(math_reward)
-REWARD_FUNCTIONS.register("deepscaler")(deepscaler_reward)
-REWARD_FUNCTIONS.register("geo3k")(geo3k_reward)
-
-
-@dataclasses.dataclass
-class RewardConfig:
-    """Reward (part of ROLLOUT_ARGS): which reward function scores a response against its label."""
-
-    rm_type: str = flag(
-        "math",
-        help="Reward function: math (default), deepscaler, geo3k, or a 'package.module:function' "
-        "with the signature (response: str, label: str, cfg: RewardConfig) -> float.",
-    )
-    custom_rm_path: str | None = flag(
-        None,
-        help="'package.module:function' with the signature (response: str, label: str, cfg: RewardConfig) "
-        "-> float; overrides --rm-type.",
-    )
-    rm_tolerance: float = flag(
-        0.05,
-        help="Relative tolerance of the geo3k reward, |pred - gold| <= tol * |gold|, applied only when the "
-        "answer and the label are written at different decimal precision and one rounds to the other at the "
-        "label's precision (answer vs label: 13.86 vs 8\\sqrt{3} and 129.904 vs 129.9 score 1; 14.1, 14.10 or 15 "
-        "vs 14.6 and 94.0 vs 96 score 0) (dimensionless; 0 = strict, the same as the math reward).",
-    )
-    rm_timeout: float = flag(
-        5.0,
-        help="Time limit of one reward call, seconds (a timed-out response scores 0 and is counted). "
-        "A worker stuck past 2 * timeout + 1 s is killed and restarted.",
-    )
-    rm_num_workers: int = flag(2, help="Worker processes that score responses in parallel.")
-
-    def __post_init__(self):
-        if self.rm_type not in REWARD_FUNCTIONS:
-            raise ConfigError(
-                f"--rm-type {self.rm_type!r} is not a reward function; use one of "
-                f"{', '.join(REWARD_FUNCTIONS.names())} or a 'package.module:function' path"
-            )
-        if self.custom_rm_path is not None:
-            module, _, function = self.custom_rm_path.partition(":")
-            if not module or not function:
-                raise ConfigError(
-                    f"--custom-rm-path {self.custom_rm_path!r} is not a 'package.module:function' path; "
-                    f"write it as e.g. 'my_rewards.geometry:score'"
-                )
-        if not 0 <= self.rm_tolerance < 1:
-            raise ConfigError(
-                f"--rm-tolerance must be a relative tolerance in [0, 1), got {self.rm_tolerance}; "
-                f"use e.g. 0.05 (5 %), or 0 for strict matching"
-            )
-        if not (self.rm_timeout > 0 and math.isfinite(self.rm_timeout)):
-            raise ConfigError(f"--rm-timeout must be a finite number of seconds > 0, got {self.rm_timeout}; use e.g. 5")
-        if self.rm_num_workers < 1:
-            raise ConfigError(f"--rm-num-workers must be >= 1, got {self.rm_num_workers}")
-
-
-def resolve_reward_function(cfg: RewardConfig) -> RewardFunction:
-    """The reward function ``cfg`` selects: ``--custom-rm-path`` if given, else ``--rm-type``.
-
-    A ``module:function`` path is imported here, so a bad path fails at start-up rather
-    than in every worker.
-
-    Raises:
-        ConfigError: the path cannot be imported, is not callable, or does not accept
-            ``(response, label, cfg)``; the message names the flag.
-    """
-    flag_name, name = ("--custom-rm-path", cfg.custom_rm_path) if cfg.custom_rm_path else ("--rm-type", cfg.rm_type)
-    try:
-        function = REWARD_FUNCTIONS.get(name)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(
-            f"{flag_name} {name!r} cannot be imported ({error}); check the module path and the function name"
-        ) from None
-    if not callable(function):
-        raise ConfigError(f"{flag_name} {name!r} is a {type(function).__name__}, not a function")
-    try:
-        inspect.signature(function).bind("response", "label", cfg)
-    except TypeError:
-        raise ConfigError(
-            f"{flag_name} {name!r} has the signature {inspect.signature(function)}; a reward function must "
-            f"accept (response: str, label: str, cfg: RewardConfig) and return a float"
-        ) from None
-    except ValueError:  # no signature available (some builtins): accept it and let calls fail
-        pass
-    return function
-
-
-# The scorer imports the names above, so it comes last.
-from slime.rollout.rm_hub.scorer import RewardScorer, RewardStats  # noqa: E402
-
-__all__ = [
-    "REWARD_FUNCTIONS",
-    "EmptyLabelError",
-    "RewardConfig",
-    "RewardFunction",
-    "RewardScorer",
-    "RewardStats",
-    "deepscaler_reward",
-    "geo3k_reward",
-    "math_reward",
-    "resolve_reward_function",
-]

@@ -5,7 +5,7 @@
 prints one reward per response, one per line, in order (``1.0`` then ``0.0`` here).  The
 reward flags are the training ones (``--rm-type``, ``--custom-rm-path``,
 ``--rm-tolerance``, ``--rm-timeout``, ``--rm-num-workers``), and scoring goes through the
-same :class:`~slime.rollout.rm_hub.RewardScorer`, so timeouts behave as in training.
+same :class:`~slime.rollout.rm_hub.scorer.RewardScorer`, so timeouts behave as in training.
 ``--verbose`` also writes, to stderr, the boxed answer that was graded.  Responses that
 timed out or failed are reported on stderr; the exit status is 0 whenever scoring ran.
 """
@@ -17,7 +17,8 @@ import dataclasses
 import logging
 import sys
 
-from slime.rollout.rm_hub import RewardConfig, RewardScorer
+from slime.rollout.rm_hub.config import RewardConfig
+from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.rm_hub.answer import last_boxed
 from slime.utils.config import ConfigError, add_group, build_group
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from slime.rollout.rm_hub.math_reward import math_reward
 
 if TYPE_CHECKING:
-    from slime.rollout.rm_hub import RewardConfig
+    from slime.rollout.rm_hub.config import RewardConfig
 
 THINK_END = "</think>"
 """The thinking-end marker of Qwen3 / Qwen3.5 (and DeepSeek-R1) chat formats."""

@@ -64,7 +64,7 @@ from slime.rollout.rm_hub.answer import answer_alternatives, last_boxed, numeric
 from slime.rollout.rm_hub.math_reward import math_reward
 
 if TYPE_CHECKING:
-    from slime.rollout.rm_hub import RewardConfig
+    from slime.rollout.rm_hub.config import RewardConfig
 
 _FRACTIONAL_DIGITS = re.compile(r"\d*\.(\d+)")
 """A decimal number (``13.86``, ``.5``); group 1 is its fractional digits."""

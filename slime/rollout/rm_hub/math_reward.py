@@ -28,7 +28,7 @@ from math_verify import verify
 from slime.rollout.rm_hub.answer import answer_alternatives, last_boxed, parse_latex, parsed_expression
 
 if TYPE_CHECKING:
-    from slime.rollout.rm_hub import RewardConfig
+    from slime.rollout.rm_hub.config import RewardConfig
 
 
 class EmptyLabelError(ValueError):

@@ -52,10 +52,10 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING
 
-from slime.rollout.rm_hub import resolve_reward_function
+from slime.rollout.rm_hub.config import resolve_reward_function
 
 if TYPE_CHECKING:
-    from slime.rollout.rm_hub import RewardConfig
+    from slime.rollout.rm_hub.config import RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,8 @@ def _init_worker() -> None:
     # Warm math-verify's lazily built parsers (a fraction of a second, several on a busy
     # machine) before the worker counts as started, so that a fresh worker's first response
     # is not charged for them against the hard deadline.
-    from slime.rollout.rm_hub import RewardConfig, math_reward
+    from slime.rollout.rm_hub.config import RewardConfig
+    from slime.rollout.rm_hub.math_reward import math_reward
 
     math_reward("\\boxed{\\frac{1}{2}}", "0.5", RewardConfig())
 
@@ -185,7 +186,7 @@ class _Worker:
         except concurrent.futures.TimeoutError:
             raise RuntimeError(
                 f"a reward worker process did not start within {WORKER_START_TIMEOUT_S:.0f} s; "
-                f"check that 'python -c \"import slime.rollout.rm_hub\"' is quick in this environment"
+                f"check that 'python -c \"import slime.rollout.rm_hub.scorer\"' is quick in this environment"
             ) from None
         except BrokenProcessPool as error:
             raise RuntimeError(
