@@ -52,7 +52,7 @@ from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, Roll
 from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.rollout.parity import EngineParityCheck, EngineParityError
 from slime.checkpoints import layout as ckpt
-from slime.utils.arguments import SlimeConfig, config_to_argv, parse_args, validate
+from slime.arguments import SlimeConfig, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics

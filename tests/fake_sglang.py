@@ -50,7 +50,7 @@ def start_engine_group(work_dir: Path, *sglang_flags: str, num_engines: int = 2,
     ``--sglang-server-concurrency``.  Returns ``(placement, engines)``; the caller shuts the engines down and
     removes the placement (done here when start-up fails).
     """
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from tests.stub_engines import start_engines
 
     cfg = parse_args([

@@ -22,7 +22,7 @@ import pytest
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.rollout.config import SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
-from slime.utils.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
+from slime.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError, flag_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -664,7 +664,7 @@ def test_unknown_rm_type_lists_the_registered_names(capsys):
 def test_kl_flags(caplog):
     cfg = parse_args(with_flags("--use-kl-loss", "--kl-loss-coef", "0.01"))
     assert cfg.grpo.needs_ref_model
-    with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+    with caplog.at_level(logging.WARNING, logger="slime.arguments"):
         cfg = parse_args(with_flags("--use-kl-loss", "--ref-load", "ref/"))
     assert not cfg.grpo.needs_ref_model
     messages = " ".join(r.getMessage() for r in caplog.records)
@@ -680,17 +680,17 @@ def test_only_group_relative_estimators_warn_about_groups_of_one(monkeypatch, ca
     monkeypatch.setitem(ADVANTAGE_ESTIMATORS._entries, "ranked", group_relative(lambda rewards, group_size, cfg: rewards))
     for name, warns in (("per_sample", False), ("ranked", True), ("dr_grpo", True)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+        with caplog.at_level(logging.WARNING, logger="slime.arguments"):
             parse_args(with_flags("--n-samples-per-prompt", "1", "--advantage-estimator", name))
         assert ("every advantage is 0" in caplog.text) is warns, name
 
 
 def test_grpo_groups_of_one_response_warn(caplog):
-    with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+    with caplog.at_level(logging.WARNING, logger="slime.arguments"):
         parse_args(with_flags("--n-samples-per-prompt", "1"))
     assert "every advantage is 0" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="slime.utils.arguments"):
+    with caplog.at_level(logging.WARNING, logger="slime.arguments"):
         parse_args(BASE)  # 2 samples per prompt
     assert "every advantage is 0" not in caplog.text
 

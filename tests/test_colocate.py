@@ -17,7 +17,7 @@ from slime.backends.base import TRAINING_STATE, WEIGHTS, RankInfo, TrainerBacken
 from slime.ray.colocate import ColocatedMemory
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutBatch
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.metrics import MetricsLogger
 from slime.grpo.config import GRPOConfig
 from tests.spawn_ranks import spawn_ranks

@@ -9,7 +9,7 @@ import pytest
 
 from slime.ray.trainer_group import TrainerGroup
 from slime.train import EXIT_NOT_STARTED, _due, _logged_before, _resolve_num_rollout, main, resolve_components
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.config import ConfigError
 from slime.data.sample import Sample
 

@@ -23,7 +23,7 @@ from slime.ray.config import ClusterConfig
 from slime.ray.placement import init_ray, node_ip
 from slime.rollout.engine_group import EngineError, EngineStartError, balance_windows
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from tests.process_tree import read_proc, wait_for
 from tests.stub_engines import start_engines
 

@@ -588,7 +588,7 @@ def test_cuda_bf16_release_frees_memory_and_resume_restores_it(tiny_ckpt, proces
 
 
 def test_from_config_reads_the_run_flags(tiny_ckpt, processor):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     cfg = parse_args(
         f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
@@ -610,7 +610,7 @@ def _resources(index: int, gpu_ids: tuple[str, ...] = ()) -> EngineResources:
 
 
 def test_from_config_refuses_more_than_one_gpu(tiny_ckpt):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     cfg = parse_args(f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
                      "--colocate --train-backend fsdp --rollout-backend transformers".split())

@@ -32,7 +32,7 @@ import pytest
 from PIL import Image
 
 from slime.checkpoints import layout as ckpt
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.metrics import read_metrics
 from tests.process_tree import all_processes, kill_session, session_members, wait_for, wait_session_gone
 

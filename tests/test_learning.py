@@ -145,7 +145,7 @@ def colour_prior_checkpoint(tmp_path_factory) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.data.dataset import PromptDataset
     from slime.data.processor import load_processor, mm_token_type_ids
 

@@ -29,7 +29,7 @@ from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.megatron.config import MegatronConfig  # noqa: E402
 from slime.checkpoints import layout as ckpt  # noqa: E402
 from slime.grpo.config import GRPOConfig  # noqa: E402
-from slime.weight_sync import check_weight_sources  # noqa: E402
+from slime.weight_sync.base import check_weight_sources  # noqa: E402
 from tests.spawn_ranks import spawn_ranks  # noqa: E402
 from tests.test_fsdp_backend import TEMPERATURE, make_backend, make_samples, rank_share  # noqa: E402
 

@@ -13,14 +13,8 @@ import torch
 from PIL import Image
 
 from slime.utils.config import ConfigError
-from slime.utils.metrics import (
-    MetricsLogger,
-    RolloutProgress,
-    WandbConfig,
-    read_metrics,
-    reward_curve_figure,
-    resolve_wandb_mode,
-)
+from slime.utils.metrics import MetricsLogger, RolloutProgress, read_metrics, reward_curve_figure, resolve_wandb_mode
+from slime.utils.metrics_config import WandbConfig
 
 NO_WANDB = WandbConfig()
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from slime.rollout.config import ParityConfig
 from slime.rollout.parity import (
     CHECKED_STEPS,
     EngineParityCheck,
     EngineParityError,
-    ParityConfig,
     ParityGaps,
     probe_prompts,
     summarize,
@@ -82,7 +82,7 @@ def test_bad_parity_flags_are_refused(field, value):
 
 @pytest.fixture(scope="module")
 def dataset(tiny_ckpt):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.data.dataset import PromptDataset
     from slime.data.processor import load_processor
 
@@ -212,7 +212,7 @@ def test_the_check_runs_at_the_first_two_steps_of_a_run_unless_skipped(dataset):
 
 
 def _driver_cfg(tiny_ckpt, tmp_path, *extra):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     return parse_args([
         "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--input-key", "problem",

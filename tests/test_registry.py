@@ -20,7 +20,7 @@ import torch
 
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.rollout.engines import ENGINES
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.config import ConfigError
 from slime.utils.registry import Builtin, Registry, Unavailable
 
@@ -187,7 +187,7 @@ def test_resolve_names_the_flag_for_every_failure():
 def test_importing_the_registries_imports_no_implementation():
     code = (
         "import sys\n"
-        "import slime.utils.arguments, slime.backends.registry, slime.rollout.engines, slime.weight_sync\n"
+        "import slime.arguments, slime.backends.registry, slime.rollout.engines, slime.weight_sync\n"
         "heavy = [m for m in ('megatron', 'sglang', 'slime.backends.fsdp.backend', 'slime.backends.fsdp.hf_io',\n"
         "         'slime.rollout.engines.hf_engine', 'slime.weight_sync.object_store', 'ray') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -42,7 +42,7 @@ import torch
 from slime import train
 from slime.rollout.manager import RolloutBatch
 from slime.checkpoints import layout as ckpt
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.metrics import MetricsLogger, read_metrics
 from tests.process_tree import kill_session, session_members, wait_for, wait_session_gone
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 from slime.rollout.engines.base import GenerateOutput
 from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.data.image import decode_image
 from slime.data.sample import SampleStatus
 

@@ -610,7 +610,7 @@ def test_requests_without_the_runs_key_are_refused_and_change_no_weight(engine_f
 
 
 def test_the_secret_is_in_no_command_log_recording_or_printed_config(engine_factory, tmp_path, capsys):
-    from slime.utils.arguments import config_to_argv, parse_args
+    from slime.arguments import config_to_argv, parse_args
 
     engine = engine_factory()
     secret = engine._secret

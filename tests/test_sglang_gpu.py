@@ -56,7 +56,7 @@ def checkpoint():
 def prompts(checkpoint):
     """12 geo3k problems with their image, and the same problems as text only."""
     from slime.rollout.parity import probe_prompts
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.data.dataset import PromptDataset
     from slime.data.processor import load_processor
 

@@ -34,7 +34,7 @@ def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(tin
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
     from slime.rollout.engines.sglang.engine import SGLangEngine
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     cfg = parse_args([
         "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",

@@ -22,7 +22,7 @@ from slime.ray.placement import create_placement_groups, init_ray
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutManager
 from slime.train import resolve_components, start_workers
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.data.processor import load_processor
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"

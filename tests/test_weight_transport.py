@@ -21,7 +21,8 @@ from safetensors import safe_open
 
 from slime.backends.fsdp.hf_io import weight_rounds
 from slime.utils.config import ConfigError
-from slime.weight_sync import check_weight_sources, choose_transport
+from slime.weight_sync import choose_transport
+from slime.weight_sync.base import check_weight_sources
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 
@@ -172,7 +173,7 @@ def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
     from slime.ray.placement import create_placement_groups, init_ray
     from slime.train import resolve_components, start_workers
     from slime.checkpoints import layout as ckpt
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     root, expected, original = perturbed
     cfg = parse_args([

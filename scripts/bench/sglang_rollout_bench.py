@@ -165,7 +165,7 @@ class BenchSamplingParams(SamplingParams):
 
 
 def geo3k_requests(model: str, prompts: int, max_new_tokens: int) -> list[GenerateRequest]:
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.data.dataset import PromptDataset
     from slime.data.processor import load_processor
 
@@ -262,7 +262,7 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
 
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from tests.sglang_gpu_helpers import sglang_argv
 
     _start_ray()
@@ -523,7 +523,7 @@ def weight_sync(args) -> None:
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
     from slime.rollout.engines.sglang.server_plugin import FAST_EXPERT_LOAD_ENV
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.weight_sync.cuda_ipc import CudaIpcTransport
     from slime.weight_sync.fused_experts import checkpoint_num_experts
     from tests.sglang_gpu_helpers import sglang_argv

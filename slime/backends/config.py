@@ -90,7 +90,7 @@ class BackendConfig:
     A subclass is a flag dataclass (:func:`slime.utils.config.flag` fields) named as the
     built-in's ``config`` in :data:`slime.backends.registry.TRAIN_BACKENDS`.  Its fields' own
     checks go in ``__post_init__`` as usual; the hooks below run only for the selected backend,
-    called once by :func:`slime.utils.arguments.validate` (``check``, ``data_parallel_size``) and by
+    called once by :func:`slime.arguments.validate` (``check``, ``data_parallel_size``) and by
     the driver (``checkpoint_parts``).  A ``--train-backend package.module:Class`` gets this
     base class itself: no checks, every rank data-parallel, no checkpoint part checked.
     """

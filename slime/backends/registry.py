@@ -18,10 +18,9 @@ it the flag stops at parse time, naming the package, whether it is installed and
 
 from __future__ import annotations
 
-from slime.backends.base import TrainerBackend
 from slime.utils.registry import Builtin, Registry
 
-TRAIN_BACKENDS: Registry[type[TrainerBackend]] = Registry(
+TRAIN_BACKENDS: Registry[type] = Registry(
     "training backend",
     "--train-backend",
     builtins={
@@ -41,4 +40,6 @@ TRAIN_BACKENDS: Registry[type[TrainerBackend]] = Registry(
         ),
     },
 )
-"""Training backends by ``--train-backend`` name (built-ins and ``register``-ed ones)."""
+"""Training backends (:class:`slime.backends.base.TrainerBackend` subclasses) by ``--train-backend`` name (built-ins
+and ``register``-ed ones).  The base class is named here only: the registry imports no backend module, not even
+for typing (the parser imports the registry; a backend may refer to the run config)."""

@@ -28,7 +28,7 @@ from slime.backends.base import RankInfo, TrainerBackend
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
 from slime.rollout.engine_group import RolloutEngineGroup
 from slime.data.sample import Sample
-from slime.weight_sync import WeightTransport, check_weight_sources
+from slime.weight_sync.base import WeightTransport, check_weight_sources
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class TrainerGroup:
 
         That ``--global-batch-size`` splits evenly over the data-parallel ranks (with
         ``--micro-batch-size``) is checked once, at parse time, with the backend's data-parallel
-        size (:func:`slime.utils.arguments.validate`); here only the batch itself is checked.
+        size (:func:`slime.arguments.validate`); here only the batch itself is checked.
 
         Returns:
             (per trainer rank: its samples, steps in order; number of optimizer steps).

@@ -1,6 +1,7 @@
-"""Rollout flags: generation (ROLLOUT_ARGS), evaluation (EVAL_ARGS) and SGLang pass-through (SGLANG_ARGS).
+"""Rollout flags: generation (ROLLOUT_ARGS), evaluation (EVAL_ARGS), SGLang pass-through (SGLANG_ARGS) and the
+engine parity check (:mod:`slime.rollout.parity`).
 
-``RolloutConfig`` and ``EvalConfig`` are ordinary flag groups (see :mod:`slime.utils.config`).
+``RolloutConfig``, ``EvalConfig`` and ``ParityConfig`` are ordinary flag groups (see :mod:`slime.utils.config`).
 ``SGLangConfig`` is different: SGLang has a few hundred server arguments and slime does not
 re-declare them.  Every ``--sglang-<name>`` flag on the command line is collected as is by
 :func:`extract_sglang_args` and handed to SGLang as ``--<name>`` (upstream slime's convention),
@@ -293,3 +294,30 @@ def extract_sglang_args(argv: list[str]) -> tuple[SGLangConfig, list[str]]:
             raise ConfigError(f"{SGLANG_PREFIX}{name} is given twice; keep one")
         server_args[key] = True if not values else values[0] if len(values) == 1 else values
     return SGLangConfig(server_args), rest
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParityConfig:
+    """The engine parity check (ROLLOUT_ARGS (engine parity)): engine vs trainer log-probs on fixed prompts."""
+
+    skip_engine_parity_check: bool = flag(
+        False, help="Do not compare the rollout engine's log-probs with the trainer's before step 0 and after the "
+        "first weight sync (the check that catches, e.g., SGLang 0.5.17's wrong image positions for Qwen3.5)."
+    )
+    engine_parity_prompts: int = flag(
+        4, help="Prompts of the check: the first training rows with an image, each sent with and without it."
+    )
+    engine_parity_response_len: int = flag(32, help="Response tokens sampled per prompt of the check.")
+    engine_parity_max_gap: float = flag(
+        0.1, help="Largest mean |engine - trainer| log-prob gap per response token (nats) for image or text prompts."
+    )
+    engine_parity_max_ratio: float = flag(
+        3.0, help="Largest image-prompt gap as a multiple of the text-prompt gap (the latter floored at 1e-3 nats)."
+    )
+
+    def __post_init__(self):
+        check_at_least_one(self, "engine_parity_prompts", "engine_parity_response_len")
+        for name in ("engine_parity_max_gap", "engine_parity_max_ratio"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.manager import PROMPT_LENGTH_CAUSES, prompt_length_mismatches
+from slime.rollout.config import ParityConfig
 from slime.rollout.seeds import sampling_seed
-from slime.utils.config import ConfigError, check_at_least_one, flag
 from slime.data.sample import Sample
 
 if TYPE_CHECKING:
@@ -62,33 +62,6 @@ CHECKED_STEPS = 2
 
 class EngineParityError(RuntimeError):
     """The engine's log-probs disagree with the trainer's beyond the bounds (the message says which and why)."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class ParityConfig:
-    """The engine parity check (ROLLOUT_ARGS (engine parity)): engine vs trainer log-probs on fixed prompts."""
-
-    skip_engine_parity_check: bool = flag(
-        False, help="Do not compare the rollout engine's log-probs with the trainer's before step 0 and after the "
-        "first weight sync (the check that catches, e.g., SGLang 0.5.17's wrong image positions for Qwen3.5)."
-    )
-    engine_parity_prompts: int = flag(
-        4, help="Prompts of the check: the first training rows with an image, each sent with and without it."
-    )
-    engine_parity_response_len: int = flag(32, help="Response tokens sampled per prompt of the check.")
-    engine_parity_max_gap: float = flag(
-        0.1, help="Largest mean |engine - trainer| log-prob gap per response token (nats) for image or text prompts."
-    )
-    engine_parity_max_ratio: float = flag(
-        3.0, help="Largest image-prompt gap as a multiple of the text-prompt gap (the latter floored at 1e-3 nats)."
-    )
-
-    def __post_init__(self):
-        check_at_least_one(self, "engine_parity_prompts", "engine_parity_response_len")
-        for name in ("engine_parity_max_gap", "engine_parity_max_ratio"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 Every subsystem owns a small ``@dataclass`` of its flags, defined next to the code that
 uses it (``RolloutConfig`` beside the rollout manager, ``GRPOConfig`` beside the GRPO
 math, ...).  Each field is declared with :func:`flag`, which records the help text and,
-where needed, the argparse details.  :mod:`slime.utils.arguments` only assembles the
+where needed, the argparse details.  :mod:`slime.arguments` only assembles the
 groups: :func:`add_group` turns a dataclass into an argparse argument group (so
 ``--help`` is grouped), and :func:`build_group` turns the parsed namespace back into the
 dataclass, which runs its ``__post_init__`` validation.

@@ -27,7 +27,6 @@ Files in the run directory (``--output-dir``):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -42,7 +41,8 @@ from typing import Callable, IO, Any
 
 from tqdm import tqdm
 
-from slime.utils.config import ConfigError, flag
+from slime.utils.config import ConfigError
+from slime.utils.metrics_config import WANDB_MODES, WandbConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,92 +54,6 @@ EVAL_ACCURACY_KEY = re.compile(r"^eval/(.+)/accuracy$")
 """Matches ``eval/<name>/accuracy``; group 1 is the eval set's name."""
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-_WANDB_MODES = ("online", "offline", "disabled")
-
-
-@dataclasses.dataclass
-class WandbConfig:
-    """Weights & Biases (WANDB_ARGS). Metrics always go to <output-dir>/metrics.jsonl too.
-
-    The wandb mode is, in order: ``--wandb-mode``; else ``$WANDB_MODE``; else ``online``
-    when an API key is given (``--wandb-key`` or ``$WANDB_API_KEY``), otherwise
-    ``offline`` (see :func:`resolve_wandb_mode`).
-    """
-
-    use_wandb: bool = flag(False, help="Also log metrics to wandb (offline mode when no API key is set).")
-    wandb_project: str = flag("slime", help="wandb project.")
-    wandb_group: str | None = flag(None, help="wandb group (default: the run name, without the random suffix).")
-    wandb_key: str | None = flag(None, help="wandb API key (default: $WANDB_API_KEY); without one wandb runs offline.")
-    wandb_host: str | None = flag(
-        None, help="wandb server URL for self-hosted wandb, e.g. https://wandb.example.com (default: $WANDB_BASE_URL)."
-    )
-    wandb_mode: str | None = flag(
-        None,
-        choices=list(_WANDB_MODES),
-        help="Force a wandb mode (default: $WANDB_MODE, else online with an API key, else offline).",
-    )
-    disable_wandb_random_suffix: bool = flag(
-        False, help="Use the run name as the wandb run name as is, without a random 6-character suffix."
-    )
-
-    def __post_init__(self):
-        if not self.wandb_project or not self.wandb_project.strip():
-            raise ConfigError(f"--wandb-project must be a non-empty name, got {self.wandb_project!r}")
-        if self.wandb_host is not None and not self.wandb_host.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"--wandb-host must be a URL starting with http:// or https://, got {self.wandb_host!r}"
-            )
-
-
-@dataclasses.dataclass
-class LoggingConfig:
-    """Run directory, logging, check-only mode and the run's lifetime (part of MISC_ARGS)."""
-
-    output_dir: str | None = flag(
-        None, help="Run directory for metrics.jsonl, reward_curve.png and logs (default: outputs/<run-name>)."
-    )
-    run_name: str | None = flag(None, help="Name of the run (default: slime-<timestamp>).")
-    save_debug_rollout_data: str | None = flag(
-        None,
-        help="Write every rollout's samples (prompt index, response, reward, advantage, status, whether it is in "
-        "the loss, ...) to this path; it may contain '{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl.",
-    )
-    no_progress_bar: bool = flag(False, help="Disable the progress bar over rollout steps (e.g. for log files).")
-    check_only: bool = flag(
-        False,
-        help="Parse and validate the flags and check that --rollout-backend and --train-backend can be imported "
-        "here, then exit (0 = OK); reads no data or checkpoint, so it can run before a model is downloaded.",
-    )
-    overwrite_output_dir: bool = flag(
-        False,
-        help="Start from scratch in an --output-dir / --save folder that holds an earlier run: its metrics.jsonl, "
-        "reward_curve.png and wandb_run.json, and the checkpoints in --save (iter_*, "
-        "latest_checkpointed_iteration.txt), are deleted first, each one logged. Without it such a folder is "
-        "refused unless --load resumes the run. A folder in use by a live run is always refused.",
-    )
-    parent_pid: int | None = flag(
-        None,
-        metavar="PID",
-        help="Stop the run within seconds when process PID exits, however it dies (SIGKILL included): the engines, "
-        "trainers and the Ray instance the run started are shut down and no checkpoint is written after that. "
-        "The geo3k launcher passes its own PID. Default: the run outlives its parent (e.g. under nohup).",
-    )
-
-    def __post_init__(self):
-        if self.output_dir is not None and not self.output_dir.strip():
-            raise ConfigError("--output-dir must be a folder, got an empty string; give one, or drop --output-dir")
-        if self.parent_pid is not None and self.parent_pid < 1:
-            raise ConfigError(f"--parent-pid must be a process id >= 1, got {self.parent_pid}")
-        if self.save_debug_rollout_data is not None:
-            if not self.save_debug_rollout_data.strip():
-                raise ConfigError("--save-debug-rollout-data must be a non-empty path")
-            try:
-                self.save_debug_rollout_data.format(rollout_id=0)
-            except (KeyError, IndexError, ValueError) as e:
-                raise ConfigError(
-                    f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: the only placeholder allowed is "
-                    f"{{rollout_id}} ({type(e).__name__}: {e}); double other braces"
-                ) from None
 
 
 def _to_scalar(key: str, value: Any) -> int | float:
@@ -318,9 +232,9 @@ def resolve_wandb_mode(cfg: WandbConfig) -> str:
         return cfg.wandb_mode
     env_mode = os.environ.get("WANDB_MODE")
     if env_mode:
-        if env_mode not in _WANDB_MODES:
+        if env_mode not in WANDB_MODES:
             raise ConfigError(
-                f"$WANDB_MODE={env_mode!r} is not one of {', '.join(_WANDB_MODES)}; "
+                f"$WANDB_MODE={env_mode!r} is not one of {', '.join(WANDB_MODES)}; "
                 "unset it or pass --wandb-mode"
             )
         return env_mode

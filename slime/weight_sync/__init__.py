@@ -9,12 +9,14 @@ like the backends and engines (importing this package imports none).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from slime.utils.config import ConfigError
 from slime.utils.registry import Builtin, Registry
-from slime.weight_sync.base import WeightTransport, check_weight_sources
 from slime.weight_sync.config import WeightSyncConfig
+
+if TYPE_CHECKING:  # this package's __init__ runs before its light config.py: it imports no torch
+    from slime.weight_sync.base import WeightTransport
 
 WEIGHT_TRANSPORTS: Registry[type[WeightTransport]] = Registry(
     "weight-sync transport",
@@ -80,8 +82,6 @@ def make_transport(
 __all__ = [
     "WEIGHT_TRANSPORTS",
     "WeightSyncConfig",
-    "WeightTransport",
-    "check_weight_sources",
     "choose_transport",
     "make_transport",
 ]

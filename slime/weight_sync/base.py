@@ -57,21 +57,32 @@ transports on the same hooks, declared in its ``weight_transports``,
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 
 from slime.weight_sync.config import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
 
     from slime.backends.base import RankInfo
-    from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
 
 WeightBucket = list[tuple[str, torch.Tensor]]
 """``(Hugging Face checkpoint name, tensor)`` pairs; a rank's share of one round (may be empty)."""
+
+
+class TrainerRanks(Protocol):
+    """What a transport uses of the trainer group (:class:`slime.ray.trainer_group.TrainerGroup`, which imports
+    this package, so the group is described here rather than imported)."""
+
+    actors: list[ActorHandle]
+    """The trainer ranks' Ray actors, in rank order."""
+
+    def connect_ranks(self, transport: WeightTransport, engines: RolloutEngineGroup) -> list[ObjectRef]:
+        """Run ``transport.connect_rank`` on every rank; the refs to wait for."""
 
 
 class WeightTransport(abc.ABC):
@@ -115,7 +126,7 @@ class WeightTransport(abc.ABC):
 
     # ------------------------------------------------------------------ once per run
 
-    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+    def connect(self, trainers: TrainerRanks, engines: RolloutEngineGroup) -> None:
         """Driver side, once per run, before the first sync: set up the transport between the two groups.
 
         The default hands this transport to every trainer rank (:meth:`connect_rank` there) and waits.

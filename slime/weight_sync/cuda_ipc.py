@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import ray
 import torch
 
-from slime.weight_sync.base import WeightBucket, WeightTransport
+from slime.weight_sync.base import TrainerRanks, WeightBucket, WeightTransport
 from slime.weight_sync.flattened import FlatBucket, flatten, serialize_ipc_bucket
 from slime.weight_sync.fused_experts import fused_layout
 
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from slime.backends.base import RankInfo
-    from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.base import EngineResources
 
@@ -120,7 +119,7 @@ class CudaIpcTransport(WeightTransport):
         state["_group"] = None
         return state
 
-    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+    def connect(self, trainers: TrainerRanks, engines: RolloutEngineGroup) -> None:
         self.engine_resources = list(engines.resources)
         ray.get(trainers.connect_ranks(self, engines))
 

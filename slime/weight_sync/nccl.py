@@ -34,14 +34,13 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import ray
 import torch
 
-from slime.weight_sync.base import WeightBucket, WeightTransport
+from slime.weight_sync.base import TrainerRanks, WeightBucket, WeightTransport
 from slime.weight_sync.flattened import dtype_name, flatten
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from slime.backends.base import RankInfo
-    from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -121,7 +120,7 @@ class NcclTransport(WeightTransport):
         state["_group"] = None
         return state
 
-    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+    def connect(self, trainers: TrainerRanks, engines: RolloutEngineGroup) -> None:
         """Form one group per trainer rank with every engine GPU (see the module docstring).
 
         Raises:

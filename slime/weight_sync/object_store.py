@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import ray
 
-from slime.weight_sync.base import WeightBucket, WeightTransport
+from slime.weight_sync.base import TrainerRanks, WeightBucket, WeightTransport
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from slime.backends.base import RankInfo
-    from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ class ObjectStoreTransport(WeightTransport):
     name = "object_store"
     tensor_device = "cpu"
 
-    def connect(self, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
+    def connect(self, trainers: TrainerRanks, engines: RolloutEngineGroup) -> None:
         """Fit the bucket to the cluster's object store (:meth:`fit_bucket`), then hand this transport to the ranks."""
         self.fit_bucket(object_store_bytes(), len(trainers.actors))
         super().connect(trainers, engines)

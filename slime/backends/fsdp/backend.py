@@ -139,7 +139,7 @@ class FSDPBackend(TrainerBackend):
 
     @classmethod
     def from_config(cls, cfg, rank_info: RankInfo) -> "FSDPBackend":
-        """Build from the run's :class:`slime.utils.arguments.SlimeConfig` (what the trainer group calls)."""
+        """Build from the run's :class:`slime.arguments.SlimeConfig` (what the trainer group calls)."""
         return cls(
             rank_info,
             train=cfg.train,

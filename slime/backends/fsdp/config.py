@@ -3,7 +3,7 @@
 Importable without the backend's module :mod:`slime.backends.fsdp.backend` (no model code, no
 FSDP wrapping, no process group); it does import torch, through the trainer interface
 (:mod:`slime.backends.base`, which the registry imports). The parser builds :class:`FSDPConfig`
-for every run, and :func:`slime.utils.arguments.validate` runs its hooks when ``--train-backend
+for every run, and :func:`slime.arguments.validate` runs its hooks when ``--train-backend
 fsdp`` is selected.
 
 The FSDP backend is data-parallel only (every rank holds a shard of every parameter), recomputes

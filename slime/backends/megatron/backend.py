@@ -113,7 +113,7 @@ class MegatronBackend(TrainerBackend):
 
     @classmethod
     def from_config(cls, cfg, rank_info: RankInfo) -> "MegatronBackend":
-        """Build from the run's :class:`slime.utils.arguments.SlimeConfig` (what the trainer group calls)."""
+        """Build from the run's :class:`slime.arguments.SlimeConfig` (what the trainer group calls)."""
         return cls(
             rank_info, train=cfg.train, megatron=cfg.megatron, optimizer=cfg.optimizer, grpo=cfg.grpo,
             checkpoint=cfg.checkpoint, rollout_temperature=cfg.rollout.rollout_temperature,

@@ -12,10 +12,9 @@ stops at parse time, saying so and naming the way out (the GPU profile, or
 ``--rollout-backend transformers``).
 """
 
-from slime.rollout.engines.base import RolloutEngine
 from slime.utils.registry import Builtin, Registry
 
-ENGINES: Registry[type[RolloutEngine]] = Registry(
+ENGINES: Registry[type] = Registry(
     "rollout engine",
     "--rollout-backend",
     builtins={
@@ -33,4 +32,6 @@ ENGINES: Registry[type[RolloutEngine]] = Registry(
         ),
     },
 )
-"""Engine classes (:class:`RolloutEngine` subclasses), each built inside its own Ray actor."""
+"""Engine classes (:class:`slime.rollout.engines.base.RolloutEngine` subclasses), each built inside its own Ray
+actor.  The registry names the engines' base class only here: it imports no engine module, not even for typing,
+since the engines take the whole run config (:class:`slime.arguments.SlimeConfig`), which imports this registry."""

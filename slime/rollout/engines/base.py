@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 if TYPE_CHECKING:
-    from slime.utils.arguments import SlimeConfig
+    from slime.arguments import SlimeConfig
 
 # GPU memory regions, by SGLang's tag strings (``sglang.srt.constants``).
 GPU_MEMORY_TYPE_WEIGHTS = "weights"

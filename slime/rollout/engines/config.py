@@ -1,7 +1,7 @@
 """The light side of a rollout engine: its parse-time checks, importable without the engine's packages.
 
 A built-in engine names its config in :data:`slime.rollout.engines.ENGINES`
-(:attr:`slime.utils.registry.Builtin.config`); :func:`slime.utils.arguments.validate` runs the
+(:attr:`slime.utils.registry.Builtin.config`); :func:`slime.arguments.validate` runs the
 selected engine's :meth:`EngineConfig.check` at parse time.  Engines given as a
 ``package.module:Class`` import path get this base class, which checks nothing.
 """

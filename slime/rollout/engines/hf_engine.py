@@ -173,7 +173,7 @@ class TransformersEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg, resources: EngineResources) -> "TransformersEngine":
-        """Build engine ``resources.index`` of a run from its :class:`slime.utils.arguments.SlimeConfig`
+        """Build engine ``resources.index`` of a run from its :class:`slime.arguments.SlimeConfig`
         (what the driver's engine factory calls inside each engine's Ray actor).
 
         ``--hf-checkpoint``, ``--image-min-pixels`` / ``--image-max-pixels`` (so that the engine's

@@ -46,11 +46,11 @@ from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
 from slime.rollout.engines.config import EngineConfig
-from slime.rollout.parity import ParityConfig
+from slime.rollout.config import ParityConfig
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.data.config import DataConfig
-from slime.utils.metrics import LoggingConfig, WandbConfig
+from slime.utils.metrics_config import LoggingConfig, WandbConfig
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.weight_sync.config import WeightSyncConfig
 
