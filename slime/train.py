@@ -1,15 +1,8 @@
-"""The GRPO driver: ``python -m slime.train [flags]`` (``--help`` lists them by group).
+"""The command line of a GRPO run: ``python -m slime.train [flags]`` (``--help`` lists them by group).
 
-One rollout step, in the algorithm's order::
-
-    generate (n samples per prompt) -> reward -> group advantages   [rollout manager]
-    train on the global batch (optimizer steps x micro-batches)     [trainer ranks]
-    sync weights to the engines                                     [trainers -> engines]
-    eval every --eval-interval, save every --save-interval
-
-Where processes run, which backend trains and which engine samples are hidden in the
-worker groups (:mod:`slime.ray`, :mod:`slime.rollout.engine_group`); this file contains
-no backend or engine details.
+It parses and checks the flags (:mod:`slime.arguments`), claims the run's folders, writes
+``command.sh`` and runs :func:`slime.driver.train`; the run's modules (Ray, torch, engines,
+trainers) are imported only once the flags are good.
 
 Exit status of ``python -m slime.train``: 0 when the run finished; 1 when it stopped with an
 error after its first rollout step began (``slime: error: ...``; resume it with ``--load``);
@@ -22,50 +15,15 @@ The geo3k launcher prints its resume line only when the status is not 2.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import shlex
 import signal
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
-import ray
-import torch
-
-from slime.backends.registry import TRAIN_BACKENDS
-from slime.ray.colocate import ColocatedMemory
-from slime.ray.placement import (
-    Placement,
-    PlacementError,
-    check_cpu_memory,
-    cluster_num_gpus,
-    create_placement_groups,
-    init_ray,
-)
-from slime.ray.trainer_group import TrainerGroup
-from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
-from slime.rollout.engines import ENGINES
-from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
-from slime.rollout.rm_hub.config import resolve_reward_function
-from slime.rollout.parity import EngineParityCheck, EngineParityError
-from slime.checkpoints import layout as ckpt
-from slime.arguments import SlimeConfig, config_to_argv, parse_args, validate
-from slime.utils.config import ConfigError
-from slime.utils.env_check import check_environment
-from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
-from slime.data.sources import DatasetError, load_table
-from slime.grpo.advantages import resolve_advantage_estimator
-from slime.data.processor import load_processor
+from slime.arguments import parse_args
 from slime.utils.lifetime import watch_parent
-from slime.utils.run_lock import RunDirError, claim_run_dirs
-from slime.utils.timer import timed
-from slime.weight_sync import make_transport
-from slime.weight_sync.fused_experts import checkpoint_num_experts
-
-logger = logging.getLogger("slime")
+from slime.utils.run_lock import claim_run_dirs
 
 EXIT_NOT_STARTED = 2
 """Exit status of a run that stopped with an error before its first rollout step (module docstring)."""
@@ -73,332 +31,33 @@ COMMAND_FILE = "command.sh"
 """In ``--output-dir``: the command that started the run, written once the run holds its folders."""
 
 
-def train(cfg: SlimeConfig, on_start: Callable[[], object] | None = None) -> Path:
-    """Run GRPO as configured; returns the run directory (metrics.jsonl, reward_curve.png).
-
-    Whatever ends the run (success, an error, Ctrl-C), the engines (and every process they
-    started), the trainer ranks, the placement groups and the reward workers are stopped
-    before this returns or raises, also on a Ray cluster joined with ``--ray-address``, which
-    itself keeps running.  Clean-up problems are logged and never replace the original error.
-
-    Args:
-        cfg: the run's flags.
-        on_start: called once everything is set up, just before the first rollout step.
-
-    Raises:
-        ConfigError: the ``--rollout-backend``, ``--train-backend``, ``--advantage-estimator`` or
-            reward function cannot be loaded here (checked before anything starts, :func:`resolve_components`).
-    """
-    components = resolve_components(cfg)
-    rollout_manager = prepare(cfg)
-    run_dir = _run_dir(cfg)
-    started_ray = init_ray(cfg.cluster)
-    with contextlib.ExitStack() as cleanup:  # callbacks run last-registered first
-        if started_ray:
-            cleanup.callback(_quietly, ray.shutdown, "stopping Ray")
-        cleanup.callback(_quietly, rollout_manager.close, "stopping the reward workers")
-        run = setup(cfg, components, rollout_manager, cleanup)
-        if on_start is not None:
-            on_start()
-        with MetricsLogger(run_dir, cfg.wandb, run_name=run_dir.name,
-                           config={"argv": config_to_argv(cfg, redact=True)}) as metrics_log:
-            loop(cfg, run, metrics_log)
-        logger.info("done: metrics in %s, reward curve in %s", run_dir / METRICS_FILE, run_dir / PLOT_FILE)
-        return run_dir
-
-
-def _quietly(action, what: str) -> None:
-    """Run a clean-up ``action``; log instead of raise, so the error that ended the run stays the one raised."""
-    try:
-        action()
-    except Exception as e:  # noqa: BLE001
-        logger.warning("%s failed: %s", what, e)
-
-
-def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
-    """The rollout steps ``run.start .. run.num_rollout - 1`` (metrics x axis: policy version).
-
-    Rollout ``k`` samples the policy after ``k`` updates and is logged at step ``k``; the
-    eval after it sees the policy after ``k + 1`` updates and is logged at step ``k + 1``.
-    """
-    rollout_manager, trainers, engines, memory = run.rollout_manager, run.trainers, run.engines, run.memory
-    if run.start == 0 and cfg.eval.eval_prompt_pairs and not cfg.eval.skip_eval_before_train:
-        metrics_log.log(0, rollout_manager.evaluate(0))
-    bar = progress(total=run.num_rollout, initial=run.start, disable=cfg.logging.no_progress_bar)
-    for rollout_id in range(run.start, run.num_rollout):
-        times: dict[str, float] = {}
-        with timed("rollout", times):
-            # The first two steps only; first, so that an engine the probe refuses costs no rollout.
-            parity_probe = run.parity.generate(engines, rollout_id)
-            batch = rollout_manager.generate(rollout_id)
-        with timed("train", times), memory.train_phase():
-            parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
-            train_metrics = trainers.train(rollout_id, batch.samples)
-        with timed("sync", times), memory.sync_phase():
-            trainers.update_weights(engines)
-        eval_metrics = {}
-        if cfg.eval.eval_prompt_pairs and _due(rollout_id, cfg.eval.eval_interval, run.num_rollout):
-            with timed("eval", times):
-                eval_metrics = rollout_manager.evaluate(rollout_id + 1)
-        saving = cfg.checkpoint.save and _due(rollout_id, cfg.checkpoint.save_interval, run.num_rollout)
-        if saving:
-            with timed("save", times):
-                save(cfg, rollout_id, trainers, rollout_manager)
-        step_metrics = {**batch.metrics, **parity_metrics, **train_metrics, **memory.metrics(), **run.engine_metrics(),
-                        **times}
-        metrics_log.log(rollout_id, step_metrics)
-        if eval_metrics:
-            metrics_log.log(rollout_id + 1, eval_metrics)
-        if saving:  # only now: a run killed before this resumes at (and re-logs) this step
-            ckpt.mark_latest(cfg.checkpoint.save, rollout_id)
-        bar.update({**step_metrics, **eval_metrics})
-    bar.close()
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything :func:`loop` drives, built by :func:`setup`."""
-
-    engines: RolloutEngineGroup
-    trainers: TrainerGroup
-    rollout_manager: RolloutManager
-    memory: ColocatedMemory
-    start: int
-    num_rollout: int
-    parity: EngineParityCheck = dataclasses.field(default_factory=EngineParityCheck.off)
-
-    def engine_metrics(self) -> dict[str, float]:
-        """``rollout/engine_failures``, ``rollout/requests_retried``, ``rollout/engines_restarted``,
-        ``rollout/mid_rollout_resyncs`` (run totals)."""
-        if not isinstance(self.engines, RolloutEngineGroup):
-            return {}
-        return {f"rollout/{name}": float(self.engines.fault_counts[name])
-                for name in ("engine_failures", "requests_retried", "engines_restarted", "mid_rollout_resyncs")}
-
-
-@dataclasses.dataclass
-class Components:
-    """The classes a run uses, resolved from ``--rollout-backend`` and ``--train-backend``."""
-
-    engine_cls: type
-    backend_cls: type
-
-
-def resolve_components(cfg: SlimeConfig) -> Components:
-    """Look up (and import) the rollout engine and training backend classes, and check the plug-ins.
-
-    Called before Ray starts (by :func:`train`, and by ``--check-only``), so that an engine,
-    backend, ``--advantage-estimator`` or reward function (``--rm-type`` / ``--custom-rm-path``)
-    that is unknown or cannot be imported on this machine (megatron-core missing, a typo in a
-    ``package.module:function`` path) fails at once, not after start-up.  Each goes through its
-    registry (:meth:`slime.utils.registry.Registry.resolve`); the estimator and the reward
-    function are also checked for their signatures.
-
-    Raises:
-        ConfigError: naming each bad flag, its value and the import error (all of them in one message).
-    """
-    found, problems = [], []
-    for registry, name in ((ENGINES, cfg.rollout.rollout_backend), (TRAIN_BACKENDS, cfg.train.train_backend)):
-        try:  # check all, so that one run reports every problem
-            found.append(registry.resolve(name))
-        except ConfigError as e:
-            problems.append(str(e))
-    for resolve, group in ((resolve_advantage_estimator, cfg.grpo), (resolve_reward_function, cfg.reward)):
-        try:
-            resolve(group)
-        except ConfigError as e:
-            problems.append(str(e))
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return Components(*found)
-
-
-def prepare(cfg: SlimeConfig) -> RolloutManager:
-    """Everything that can be checked before Ray starts, so bad input fails in seconds.
-
-    Checks ``--hf-checkpoint`` and ``--load``, resolves ``--num-epoch``, loads the processor
-    (pixel bounds), the training and eval data (placeholders, columns) and the reward
-    function, and returns the rollout manager without engines.
-
-    Raises:
-        CheckpointError, ConfigError, DatasetError, FileNotFoundError: naming the flag / file / row.
-    """
-    ckpt.check_hf_folder(cfg.checkpoint.hf_checkpoint)
-    if cfg.checkpoint.load:
-        _check_load(cfg.checkpoint.load, cfg.train_backend_config.checkpoint_parts())
-    _resolve_num_rollout(cfg)
-    processor = load_processor(cfg.checkpoint.hf_checkpoint,
-                               min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
-    return RolloutManager(
-        rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
-        processor=processor, engines=None, seed=cfg.rollout.rollout_seed,
-        debug_dump=cfg.logging.save_debug_rollout_data,
-    )
-
-
-def setup(
-    cfg: SlimeConfig, components: Components, rollout_manager: RolloutManager, cleanup: contextlib.ExitStack
-) -> Run:
-    """Reserve resources, start engines and trainers, resume from ``--load``, sync weights.
-
-    Needs a running Ray (:func:`slime.ray.placement.init_ray`) and the output of :func:`prepare`.
-    Everything started is stopped when ``cleanup`` closes, also if this function raises.
-    """
-    use_gpu = cluster_num_gpus() > 0
-    if use_gpu:
-        validate(cfg, num_gpus_available=cluster_num_gpus())
-        check_environment()
-    else:
-        check_cpu_memory(cfg.cluster, ckpt.weights_bytes(cfg.checkpoint.hf_checkpoint))
-    placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
-    cleanup.callback(placement.remove)
-    engines, trainers = start_workers(cfg, placement, components, cleanup)
-    rollout_manager.engines = engines
-    memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu,
-                             measure=placement.use_gpu)
-    with memory.startup_phase():
-        start = trainers.init()
-    if start > 0:
-        rollout_manager.load_state_dict(torch.load(ckpt.rollout_state_path(cfg.checkpoint.load, start - 1)))
-    if start > 0:  # records after the checkpoint go (a restart at 0 had claim_run_dirs drop them, if allowed)
-        dropped = truncate_metrics(_run_dir(cfg) / METRICS_FILE, keep=lambda r: _logged_before(r, start))
-        logger.info("resumed from %s at rollout %d (%d metrics records after the checkpoint dropped)",
-                    cfg.checkpoint.load, start, dropped)
-    with memory.sync_phase():
-        trainers.update_weights(engines)  # engines start from --hf-checkpoint; after --load they must catch up
-    engines.set_resync(functools.partial(resync_engines, memory, trainers, engines))
-    parity = EngineParityCheck(cfg.parity, rollout_manager.dataset, cfg.rollout.rollout_temperature,
-                               enabled=components.engine_cls.parity_check, start=start, seed=cfg.rollout.rollout_seed)
-    return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout, parity)
-
-
-def resync_engines(memory: ColocatedMemory, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
-    """Push the trainers' current weights into every engine in the middle of a rollout (the engine group's
-    re-sync hook, :meth:`RolloutEngineGroup.set_resync`: restarted engines, and no other engine left to serve).
-
-    The weights are the ones the rollout started with (the trainers have not trained since the last sync).
-    Colocated memory order (:meth:`ColocatedMemory.resync_phase`): engines release everything, trainers
-    onload their weights only (the optimizer state stays off the GPU); engines resume their weights, the
-    push, trainers offload, engines resume the KV cache and CUDA graphs; engines resident and trainers
-    offloaded again, as the rest of the rollout expects (the next training step onloads everything).
-    ``trainers.update_weights`` ends with ``engines.weights_updated()``.
-    """
-    with memory.resync_phase():
-        trainers.update_weights(engines)
-
-
-def start_workers(
-    cfg: SlimeConfig, placement: Placement, components: Components, cleanup: contextlib.ExitStack
-) -> tuple[RolloutEngineGroup, TrainerGroup]:
-    """Start the rollout engines and the trainer ranks (not yet initialised) on ``placement``.
-
-    The engines load their models while the trainer ranks start; returns once every engine is
-    healthy (``--rollout-engine-start-timeout``).  Both groups are shut down when ``cleanup``
-    closes, registered as soon as each one exists.
-
-    Raises:
-        EngineStartError: an engine failed to start or was not healthy in time (named in the message).
-    """
-    engine_cls = components.engine_cls
-    engine_factory = functools.partial(engine_cls.from_config, cfg)
-    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
-    cleanup.callback(engines.shutdown)
-    backend_factory = functools.partial(components.backend_cls.from_config, cfg)
-    transport = make_transport(
-        engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate,
-        num_experts=checkpoint_num_experts(cfg.checkpoint.hf_checkpoint),
-    )
-    trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size, transport)
-    cleanup.callback(trainers.shutdown)
-    engines.wait_until_healthy(cfg.rollout.rollout_engine_start_timeout)
-    return engines, trainers
-
-
-def save(cfg: SlimeConfig, rollout_id: int, trainers: TrainerGroup, rollout_manager: RolloutManager) -> None:
-    """Write every part of the checkpoint of ``rollout_id``, without marking it as the latest.
-
-    :func:`loop` marks it (:func:`slime.checkpoints.layout.mark_latest`) once the step's metrics
-    records are on disk, so that a resume, which starts after the marked step, never misses them.
-    """
-    root = cfg.checkpoint.save
-    trainers.save(rollout_id, ckpt.iteration_dir(root, rollout_id))
-    torch.save({"rollout_id": rollout_id, **rollout_manager.state_dict()}, ckpt.rollout_state_path(root, rollout_id))
-    logger.info("saved checkpoint of rollout %d to %s", rollout_id, ckpt.iteration_dir(root, rollout_id))
-
-
-def _logged_before(record: dict, start: int) -> bool:
-    """Whether a metrics record belongs to the history before resuming at rollout ``start`` (>= 1,
-    after a checkpoint): rollout records of steps < start, eval records of steps <= start (see :func:`loop`)."""
-    is_eval = any(key.startswith("eval/") for key in record)
-    return record["step"] <= start if is_eval else record["step"] < start
-
-
-def _check_load(root: str, backend_parts: tuple[str, ...]) -> None:
-    """``--load``: a missing folder starts from ``--hf-checkpoint`` (the ``--save D --load D``
-    auto-resume pattern), with a warning in case it is a typo; a present one must hold a
-    complete latest checkpoint (the backend's ``backend_parts`` and the driver's state), or none yet."""
-    if not Path(root).exists():
-        logger.warning("--load %s does not exist: starting from --hf-checkpoint", root)
-        return
-    latest = ckpt.latest_iteration(root)
-    if latest is None:
-        logger.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", root)
-    else:
-        ckpt.check_complete(root, latest, backend_parts)
-
-
-def _resolve_num_rollout(cfg: SlimeConfig) -> None:
-    """Turn ``--num-epoch`` into ``--num-rollout`` (``epochs * rows // rollout_batch_size``, rows
-    counted before skips, at least 1), so every worker, e.g. the LR schedule, sees the run's length."""
-    if cfg.rollout.num_rollout is None:
-        rows = load_table(cfg.data.prompt_data, default_split="train").table.num_rows
-        cfg.rollout.num_rollout = max(1, cfg.rollout.num_epoch * rows // cfg.rollout.rollout_batch_size)
-        logger.info("--num-epoch %s over %d rows: %d rollout steps", cfg.rollout.num_epoch, rows, cfg.rollout.num_rollout)
-
-
-def _due(rollout_id: int, interval: int | None, num_rollout: int) -> bool:
-    """Whether a periodic action (eval, save) runs after ``rollout_id``: every ``interval``
-    steps (never when ``interval`` is None) and always after the last step."""
-    if rollout_id + 1 == num_rollout:
-        return True
-    return interval is not None and (rollout_id + 1) % interval == 0
-
-
-def _run_dir(cfg: SlimeConfig) -> Path:
-    if cfg.logging.output_dir is None:
-        cfg.logging.output_dir = str(Path("outputs") / (cfg.logging.run_name or time.strftime("slime-%Y%m%d-%H%M%S")))
-    run_dir = Path(cfg.logging.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m slime.train [flags]``; see the module docstring for the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
+    from slime import driver  # Ray, torch, the engines and trainers: imported once the flags are good
+
     parent = watch_parent(cfg.logging.parent_pid)  # started below, around the run
     started = []  # [True] once the first rollout step begins
 
     try:
         if cfg.logging.check_only:
-            components = resolve_components(cfg)
+            components = driver.resolve_components(cfg)
             print(f"slime: flags OK (engine {components.engine_cls.__name__}, trainer {components.backend_cls.__name__})")
             return
         # One writer per --output-dir / --save; the run stops when --parent-pid exits.
-        with claim_run_dirs(_run_dir(cfg), cfg.checkpoint.save, cfg.checkpoint.load,
+        with claim_run_dirs(driver.make_run_dir(cfg), cfg.checkpoint.save, cfg.checkpoint.load,
                             overwrite=cfg.logging.overwrite_output_dir,
                             checkpoint_parts=cfg.train_backend_config.checkpoint_parts()), parent, _sigterm_raises():
-            write_command(_run_dir(cfg), argv)
-            train(cfg, on_start=lambda: started.append(True))
+            write_command(driver.make_run_dir(cfg), argv)
+            driver.train(cfg, on_start=lambda: started.append(True))
     except KeyboardInterrupt:
         if not parent.fired.is_set():
             raise
         _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
               + ("; resume it with --load" if started else ""), started=bool(started))
-    except (ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
-            EngineStartError, PromptMismatchError, RolloutAbortedError, RunDirError,
-            EngineParityError) as e:
+    except driver.RUN_ERRORS as e:
         _fail(str(e), started=bool(started))
 
 

@@ -40,7 +40,7 @@ def start_engines(cfg, timeout_s: float):
 
     from slime.ray.placement import create_placement_groups
     from slime.rollout.engine_group import RolloutEngineGroup
-    from slime.train import resolve_components
+    from slime.driver import resolve_components
 
     engine_cls = resolve_components(cfg).engine_cls
     placement = create_placement_groups(cfg.cluster, use_gpu=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from slime import train
+from slime import driver
 from slime.backends.base import TRAINING_STATE, WEIGHTS, RankInfo, TrainerBackend
 from slime.ray.colocate import ColocatedMemory
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
@@ -80,7 +80,7 @@ def _one_step(rollout_id: int) -> list[tuple]:
 
 
 def _run_loop(tmp_path: Path, enabled: bool) -> list[tuple]:
-    """The start-up (trainer init + first sync) as ``train.setup`` does it, then ``train.loop``
+    """The start-up (trainer init + first sync) as ``driver.setup`` does it, then ``driver.loop``
     over 2 rollout steps."""
     cfg = parse_args(
         "--hf-checkpoint unused --num-rollout 2 --rollout-batch-size 2 --n-samples-per-prompt 2 "
@@ -91,11 +91,11 @@ def _run_loop(tmp_path: Path, enabled: bool) -> list[tuple]:
     memory = ColocatedMemory(rec, rec, enabled=enabled)
     with memory.startup_phase():
         rec.calls.append(("trainers.init",))
-    with memory.sync_phase():  # train.setup: engines start from --hf-checkpoint and catch up
+    with memory.sync_phase():  # driver.setup: engines start from --hf-checkpoint and catch up
         rec.update_weights(rec)
-    run = train.Run(engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=2)
+    run = driver.Run(engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=2)
     with MetricsLogger(tmp_path, cfg.wandb, run_name="colocate") as metrics_log:
-        train.loop(cfg, run, metrics_log)
+        driver.loop(cfg, run, metrics_log)
     return rec.calls
 
 
@@ -115,7 +115,7 @@ def test_colocated_step_hands_memory_over_in_upstream_order(tmp_path):
 
 class _MidRolloutResync(_Recorder):
     """A rollout whose only engine dies once in step 0: the engine group calls the driver's re-sync hook
-    (:func:`slime.train.resync_engines`, as ``train.setup`` wires it) in the middle of ``generate``.  The
+    (:func:`slime.driver.resync_engines`, as ``driver.setup`` wires it) in the middle of ``generate``.  The
     engines' free memory (``memory_info``) drops by 1 GiB at every call, so a re-measure would show."""
 
     def __init__(self):
@@ -131,7 +131,7 @@ class _MidRolloutResync(_Recorder):
     def generate(self, rollout_id):
         self.calls.append(("rollout.generate", rollout_id))
         if rollout_id == 0:
-            train.resync_engines(self.memory, self, self)
+            driver.resync_engines(self.memory, self, self)
             self.calls.append(("rollout.generate continues", rollout_id))
         return RolloutBatch(samples=[], metrics={})
 
@@ -150,9 +150,9 @@ def test_a_mid_rollout_resync_keeps_the_memory_order_and_the_step_figures(tmp_pa
         rec.update_weights(rec)
     memory.metrics()  # the start-up's figures
     del rec.calls[:]
-    run = train.Run(engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=1)
+    run = driver.Run(engines=rec, trainers=rec, rollout_manager=rec, memory=memory, start=0, num_rollout=1)
     with MetricsLogger(tmp_path, cfg.wandb, run_name="resync") as metrics_log:
-        train.loop(cfg, run, metrics_log)
+        driver.loop(cfg, run, metrics_log)
     resync = [  # engines resident, trainers offloaded -> the same state again, nothing measured
         ("engines.release", ["weights", "kv_cache", "cuda_graph"]),
         ("trainers.onload", "weights_only=True"),  # the optimizer state stays off the GPU
@@ -170,7 +170,7 @@ def test_a_mid_rollout_resync_keeps_the_memory_order_and_the_step_figures(tmp_pa
 
 
 def test_setup_wires_the_engines_resync_hook_to_the_colocated_resync(tmp_path, tiny_ckpt, monkeypatch):
-    """``train.setup`` (workers and placement stood in for) hands the engines a hook that re-syncs in the
+    """``driver.setup`` (workers and placement stood in for) hands the engines a hook that re-syncs in the
     colocated order, and only after its own first sync."""
     import contextlib
     import types
@@ -185,14 +185,14 @@ def test_setup_wires_the_engines_resync_hook_to_the_colocated_resync(tmp_path, t
     rec.init = lambda: rec.calls.append(("trainers.init",)) or 0
     rec.set_resync = lambda hook: (hooks.append(hook), rec.calls.append(("engines.set_resync",)))
     placement = types.SimpleNamespace(colocate=True, use_gpu=True, remove=lambda: None)
-    monkeypatch.setattr(train, "cluster_num_gpus", lambda: 0)
-    monkeypatch.setattr(train, "check_cpu_memory", lambda *args: None)
-    monkeypatch.setattr(train, "create_placement_groups", lambda *args, **kwargs: placement)
-    monkeypatch.setattr(train, "start_workers", lambda *args: (rec, rec))
-    components = train.Components(engine_cls=types.SimpleNamespace(parity_check=False), backend_cls=None)
+    monkeypatch.setattr(driver, "cluster_num_gpus", lambda: 0)
+    monkeypatch.setattr(driver, "check_cpu_memory", lambda *args: None)
+    monkeypatch.setattr(driver, "create_placement_groups", lambda *args, **kwargs: placement)
+    monkeypatch.setattr(driver, "start_workers", lambda *args: (rec, rec))
+    components = driver.Components(engine_cls=types.SimpleNamespace(parity_check=False), backend_cls=None)
     manager = types.SimpleNamespace(engines=None, dataset=None)
     with contextlib.ExitStack() as cleanup:
-        train.setup(cfg, components, manager, cleanup)
+        driver.setup(cfg, components, manager, cleanup)
     assert len(hooks) == 1 and rec.calls[-2:] == [("engines.resume", ["kv_cache", "cuda_graph"]),
                                                   ("engines.set_resync",)]  # after the first sync
     del rec.calls[:]

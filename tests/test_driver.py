@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from slime.ray.trainer_group import TrainerGroup
-from slime.train import EXIT_NOT_STARTED, _due, _logged_before, _resolve_num_rollout, main, resolve_components
+from slime.driver import _due, _logged_before, _resolve_num_rollout, resolve_components
+from slime.train import EXIT_NOT_STARTED, main
 from slime.arguments import parse_args
 from slime.utils.config import ConfigError
 from slime.data.sample import Sample
@@ -111,7 +112,7 @@ def test_check_only_accepts_an_importable_estimator_path(tmp_path, capsys):
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
             "--num-rollout", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--rollout-backend",
             "transformers", "--check-only", "--advantage-estimator", "slime.grpo.advantages:dr_grpo",
-            "--rm-type", "slime.rollout.rm_hub:geo3k_reward"]  # fmt: skip
+            "--rm-type", "slime.rollout.rm_hub.geo3k:geo3k_reward"]  # fmt: skip
     main(argv)
     assert capsys.readouterr().out.startswith("slime: flags OK")
 
@@ -144,7 +145,7 @@ def test_uneven_split_is_refused():
 
 
 def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
-    from slime.train import prepare
+    from slime.driver import prepare
     from slime.checkpoints.layout import CheckpointError
 
     folder = tmp_path / "no_weights"
@@ -156,7 +157,7 @@ def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
 
 
 def test_load_folder_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_ckpt):
-    from slime.train import prepare
+    from slime.driver import prepare
     from slime.checkpoints.layout import CheckpointError
 
     load = tmp_path / "garbage"
@@ -179,7 +180,7 @@ def test_clean_up_runs_on_error_and_keeps_the_original_error(tiny_ckpt, tmp_path
     import contextlib
     import logging
 
-    from slime import train as driver
+    from slime import driver
 
     calls = []
 
@@ -233,7 +234,7 @@ def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the
     import shlex
     import sys
 
-    from slime import train as driver
+    from slime import driver
     from slime.rollout.manager import PromptMismatchError, RolloutAbortedError
     from slime.data.sources import DatasetError
 

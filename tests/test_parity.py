@@ -228,7 +228,7 @@ def _driver_cfg(tiny_ckpt, tmp_path, *extra):
 
 @pytest.mark.slow
 def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_path):
-    from slime import train as driver
+    from slime import driver
 
     cfg = _driver_cfg(tiny_ckpt, tmp_path, "--sglang-fake-image-logprob-shift", "0.05")
     with pytest.raises(EngineParityError, match="before the first update .* multimodal-RoPE bug"):
@@ -242,7 +242,7 @@ def test_the_driver_refuses_an_engine_that_sees_other_image_prompt_lengths_befor
 ):
     """The fake server reports 3 more prompt tokens per image than it saw (and its log-probs are the trainer's): the
     probe stops the run naming the lengths, before the rollout's own check and without the multimodal-RoPE advice."""
-    from slime import train as driver
+    from slime import driver
 
     cfg = _driver_cfg(tiny_ckpt, tmp_path, "--sglang-fake-image-prompt-tokens-shift", "3")
     with pytest.raises(EngineParityError) as info:
@@ -259,7 +259,7 @@ def test_the_driver_refuses_an_engine_that_sees_other_image_prompt_lengths_befor
 def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ckpt, tmp_path, backend):
     """With either trainer the weights pushed into the SGLang engine (the fake server runs the HF model on what it
     receives) give the trainer's log-probs after the first sync: every tensor arrived under its HF name."""
-    from slime import train as driver
+    from slime import driver
     from slime.utils.metrics import read_metrics
 
     if backend == "megatron":

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from slime import train
+from slime import driver
 from slime.rollout.manager import RolloutBatch
 from slime.checkpoints import layout as ckpt
 from slime.arguments import parse_args
@@ -276,12 +276,12 @@ def test_step_records_are_logged_before_its_checkpoint_is_marked(tiny_ckpt, tmp_
 
     ckpt_mark_latest = ckpt.mark_latest
     monkeypatch.setattr(ckpt, "mark_latest", mark_latest)
-    run = train.Run(
+    run = driver.Run(
         engines=None, trainers=_Trainers(), rollout_manager=_Manager(),
-        memory=train.ColocatedMemory(None, None, enabled=False), start=0, num_rollout=3,
+        memory=driver.ColocatedMemory(None, None, enabled=False), start=0, num_rollout=3,
     )  # fmt: skip
     with MetricsLogger(tmp_path, cfg.wandb, run_name="order") as metrics_log:
-        train.loop(cfg, run, metrics_log)
+        driver.loop(cfg, run, metrics_log)
 
     for k in range(3):
         assert on_disk_when_marked[k][-2:] == [(k, "rollout"), (k + 1, "eval")], on_disk_when_marked

@@ -21,7 +21,7 @@ import ray
 from slime.ray.placement import create_placement_groups, init_ray
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutManager
-from slime.train import resolve_components, start_workers
+from slime.driver import resolve_components, start_workers
 from slime.arguments import parse_args
 from slime.data.processor import load_processor
 
@@ -64,7 +64,7 @@ def cfg(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def workers(cfg):
-    """(engines, trainers, rollout manager), started as ``slime.train.setup`` does, on a local Ray."""
+    """(engines, trainers, rollout manager), started as ``slime.driver.setup`` does, on a local Ray."""
     started_ray = init_ray(cfg.cluster)
     manager = None
     cleanup = contextlib.ExitStack()  # stops the engines and trainers, then frees the bundles

@@ -95,7 +95,7 @@ class TrainerGroup:
     Args:
         placement: where the ranks go (one bundle each).
         backend_factory: picklable callable ``RankInfo -> TrainerBackend`` (the backend
-            class's ``from_config`` with the run's config bound, as :func:`slime.train.start_workers` makes it).
+            class's ``from_config`` with the run's config bound, as :func:`slime.driver.start_workers` makes it).
         global_batch_size: samples per optimizer step (``--global-batch-size``).
         transport: how weights reach the engines, chosen once per run
             (:func:`slime.weight_sync.make_transport`).

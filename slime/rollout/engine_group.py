@@ -299,7 +299,7 @@ class RolloutEngineGroup:
         Args:
             resync: called with no arguments once every engine being restarted is healthy again; it must push
                 the current policy weights into every engine and end with :meth:`weights_updated` (the driver
-                passes :func:`slime.train.resync_engines`, i.e. ``trainers.update_weights(engines)`` inside the
+                passes :func:`slime.driver.resync_engines`, i.e. ``trainers.update_weights(engines)`` inside the
                 colocated memory hand-over).  ``None`` turns the re-sync off: a rollout with no engine left then
                 fails (:class:`EngineError`).
         """
