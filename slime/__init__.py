@@ -1,18 +1,18 @@
 """slime: RL post-training (GRPO) for vision-language models.
 
-Package map (one concept per module):
+Packages in pipeline order (docs/design/layout.md):
 
-- ``slime.train``: the driver loop (generate -> reward -> advantages -> train -> sync -> eval -> save).
-- ``slime.utils``: flags (``arguments``, ``config``), registries (``registry``), data (``data``), GRPO math
-  (``ppo_utils``), sample type (``types``).
-- ``slime.rollout``: rollout manager, rollout engines, reward functions (``rm_hub``).
+- ``slime.data``: dataset rows -> prompt samples (sources, dataset, image, processor), the ``Sample`` record.
+- ``slime.rollout``: rollout manager, engines, rewards (``rm_hub``), sampling seeds, the engine parity check.
+- ``slime.grpo``: advantages, log-probs from logits, the policy loss every backend calls.
 - ``slime.backends``: training backends behind one trainer interface (``fsdp``, ``megatron``).
-- ``slime.weight_sync``: weight sync from the trainer ranks to the engines, one transport per run
-  (``object_store`` now; CUDA IPC and NCCL hooks documented in ``weight_sync.base``).
-- ``slime.ray``: placement groups and actor groups (the only orchestrator is Ray).
-- ``slime.models``: model builders (the tiny Qwen3.5 checkpoint), MODEL_ARGS against a checkpoint's
-  config (``qwen35_args``), and the native Megatron Qwen3.5 model (``qwen3_5``: config, specs, layers,
-  HF weight load / export).
+- ``slime.weight_sync``: weights from the trainer ranks to the engines, one transport per run.
+- ``slime.ray``: Ray start-up, placement groups, colocation, the trainer group.
+- ``slime.checkpoints``: checkpoint layout, MODEL_ARGS against a checkpoint, the tiny test checkpoint.
+- ``slime.models``: model code only (the native Megatron Qwen3.5 model, ``qwen3_5``).
+- ``slime.arguments``: the parser, the only module that imports every package's flag group (``config.py``).
+- ``slime.train`` (the command line) and ``slime.driver`` (the rollout-step loop) on top.
+- ``slime.utils``: generic helpers (flag machinery, registries, timer, run locks, lifetime, env check, metrics).
 """
 
 __version__ = "0.1.0"
