@@ -126,7 +126,7 @@ def _manager(tmp_path, tiny_ckpt, engines, extra=(), eval_labels=None):
     return RolloutManager(
         rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
         processor=load_processor(tiny_ckpt), engines=engines, seed=cfg.rollout.rollout_seed,
-        debug_dump=cfg.logging.save_debug_rollout_data,  # as slime/train.py passes it
+        debug_dump=cfg.logging.save_debug_rollout_data,  # as slime/driver.py passes it
     )
 
 

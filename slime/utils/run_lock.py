@@ -78,7 +78,7 @@ RUN_FILES = (METRICS_FILE, "reward_curve.png", "wandb_run.json")
 RESTART_FILES = (METRICS_FILE, "reward_curve.png")
 """What a restart of a run that stopped before its first checkpoint deletes (2b); the wandb run id stays."""
 SAVE_METRIC = phase_key("save")
-"""``perf/save_time_s``: in the metrics record of every step that saved a checkpoint (:mod:`slime.train`)."""
+"""``perf/save_time_s``: in the metrics record of every step that saved a checkpoint (:mod:`slime.driver`)."""
 _READ_HOLDER_ATTEMPTS = 20
 """Reads of a just-locked lock file before giving up on its holder's record (its writer may lag)."""
 
