@@ -42,16 +42,15 @@ from slime.backends.fsdp.config import FSDPConfig
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.checkpoints.model_args import check_model_args
+from slime.data.config import DataConfig
+from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.ray.config import ClusterConfig
-from slime.rollout.config import EvalConfig, RolloutConfig, SGLangConfig, extract_sglang_args
+from slime.rollout.config import EvalConfig, ParityConfig, RolloutConfig, SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
 from slime.rollout.engines.config import EngineConfig
-from slime.rollout.config import ParityConfig
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
-from slime.data.config import DataConfig
 from slime.utils.metrics_config import LoggingConfig, WandbConfig
-from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,12 @@ from typing import Callable
 import ray
 import torch
 
+from slime.arguments import SlimeConfig, config_to_argv, validate
 from slime.backends.registry import TRAIN_BACKENDS
+from slime.checkpoints import layout as ckpt
+from slime.data.processor import load_processor
+from slime.data.sources import DatasetError, load_table
+from slime.grpo.advantages import resolve_advantage_estimator
 from slime.ray.colocate import ColocatedMemory
 from slime.ray.placement import (
     Placement,
@@ -40,16 +45,11 @@ from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
 from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
-from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.rollout.parity import EngineParityCheck, EngineParityError
-from slime.checkpoints import layout as ckpt
-from slime.arguments import SlimeConfig, config_to_argv, validate
+from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
-from slime.data.sources import DatasetError, load_table
-from slime.grpo.advantages import resolve_advantage_estimator
-from slime.data.processor import load_processor
 from slime.utils.run_lock import RunDirError
 from slime.utils.timer import timed
 from slime.weight_sync import make_transport

@@ -38,9 +38,9 @@ def start_engines(cfg, timeout_s: float):
     not start, the placement is removed and the error raised."""
     import functools
 
+    from slime.driver import resolve_components
     from slime.ray.placement import create_placement_groups
     from slime.rollout.engine_group import RolloutEngineGroup
-    from slime.driver import resolve_components
 
     engine_cls = resolve_components(cfg).engine_cls
     placement = create_placement_groups(cfg.cluster, use_gpu=False)

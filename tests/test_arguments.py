@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from slime.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.rollout.config import SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
-from slime.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
 from slime.utils.config import ConfigError, flag_name
 
 ROOT = Path(__file__).resolve().parents[1]

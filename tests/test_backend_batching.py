@@ -16,8 +16,9 @@ from slime.backends.batching import (
     split_into_steps,
 )
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
-from slime.grpo.loss import aggregate_loss
 from slime.data.sample import Sample
+from slime.grpo.loss import aggregate_loss
+
 
 def sample(index=0, response=(5, 6, 7), loss_mask=None, rollout=None, images=()) -> Sample:
     return Sample(

@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 
 from slime import driver
+from slime.arguments import parse_args
 from slime.backends.base import TRAINING_STATE, WEIGHTS, RankInfo, TrainerBackend
+from slime.grpo.config import GRPOConfig
 from slime.ray.colocate import ColocatedMemory
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutBatch
-from slime.arguments import parse_args
 from slime.utils.metrics import MetricsLogger
-from slime.grpo.config import GRPOConfig
 from tests.spawn_ranks import spawn_ranks
 
 CUDA = pytest.param(
@@ -259,8 +259,8 @@ def test_engine_generates_the_same_after_a_colocated_step(device, tiny_ckpt):
     """Driven by ColocatedMemory (the engine stands in for its group: same method signatures):
     generation is refused until every released tag is back, and the resumed engine, after the
     weight push, gives the same tokens and log-probs as before."""
-    from slime.rollout.engines.hf_engine import TransformersEngine
     from slime.data.processor import load_processor
+    from slime.rollout.engines.hf_engine import TransformersEngine
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     engine = TransformersEngine(str(tiny_ckpt), device=device, dtype=dtype)
@@ -288,8 +288,8 @@ def test_engine_generates_the_same_after_a_colocated_step(device, tiny_ckpt):
 
 
 def test_engine_weights_tag_alone_round_trips(tiny_ckpt):
-    from slime.rollout.engines.hf_engine import TransformersEngine
     from slime.data.processor import load_processor
+    from slime.rollout.engines.hf_engine import TransformersEngine
 
     engine = TransformersEngine(str(tiny_ckpt))
     requests = _greedy_requests(load_processor(tiny_ckpt))
@@ -305,8 +305,8 @@ def test_engine_weights_tag_alone_round_trips(tiny_ckpt):
 
 @pytest.mark.parametrize("method", ["release_memory_occupation", "resume_memory_occupation"])
 def test_engine_unknown_tag_raises_and_changes_nothing(method, tiny_ckpt):
-    from slime.rollout.engines.hf_engine import TransformersEngine
     from slime.data.processor import load_processor
+    from slime.rollout.engines.hf_engine import TransformersEngine
 
     engine = TransformersEngine(str(tiny_ckpt))
     requests = _greedy_requests(load_processor(tiny_ckpt))[:1]

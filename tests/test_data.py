@@ -24,12 +24,12 @@ import pytest
 import torch
 from PIL import Image
 
-from slime.utils.config import ConfigError
 from slime.data.config import DataConfig
 from slime.data.dataset import PromptDataset, load_eval_samples
-from slime.data.sources import DatasetError, resolve_source
 from slime.data.image import decode_image
 from slime.data.processor import load_processor
+from slime.data.sources import DatasetError, resolve_source
+from slime.utils.config import ConfigError
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SAMPLE_DIR = os.path.join(REPO, "examples", "geo3k_vlm", "data")

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from slime.ray.trainer_group import TrainerGroup
-from slime.driver import _due, _logged_before, _resolve_num_rollout, resolve_components
-from slime.train import EXIT_NOT_STARTED, main
 from slime.arguments import parse_args
-from slime.utils.config import ConfigError
 from slime.data.sample import Sample
+from slime.driver import _due, _logged_before, _resolve_num_rollout, resolve_components
+from slime.ray.trainer_group import TrainerGroup
+from slime.train import EXIT_NOT_STARTED, main
+from slime.utils.config import ConfigError
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 
@@ -145,8 +145,8 @@ def test_uneven_split_is_refused():
 
 
 def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
-    from slime.driver import prepare
     from slime.checkpoints.layout import CheckpointError
+    from slime.driver import prepare
 
     folder = tmp_path / "no_weights"
     folder.mkdir()
@@ -157,8 +157,8 @@ def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
 
 
 def test_load_folder_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_ckpt):
-    from slime.driver import prepare
     from slime.checkpoints.layout import CheckpointError
+    from slime.driver import prepare
 
     load = tmp_path / "garbage"
     (load / "iter_0000001").mkdir(parents=True)
@@ -235,8 +235,8 @@ def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the
     import sys
 
     from slime import driver
-    from slime.rollout.manager import PromptMismatchError, RolloutAbortedError
     from slime.data.sources import DatasetError
+    from slime.rollout.manager import PromptMismatchError, RolloutAbortedError
 
     messages = {"mismatch": "engine saw 12 prompt tokens", "abort": "every one of the 2 groups holds an aborted sample"}
 

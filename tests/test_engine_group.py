@@ -19,11 +19,11 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
+from slime.arguments import parse_args
 from slime.ray.config import ClusterConfig
 from slime.ray.placement import init_ray, node_ip
 from slime.rollout.engine_group import EngineError, EngineStartError, balance_windows
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
-from slime.arguments import parse_args
 from tests.process_tree import read_proc, wait_for
 from tests.stub_engines import start_engines
 

@@ -25,9 +25,9 @@ from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.fsdp.config import FSDPConfig
 from slime.checkpoints import layout as ckpt
 from slime.data.image import encode_image_base64
-from slime.grpo.config import GRPOConfig
 from slime.data.processor import load_processor
 from slime.data.sample import Sample
+from slime.grpo.config import GRPOConfig
 from tests.spawn_ranks import spawn_ranks
 
 WORLD = 2

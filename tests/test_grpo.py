@@ -12,7 +12,6 @@ import random
 import pytest
 import torch
 
-from slime.utils.config import ConfigError
 from slime.grpo.advantages import (
     compute_advantages,
     compute_group_advantages,
@@ -29,6 +28,7 @@ from slime.grpo.loss import (
     grpo_micro_batch_loss,
     per_token_advantages,
 )
+from slime.utils.config import ConfigError
 
 EPS = 1e-6
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from PIL import Image
 
+from slime.data.image import decode_image, encode_image_base64
+from slime.data.processor import load_processor, mm_token_type_ids
 from slime.rollout.engines.base import BundleResources, EngineResources, GenerateRequest, SamplingParams
 from slime.rollout.engines.hf_engine import TransformersEngine, sample_next_tokens
 from slime.rollout.seeds import sampling_seed, uniform
-from slime.data.image import decode_image, encode_image_base64
-from slime.data.processor import load_processor, mm_token_type_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

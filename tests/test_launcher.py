@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from slime.checkpoints import layout as ckpt
 from slime.arguments import parse_args
+from slime.checkpoints import layout as ckpt
 from slime.utils.metrics import read_metrics
 from tests.process_tree import all_processes, kill_session, session_members, wait_for, wait_session_gone
 

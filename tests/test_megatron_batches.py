@@ -20,8 +20,8 @@ from slime.backends.megatron.batches import (  # noqa: E402
     sample_tokens,
 )
 from slime.backends.megatron.weight_export import group_index, num_groups  # noqa: E402
-from slime.models.qwen3_5.config import arch_from_hf_config  # noqa: E402
 from slime.data.sample import Sample  # noqa: E402
+from slime.models.qwen3_5.config import arch_from_hf_config  # noqa: E402
 from tests.test_fsdp_backend import make_samples  # noqa: E402
 
 

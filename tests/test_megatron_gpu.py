@@ -42,8 +42,8 @@ from slime.backends.base import RankInfo  # noqa: E402
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from slime.backends.megatron.config import MegatronConfig  # noqa: E402
 from slime.checkpoints import layout as ckpt  # noqa: E402
-from slime.grpo.config import GRPOConfig  # noqa: E402
 from slime.data.sample import Sample  # noqa: E402
+from slime.grpo.config import GRPOConfig  # noqa: E402
 from tests.spawn_ranks import spawn_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,11 +104,11 @@ def fixed_batch(realgeo) -> list[Sample]:
     (bf16 on the GPU, the checkpoint's weights) with its log-probs; advantages +1 / -1 per group."""
     import pandas as pd
 
-    from slime.rollout.engines.base import GenerateRequest, SamplingParams
-    from slime.rollout.engines.hf_engine import TransformersEngine
     from slime.data.config import DataConfig
     from slime.data.dataset import PromptDataset
     from slime.data.processor import load_processor
+    from slime.rollout.engines.base import GenerateRequest, SamplingParams
+    from slime.rollout.engines.hf_engine import TransformersEngine
 
     data = DataConfig(prompt_data=str(DATA), input_key="problem", label_key="answer",
                       multimodal_keys={"image": "images"}, apply_chat_template=True)

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from slime.utils.config import ConfigError
-from slime.utils.metrics import MetricsLogger, RolloutProgress, read_metrics, reward_curve_figure, resolve_wandb_mode
+from slime.utils.metrics import MetricsLogger, RolloutProgress, read_metrics, resolve_wandb_mode, reward_curve_figure
 from slime.utils.metrics_config import WandbConfig
 
 NO_WANDB = WandbConfig()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from slime.data.sample import Sample
 from slime.rollout.config import ParityConfig
 from slime.rollout.parity import (
     CHECKED_STEPS,
@@ -21,7 +22,6 @@ from slime.rollout.parity import (
     verdict,
 )
 from slime.utils.config import ConfigError
-from slime.data.sample import Sample
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 
@@ -139,8 +139,8 @@ class _StubEngines:
         self.processor, self.shift, self.calls = processor, shift, 0
 
     def generate(self, requests):
-        from slime.rollout.engines.base import GenerateOutput
         from slime.data.image import decode_image
+        from slime.rollout.engines.base import GenerateOutput
 
         self.calls += 1
         outs = []

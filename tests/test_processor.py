@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from slime.utils.config import ConfigError
 from slime.data.processor import ImageSizeError, load_processor, mm_token_type_ids
+from slime.utils.config import ConfigError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

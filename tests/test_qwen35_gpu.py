@@ -38,10 +38,10 @@ HF_MODELING = transformers_qwen35_without_fla()
 
 from qwen35_helpers import geo3k_prompts  # noqa: E402
 
+from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 from slime.models.qwen3_5.config import Qwen35Kernels  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
 from slime.models.qwen3_5.weights import Ranks, StateDictReader, model_rules, read_rank_state  # noqa: E402
-from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 
 FIGURES = os.environ.get("SLIME_GPU_FIGURES")  # a .jsonl file the figures are appended to
 MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32
@@ -198,8 +198,8 @@ def test_fla_kernels_match_float64_recurrence(dtype, bound):
     import torch.nn.functional as F
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
     from qwen35_helpers import recurrent_gated_delta_rule_f64
+
     from slime.models.qwen3_5.gdn import causal_conv1d_packed
     from slime.models.qwen3_5.packing import PackedSequences
 

@@ -9,16 +9,19 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from qwen35_helpers import geo3k_prompts, recurrent_gated_delta_rule_f64
 
 from slime.models.qwen3_5.gdn import causal_conv1d_packed, chunk_gated_delta_rule_torch
 from slime.models.qwen3_5.packing import PackedSequences, pack_sequences
 from slime.models.qwen3_5.rope import (
-    PositionError, apply_rotary, inv_frequencies, mrope_frequencies, mrope_position_ids, packed_position_ids,
+    PositionError,
+    apply_rotary,
+    inv_frequencies,
+    mrope_frequencies,
+    mrope_position_ids,
+    packed_position_ids,
 )
 from slime.models.qwen3_5.vision import ImageTokenMismatch, scatter_image_features
-
 
 # ---------------------------------------------------------------------------------------------- packing
 

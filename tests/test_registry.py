@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from slime.arguments import parse_args
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.rollout.engines import ENGINES
-from slime.arguments import parse_args
 from slime.utils.config import ConfigError
 from slime.utils.registry import Builtin, Registry, Unavailable
 

@@ -40,9 +40,9 @@ import pytest
 import torch
 
 from slime import driver
-from slime.rollout.manager import RolloutBatch
-from slime.checkpoints import layout as ckpt
 from slime.arguments import parse_args
+from slime.checkpoints import layout as ckpt
+from slime.rollout.manager import RolloutBatch
 from slime.utils.metrics import MetricsLogger, read_metrics
 from tests.process_tree import kill_session, session_members, wait_for, wait_session_gone
 

@@ -28,13 +28,12 @@ import pytest
 from math_verify import parse
 from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
 
+from slime.rollout.rm_hub.answer import answer_alternatives, last_boxed, numeric_value, parse_latex, unwrap_math_text
 from slime.rollout.rm_hub.config import REWARD_FUNCTIONS, RewardConfig, resolve_reward_function
 from slime.rollout.rm_hub.deepscaler import deepscaler_reward
-from slime.rollout.rm_hub.geo3k import geo3k_reward
+from slime.rollout.rm_hub.geo3k import decimal_places, geo3k_reward
 from slime.rollout.rm_hub.math_reward import EmptyLabelError, math_reward
 from slime.rollout.rm_hub.scorer import RewardScorer
-from slime.rollout.rm_hub.answer import answer_alternatives, last_boxed, numeric_value, parse_latex, unwrap_math_text
-from slime.rollout.rm_hub.geo3k import decimal_places
 from slime.utils.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ even ones, so every expected reward and advantage is worked out by hand below.
 from __future__ import annotations
 
 import io
-import logging
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from slime.rollout.engines.base import GenerateOutput
-from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 from slime.arguments import parse_args
 from slime.data.image import decode_image
 from slime.data.sample import SampleStatus
+from slime.rollout.engines.base import GenerateOutput
+from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 
 
 def _png(colour) -> bytes:

@@ -55,10 +55,10 @@ def checkpoint():
 @pytest.fixture(scope="module")
 def prompts(checkpoint):
     """12 geo3k problems with their image, and the same problems as text only."""
-    from slime.rollout.parity import probe_prompts
     from slime.arguments import parse_args
     from slime.data.dataset import PromptDataset
     from slime.data.processor import load_processor
+    from slime.rollout.parity import probe_prompts
 
     cfg = parse_args(["--hf-checkpoint", str(checkpoint), "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",

@@ -31,10 +31,10 @@ DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(tiny_ckpt, tmp_path):
     import ray
 
+    from slime.arguments import parse_args
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
     from slime.rollout.engines.sglang.engine import SGLangEngine
-    from slime.arguments import parse_args
 
     cfg = parse_args([
         "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",

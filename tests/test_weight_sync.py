@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import ray
 
+from slime.arguments import parse_args
+from slime.data.processor import load_processor
+from slime.driver import resolve_components, start_workers
 from slime.ray.placement import create_placement_groups, init_ray
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutManager
-from slime.driver import resolve_components, start_workers
-from slime.arguments import parse_args
-from slime.data.processor import load_processor
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 TOLERANCE = 1e-4

@@ -170,10 +170,10 @@ def _engine_state(engines) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_object_store_sync_from_two_fsdp_ranks(tiny_ckpt, perturbed):
-    from slime.ray.placement import create_placement_groups, init_ray
-    from slime.driver import resolve_components, start_workers
-    from slime.checkpoints import layout as ckpt
     from slime.arguments import parse_args
+    from slime.checkpoints import layout as ckpt
+    from slime.driver import resolve_components, start_workers
+    from slime.ray.placement import create_placement_groups, init_ray
 
     root, expected, original = perturbed
     cfg = parse_args([

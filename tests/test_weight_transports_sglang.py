@@ -163,9 +163,9 @@ def test_nccl_group_ranks_and_dtype_runs():
 
 @pytest.mark.slow
 def test_nccl_protocol_over_gloo_moves_every_checkpoint_name_vision_tower_included(tiny_ckpt):
-    from slime.ray.placement import create_placement_groups, init_ray
-    from slime.driver import resolve_components, start_workers
     from slime.arguments import parse_args
+    from slime.driver import resolve_components, start_workers
+    from slime.ray.placement import create_placement_groups, init_ray
     from slime.weight_sync.nccl import NcclTransport
 
     cfg = parse_args([

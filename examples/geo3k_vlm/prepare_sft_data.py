@@ -45,8 +45,8 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slime.utils.config import ConfigError
 from slime.data.sources import DatasetError, list_rows, read_jsonl, resolve_source
+from slime.utils.config import ConfigError
 
 
 def format_answer(answer: str) -> str:

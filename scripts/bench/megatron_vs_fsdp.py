@@ -142,7 +142,8 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     profile = None
     if args.profile and name in args.profile_backends:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch_profile(activities=activities) as prof:
@@ -181,10 +182,10 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of the script.")
     args = parser.parse_args()
 
+    from transformers import AutoConfig
+
     from slime.models.qwen3_5.config import arch_from_hf_config
     from tests.spawn_ranks import spawn_ranks
-
-    from transformers import AutoConfig
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="slime-bench-"))
     work.mkdir(parents=True, exist_ok=True)

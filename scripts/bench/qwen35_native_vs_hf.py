@@ -39,7 +39,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from slime.models.qwen3_5.build import (  # noqa: E402
-    initialize_single_process, native_from_hf_model, transformers_qwen35_without_fla,
+    initialize_single_process,
+    native_from_hf_model,
+    transformers_qwen35_without_fla,
 )
 
 HF_MODELING = transformers_qwen35_without_fla()

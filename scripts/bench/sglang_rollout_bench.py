@@ -260,9 +260,9 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
          repeats: int, direct_requests_per_call: list[int]) -> dict:
     import ray
 
+    from slime.arguments import parse_args
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
-    from slime.arguments import parse_args
     from tests.sglang_gpu_helpers import sglang_argv
 
     _start_ray()
@@ -519,11 +519,11 @@ class _BenchPlacement(SharedGpuPlacement):
 def weight_sync(args) -> None:
     import ray
 
+    from slime.arguments import parse_args
     from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
     from slime.rollout.engines.sglang.server_plugin import FAST_EXPERT_LOAD_ENV
-    from slime.arguments import parse_args
     from slime.weight_sync.cuda_ipc import CudaIpcTransport
     from slime.weight_sync.fused_experts import checkpoint_num_experts
     from tests.sglang_gpu_helpers import sglang_argv

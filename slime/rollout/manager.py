@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from slime.data.config import DataConfig
+from slime.data.dataset import PromptDataset, load_eval_samples
+from slime.data.processor import VLProcessor
+from slime.data.sample import Sample, SampleStatus
+from slime.grpo.advantages import compute_advantages
+from slime.grpo.config import GRPOConfig
 from slime.rollout.config import EvalConfig, RolloutConfig
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.seeds import sampling_seed
-from slime.data.config import DataConfig
-from slime.data.dataset import PromptDataset, load_eval_samples
-from slime.grpo.advantages import compute_advantages
-from slime.grpo.config import GRPOConfig
-from slime.data.processor import VLProcessor
-from slime.data.sample import Sample, SampleStatus
 
 if TYPE_CHECKING:  # the engine group imports Ray; the flags import this module's neighbours (parity)
     from slime.rollout.engine_group import RolloutEngineGroup

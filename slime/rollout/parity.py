@@ -41,16 +41,16 @@ import logging
 import statistics
 from typing import TYPE_CHECKING
 
+from slime.data.sample import Sample
+from slime.rollout.config import ParityConfig
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.manager import PROMPT_LENGTH_CAUSES, prompt_length_mismatches
-from slime.rollout.config import ParityConfig
 from slime.rollout.seeds import sampling_seed
-from slime.data.sample import Sample
 
 if TYPE_CHECKING:
+    from slime.data.dataset import PromptDataset
     from slime.ray.trainer_group import TrainerGroup
     from slime.rollout.engine_group import RolloutEngineGroup
-    from slime.data.dataset import PromptDataset
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Callable, IO, Any
+from typing import IO, Any, Callable
 
 from tqdm import tqdm
 

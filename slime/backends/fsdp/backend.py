@@ -64,9 +64,9 @@ from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.checkpoints import layout as ckpt
+from slime.data.sample import Sample
 from slime.grpo.config import GRPOConfig
 from slime.grpo.loss import grpo_micro_batch_loss
-from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

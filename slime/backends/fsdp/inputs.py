@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from slime.backends.batching import PAD_TOKEN_ID, check_image_inputs, pad_per_token, response_input_ids
-from slime.grpo.log_probs import entropy_from_logits, gather_log_probs
 from slime.data.processor import mm_token_type_ids
 from slime.data.sample import Sample
+from slime.grpo.log_probs import entropy_from_logits, gather_log_probs
 
 
 @dataclasses.dataclass

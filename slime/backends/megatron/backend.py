@@ -55,8 +55,8 @@ from slime.backends.megatron.schedule import run_micro_batches
 from slime.backends.megatron.weight_export import iter_buckets
 from slime.backends.train_metrics import logprob_gap_metrics, logprob_gap_sums
 from slime.checkpoints import layout as ckpt
-from slime.grpo.config import GRPOConfig
 from slime.data.sample import Sample
+from slime.grpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 

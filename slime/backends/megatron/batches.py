@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime.backends.batching import check_image_inputs, response_input_ids, split_into_micro_batches
+from slime.data.sample import Sample
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
-from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -52,8 +52,8 @@ from slime.backends.batching import bucket_by_bytes
 from slime.backends.megatron.optimizer import STATE_KEYS
 from slime.backends.megatron.weight_export import ordered_rules
 from slime.backends.rng import rng_state, set_rng_state
-from slime.models.qwen3_5.weights import ExportGroups, StateDictReader, export_rule, read_rank_state
 from slime.checkpoints.layout import CheckpointError
+from slime.models.qwen3_5.weights import ExportGroups, StateDictReader, export_rule, read_rank_state
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from slime.grpo.log_probs import vocab_parallel_log_probs
 from slime.backends.megatron.batches import MicroBatch
 from slime.grpo.config import GRPOConfig
+from slime.grpo.log_probs import vocab_parallel_log_probs
 from slime.grpo.loss import grpo_micro_batch_loss
 
 

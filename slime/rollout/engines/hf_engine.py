@@ -48,6 +48,8 @@ import dataclasses
 
 import torch
 
+from slime.data.image import decode_image
+from slime.data.processor import load_processor, mm_token_type_ids
 from slime.rollout.engines.base import (
     GPU_MEMORY_TYPE_WEIGHTS,
     EngineResources,
@@ -58,8 +60,6 @@ from slime.rollout.engines.base import (
     memory_tags,
 )
 from slime.rollout.seeds import SEED_BITS, uniform
-from slime.data.image import decode_image
-from slime.data.processor import load_processor, mm_token_type_ids
 
 
 def sample_next_tokens(

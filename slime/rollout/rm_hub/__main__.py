@@ -17,9 +17,9 @@ import dataclasses
 import logging
 import sys
 
+from slime.rollout.rm_hub.answer import last_boxed
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.rm_hub.scorer import RewardScorer
-from slime.rollout.rm_hub.answer import last_boxed
 from slime.utils.config import ConfigError, add_group, build_group
 
 
