@@ -1,40 +1,28 @@
 """Dataset rows -> prompt samples: images, chat template, limits, skips, shuffling, cursor.
 
-The rollout manager asks a :class:`PromptDataset` for ``--rollout-batch-size`` prompts per
-step with :meth:`PromptDataset.next_batch`; evaluation walks a dataset once with
-:meth:`PromptDataset.eval_samples`.  Each prompt is a :class:`slime.data.sample.Sample`
-with its prompt fields filled in.  Rows come from :func:`slime.data.sources.load_table`.
+The rollout manager draws ``--rollout-batch-size`` prompts per step with :meth:`PromptDataset.next_batch`;
+evaluation walks a dataset once with :meth:`PromptDataset.eval_samples`.  Rows come from
+:func:`slime.data.sources.load_table`; each prompt is a :class:`slime.data.sample.Sample`.  A row becomes a
+prompt in four steps (:meth:`PromptDataset.make_sample`):
 
-How a row becomes a prompt (:meth:`PromptDataset.make_sample`):
+1. the ``--input-key`` text holds one :data:`IMAGE_PLACEHOLDER` per image of the ``--multimodal-keys``
+   ``image`` column, in order (the hiyouga/geometry3k convention, also slime's); every row's count is
+   checked at load (nothing decoded) and the mismatching rows are named in one error;
+2. each image is decoded to RGB (:func:`slime.data.image.decode_image`) and resized **once** with
+   ``processor.resize_image``, a fixed point of the processor; the base64 PNGs sent to the engine are of
+   the resized images, so the engine and the trainer see the same image-token counts;
+3. with ``--apply-chat-template`` the text becomes one user message of ``{"type": "image"}`` /
+   ``{"type": "text"}`` items in placeholder order, rendered by the model's chat template
+   (``--apply-chat-template-kwargs`` passed through); without it each placeholder becomes :data:`VISION_SPAN`;
+4. the processor tokenises it and expands the image tokens: ``prompt_token_ids``, ``pixel_values``, ``image_grid_thw``.
 
-1. the ``--input-key`` text holds one :data:`IMAGE_PLACEHOLDER` per image of the
-   ``--multimodal-keys`` ``image`` column, in order (the hiyouga/geometry3k convention,
-   also used by slime).  Every row is checked when the dataset is loaded (placeholder
-   count against the image list's length; nothing decoded), and a mismatch is one error
-   naming the bad rows, so it cannot surface hours into a run;
-2. each image is decoded to RGB (:func:`slime.data.image.decode_image`) and resized
-   **once** with ``processor.resize_image`` to the processor's pixel bounds.  The resize is
-   a fixed point of the processor, and the base64 PNGs sent to the engine are of the
-   resized images, so the engine and the trainer see the same image-token counts;
-3. with ``--apply-chat-template`` the text becomes one user message whose content items
-   are ``{"type": "image"}`` / ``{"type": "text"}`` in placeholder order, rendered by the
-   model's chat template (``--apply-chat-template-kwargs`` passed through); without it
-   each placeholder is replaced by the model's vision span (:data:`VISION_SPAN`);
-4. the processor tokenises the prompt and expands the image tokens, giving
-   ``prompt_token_ids`` and ``pixel_values`` / ``image_grid_thw``.
-
-Rows are skipped, never silently: an unreadable image, an empty or missing label, or a
-prompt longer than ``--rollout-max-prompt-len`` tokens (images expanded).  Every skip is
-logged (``logging.warning``, with the row index and id) and counted in
-:attr:`PromptDataset.skip_counts` (cumulative, by reason), which the rollout manager
-reports in each step's metrics.  A skipped row is replaced by the next row.
-
-Order: rows are drawn from a cursor ``(epoch, position)``.  With ``--rollout-shuffle``
-epoch ``e`` visits rows in the order ``numpy.random.default_rng([seed, e]).permutation(N)``
-(a pure function of the seed and the epoch); without it, in file order.  The cursor and
-the skip counts are saved with :meth:`PromptDataset.state_dict` and restored with
-:meth:`PromptDataset.load_state_dict`, so a resumed run draws the batches the
-uninterrupted run would have drawn.
+Rows are skipped, never silently (an unreadable image, an empty or missing label, a prompt longer than
+``--rollout-max-prompt-len`` tokens, images expanded): each skip is logged with the row index and id,
+counted in :attr:`PromptDataset.skip_counts` (cumulative, by reason; reported in each step's metrics) and
+replaced by the next row.  Order: a cursor ``(epoch, position)``; with ``--rollout-shuffle`` epoch ``e``
+visits the rows in the order ``numpy.random.default_rng([seed, e]).permutation(N)``, else in file order.
+:meth:`PromptDataset.state_dict` / :meth:`PromptDataset.load_state_dict` save and restore the cursor and the
+skip counts, so a resumed run draws the batches the uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
