@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from slime.data.sample import Sample
 from slime.rollout.config import ParityConfig
@@ -63,6 +65,29 @@ def test_verdict(image, text, refused, reason):
             assert "SGLang 0.5.17" in why and "--skip-engine-parity-check" in why
 
 
+@pytest.mark.parametrize("image, text, floor_image, floor_text, refused, reason", [
+    # a random real-width bf16 model: the engine at about the trainer's own floor passes (issue 24's gaps)
+    (0.10, 0.20, 0.08, 0.12, False, None),
+    (0.14, 0.21, 0.10, 0.10, False, None),   # text 0.21 < 3 x 0.10
+    (0.10, 0.31, 0.08, 0.10, True, "3 x the trainer's own floor 0.1"),  # text beyond 3 floors: weights differ
+    (0.25, 0.05, 0.08, 0.10, True, "3 x the trainer's own floor 0.08"),  # image beyond 3 x its floor (0.24)
+    (0.20, 0.05, 0.08, 0.10, False, None),   # image 2.5 floors
+    # the ratio test, in units of each kind's floor: image 0.09 = 18 floors, text 0.02 = 4 floors: 18 > 3 x 4
+    (0.09, 0.02, 0.005, 0.005, True, "3 x the text gap"),
+    (0.05, 0.02, 0.005, 0.005, False, None),  # 10 < 12
+    # the floor only raises the absolute bound: with a floor below max_gap / factor the old rule holds
+    (0.2, 0.09, 0.01, 0.01, True, "--engine-parity-max-gap 0.1"),
+    # floors under GAP_FLOOR change nothing in the ratio test
+    (6.0e-3, 9.9e-4, 1e-5, 1e-5, True, "multimodal-RoPE bug"),
+])  # fmt: skip
+def test_verdict_against_the_trainers_floor(image, text, floor_image, floor_text, refused, reason):
+    gaps = ParityGaps(image, text, 4 * image, 4 * text, 100, 100, floor_image, floor_text)
+    why = verdict(gaps, max_gap=0.1, max_ratio=3.0, floor_factor=3.0)
+    assert (why is not None) == refused, why
+    if refused:
+        assert reason in why, why
+
+
 @pytest.mark.parametrize("image_tokens, text_tokens, missing", [(0, 100, "no image-prompt"), (100, 0, "no text-prompt"),
                                                                (0, 0, "no image and no text-prompt")])
 def test_a_kind_with_nothing_to_compare_refuses_instead_of_passing_at_gap_0(image_tokens, text_tokens, missing):
@@ -74,7 +99,8 @@ def test_a_kind_with_nothing_to_compare_refuses_instead_of_passing_at_gap_0(imag
 
 
 @pytest.mark.parametrize("field, value", [("engine_parity_prompts", 0), ("engine_parity_response_len", 0),
-                                          ("engine_parity_max_gap", 0.0), ("engine_parity_max_ratio", -1.0)])
+                                          ("engine_parity_max_gap", 0.0), ("engine_parity_max_ratio", -1.0),
+                                          ("engine_parity_floor_factor", 0.0)])
 def test_bad_parity_flags_are_refused(field, value):
     with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}"):
         ParityConfig(**{field: value})
@@ -120,11 +146,22 @@ def test_responses_with_a_vision_placeholder_are_left_out_of_the_gaps(dataset):
     text.response_token_ids, text.rollout_log_probs = [5, 6], [-1.0, -2.0]
     text2.response_token_ids, text2.rollout_log_probs = [9], [-3.0]
     trainer = [[-0.1, -0.1, -0.1], [-2.01], [-1.0, -1.9], [-3.0]]
-    trainers = types.SimpleNamespace(compute_log_probs=lambda samples: trainer)
+    noisy = [[-0.5, -0.5, -0.5], [-2.03], [-1.0, -1.96], [-3.03]]  # the trainer with one rounding step of noise
+    calls = []
+
+    def compute_log_probs(samples, rounding_noise=False):
+        calls.append(rounding_noise)
+        return noisy if rounding_noise else trainer
+
+    trainers = types.SimpleNamespace(compute_log_probs=compute_log_probs)
     metrics = check.compare(trainers, [image, image2, text, text2], 0)
+    assert sorted(calls) == [False, True]
     assert metrics["parity/skipped_vision_token_responses"] == 1.0 and metrics["parity/tokens_image"] == 1
     assert metrics["parity/logprob_gap_image"] == pytest.approx(0.01)  # image2 alone
     assert metrics["parity/logprob_gap_text"] == pytest.approx(0.1 / 3) and metrics["parity/tokens_text"] == 3
+    # the floors: |noisy - trainer| on the same kept tokens (the left-out image response's 0.4s do not count)
+    assert metrics["parity/trainer_floor_image"] == pytest.approx(0.02)
+    assert metrics["parity/trainer_floor_text"] == pytest.approx((0.0 + 0.06 + 0.03) / 3)
     image2.response_token_ids = [pad]  # now every image response is left out: nothing to compare
     with pytest.raises(EngineParityError, match="no image-prompt response token to compare"):
         check.compare(trainers, [image, image2, text, text2], 0)
@@ -272,4 +309,43 @@ def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ck
     for record in records:  # the fake runs the trainer's HF model in float32: the two agree to rounding
         assert record["parity/logprob_gap_image"] < 1e-4 and record["parity/logprob_gap_text"] < 1e-4
         assert record["parity/tokens_image"] > 0 and record["parity/tokens_text"] > 0
+        # one fp32 rounding step on the embeddings moves an fp32 trainer's log-probs by rounding only
+        assert 0 <= record["parity/trainer_floor_image"] < 1e-4 and 0 <= record["parity/trainer_floor_text"] < 1e-4
         assert record["rollout/engine_failures"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_one_ulp_step_moves_each_element_to_a_neighbouring_representable_value(dtype):
+    from slime.backends.rounding import one_ulp_step
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, generator=g).to(dtype)
+    x[:10] = 0.0
+    y = one_ulp_step(x, torch.Generator().manual_seed(1))
+    assert y.dtype == dtype and torch.equal(y[:10], x[:10])  # zeros keep their value
+    xs, ys = x[10:].double().numpy(), y[10:].double().numpy()
+    # The neighbours of each value in its own dtype, from numpy's float64 arithmetic: the spacing 2^(e - p + 1)
+    # of a value in [2^e, 2^(e+1)) for p significand bits, half that below a power of two when moving down.
+    bits = {torch.float32: 24, torch.bfloat16: 8, torch.float64: 53}[dtype]
+    exponent = np.floor(np.log2(np.abs(xs)))
+    up = np.abs(xs) + 2.0 ** (exponent - bits + 1)
+    down = np.abs(xs) - np.where(np.abs(xs) == 2.0**exponent, 2.0 ** (exponent - bits), 2.0 ** (exponent - bits + 1))
+    moved_up, moved_down = np.abs(ys) == up, np.abs(ys) == down
+    assert np.all(moved_up | moved_down) and np.all(np.sign(ys) == np.sign(xs))
+    assert 0.45 < moved_up.mean() < 0.55  # up or down with probability 1/2
+
+
+def test_rounding_step_noise_is_seeded_and_leaves_the_module_as_it_was():
+    from slime.backends.rounding import rounding_step_noise
+
+    emb = torch.nn.Embedding(50, 16)
+    ids = torch.arange(20)
+    plain = emb(ids)
+    with rounding_step_noise(emb, seed=3):
+        a = emb(ids)
+    with rounding_step_noise(emb, seed=3):
+        b = emb(ids)
+    with rounding_step_noise(None):
+        c = emb(ids)
+    assert torch.equal(a, b) and not torch.equal(a, plain) and torch.equal(c, plain) and torch.equal(emb(ids), plain)
+    assert (a - plain).abs().max() <= plain.abs().max() * 2**-23  # one fp32 ulp at most

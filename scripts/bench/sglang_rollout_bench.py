@@ -92,7 +92,7 @@ DATA = ROOT / "examples" / "geo3k_vlm" / "data"
 # ----------------------------------------------------------------------------- the scaled model
 
 
-def scaled_config(layers: int, token_ids: dict):
+def scaled_config(layers: int, token_ids: dict, experts: int = 128):
     """The ``Qwen3_5MoeConfig`` of the real-width scaled model (module docstring)."""
     import copy
 
@@ -107,7 +107,7 @@ def scaled_config(layers: int, token_ids: dict):
 
     text = copy.deepcopy(TEXT_CONFIG)
     text.update(copy.deepcopy(REAL_GEOMETRY_TEXT_CONFIG))
-    text.update(hidden_size=2048, num_hidden_layers=layers, num_experts=256, num_experts_per_tok=8,
+    text.update(hidden_size=2048, num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=8,
                 moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
                 layer_types=["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
                              for i in range(layers)],
@@ -123,7 +123,7 @@ def scaled_config(layers: int, token_ids: dict):
     return config
 
 
-def build_scaled(out: Path, layers: int) -> Path:
+def build_scaled(out: Path, layers: int, experts: int = 128) -> Path:
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
@@ -133,7 +133,7 @@ def build_scaled(out: Path, layers: int) -> Path:
     ids = {"eos": tiny["text_config"]["eos_token_id"], "pad": tiny["text_config"]["pad_token_id"],
            "image": tiny["image_token_id"], "video": tiny["video_token_id"],
            "vision_start": tiny["vision_start_token_id"], "vision_end": tiny["vision_end_token_id"]}
-    config = scaled_config(layers, ids)
+    config = scaled_config(layers, ids, experts)
     started = time.monotonic()
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -256,6 +256,21 @@ def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
     return figures
 
 
+LAUNCHER_FLAGS = ("--max-running-requests", "512", "--disable-custom-all-reduce")
+"""The launcher's SGLang flags on one GPU (examples/geo3k_vlm/run_geo3k_qwen35.sh) besides the memory fraction;
+SGLang picks everything else (FA3 attention, CUDA graphs, flashinfer sampling, its MoE runner)."""
+SERVER_CONFIG = "eager"
+"""``--server-config``: ``defaults`` (SGLang's defaults, the launcher's flags) or ``eager`` (the triton, no-CUDA-graph
+flags of ``tests/sglang_gpu_helpers.py``, the benchmarks' configuration before issue 24)."""
+
+
+def bench_flags(mem_fraction: float) -> tuple[str, ...]:
+    """SGLang server flags of every contender, by :data:`SERVER_CONFIG`."""
+    if SERVER_CONFIG == "defaults":
+        return ("--mem-fraction-static", str(mem_fraction), *LAUNCHER_FLAGS)
+    return server_flags(mem_fraction)
+
+
 def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_call: int, out: Path,
          repeats: int, direct_requests_per_call: list[int]) -> dict:
     import ray
@@ -263,14 +278,13 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
     from slime.arguments import parse_args
     from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
-    from tests.sglang_gpu_helpers import sglang_argv
-
     _start_ray()
     cfg = parse_args(["--hf-checkpoint", model, "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
                       "--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-server-concurrency",
                       str(capacity), "--sglang-requests-per-call", str(requests_per_call), "--output-dir",
-                      str(out / "ours"), *sglang_argv(mem_fraction)])  # the server's log there
+                      str(out / "ours"), *("--sglang-" + f[2:] if f.startswith("--") else f
+                                           for f in bench_flags(mem_fraction))])  # the server's log there
     engines = RolloutEngineGroup(SharedGpuPlacement([["0"]]), functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
     try:
@@ -291,7 +305,7 @@ def sglang_alone(model: str, requests, mem_fraction: float, repeats: int) -> dic
     import sglang
 
     kwargs = {}
-    flags = list(server_flags(mem_fraction))
+    flags = list(bench_flags(mem_fraction))
     while flags:  # the same server flags as keyword arguments of sglang.Engine
         name = flags.pop(0)[2:].replace("-", "_")
         kwargs[name] = True if not flags or flags[0].startswith("--") else _number(flags.pop(0))
@@ -356,7 +370,7 @@ def official_cli(model: str, mem_fraction: float, out_dir: Path) -> dict:
     command = [sys.executable, "-m", "sglang.bench_offline_throughput", "--model-path", model,
                "--dataset-name", "generated-shared-prefix", "--dataset-path", str(warmup), "--gsp-num-groups", "8",
                "--gsp-prompts-per-group", "8", "--gsp-output-len", "256", "--result-filename", str(result),
-               *server_flags(mem_fraction)]
+               *bench_flags(mem_fraction)]
     done = subprocess.run(command, capture_output=True, text=True)
     (out_dir / "bench_offline_throughput.log").write_text(done.stdout + done.stderr)
     if done.returncode or not result.exists():
@@ -380,8 +394,11 @@ def _attempt(name: str, run, *args) -> dict:
 
 
 def throughput(args) -> None:
+    global SERVER_CONFIG
+    SERVER_CONFIG = args.server_config
     requests = geo3k_requests(args.model, args.prompts, args.max_new_tokens)
-    figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
+    figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens, "server_config": SERVER_CONFIG,
+               "server_flags": list(bench_flags(args.mem_fraction))}
     if "ours" in args.contenders:
         figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity,
                                    args.requests_per_call, Path(args.out), args.repeats, args.direct_requests_per_call)
@@ -696,6 +713,7 @@ def main(argv=None) -> None:
     build = sub.add_parser("build-scaled", help="write the real-width scaled checkpoint")
     build.add_argument("out", type=Path)
     build.add_argument("--layers", type=int, default=4)
+    build.add_argument("--experts", type=int, default=128)
     for name in ("throughput", "weight-sync"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=True)
@@ -720,6 +738,8 @@ def main(argv=None) -> None:
                     help="which contenders run (always in the order ours, sglang_alone, transformers)")
     tp.add_argument("--hf-batch", type=int, default=32, help="the transformers engine's batch size")
     tp.add_argument("--official-cli", action="store_true", help="also run sglang.bench_offline_throughput (text)")
+    tp.add_argument("--server-config", choices=["defaults", "eager"], default="defaults",
+                    help="SGLang's defaults with the launcher's flags, or the triton eager flags of the GPU tests")
     ws = sub.choices["weight-sync"]
     ws.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                     help="--update-weight-buffer-size values to measure, MiB (one engine start for all)")
@@ -737,7 +757,7 @@ def main(argv=None) -> None:
             tp.error(f"--direct-requests-per-call {over}: at most --capacity {args.capacity} (a call's requests are "
                      "all in flight at the engine)")
     if args.command == "build-scaled":
-        build_scaled(args.out, args.layers)
+        build_scaled(args.out, args.layers, args.experts)
     elif args.command == "throughput":
         throughput(args)
     else:

@@ -97,7 +97,7 @@ class TrainerBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
+    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False) -> list[list[float]]:
         """Per-token log-probs of each sample's response under the current policy.
 
         Uses ``logits / --rollout-temperature``, as the engines do, with the sample's
@@ -106,6 +106,10 @@ class TrainerBackend(abc.ABC):
         compares the trainer's log-probs of a fixed prompt and response with an engine's
         (:meth:`slime.ray.trainer_group.TrainerGroup.compute_log_probs`; ``tests/test_weight_sync.py``
         and the SGLang engine's parity check).  Collective; every rank passes the same samples.
+
+        With ``rounding_noise`` the token embeddings get one rounding step of noise
+        (:func:`slime.backends.rounding.rounding_step_noise`): the difference to the plain call is this
+        trainer's own numerical floor on these tokens, which the parity check judges the engine against.
 
         Returns:
             One list of R floats (nats) per sample.

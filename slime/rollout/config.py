@@ -312,12 +312,19 @@ class ParityConfig:
         0.1, help="Largest mean |engine - trainer| log-prob gap per response token (nats) for image or text prompts."
     )
     engine_parity_max_ratio: float = flag(
-        3.0, help="Largest image-prompt gap as a multiple of the text-prompt gap (the latter floored at 1e-3 nats)."
+        3.0, help="Largest image-prompt gap as a multiple of the text-prompt gap, each in units of the trainer's own "
+        "floor on its tokens (at least 1e-3 nats)."
+    )
+    engine_parity_floor_factor: float = flag(
+        3.0, help="A kind's gap may also be up to this many times the trainer's own floor on the same tokens (its "
+        "log-probs with one rounding step of noise on the token embeddings against without), when that is above "
+        "--engine-parity-max-gap: a bf16 MoE model whose routers are near ties (random weights at real width) "
+        "disagrees with itself by ~0.1 nats."
     )
 
     def __post_init__(self):
         check_at_least_one(self, "engine_parity_prompts", "engine_parity_response_len")
-        for name in ("engine_parity_max_gap", "engine_parity_max_ratio"):
+        for name in ("engine_parity_max_gap", "engine_parity_max_ratio", "engine_parity_floor_factor"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")

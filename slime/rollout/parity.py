@@ -1,37 +1,23 @@
 """The engine parity check: the rollout engine and the trainer must agree on log-probs, images included.
 
-GRPO's importance ratios compare the trainer's log-probs with the ones the engine sampled under, so
-an engine that computes another distribution than the trainer biases every update, silently.  The
-case that motivates this check: SGLang 0.5.17 and 0.5.18 give image tokens of Qwen3.5 wrong rotary
-positions (:mod:`slime.rollout.engines.sglang.versions`), which leaves text prompts alone and shows
-only on image prompts.
+For the first two rollout steps of a run (start-up weights, then after the first weight sync):
 
-What runs, for the first two rollout steps of a run (``k = start``: engines and trainers both at the
-start-up weights, i.e. before step 0 on a fresh run; ``k = start + 1``: after the first weight sync):
+1. :meth:`EngineParityCheck.generate` (engines on the GPU, before the step's rollout): each of
+   ``--engine-parity-prompts`` training rows with an image is sampled twice, with its image and as text alone,
+   like the rollout, for ``--engine-parity-response-len`` tokens; every prompt length the engine reports must
+   equal the trainer's (:func:`check_probe_prompt_lengths`).
+2. :meth:`EngineParityCheck.compare` (the trainer on the GPU): the trainer's log-probs of the same responses,
+   plain and with one rounding step of noise on its token embeddings
+   (:meth:`slime.backends.base.TrainerBackend.compute_log_probs`).  Per kind (image / text): the gap is the
+   mean ``|engine - trainer|`` over response tokens (nats), the trainer's floor the mean ``|noisy - plain|``.
+   Responses that sampled an image/video placeholder are left out (``parity/skipped_vision_token_responses``).
 
-1. :meth:`EngineParityCheck.generate` (rollout phase, engines on the GPU, before the step's rollout): each of
-   ``--engine-parity-prompts`` fixed prompts of the training data (its first rows with an image) is sent twice,
-   with its image and as text alone (the same problem, the image left out), sampled like the rollout
-   (``--rollout-temperature``) for up to ``--engine-parity-response-len`` tokens, with the engine's
-   log-probs kept.  First of all, the prompt length the engine reports must equal the trainer's processed
-   prompt token count for every prompt (:func:`check_probe_prompt_lengths`), else the run stops there: the
-   gaps of other prompts would mislead;
-2. :meth:`EngineParityCheck.compare` (training phase, the trainer on the GPU, before its step):
-   :meth:`slime.backends.base.TrainerBackend.compute_log_probs` of the same responses; per kind the
-   gap is the mean over response tokens of ``|engine log-prob - trainer log-prob|`` (nats), and its max.
-   Responses that sampled an image or video placeholder id are left out (the trainer feeds that id
-   replaced, so the tokens after it see another context; counted in ``parity/skipped_vision_token_responses``).
-
-The run stops (:class:`EngineParityError`) when the image gap is above ``--engine-parity-max-gap``,
-or above ``--engine-parity-max-ratio`` times the text gap (floored at :data:`GAP_FLOOR`, the
-agreement bf16 engines reach on text); also when the text gap itself is above
-``--engine-parity-max-gap`` (then the weights differ, not the image path).  The gaps go to the
-metrics as ``parity/logprob_gap_{image,text}`` and ``..._max``.  Figures that motivate the
-defaults (issue 11, one H200, SGLang 0.5.17, bf16, the tiny model with Qwen3.5-35B-A3B's attention
-geometry, HF fp32 reference): bug 6.0e-3 image vs 9.9e-4 text (ratio 6); fixed 9.9e-4 vs 1.07e-3.
-
-Engines whose class sets :attr:`~slime.rollout.engines.base.RolloutEngine.parity_check` (SGLang) are
-checked unless ``--skip-engine-parity-check``; the transformers engine runs the trainer's own model code.
+:func:`verdict` refuses the run (:class:`EngineParityError`) on a text gap beyond the bound (the weights or
+sampling differ) or an image gap beyond the bound or far above the text gap (the multimodal-RoPE bug of SGLang
+0.5.17 / 0.5.18, :mod:`slime.rollout.engines.sglang.versions`).  Metrics: ``parity/logprob_gap_{image,text}``,
+``..._max``, ``parity/trainer_floor_{image,text}``.  The rule and its figures: docs/design/parity_gate.md.
+Engines whose class sets :attr:`~slime.rollout.engines.base.RolloutEngine.parity_check` (SGLang) are checked
+unless ``--skip-engine-parity-check``.
 """
 
 from __future__ import annotations
@@ -66,7 +52,11 @@ class EngineParityError(RuntimeError):
 
 @dataclasses.dataclass
 class ParityGaps:
-    """Gaps of one check, nats per response token: means and maxima over tokens, and token counts."""
+    """Gaps of one check, nats per response token: means and maxima over tokens, and token counts.
+
+    ``floor_image`` / ``floor_text``: the trainer's own floor on the same tokens, the mean ``|trainer with one
+    rounding step of noise - trainer|`` (:func:`slime.backends.rounding.rounding_step_noise`); 0 when not measured.
+    """
 
     image: float
     text: float
@@ -74,6 +64,8 @@ class ParityGaps:
     text_max: float
     image_tokens: int
     text_tokens: int
+    floor_image: float = 0.0
+    floor_text: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -83,35 +75,48 @@ class ParityGaps:
             "parity/logprob_gap_text_max": self.text_max,
             "parity/tokens_image": float(self.image_tokens),
             "parity/tokens_text": float(self.text_tokens),
+            "parity/trainer_floor_image": self.floor_image,
+            "parity/trainer_floor_text": self.floor_text,
         }
 
 
-def token_gaps(samples: list[Sample], trainer_log_probs: list[list[float]]) -> list[float]:
-    """``|engine - trainer|`` per response token of every sample, in order.
+def token_gaps(samples: list[Sample], trainer_log_probs: list[list[float]],
+               reference: list[list[float]] | None = None) -> list[float]:
+    """``|reference - trainer|`` per response token of every sample, in order; the reference defaults to the
+    engine's log-probs (``sample.rollout_log_probs``).
 
     Raises:
         ValueError: a sample whose trainer log-probs have another length than its response.
     """
+    reference = [s.rollout_log_probs for s in samples] if reference is None else reference
     gaps = []
-    for sample, trainer in zip(samples, trainer_log_probs, strict=True):
-        if len(trainer) != len(sample.rollout_log_probs):
-            raise ValueError(f"sample {sample.index}: {len(trainer)} trainer log-probs for "
-                             f"{len(sample.rollout_log_probs)} response tokens")
-        gaps += [abs(a - b) for a, b in zip(sample.rollout_log_probs, trainer)]
+    for sample, trainer, ref in zip(samples, trainer_log_probs, reference, strict=True):
+        if len(trainer) != len(ref):
+            raise ValueError(f"sample {sample.index}: {len(trainer)} trainer log-probs for {len(ref)} response tokens")
+        gaps += [abs(a - b) for a, b in zip(ref, trainer)]
     return gaps
 
 
-def summarize(image_gaps: list[float], text_gaps: list[float]) -> ParityGaps:
-    """Means and maxima (0 for an empty list) of the per-token gaps of each kind."""
+def summarize(image_gaps: list[float], text_gaps: list[float], image_floor: list[float] = (),
+              text_floor: list[float] = ()) -> ParityGaps:
+    """Means and maxima (0 for an empty list) of the per-token gaps of each kind, and the mean floors."""
     def mean(xs):
         return statistics.fmean(xs) if xs else 0.0
 
     return ParityGaps(mean(image_gaps), mean(text_gaps), max(image_gaps, default=0.0), max(text_gaps, default=0.0),
-                      len(image_gaps), len(text_gaps))
+                      len(image_gaps), len(text_gaps), mean(image_floor), mean(text_floor))
 
 
-def verdict(gaps: ParityGaps, max_gap: float, max_ratio: float) -> str | None:
-    """Why the gaps refuse the run (see the module docstring), or None when they pass.
+def verdict(gaps: ParityGaps, max_gap: float, max_ratio: float, floor_factor: float = 3.0) -> str | None:
+    """Why the gaps refuse the run, or None when they pass.
+
+    With the trainer's floors ``f`` (0 when not measured) and ``s = max(f, GAP_FLOOR)`` per kind:
+
+    - text: refused when ``text > max(max_gap, floor_factor * f_text)`` (the weights or sampling differ);
+    - image: refused when ``image > max(max_gap, floor_factor * f_image)``, or when the image gap in units of
+      its scale is more than ``max_ratio`` times the text gap in its own (at least 1):
+      ``image / s_image > max_ratio * max(text / s_text, 1)``.  With floors under ``GAP_FLOOR`` this is
+      ``image > max_ratio * max(text, GAP_FLOOR)``.
 
     A kind with no response token to compare refuses too (its gap would read 0 and pass): every response of
     it was empty or left out for a sampled image/video placeholder."""
@@ -121,14 +126,24 @@ def verdict(gaps: ParityGaps, max_gap: float, max_ratio: float) -> str | None:
                 "sampled an image/video placeholder, see parity/skipped_vision_token_responses), so the check "
                 "cannot tell whether the engine agrees with the trainer. Way out: more --engine-parity-prompts or "
                 "a longer --engine-parity-response-len; --skip-engine-parity-check runs anyway")
-    if gaps.text > max_gap:
-        return (f"text-prompt gap {gaps.text:.3g} nats > --engine-parity-max-gap {max_gap:g}: the engine's weights or "
+    def allowed(floor: float) -> tuple[float, str]:
+        if floor_factor * floor > max_gap:
+            return floor_factor * floor, (f"{floor_factor:g} x the trainer's own floor {floor:.3g} on these tokens "
+                                          "(--engine-parity-floor-factor)")
+        return max_gap, f"--engine-parity-max-gap {max_gap:g}"
+
+    text_limit, text_bound = allowed(gaps.floor_text)
+    if gaps.text > text_limit:
+        return (f"text-prompt gap {gaps.text:.3g} nats > {text_bound}: the engine's weights or "
                 "sampling differ from the trainer's (a failed weight sync, another dtype or temperature)")
-    limit = max_ratio * max(gaps.text, GAP_FLOOR)
-    if gaps.image > max_gap or gaps.image > limit:
-        bound = (f"--engine-parity-max-gap {max_gap:g}" if gaps.image > max_gap else
-                 f"{max_ratio:g} x the text gap (--engine-parity-max-ratio; text {gaps.text:.3g}, floored at "
-                 f"{GAP_FLOOR:g})")
+    image_limit, image_bound = allowed(gaps.floor_image)
+    scale_image, scale_text = max(gaps.floor_image, GAP_FLOOR), max(gaps.floor_text, GAP_FLOOR)
+    ratio_limit = max_ratio * scale_image * max(gaps.text / scale_text, 1.0)
+    if gaps.image > image_limit or gaps.image > ratio_limit:
+        bound = (image_bound if gaps.image > image_limit else
+                 f"{max_ratio:g} x the text gap (--engine-parity-max-ratio; text {gaps.text:.3g}; each in units of "
+                 f"the trainer's floor on its tokens, at least {GAP_FLOOR:g}: image {scale_image:.3g}, "
+                 f"text {scale_text:.3g})")
         return (f"image-prompt gap {gaps.image:.3g} nats (max {gaps.image_max:.3g}) > {bound}: the engine computes "
                 "image tokens differently from the trainer. Likely cause: an engine with the Qwen3.5 multimodal-RoPE "
                 "bug "
@@ -210,17 +225,24 @@ class EngineParityCheck:
         if samples is None:
             return {}
         trainer = trainers.compute_log_probs(samples)
+        noisy = trainers.compute_log_probs(samples, rounding_noise=True)
         n = len(self.image_prompts)
         # A response with an image/video placeholder id is fed to the trainer with that id replaced
         # (slime.backends.fsdp.inputs), so its later tokens see another context than the engine's: left out.
         keep = [not self.vision_token_ids.intersection(s.response_token_ids) for s in samples]
-        kinds = [[(s, t) for s, t, k in zip(samples[a:b], trainer[a:b], keep[a:b]) if k] for a, b in ((0, n), (n, None))]
-        gaps = summarize(*(token_gaps([s for s, _ in kind], [t for _, t in kind]) for kind in kinds))
+        kinds = [[(s, t, f) for s, t, f, k in zip(samples[a:b], trainer[a:b], noisy[a:b], keep[a:b]) if k]
+                 for a, b in ((0, n), (n, None))]
+        engine_gaps = [token_gaps([s for s, _, _ in kind], [t for _, t, _ in kind]) for kind in kinds]
+        floors = [token_gaps([s for s, _, _ in kind], [f for _, _, f in kind], [t for _, t, _ in kind])
+                  for kind in kinds]
+        gaps = summarize(*engine_gaps, *floors)
         when = self.when(rollout_id)
-        logger.info("engine parity %s (rollout %d): image gap %.3g (max %.3g) over %d tokens, text gap %.3g "
-                    "(max %.3g) over %d tokens", when, rollout_id, gaps.image, gaps.image_max, gaps.image_tokens,
-                    gaps.text, gaps.text_max, gaps.text_tokens)
-        why = verdict(gaps, self.cfg.engine_parity_max_gap, self.cfg.engine_parity_max_ratio)
+        logger.info("engine parity %s (rollout %d): image gap %.3g (max %.3g, trainer floor %.3g) over %d tokens, "
+                    "text gap %.3g (max %.3g, trainer floor %.3g) over %d tokens", when, rollout_id, gaps.image,
+                    gaps.image_max, gaps.floor_image, gaps.image_tokens, gaps.text, gaps.text_max, gaps.floor_text,
+                    gaps.text_tokens)
+        why = verdict(gaps, self.cfg.engine_parity_max_gap, self.cfg.engine_parity_max_ratio,
+                      self.cfg.engine_parity_floor_factor)
         if why:
             raise EngineParityError(f"engine parity check {when} (rollout {rollout_id}) failed: {why}")
         return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(keep.count(False))}

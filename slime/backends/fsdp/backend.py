@@ -62,6 +62,7 @@ from slime.backends.fsdp.hf_io import (
 from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs, vision_placeholder_ids
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rng import rng_state, set_rng_state
+from slime.backends.rounding import rounding_step_noise
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
 from slime.checkpoints import layout as ckpt
 from slime.data.sample import Sample
@@ -247,9 +248,10 @@ class FSDPBackend(TrainerBackend):
     # log-probs and training
     # ------------------------------------------------------------------------------------
 
-    def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
+    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False) -> list[list[float]]:
         """Per-token log-probs (nats) of each response under the current policy at
         ``--rollout-temperature`` (no grad). Every rank must pass the same number of samples.
+        ``rounding_noise``: see :meth:`TrainerBackend.compute_log_probs`.
 
         Raises:
             SampleError: a malformed sample on any rank (see :func:`check_train_samples`).
@@ -257,7 +259,8 @@ class FSDPBackend(TrainerBackend):
         self._require_init()
         self._require_on_device("compute_log_probs()", training=False)
         check_train_samples(samples)
-        return [lp.tolist() for lp in self._log_probs(self.model, samples)]
+        with rounding_step_noise(self.model.get_input_embeddings() if rounding_noise else None):
+            return [lp.tolist() for lp in self._log_probs(self.model, samples)]
 
     def _log_probs(self, model, samples: Sequence[Sample]) -> list[Tensor]:
         """No-grad log-probs of each sample's response, float32 ``[R]`` on CPU, in micro-batches."""

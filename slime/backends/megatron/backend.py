@@ -45,6 +45,7 @@ from slime.backends.base import WEIGHTS, RankInfo, TrainerBackend
 from slime.backends.batching import check_train_samples, loss_normalizer, split_into_steps
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.lr_schedule import LRSchedule
+from slime.backends.rounding import rounding_step_noise
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron.batches import MicroBatch, pack_micro_batch, packed_per_token, plan_micro_batches
 from slime.backends.megatron.config import MegatronConfig
@@ -250,9 +251,10 @@ class MegatronBackend(TrainerBackend):
             return None
         return [out["log_probs"].float().cpu() for out in store]
 
-    def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
+    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False) -> list[list[float]]:
         """Per-token log-probs (nats) of each response under the current policy at ``--rollout-temperature``
-        (no grad); every rank passes the same samples and returns the same lists.
+        (no grad); every rank passes the same samples and returns the same lists.  ``rounding_noise``: see
+        :meth:`TrainerBackend.compute_log_probs` (on the first pipeline stage's token embedding).
 
         Raises:
             SampleError: a malformed sample on any rank.
@@ -261,7 +263,9 @@ class MegatronBackend(TrainerBackend):
         self._require_on_device("compute_log_probs()", training=False)
         check_train_samples(samples)
         batches = self._micro_batches(samples, dp_group=None)
-        per_batch = self._forward_log_probs(self.model, batches)
+        embedding = next((m for m in self.model.modules() if type(m).__name__ == "VocabParallelEmbedding"), None)
+        with rounding_step_noise(embedding if rounding_noise else None):
+            per_batch = self._forward_log_probs(self.model, batches)
         out: list[list[float] | None] = [None] * len(samples)
         if per_batch is not None:
             for batch, log_probs in zip(batches, per_batch):

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Issue 24 on one H200: the recipe at its real widths and SGLang's defaults.
+#
+#   bash scripts/bench/h200_real_width.sh start OUT_DIR WHEELHOUSE [PHASE ...]   run the phases in the background
+#   bash scripts/bench/h200_real_width.sh wait OUT_DIR SECONDS                  wait up to SECONDS, then pack the logs
+#   bash scripts/bench/h200_real_width.sh run OUT_DIR WHEELHOUSE [PHASE ...]     the phases in the foreground
+#
+# A device call ends after 10 minutes, but a process in its own session outlives the call while the machine stays
+# warm (30 s between calls): `start` returns at once, then back-to-back `wait` calls bring the logs home.
+# Phases (default: all, in this order); each runs under a timeout and notes its seconds in summary.txt:
+#   build       the real-width scaled checkpoint (scripts/models/qwen3.5-35B-A3B-scaled.sh: 4 layers, 128 experts)
+#   floor       scripts/bench/parity_floor.py: engine vs HF fp32 / bf16 / forced routes / Megatron, by component
+#   e2e         the launcher with only the recipe's variables: Megatron + SGLang (its defaults), colocated,
+#               --rollout-batch-size 16 --global-batch-size 128 --rollout-max-response-len 512, 5 rollouts, a save
+#   resume      the same command with --load of that save, 2 more rollouts
+#   throughput  scripts/bench/sglang_rollout_bench.py throughput: ours vs sglang.Engine at SGLang's defaults
+# Results in OUT_DIR: summary.txt, figures.jsonl, metrics.jsonl (the e2e + resume run), logs.tar.gz.
+set -uo pipefail
+cd "$(dirname -- "${BASH_SOURCE[0]}")/../.."
+MODE=${1:?usage: h200_real_width.sh start|wait|run OUT_DIR ...}; OUT=${2:?OUT_DIR}; shift 2
+LOGS=/tmp/h200-real-width
+mkdir -p "$OUT" "$LOGS"; OUT=$(cd "$OUT" && pwd)
+pack() {
+  cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$OUT/" 2>/dev/null
+  cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+  tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
+}
+case $MODE in
+  start)
+    [ -f "$LOGS/pid" ] && kill -0 "$(cat "$LOGS/pid")" 2>/dev/null && { echo "already running"; exit 1; }
+    setsid nohup bash "$0" run "$LOGS/out" "$@" >"$LOGS/driver.log" 2>&1 < /dev/null &
+    echo $! >"$LOGS/pid"; echo "started $(cat "$LOGS/pid")"; exit 0 ;;
+  wait)
+    SECONDS_LEFT=${1:?SECONDS}; t0=$(date +%s)
+    while [ $(( $(date +%s) - t0 )) -lt "$SECONDS_LEFT" ] && kill -0 "$(cat "$LOGS/pid")" 2>/dev/null; do sleep 5; done
+    kill -0 "$(cat "$LOGS/pid")" 2>/dev/null && echo "still running" || echo "finished"
+    pack; tail -n 30 "$LOGS/summary.txt"; exit 0 ;;
+  run) ;;
+  *) echo "unknown mode $MODE"; exit 2 ;;
+esac
+
+WH=${1:?WHEELHOUSE}; shift
+PHASES=${*:-build floor e2e resume throughput}
+trap pack EXIT
+trap 'exit 143' TERM
+export SLIME_VENV=none SLIME_WHEELHOUSE=$WH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 SLIME_GPU_FIGURES=$LOGS/figures.jsonl
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}  # fla enables its tilelang backend only when it finds nvcc
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+SCALED=/tmp/slime-scaled-qwen35-e128
+RUN=$LOGS/run
+now() { date +%s.%N; }
+timed() {  # timed NAME COMMAND...: run it, log to LOGS/NAME.log, note seconds and exit code in summary.txt
+  local name=$1 t0 status; shift
+  t0=$(now)
+  "$@" >"$LOGS/$name.log" 2>&1; status=$?
+  echo "$name: exit $status in $(python3 -c "print(round($(now) - $t0, 1))") s" | tee -a "$LOGS/summary.txt"
+  tail -n 3 "$LOGS/$name.log"
+  return $status
+}
+launcher() {  # the recipe as a user runs it on one GPU, the scaled model's file, no --sglang-* flag
+  SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=Qwen3.5-35B-A3B-scaled SLIME_SCRIPT_HF_CHECKPOINT="$SCALED" \
+  SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_OUTPUT_DIR="$RUN" \
+    bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
+      --rollout-max-response-len 512 --save-interval 5 --no-progress-bar "$@"
+}
+summarize_run() {
+  python3 - "$RUN/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOGS/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    keys = [k for k in r if k.startswith(("parity/", "memory/", "perf/")) or k in (
+        "train/logprob_abs_diff", "train/logprob_abs_diff_image", "train/logprob_abs_diff_text", "train/grad_norm",
+        "train/loss", "rollout/reward_mean", "rollout/response_len_mean", "rollout/engine_failures")]
+    print("step", r.get("step"), {k: round(r[k], 5) for k in sorted(keys) if isinstance(r[k], (int, float))})
+EOF
+}
+
+t0=$(now)
+# shellcheck disable=SC1091
+source scripts/setup_env.sh >"$LOGS/setup.log" 2>&1
+set +e
+{ echo "setup_env (sourced): $(python3 -c "print(round($(now) - $t0, 1))") s"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import importlib.metadata as m; print({p: m.version(p) for p in ("torch", "transformers", "sglang", "sglang-kernel", "megatron-core", "flash-linear-attention", "ray")})'
+} 2>&1 | tee -a "$LOGS/summary.txt"
+
+for phase in $PHASES; do
+  case $phase in
+  build)
+    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED" --layers 4 --experts 128 ;;
+  floor)
+    timed floor timeout 900 python3 scripts/bench/parity_floor.py --model "$SCALED" --json "$LOGS/figures.jsonl" \
+      --run-dir "$LOGS/floor" ${SLIME_FLOOR_ARGS:-}
+    grep -h '"check": "\(engine_start\|hf\|native\|engine_error\|native_error\)' "$LOGS/figures.jsonl" | cut -c1-600 | tee -a "$LOGS/summary.txt" >/dev/null ;;
+  e2e)
+    timed e2e timeout 1500 launcher --num-rollout 5 --overwrite-output-dir
+    summarize_run ;;
+  resume)
+    timed resume timeout 1200 launcher --num-rollout 7 --load "$RUN/checkpoints"
+    summarize_run ;;
+  throughput)
+    timed throughput timeout 1200 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
+      --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_THROUGHPUT_ARGS---contenders ours sglang_alone}
+    grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt" ;;
+  *) echo "unknown phase $phase (build floor e2e resume throughput)" | tee -a "$LOGS/summary.txt" ;;
+  esac
+done
+echo "all phases done" | tee -a "$LOGS/summary.txt"
