@@ -26,6 +26,8 @@ pack() {
   tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
 }
 case $MODE in
+  stop)
+    [ -f "$LOGS/pid" ] && kill -- -"$(cat "$LOGS/pid")" 2>/dev/null; sleep 5; pack; echo stopped; exit 0 ;;
   start)
     [ -f "$LOGS/pid" ] && kill -0 "$(cat "$LOGS/pid")" 2>/dev/null && { echo "already running"; exit 1; }
     setsid nohup bash "$0" run "$LOGS/out" "$@" >"$LOGS/driver.log" 2>&1 < /dev/null &
@@ -58,10 +60,11 @@ timed() {  # timed NAME COMMAND...: run it, log to LOGS/NAME.log, note seconds a
   tail -n 3 "$LOGS/$name.log"
   return $status
 }
-launcher() {  # the recipe as a user runs it on one GPU, the scaled model's file, no --sglang-* flag
+launcher() {  # launcher SECONDS FLAGS...: the recipe as a user runs it on one GPU, the scaled model's file, no --sglang-* flag
+  local limit=$1; shift
   SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=Qwen3.5-35B-A3B-scaled SLIME_SCRIPT_HF_CHECKPOINT="$SCALED" \
   SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_OUTPUT_DIR="$RUN" \
-    bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
+    timeout "$limit" bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
       --rollout-max-response-len 512 --save-interval 5 --no-progress-bar "$@"
 }
 summarize_run() {
@@ -94,10 +97,10 @@ for phase in $PHASES; do
       --run-dir "$LOGS/floor" ${SLIME_FLOOR_ARGS:-}
     grep -h '"check": "\(engine_start\|hf\|native\|engine_error\|native_error\)' "$LOGS/figures.jsonl" | cut -c1-600 | tee -a "$LOGS/summary.txt" >/dev/null ;;
   e2e)
-    timed e2e timeout 1500 launcher --num-rollout 5 --overwrite-output-dir
+    timed e2e launcher 1500 --num-rollout 5 --overwrite-output-dir
     summarize_run ;;
   resume)
-    timed resume timeout 1200 launcher --num-rollout 7 --load "$RUN/checkpoints"
+    timed resume launcher 1200 --num-rollout 7 --load "$RUN/checkpoints"
     summarize_run ;;
   throughput)
     timed throughput timeout 1200 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
