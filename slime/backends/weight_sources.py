@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from slime.checkpoints import layout as ckpt
+
+if TYPE_CHECKING:
+    from slime.backends.config import CheckpointConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +72,13 @@ class StartingWeights:
         return text + ("" if self.reference is None else f"; the reference model is {self.reference}")
 
 
-def resolve_weights(checkpoint, *, need_reference: bool, backend_parts: Sequence[str] = ()) -> StartingWeights:
+def resolve_weights(
+    checkpoint: CheckpointConfig, *, need_reference: bool, backend_parts: Sequence[str] = ()
+) -> StartingWeights:
     """Resolve ``--hf-checkpoint``, ``--load`` and ``--ref-load`` by the module's rule; reads the file system only.
 
     Args:
-        checkpoint: the run's :class:`slime.backends.config.CheckpointConfig` (``hf_checkpoint``, ``load``,
-            ``ref_load``).
+        checkpoint: the run's CKPT_ARGS (``hf_checkpoint``, ``load``, ``ref_load``).
         need_reference: a KL term needs a reference model (``GRPOConfig.needs_ref_model``); otherwise
             ``--ref-load`` is not read.
         backend_parts: the parts a checkpoint of the training backend holds
