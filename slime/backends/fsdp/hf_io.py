@@ -47,21 +47,6 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 WeightGroup = list[tuple[str, torch.Tensor]]
 
 
-def hf_checkpoint_folder(path: str | os.PathLike, flag: str) -> Path:
-    """``path`` as a local checkpoint folder with a ``config.json``.
-
-    Raises:
-        FileNotFoundError: not a folder, or no ``config.json``; the message names ``flag``.
-    """
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{flag} {str(path)!r} is not a Hugging Face checkpoint folder (no config.json); "
-            "give a local folder holding config.json, the safetensors and the tokenizer/processor files"
-        )
-    return folder
-
-
 def model_class(config: transformers.PretrainedConfig) -> type[transformers.PreTrainedModel]:
     """The transformers class named by ``config.architectures[0]`` (e.g. ``Qwen3_5MoeForConditionalGeneration``).
 
@@ -112,8 +97,9 @@ def load_sharded_model(
         The sharded model (a ``FSDPModule``), in train mode when ``trainable`` else eval mode.
 
     Raises:
-        FileNotFoundError / ValueError: see :func:`model_class`; ValueError also for a
-            model with tied input/output embeddings (not supported).
+        ValueError: see :func:`model_class`; also for a model with tied input/output embeddings
+            (not supported).  (The folder itself is checked by
+            :func:`slime.backends.weight_sources.resolve_weights`.)
     """
     config = transformers.AutoConfig.from_pretrained(path)
     cls = model_class(config)
