@@ -119,7 +119,8 @@ def test_the_driver_logs_where_the_run_really_starts(tmp_path, tiny_ckpt, caplog
              "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}')
     cases = [
         ((), logging.INFO, f"the policy starts from --hf-checkpoint {tiny_ckpt} (a Hugging Face folder)"),
-        (("--load", str(tiny_ckpt)), logging.INFO, f"the policy starts from --load {tiny_ckpt} (a Hugging Face folder)"),
+        (("--load", str(tiny_ckpt)), logging.INFO,
+         f"the policy starts from --load {tiny_ckpt} (a Hugging Face folder)"),
         (("--load", str(tmp_path / "typo")), logging.WARNING,
          f"the policy starts from --hf-checkpoint {tiny_ckpt} (a Hugging Face folder) (--load {tmp_path / 'typo'} "
          "does not exist)"),
