@@ -28,6 +28,7 @@ import torch
 
 from slime.arguments import SlimeConfig, config_to_argv, validate
 from slime.backends.registry import TRAIN_BACKENDS
+from slime.backends.weight_sources import resolve_weights
 from slime.checkpoints import layout as ckpt
 from slime.data.processor import load_processor
 from slime.data.sources import DatasetError, load_table
@@ -207,16 +208,18 @@ def resolve_components(cfg: SlimeConfig) -> Components:
 def prepare(cfg: SlimeConfig) -> RolloutManager:
     """Everything that can be checked before Ray starts, so bad input fails in seconds.
 
-    Checks ``--hf-checkpoint`` and ``--load``, resolves ``--num-epoch``, loads the processor
+    Resolves and checks ``--hf-checkpoint``, ``--load`` and ``--ref-load`` (logging what the run starts
+    from: :func:`slime.backends.weight_sources.resolve_weights`), resolves ``--num-epoch``, loads the processor
     (pixel bounds), the training and eval data (placeholders, columns) and the reward
     function, and returns the rollout manager without engines.
 
     Raises:
         CheckpointError, ConfigError, DatasetError, FileNotFoundError: naming the flag / file / row.
     """
-    ckpt.check_hf_folder(cfg.checkpoint.hf_checkpoint)
-    if cfg.checkpoint.load:
-        _check_load(cfg.checkpoint.load, cfg.train_backend_config.checkpoint_parts())
+    start = resolve_weights(cfg.checkpoint, need_reference=cfg.grpo.needs_ref_model,
+                            backend_parts=cfg.train_backend_config.checkpoint_parts())
+    typo = cfg.checkpoint.load is not None and not Path(cfg.checkpoint.load).exists()
+    logger.log(logging.WARNING if typo else logging.INFO, "%s", start.describe())
     _resolve_num_rollout(cfg)
     processor = load_processor(cfg.checkpoint.hf_checkpoint,
                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
@@ -322,20 +325,6 @@ def _logged_before(record: dict, start: int) -> bool:
     after a checkpoint): rollout records of steps < start, eval records of steps <= start (see :func:`loop`)."""
     is_eval = any(key.startswith("eval/") for key in record)
     return record["step"] <= start if is_eval else record["step"] < start
-
-
-def _check_load(root: str, backend_parts: tuple[str, ...]) -> None:
-    """``--load``: a missing folder starts from ``--hf-checkpoint`` (the ``--save D --load D``
-    auto-resume pattern), with a warning in case it is a typo; a present one must hold a
-    complete latest checkpoint (the backend's ``backend_parts`` and the driver's state), or none yet."""
-    if not Path(root).exists():
-        logger.warning("--load %s does not exist: starting from --hf-checkpoint", root)
-        return
-    latest = ckpt.latest_iteration(root)
-    if latest is None:
-        logger.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", root)
-    else:
-        ckpt.check_complete(root, latest, backend_parts)
 
 
 def _resolve_num_rollout(cfg: SlimeConfig) -> None:

@@ -549,30 +549,13 @@ def test_reference_model_exists_only_with_a_nonzero_kl_coefficient(tiny_ckpt, tm
     assert found["kl_penalty"]["metrics"]["train/loss"] == pytest.approx(plain_loss, rel=1e-6)
 
 
-def test_reference_weights_come_from_ref_load_or_the_initial_checkpoint(tmp_path):
-    from slime.backends.fsdp.backend import reference_weights
-
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    root = tmp_path / "run"
-    for rollout_id in (3, 7):
-        ckpt.model_dir(root, rollout_id).mkdir(parents=True)
-    ckpt.mark_latest(root, 3)
-    assert reference_weights(None, hf) == hf
-    assert reference_weights(str(hf), tmp_path / "other") == hf
-    assert reference_weights(str(root), hf) == root / "iter_0000003" / "model"
-    with pytest.raises(FileNotFoundError, match="--ref-load"):
-        reference_weights(str(tmp_path / "missing"), hf)
-
-
 # ---------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------
 
 
 def _job_bad_samples(rank_info, ckpt_dir, samples, out):
-    from slime.backends.batching import SampleError
+    from slime.backends.steps import SampleError
 
     backend = make_backend(rank_info, ckpt_dir, train={"use_rollout_logprobs": True})
     backend.init()
@@ -607,11 +590,11 @@ def test_dynamic_batching_is_refused_when_built_directly(tiny_ckpt):
         make_backend(RankInfo(0, 1, "127.0.0.1", 0, "cpu"), tiny_ckpt, train=train)
 
 
-def test_unknown_checkpoint_folder_is_refused(tmp_path):
-    from slime.backends.fsdp.hf_io import hf_checkpoint_folder
+def test_pad_per_token_right_pads():
+    from slime.backends.fsdp.inputs import pad_per_token
 
-    with pytest.raises(FileNotFoundError, match="--hf-checkpoint"):
-        hf_checkpoint_folder(tmp_path, "--hf-checkpoint")
+    out = pad_per_token([[1.0, 2.0], [], [3.0]], torch.float32, pad=-1)
+    assert out.tolist() == [[1.0, 2.0], [-1.0, -1.0], [3.0, -1.0]]
 
 
 def test_registry_resolves_fsdp_lazily():

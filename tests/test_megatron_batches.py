@@ -1,9 +1,8 @@
-"""The Megatron backend's packed micro-batches (layout worked out by hand) and its micro-batch plans,
-and the export groups of the lockstep weight buckets (no process group needed)."""
+"""The Megatron backend's packed micro-batches (layout worked out by hand) and the export groups of the
+lockstep weight buckets (no process group needed).  The micro-batch plans: tests/test_backend_steps.py."""
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -12,13 +11,7 @@ from safetensors import safe_open
 
 pytest.importorskip("megatron.core")
 
-from slime.backends.megatron.batches import (  # noqa: E402
-    balanced_bins,
-    bins_for_budget,
-    pack_micro_batch,
-    plan_micro_batches,
-    sample_tokens,
-)
+from slime.backends.megatron.batches import pack_micro_batch  # noqa: E402
 from slime.backends.megatron.weight_export import group_index, num_groups  # noqa: E402
 from slime.data.sample import Sample  # noqa: E402
 from slime.models.qwen3_5.config import arch_from_hf_config  # noqa: E402
@@ -55,37 +48,6 @@ def test_packed_layout_by_hand(tiny_ckpt, arch):
     assert batch.inputs.image_tokens_per_document[:2] == [int((ids[:t0] == arch.image_token_id).sum()), 0]
     assert batch.inputs.position_ids[:, t0].tolist() == [0, 0, 0]
     assert [r.tolist() for r in batch.split(torch.arange(5.0))] == [[0.0, 1.0, 2.0], [3.0, 4.0]]
-
-
-def test_balanced_bins_are_nonempty_and_by_longest_first():
-    bins = balanced_bins([10, 1, 7, 3, 5], 2)
-    assert sorted(itertools.chain(*bins)) == [0, 1, 2, 3, 4]
-    # LPT by hand: 10 -> A (10), 7 -> B (7), 5 -> B (12), 3 -> A (13), 1 -> B (13)
-    assert bins == [[0, 3], [1, 2, 4]]
-    with pytest.raises(ValueError, match="non-empty"):
-        balanced_bins([1, 2], 3)
-
-
-def test_budget_gives_the_fewest_bins_within_it():
-    lengths = [300, 280, 120, 90, 60, 40]
-    k = bins_for_budget(lengths, 400)
-    assert all(sum(lengths[i] for i in b) <= 400 for b in balanced_bins(lengths, k))
-    assert k == 3  # 890 tokens need at least 3 bins of 400
-    assert bins_for_budget([900, 10], 400) == 2  # a sample over the budget gets its own bin
-
-
-def _sample(i: int, prompt: int, response: int) -> Sample:
-    return Sample(index=i, prompt="", label="", prompt_token_ids=[1] * prompt, response_token_ids=[2] * response,
-                  loss_mask=[1] * response)
-
-
-def test_plan_by_micro_batch_size_or_by_tokens():
-    samples = [_sample(i, 50, n) for i, n in enumerate([10, 200, 30, 5, 60])]
-    assert plan_micro_batches(samples, micro_batch_size=2, max_tokens=None, dp_group=None) == [[0, 1], [2, 3], [4]]
-    plan = plan_micro_batches(samples, micro_batch_size=1, max_tokens=260, dp_group=None)
-    assert sorted(itertools.chain(*plan)) == list(range(5))
-    assert all(sum(sample_tokens(samples[i]) for i in b) <= 260 or len(b) == 1 for b in plan)
-    assert len(plan) == bins_for_budget([sample_tokens(s) for s in samples], 260)
 
 
 def test_every_checkpoint_tensor_has_an_export_group_in_model_order(tiny_ckpt, arch):

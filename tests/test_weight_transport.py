@@ -1,7 +1,7 @@
 """Weight sync as one transport per run (:mod:`slime.weight_sync`).
 
-Fast: the transport choice, the one-source-per-tensor check, the FSDP round packing and the
-object store's bucket limit, each against values worked out by hand.  Slow (real Ray, CPU): the
+Fast: the transport choice, the one-source-per-tensor check, the bucket packing (rounds and named
+buckets) and the object store's bucket limit, each against values worked out by hand.  Slow (real Ray, CPU): the
 object-store transport from 2 FSDP ranks over gloo into a transformers engine, checked against
 weights this test perturbed itself: every checkpoint name arrives once, both ranks are sources, and afterwards the engine
 holds exactly the perturbed weights (before, it held the original ones).
@@ -19,10 +19,10 @@ import ray
 import torch
 from safetensors import safe_open
 
-from slime.backends.fsdp.hf_io import weight_rounds
 from slime.utils.config import ConfigError
 from slime.weight_sync import choose_transport
 from slime.weight_sync.base import check_weight_sources
+from slime.weight_sync.buckets import bucket_by_bytes, weight_rounds
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 
@@ -89,6 +89,19 @@ def test_weight_rounds_pack_whole_groups(sizes, limit, rounds):
 def test_weight_rounds_need_a_positive_size():
     with pytest.raises(ValueError, match="bucket_bytes must be > 0"):
         weight_rounds([1], 0)
+
+
+def test_bucket_by_bytes_never_splits_a_group():
+    def group(name, n):
+        return [(f"{name}.{i}", torch.zeros(n, dtype=torch.float32)) for i in range(2)]  # 8n bytes
+
+    groups = [group("a", 10), group("b", 10), group("c", 100), group("d", 1)]  # 80, 80, 800, 8 bytes
+    names = [[n.split(".")[0] for n, _ in bucket] for bucket in bucket_by_bytes(groups, 150)]
+    assert names == [["a", "a", "b", "b"], ["c", "c"], ["d", "d"]]
+    assert len(list(bucket_by_bytes(groups, 1))) == 4
+    assert len(list(bucket_by_bytes(groups, 10**9))) == 1
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(bucket_by_bytes(groups, 0))
 
 
 # ---------------------------------------------------------------------------------------------

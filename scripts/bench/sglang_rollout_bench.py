@@ -484,9 +484,9 @@ class BenchWeightsBackend(TrainerBackend):
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def iter_weight_buckets(self, bucket_bytes, device=None):
-        """Buckets of whole layers, as the real backends cut them (``slime.backends.batching.bucket_by_bytes``'s
+        """Buckets of whole layers, as the real backends cut them (``slime.weight_sync.buckets.bucket_by_bytes``'s
         rule over :func:`weight_groups`): a bucket closes at the first group boundary at or past ``bucket_bytes``."""
-        from slime.backends.batching import bucket_by_bytes
+        from slime.weight_sync.buckets import bucket_by_bytes
 
         for bucket in bucket_by_bytes(weight_groups(list(self.tensors.items())), bucket_bytes):
             t0 = time.perf_counter()

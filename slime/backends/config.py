@@ -248,16 +248,20 @@ class CheckpointConfig:
     """Checkpoints (CKPT_ARGS): the Hugging Face model to start from, where to resume from and save to."""
 
     hf_checkpoint: str = flag(
-        help="Local Hugging Face checkpoint folder: architecture, tokenizer, processor, initial weights "
-        "(download a hub model first: hf download Qwen/Qwen3.5-35B-A3B --local-dir DIR; the geo3k launcher does)."
+        help="Local Hugging Face checkpoint folder: architecture, tokenizer, processor, the engines' first weights, "
+        "and the policy's unless --load says otherwise (download a hub model first: "
+        "hf download Qwen/Qwen3.5-35B-A3B --local-dir DIR; the geo3k launcher does)."
     )
     load: str | None = flag(
-        None, help="Resume from this slime checkpoint folder (default: start from --hf-checkpoint)."
+        None, help="A --save folder holding checkpoints: resume from its latest one. A Hugging Face model folder: "
+        "start a fresh run from its weights. A folder that does not exist or holds neither: start from "
+        "--hf-checkpoint (so --save D --load D resumes when it can). Default: start from --hf-checkpoint."
     )
     save: str | None = flag(None, help="Save checkpoints under this folder.")
     save_interval: int | None = flag(None, help="Save every this many rollout steps (needs --save).")
     ref_load: str | None = flag(
-        None, help="Reference-model checkpoint for the KL terms (default: the initial weights of --hf-checkpoint)."
+        None, help="Reference-model weights for the KL terms: a --save folder (the policy of its latest "
+        "checkpoint) or a Hugging Face model folder (default: the weights of --hf-checkpoint)."
     )
     no_save_optim: bool = flag(False, help="Do not save optimizer state (smaller checkpoints; resume restarts Adam).")
     no_load_optim: bool = flag(False, help="Do not load optimizer state when resuming from --load.")

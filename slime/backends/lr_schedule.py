@@ -2,12 +2,8 @@
 linear or cosine decay to a floor.
 
 The schedule is a pure function of the optimizer-step index, so a backend only keeps the
-number of steps taken (its "scheduler state") and sets the rate before each step::
-
-    schedule = LRSchedule.from_config(optimizer_cfg, total_steps)
-    for param_group in optimizer.param_groups:
-        param_group["lr"] = schedule(step)      # step = optimizer steps already taken, from 0
-    optimizer.step()
+number of steps taken (its "scheduler state"); the training step
+(:meth:`slime.backends.base.TrainerBackend.train`) asks it for the rate of every step.
 
 What it follows: Megatron-LM's ``OptimizerParamScheduler.get_lr`` (``--lr``,
 ``--min-lr``, ``--lr-decay-style``, ``--lr-warmup-iters``, ``--lr-decay-iters``), which
@@ -20,10 +16,8 @@ upstream slime inherits.  With ``W`` warm-up steps, decay horizon ``D`` and
 - ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2``;
 - ``s >= D``: ``min_lr`` (linear / cosine).
 
-Where it departs: Megatron's warm-up gives ``lr * s / W``, so the first optimizer step of a
-run runs at rate 0 and does nothing; here step ``s`` uses ``lr * (s + 1) / W``, so every
-step moves the weights and the last warm-up step reaches ``lr`` (torchtitan's warm-up
-does the same).  An RL step costs a whole rollout, which makes a wasted step expensive.
+Where it departs: Megatron's warm-up gives ``lr * s / W`` (the run's first step at rate 0);
+here step ``s`` uses ``lr * (s + 1) / W`` (why: ``docs/design/training_step.md``).
 """
 
 from __future__ import annotations

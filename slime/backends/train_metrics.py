@@ -1,6 +1,6 @@
 """Backend-neutral training metrics: cross-rank sums, and the train-vs-rollout log-prob gap.
 
-Loss terms computed with a global normaliser (:func:`slime.backends.batching.loss_normalizer`)
+Loss terms computed with a global normaliser (:func:`slime.backends.steps.loss_normalizer`)
 are each rank's share of the step's value, so the step value is a plain sum over
 micro-batches and ranks: :func:`all_reduce_sums` does the rank part.
 
@@ -46,7 +46,7 @@ def all_reduce_sums(values: Mapping[str, float | Tensor], group: dist.ProcessGro
     """
     keys = sorted(values)
     local = torch.tensor(
-        [float(values[k].detach().float().cpu()) if isinstance(values[k], Tensor) else float(values[k]) for k in keys],
+        [float(values[k].detach().double().cpu()) if isinstance(values[k], Tensor) else float(values[k]) for k in keys],
         dtype=torch.float64,
     )
     if dist.is_available() and dist.is_initialized():

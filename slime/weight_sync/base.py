@@ -1,22 +1,17 @@
 """The weight-sync interface: one transport object per run moves the trainers' weights into the engines.
 
 What moves: tensors by **Hugging Face checkpoint name** (``model.language_model.layers.0...``,
-``model.visual.blocks.0...``, ``lm_head.weight``; the vision tower keeps its HF names), in
-buckets of about ``--update-weight-buffer-size`` bytes.
+``model.visual.blocks.0...``, ``lm_head.weight``; the vision tower keeps its HF names), in buckets of
+about ``--update-weight-buffer-size`` bytes (:mod:`slime.weight_sync.buckets`).
 
-Who sends what (the backend side, :meth:`slime.backends.base.TrainerBackend.iter_weight_buckets`):
-each trainer rank yields the tensors *it* is the source of.  A tensor-parallel shard is gathered
-within its TP group and yielded by one rank of it; pipeline stages and expert-parallel ranks
-each yield their own layers and experts; FSDP spreads its units over all ranks.  The union over
-ranks is the whole model, each name exactly once (:func:`check_weight_sources` checks it after
-every sync).  The iterator is collective and in lockstep: every rank yields the same number of
-buckets (a rank that is not the source of round ``k`` yields ``[]`` there), so a transport may
-run its own collectives between buckets.
+Who sends what (:meth:`slime.backends.base.TrainerBackend.iter_weight_buckets`): each trainer rank yields
+the tensors it is the source of; the union over ranks is the whole model, each name exactly once
+(:func:`check_weight_sources` checks it after every sync).  The iterator is collective and in lockstep:
+every rank yields the same number of buckets (``[]`` in a round it is not the source of), so a transport
+may run its own collectives between buckets.
 
-How it moves (this module): a :class:`WeightTransport`, chosen once per run from the engine
-class's :attr:`~slime.rollout.engines.base.RolloutEngine.weight_transports` and the placement
-(:func:`slime.weight_sync.choose_transport`).  The driver's one line
-``trainers.update_weights(engines)`` runs, in :class:`slime.ray.trainer_group.TrainerGroup`::
+How it moves: a :class:`WeightTransport`, chosen once per run (:func:`slime.weight_sync.choose_transport`).
+``trainers.update_weights(engines)`` (:class:`slime.ray.trainer_group.TrainerGroup`) runs::
 
     first call only:  transport.connect(trainers, engines)        # driver; calls connect_rank on every rank
     every call:       transport.begin_sync(engines)               # driver -> engines
@@ -24,34 +19,9 @@ class's :attr:`~slime.rollout.engines.base.RolloutEngine.weight_transports` and 
                       check_weight_sources(names sent by each rank)
                       transport.end_sync(engines)                 # driver -> engines
 
-Built: :class:`slime.weight_sync.object_store.ObjectStoreTransport` (CPU tensors through Ray's
-object store; every engine, the transformers engine's only path) and the SGLang engine's two
-transports on the same hooks, declared in its ``weight_transports``,
-:class:`slime.weight_sync.cuda_ipc.CudaIpcTransport` and :class:`slime.weight_sync.nccl.NcclTransport`
-(the modules say how they implement what follows):
-
-(a) **CUDA IPC, colocated engines** (SGLang ``/update_weights_from_tensor``).
-    ``tensor_device = None`` (buckets stay on the trainer GPU).  ``connect_rank``: from the
-    engine handles, work out which engine (and which of its TP ranks) shares this rank's GPU, and
-    create a gloo group per engine over the trainer ranks on its GPUs.  ``begin_sync``: every
-    engine ``pause_generation`` then ``flush_cache``.  ``send``, per bucket: the source rank
-    flattens its tensors into one fresh buffer (a new one per bucket: the engine may still be
-    copying the previous one when the call returns) and broadcasts it to the trainer ranks on the
-    target engine's GPUs, each of which takes a CUDA IPC handle of its copy; the handles are
-    gathered to one rank per engine (one entry per engine TP rank, in TP order), which calls
-    ``update_weights_from_tensor(serialized_named_tensors=[...], load_format="flattened_bucket")``;
-    all ranks of the group wait for that call before the buffer is freed.  Lockstep buckets make
-    these per-bucket collectives safe.  ``end_sync``: ``continue_generation``.
-(b) **NCCL broadcast, disaggregated engines** (SGLang ``/init_weights_update_group`` +
-    ``/update_weights_from_distributed``).  ``tensor_device = None``.  ``connect`` (driver, once):
-    for each source rank, a free port on its node and a group name; start every engine's
-    ``init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
-    backend="nccl")`` (world = 1 + the engines' GPUs) and, concurrently, ``trainers.connect_ranks``,
-    whose ``connect_rank`` joins the same group from the trainer side; wait for both.  ``begin_sync``:
-    ``pause_generation`` + ``flush_cache``.  ``send``, per non-empty bucket: call every engine's
-    ``update_weights_from_distributed(names, dtypes, shapes, group_name)`` without waiting, then
-    ``torch.distributed.broadcast`` each tensor from rank 0 of that group, then wait for the calls.
-    ``end_sync``: ``continue_generation``.
+Built: :class:`~slime.weight_sync.object_store.ObjectStoreTransport` (every engine),
+:class:`~slime.weight_sync.cuda_ipc.CudaIpcTransport` and :class:`~slime.weight_sync.nccl.NcclTransport`
+(the SGLang engine); how each one moves the buckets: ``docs/design/weight_sync.md``.
 """
 
 from __future__ import annotations

@@ -3,37 +3,19 @@
 Colocated runs put one trainer rank and one engine TP rank on every GPU, so the weights never leave
 the GPUs: the engine maps the trainer's buffers and copies from them.
 
-``connect`` (driver, once per run and after an engine actor is replaced): the transport carries the
-engines' :class:`~slime.rollout.engines.base.EngineResources` to the ranks.  ``connect_rank`` (every
-trainer rank): the rank finds its GPU (Ray's node id and GPU id, the same ids the engines' bundles
-carry) among the engines' GPUs, which gives its engine and its TP rank there (the engine's TP rank
-``i`` runs on its ``i``-th local GPU, ``--base-gpu-id 0`` over ``CUDA_VISIBLE_DEVICES``); all ranks
-exchange that (:func:`ipc_plan`), and every TP rank of every engine must have exactly one trainer
-rank on its GPU.  A gloo group over the trainer ranks carries the small messages.
-
+``connect_rank`` (every trainer rank): the rank finds its GPU among the engines' GPUs, which gives its
+engine and its TP rank there (:func:`ipc_plan`; every TP rank of every engine must have exactly one
+trainer rank on its GPU); a gloo group over the trainer ranks carries the small messages.
 ``begin_sync``: every engine ``pause_generation`` then ``flush_cache``.  ``send``, per round of the
-lockstep buckets (:meth:`~slime.backends.base.TrainerBackend.iter_weight_buckets`): the ranks share
-who sends what (names, shapes, dtypes: an ``all_gather_object``); for each source rank of the round,
-
-1. the source flattens its tensors into one **new** ``uint8`` buffer (:func:`~.flattened.flatten`),
-   each MoE layer whose experts it holds in full laid out and described as the two fused tensors
-   (:func:`~.fused_experts.fused_layout`: the same bytes, 2 names for SGLang to load instead of 3 per
-   expert), the others allocate a new buffer of the same size, and the source broadcasts it over the
-   trainers' own process group (NCCL), so every GPU holds the bucket;
-2. each rank takes a CUDA IPC handle of its copy (:func:`~.flattened.serialize_ipc_bucket`; the device
-   by UUID); the handles are gathered, and each engine's TP-rank-0 trainer rank calls
-   ``update_weights_from_ipc`` with its engine's handles in TP order (one per TP rank), without waiting;
-3. the ranks make the next buffer (1. and 2.) while the engines load this one, then the lead ranks wait
-   for the engines' answers and all ranks pass a barrier before the next update goes out and this
-   buffer is freed: no rank frees a buffer before every engine has loaded it, updates reach an engine
-   one at a time and in order, and at most two buffers per rank are alive (twice
-   ``--update-weight-buffer-size``).  The server plugin makes SGLang's update return only after its
-   copies finished (SGLang alone returns with the copies queued, and a reused buffer would then
-   corrupt the weights; :mod:`slime.rollout.engines.sglang.server_plugin`).
-
-``end_sync``: every engine ``continue_generation``.  The sync runs inside the colocated memory
-hand-over (:mod:`slime.ray.colocate`): the engines' weights are resumed before it, the KV cache after.
-Bytes moved per sync: the model once per GPU (a broadcast of every bucket to every trainer GPU).
+lockstep buckets: the source flattens its tensors into one **new** ``uint8`` buffer
+(:func:`~.flattened.flatten`; each MoE layer it holds in full as two fused tensors,
+:func:`~.fused_experts.fused_layout`) and broadcasts it to every trainer GPU; each rank takes a CUDA IPC
+handle of its copy (:func:`~.flattened.serialize_ipc_bucket`), and each engine's TP-rank-0 trainer rank
+calls ``update_weights_from_ipc`` with its engine's handles in TP order.  The next buffer is made while
+the engines load this one; a barrier after the engines' answers frees it, so at most two buffers per
+rank are alive (twice ``--update-weight-buffer-size``).  ``end_sync``: every engine
+``continue_generation``.  Bytes moved per sync: the model once per GPU.  The protocol step by step and
+why (buffer reuse, the server plugin's synchronous copy): ``docs/design/weight_sync.md``.
 """
 
 from __future__ import annotations

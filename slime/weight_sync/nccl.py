@@ -1,29 +1,19 @@
 """Weight sync by NCCL broadcast into disaggregated engines (SGLang ``/init_weights_update_group`` +
 ``/update_weights_from_distributed``).
 
-Every trainer rank may be the source of some buckets (FSDP: every ``world_size``-th round; Megatron:
-its pipeline stage's and experts' tensors), so each trainer rank ``r`` owns one process group,
-``slime-weights-r<r>``, with itself as rank 0 and every engine GPU after it: engine ``e``'s TP rank
-``i`` is rank ``1 + offset(e) + i``, ``world = 1 + the engines' GPUs``.
+Each trainer rank ``r`` owns one process group, ``slime-weights-r<r>``, with itself as rank 0 and every
+engine GPU after it: engine ``e``'s TP rank ``i`` is rank ``1 + offset(e) + i``, ``world = 1 + the
+engines' GPUs`` (every rank may be the source of some buckets).
 
-``connect`` (driver, once per run and again after an engine actor is replaced): each trainer rank
-names a free port on its node; every engine then joins the groups in rank order (its actor runs one
-call at a time, so all engines join group 0 first, then group 1, ...), while every trainer rank
-creates its own group as rank 0 and hosts its rendezvous store (:func:`init_weight_group`, the
-rendezvous SGLang's ``init_custom_process_group`` expects: a ``TCPStore`` at ``master_address:master_port``
-with the group name as prefix).  ``begin_sync``: ``pause_generation`` + ``flush_cache``.
-
-``send``, per non-empty bucket of the rank, split by dtype (SGLang rebuilds the flattened layout
-itself, back to back, so one buffer holds one dtype): start every engine's
-``update_weights_from_distributed(names, dtypes, shapes, group)`` without waiting, broadcast the
-flattened buffer from rank 0 of the rank's group, then wait for the engines.  Names are the
-Hugging Face checkpoint names, the vision tower's included (``model.visual.*``): upstream slime's
-NCCL path once dropped the vision tower's names for VLMs (slime issue 1673); this one sends exactly
-what the backend yields, and the tests check the vision names arrive.
-
-``end_sync``: ``flush_cache`` + ``continue_generation``.  A process group needs one device per rank,
-so NCCL needs the engines on other GPUs than the trainers (two GPUs at least).  ``backend="gloo"``
-runs the same protocol on CPU tensors (tests).
+``connect`` (driver, once per run and again after an engine actor is replaced): each trainer rank names
+a free port on its node; every engine joins the groups in rank order while every trainer rank creates
+its own group as rank 0 and hosts its rendezvous store (:func:`init_weight_group`).  ``begin_sync``:
+``pause_generation`` + ``flush_cache``.  ``send``, per non-empty bucket of the rank, split by dtype:
+start every engine's ``update_weights_from_distributed(names, dtypes, shapes, group)`` without waiting,
+broadcast the flattened buffer from rank 0 of the rank's group, then wait for the engines.  Names are
+the Hugging Face checkpoint names, the vision tower's included.  ``end_sync``: ``flush_cache`` +
+``continue_generation``.  NCCL needs the engines on other GPUs than the trainers; ``backend="gloo"``
+runs the same protocol on CPU tensors (tests).  Details: ``docs/design/weight_sync.md``.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from slime.backends.batching import bucket_by_bytes
 from slime.backends.fsdp.parallelize import parallelize_model
+from slime.weight_sync.buckets import bucket_by_bytes, weight_rounds
 
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth")
 """Files of a checkpoint folder that hold weights; every other top-level file is copied on save."""
@@ -45,21 +45,6 @@ WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 WeightGroup = list[tuple[str, torch.Tensor]]
-
-
-def hf_checkpoint_folder(path: str | os.PathLike, flag: str) -> Path:
-    """``path`` as a local checkpoint folder with a ``config.json``.
-
-    Raises:
-        FileNotFoundError: not a folder, or no ``config.json``; the message names ``flag``.
-    """
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{flag} {str(path)!r} is not a Hugging Face checkpoint folder (no config.json); "
-            "give a local folder holding config.json, the safetensors and the tokenizer/processor files"
-        )
-    return folder
 
 
 def model_class(config: transformers.PretrainedConfig) -> type[transformers.PreTrainedModel]:
@@ -112,8 +97,9 @@ def load_sharded_model(
         The sharded model (a ``FSDPModule``), in train mode when ``trainable`` else eval mode.
 
     Raises:
-        FileNotFoundError / ValueError: see :func:`model_class`; ValueError also for a
-            model with tied input/output embeddings (not supported).
+        ValueError: see :func:`model_class`; also for a model with tied input/output embeddings
+            (not supported).  (The folder itself is checked by
+            :func:`slime.backends.weight_sources.resolve_weights`.)
     """
     config = transformers.AutoConfig.from_pretrained(path)
     cls = model_class(config)
@@ -210,43 +196,14 @@ def iter_hf_weight_groups(
             yield _checkpoint_group(model, full, dtype, device)
 
 
-def weight_rounds(group_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive groups packed into rounds of about ``bucket_bytes``: a round closes as soon as it
-    holds ``>= bucket_bytes`` (the rule of :func:`slime.backends.batching.bucket_by_bytes`), so a
-    group larger than the target is a round of its own and no group is split.
-
-    Args:
-        group_bytes: size of each group, bytes, in order.
-        bucket_bytes: target round size, bytes, > 0.
-
-    Returns:
-        The group indices of each round, in order.
-
-    Raises:
-        ValueError: ``bucket_bytes <= 0``.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    rounds, current, size = [], [], 0
-    for index, nbytes in enumerate(group_bytes):
-        current.append(index)
-        size += nbytes
-        if size >= bucket_bytes:
-            rounds.append(current)
-            current, size = [], 0
-    if current:
-        rounds.append(current)
-    return rounds
-
-
 def iter_hf_weight_buckets(
     model: nn.Module, dtype: torch.dtype, bucket_bytes: int, device: torch.device | str = "cpu"
 ) -> Iterator[WeightGroup]:
     """This rank's share of the full weights by checkpoint name, in lockstep buckets (for the weight sync).
 
     The FSDP units (:func:`fsdp_unit_groups`) are packed into rounds of about ``bucket_bytes``
-    (:func:`weight_rounds`, sizes from the global shapes in ``dtype``, so every rank computes the
-    same rounds); round ``k`` is sourced by rank ``k % world_size``.  Every rank takes part in
+    (:func:`slime.weight_sync.buckets.weight_rounds`, sizes from the global shapes in ``dtype``, so every
+    rank computes the same rounds); round ``k`` is sourced by rank ``k % world_size``.  Every rank takes part in
     every gather (``DTensor.full_tensor`` is an all-gather) and yields once per round: the source
     rank its converted tensors (as :func:`iter_hf_weight_groups` converts them), every other rank
     ``[]``.  So the union over ranks holds each checkpoint name once, every rank is a source when

@@ -4,26 +4,15 @@ Layout: right-padded ``[B, T]`` rows, row ``b`` = ``prompt_token_ids + response_
 of sample ``b``.  The logit at position ``t`` predicts token ``t + 1``, so sample ``b``'s
 response tokens ``y_0 .. y_{R-1}`` (at positions ``P .. P+R-1``) are predicted by the
 logits at ``P-1 .. P+R-2``.  Only the positions from the first sample's ``P-1`` to the last
-response token are put through the LM head (``logits_to_keep``), which spares the large
-vocabulary projection over the (long, image-heavy) prompts.
+response token are put through the LM head (``logits_to_keep``).
 
 Images: ``pixel_values`` of the micro-batch's samples are concatenated in sample order
 and ``image_grid_thw`` likewise; ``mm_token_type_ids`` (1 at image tokens) lets the model
-build the 3-D mRoPE positions.  A vision-language model always runs its vision tower:
-a micro-batch without images gets one blank dummy image (one merged token) appended after
-the last token of row 0.  The model is causal, so tokens after the response change no
-logit that is used (no log-prob, no gradient), but every FSDP rank then gathers and
-reduces the vision blocks in every micro-batch: with text-only prompts on one rank and
-images on another, the ranks would otherwise issue different collectives and hang.
-
-Generated placeholder tokens: the model treats every ``image_token_id`` / ``video_token_id``
-in ``input_ids`` as a slot for vision features, so a response that contains one (a policy
-may sample any id) cannot be fed as is.  Such response tokens are replaced by
-:data:`PAD_TOKEN_ID` in the model *input* (logged); the log-prob *targets* keep the
-generated ids.  Only the tokens after the replaced one see a different context than the
-engine did (which embedded the id as text), so their log-probs may differ from the
-rollout's; the trainer's own old log-probs see the same substitution, so the PPO ratio is
-unaffected.
+build the 3-D mRoPE positions.  A micro-batch without images gets one blank dummy image (one
+merged token) appended after the last token of row 0, so that every FSDP rank gathers and
+reduces the vision blocks in every micro-batch (why: ``docs/design/training_step.md``).
+Generated image / video placeholder tokens in a response are fed as
+:data:`~slime.backends.steps.PAD_TOKEN_ID` (:func:`slime.backends.steps.response_input_ids`).
 """
 
 from __future__ import annotations
@@ -34,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from slime.backends.batching import PAD_TOKEN_ID, check_image_inputs, pad_per_token, response_input_ids
+from slime.backends.steps import PAD_TOKEN_ID, check_image_inputs, response_input_ids
 from slime.data.processor import mm_token_type_ids
 from slime.data.sample import Sample
 from slime.grpo.log_probs import entropy_from_logits, gather_log_probs
@@ -72,7 +61,7 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
     """Pad ``samples`` into one micro-batch for a Hugging Face causal (vision-)language model.
 
     Args:
-        samples: checked samples (:func:`slime.backends.batching.check_train_sample`).
+        samples: checked samples (:func:`slime.backends.steps.check_train_sample`).
         config: the model's ``PretrainedConfig``; ``vision_config``, ``image_token_id`` and
             ``video_token_id`` mark a vision-language model.
         device: device of the returned tensors.
@@ -125,6 +114,25 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
         response_index=response_index,
         response_tokens=pad_per_token([s.response_token_ids for s in samples], torch.int64, device),
     )
+
+
+def pad_per_token(rows: Sequence[Sequence[float] | Tensor], dtype: torch.dtype, device=None, pad: float = 0) -> Tensor:
+    """Right-pad per-token rows of different lengths into one ``[B, max_len]`` tensor.
+
+    Args:
+        rows: B rows (lists or 1-D tensors); row ``b`` fills ``out[b, :len(rows[b])]``.
+        dtype, device: of the result.
+        pad: value of the padding.
+
+    Returns:
+        ``[B, max_len]`` tensor (``max_len = 0`` when every row is empty).
+    """
+    max_len = max((len(row) for row in rows), default=0)
+    out = torch.full((len(rows), max_len), pad, dtype=dtype, device=device)
+    for b, row in enumerate(rows):
+        if len(row):
+            out[b, : len(row)] = torch.as_tensor(row, dtype=dtype, device=device)
+    return out
 
 
 def vision_placeholder_ids(config) -> set[int]:

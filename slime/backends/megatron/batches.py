@@ -1,8 +1,8 @@
-"""Samples -> packed (THD) micro-batches of the native Qwen3.5 model, with the per-token tensors of the loss.
+"""Samples -> one packed (THD) micro-batch of the native Qwen3.5 model, with the per-token tensors of the loss.
 
 A micro-batch of ``S`` samples is one token axis (:class:`slime.models.qwen3_5.model.Qwen35Inputs`):
 sample ``s``'s ``prompt_token_ids + response_token_ids`` (placeholders in the response replaced,
-:func:`slime.backends.batching.response_input_ids`) laid end to end, no padding between samples,
+:func:`slime.backends.steps.response_input_ids`) laid end to end, no padding between samples,
 ``cu_seqlens`` at the sample boundaries, MRoPE positions restarting in every sample, its images'
 ``pixel_values`` in sample order.  Under sequence parallelism one padding document brings the total
 to a multiple of TP.
@@ -12,35 +12,26 @@ length ``P_s`` and response length ``R_s`` has its response predicted at ``o_s +
 o_s + P_s + R_s - 2``.  Those ``K = sum R_s`` positions are the model's ``logit_index`` (the LM head
 runs only there), and every per-token tensor of the loss is laid out on them, packed: ``targets``,
 ``loss_mask``, old / reference log-probs ``[K]`` with the response boundaries ``cu_seqlens`` ``[S + 1]``
-(the layout of :func:`slime.grpo.loss.grpo_micro_batch_loss`).
-
-Micro-batches (:func:`plan_micro_batches`): ``--micro-batch-size`` consecutive samples, or with
-``--use-dynamic-batch-size`` bins of at most ``--max-tokens-per-gpu`` tokens (longest-processing-time
-first; a sample longer than the budget gets a bin of its own, logged).  Every data-parallel rank
-runs the same number of micro-batches (the largest any rank needs, agreed by an all-reduce), as the
-expert-parallel all-to-alls and megatron-core's schedule require.
+(the layout of :func:`slime.grpo.loss.grpo_micro_batch_loss`).  Which samples form a micro-batch
+is the shared step's choice (:func:`slime.backends.steps.plan_micro_batches`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from slime.backends.batching import check_image_inputs, response_input_ids, split_into_micro_batches
+from slime.backends.steps import check_image_inputs, response_input_ids
 from slime.data.sample import Sample
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
 
-logger = logging.getLogger(__name__)
-
 
 @dataclasses.dataclass
-class MicroBatch:
+class PackedBatch:
     """One packed micro-batch and its loss tensors (module docstring).
 
     Attributes:
@@ -69,7 +60,7 @@ class MicroBatch:
         """Tokens of the packed axis (padding included)."""
         return self.inputs.input_ids.numel()
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> "PackedBatch":
         """The same micro-batch with every tensor on ``device`` (micro-batches wait on the CPU until run)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return dataclasses.replace(
@@ -83,16 +74,11 @@ class MicroBatch:
         return list(per_token.split(self.response_lengths))
 
 
-def sample_tokens(sample: Sample) -> int:
-    """Prompt + response tokens of one sample (its length in a packed micro-batch)."""
-    return len(sample.prompt_token_ids) + sample.response_length
-
-
 def pack_micro_batch(
     samples: Sequence[Sample], indices: Sequence[int], arch: Qwen35Arch, device: torch.device,
     *, pad_to_multiple_of: int = 1,
-) -> MicroBatch:
-    """Pack ``samples`` (checked by :func:`slime.backends.batching.check_train_samples`) into one micro-batch.
+) -> PackedBatch:
+    """Pack ``samples`` (checked by :func:`slime.backends.steps.check_train_samples`) into one micro-batch.
 
     Args:
         samples: the micro-batch's samples, in order.
@@ -126,7 +112,7 @@ def pack_micro_batch(
     cu = torch.zeros(len(samples) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lengths).cumsum(0)
     inputs.logit_index = torch.tensor(logit_index, dtype=torch.int64)
-    return MicroBatch(
+    return PackedBatch(
         indices=list(indices),
         inputs=inputs.to(device),
         targets=torch.tensor([t for s in samples for t in s.response_token_ids], dtype=torch.int64, device=device),
@@ -140,68 +126,3 @@ def pack_micro_batch(
 def packed_per_token(rows: Sequence[Tensor], device: torch.device) -> Tensor:
     """Per-sample ``[R_s]`` tensors concatenated into the packed ``[K]`` layout (float32)."""
     return torch.cat([torch.as_tensor(r, dtype=torch.float32) for r in rows]).to(device)
-
-
-def balanced_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
-    """Split item indices into ``num_bins`` non-empty bins of nearly equal total length.
-
-    Longest-processing-time-first (Graham 1969): items by decreasing length, each into the bin with
-    the smallest total so far; bins list their items in increasing index order.  ``1 <= num_bins <=
-    len(lengths)``, so every bin gets at least one item.
-
-    Raises:
-        ValueError: ``num_bins`` out of range.
-    """
-    if not 1 <= num_bins <= len(lengths):
-        raise ValueError(f"cannot split {len(lengths)} samples into {num_bins} non-empty micro-batches")
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    loads = [0] * num_bins
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        b = min(range(num_bins), key=lambda b: (loads[b], b))
-        bins[b].append(i)
-        loads[b] += lengths[i]
-    return [sorted(b) for b in bins]
-
-
-def bins_for_budget(lengths: Sequence[int], max_tokens: int) -> int:
-    """The fewest bins (at least the token total over the budget) in which :func:`balanced_bins` keeps
-    every bin within ``max_tokens``, except a bin holding a single longer item."""
-    n = len(lengths)
-    k = max(1, min(n, -(-sum(lengths) // max_tokens)))
-    while k < n and any(len(b) > 1 and sum(lengths[i] for i in b) > max_tokens for b in balanced_bins(lengths, k)):
-        k += 1
-    return k
-
-
-def plan_micro_batches(
-    samples: Sequence[Sample], *, micro_batch_size: int, max_tokens: int | None, dp_group: dist.ProcessGroup | None,
-) -> list[list[int]]:
-    """Micro-batches of one optimizer step (or of a log-prob pass), as lists of sample indices.
-
-    Args:
-        samples: this rank's samples.
-        micro_batch_size: ``--micro-batch-size`` (used when ``max_tokens`` is None).
-        max_tokens: ``--max-tokens-per-gpu`` with ``--use-dynamic-batch-size``, else None.
-        dp_group: the data-parallel group (CPU tensors) over which the number of micro-batches is
-            agreed; None: no agreement (one rank, or every rank holds the same samples).
-
-    Returns:
-        Non-empty lists of indices; with ``max_tokens``, the same number of lists on every rank of
-        ``dp_group``.
-
-    Raises:
-        ValueError: no samples, or ``micro_batch_size < 1``.
-    """
-    if not samples:
-        raise ValueError("no samples to cut into micro-batches")
-    if max_tokens is None:
-        return split_into_micro_batches(list(range(len(samples))), micro_batch_size)
-    lengths = [sample_tokens(s) for s in samples]
-    long = [s.index for s, n in zip(samples, lengths) if n > max_tokens]
-    if long:
-        logger.warning("%d sample(s) exceed --max-tokens-per-gpu %d (first: sample %d, %d tokens); each gets a "
-                       "micro-batch of its own", len(long), max_tokens, long[0], max(lengths))
-    count = torch.tensor([bins_for_budget(lengths, max_tokens)])
-    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-    return balanced_bins(lengths, min(int(count), len(samples)))

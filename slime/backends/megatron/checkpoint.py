@@ -12,25 +12,15 @@ Layout of ``<iteration folder>/trainer/`` (the driver adds ``rollout_state.pt`` 
     rng_rank<r>.pt       rank r's torch / CUDA / Python / NumPy / megatron-core RNG states
     layout.json          the parallel sizes and dtype it was saved with (for people; nothing reads it)
 
-Every tensor is saved whole, by its single source rank (the one that sends it in a weight sync,
-:class:`slime.models.qwen3_5.weights.ExportGroups`), in the layout of the Hugging Face checkpoint:
-TP / ETP shards gathered, the attention's query/gate interleave restored, experts one tensor per
-expert.  The optimizer's moments are parameter-shaped, so the same per-parameter rules map them.
-A resume reads, for each of its parameters, only the Hugging Face tensors its rules name and slices
-out its shard (:func:`slime.models.qwen3_5.weights.read_rank_state`), so a checkpoint resumes at any
-TP / PP / EP / DP layout, not only the one that wrote it.  With megatron-core's distributed
-optimizer each data-parallel rank owns a slice of every flattened parameter's fp32 state; saving
-sums the slices over the data-parallel group (:meth:`DistributedAdam.param_state`), loading writes
-each rank's slice back.
-
-Memory: a rank holds the fp32 tensors it is the source of on the CPU until the one
-``torch.distributed.checkpoint.save`` call (3x its share of the parameters in fp32 with the
-optimizer); a load reads one export group (a decoder layer) at a time.
+Every tensor is saved whole, by its single source rank (:class:`slime.models.qwen3_5.weights.ExportGroups`),
+in the layout of the Hugging Face checkpoint; the moments are parameter-shaped, so the same per-parameter
+rules map them.  A resume reads, for each of its parameters, only the tensors its rules name and slices out
+its shard (:func:`slime.models.qwen3_5.weights.read_rank_state`), so a checkpoint resumes at any TP / PP /
+EP / DP layout.  Memory and the distributed optimizer's slices: ``docs/design/training_step.md``.
 
 ``--save-hf DIR``: the ``param`` tensors as safetensors, each source rank writing its own files
 ``model-r<rank>-<k>.safetensors`` (about 5 GiB each), rank 0 the index, ``config.json``, tokenizer and
-processor files of ``--hf-checkpoint``: a folder ``transformers.from_pretrained`` loads (float32
-weights; ``config.json`` keeps the source's ``dtype``).
+processor files of ``--hf-checkpoint``: a folder ``transformers.from_pretrained`` loads (float32 weights).
 """
 
 from __future__ import annotations
@@ -48,12 +38,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import Tensor
 
-from slime.backends.batching import bucket_by_bytes
 from slime.backends.megatron.optimizer import STATE_KEYS
 from slime.backends.megatron.weight_export import ordered_rules
 from slime.backends.rng import rng_state, set_rng_state
 from slime.checkpoints.layout import CheckpointError
 from slime.models.qwen3_5.weights import ExportGroups, StateDictReader, export_rule, read_rank_state
+from slime.weight_sync.buckets import bucket_by_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from slime.backends.megatron.batches import MicroBatch
+from slime.backends.megatron.batches import PackedBatch
 from slime.grpo.config import GRPOConfig
 from slime.grpo.log_probs import vocab_parallel_log_probs
 from slime.grpo.loss import grpo_micro_batch_loss
@@ -42,7 +42,7 @@ class LossContext:
         tp_group: the tensor-parallel group of the vocab-parallel log-probs.
         grpo: the GRPO flags.
         normalizer: the optimizer step's sample (or token) count over all DP ranks
-            (:func:`slime.backends.batching.loss_normalizer`).
+            (:func:`slime.backends.steps.loss_normalizer`).
         num_microbatches: micro-batches of this step on this rank.
         dp_size: data-parallel ranks (megatron-core's DDP averages gradients over them).
         device: where micro-batches are moved before their forward pass.
@@ -58,12 +58,12 @@ class LossContext:
     dp_size: int = 1
 
 
-def _log_probs(ctx: LossContext, batch: MicroBatch, logits: Tensor, with_entropy: bool):
+def _log_probs(ctx: LossContext, batch: PackedBatch, logits: Tensor, with_entropy: bool):
     return vocab_parallel_log_probs(logits[:, 0], batch.targets, ctx.temperature, ctx.tp_group,
                                     vocab_size=ctx.vocab_size, with_entropy=with_entropy)
 
 
-def grpo_loss_func(ctx: LossContext, batch: MicroBatch, logits: Tensor):
+def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     """megatron-core loss function of one training micro-batch (module docstring).
 
     Returns:
@@ -84,7 +84,7 @@ def grpo_loss_func(ctx: LossContext, batch: MicroBatch, logits: Tensor):
     return loss * scale, one, {"loss": loss.detach(), **metrics}
 
 
-def log_prob_func(ctx: LossContext, batch: MicroBatch, logits: Tensor):
+def log_prob_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     """megatron-core loss function of a forward-only pass: ``(0, ones(int), {"log_probs": [K] float32})``."""
     log_probs, _ = _log_probs(ctx, batch, logits, with_entropy=False)
     zero = log_probs.new_zeros(())
@@ -92,7 +92,7 @@ def log_prob_func(ctx: LossContext, batch: MicroBatch, logits: Tensor):
 
 
 def make_forward_step(ctx: LossContext, loss_func):
-    """megatron-core's ``forward_step_func`` over an iterator of :class:`MicroBatch` es (moved to
+    """megatron-core's ``forward_step_func`` over an iterator of :class:`PackedBatch` es (moved to
     ``ctx.device`` one at a time), with ``loss_func`` (:func:`grpo_loss_func` or :func:`log_prob_func`)
     bound to ``ctx`` and the micro-batch."""
 

@@ -2,33 +2,24 @@
 
 **GPU** (:class:`DistributedAdam`): megatron-core's ``DistributedDataParallel`` (contiguous gradient
 buffers, fp32 accumulation and reduction with ``--accumulate-allreduce-grads-in-fp32``) and its
-distributed optimizer (``get_megatron_optimizer`` with ``use_distributed_optimizer``): bf16 model
-parameters, fp32 main parameters and Adam moments sharded over the data-parallel ranks; fp32
-parameters (``A_log``, which carries ``keep_fp32``) are their own main copies.  Expert parameters of an
-expert-parallel model get their own optimizer over the expert-data-parallel group (megatron-core's
-``ChainedOptimizer``).
+distributed optimizer: bf16 model parameters, fp32 main parameters and Adam moments sharded over the
+data-parallel ranks; fp32 parameters (``A_log``) are their own main copies; expert parameters get their
+own optimizer over the expert-data-parallel group (megatron-core's ``ChainedOptimizer``).
 
-**CPU** (:class:`LocalAdam`): megatron-core's DDP and optimizers allocate on
-``torch.cuda.current_device()`` and check for ``torch.cuda.*Tensor`` types, so they cannot run
-without CUDA.  The stand-in keeps everything else of the training step megatron-core's (the
-schedule's ``forward_step`` / ``backward_step``, ``finalize_model_grads`` with its TP all-reduce of
-sequence-parallel and q/k-norm gradients) and replaces only those two: :class:`LocalDataParallel`
-averages ``.grad`` over the data-parallel group the way megatron-core's DDP does (sum, times
-``1 / dp``), and ``torch.optim.AdamW`` on the fp32 parameters.  Data parallelism only: with TP > 1,
-megatron-core's MoE layer refuses training without sequence parallelism, whose gathers allocate on
-``torch.cuda.current_device()`` and whose layers fork the CUDA RNG tracker.
+**CPU** (:class:`LocalAdam`): megatron-core's DDP and optimizers cannot run without CUDA; the stand-in
+replaces only those two (:class:`LocalDataParallel` averages ``.grad`` over the data-parallel group as
+megatron-core's DDP does, ``torch.optim.AdamW`` on the fp32 parameters) and keeps the schedule's
+``forward_step`` / ``backward_step`` and ``finalize_model_grads``.  Data parallelism only (why:
+``docs/design/training_step.md``).
 
-Both follow the same rules: the learning rate of every step from
-:class:`slime.backends.lr_schedule.LRSchedule` (set before the step, as the FSDP backend does),
-decoupled weight decay on tensors of two or more dimensions only (megatron-core's
-``get_standard_config_overrides``: 1-D parameters and biases get ``wd_mult`` 0), the global gradient
-L2 norm over every rank's shards (TP-duplicate parameters counted once,
-``param_is_not_tensor_parallel_duplicate``), checked finite *before* the update, then clipped to
-``--clip-grad`` (0: no clipping).
-
-For checkpoints and colocated memory both expose, per model parameter, its optimizer state as whole
-TP-local fp32 tensors (:meth:`DistributedAdam.param_state`): ``param`` (the fp32 main weights),
-``exp_avg``, ``exp_avg_sq``.
+Both follow the same rules: decoupled weight decay on tensors of two or more dimensions only
+(megatron-core's ``get_standard_config_overrides``: 1-D parameters and biases get ``wd_mult`` 0), and the
+global gradient L2 norm over every rank's shards (TP-duplicate parameters counted once,
+``param_is_not_tensor_parallel_duplicate``).  The shared training step
+(:meth:`slime.backends.base.TrainerBackend.train`) checks that norm, picks the learning rate and the
+``--clip-grad`` factor, and hands both to ``step``.  For checkpoints and colocated memory both expose, per
+model parameter, its optimizer state as whole TP-local fp32 tensors (:meth:`DistributedAdam.param_state`):
+``param`` (the fp32 main weights), ``exp_avg``, ``exp_avg_sq``.
 """
 
 from __future__ import annotations
@@ -48,19 +39,6 @@ logger = logging.getLogger(__name__)
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 """Per-parameter optimizer state saved in checkpoints: fp32 main weights and Adam's two moments."""
-
-
-class NonFiniteGradNorm(FloatingPointError):
-    """The global gradient norm is NaN or infinite; no update was applied."""
-
-
-def _check_finite(norm: float, where: str) -> float:
-    if not torch.isfinite(torch.tensor(norm)):
-        raise NonFiniteGradNorm(
-            f"{where}: gradient norm is {norm}; lower --lr, check the rewards/advantages for NaN, or train in "
-            "float32 (no --bf16)"
-        )
-    return float(norm)
 
 
 def decays(name: str, param: Tensor) -> bool:
@@ -109,31 +87,24 @@ class DistributedAdam:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self, lr: float, where: str) -> float:
-        """Reduce-scattered gradients -> global norm (checked finite) -> clip -> AdamW at ``lr``.
+    def grad_norm(self) -> float:
+        """Reduce-scattered gradients -> their global L2 norm (megatron-core's, TP duplicates counted once)."""
+        self.optimizer.prepare_grads()
+        return float(self.optimizer.get_grad_norm())
 
-        Returns:
-            The gradient norm before clipping.
-
-        Raises:
-            NonFiniteGradNorm: before any update.
-        """
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
+    def step(self, lr: float, grad_scale: float) -> None:
+        """Scale the fp32 main gradients by ``grad_scale`` (``--clip-grad``), then AdamW at ``lr``; after
+        :meth:`grad_norm`."""
         for part in self.parts:
             for group in part.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_mult", 1.0)
                 group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
-        self.optimizer.prepare_grads()
-        norm = _check_finite(float(self.optimizer.get_grad_norm()), where)
-        if self.cfg.clip_grad > 0:
-            for part in self.parts:
-                params = part.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(params, max_norm=self.cfg.clip_grad, total_norm=norm)
+            if grad_scale < 1.0:
+                grads = [p.grad for p in part.get_parameters() if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, grad_scale)
         if not self.optimizer.step_with_ready_grads():
-            raise RuntimeError(f"{where}: megatron-core's optimizer step did not succeed")
-        return norm
+            raise RuntimeError("megatron-core's optimizer step did not succeed")
 
     # ---------------------------------------------------------------- state of one parameter
 
@@ -331,20 +302,16 @@ class LocalAdam:
             dist.all_reduce(square, group=self.tp_group)
         return float(square.sqrt())
 
-    def step(self, lr: float, where: str) -> float:
-        """Global norm (checked finite) -> clip -> AdamW at ``lr``; returns the norm before clipping.
-
-        Raises:
-            NonFiniteGradNorm: before any update.
-        """
+    def step(self, lr: float, grad_scale: float) -> None:
+        """Scale the gradients by ``grad_scale`` (``--clip-grad``), then AdamW at ``lr``."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
             group["weight_decay"] = self.cfg.weight_decay * group["wd_mult"]
-        norm = _check_finite(self.grad_norm(), where)
-        if self.cfg.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad, torch.tensor(norm))
+        if grad_scale < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         self.optimizer.step()
-        return norm
 
     def ensure_state(self) -> None:
         for p in self.params:

@@ -19,12 +19,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from slime.backends.megatron.batches import MicroBatch
+from slime.backends.megatron.batches import PackedBatch
 
 
 def run_micro_batches(
     model: torch.nn.Module,
-    batches: Sequence[MicroBatch],
+    batches: Sequence[PackedBatch],
     forward_step_func: Callable,
     *,
     forward_only: bool,

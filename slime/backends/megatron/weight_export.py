@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime.backends.batching import bucket_by_bytes
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.weights import LM, VISUAL, ExportGroups, ParamRule, export_rule, model_rules
+from slime.weight_sync.buckets import weight_rounds
 
 _LAYER = re.compile(re.escape(LM) + r"\.layers\.(\d+)\.")
 _BLOCK = re.compile(re.escape(VISUAL) + r"blocks\.(\d+)\.")
@@ -96,9 +96,8 @@ def bucket_plan(model, groups: ExportGroups, bucket_bytes: int, dtype: torch.dty
         sizes[g] += _export_bytes(rule, groups, (dtype or params[name].dtype).itemsize)
     if dist.is_initialized():
         dist.all_reduce(sizes)
-    sized_groups = ([(g, torch.empty(int(sizes[g].item()), dtype=torch.uint8, device="meta"))]
-                    for g in range(len(sizes)) if sizes[g] > 0)
-    return [bucket[-1][0] for bucket in bucket_by_bytes(sized_groups, bucket_bytes)]
+    present = [g for g in range(len(sizes)) if sizes[g] > 0]
+    return [present[r[-1]] for r in weight_rounds([int(sizes[g].item()) for g in present], bucket_bytes)]
 
 
 def iter_buckets(

@@ -1,17 +1,21 @@
-"""Backend-neutral trainer helpers: slime.backends.batching and slime.backends.train_metrics (single process)."""
+"""Backend-neutral trainer helpers: slime.backends.steps and slime.backends.train_metrics (single process)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from slime.backends.batching import (
+from slime.backends.steps import (
     SampleError,
-    bucket_by_bytes,
+    balanced_bins,
+    bins_for_budget,
     check_train_sample,
     check_train_samples,
     loss_normalizer,
-    pad_per_token,
+    plan_micro_batches,
+    sample_tokens,
     split_into_micro_batches,
     split_into_steps,
 )
@@ -45,10 +49,6 @@ def test_split_into_steps_refuses_uneven_chunks(n, steps):
 def test_micro_batch_size_must_be_positive():
     with pytest.raises(ValueError, match="--micro-batch-size"):
         split_into_micro_batches([1, 2], 0)
-
-def test_pad_per_token_right_pads():
-    out = pad_per_token([[1.0, 2.0], [], [3.0]], torch.float32, pad=-1)
-    assert out.tolist() == [[1.0, 2.0], [-1.0, -1.0], [3.0, -1.0]]
 
 def test_loss_normalizer_counts_samples_or_masked_tokens_without_distributed():
     batch = [sample(response=(1, 2, 3), loss_mask=(1, 0, 1)), sample(response=(4,), loss_mask=(1,))]
@@ -85,18 +85,6 @@ def test_check_train_samples_requires_rollout_log_probs_when_asked():
     check_train_samples([sample()])  # fine without
     with pytest.raises(SampleError, match="--use-rollout-logprobs"):
         check_train_samples([sample()], need_rollout_log_probs=True)
-
-def test_bucket_by_bytes_never_splits_a_group():
-    def group(name, n):
-        return [(f"{name}.{i}", torch.zeros(n, dtype=torch.float32)) for i in range(2)]  # 8n bytes
-
-    groups = [group("a", 10), group("b", 10), group("c", 100), group("d", 1)]  # 80, 80, 800, 8 bytes
-    names = [[n.split(".")[0] for n, _ in bucket] for bucket in bucket_by_bytes(groups, 150)]
-    assert names == [["a", "a", "b", "b"], ["c", "c"], ["d", "d"]]
-    assert len(list(bucket_by_bytes(groups, 1))) == 4
-    assert len(list(bucket_by_bytes(groups, 10**9))) == 1
-    with pytest.raises(ValueError, match="bucket_bytes"):
-        list(bucket_by_bytes(groups, 0))
 
 def test_logprob_gap_is_token_weighted_per_prompt_kind_and_omits_empty_splits():
     samples = [
@@ -140,3 +128,34 @@ def test_logprob_gap_leaves_out_the_tokens_after_a_generated_placeholder():
 def test_all_reduce_sums_without_distributed_returns_floats():
     out = all_reduce_sums({"b": torch.tensor(2.5), "a": 1})
     assert out == {"a": 1.0, "b": 2.5} and all(isinstance(v, float) for v in out.values())
+
+
+def _sample(i: int, prompt: int, response: int) -> Sample:
+    return Sample(index=i, prompt="", label="", prompt_token_ids=[1] * prompt, response_token_ids=[2] * response,
+                  loss_mask=[1] * response)
+
+
+def test_balanced_bins_are_nonempty_and_by_longest_first():
+    bins = balanced_bins([10, 1, 7, 3, 5], 2)
+    assert sorted(itertools.chain(*bins)) == [0, 1, 2, 3, 4]
+    # LPT by hand: 10 -> A (10), 7 -> B (7), 5 -> B (12), 3 -> A (13), 1 -> B (13)
+    assert bins == [[0, 3], [1, 2, 4]]
+    with pytest.raises(ValueError, match="non-empty"):
+        balanced_bins([1, 2], 3)
+
+
+def test_budget_gives_the_fewest_bins_within_it():
+    lengths = [300, 280, 120, 90, 60, 40]
+    k = bins_for_budget(lengths, 400)
+    assert all(sum(lengths[i] for i in b) <= 400 for b in balanced_bins(lengths, k))
+    assert k == 3  # 890 tokens need at least 3 bins of 400
+    assert bins_for_budget([900, 10], 400) == 2  # a sample over the budget gets its own bin
+
+
+def test_plan_by_micro_batch_size_or_by_tokens():
+    samples = [_sample(i, 50, n) for i, n in enumerate([10, 200, 30, 5, 60])]
+    assert plan_micro_batches(samples, micro_batch_size=2, max_tokens=None, dp_group=None) == [[0, 1], [2, 3], [4]]
+    plan = plan_micro_batches(samples, micro_batch_size=1, max_tokens=260, dp_group=None)
+    assert sorted(itertools.chain(*plan)) == list(range(5))
+    assert all(sum(sample_tokens(samples[i]) for i in b) <= 260 or len(b) == 1 for b in plan)
+    assert len(plan) == bins_for_budget([sample_tokens(s) for s in samples], 260)

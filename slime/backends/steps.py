@@ -1,44 +1,32 @@
-"""Backend-neutral batching for the trainers: optimizer steps, micro-batches, per-token tensors,
-the loss normaliser of a step, and weight buckets.
+"""A rollout's samples as the training step takes them: checks, optimizer steps, micro-batches, the loss normaliser.
 
-Every training backend cuts its share of a rollout the same way::
-
-    for step_samples in split_into_steps(samples, num_steps):            # one optimizer step each
-        normalizer = loss_normalizer(step_samples, per_token, group)      # global: all DP ranks
-        for micro in split_into_micro_batches(step_samples, micro_batch_size):
-            logits = model(...)                                           # backend-specific layout
-            log_probs = gather_log_probs(response_logits, response_tokens, temperature)  # or vocab-parallel
-            loss, _ = grpo_micro_batch_loss(..., global_normalizer=normalizer)
-            (loss * dp_size).backward()                                   # dp_size undoes the gradient
-                                                                          # average over ranks
-
-so that the gradients summed over micro-batches and averaged over data-parallel ranks are
-the gradient of the step's global mean loss (:func:`slime.grpo.loss.aggregate_loss`).
-Log-probs from logits: :mod:`slime.grpo.log_probs`; the loss:
-:func:`slime.grpo.loss.grpo_micro_batch_loss`.
+The skeleton in :meth:`slime.backends.base.TrainerBackend.train` is the one caller of
+:func:`split_into_steps`, :func:`plan_micro_batches` and :func:`loss_normalizer`; both backends build their
+model inputs with :func:`response_input_ids` and :func:`check_image_inputs`.  Why the pieces are cut this
+way: ``docs/design/training_step.md``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-logger = logging.getLogger(__name__)
 _placeholder_warned = False
 
 PAD_TOKEN_ID = 0
 """Id written into padding positions (masked out and causal, so any id works) and in place of
 image / video placeholder ids that a response generated (:func:`response_input_ids`)."""
+
+
+# ---------------------------------------------------------------------------------------- checks
 
 
 class SampleError(ValueError):
@@ -82,11 +70,10 @@ def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False) -> 
 def check_train_samples(
     samples: Sequence[Sample], need_rollout_log_probs: bool = False, group: dist.ProcessGroup | None = None
 ) -> None:
-    """:func:`check_train_sample` on every sample, then agree across ranks (collective).
+    """:func:`check_train_sample` on every sample, then agree across the ranks of ``group`` (collective).
 
-    A rank that raised alone would leave the others waiting in the forward pass's
-    collectives; so every rank learns whether any rank found a malformed sample, and all
-    raise.
+    A rank that raised alone would leave the others waiting in the forward pass's collectives, so every
+    rank learns whether any rank found a malformed sample, and all raise.
 
     Raises:
         SampleError: this rank's own error, or one saying that another rank found one.
@@ -122,10 +109,8 @@ def response_input_ids(sample: Sample, placeholders: set[int]) -> list[int]:
     by :data:`PAD_TOKEN_ID` (the log-prob *targets* keep the generated ids).
 
     A model treats every placeholder id in its input as a slot for vision features, so a response that
-    contains one (a policy may sample any id) cannot be fed as is.  Only the tokens after a replaced one
-    see a different context than the engine did (which embedded the id as text); the trainer's own old
-    log-probs see the same substitution, so the PPO ratio is unaffected.  Logged as a warning the first
-    time per process, then at debug level (the rollout manager counts such responses in
+    contains one (a policy may sample any id) cannot be fed as is.  Logged as a warning the first time
+    per process, then at debug level (the rollout manager counts such responses in
     ``rollout/vision_token_responses``).
     """
     global _placeholder_warned
@@ -146,6 +131,9 @@ def response_input_ids(sample: Sample, placeholders: set[int]) -> list[int]:
         for i in hits:
             ids[i] = PAD_TOKEN_ID
     return ids
+
+
+# ---------------------------------------------------------------------------------------- steps, micro-batches
 
 
 def split_into_steps(samples: Sequence[T], num_steps: int) -> list[list[T]]:
@@ -174,23 +162,78 @@ def split_into_micro_batches(samples: Sequence[T], micro_batch_size: int) -> lis
     return [list(samples[i : i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]
 
 
-def pad_per_token(rows: Sequence[Sequence[float] | Tensor], dtype: torch.dtype, device=None, pad: float = 0) -> Tensor:
-    """Right-pad per-token rows of different lengths into one ``[B, max_len]`` tensor.
+def sample_tokens(sample: Sample) -> int:
+    """Prompt + response tokens of one sample (its length in a packed micro-batch)."""
+    return len(sample.prompt_token_ids) + sample.response_length
+
+
+def balanced_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+    """Split item indices into ``num_bins`` non-empty bins of nearly equal total length.
+
+    Longest-processing-time-first (Graham 1969): items by decreasing length, each into the bin with
+    the smallest total so far; bins list their items in increasing index order.  ``1 <= num_bins <=
+    len(lengths)``, so every bin gets at least one item.
+
+    Raises:
+        ValueError: ``num_bins`` out of range.
+    """
+    if not 1 <= num_bins <= len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} samples into {num_bins} non-empty micro-batches")
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        b = min(range(num_bins), key=lambda b: (loads[b], b))
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def bins_for_budget(lengths: Sequence[int], max_tokens: int) -> int:
+    """The fewest bins (at least the token total over the budget) in which :func:`balanced_bins` keeps
+    every bin within ``max_tokens``, except a bin holding a single longer item."""
+    n = len(lengths)
+    k = max(1, min(n, -(-sum(lengths) // max_tokens)))
+    while k < n and any(len(b) > 1 and sum(lengths[i] for i in b) > max_tokens for b in balanced_bins(lengths, k)):
+        k += 1
+    return k
+
+
+def plan_micro_batches(
+    samples: Sequence[Sample], *, micro_batch_size: int, max_tokens: int | None, dp_group: dist.ProcessGroup | None,
+) -> list[list[int]]:
+    """Micro-batches of one optimizer step (or of a log-prob pass), as lists of sample indices.
 
     Args:
-        rows: B rows (lists or 1-D tensors); row ``b`` fills ``out[b, :len(rows[b])]``.
-        dtype, device: of the result.
-        pad: value of the padding.
+        samples: this rank's samples.
+        micro_batch_size: ``--micro-batch-size`` (used when ``max_tokens`` is None): consecutive samples.
+        max_tokens: ``--max-tokens-per-gpu`` with ``--use-dynamic-batch-size``, else None: bins of at most
+            this many tokens (:func:`balanced_bins`; a longer sample gets a bin of its own, logged).
+        dp_group: the data-parallel group (CPU tensors) over which the number of bins is agreed (the
+            largest any rank needs: expert all-to-alls and megatron-core's schedule need the same count on
+            every rank); None: no agreement (one rank, or every rank holds the same samples).
 
     Returns:
-        ``[B, max_len]`` tensor (``max_len = 0`` when every row is empty).
+        Non-empty lists of indices; with ``max_tokens``, the same number of lists on every rank of ``dp_group``.
+
+    Raises:
+        ValueError: no samples, or ``micro_batch_size < 1``.
     """
-    max_len = max((len(row) for row in rows), default=0)
-    out = torch.full((len(rows), max_len), pad, dtype=dtype, device=device)
-    for b, row in enumerate(rows):
-        if len(row):
-            out[b, : len(row)] = torch.as_tensor(row, dtype=dtype, device=device)
-    return out
+    if not samples:
+        raise ValueError("no samples to cut into micro-batches")
+    if max_tokens is None:
+        return split_into_micro_batches(list(range(len(samples))), micro_batch_size)
+    lengths = [sample_tokens(s) for s in samples]
+    long = [s.index for s, n in zip(samples, lengths) if n > max_tokens]
+    if long:
+        logger.warning("%d sample(s) exceed --max-tokens-per-gpu %d (first: sample %d, %d tokens); each gets a "
+                       "micro-batch of its own", len(long), max_tokens, long[0], max(lengths))
+    count = torch.tensor([bins_for_budget(lengths, max_tokens)])
+    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    return balanced_bins(lengths, min(int(count), len(samples)))
+
+
+# ---------------------------------------------------------------------------------------- the loss normaliser
 
 
 def loss_normalizer(samples: Sequence[Sample], per_token: bool, group: dist.ProcessGroup | None = None) -> float:
@@ -232,36 +275,3 @@ def loss_normalizer(samples: Sequence[Sample], per_token: bool, group: dist.Proc
         )
         return 1.0
     return num_tokens
-
-
-def bucket_by_bytes(
-    groups: Iterable[list[tuple[str, Tensor]]], bucket_bytes: int
-) -> Iterator[list[tuple[str, Tensor]]]:
-    """Concatenate groups of named tensors into buckets of about ``bucket_bytes`` bytes.
-
-    Groups are never split (a group is e.g. one whole layer): a bucket is emitted as soon as
-    it holds at least ``bucket_bytes`` bytes, so it exceeds the target by less than its last
-    group; a group larger than the target forms a bucket of its own.  Order is kept.
-
-    Args:
-        groups: lists of ``(name, tensor)``.
-        bucket_bytes: target bucket size, bytes, > 0.
-
-    Yields:
-        Non-empty lists of ``(name, tensor)``.
-
-    Raises:
-        ValueError: ``bucket_bytes <= 0``.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
-    for group in groups:
-        bucket.extend(group)
-        size += sum(t.numel() * t.element_size() for _, t in group)
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

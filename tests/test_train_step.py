@@ -1,0 +1,284 @@
+"""The training step written once (:meth:`slime.backends.base.TrainerBackend.train`), with a stand-in backend.
+
+The stand-in implements only the hooks: a float64 "policy" on the CPU whose log-probability of token ``y`` is
+``log sigmoid(F[y] . w)`` (``F`` a fixed feature table, ``w`` the 3 weights), plain SGD as its update, and
+a record of what the skeleton asked of it.  Every expected value is computed here independently in float64:
+the clipped GRPO loss with a k3 KL term and an entropy bonus written out by hand, its gradient by autograd
+of that hand-written loss, the learning rate of the warm-up, ``--clip-grad``'s factor, the averages over
+optimizer steps and the train-vs-rollout log-prob gap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slime.backends.base import NonFiniteGradNorm, RankInfo, TrainerBackend
+from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
+from slime.backends.steps import SampleError
+from slime.data.sample import Sample
+from slime.grpo.config import GRPOConfig
+from slime.grpo.loss import grpo_micro_batch_loss
+
+FEATURES = torch.tensor(
+    [[0.5, -1.0, 0.25], [1.5, 0.5, -0.5], [-0.75, 1.0, 2.0], [0.1, 0.2, 0.3], [2.0, -1.5, 0.5], [-1.0, -0.5, 1.25]],
+    dtype=torch.float64,
+)
+W0 = [0.3, -0.2, 0.4]
+W_REF = [0.1, 0.1, 0.2]
+LR, WARMUP, EPS, EPS_HIGH, KL_COEF, ENTROPY_COEF = 0.5, 2, 0.2, 0.28, 0.1, 0.01
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, weights):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(weights, dtype=torch.float64))
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return FEATURES[tokens] @ self.w
+
+
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.float64)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = row
+    return out
+
+
+class StandIn(TrainerBackend):
+    """Only the hooks (and the abstract interface methods the step never calls)."""
+
+    def __init__(self, grpo: GRPOConfig, *, micro_batch_size=2, clip_grad=1.0, use_rollout_logprobs=False):
+        super().__init__(
+            RankInfo(0, 1, "127.0.0.1", 0, "cpu"),
+            train=TrainConfig(train_backend="fsdp", micro_batch_size=micro_batch_size,
+                              use_rollout_logprobs=use_rollout_logprobs),
+            optimizer=OptimizerConfig(lr=LR, lr_warmup_iters=WARMUP, clip_grad=clip_grad),
+            grpo=grpo, checkpoint=CheckpointConfig(hf_checkpoint="unused"), rollout_temperature=1.0,
+            num_rollout=None, num_steps_per_rollout=2,
+        )
+        self.forward_passes: list[tuple[str, list[list[int]]]] = []  # (model, micro-batches' indices)
+        self.steps: list[dict] = []  # per optimizer step: micro-batch sizes, normaliser, lr, grad scale
+
+    def init(self) -> int:
+        self.model = Linear(W0)
+        self.ref_model = Linear(W_REF) if self.grpo.needs_ref_model else None
+        return 0
+
+    def _forward_log_probs(self, model, batches):
+        self.forward_passes.append(("ref" if model is self.ref_model else "policy", [b.indices for b in batches]))
+        with torch.no_grad():
+            return [torch.nn.functional.logsigmoid(model.logits(s.response_token_ids)) for b in batches
+                    for s in b.samples]
+
+    def _forward_backward(self, batches, normalizer):
+        self.steps.append({"micro_batches": [len(b.samples) for b in batches], "normalizer": normalizer})
+        out = []
+        for batch in batches:
+            logits = [self.model.logits(s.response_token_ids) for s in batch.samples]
+            log_p = [torch.nn.functional.logsigmoid(z) for z in logits]
+            entropy = [-(torch.sigmoid(z) * lp + torch.sigmoid(-z) * torch.nn.functional.logsigmoid(-z))
+                       for z, lp in zip(logits, log_p)]
+            loss, terms = grpo_micro_batch_loss(
+                _padded(log_p), _padded(batch.old_log_probs),
+                torch.tensor([s.advantage for s in batch.samples], dtype=torch.float64),
+                _padded([torch.tensor(s.loss_mask, dtype=torch.float64) for s in batch.samples]), self.grpo,
+                global_normalizer=normalizer, entropy=_padded(entropy),
+                ref_log_probs=None if batch.ref_log_probs is None else _padded(batch.ref_log_probs),
+            )
+            loss.backward()
+            out.append({"loss": loss.detach(), **terms})
+        return out
+
+    def _grad_norm(self) -> float:
+        return float(self.model.w.grad.norm())
+
+    def _apply_update(self, lr, grad_scale):
+        self.steps[-1].update(lr=lr, grad_scale=grad_scale)
+        with torch.no_grad():
+            self.model.w -= lr * grad_scale * self.model.w.grad
+        self.model.w.grad = None
+
+    def iter_weight_buckets(self, bucket_bytes, device=None):
+        raise NotImplementedError
+
+    def save(self, rollout_id, path):
+        raise NotImplementedError
+
+
+def make_samples() -> list[Sample]:
+    """6 samples = 2 optimizer steps of 3; response tokens, loss masks, advantages and rollout log-probs
+    chosen by hand; samples 1 and 4 have an image prompt."""
+    rows = [  # (response tokens, loss mask, advantage, image prompt)
+        ([0, 1, 2], [1, 1, 0], 1.0, False), ([3, 4], [1, 1], -0.5, True), ([5, 0, 2, 1], [1, 0, 1, 1], 0.8, False),
+        ([1, 1], [1, 1], -1.2, False), ([2, 3, 4], [0, 1, 1], 0.6, True), ([4, 5, 0], [1, 1, 1], -0.3, False),
+    ]  # fmt: skip
+    return [
+        Sample(index=i, group_index=i // 2, prompt="p", label="1", images=["img"] if image else [],
+               prompt_token_ids=[7, 8], response_token_ids=tokens, loss_mask=mask, advantage=advantage,
+               rollout_log_probs=[-0.6 - 0.1 * t - 0.05 * i for t in range(len(tokens))])
+        for i, (tokens, mask, advantage, image) in enumerate(rows)
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# the independent reference: the loss by hand, autograd of it, SGD
+# ---------------------------------------------------------------------------------------
+
+
+def log_probs(w: torch.Tensor, sample: Sample) -> torch.Tensor:
+    return -torch.log1p(torch.exp(-(FEATURES[sample.response_token_ids] @ w)))  # log sigmoid
+
+
+def hand_step(w, samples, old, per_token):
+    """The step's loss and metrics (float64, tensors with grad through ``w``) over its samples."""
+    w_ref = torch.tensor(W_REF, dtype=torch.float64)
+    per_sample = {name: [] for name in ("pg", "clipped", "kl_old", "kl_ref", "entropy")}
+    masks = []
+    for sample, old_lp in zip(samples, old):
+        lp = log_probs(w, sample)
+        ratio = torch.exp(lp - old_lp)
+        a = sample.advantage
+        unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1 - EPS, 1 + EPS_HIGH)
+        per_sample["pg"].append(torch.maximum(unclipped, clipped))
+        per_sample["clipped"].append((clipped > unclipped).double())
+        per_sample["kl_old"].append(old_lp - lp)
+        x = lp - log_probs(w_ref, sample)
+        per_sample["kl_ref"].append(torch.exp(-x) - 1 + x)  # k3
+        p = torch.exp(lp)
+        per_sample["entropy"].append(-(p * lp + (1 - p) * torch.log1p(-p)))
+        masks.append(torch.tensor(sample.loss_mask, dtype=torch.float64))
+
+    def mean(values):
+        if per_token:
+            return sum((v * m).sum() for v, m in zip(values, masks)) / sum(m.sum() for m in masks)
+        return sum((v * m).sum() / m.sum() for v, m in zip(values, masks)) / len(values)
+
+    pg, kl, entropy = mean(per_sample["pg"]), mean(per_sample["kl_ref"]), mean(per_sample["entropy"])
+    loss = pg + KL_COEF * kl - ENTROPY_COEF * entropy
+    metrics = {"loss": loss, "pg_loss": pg, "pg_clipfrac": mean(per_sample["clipped"]),
+               "ppo_kl": mean(per_sample["kl_old"]), "kl_loss": kl, "entropy": entropy}
+    return loss, {k: float(v.detach()) for k, v in metrics.items()}
+
+
+def hand_run(samples, per_token, clip_grad, steps=2):
+    w = torch.tensor(W0, dtype=torch.float64)
+    with torch.no_grad():
+        old = [log_probs(w, s) for s in samples]
+    size = len(samples) // steps
+    record = []
+    for k in range(steps):
+        chunk = slice(k * size, (k + 1) * size)
+        w_grad = w.clone().requires_grad_()
+        loss, metrics = hand_step(w_grad, samples[chunk], old[chunk], per_token)
+        (grad,) = torch.autograd.grad(loss, w_grad)
+        norm = float(grad.norm())
+        scale = min(1.0, clip_grad / (norm + 1e-6)) if clip_grad > 0 else 1.0
+        lr = LR * min(k + 1, WARMUP) / WARMUP  # warm-up: step k runs at lr (k + 1) / W
+        w = w - lr * scale * grad
+        record.append({**metrics, "grad_norm": norm, "lr": lr, "grad_scale": scale})
+    return record, w, old
+
+
+GRPO = dict(eps_clip=EPS, eps_clip_high=EPS_HIGH, use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="k3",
+            entropy_coef=ENTROPY_COEF)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_two_optimizer_steps_match_the_loss_lr_clipping_and_metrics_by_hand(per_token):
+    samples = make_samples()
+    backend = StandIn(GRPOConfig(calculate_per_token_loss=per_token, **GRPO), clip_grad=0.05)
+    assert backend.init() == 0
+    metrics = backend.train(0, samples, num_steps=2)
+    want, w_after, old = hand_run(samples, per_token, clip_grad=0.05)
+
+    # What the skeleton asked of the backend: one policy and one reference pass over every micro-batch
+    # (steps of 3 samples, micro-batches of 2 and 1), then 2 optimizer steps.
+    plan = [[0, 1], [2], [3, 4], [5]]
+    assert backend.forward_passes == [("policy", plan), ("ref", plan)]
+    assert backend.optimizer_steps == 2 and len(backend.steps) == 2
+    for k, step in enumerate(backend.steps):
+        masked = sum(sum(s.loss_mask) for s in samples[3 * k : 3 * k + 3])
+        assert step["micro_batches"] == [2, 1]
+        assert step["normalizer"] == (masked if per_token else 3)
+        assert step["lr"] == want[k]["lr"]  # 0.25 then 0.5: the warm-up
+        assert step["grad_scale"] == pytest.approx(want[k]["grad_scale"], rel=1e-6)  # float32 factor
+    assert [step["lr"] for step in backend.steps] == [0.25, 0.5]
+    assert all(w["grad_norm"] > 0.05 for w in want), "the test should exercise clipping"
+    torch.testing.assert_close(backend.model.w.detach(), w_after, rtol=1e-6, atol=1e-9)
+
+    # Averages over the 2 steps; step 0's ratio is exactly 1 (old log-probs from the same weights).
+    assert want[0]["ppo_kl"] == 0.0 and want[1]["ppo_kl"] != 0.0
+    for name in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "grad_norm", "lr"):
+        expected = (want[0][name] + want[1][name]) / 2
+        assert metrics[f"train/{name}"] == pytest.approx(expected, rel=1e-6, abs=1e-12), name
+
+    # The gap: |old - rollout| over loss-masked tokens, by prompt kind, token-weighted.
+    gaps = {"image": [], "text": []}
+    for sample, old_lp in zip(samples, old):
+        diff = (old_lp - torch.tensor(sample.rollout_log_probs, dtype=torch.float64)).abs()
+        gaps["image" if sample.images else "text"] += [float(d) for d, m in zip(diff, sample.loss_mask) if m]
+    assert metrics["train/logprob_abs_diff_image"] == pytest.approx(sum(gaps["image"]) / len(gaps["image"]))
+    assert metrics["train/logprob_abs_diff_text"] == pytest.approx(sum(gaps["text"]) / len(gaps["text"]))
+    everything = gaps["image"] + gaps["text"]
+    assert metrics["train/logprob_abs_diff"] == pytest.approx(sum(everything) / len(everything))
+    assert metrics["train/logprob_gap_altered_tokens"] == 0.0
+    assert set(metrics) == {f"train/{name}" for name in (
+        "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "grad_norm", "lr", "logprob_abs_diff",
+        "logprob_abs_diff_image", "logprob_abs_diff_text", "logprob_gap_altered_tokens")}
+
+
+def test_no_clipping_below_the_threshold_or_with_clip_grad_zero():
+    samples = make_samples()
+    for clip_grad in (1e6, 0.0):
+        backend = StandIn(GRPOConfig(**GRPO), clip_grad=clip_grad)
+        backend.init()
+        backend.train(0, samples, num_steps=2)
+        assert [step["grad_scale"] for step in backend.steps] == [1.0, 1.0]
+        _, w_after, _ = hand_run(samples, per_token=False, clip_grad=clip_grad)
+        torch.testing.assert_close(backend.model.w.detach(), w_after, rtol=1e-12, atol=1e-15)
+
+
+def test_rollout_log_probs_as_old_log_probs_and_no_reference_without_a_kl_term():
+    samples = make_samples()
+    backend = StandIn(GRPOConfig(eps_clip=EPS, eps_clip_high=EPS_HIGH), use_rollout_logprobs=True)
+    backend.init()
+    metrics = backend.train(3, samples, num_steps=1)
+    assert backend.forward_passes == []  # neither an old-log-prob nor a reference pass
+    assert backend.steps[0]["micro_batches"] == [2, 2, 2] and backend.steps[0]["normalizer"] == 6
+    assert not any(name.startswith("train/logprob") for name in metrics) and "train/kl_loss" not in metrics
+    # ppo_kl is the sample-mean of the masked mean of (rollout - current) log-probs; the rollout's are float32
+    w = torch.tensor(W0, dtype=torch.float64)
+    kl = []
+    for s in samples:
+        mask = torch.tensor(s.loss_mask, dtype=torch.float64)
+        diff = torch.tensor(s.rollout_log_probs, dtype=torch.float32).double() - log_probs(w, s)
+        kl.append(float((diff * mask).sum() / mask.sum()))
+    assert metrics["train/ppo_kl"] == pytest.approx(sum(kl) / len(kl), rel=1e-12)
+
+
+def test_a_non_finite_gradient_norm_stops_before_any_update():
+    samples = make_samples()
+    samples[4].advantage = math.nan
+    backend = StandIn(GRPOConfig(**GRPO))
+    backend.init()
+    with pytest.raises(NonFiniteGradNorm, match=r"rollout 5, optimizer step 1: gradient norm is nan"):
+        backend.train(5, samples, num_steps=2)
+    assert backend.optimizer_steps == 1 and "lr" not in backend.steps[1]  # step 0 ran, step 1 did not update
+    assert isinstance(NonFiniteGradNorm("x"), FloatingPointError)
+
+
+def test_bad_input_is_refused_before_any_forward_pass():
+    backend = StandIn(GRPOConfig(**GRPO))
+    with pytest.raises(RuntimeError, match=r"StandIn.init\(\) must run before train"):
+        backend.train(0, make_samples(), num_steps=2)
+    backend.init()
+    with pytest.raises(ValueError, match="cannot be cut into 4 equal optimizer steps"):
+        backend.train(0, make_samples(), num_steps=4)
+    bad = make_samples()
+    bad[2].loss_mask = [1]
+    with pytest.raises(SampleError, match="sample 2"):
+        backend.train(0, bad, num_steps=2)
+    assert backend.forward_passes == [] and backend.steps == []
