@@ -1,6 +1,6 @@
 """The SGLang rollout engine: one SGLang server process per engine, driven over its HTTP API.
 
-:class:`SGLangEngine` lives in the engine's Ray actor (:class:`slime.rollout.engine_group.EngineActor`)
+:class:`SGLangEngine` lives in the engine's Ray actor (:class:`slime.ray.engine_actor.EngineActor`)
 on the engine's first bundle, with ``CUDA_VISIBLE_DEVICES`` set to all of the engine's GPUs on that
 node.  It starts the server (:mod:`.launch`: command line, environment, log), talks to it through
 :class:`~.client.SGLangClient` with a per-engine secret that never leaves the actor and the server,
