@@ -5,7 +5,8 @@ pause/continue and shutdown.
 The engines are the stubs of :mod:`tests.stub_engines`, selected with ``--rollout-backend
 tests.stub_engines:<Class>`` and started the way the driver starts them
 (``RolloutEngineGroup(placement, partial(engine_cls.from_config, cfg))``).  Expected bundles,
-thread counts and schedules are worked out by hand from the flags.
+thread counts and schedules are worked out by hand from the flags.  The scheduler's logic without Ray
+and without real time: :mod:`tests.test_scheduler`.
 """
 
 from __future__ import annotations
