@@ -15,8 +15,8 @@ maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto endpoi
 - memory: ``/release_memory_occupation`` / ``/resume_memory_occupation`` with the tags the server has
   (no ``cuda_graph`` where the release lacks it or with ``--disable-cuda-graph``); a tag already
   released (or not released) is not sent again.
-- ``/pause_generation`` (``abort`` or ``retract``), ``/continue_generation``, ``/flush_cache``;
-  ``/health`` plus "is the process alive".
+- ``/pause_generation`` (``abort``, SGLang's default, or ``retract``), ``/continue_generation``,
+  ``/flush_cache``; ``/health`` (never generates: see :mod:`.launch`) plus "is the process alive".
 
 Start-up: the constructor starts the server and returns; :meth:`~SGLangEngine.health` is polled by the
 group and raises once the server exited (exit code, log tail).  Once healthy, the engine checks the
