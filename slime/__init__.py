@@ -3,11 +3,12 @@
 Packages in pipeline order (docs/design/layout.md):
 
 - ``slime.data``: dataset rows -> prompt samples (sources, dataset, image, processor), the ``Sample`` record.
-- ``slime.rollout``: rollout manager, engines, rewards (``rm_hub``), sampling seeds, the engine parity check.
+- ``slime.rollout``: rollout manager, engines, the request scheduler, rewards (``rm_hub``), sampling seeds,
+  the engine parity check.
 - ``slime.grpo``: advantages, log-probs from logits, the policy loss every backend calls.
 - ``slime.backends``: training backends behind one trainer interface (``fsdp``, ``megatron``).
 - ``slime.weight_sync``: weights from the trainer ranks to the engines, one transport per run.
-- ``slime.ray``: Ray start-up, placement groups, colocation, the trainer group.
+- ``slime.ray``: Ray start-up, placement groups, colocation, the trainer group and the engine group.
 - ``slime.checkpoints``: checkpoint layout, MODEL_ARGS against a checkpoint, the tiny test checkpoint.
 - ``slime.models``: model code only (the native Megatron Qwen3.5 model, ``qwen3_5``).
 - ``slime.arguments``: the parser, the only module that imports every package's flag group (``config.py``).

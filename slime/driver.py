@@ -8,7 +8,7 @@ One rollout step, in the algorithm's order::
     eval every --eval-interval, save every --save-interval
 
 Where processes run, which backend trains and which engine samples are hidden in the
-worker groups (:mod:`slime.ray`, :mod:`slime.rollout.engine_group`); this file contains
+worker groups (:mod:`slime.ray`, :mod:`slime.ray.engine_group`); this file contains
 no backend or engine details.  The command line is :mod:`slime.train`, which imports this
 module only once the flags are good (so ``--help`` and a usage error need no Ray or torch).
 """
@@ -34,6 +34,7 @@ from slime.data.processor import load_processor
 from slime.data.sources import DatasetError, load_table
 from slime.grpo.advantages import resolve_advantage_estimator
 from slime.ray.colocate import ColocatedMemory
+from slime.ray.engine_group import EngineStartError, RolloutEngineGroup
 from slime.ray.placement import (
     Placement,
     PlacementError,
@@ -43,7 +44,6 @@ from slime.ray.placement import (
     init_ray,
 )
 from slime.ray.trainer_group import TrainerGroup
-from slime.rollout.engine_group import EngineStartError, RolloutEngineGroup
 from slime.rollout.engines import ENGINES
 from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
 from slime.rollout.parity import EngineParityCheck, EngineParityError

@@ -3,7 +3,7 @@
 - :data:`SERVER_FLAGS`: the SGLang flags that work with the project's trimmed GPU wheelhouse (no FA3 in
   ``sglang-kernel``: triton attention backends), from ``../shared/gpu/README.md``;
 - :class:`SharedGpuPlacement`: engines on GPUs named by hand (several engines may share one GPU), for
-  :class:`slime.rollout.engine_group.RolloutEngineGroup` without a placement group;
+  :class:`slime.ray.engine_group.RolloutEngineGroup` without a placement group;
 - :func:`start_engine`: one :class:`~slime.rollout.engines.sglang.engine.SGLangEngine` in this process;
 - :func:`reference_log_probs`: the Hugging Face model's log-probs of given responses (the trainer's code path:
   :func:`slime.backends.fsdp.inputs.build_model_inputs` + ``response_log_probs``), float32;
@@ -61,7 +61,7 @@ def figure(**values) -> dict:
 class SharedGpuPlacement:
     """Engines on GPUs of this node chosen by hand: engine ``i`` on ``gpu_ids[i]`` (ids may repeat).
 
-    Duck-types the two things :class:`~slime.rollout.engine_group.RolloutEngineGroup` reads from a
+    Duck-types the two things :class:`~slime.ray.engine_group.RolloutEngineGroup` reads from a
     :class:`~slime.ray.placement.Placement`: ``engine_resources`` and ``engine_options(i)``.  Actors take no
     Ray GPU (``num_gpus=0``) and set ``CUDA_VISIBLE_DEVICES`` from their resources themselves.
     """

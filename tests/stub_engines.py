@@ -32,20 +32,31 @@ from slime.rollout.engines.base import (
 from slime.rollout.engines.hf_engine import TransformersEngine
 
 
-def start_engines(cfg, timeout_s: float):
+def build_engines(cfg):
     """``(placement, engines)`` for ``cfg``'s ``--rollout-backend``, built as the driver builds them (the engine class
-    through the registry, CPU placement groups) and healthy; the caller removes the placement.  If the engines do
-    not start, the placement is removed and the error raised."""
+    through the registry, CPU placement groups); the actors are starting and nobody has polled their health yet.
+    The caller shuts the engines down and removes the placement (done here when the group cannot be built)."""
     import functools
 
     from slime.driver import resolve_components
+    from slime.ray.engine_group import RolloutEngineGroup
     from slime.ray.placement import create_placement_groups
-    from slime.rollout.engine_group import RolloutEngineGroup
 
     engine_cls = resolve_components(cfg).engine_cls
     placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
-                                 engine_cls.max_concurrent_calls)
+    try:
+        engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
+                                     engine_cls.max_concurrent_calls)
+    except BaseException:
+        placement.remove()
+        raise
+    return placement, engines
+
+
+def start_engines(cfg, timeout_s: float):
+    """:func:`build_engines`, healthy (``wait_until_healthy(timeout_s)``); the caller removes the placement.  If
+    the engines do not start, the placement is removed and the error raised."""
+    placement, engines = build_engines(cfg)
     try:
         engines.wait_until_healthy(timeout_s)
     except BaseException:
@@ -205,6 +216,33 @@ class CrashingEngine(EchoEngine):
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> None:
         self.weights = int(dict(named_tensors)["version"])
+
+
+class CrashingWithASurvivorEngine(CrashingEngine):
+    """:class:`CrashingEngine` with engine 1 answering no call before engine 0 has crashed (``<--output-dir>/
+    engine-0-crashed`` exists), so engine 0 gets its second call however slow its first one is; without this, a
+    loaded machine can let engine 1 serve the whole step before engine 0's first call returns."""
+
+    WAIT_S = 300.0
+    """How long engine 1 waits for engine 0's crash before it raises."""
+
+    @classmethod
+    def from_config(cls, cfg, resources: EngineResources) -> CrashingWithASurvivorEngine:
+        engine = cls(resources)
+        engine.crashed = Path(cfg.logging.output_dir, "engine-0-crashed")
+        return engine
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        if self.crashes():
+            self.crashed.parent.mkdir(parents=True, exist_ok=True)
+            self.crashed.touch()
+        elif self.resources.index == 1:
+            deadline = time.monotonic() + self.WAIT_S
+            while not self.crashed.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"engine 0 did not crash within {self.WAIT_S:g} s (stub)")
+                time.sleep(0.01)
+        return super().generate(requests)
 
 
 class AlwaysCrashingEngine(CrashingEngine):

@@ -5,7 +5,8 @@ pause/continue and shutdown.
 The engines are the stubs of :mod:`tests.stub_engines`, selected with ``--rollout-backend
 tests.stub_engines:<Class>`` and started the way the driver starts them
 (``RolloutEngineGroup(placement, partial(engine_cls.from_config, cfg))``).  Expected bundles,
-thread counts and schedules are worked out by hand from the flags.
+thread counts and schedules are worked out by hand from the flags.  The scheduler's logic without Ray
+and without real time: :mod:`tests.test_scheduler`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from ray.util.placement_group import placement_group_table
 
 from slime.arguments import parse_args
 from slime.ray.config import ClusterConfig
+from slime.ray.engine_group import EngineStartError
 from slime.ray.placement import init_ray, node_ip
-from slime.rollout.engine_group import EngineError, EngineStartError, balance_windows
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
+from slime.rollout.scheduler import MAX_ATTEMPTS, EngineError
 from tests.process_tree import read_proc, wait_for
-from tests.stub_engines import start_engines
+from tests.stub_engines import build_engines, start_engines
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 START_TIMEOUT_S = 300.0
@@ -150,25 +152,6 @@ def test_a_slow_engine_serves_fewer_requests_also_when_the_step_fits_in_the_engi
     assert [r["call"] for r in records] == [1, 1, 2, 3]  # one request per call on each engine
 
 
-@pytest.mark.parametrize(
-    "num_requests, capacities, expected",
-    [
-        (4, [2, 2], [1, 1]),  # the step fits at once: half an even share each
-        (16, [2, 2], [2, 2]),  # capacity binds
-        (5, [2, 2], [2, 2]),  # even share 3, half of it rounded up
-        (512, [512, 512], [128, 128]),  # two SGLang engines of concurrency 512, a 512-sample step
-        (512, [512] * 4, [64] * 4),
-        (512, [512], [512]),  # one engine: its full capacity, as alone
-        (5, [32], [32]),
-        (3, [2, 2, 2], [1, 1, 1]),  # at least one request in flight
-        (16, [2, 32], [2, 4]),
-        (0, [2, 2], [1, 1]),
-    ],
-)
-def test_balance_windows(num_requests, capacities, expected):
-    assert balance_windows(num_requests, capacities) == expected
-
-
 def test_one_engine_gets_full_batches_in_order_and_pause_reaches_it(local_ray, tmp_path):
     from tests.stub_engines import EchoEngine
 
@@ -209,18 +192,26 @@ def test_a_continuous_batching_engine_gets_requests_one_per_call_up_to_its_capac
 
 def test_engine_that_never_turns_healthy_fails_start_up_within_the_timeout(local_ray, tmp_path):
     cfg = _cfg(tmp_path, "NeverHealthyEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
-    timeout_s = 20.0  # both engines' processes start well within it; engine 1 never answers True
-    started = time.monotonic()
-    with pytest.raises(EngineStartError) as info:
-        _start(cfg, timeout_s=timeout_s)
-    elapsed = time.monotonic() - started
+    timeout_s = 20.0  # engine 0 answers True at its first poll; engine 1 never does
+    placement, engines = build_engines(cfg)
+    try:
+        # The clock starts once both constructors have returned (an actor answers a call only then): each actor is
+        # a new Python process importing torch, which on a loaded machine can take longer than timeout_s.
+        ray.get([actor.limits.remote() for actor in engines.actors], timeout=START_TIMEOUT_S)
+        started = time.monotonic()
+        with pytest.raises(EngineStartError) as info:
+            engines.wait_until_healthy(timeout_s)
+        elapsed = time.monotonic() - started
+    finally:
+        engines.shutdown()
+        placement.remove()
     message = str(info.value)
     assert message.startswith("1 of 2 rollout engine(s) failed to start")
     assert "rollout engine 1 (node " in message and "bundles [1]" in message
     assert "not healthy within --rollout-engine-start-timeout 20 s: health() returned False" in message
     assert "server: still loading shard 3 of 7" in message  # its log tail
     assert "engine 0 (" not in message
-    assert timeout_s <= elapsed < timeout_s + 60  # placement and actor start-up count against the slack
+    assert timeout_s <= elapsed < timeout_s + 60
 
 
 def test_engine_whose_constructor_raises_is_named_at_once(local_ray, tmp_path):
@@ -240,7 +231,7 @@ def test_shutdown_stops_what_an_engine_left_running_and_is_idempotent(local_ray,
     try:
         child = read_proc(_records(engines.generate(_requests(1)))[0]["child_pid"])
         assert child is not None
-        with caplog.at_level(logging.WARNING, logger="slime.rollout.engine_group"):
+        with caplog.at_level(logging.WARNING, logger="slime.ray.engine_group"):
             engines.shutdown()
             engines.shutdown()  # a second call does nothing
         wait_for(lambda: read_proc(child.pid) is None or read_proc(child.pid).state == "Z", timeout_s=30,
@@ -302,16 +293,23 @@ def test_one_engine_that_dies_mid_rollout_is_restarted_re_synced_and_serves_the_
 
 
 def test_with_a_survivor_the_restarted_engine_waits_for_the_next_sync_and_no_re_sync_runs(local_ray, tmp_path):
-    cfg = _cfg(tmp_path, "CrashingEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
+    """Engine 0 serves r0 r1 and dies on its second call (r4 r5), engine 1 answers only after that crash (the stub
+    waits for it), so the schedule does not depend on which engine the machine runs first; the scheduler's health
+    monitor gets a generous interval, so that a stalled machine does not take a healthy engine out."""
+    cfg = _cfg(tmp_path, "CrashingWithASurvivorEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2",
+               "--output-dir", str(tmp_path / "run"))
     placement, engines = _start(cfg)
     try:
+        engines.scheduler.monitor_s = START_TIMEOUT_S
         hook = _ResyncHook(engines)
         engines.set_resync(hook)
         records = _records(engines.generate(_requests(12)))
         assert [r["rid"] for r in records] == [f"r{i}" for i in range(12)]
         assert all(r["life"] == 0 for r in records)  # engine 0 served only before it died
+        assert [r["engine"] for r in records] == [0, 0] + [1] * 10
         assert hook.seen == [] and engines.fault_counts["mid_rollout_resyncs"] == 0
         assert engines.fault_counts["engine_failures"] == 1 and engines.fault_counts["engines_restarted"] == 1
+        assert engines.fault_counts["requests_retried"] == 2  # r4 r5
         assert engines.serving == [False, True]
     finally:
         engines.shutdown()
@@ -322,8 +320,6 @@ def test_a_mid_rollout_re_sync_that_cannot_help_fails_clearly_and_cannot_loop(lo
     """Engine 0 dies on every call.  Without a hook: today's error.  A hook that raises, or that returns without
     ``weights_updated()``: a clear error.  A working hook: the same requests go out again after each re-sync,
     each failure counting one attempt, so the third failure stops the step (MAX_ATTEMPTS = 3)."""
-    from slime.rollout.engine_group import MAX_ATTEMPTS
-
     cfg = _cfg(tmp_path, "AlwaysCrashingEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
     placement, engines = _start(cfg)
     try:

@@ -19,7 +19,8 @@ from PIL import Image
 from slime.data.image import decode_image, encode_image_base64
 from slime.data.processor import load_processor, mm_token_type_ids
 from slime.rollout.engines.base import BundleResources, EngineResources, GenerateRequest, SamplingParams
-from slime.rollout.engines.hf_engine import TransformersEngine, sample_next_tokens
+from slime.rollout.engines.hf_engine import TransformersEngine
+from slime.rollout.engines.hf_sampling import sample_next_tokens
 from slime.rollout.seeds import sampling_seed, uniform
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -18,7 +18,7 @@ HEAVY_PACKAGES = ("ray", "torch", "transformers", "PIL", "pyarrow", "datasets", 
 """Third-party packages that importing the parser (or the command line, before the flags are parsed) must not load."""
 PIPELINE_MODULES = ("slime.rollout.manager", "slime.rollout.rm_hub.scorer", "slime.rollout.rm_hub.math_reward",
                     "slime.data.dataset", "slime.data.sources", "slime.data.processor", "slime.data.image",
-                    "slime.rollout.engine_group", "slime.ray.trainer_group", "slime.driver")
+                    "slime.rollout.scheduler", "slime.ray.engine_group", "slime.ray.trainer_group", "slime.driver")
 """slime modules that do the work the flags configure: the rollout manager, the reward scorer, the data pipeline,
 the processor, the worker groups and the run."""
 

@@ -25,7 +25,7 @@ import torch
 from slime.rollout.engines.base import EngineUnavailableError, GenerateRequest, SamplingParams
 from slime.rollout.engines.sglang import server_plugin
 from slime.rollout.engines.sglang.client import SGLangAuthError, SGLangClient, SGLangRequestError
-from slime.rollout.engines.sglang.engine import generate_payload, parse_generate_response
+from slime.rollout.engines.sglang.generation import generate_payload, parse_generate_response
 from slime.rollout.engines.sglang.launch import (
     LOCALHOST,
     GPUStartLock,
@@ -521,7 +521,7 @@ def test_a_refused_prompt_in_a_batch_is_named_and_the_others_complete_alone(engi
     before = _generate_http_calls(engine)
     record = tmp_path / "exchanges.jsonl"
     engine.client.record = record
-    with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.engine"), \
+    with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.generation"), \
             pytest.raises(SGLangRequestError) as refused:
         engine.generate(requests)
     message = str(refused.value)
@@ -554,7 +554,7 @@ def test_a_refused_batch_whose_requests_complete_alone_returns_them_in_request_o
     requests = [GenerateRequest("an image of a triangle with sides", [IMAGE], _params(3), rid="i"),
                 GenerateRequest("one two three", [], _params(), rid="t"),
                 GenerateRequest("four words and images", [IMAGE, IMAGE], _params(), rid=None)]
-    with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.engine"):
+    with caplog.at_level("WARNING", logger="slime.rollout.engines.sglang.generation"):
         outputs = engine.generate(requests)
     for out, (words, images, max_new), rid in zip(outputs, [(7, 1, 3), (3, 0, 8), (4, 2, 8)], ["i", "t", None]):
         ids, logprobs, finish, prompt_tokens = _echo(words, images, max_new)

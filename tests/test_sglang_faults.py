@@ -21,7 +21,7 @@ import ray
 
 from slime.ray.config import ClusterConfig
 from slime.ray.placement import init_ray
-from slime.rollout.engine_group import EngineError
+from slime.rollout.scheduler import EngineError
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from tests.fake_sglang import start_engine_group
 from tests.process_tree import is_alive, read_proc, wait_for, wait_session_gone

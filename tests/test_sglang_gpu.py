@@ -146,7 +146,7 @@ def _mixed_requests(images, texts, max_new_tokens: int, temperature: float):
 def test_one_batched_call_of_image_and_text_prompts_answers_each_request_in_order(servers, prompts, hf_model,
                                                                                   tmp_path):
     """The engine group's form since run 7: the 12 image and 12 text problems interleaved in one batched
-    ``/generate`` call (SGLang's list form, :func:`~slime.rollout.engines.sglang.engine.generate_batch_payload`).
+    ``/generate`` call (SGLang's list form, :func:`~slime.rollout.engines.sglang.generation.generate_batch_payload`).
     One output per request in request order (SGLang's ``meta_info.id`` names each), each prompt as long as the
     data pipeline made it, one log-prob per output token (read from SGLang's raw answer), and log-probs as close
     to the HF model's as single calls give (the fixed server)."""

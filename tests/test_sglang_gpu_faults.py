@@ -32,7 +32,7 @@ def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(tin
     import ray
 
     from slime.arguments import parse_args
-    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.ray.engine_group import RolloutEngineGroup
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
     from slime.rollout.engines.sglang.engine import SGLangEngine
 

@@ -80,7 +80,8 @@ def run_engine(name: str, model: Path, prompts, response_len: int, run_dir: Path
     ``[P + R - 1, layers, top_k]``: SGLang's routed experts of every position it computed)."""
     from slime.ray.placement import free_port
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
-    from slime.rollout.engines.sglang.engine import SGLangEngine, generate_payload, parse_generate_response
+    from slime.rollout.engines.sglang.engine import SGLangEngine
+    from slime.rollout.engines.sglang.generation import generate_payload, parse_generate_response
     from slime.rollout.engines.sglang.launch import LOCALHOST, ServerSpec
     from slime.rollout.seeds import sampling_seed
 

@@ -13,7 +13,7 @@ made on the GPU, with the tiny real-geometry checkpoint's tokenizer and processo
 ``throughput``: the same geo3k prompts (text + image, one sample each, ``--max-new-tokens`` tokens sampled at
 temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work) through
 
-1. SGLang through slime's engine: Ray, :class:`slime.rollout.engine_group.RolloutEngineGroup` over one
+1. SGLang through slime's engine: Ray, :class:`slime.ray.engine_group.RolloutEngineGroup` over one
    :class:`slime.rollout.engines.sglang.engine.SGLangEngine` (HTTP, batched ``/generate`` calls of
    ``--requests-per-call`` requests, ``capacity`` at once); then, on the same warm server, for each ``N`` of
    ``--direct-requests-per-call`` (default 1 8 32), the requests in calls of ``N`` from a thread pool inside the
@@ -276,7 +276,7 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
     import ray
 
     from slime.arguments import parse_args
-    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.ray.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
     _start_ray()
     cfg = parse_args(["--hf-checkpoint", model, "--prompt-data", str(DATA), "--num-rollout", "1",
@@ -537,8 +537,8 @@ def weight_sync(args) -> None:
     import ray
 
     from slime.arguments import parse_args
+    from slime.ray.engine_group import RolloutEngineGroup
     from slime.ray.trainer_group import TrainerGroup
-    from slime.rollout.engine_group import RolloutEngineGroup
     from slime.rollout.engines.sglang.engine import SGLangEngine
     from slime.rollout.engines.sglang.server_plugin import FAST_EXPERT_LOAD_ENV
     from slime.weight_sync.cuda_ipc import CudaIpcTransport

@@ -21,7 +21,7 @@ slime offloads the rollout engines right after creating them); after loading, th
 only their weights (step 3) and the first sync runs steps 4-6.
 
 Mid-rollout re-sync (:meth:`ColocatedMemory.resync_phase`, when a restarted engine needs the
-current weights because no other engine is left to serve, see :mod:`slime.rollout.engine_group`):
+current weights because no other engine is left to serve, see :mod:`slime.rollout.scheduler`):
 during a rollout the engines hold everything and the trainers nothing (after step 6), so the re-sync
 runs step 1, then the trainers onload their weights only (``onload(weights_only=True)``: the optimizer
 state, gradient buffers and reference model stay on the CPU), then steps 4-6 around the push, and
@@ -58,7 +58,7 @@ from slime.rollout.engines.base import GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPES
 
 if TYPE_CHECKING:
     from slime.ray.trainer_group import TrainerGroup
-    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.ray.engine_group import RolloutEngineGroup
 
 RELEASED_FOR_TRAINING = GPU_MEMORY_TYPES
 """Step 1: every engine memory region."""

@@ -26,8 +26,8 @@ import torch
 
 from slime.backends.base import RankInfo, TrainerBackend
 from slime.data.sample import Sample
+from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
-from slime.rollout.engine_group import RolloutEngineGroup
 from slime.weight_sync.base import WeightTransport, check_weight_sources
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.seeds import sampling_seed
 
 if TYPE_CHECKING:  # the engine group imports Ray; the flags import this module's neighbours (parity)
-    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.ray.engine_group import RolloutEngineGroup
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from slime.rollout.seeds import sampling_seed
 
 if TYPE_CHECKING:
     from slime.data.dataset import PromptDataset
+    from slime.ray.engine_group import RolloutEngineGroup
     from slime.ray.trainer_group import TrainerGroup
-    from slime.rollout.engine_group import RolloutEngineGroup
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from slime.backends.base import RankInfo
-    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.ray.engine_group import RolloutEngineGroup
 
 WeightBucket = list[tuple[str, torch.Tensor]]
 """``(Hugging Face checkpoint name, tensor)`` pairs; a rank's share of one round (may be empty)."""
@@ -110,7 +110,7 @@ class WeightTransport(abc.ABC):
 
         Args:
             rank: this rank's place in the trainer world.
-            engines: the engines' Ray actor handles (:class:`slime.rollout.engine_group.EngineActor`), in order.
+            engines: the engines' Ray actor handles (:class:`slime.ray.engine_actor.EngineActor`), in order.
         """
 
     # ------------------------------------------------------------------ every sync

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from slime.backends.base import RankInfo
-    from slime.rollout.engine_group import RolloutEngineGroup
+    from slime.ray.engine_group import RolloutEngineGroup
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 

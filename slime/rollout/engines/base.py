@@ -2,7 +2,7 @@
 
 A rollout engine is one inference server, possibly spanning several GPUs
 (``--rollout-num-gpus-per-engine``); slime runs each engine inside a Ray actor and talks
-to all of them through :class:`slime.rollout.engine_group.RolloutEngineGroup`.  Engines are
+to all of them through :class:`slime.ray.engine_group.RolloutEngineGroup`.  Engines are
 selected with ``--rollout-backend`` (registry: :mod:`slime.rollout.engines`):
 
 - ``sglang`` (the production engine, :mod:`slime.rollout.engines.sglang`): each engine is one
@@ -25,7 +25,7 @@ Memory tags: ``/release_memory_occupation`` and ``/resume_memory_occupation`` ta
 Colocated runs free everything before training and bring the regions back one at a time
 around the weight sync (:mod:`slime.ray.colocate`).
 
-Lifecycle, as :class:`slime.rollout.engine_group.RolloutEngineGroup` drives it:
+Lifecycle, as :class:`slime.ray.engine_group.RolloutEngineGroup` drives it:
 
 1. ``from_config(cfg, resources)`` builds the engine inside its Ray actor.  ``resources``
    (:class:`EngineResources`) lists every placement-group bundle the engine spans
@@ -39,14 +39,14 @@ Lifecycle, as :class:`slime.rollout.engine_group.RolloutEngineGroup` drives it:
    :meth:`RolloutEngine.log_tail`).
 3. The step's requests form one queue; an engine with room in its window (requests in
    flight: its :attr:`RolloutEngine.capacity` when it is the only engine, else at most half
-   an even share of the step, :func:`slime.rollout.engine_group.balance_windows`) gets the
+   an even share of the step, :func:`slime.rollout.scheduler.balance_windows`) gets the
    next ones, in calls of at most :attr:`RolloutEngine.max_requests_per_call`, and up to
    :attr:`RolloutEngine.max_concurrent_calls` calls at once.
 4. An engine that dies while serving (its :meth:`RolloutEngine.generate` raises
    :class:`EngineUnavailableError`, its actor dies, or its :meth:`RolloutEngine.health` turns False)
    is taken out of the rotation; its requests go to the other engines and it is restarted
    (:meth:`RolloutEngine.restart`), then serves again after the next weight sync (mid-rollout when no
-   other engine is left to serve, :meth:`slime.rollout.engine_group.RolloutEngineGroup.set_resync`).
+   other engine is left to serve, :meth:`slime.ray.engine_group.RolloutEngineGroup.set_resync`).
 5. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
    driver's ``finally``, also after errors and when the run joined an external Ray cluster.
 """

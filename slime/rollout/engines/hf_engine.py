@@ -1,49 +1,29 @@
-"""Rollout engine on an in-process transformers model: the embedded default on machines without
-a GPU and the fallback where SGLang is not installed.  Runs on CPU or one GPU (``device``, ``dtype``).
+"""Rollout engine on an in-process transformers model: the embedded default on machines without a GPU
+and the fallback where SGLang is not installed.  Runs on CPU or one GPU (``device``, ``dtype``).
 
-It reproduces the SGLang behaviour the trainer relies on (SGLang 0.5, ``python/sglang/srt``):
+It reproduces the SGLang 0.5 behaviour the trainer relies on: sampling and log-probs as
+:mod:`.hf_sampling` states; **stopping** (``managers/schedule_batch.py``, ``Req.check_finished``) after
+every token, in this order: ``max_new_tokens`` reached -> ``"length"`` (even on an EOS); an EOS id (the
+tokenizer's or ``generation_config.eos_token_id``) or a ``stop_token_ids`` entry -> ``"stop"``; a ``stop``
+string in the decoded tail -> ``"stop"``; ``output_ids`` keep the stop token (and a stop string's
+tokens); **text** (``managers/detokenizer_manager.py``, ``trim_matched_stop``):
+``decode(output_ids, skip_special_tokens=True)``, without a matched stop token and cut before a matched
+stop string (``no_stop_trim=True``: kept, cut after it).
 
-- **Sampling** (``layers/sampler.py``, pytorch backend): ``p = softmax(logits / T)``; top-k keeps
-  the k most likely tokens and top-p the sorted tokens whose probability mass *before* them is
-  ``<= top_p``, both judged on the same unrenormalised sorted ``p``; one token is drawn from what
-  is kept.  ``temperature == 0`` is greedy (SGLang turns it into ``top_k = 1`` at ``T = 1``).
-- **Log-probs** (same file, ``torch.log(probs)``): ``log_softmax(logits / T)`` of the chosen
-  token, taken *before* top-k / top-p filtering, in float32 (``T = 1`` for greedy rows).
-- **Stopping** (``managers/schedule_batch.py``, ``Req.check_finished``), after every token, in
-  this order: ``max_new_tokens`` reached -> ``"length"`` (even when that token is an EOS); the
-  token is an EOS id (the tokenizer's ``eos_token_id`` or the checkpoint's
-  ``generation_config.eos_token_id``) or in ``stop_token_ids`` -> ``"stop"``; the decoded tail of
-  the response contains a ``stop`` string -> ``"stop"``.  ``output_ids`` keep the stop token (and
-  the tokens of a stop string).
-- **Text** (``managers/detokenizer_manager.py``, ``trim_matched_stop``):
-  ``decode(output_ids, skip_special_tokens=True)``; with ``no_stop_trim=False`` a matched stop
-  token is left out and the text is cut before a matched stop string (with ``no_stop_trim=True``,
-  cut after it).
+Batching: requests go through the model in request order, ``max_batch_size`` at a time, left padded,
+with a ``DynamicCache`` (for Qwen3.5 also the Gated DeltaNet states; transformers zeroes padded hidden
+states before those layers, so padding never leaks into results).  Positions are the M-RoPE (t, h, w)
+rows of the model's ``get_rope_index`` over each prompt's own tokens, plus one per decode step.
 
-Batching: requests go through the model in request order, ``max_batch_size`` at a time, left
-padded, with a KV cache (``DynamicCache``; for Qwen3.5 it holds the Gated DeltaNet conv and
-recurrent states next to the attention keys/values).  Padding does not leak into results:
-attention masks it, and transformers zeroes padded hidden states before every Gated DeltaNet
-layer (``apply_mask_to_padding_states``), so the recurrent state of a left-padded prompt starts
-from zero at its first token.  Positions are the M-RoPE (t, h, w) rows of the model's
-``get_rope_index`` over each prompt's own tokens; every decode step adds one to each row (the last
-prompt token is text, whose three rows are equal).
+Randomness: token ``t`` of a request with ``sampling_seed = s`` uses :func:`slime.rollout.seeds.uniform`
+``(s, t)``, so a response depends only on its seed, prompt and weights.  Requests without a seed get
+one from the engine's own CPU generator (seeded once by ``seed``); the process-wide RNG is never touched.
 
-Randomness: per request, never per engine or per batch.  Token ``t`` of a request with
-``sampling_params.sampling_seed = s`` is drawn by inverse-CDF sampling over the kept tokens in
-sorted order (most likely first, ties by token id) with the uniform number
-:func:`slime.rollout.seeds.uniform` ``(s, t)``; so a response depends only on its seed, prompt and
-weights, not on which engine or batch serves it or on what the engine did before.  Requests
-without a seed get one from the engine's own generator (CPU ``torch.Generator`` seeded once by
-``seed``, advanced by every such request): the same engine seed and the same sequence of calls
-then give the same samples.  The process-wide RNG is never touched.
-
-Weights arrive under their Hugging Face *checkpoint* names (see :class:`_CheckpointWeights`).
+Weights arrive under their Hugging Face *checkpoint* names (:class:`.hf_weights.CheckpointWeights`).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -59,52 +39,9 @@ from slime.rollout.engines.base import (
     SamplingParams,
     memory_tags,
 )
+from slime.rollout.engines.hf_sampling import check_sampling_params, sample_next_tokens
+from slime.rollout.engines.hf_weights import CheckpointWeights
 from slime.rollout.seeds import SEED_BITS, uniform
-
-
-def sample_next_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    uniforms: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row with SGLang's sampling rules (see the module docstring).
-
-    A sampled row sorts ``p = softmax(logits / T)`` in decreasing order (stable: ties by token
-    id), keeps the prefix that top-k and top-p allow, and returns the first kept token whose
-    cumulative kept mass exceeds ``u * (kept mass)``: exact sampling from the renormalised kept
-    distribution, with all the randomness in ``u``.
-
-    Args:
-        logits: float32 ``[B, V]`` raw next-token logits.
-        temperature: float32 ``[B]``, ``>= 0``; 0 means greedy (top-k / top-p ignored).
-        top_p: float32 ``[B]`` in ``(0, 1]``.
-        top_k: int64 ``[B]``; ``-1`` (or ``>= V``) keeps every token.
-        uniforms: float64 ``[B]`` in ``[0, 1)``, one random number per row (unused for greedy rows).
-
-    Returns:
-        ``(tokens, log_probs)``: int64 ``[B]`` and float32 ``[B]``, the natural-log probability
-        of each token under ``log_softmax(logits / T)`` (``T = 1`` for greedy rows), unfiltered.
-    """
-    vocab = logits.shape[-1]
-    greedy = temperature == 0
-    log_probs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1), dim=-1)
-    tokens = logits.argmax(dim=-1)
-    if not greedy.all():
-        sorted_probs, order = log_probs.exp().sort(dim=-1, descending=True, stable=True)
-        top_k = torch.where(top_k < 0, vocab, top_k)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        rank = torch.arange(vocab, device=logits.device)
-        # Both conditions, and p > 0, hold on a prefix of the sorted tokens that has the top token.
-        keep = (rank < top_k.unsqueeze(-1)) & (mass_before <= top_p.unsqueeze(-1)) & (sorted_probs > 0)
-        cdf = torch.where(keep, sorted_probs, 0.0).double().cumsum(dim=-1)
-        threshold = uniforms.to(cdf.device, torch.float64) * cdf[:, -1]
-        choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
-        choice = torch.minimum(choice, keep.sum(dim=-1) - 1)  # u * mass rounding up to the mass
-        sampled = order.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
-        tokens = torch.where(greedy, tokens, sampled)
-    return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 @dataclasses.dataclass
@@ -166,7 +103,7 @@ class TransformersEngine(RolloutEngine):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)  # seeds for requests that bring none
-        self._weights = _CheckpointWeights(self.model)
+        self._weights = CheckpointWeights(self.model)
         self._paused = False
         self._released: set[str] = set()  # memory tags released and not yet resumed
         self._shut_down = False
@@ -251,7 +188,7 @@ class TransformersEngine(RolloutEngine):
     def _tokenize(self, request: GenerateRequest, index: int) -> _Prompt:
         """Decode the request's images, run the processor and check the sampling params."""
         name = f"request {index}" + (f" (rid {request.rid!r})" if request.rid is not None else "")
-        _check_sampling_params(request.sampling_params, name)
+        check_sampling_params(request.sampling_params, name)
         images = [
             decode_image(data, row=request.rid if request.rid is not None else index, field=f"image_data[{i}]")
             for i, data in enumerate(request.image_data)
@@ -392,7 +329,7 @@ class TransformersEngine(RolloutEngine):
     def update_weights_from_tensor(
         self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True
     ) -> None:
-        """Load one bucket of checkpoint-named tensors (see :class:`_CheckpointWeights`).
+        """Load one bucket of checkpoint-named tensors (see :class:`CheckpointWeights`).
 
         ``flush_cache`` has nothing to do here: this engine keeps no cache between calls.
 
@@ -490,123 +427,3 @@ def _eos_token_ids(tokenizer_eos: int | None, generation_eos: int | list[int] | 
     if not ids:
         raise ValueError("the checkpoint defines no EOS token (tokenizer eos_token or generation_config.eos_token_id)")
     return ids
-
-
-def _check_sampling_params(params: SamplingParams, name: str) -> None:
-    """Raise ValueError naming the request and the field when a sampling parameter is out of range."""
-    if params.max_new_tokens < 1:
-        raise ValueError(f"{name}: max_new_tokens = {params.max_new_tokens}; use at least 1")
-    if params.temperature < 0:
-        raise ValueError(f"{name}: temperature = {params.temperature}; use > 0 to sample, or 0 for greedy decoding")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"{name}: top_p = {params.top_p} is outside (0, 1]; 1.0 disables nucleus sampling")
-    if params.top_k == 0 or params.top_k < -1:
-        raise ValueError(f"{name}: top_k = {params.top_k}; use a positive k, or -1 to disable top-k")
-    seed = params.sampling_seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**SEED_BITS):
-        raise ValueError(f"{name}: sampling_seed = {seed!r}; use an int in [0, 2**{SEED_BITS}), or None")
-    if params.stop and not all(isinstance(s, str) and s for s in params.stop):
-        raise ValueError(f"{name}: stop = {params.stop!r}; every stop string must be a non-empty string")
-
-
-class _CheckpointWeights:
-    """Writes tensors named as in the model's checkpoint files into the model's in-memory layout.
-
-    transformers 5 converts checkpoint tensors when it loads a model and records the conversions
-    it used on ``model._weight_conversions`` (``transformers/conversion_mapping.py``).  For
-    Qwen3.5-MoE the per-expert ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` /
-    ``down_proj`` (``[I, H]``, ``[I, H]``, ``[H, I]``) become ``...mlp.experts.gate_up_proj``
-    (``[E, 2I, H]``, gate rows first) and ``...mlp.experts.down_proj`` (``[E, H, I]``); every
-    other name is kept.  This class runs the load direction with transformers' own pieces:
-    ``rename_source_key`` maps a checkpoint name to its parameter and ``WeightConverter.convert``
-    fuses a complete group.  Which checkpoint names (and shapes) exist is derived from the model
-    once, by running ``revert_weight_conversion`` (what ``save_pretrained`` and the trainer use
-    to produce these names) on a meta-device copy of the state dict.
-
-    A bucket may end in the middle of a fused group (e.g. half the experts of a layer): the
-    received tensors are buffered until the group is complete, then fused and copied in.  A
-    tensor sent twice before its group completes replaces the earlier one.  So buckets from
-    several trainer ranks (each sending the tensors it is the source of) may arrive in any order.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            dot_natural_key,
-            rename_source_key,
-            revert_weight_conversion,
-        )
-
-        conversions = getattr(model, "_weight_conversions", None)
-        if conversions is None:
-            raise RuntimeError("the model carries no _weight_conversions; load it with from_pretrained")
-        conversions = copy.deepcopy(conversions)
-        renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-        converters = [c for c in conversions if isinstance(c, WeightConverter)]
-        self._model = model
-        targets = model.state_dict(keep_vars=True)
-        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in targets.items()}
-        self._shapes = {name: tuple(t.shape) for name, t in revert_weight_conversion(model, meta).items()}
-        self._route: dict[str, tuple[str, str | None]] = {}
-        self._members: dict[str, list[str]] = {}
-        for name in sorted(self._shapes, key=dot_natural_key):
-            target, pattern = rename_source_key(name, renamings, converters)
-            if target not in targets:
-                raise RuntimeError(
-                    f"transformers maps checkpoint name {name!r} to {target!r}, which the model does not have; "
-                    "its conversion mapping for this model is not invertible"
-                )
-            self._route[name] = (target, pattern)
-            if pattern is not None:
-                self._members.setdefault(target, []).append(name)
-        self._converters = {pattern: c for c in converters for pattern in c.source_patterns}
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
-
-    def names(self) -> list[str]:
-        """Every checkpoint name, in natural order."""
-        return list(self._route)
-
-    def incomplete_parameters(self) -> list[str]:
-        """Fused parameters with some, not all, of their checkpoint tensors received."""
-        return sorted(self._pending)
-
-    @torch.no_grad()
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket into the model (any device and float dtype; cast to the parameter's).
-
-        The whole bucket is checked before anything is written, so a bad bucket changes nothing.
-
-        Raises:
-            KeyError: a name that is not a checkpoint tensor of this model.
-            ValueError: a tensor whose shape differs from the checkpoint's.
-        """
-        for name, tensor in named_tensors:
-            if name not in self._route:
-                raise KeyError(
-                    f"{name!r} is not a checkpoint tensor of this model (names look like {self.names()[0]!r}); "
-                    "send Hugging Face checkpoint names, e.g. from transformers' revert_weight_conversion"
-                )
-            if tuple(tensor.shape) != self._shapes[name]:
-                raise ValueError(
-                    f"{name!r} has shape {tuple(tensor.shape)} but the checkpoint's is {self._shapes[name]}; "
-                    "check that trainer and engine use the same model config"
-                )
-        targets = self._model.state_dict(keep_vars=True)  # looked up per call: moving the model replaces buffers
-        for name, tensor in named_tensors:
-            target, pattern = self._route[name]
-            if pattern is None:
-                targets[target].copy_(tensor)
-                continue
-            group = self._pending.setdefault(target, {})
-            group[name] = tensor
-            if len(group) == len(self._members[target]):
-                targets[target].copy_(self._fuse(target, self._pending.pop(target)))
-
-    def _fuse(self, target: str, group: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run transformers' converter of ``target`` on its complete group (members in natural order)."""
-        converter = copy.deepcopy(self._converters[self._route[self._members[target][0]][1]])
-        for name in self._members[target]:
-            converter.add_tensor(target, name, self._route[name][1], group[name])
-        (fused,) = converter.convert(target, model=self._model, config=self._model.config).values()
-        return fused[0] if isinstance(fused, list) else fused

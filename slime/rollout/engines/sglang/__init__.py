@@ -2,6 +2,8 @@
 
 - :mod:`.engine`: :class:`~.engine.SGLangEngine`, the :class:`~slime.rollout.engines.base.RolloutEngine`
   over one SGLang server (generation, weights, memory, pause/continue/flush, health, restart);
+- :mod:`.generation`: one engine call on ``/generate`` (request bodies, answers, a refused batch resent
+  one request per call);
 - :mod:`.client`: the HTTP client of SGLang 0.5.17's native API (payloads, errors, the per-run key);
 - :mod:`.launch`: the server's command line, environment, process and log;
 - :mod:`.server_main`: the server process's entry point (SGLang's ``launch_server`` with the key from stdin);

@@ -1,46 +1,27 @@
 """The SGLang rollout engine: one SGLang server process per engine, driven over its HTTP API.
 
-:class:`SGLangEngine` lives in the engine's Ray actor (:class:`slime.rollout.engine_group.EngineActor`)
-on the engine's first bundle, with ``CUDA_VISIBLE_DEVICES`` set to all of the engine's GPUs on that
-node.  It starts the server (:mod:`.launch`: command line, environment, log), talks to it through
-:class:`~.client.SGLangClient` with a per-engine secret that never leaves the actor and the server,
-and maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto one endpoint:
+:class:`SGLangEngine` lives in the engine's Ray actor (:class:`slime.ray.engine_actor.EngineActor`) on
+the engine's first bundle, with ``CUDA_VISIBLE_DEVICES`` set to all of the engine's GPUs on that node.
+It starts the server (:mod:`.launch`: command line, environment, log), talks to it through
+:class:`~.client.SGLangClient` with a per-engine secret that never leaves the actor and the server, and
+maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto endpoints:
 
-- :meth:`SGLangEngine.generate`: one ``/generate`` call per engine-group call, in SGLang's batch form
-  when it holds several requests (every field a list; ``max_requests_per_call`` =
-  ``--sglang-requests-per-call``, default 32), up to :attr:`capacity` requests at once
-  (``--sglang-server-concurrency``; the engine group never has more in flight, which is the
-  backpressure: the rest wait in the group's queue), the prompt as text plus ``image_data`` (base64
-  images; never pre-tokenised ``input_ids``, which SGLang would expand a second time),
-  ``sampling_params`` from the rollout flags, ``return_logprob=True``.  Why batches: SGLang's
-  tokenizer manager pre-processes a batch's prompts one after the other and hands each to the
-  scheduler as soon as it is ready, while many single-request calls that arrive together are
-  pre-processed side by side (the image processor runs in its event loop) and reach the scheduler
-  together, late: on the H200, 64 image prompts sent singly reached it 2 s after the first three
-  (``docs/results/h200_sglang.md``, run 6).  The output
-  takes ``output_ids``, the log-probs of ``meta_info.output_token_logprobs``,
-  ``meta_info.finish_reason.type`` and ``meta_info.prompt_tokens`` (:func:`parse_generate_response`).
-  SGLang's ``rid`` is the request's id plus a per-attempt suffix (unique while in flight, also when a
-  request is retried); the output carries the request id back (``meta_info.id``), which the engine
-  group compares with the request's.  SGLang 0.5.17 refuses a whole batch when it refuses one of its
-  prompts (e.g. one longer than ``--context-length``: HTTP 400 ``{"error": {"message": ...}}``, naming
-  neither the request nor its index), so a refused batch is sent again one request per call (logged as a
-  warning): the error then names the refused request's ``rid`` and SGLang's reason, and a batch whose
-  requests all complete alone returns their outputs.
+- ``generate``: one ``/generate`` call (:mod:`.generation`) of at most ``--sglang-requests-per-call``
+  requests (default 32), up to :attr:`~SGLangEngine.capacity` requests at once
+  (``--sglang-server-concurrency``; the engine group never has more in flight).
 - weights: ``/update_weights_from_tensor`` (object store: the bucket by value; CUDA IPC: one handle
   per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
   ``/update_weights_from_distributed`` (NCCL).
-- memory: ``/release_memory_occupation`` and ``/resume_memory_occupation`` with the tags the server
-  has (``cuda_graph`` is dropped on releases without it, as the server plugin reports, and with
-  ``--disable-cuda-graph``); a tag already released (or not released) is not sent again.
-- ``/pause_generation`` (``abort``, SGLang 0.5.17's default, or ``retract``), ``/continue_generation``,
+- memory: ``/release_memory_occupation`` / ``/resume_memory_occupation`` with the tags the server has
+  (no ``cuda_graph`` where the release lacks it or with ``--disable-cuda-graph``); a tag already
+  released (or not released) is not sent again.
+- ``/pause_generation`` (``abort``, SGLang's default, or ``retract``), ``/continue_generation``,
   ``/flush_cache``; ``/health`` (never generates: see :mod:`.launch`) plus "is the process alive".
 
-Start-up: the constructor starts the server and returns; :meth:`health` is polled by the group.  A
-server that exits makes :meth:`health` raise with the exit code and the tail of its log.  Once
-healthy, the engine reads the plugin's reports (:mod:`.server_plugin`) and refuses to serve when
-a scheduler process lacks them or an affected SGLang runs without the multimodal-RoPE fix (unless
-``SLIME_SGLANG_MROPE_FIX=0`` asked for that).
+Start-up: the constructor starts the server and returns; :meth:`~SGLangEngine.health` is polled by the
+group and raises once the server exited (exit code, log tail).  Once healthy, the engine checks the
+plugin's reports (:mod:`.server_plugin`) and refuses to serve without them or without the multimodal-RoPE
+fix where the SGLang release needs it (unless ``SLIME_SGLANG_MROPE_FIX=0``).
 """
 
 from __future__ import annotations
@@ -54,8 +35,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
 
@@ -70,6 +49,7 @@ from slime.rollout.engines.base import (
     RolloutEngine,
     memory_tags,
 )
+from slime.rollout.engines.sglang import generation
 from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
 from slime.rollout.engines.sglang.config import (
     MAX_SERVER_CONCURRENCY,
@@ -97,97 +77,12 @@ MAX_CONCURRENT_CALLS = MAX_SERVER_CONCURRENCY
 ``--sglang-server-concurrency``."""
 EXIT_WAIT_S = 2.0
 """After a lost connection, how long to wait for the server's exit code before reporting only the lost connection."""
-RID_SEPARATOR = "#attempt-"
-"""Between the request's ``rid`` and the per-attempt suffix of SGLang's ``rid``."""
 FLUSH_RETRY_S = 60.0
 """How long ``/flush_cache`` is retried while the server still has requests (it answers 400 then)."""
 
 
 class ServerReportError(RuntimeError):
     """The server runs without what slime needs in it (the plugin's reports say what is missing)."""
-
-
-def parse_generate_response(body: dict, rid: str | None = None) -> GenerateOutput:
-    """A :class:`GenerateOutput` from SGLang's ``/generate`` answer for one request.
-
-    ``body`` is ``{"text": str, "output_ids": [int], "meta_info": {"finish_reason": {"type": ...},
-    "prompt_tokens": int, "output_token_logprobs": [[logprob, token_id, text|None], ...], "id": rid, ...}}``
-    (``tokenizer_manager.py`` of SGLang 0.5.17).  ``rid`` of the output: the request id of ``meta_info.id``
-    (:func:`generate_payload`'s form), None for another form.
-
-    Raises:
-        SGLangRequestError: a field is missing, the log-probs do not cover the output tokens one to
-            one, or the finish reason is unknown (the message names the request).
-    """
-    where = f"/generate answer{f' for rid {rid}' if rid else ''}"
-    try:
-        meta = body["meta_info"]
-        output_ids = [int(t) for t in body["output_ids"]]
-        finish = meta["finish_reason"]
-        reason = finish["type"] if isinstance(finish, dict) else finish
-        logprobs = meta["output_token_logprobs"]
-        prompt_tokens = int(meta["prompt_tokens"])
-        text = body.get("text") or ""
-    except (KeyError, TypeError, ValueError) as e:
-        raise SGLangRequestError(f"{where} lacks {e} (return_logprob must be set)", endpoint="/generate") from e
-    if reason not in ("stop", "length", "abort"):
-        raise SGLangRequestError(f"{where}: unknown finish_reason {finish!r}", endpoint="/generate")
-    ids = [int(entry[1]) for entry in logprobs]
-    if ids != output_ids:
-        raise SGLangRequestError(
-            f"{where}: {len(logprobs)} log-probs for {len(output_ids)} output tokens, or other token ids "
-            f"({ids[:5]} vs {output_ids[:5]})", endpoint="/generate",
-        )  # fmt: skip
-    if reason == "abort":
-        logger.warning("SGLang aborted request %s: %s", rid, finish.get("message") if isinstance(finish, dict) else "")
-    answered = meta.get("id")
-    return GenerateOutput(text=text, output_ids=output_ids, output_log_probs=[float(entry[0]) for entry in logprobs],
-                          finish_reason=reason, prompt_tokens=prompt_tokens,
-                          rid=answered.rpartition(RID_SEPARATOR)[0] if answered and RID_SEPARATOR in answered else None)
-
-
-def generate_payload(request: GenerateRequest) -> dict:
-    """The ``/generate`` body of one request: text, base64 images, SGLang sampling params, log-probs on.
-
-    Per-request sampling seeds (``SamplingParams.sampling_seed``, SGLang's ``sampling_seed``) travel
-    inside ``sampling_params`` once the sampling params carry them (``SamplingParams.to_sglang``).
-    """
-    payload = {
-        "text": request.text,
-        "sampling_params": request.sampling_params.to_sglang(),
-        "return_logprob": True,
-    }
-    if request.image_data:
-        payload["image_data"] = list(request.image_data)
-    if request.rid is not None:  # unique per attempt (SGLang refuses a rid in flight); the output names the request
-        payload["rid"] = f"{request.rid}{RID_SEPARATOR}{uuid.uuid4().hex[:12]}"
-    return payload
-
-
-def generate_batch_payload(requests: list[GenerateRequest]) -> dict:
-    """The ``/generate`` body of several requests in one call: SGLang's batch form of :func:`generate_payload`
-    (``GenerateReqInput`` with every field a list, one entry per request, in request order).
-
-    ``image_data`` is a list of per-request image lists (``[]`` for a prompt without images; left out when
-    no request has one), ``rid`` a list (a fresh id where the request has none: SGLang wants one per
-    entry), ``return_logprob`` one value for all.  The answer is a list of single-request answers in the
-    same order (``tokenizer_manager.py``, ``_handle_batch_request``).
-
-    Raises:
-        ValueError: ``requests`` is empty.
-    """
-    if not requests:
-        raise ValueError("a batched /generate call needs at least one request")
-    singles = [generate_payload(r) for r in requests]
-    payload = {
-        "text": [p["text"] for p in singles],
-        "sampling_params": [p["sampling_params"] for p in singles],
-        "return_logprob": True,
-        "rid": [p.get("rid") or uuid.uuid4().hex for p in singles],
-    }
-    if any("image_data" in p for p in singles):
-        payload["image_data"] = [p.get("image_data", []) for p in singles]
-    return payload
 
 
 class SGLangEngine(RolloutEngine):
@@ -401,15 +296,8 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete the requests with one ``/generate`` call: :func:`generate_payload` for one request,
-        :func:`generate_batch_payload` for several (at most :attr:`max_requests_per_call`).
-
-        A refused batch (an HTTP error answer, :class:`SGLangRequestError`; not a lost server or a refused
-        key) is sent again one request per call, all at once (:meth:`_generate_one_by_one`): SGLang 0.5.17
-        fails the whole call when one of its prompts is refused (``_handle_batch_request`` pre-processes them
-        in order and the first ``ValueError`` ends the call with 400 ``{"error": {"message": ...}}``, naming
-        neither the request nor its index), so this is how the refused request is named.  If every request
-        then completes (the batch itself was refused), their outputs are returned.
+        """Complete the requests with one ``/generate`` call, at most :attr:`max_requests_per_call` of them
+        (:func:`.generation.generate`: a refused batch is sent again one request per call).
 
         Returns:
             One output per request, in request order.
@@ -417,87 +305,10 @@ class SGLangEngine(RolloutEngine):
         Raises:
             EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
             SGLangRequestError: the server refused a request (the message names its ``rid`` and SGLang's
-                reason; for a batch: the first refused one in request order, sent alone, and how many of the
-                batch were refused), answered malformed, or answered a batch with another number of outputs.
+                reason), or answered malformed.
         """
-        if not requests:
-            return []
-        if len(requests) == 1:
-            return [self._generate_single(requests[0], 0)]
-        try:
-            bodies = self._call(self.client.generate, generate_batch_payload(requests))
-        except SGLangRequestError as e:
-            return self._generate_one_by_one(requests, e)
-        if not isinstance(bodies, list) or len(bodies) != len(requests):
-            got = f"{len(bodies)} outputs" if isinstance(bodies, list) else type(bodies).__name__
-            raise SGLangRequestError(f"/generate answered a batch of {len(requests)} requests with {got}",
-                                     endpoint="/generate")
-        return [parse_generate_response(body, r.rid) for body, r in zip(bodies, requests)]
-
-    def _generate_single(self, request: GenerateRequest, index: int) -> GenerateOutput:
-        """``request`` in a ``/generate`` call of its own; a refusal names the request (``index``: its place
-        in this engine's call, for a request without ``rid``).
-
-        Raises:
-            SGLangRequestError: refused (``rid`` and SGLang's reason in the message; ``status`` kept) or
-                answered malformed.
-        """
-        try:
-            body = self._call(self.client.generate, generate_payload(request))
-        except SGLangRequestError as e:
-            raise SGLangRequestError(f"SGLang refused request {_request_name(request, index)}: {e}",
-                                     endpoint="/generate", status=e.status) from e
-        return parse_generate_response(body, request.rid)
-
-    def _generate_one_by_one(self, requests: list[GenerateRequest],
-                             refusal: SGLangRequestError) -> list[GenerateOutput]:
-        """After SGLang refused the batch ``requests`` with ``refusal``: each request in a call of its own.
-
-        All calls are in flight at once, from a pool of ``len(requests)`` threads: the engine group counts
-        the batch's requests as in flight at this engine already, so the server gets no more at once than
-        the batch gave it (the backpressure holds), and the refused request is found in one generation's
-        time (one after the other, a refused 32nd request would wait for 31 generations).  Each thread closes
-        its own keep-alive connection (the client's connections are per thread) before it ends.
-
-        Raises:
-            EngineUnavailableError: a call found the server gone (first, so that the group can retry the
-                batch elsewhere).
-            SGLangRequestError: the first request in request order that was refused (or answered malformed)
-                when sent alone, with how many were.
-        """
-        logger.warning("SGLang at %s refused a batched /generate of %d requests (%s); sending them again one "
-                       "request per call to find the refused one. The refusal: %s", self.spec.url, len(requests),
-                       _request_names(requests), refusal)
-
-        def one(index: int) -> GenerateOutput | BaseException:
-            try:
-                return self._generate_single(requests[index], index)
-            except Exception as e:  # noqa: BLE001 - every outcome is looked at below, in request order
-                return e
-            finally:
-                self.client.close()  # this thread's connection
-
-        with ThreadPoolExecutor(len(requests), thread_name_prefix="sglang-one-by-one") as pool:
-            outcomes = list(pool.map(one, range(len(requests))))
-        failures = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
-        if not failures:
-            logger.warning("all %d requests of the refused batch completed when sent one per call: SGLang refused "
-                           "the batch, not a request of it (%s)", len(requests), refusal)
-            return outcomes
-        gone = [o for _, o in failures if isinstance(o, EngineUnavailableError)]
-        if gone:
-            raise gone[0]
-        first = failures[0][1]
-        if not isinstance(first, SGLangRequestError):
-            raise first
-        refused = [i for i, o in failures if isinstance(o, SGLangRequestError)]
-        same_reason = str(refusal).split(": ", 1)[-1] in str(first)  # the address before the first ": "
-        batch_reason = "" if same_reason else f"; the batch was refused with: {refusal}"
-        raise SGLangRequestError(
-            f"{first} ({len(refused)} of a batch of {len(requests)} requests failed when sent alone: "
-            f"{_request_names([requests[i] for i in refused], refused)}{batch_reason})",
-            endpoint="/generate", status=first.status,
-        ) from first
+        return generation.generate(requests, lambda payload: self._call(self.client.generate, payload),
+                                   lambda: self.client.close(), self.spec.url)
 
     # ------------------------------------------------------------------ weights
 
@@ -625,19 +436,6 @@ class SGLangEngine(RolloutEngine):
 def _new_secret() -> str:
     """A server's key: 32 random bytes, URL-safe base64 (``secrets.token_urlsafe``)."""
     return secrets.token_urlsafe(32)
-
-
-def _request_name(request: GenerateRequest, index: int) -> str:
-    """``rid '<rid>'``, or ``#<index> of the call (no rid)`` for a request without one (``index``: its place in
-    the engine's ``generate`` call)."""
-    return f"rid {request.rid!r}" if request.rid is not None else f"#{index} of the call (no rid)"
-
-
-def _request_names(requests: list[GenerateRequest], indices: list[int] | None = None, shown: int = 3) -> str:
-    """The first ``shown`` requests' names (:func:`_request_name`; ``indices``: their places, default 0, 1, ...)."""
-    indices = list(range(len(requests))) if indices is None else indices
-    names = [_request_name(r, i) for r, i in zip(requests[:shown], indices)]
-    return ", ".join(names) + (f", ... ({len(requests)} in all)" if len(requests) > shown else "")
 
 
 def _is_qwen35(model_info: dict) -> bool:

@@ -64,6 +64,7 @@ from slime.rollout.engines.sglang.server_plugin import (
     ENTRY_POINT_NAME,
     REPORT_DIR_ENV,
 )
+from slime.utils.processes import session_processes
 
 logger = logging.getLogger(__name__)
 
@@ -357,34 +358,13 @@ class ServerProcess:
 
     def _warn_unsignalled(self) -> None:
         sid = self.process.pid
-        found = [f"pid {pid} ({command})" for pid, command in _session_processes(sid)]
+        found = [f"pid {pid} ({command})" for pid, command in session_processes(sid)]
         if found:
             logger.warning(
                 "the SGLang server's main process (pid %d) was reaped by something other than slime, so its process "
                 "group can no longer be told from another with the same number; not signalled: %s",
                 sid, "; ".join(found),
             )
-
-
-def _session_processes(sid: int) -> list[tuple[int, str]]:
-    """``(pid, command name)`` of each process of session ``sid`` (Linux ``/proc/<pid>/stat``, field 6)."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()  # after "(comm)": state, ppid, pgrp, session, ...
-        if len(fields) > 3 and int(fields[3]) == sid:
-            found.append((int(name), stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")))
-    return found
 
 
 class GPUStartLock:

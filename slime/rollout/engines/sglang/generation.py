@@ -1,0 +1,231 @@
+"""One engine call on SGLang's ``/generate`` (0.5.17, ``tokenizer_manager.py``): bodies, answers, refusals.
+
+- A single request goes as :func:`generate_payload`: the prompt as text plus ``image_data`` (base64 images;
+  never pre-tokenised ``input_ids``, which SGLang would expand a second time), ``sampling_params``,
+  ``return_logprob=True``.  Several go in one call as :func:`generate_batch_payload` (every field a list).
+- SGLang's ``rid`` is the request's id plus :data:`RID_SEPARATOR` and a per-attempt suffix, unique while in
+  flight, also when a request is retried; :func:`parse_generate_response` reads ``output_ids``, the log-probs
+  of ``meta_info.output_token_logprobs``, ``meta_info.finish_reason.type``, ``meta_info.prompt_tokens`` and
+  the request id back from ``meta_info.id``.
+- SGLang refuses a whole batch when it refuses one of its prompts (HTTP 400 naming neither the request nor
+  its index), so :func:`generate` sends a refused batch again one request per call
+  (:func:`_generate_one_by_one`): the error then names the refused request's ``rid`` and SGLang's reason,
+  and a batch whose requests all complete alone returns their outputs.
+
+The functions take ``send``, the engine's ``/generate`` call (``payload -> answer``), and raise what it
+raises.  Why batches: ``docs/design/engine_group.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from slime.rollout.engines.base import EngineUnavailableError, GenerateOutput, GenerateRequest
+from slime.rollout.engines.sglang.client import SGLangRequestError
+
+logger = logging.getLogger(__name__)
+
+RID_SEPARATOR = "#attempt-"
+"""Between the request's ``rid`` and the per-attempt suffix of SGLang's ``rid``."""
+
+Send = Callable[[dict], Any]
+"""One ``/generate`` call: the body -> SGLang's answer (a dict, or a list of them for a batch)."""
+
+
+def generate(requests: list[GenerateRequest], send: Send, close: Callable[[], None], url: str) -> list[GenerateOutput]:
+    """Complete ``requests`` with one ``/generate`` call (a refused batch: one call per request, all at once).
+
+    Args:
+        requests: at most the engine's ``max_requests_per_call``.
+        send: the ``/generate`` call.
+        close: closes the calling thread's connection (each thread of the one-by-one pool calls it).
+        url: the server's address, for the log.
+
+    Returns:
+        One output per request, in request order.
+
+    Raises:
+        EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
+        SGLangRequestError: the server refused a request (the message names its ``rid`` and SGLang's
+            reason; for a batch: the first refused one in request order, sent alone, and how many of the
+            batch were refused), answered malformed, or answered a batch with another number of outputs.
+    """
+    if not requests:
+        return []
+    if len(requests) == 1:
+        return [_generate_single(requests[0], 0, send)]
+    try:
+        bodies = send(generate_batch_payload(requests))
+    except SGLangRequestError as e:
+        return _generate_one_by_one(requests, e, send, close, url)
+    if not isinstance(bodies, list) or len(bodies) != len(requests):
+        got = f"{len(bodies)} outputs" if isinstance(bodies, list) else type(bodies).__name__
+        raise SGLangRequestError(f"/generate answered a batch of {len(requests)} requests with {got}",
+                                 endpoint="/generate")
+    return [parse_generate_response(body, r.rid) for body, r in zip(bodies, requests)]
+
+
+def _generate_single(request: GenerateRequest, index: int, send: Send) -> GenerateOutput:
+    """``request`` in a ``/generate`` call of its own; a refusal names the request (``index``: its place
+    in the engine's call, for a request without ``rid``).
+
+    Raises:
+        SGLangRequestError: refused (``rid`` and SGLang's reason in the message; ``status`` kept) or
+            answered malformed.
+    """
+    try:
+        body = send(generate_payload(request))
+    except SGLangRequestError as e:
+        raise SGLangRequestError(f"SGLang refused request {_request_name(request, index)}: {e}",
+                                 endpoint="/generate", status=e.status) from e
+    return parse_generate_response(body, request.rid)
+
+
+def _generate_one_by_one(requests: list[GenerateRequest], refusal: SGLangRequestError, send: Send,
+                         close: Callable[[], None], url: str) -> list[GenerateOutput]:
+    """After SGLang refused the batch ``requests`` with ``refusal``: each request in a call of its own.
+
+    All calls are in flight at once, from a pool of ``len(requests)`` threads: the engine group counts
+    the batch's requests as in flight at this engine already, so the server gets no more at once than
+    the batch gave it (the backpressure holds), and the refused request is found in one generation's
+    time (one after the other, a refused 32nd request would wait for 31 generations).  Each thread closes
+    its own keep-alive connection (the client's connections are per thread) before it ends.
+
+    Raises:
+        EngineUnavailableError: a call found the server gone (first, so that the group can retry the
+            batch elsewhere).
+        SGLangRequestError: the first request in request order that was refused (or answered malformed)
+            when sent alone, with how many were.
+    """
+    logger.warning("SGLang at %s refused a batched /generate of %d requests (%s); sending them again one "
+                   "request per call to find the refused one. The refusal: %s", url, len(requests),
+                   _request_names(requests), refusal)
+
+    def one(index: int) -> GenerateOutput | BaseException:
+        try:
+            return _generate_single(requests[index], index, send)
+        except Exception as e:  # noqa: BLE001 - every outcome is looked at below, in request order
+            return e
+        finally:
+            close()  # this thread's connection
+
+    with ThreadPoolExecutor(len(requests), thread_name_prefix="sglang-one-by-one") as pool:
+        outcomes = list(pool.map(one, range(len(requests))))
+    failures = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+    if not failures:
+        logger.warning("all %d requests of the refused batch completed when sent one per call: SGLang refused "
+                       "the batch, not a request of it (%s)", len(requests), refusal)
+        return outcomes
+    gone = [o for _, o in failures if isinstance(o, EngineUnavailableError)]
+    if gone:
+        raise gone[0]
+    first = failures[0][1]
+    if not isinstance(first, SGLangRequestError):
+        raise first
+    refused = [i for i, o in failures if isinstance(o, SGLangRequestError)]
+    same_reason = str(refusal).split(": ", 1)[-1] in str(first)  # the address before the first ": "
+    batch_reason = "" if same_reason else f"; the batch was refused with: {refusal}"
+    raise SGLangRequestError(
+        f"{first} ({len(refused)} of a batch of {len(requests)} requests failed when sent alone: "
+        f"{_request_names([requests[i] for i in refused], refused)}{batch_reason})",
+        endpoint="/generate", status=first.status,
+    ) from first
+
+
+def parse_generate_response(body: dict, rid: str | None = None) -> GenerateOutput:
+    """A :class:`GenerateOutput` from SGLang's ``/generate`` answer for one request.
+
+    ``body`` is ``{"text": str, "output_ids": [int], "meta_info": {"finish_reason": {"type": ...},
+    "prompt_tokens": int, "output_token_logprobs": [[logprob, token_id, text|None], ...], "id": rid, ...}}``
+    (``tokenizer_manager.py`` of SGLang 0.5.17).  ``rid`` of the output: the request id of ``meta_info.id``
+    (:func:`generate_payload`'s form), None for another form.
+
+    Raises:
+        SGLangRequestError: a field is missing, the log-probs do not cover the output tokens one to
+            one, or the finish reason is unknown (the message names the request).
+    """
+    where = f"/generate answer{f' for rid {rid}' if rid else ''}"
+    try:
+        meta = body["meta_info"]
+        output_ids = [int(t) for t in body["output_ids"]]
+        finish = meta["finish_reason"]
+        reason = finish["type"] if isinstance(finish, dict) else finish
+        logprobs = meta["output_token_logprobs"]
+        prompt_tokens = int(meta["prompt_tokens"])
+        text = body.get("text") or ""
+    except (KeyError, TypeError, ValueError) as e:
+        raise SGLangRequestError(f"{where} lacks {e} (return_logprob must be set)", endpoint="/generate") from e
+    if reason not in ("stop", "length", "abort"):
+        raise SGLangRequestError(f"{where}: unknown finish_reason {finish!r}", endpoint="/generate")
+    ids = [int(entry[1]) for entry in logprobs]
+    if ids != output_ids:
+        raise SGLangRequestError(
+            f"{where}: {len(logprobs)} log-probs for {len(output_ids)} output tokens, or other token ids "
+            f"({ids[:5]} vs {output_ids[:5]})", endpoint="/generate",
+        )  # fmt: skip
+    if reason == "abort":
+        logger.warning("SGLang aborted request %s: %s", rid, finish.get("message") if isinstance(finish, dict) else "")
+    answered = meta.get("id")
+    return GenerateOutput(text=text, output_ids=output_ids, output_log_probs=[float(entry[0]) for entry in logprobs],
+                          finish_reason=reason, prompt_tokens=prompt_tokens,
+                          rid=answered.rpartition(RID_SEPARATOR)[0] if answered and RID_SEPARATOR in answered else None)
+
+
+def generate_payload(request: GenerateRequest) -> dict:
+    """The ``/generate`` body of one request: text, base64 images, SGLang sampling params, log-probs on.
+
+    Per-request sampling seeds (``SamplingParams.sampling_seed``, SGLang's ``sampling_seed``) travel
+    inside ``sampling_params`` once the sampling params carry them (``SamplingParams.to_sglang``).
+    """
+    payload = {
+        "text": request.text,
+        "sampling_params": request.sampling_params.to_sglang(),
+        "return_logprob": True,
+    }
+    if request.image_data:
+        payload["image_data"] = list(request.image_data)
+    if request.rid is not None:  # unique per attempt (SGLang refuses a rid in flight); the output names the request
+        payload["rid"] = f"{request.rid}{RID_SEPARATOR}{uuid.uuid4().hex[:12]}"
+    return payload
+
+
+def generate_batch_payload(requests: list[GenerateRequest]) -> dict:
+    """The ``/generate`` body of several requests in one call: SGLang's batch form of :func:`generate_payload`
+    (``GenerateReqInput`` with every field a list, one entry per request, in request order).
+
+    ``image_data`` is a list of per-request image lists (``[]`` for a prompt without images; left out when
+    no request has one), ``rid`` a list (a fresh id where the request has none: SGLang wants one per
+    entry), ``return_logprob`` one value for all.  The answer is a list of single-request answers in the
+    same order (``tokenizer_manager.py``, ``_handle_batch_request``).
+
+    Raises:
+        ValueError: ``requests`` is empty.
+    """
+    if not requests:
+        raise ValueError("a batched /generate call needs at least one request")
+    singles = [generate_payload(r) for r in requests]
+    payload = {
+        "text": [p["text"] for p in singles],
+        "sampling_params": [p["sampling_params"] for p in singles],
+        "return_logprob": True,
+        "rid": [p.get("rid") or uuid.uuid4().hex for p in singles],
+    }
+    if any("image_data" in p for p in singles):
+        payload["image_data"] = [p.get("image_data", []) for p in singles]
+    return payload
+
+
+def _request_name(request: GenerateRequest, index: int) -> str:
+    """``rid '<rid>'``, or ``#<index> of the call (no rid)`` for a request without one (``index``: its place in
+    the engine's ``generate`` call)."""
+    return f"rid {request.rid!r}" if request.rid is not None else f"#{index} of the call (no rid)"
+
+
+def _request_names(requests: list[GenerateRequest], indices: list[int] | None = None, shown: int = 3) -> str:
+    """The first ``shown`` requests' names (:func:`_request_name`; ``indices``: their places, default 0, 1, ...)."""
+    indices = list(range(len(requests))) if indices is None else indices
+    names = [_request_name(r, i) for r, i in zip(requests[:shown], indices)]
+    return ", ".join(names) + (f", ... ({len(requests)} in all)" if len(requests) > shown else "")
