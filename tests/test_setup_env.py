@@ -545,3 +545,45 @@ def test_cpu_profile_installs_the_cpu_torch_from_the_cpu_index(stub_repo, torch_
     have = installed(venv)
     assert have["torch"] == "2.13.0+cpu"
     assert (have["slimedep_a"], have["slimedep_b"]) == ("1.0", "2.0") and "nvidia-cublas" not in have
+
+
+# ------------------------------------------------------------------------------------------------
+# sglang-kernel's FA3: kept by default (SGLang serves at its defaults), dropped with --no-keep-fa3
+
+
+def _kernel_wheel(folder: Path) -> Path:
+    """A stand-in sglang-kernel wheel with an FA3 library, an sm100 build and one library that always stays."""
+    folder.mkdir(parents=True, exist_ok=True)
+    members = {"sgl_kernel/__init__.py": "", "sgl_kernel/common_ops.abi3.so": "x" * 10,
+               "sgl_kernel/flash_ops.abi3.so": "y" * 10, "sgl_kernel/sm100/common_ops.abi3.so": "z" * 10}
+    dist = "sglang_kernel-0.4.5.dist-info"
+    record = "".join(f"{name},sha256=0,{len(data)}\n" for name, data in members.items()) + f"{dist}/RECORD,,\n"
+    path = folder / "sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+        zf.writestr(f"{dist}/RECORD", record)
+    return path
+
+
+def test_no_keep_fa3_drops_exactly_the_fa3_and_sm100_members_and_their_record_lines(tmp_path):
+    import offline_bundle
+
+    wheel = _kernel_wheel(tmp_path)
+    removed = offline_bundle.trim_wheel(wheel, offline_bundle.SGL_KERNEL_TRIM)
+    assert sorted(removed) == ["sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/common_ops.abi3.so"]
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        record = zf.read("sglang_kernel-0.4.5.dist-info/RECORD").decode()
+    assert names == {"sgl_kernel/__init__.py", "sgl_kernel/common_ops.abi3.so", "sglang_kernel-0.4.5.dist-info/RECORD"}
+    assert "flash_ops" not in record and "sm100" not in record and "common_ops.abi3.so," in record
+
+
+@pytest.mark.parametrize("flags, keep", [([], True), (["--keep-fa3"], True), (["--no-keep-fa3"], False)])
+def test_the_wheelhouse_keeps_fa3_unless_told_not_to(monkeypatch, tmp_path, flags, keep):
+    import offline_bundle
+
+    seen = {}
+    monkeypatch.setattr(offline_bundle, "build", lambda args: seen.setdefault("keep_fa3", args.keep_fa3))
+    assert offline_bundle.main([str(tmp_path / "wh"), *flags]) == 0
+    assert seen["keep_fa3"] is keep

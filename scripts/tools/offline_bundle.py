@@ -19,9 +19,9 @@ prepare DIR`, which gathers split parts, checks their sha256 and unpacks them.
 What each form leaves out:
   wheels   the torch section with --no-torch (torch, torchvision, torchaudio, triton, the CUDA
            libraries: GPU images ship them; torch alone is 531 MB); with --have FREEZE every pin that the target's
-           `pip freeze` already has at the same version; sglang-kernel's FA3 (flash_ops) and
-           sm100 builds unless --keep-fa3 (383 MB -> 25 MB: serve with the triton attention
-           backends, never fa3); SGLang's optional kernels that requirements/gpu.txt leaves out
+           `pip freeze` already has at the same version; with --no-keep-fa3, sglang-kernel's FA3
+           (flash_ops) and sm100 builds (383 MB -> 25 MB, the full packed profile 8 parts -> 5: then
+           serve with the triton attention backends, never fa3); SGLang's optional kernels that requirements/gpu.txt leaves out
            (its '#! allow' lines: FA4, CuTe DSL, MLA, humming, helion, tilelang 0.1.11).
   packed   the same, and always the torch section (it cannot replace an installed torch); the
            wheels installed (--no-deps --target) into one tree, debug symbols stripped from large
@@ -56,7 +56,7 @@ from profile_lock import LockError, normalize, pip_target_args, public_version, 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "slime-wheelhouse.json"
 FORMAT = 1
-# sglang-kernel files that --keep-fa3 keeps: FA3 (flash_ops) and the sm100 (Blackwell) build.
+# sglang-kernel files that --no-keep-fa3 drops: FA3 (flash_ops) and the sm100 (Blackwell) build.
 SGL_KERNEL_TRIM = (re.compile(r"^sgl_kernel/flash_ops\.abi3\.so$"), re.compile(r"^sgl_kernel/sm100/"))
 # In the packed tree: files unused from Python (static C++ libraries, CLIs, extensions for other Pythons).
 PACKED_DROP = (re.compile(r"\.a$"), re.compile(r"^bin/z3$"), re.compile(r"\.cpython-3(?!12)\d+-x86_64-linux-gnu\.so$"))
@@ -175,7 +175,7 @@ def build(args: argparse.Namespace) -> dict:
                 if removed:
                     trimmed.append(f"{whl.name}: {', '.join(removed)}")
         if trimmed:
-            left_out["trimmed (--keep-fa3 keeps them)"] = trimmed
+            left_out["trimmed (--no-keep-fa3)"] = trimmed
         files = sorted(wheels.glob("*.whl"))
         manifest = {
             "format": FORMAT, "form": args.form, "profile": str(Path(args.profile)),
@@ -409,7 +409,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="wheels (default; pip installs them) or packed (one pre-installed tree, xz)")
     parser.add_argument("--part-size", type=parse_size, default=None, metavar="SIZE",
                         help="split into folders part-000, part-001, ... of at most SIZE each (e.g. 45M)")
-    parser.add_argument("--keep-fa3", action="store_true", help="keep sglang-kernel's FA3 and sm100 builds")
+    parser.add_argument("--keep-fa3", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep sglang-kernel's FA3 and sm100 builds (default: SGLang then serves at its defaults, "
+                        "FA3 attention and CUDA graphs); --no-keep-fa3 drops them (383 MB -> 25 MB of wheels) and "
+                        "the servers need --sglang-attention-backend triton --sglang-mm-attention-backend triton_attn")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR")
     args = parser.parse_args(argv)
     args.pip_args = pip_args
