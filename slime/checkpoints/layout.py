@@ -33,6 +33,7 @@ a run killed in the middle of a save resumes from the previous complete checkpoi
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Sequence
 
@@ -132,3 +133,31 @@ def weights_bytes(path: str | os.PathLike) -> int:
     """Total size in bytes of the weight files (``*.safetensors``, ``*.bin``) of a Hugging Face folder."""
     folder = Path(path)
     return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))
+
+
+def explain_write_failure(folder: str | os.PathLike, needed_bytes: int, error: BaseException) -> BaseException:
+    """The error to raise when writing ``needed_bytes`` of checkpoint into ``folder`` failed with ``error``.
+
+    torch's writers report a full disk as ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``
+    (or inside a ``CheckpointException``), which names neither the disk nor the size.  When ``folder``'s file
+    system has less than ``needed_bytes`` free now, this returns a :class:`CheckpointError` that says so (free and
+    needed GiB, the folder, what to do), chained to ``error``; otherwise ``error`` itself.
+
+    Args:
+        folder: where the checkpoint was being written (an existing folder or one below an existing one).
+        needed_bytes: bytes this writer was writing, > 0.
+        error: what the writer raised.
+    """
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free >= needed_bytes:
+        return error
+    message = (f"writing the checkpoint into {folder} failed with the disk nearly full: {free / 2**30:.2f} GiB free "
+               f"there, and this rank writes {needed_bytes / 2**30:.1f} GiB (weights and, unless --no-save-optim, the "
+               f"optimizer state in float32). Free space, point --save at a larger disk, or delete older iteration "
+               f"folders ({error})")
+    failure = CheckpointError(message)
+    failure.__cause__ = error
+    return failure

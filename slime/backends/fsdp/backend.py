@@ -276,7 +276,10 @@ class FSDPBackend(TrainerBackend):
             collections.deque(groups, maxlen=0)  # take part in the gathers; only rank 0 receives groups
         if not self.ckpt_cfg.no_save_optim:
             optimizer_state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.save(optimizer_state, checkpoint_id=trainer_out / "optimizer")
+            try:
+                dcp.save(optimizer_state, checkpoint_id=trainer_out / "optimizer")
+            except Exception as err:  # a full disk reads as an unexplained zip-writer error: say so when it is one
+                raise ckpt.explain_write_failure(trainer_out, state_bytes(optimizer_state), err)
         if rank == 0:
             torch.save({"optimizer_steps": self.optimizer_steps}, trainer_out / "scheduler.pt")
         torch.save(rng_state(), trainer_out / f"rng_rank{rank:05d}.pt")
@@ -332,3 +335,14 @@ class FSDPBackend(TrainerBackend):
 def _hf_folder(source: WeightSource) -> Path:
     """The Hugging Face folder of ``source``: itself, or a checkpoint's ``model/`` (this backend's layout)."""
     return source.path if source.rollout_id is None else ckpt.model_dir(source.path, source.rollout_id)
+
+
+def state_bytes(state) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict; a DTensor counts its local shard."""
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    return state.numel() * state.element_size() if isinstance(state, Tensor) else 0

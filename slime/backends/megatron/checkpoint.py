@@ -41,7 +41,7 @@ from torch import Tensor
 from slime.backends.megatron.optimizer import STATE_KEYS
 from slime.backends.megatron.weight_export import ordered_rules
 from slime.backends.rng import rng_state, set_rng_state
-from slime.checkpoints.layout import CheckpointError
+from slime.checkpoints.layout import CheckpointError, explain_write_failure
 from slime.models.qwen3_5.weights import ExportGroups, StateDictReader, export_rule, read_rank_state
 from slime.weight_sync.buckets import bucket_by_bytes
 
@@ -83,7 +83,10 @@ def save_trainer_state(
         for kind in kinds:
             for hf_name, value in (export_rule(rule, tensors[kind], groups) or {}).items():
                 state[f"{kind}/{hf_name}"] = value.detach().to("cpu", torch.float32)
-    dcp.save(state, checkpoint_id=trainer_dir / STATE_DIR)
+    try:
+        dcp.save(state, checkpoint_id=trainer_dir / STATE_DIR)
+    except Exception as err:  # a full disk reads as an unexplained zip-writer error: say so when it is one
+        raise explain_write_failure(trainer_dir, sum(v.numel() * v.element_size() for v in state.values()), err)
     if rank == 0:
         torch.save({"optimizer_steps": steps}, trainer_dir / SCHEDULER_FILE)
         (trainer_dir / "layout.json").write_text(json.dumps(layout, indent=2) + "\n")
