@@ -41,7 +41,8 @@ from qwen35_helpers import geo3k_prompts  # noqa: E402
 from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
 from slime.models.qwen3_5.config import Qwen35Kernels  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
-from slime.models.qwen3_5.weights import Ranks, StateDictReader, model_rules, read_rank_state  # noqa: E402
+from slime.models.qwen3_5.hf_mapping import Ranks  # noqa: E402
+from slime.models.qwen3_5.weights import StateDictReader, model_rules, read_rank_state  # noqa: E402
 
 FIGURES = os.environ.get("SLIME_GPU_FIGURES")  # a .jsonl file the figures are appended to
 MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32

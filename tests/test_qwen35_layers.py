@@ -198,7 +198,8 @@ def test_gdn_module_packed_matches_transformers_gdn_per_document(tiny_ckpt):
     from slime.models.qwen3_5.config import arch_from_hf_config, transformer_config
     from slime.models.qwen3_5.gdn import GatedDeltaNet
     from slime.models.qwen3_5.model import Qwen35Inputs
-    from slime.models.qwen3_5.weights import LM, ModelLayout, StateDictReader, param_rules, read_rank_state
+    from slime.models.qwen3_5.hf_mapping import LM, ModelLayout, param_rules
+    from slime.models.qwen3_5.weights import StateDictReader, read_rank_state
 
     config = AutoConfig.from_pretrained(tiny_ckpt)
     torch.manual_seed(0)

@@ -18,8 +18,8 @@ from qwen35_helpers import geo3k_prompts, megatron_on_cpu  # noqa: E402
 
 from slime.models.qwen3_5.config import Qwen35Kernels, qwen35_config_from_hf  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs, Qwen35Model  # noqa: E402
+from slime.models.qwen3_5.hf_mapping import Ranks  # noqa: E402
 from slime.models.qwen3_5.weights import (  # noqa: E402
-    Ranks,
     StateDictReader,
     load_hf_checkpoint,
     model_rules,

@@ -14,9 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from slime.models.qwen3_5.config import arch_from_hf_config
-from slime.models.qwen3_5.weights import (
-    VISUAL, ModelLayout, Ranks, StateDictReader, WeightMappingError, param_rules, read_rank_state,
-)
+from slime.models.qwen3_5.hf_mapping import VISUAL, ModelLayout, Ranks, WeightMappingError, param_rules
+from slime.models.qwen3_5.weights import StateDictReader, read_rank_state
 
 
 def _vision_names(tensors: dict) -> list[tuple[str, tuple[int, ...]]]:

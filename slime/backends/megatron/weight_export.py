@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime.models.qwen3_5.config import Qwen35Arch
-from slime.models.qwen3_5.weights import LM, VISUAL, ExportGroups, ParamRule, export_rule, model_rules
+from slime.models.qwen3_5.hf_mapping import LM, VISUAL, ParamRule
+from slime.models.qwen3_5.weights import ExportGroups, export_rule, model_rules
 from slime.weight_sync.buckets import weight_rounds
 
 _LAYER = re.compile(re.escape(LM) + r"\.layers\.(\d+)\.")

@@ -1,7 +1,7 @@
 """Gated full attention of Qwen3.5 over packed documents (THD), as a megatron-core attention submodule.
 
-Math (transformers ``Qwen3_5MoeAttention``; the output gate of Qiu et al., "Gated Attention for
-Large Language Models", 2025):
+Math (transformers ``Qwen3_5MoeAttention``; output gate of Qiu et al., "Gated Attention for Large
+Language Models", 2025):
 
     q, gate = q_proj(x) per head;  k, v = k_proj(x), v_proj(x)
     q, k = RMSNorm_(1+w)(q), RMSNorm_(1+w)(k)            per head, over head_dim
@@ -9,20 +9,9 @@ Large Language Models", 2025):
     o = softmax(q k^T / sqrt(head_dim) + causal, per document) v     GQA: query head h reads KV head h // (H / H_kv)
     out = o_proj(o * sigmoid(gate))
 
-Layout: transformers' ``q_proj`` interleaves per head ``[q_h (head_dim) | gate_h (head_dim)]``; this
-module's single column-parallel ``linear_qkv`` holds, per TP rank, ``[q (Hr d) | gate (Hr d) | k
-(Hkv_r d) | v (Hkv_r d)]`` (``Hr = H / tp`` query heads, ``Hkv_r = H_kv / tp`` KV heads); the loader
-de-interleaves ``q_proj`` into it and the exporter interleaves it back.  ``linear_proj`` is
-row-parallel.
-
-Kernels: ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` with ``window_size=(-1, 0)``
-(causal) over ``cu_seqlens``, bf16/fp16 on CUDA; ``"sdpa"``: ``scaled_dot_product_attention`` per
-document (any dtype and device).
-
-Selective recompute (``--recompute-granularity selective`` with megatron-core's default
-``recompute_modules`` ``["core_attn"]``): the attention kernel's saved activations are dropped and the
-kernel is run again in the backward pass (``torch.utils.checkpoint``, non-reentrant; no dropout, so
-no RNG state is involved).
+``linear_qkv`` (column-parallel) holds per TP rank ``[q (Hr d) | gate (Hr d) | k (Hkv_r d) | v (Hkv_r d)]``
+(``Hr = H / tp``, ``Hkv_r = H_kv / tp``); ``linear_proj`` is row-parallel.  Selective recompute
+(``core_attn``) reruns the kernel in the backward pass (non-reentrant checkpoint; no dropout, no RNG).
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) 
     """Causal attention per packed document with torch's FlashAttention-2 varlen kernel.
 
     Args:
-        q: ``[T, H, d]``; k, v: ``[T, H_kv, d]`` (GQA given natively); bf16/fp16 on CUDA.
+        q: ``[T, H, d]``; k, v: ``[T, H_kv, d]``; bf16/fp16 on CUDA.
         cu_seqlens: ``[n + 1]`` int32 document boundaries.
         max_seqlen: longest document.
 
@@ -72,11 +61,7 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) 
 
 
 def sdpa_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int | None = None) -> torch.Tensor:
-    """Causal attention per packed document with ``scaled_dot_product_attention``, one call per document.
-
-    Same shapes as :func:`varlen_causal_attention`; any dtype and device.  Syncs the host once to
-    read ``cu_seqlens``.
-    """
+    """As :func:`varlen_causal_attention` (any dtype), one ``scaled_dot_product_attention`` per document."""
     bounds = cu_seqlens.tolist()
     groups = q.shape[1] // k.shape[1]
     outs = []
@@ -94,16 +79,13 @@ class GatedAttention(torch.nn.Module):
     """Qwen3.5 gated full attention as megatron-core's ``self_attention`` submodule.
 
     Args:
-        config: megatron-core ``TransformerConfig`` (heads, ``kv_channels``, ``layernorm_epsilon``,
-            TP/SP settings, ``params_dtype``).
+        config: megatron-core ``TransformerConfig``.
         layer_number: 1-based global layer number.
         pg_collection: megatron-core process groups (``.tp``); default: the global ones.
         attention_kernel: ``"varlen"`` or ``"sdpa"``.
-        **kwargs: other arguments megatron-core's layer passes (ignored).
 
-    Forward: ``hidden_states [S, 1, hidden]``, ``rotary_pos_emb`` the angles ``[T, rotary_dim]``
-    (``slime.models.qwen3_5.rope.mrope_frequencies``, full sequence), ``packed_seq_params`` with
-    ``cu_seqlens_q`` -> ``(out [S, 1, hidden], None)``.
+    Forward: ``hidden_states [S, 1, hidden]``, ``rotary_pos_emb [T, rotary_dim]`` angles, ``packed_seq_params``
+    -> ``(out [S, 1, hidden], None)``.
     """
 
     def __init__(self, config, layer_number: int = 1, pg_collection=None, attention_kernel: str = "varlen",

@@ -1,8 +1,5 @@
-"""Building the native model outside a trainer: one-process megatron-core state, and a native model made
-from an in-memory transformers model (same weights), for tools, benchmarks and parity checks.
-
-The trainer backend initialises megatron-core itself and builds ``Qwen35Model`` per pipeline stage
-(``slime.models.qwen3_5.model``) and loads it with :func:`slime.models.qwen3_5.weights.load_hf_checkpoint`.
+"""The native model outside a trainer (tools, benchmarks, parity checks): one-process megatron-core state,
+and a native model made from an in-memory transformers model.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from slime.models.qwen3_5.config import ParallelLayout, Qwen35Kernels, qwen35_co
 
 
 def initialize_single_process(device: str = "cuda", seed: int = 0) -> None:
-    """A one-process ``torch.distributed`` group (NCCL on CUDA, gloo on CPU) with megatron-core's
-    parallel state at TP = PP = EP = 1.  Idempotent."""
+    """A one-process ``torch.distributed`` group (NCCL on CUDA, gloo on CPU), megatron-core at TP = PP = EP = 1."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -35,12 +31,10 @@ def initialize_single_process(device: str = "cuda", seed: int = 0) -> None:
 
 
 def transformers_qwen35_without_fla():
-    """transformers' Qwen3.5-MoE modeling module with its Gated DeltaNet on the torch reference path.
+    """transformers' Qwen3.5-MoE modeling module imported with ``fla`` hidden, so its GDN takes the torch path.
 
-    transformers binds fla's kernels at import time when fla is importable; importing the module
-    while ``fla`` is hidden gives the reference (torch chunked) path, the configuration of the
-    baseline figures (grouped-GEMM experts, SDPA, no fla).  Must run before anything imports that
-    module; raises ``RuntimeError`` otherwise.
+    Raises:
+        RuntimeError: the module was already imported with fla importable.
     """
     name = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
     if name in sys.modules:
@@ -60,15 +54,8 @@ def native_from_hf_model(hf_model, *, kernels: Qwen35Kernels, dtype: torch.dtype
                          layout: ParallelLayout = ParallelLayout(), **overrides):
     """A ``Qwen35Model`` holding exactly the weights of an in-memory ``Qwen3_5MoeForConditionalGeneration``.
 
-    Built on the meta device, then materialised on the HF model's device and filled through the
-    same rules as a checkpoint load (experts read from the fused in-memory tensors).
-
-    Args:
-        hf_model: the transformers model (any device).
-        kernels: the native model's kernels.
-        dtype: parameter dtype (default: the HF model's).
-        layout: parallel layout (megatron-core must be initialised accordingly).
-        **overrides: further ``TransformerConfig`` fields.
+    Loaded through the checkpoint rules, on the HF model's device; ``dtype`` defaults to the HF model's,
+    ``overrides`` are further ``TransformerConfig`` fields; megatron-core must be initialised for ``layout``.
     """
     from slime.models.qwen3_5.model import Qwen35Model
     from slime.models.qwen3_5.weights import StateDictReader, load_hf_checkpoint

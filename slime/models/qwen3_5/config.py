@@ -1,44 +1,10 @@
 """Hugging Face ``config.json`` of a Qwen3.5-MoE checkpoint -> the native Megatron model's config.
 
-The native model is configured by two objects:
-
-- :class:`Qwen35Arch`: the architecture numbers read from the checkpoint (plain Python, no
-  megatron-core import), including what megatron-core's ``TransformerConfig`` has no field
-  for: the per-layer attention kind, the multimodal-RoPE sections, the token ids of the
-  image placeholders, the vision tower's config, the vocabulary before TP padding;
-- a megatron-core ``TransformerConfig`` (:func:`transformer_config`), built from the arch
-  plus the parallel layout and the precision.
-
-:class:`Qwen35Config` bundles both with the kernel choices (:class:`Qwen35Kernels`).
-
-Field mapping, Hugging Face ``Qwen3_5MoeTextConfig`` (transformers 5.17) -> here:
-
-===================================  =========================================================
-``hidden_size``                      ``hidden_size``
-``num_hidden_layers``                ``num_layers``
-``layer_types``                      ``layer_types`` (and ``TransformerConfig.linear_attention_freq``
-                                     as the 0/1 list, 1 = ``linear_attention``)
-``num_attention_heads``              ``num_attention_heads``
-``num_key_value_heads``              ``num_query_groups``
-``head_dim``                         ``kv_channels``
-``rope_parameters.rope_theta``       ``rotary_base``
-``rope_parameters.partial_rotary_factor``  ``rotary_percent``; ``rotary_dim = int(head_dim * factor)``
-``rope_parameters.mrope_section``    ``mrope_section`` (frequencies per T/H/W axis; sum = rotary_dim / 2)
-``rope_parameters.mrope_interleaved``  ``mrope_interleaved``
-``linear_*`` (5 fields)              same names
-``num_experts``                      ``num_moe_experts``
-``num_experts_per_tok``              ``moe_router_topk``
-``moe_intermediate_size``            ``moe_ffn_hidden_size`` (and ``ffn_hidden_size``)
-``shared_expert_intermediate_size``  ``moe_shared_expert_intermediate_size``
-``rms_norm_eps``                     ``layernorm_epsilon``
-``vocab_size``                       ``vocab_size`` (embedding rows of the checkpoint)
-===================================  =========================================================
-
-Fixed by the architecture (checked, an error otherwise): ``hidden_act`` silu (SwiGLU experts),
-no attention bias, untied embeddings, every layer MoE with a sigmoid-gated shared expert,
-softmax router.  Set here for RL: ``moe_aux_loss_coeff`` 0 and no load-balancing loss
-(``moe_router_load_balancing_type='none'``; the released config's ``router_aux_loss_coef``
-is a pre-training value), dropout 0.
+:class:`Qwen35Arch` holds the architecture numbers (plain Python, no megatron-core), including what
+megatron-core's ``TransformerConfig`` has no field for (per-layer attention kind, MRoPE sections, image
+token ids, the vision config, the unpadded vocabulary); :func:`transformer_config` builds megatron-core's
+config from it plus the parallel layout and precision; :class:`Qwen35Config` bundles both with the kernels.
+The field mapping, what is fixed by the architecture and what is set for RL: ``docs/design/qwen35_native.md``.
 """
 
 from __future__ import annotations
@@ -60,9 +26,8 @@ class Qwen35ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Qwen35Arch:
-    """Architecture numbers of a Qwen3.5-MoE checkpoint (see the module docstring for the fields' sources).
+    """Architecture numbers of a Qwen3.5-MoE checkpoint, in its units (sizes in elements, ``rope_theta`` the RoPE base).
 
-    Attributes are in the checkpoint's units: sizes in elements, ``rope_theta`` the RoPE base.
     ``vision_config`` is the raw ``vision_config`` dict (``None`` for a text-only checkpoint).
     """
 
@@ -96,7 +61,7 @@ class Qwen35Arch:
 
     @property
     def rotary_dim(self) -> int:
-        """Rotated dimensions per head: ``int(head_dim * rotary_percent)`` (64 for 35B-A3B)."""
+        """Rotated dimensions per head: ``int(head_dim * rotary_percent)``."""
         return int(self.head_dim * self.rotary_percent)
 
     @property
@@ -105,12 +70,7 @@ class Qwen35Arch:
         return [int(kind == "linear_attention") for kind in self.layer_types]
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
-        """Embedding / LM-head rows held across TP: ``vocab_size`` rounded up to a multiple of TP.
-
-        Qwen3.5's ``vocab_size`` (248320) already includes the checkpoint's padding; rows are
-        added only when TP does not divide it.  The added rows are zero in the embedding and
-        their logits are masked (see ``slime.models.qwen3_5.model``).
-        """
+        """``vocab_size`` rounded up to a multiple of TP; the added rows are zero and their logits masked."""
         return math.ceil(self.vocab_size / tensor_parallel_size) * tensor_parallel_size
 
     def sharded_sizes(self, source: str = "") -> "ShardedSizes":
@@ -123,14 +83,14 @@ class Qwen35Kernels:
     """Which kernel runs each packed-sequence operator.
 
     Attributes:
-        gdn: ``"fla"``: flash-linear-attention's ``chunk_gated_delta_rule`` and short convolution
-            with ``cu_seqlens`` (CUDA; fp32 inputs use TF32 inside the kernel).  ``"torch"``: this
-            project's chunked pure-torch path (any device/dtype; exact fp32; slow).
-        attention: ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside
-            torch; CUDA, bf16/fp16 only).  ``"sdpa"``: one ``scaled_dot_product_attention`` call per
-            packed document (any device/dtype; a host sync per micro-batch).
-        gdn_conv: the GDN short convolution: ``"fla"`` (fla's ``causal_conv1d`` with ``cu_seqlens``)
-            or ``"torch"`` (``slime.models.qwen3_5.gdn.causal_conv1d_packed``); default: as ``gdn``.
+        gdn: ``"fla"`` (flash-linear-attention's ``chunk_gated_delta_rule``; CUDA, fp32 via TF32) or ``"torch"``
+            (:func:`slime.models.qwen3_5.gdn.chunk_gated_delta_rule_torch`; any device and dtype, exact fp32, slow).
+        attention: ``"varlen"`` (torch's ``varlen_attn``; CUDA, bf16/fp16) or ``"sdpa"`` (one call per document).
+        gdn_conv: ``"fla"`` (``causal_conv1d``) or ``"torch"`` (:func:`slime.models.qwen3_5.gdn.causal_conv1d_packed`);
+            default: as ``gdn``.
+
+    Raises:
+        Qwen35ConfigError: a value outside these.
     """
 
     gdn: Literal["fla", "torch"] = "fla"
@@ -149,10 +109,7 @@ class Qwen35Kernels:
 
     @classmethod
     def for_dtype(cls, dtype: torch.dtype, device_type: str = "cuda") -> "Qwen35Kernels":
-        """The fast kernels where they are right: fla + varlen for bf16/fp16 on CUDA; torch + sdpa for
-        fp32 (FlashAttention has no fp32, and fla 0.6.0's fp32 backward gives a wrong gradient of the GDN
-        decay on Hopper with Triton 3.6, measured on an H200; see docs/results/h200_megatron_qwen35.md)
-        and on CPU."""
+        """fla + varlen for bf16/fp16 on CUDA; else torch + sdpa (fla's fp32 GDN backward is wrong on Hopper)."""
         if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
             return cls(gdn="torch", attention="sdpa")
         return cls(gdn="fla", attention="varlen")
@@ -199,16 +156,9 @@ def read_config_json(hf_checkpoint: str | Path) -> dict:
 
 
 def arch_from_hf_config(config: dict | Any, source: str = "config.json") -> Qwen35Arch:
-    """The :class:`Qwen35Arch` of a Qwen3.5-MoE Hugging Face config.
+    """The :class:`Qwen35Arch` of a Qwen3.5-MoE config (a ``config.json`` dict or a transformers ``PretrainedConfig``).
 
-    Args:
-        config: ``config.json`` as a dict (or a transformers ``PretrainedConfig``; its
-            ``to_dict()`` is used), either the vision-language config (fields under
-            ``text_config``) or a text config.
-        source: how errors name the config (e.g. its path).
-
-    Returns:
-        The arch.
+    Fields are read under ``text_config`` when present; ``source`` names the config in errors.
 
     Raises:
         Qwen35ConfigError: a field is missing, or a value the native model does not implement
@@ -287,10 +237,7 @@ def arch_from_hf_config(config: dict | Any, source: str = "config.json") -> Qwen
 
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
-    """Megatron parallel sizes (slime's / Megatron's flags of the same names).
-
-    ``expert_tensor_parallel_size`` ``None`` means Megatron's default, equal to TP.
-    """
+    """Megatron parallel sizes (the flags of the same names); ``expert_tensor_parallel_size`` ``None`` is TP."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -318,16 +265,11 @@ HF_SIZE_NAMES: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True)
 class ShardedSizes:
-    """The sizes of a Qwen3.5 model that its parallel layout splits, for :func:`check_parallel_layout`.
+    """The sizes that a parallel layout splits, for :func:`check_parallel_layout`; ``None`` is unknown (rules skipped).
 
-    From a checkpoint (:meth:`Qwen35Arch.sharded_sizes`, :meth:`from_hf_config`) or, before the
-    checkpoint is on disk, from MODEL_ARGS (the Megatron backend's parse-time check).  ``None`` is
-    unknown: the rules on it are skipped.
-
-    Attributes:
-        names: per field, how messages name it (default: the ``config.json`` fields, :data:`HF_SIZE_NAMES`;
-            the flags, e.g. ``--num-query-groups``, for sizes from MODEL_ARGS).
-        source: where the sizes come from, for messages (e.g. ``ckpt/config.json``); empty: the flags say it.
+    From a checkpoint (:meth:`Qwen35Arch.sharded_sizes`, :meth:`from_hf_config`) or from MODEL_ARGS before
+    the checkpoint is on disk.  ``names``: per field, how messages name it (default :data:`HF_SIZE_NAMES`);
+    ``source``: where the sizes come from, for messages.
     """
 
     num_layers: int | None = None
@@ -342,9 +284,7 @@ class ShardedSizes:
 
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config.json") -> "ShardedSizes":
-        """The sizes a ``config.json`` dict states (fields under ``text_config`` for the vision-language
-        config); an absent or non-integer field is unknown.  Unlike :func:`arch_from_hf_config`, nothing
-        else of the config is checked."""
+        """The integer sizes a ``config.json`` dict states; nothing else of the config is checked."""
         text = _text_section(config)
         values = {field: text.get(hf) for field, hf in HF_SIZE_NAMES.items()}
         return cls(**{f: v if type(v) is int else None for f, v in values.items()}, source=source)
@@ -355,17 +295,12 @@ class ShardedSizes:
 
 
 def check_parallel_layout(arch: Qwen35Arch | ShardedSizes, layout: ParallelLayout) -> None:
-    """Refuse a layout that cannot shard this model (each message names the flag and the sizes).
-
-    The one place of these rules: the model build calls it with the checkpoint's arch, and the Megatron
-    backend's parse-time check (:meth:`slime.backends.megatron.config.MegatronConfig.check`) with the
-    sizes it knows (``None`` sizes skip their rules); the GPU-count rules are the backend's.
+    """Refuse a layout that cannot shard this model; the one place of these rules (GPU counts are the backend's).
 
     Raises:
-        Qwen35ConfigError: TP does not divide the GDN key heads, the attention query or KV heads
-            (TP above the KV heads would replicate KV heads, not implemented), or the shared-expert
-            width; ETP does not divide the expert width; EP does not divide the experts; PP exceeds
-            the layers; CP > 1 (not implemented).
+        Qwen35ConfigError: TP does not divide the GDN key heads, the attention query or KV heads, or the
+            shared-expert width; ETP does not divide the expert width; EP does not divide the experts; PP
+            exceeds the layers; CP > 1.  Each message names the flag and the sizes.
     """
     sizes = arch.sharded_sizes() if isinstance(arch, Qwen35Arch) else arch
     tp, ep, etp, pp = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.etp,
@@ -399,17 +334,9 @@ def transformer_config(
     moe_token_dispatcher_type: str = "alltoall",
     **overrides: Any,
 ):
-    """megatron-core's ``TransformerConfig`` for ``arch`` under ``layout``.
+    """megatron-core's ``TransformerConfig`` for ``arch`` under ``layout`` (checked with :func:`check_parallel_layout`).
 
-    Args:
-        arch: the checkpoint's architecture.
-        layout: parallel sizes (checked with :func:`check_parallel_layout`).
-        params_dtype: parameter dtype (``bf16`` is set when it is ``torch.bfloat16``).
-        moe_token_dispatcher_type: megatron-core's ``alltoall`` (default) or ``allgather``.
-        **overrides: further ``TransformerConfig`` fields (e.g. recompute settings), applied last.
-
-    Returns:
-        ``megatron.core.transformer.TransformerConfig``.
+    ``moe_token_dispatcher_type``: ``"alltoall"`` or ``"allgather"``; ``overrides``: further fields, applied last.
 
     Raises:
         Qwen35ConfigError: see :func:`check_parallel_layout`.
@@ -486,8 +413,8 @@ def qwen35_config_from_hf(
 ) -> Qwen35Config:
     """The :class:`Qwen35Config` of an HF checkpoint folder (or its ``config.json`` dict).
 
-    ``kernels`` defaults to :meth:`Qwen35Kernels.for_dtype` of ``params_dtype`` on CUDA when CUDA
-    is available, else the CPU kernels.  Other arguments as in :func:`transformer_config`.
+    ``kernels`` defaults to :meth:`Qwen35Kernels.for_dtype` (CUDA when available); the rest as in
+    :func:`transformer_config`.
 
     Raises:
         Qwen35ConfigError: unreadable ``config.json``, or see :func:`arch_from_hf_config` and

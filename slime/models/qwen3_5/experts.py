@@ -1,18 +1,13 @@
 """Routed experts of Qwen3.5's MoE layers as two grouped GEMMs (``torch._grouped_mm``).
 
-megatron-core's ``MoELayer`` routes (softmax over the top-k router logits), permutes the tokens so
-that each local expert's tokens are contiguous, and calls the experts module with
-``(tokens [N, hidden], tokens_per_expert [E_local], probs [N])``.  Without TransformerEngine or the
-``grouped_gemm`` package its only experts module is a Python loop over experts (``SequentialMLP``);
-this one runs every local expert in one ``torch._grouped_mm`` per projection:
+megatron-core's ``MoELayer`` routes, permutes the tokens by local expert and calls the experts module;
+without TransformerEngine or ``grouped_gemm`` its own is a Python loop (``SequentialMLP``).  This one is
+the SwiGLU expert of transformers' ``Qwen3_5MoeExperts``, routing probability applied to the output:
 
     h = grouped(tokens, W1^T)                    W1 [E_local, 2 I, hidden] = [gate_e; up_e] per expert
     y = grouped(silu(h_gate) * h_up, W2^T) * p   W2 [E_local, hidden, I]
 
-the SwiGLU expert of transformers' ``Qwen3_5MoeExperts``, whose in-memory ``gate_up_proj`` /
-``down_proj`` have the same layouts, with the routing probability applied to the expert output
-as there.  Under expert tensor parallelism (ETP) the intermediate dimension ``I`` is split and
-megatron-core's dispatcher reduces the partial outputs.
+Under expert tensor parallelism ``I`` is split and megatron-core's dispatcher reduces the partial outputs.
 """
 
 from __future__ import annotations
@@ -26,13 +21,7 @@ from slime.models.qwen3_5.norm import param_device
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``out[rows of group e] = x[rows of group e] @ w[e]``.
 
-    Args:
-        x: ``[N, K]``, rows sorted by group.
-        w: ``[E, K, M]`` (any strides torch accepts; a transposed ``[E, M, K]`` view is fine).
-        offsets: ``[E]`` int32 cumulative row counts (end of each group).
-
-    Returns:
-        ``[N, M]`` in ``x.dtype``.
+    ``x [N, K]`` sorted by group, ``w [E, K, M]``, ``offsets [E]`` int32 group ends -> ``[N, M]`` in ``x.dtype``.
     """
     return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
 
@@ -40,14 +29,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 class GroupedExperts(torch.nn.Module):
     """All local experts of one MoE layer (megatron-core's experts-module interface).
 
-    Args:
-        num_local_experts: experts on this EP rank (``num_experts / EP``).
-        config: megatron-core ``TransformerConfig`` (``hidden_size``, ``moe_ffn_hidden_size``,
-            ``params_dtype``, ``expert_model_parallel_size``).
-        pg_collection: megatron-core process groups (``.expt_tp`` sets the ETP split).
-
-    Parameters: ``weight1 [E_local, 2 I_r, hidden]`` (rows ``[gate (I_r) | up (I_r)]`` per expert),
-    ``weight2 [E_local, hidden, I_r]``, ``I_r = moe_ffn_hidden_size / ETP``.
+    Parameters: ``weight1 [E_local, 2 I_r, hidden]`` (rows ``[gate | up]`` per expert), ``weight2 [E_local,
+    hidden, I_r]``, ``I_r = moe_ffn_hidden_size / ETP`` (``pg_collection.expt_tp``).
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None):
@@ -81,8 +64,8 @@ class GroupedExperts(torch.nn.Module):
             set_tensor_model_parallel_attributes(p, is_parallel=etp > 1, dim=dim, stride=1)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-        """``tokens [N, hidden]`` sorted by local expert, ``tokens_per_expert [E_local]``, ``probs [N]``
-        -> ``(out [N, hidden], None)``."""
+        """``tokens [N, hidden]`` sorted by expert, ``tokens_per_expert [E_local]``, ``probs [N]`` -> ``(out, None)``.
+        """
         if tokens.shape[0] == 0:  # every token went to other EP ranks: keep the weights in the graph
             return tokens.new_zeros(0, tokens.shape[-1]) + 0 * (self.weight1.sum() + self.weight2.sum()), None
         offsets = torch.cumsum(tokens_per_expert.to(device=tokens.device), 0, dtype=torch.int32)

@@ -1,32 +1,17 @@
 """Gated DeltaNet (GDN) linear-attention layer of Qwen3.5, packed (THD), sharded by heads under TP.
 
-Math (Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
-ICLR 2025, eq. 10; Qwen3.5 as in transformers ``Qwen3_5MoeGatedDeltaNet``), per value head with
-state ``S [d_k, d_v]`` starting at 0 in every packed document:
+Math (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; transformers
+``Qwen3_5MoeGatedDeltaNet``), per value head, state ``S [d_k, d_v]`` zero at every document start:
 
     q_t, k_t = l2norm(q_t) / sqrt(d_k), l2norm(k_t)
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T
     o_t = S_t^T q_t
     g_t = -exp(A_log) * softplus(a_t + dt_bias),   beta_t = sigmoid(b_t)
 
-``q, k, v`` come from a depthwise causal convolution (kernel ``linear_conv_kernel_dim``, SiLU) of
-``in_proj_qkv(x)`` that restarts at every document boundary; ``o`` goes through a gated RMSNorm
-with ``z = in_proj_z(x)`` and ``out_proj``.  When value heads outnumber key heads, value head
-``j`` reads key/query head ``j // (num_v_heads / num_k_heads)``.
-
-Tensor parallelism shards by heads (as torchtitan's ``models/qwen3_5``): TP rank ``r`` of ``tp``
-holds key heads ``[r K/tp, (r+1) K/tp)`` and value heads ``[r V/tp, (r+1) V/tp)`` with their
-projection rows, conv channels, ``A_log`` and ``dt_bias``; ``out_proj`` is row-parallel.  No rank
-computes another rank's heads.  The four input projections are one column-parallel GEMM whose
-local output is ``[q_r | k_r | v_r | z_r | b_r | a_r]`` (the loader writes that layout).
-
-Kernels (:class:`slime.models.qwen3_5.config.Qwen35Kernels`):
-
-- ``gdn="fla"``: fla's ``chunk_gated_delta_rule(..., cu_seqlens=...)`` (CUDA);
-- ``gdn="torch"``: :func:`chunk_gated_delta_rule_torch`, the chunked (WY) form of the recurrence
-  in fp32 written here (Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
-  Sequence Length", NeurIPS 2024, section 3), documents padded into a batch;
-- ``gdn_conv``: fla's ``causal_conv1d(..., cu_seqlens=...)`` or :func:`causal_conv1d_packed`.
+``q, k, v`` come from a depthwise causal convolution + SiLU of ``in_proj_qkv(x)`` that restarts at
+every document; ``o`` goes through a gated RMSNorm with ``z = in_proj_z(x)`` and ``out_proj``.  Value
+head ``j`` reads key head ``j // (V / K)``.  TP rank ``r`` holds key heads ``[r K/tp, (r+1) K/tp)`` and
+value heads ``[r V/tp, (r+1) V/tp)`` (as torchtitan's ``models/qwen3_5``); ``out_proj`` is row-parallel.
 """
 
 from __future__ import annotations
@@ -45,18 +30,15 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal convolution + SiLU that restarts at every document boundary.
-
-    ``y[t, c] = silu(sum_{j < K, j <= pos[t]} weight[c, K-1-j] * x[t-j, c])``: taps reaching
-    before the token's document start are dropped, which equals zero left-padding per document.
+    """Depthwise causal convolution + SiLU, zero left-padding per document (taps before its start are dropped).
 
     Args:
         x: ``[T, C]`` packed channels.
-        weight: ``[C, K]`` depthwise kernel (``conv1d.weight[:, 0, :]`` of transformers).
+        weight: ``[C, K]`` depthwise kernel (``conv1d.weight[:, 0, :]``).
         positions: ``[T]`` int64 position of each token in its document.
 
     Returns:
-        ``[T, C]`` in ``x.dtype`` (accumulated in ``weight.dtype`` as transformers' ``conv1d``).
+        ``[T, C]`` in ``x.dtype`` (accumulated in ``weight.dtype``, as transformers' ``conv1d``).
     """
     kernel = weight.shape[-1]
     xw = x.to(weight.dtype)
@@ -78,15 +60,13 @@ def chunk_gated_delta_rule_torch(
     *,
     chunk_size: int = 64,
 ) -> torch.Tensor:
-    """The gated delta rule over packed documents, chunked, in fp32 (see the module docstring).
+    """The gated delta rule over packed documents in fp32, chunked (WY form: Yang et al., NeurIPS 2024, sec. 3).
 
     Args:
         q, k: ``[T, H, d_k]`` already repeated to the value heads; L2-normalised here.
         v: ``[T, H, d_v]``.
-        g: ``[T, H]`` log decay (<= 0).
-        beta: ``[T, H]`` in (0, 1).
-        packing: the documents (state restarts at each).
-        chunk_size: tokens per chunk ``C``.
+        g: ``[T, H]`` log decay (<= 0); beta: ``[T, H]`` in (0, 1).
+        packing: the documents (state restarts at each); chunk_size: tokens per chunk ``C``.
 
     Returns:
         ``[T, H, d_v]`` in ``v.dtype``.
@@ -152,17 +132,14 @@ class GatedDeltaNet(torch.nn.Module):
     """One Gated DeltaNet token mixer, as megatron-core's ``self_attention`` submodule of a layer.
 
     Args:
-        config: megatron-core ``TransformerConfig`` (``linear_*`` sizes, ``hidden_size``,
-            ``layernorm_epsilon``, ``params_dtype``, TP/SP settings).
-        layer_number: 1-based global layer number (megatron-core's convention).
-        pg_collection: megatron-core process groups (``.tp`` is used); default: the global ones.
-        gdn_kernel: ``"fla"`` or ``"torch"`` (see the module docstring).
-        conv_kernel: ``"fla"`` or ``"torch"``.
-        **kwargs: other arguments megatron-core's layer passes to its attention (ignored).
+        config: megatron-core ``TransformerConfig``.
+        layer_number: 1-based global layer number.
+        pg_collection: megatron-core process groups (``.tp``); default: the global ones.
+        gdn_kernel, conv_kernel: ``"fla"`` or ``"torch"`` (:class:`slime.models.qwen3_5.config.Qwen35Kernels`).
 
-    Parameters (TP-local; ``Kr = K / tp`` key heads, ``Vr = V / tp`` value heads):
-        ``in_proj.weight [2 Kr d_k + 2 Vr d_v + 2 Vr, hidden]``, ``conv1d.weight [2 Kr d_k + Vr d_v, 1, K_conv]``,
-        ``A_log [Vr]`` (fp32), ``dt_bias [Vr]``, ``norm.weight [d_v]``, ``out_proj.weight [hidden, Vr d_v]``.
+    Parameters (TP-local; ``Kr = K / tp``, ``Vr = V / tp``): ``in_proj.weight [2 Kr d_k + 2 Vr d_v + 2 Vr,
+    hidden]`` (rows ``[q | k | v | z | b | a]``), ``conv1d.weight [2 Kr d_k + Vr d_v, 1, K_conv]``, ``A_log [Vr]``
+    (fp32), ``dt_bias [Vr]``, ``norm.weight [d_v]``, ``out_proj.weight [hidden, Vr d_v]``.
     """
 
     def __init__(self, config, layer_number: int = 1, pg_collection=None, gdn_kernel: str = "fla",
@@ -218,7 +195,6 @@ class GatedDeltaNet(torch.nn.Module):
         self.tp_group = tp_group
 
     def _delta_rule(self, q, k, v, g, beta, packing: PackedSequences) -> torch.Tensor:
-        """The delta-rule kernel over packed documents: ``[T, H, d_v]``."""
         if self.gdn_kernel == "fla":
             o, _ = _fla_chunk_gated_delta_rule()(
                 q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
@@ -228,11 +204,7 @@ class GatedDeltaNet(torch.nn.Module):
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, packing)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
-        """``hidden_states [S, 1, hidden]`` (``S = T / tp`` under SP) -> ``(out [S, 1, hidden], None)``.
-
-        Documents come from ``packed_seq_params.cu_seqlens_q`` (THD); without it each batch column
-        is one document (``[S, B, hidden]``).
-        """
+        """``[S, 1, hidden]`` -> ``(out [S, 1, hidden], None)``; no ``packed_seq_params``: a document per column."""
         seq, batch, _ = hidden_states.shape
         proj, _ = self.in_proj(hidden_states)  # [T, B, out_r] (gathered over SP)
         total = proj.shape[0]

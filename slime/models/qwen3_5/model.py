@@ -1,19 +1,10 @@
 """The native Qwen3.5-MoE vision-language model: megatron-core's decoder with this package's layers.
 
-``Qwen35Model`` (one pipeline stage) composes:
-
-- first stage: megatron-core's ``VocabParallelEmbedding`` and transformers' vision tower
-  (``visual``), whose merged features replace the ``<|image_pad|>`` embeddings;
-- every stage: megatron-core's ``TransformerBlock`` built from :func:`slime.models.qwen3_5.spec.qwen35_block_spec`
-  (its share of the 3:1 Gated DeltaNet / gated-attention layers, each with MoE);
-- last stage: the final zero-centred RMSNorm (inside the block) and the untied LM head, a
-  column-parallel linear whose logits stay split over TP (``[T, 1, Vp / tp]``, for megatron-core's
-  vocab-parallel cross-entropy).  Logit columns of TP vocab padding (``Vp > V``) are set to the
-  dtype's lowest value, so softmax gives them 0.
-
-Inputs are packed THD micro-batches (:class:`Qwen35Inputs`); activations are ``[S, 1, hidden]``
-(``S = T / tp`` under sequence parallelism).  The MRoPE angles are computed once per forward from
-``position_ids`` and handed to the attention layers as ``rotary_pos_emb``.
+A ``Qwen35Model`` stage holds: on the first stage megatron-core's ``VocabParallelEmbedding`` and the
+transformers vision tower; on every stage a ``TransformerBlock`` of its layers
+(:func:`slime.models.qwen3_5.spec.qwen35_block_spec`); on the last the final norm and the untied,
+column-parallel LM head.  Inputs are packed THD micro-batches (:class:`Qwen35Inputs`); activations are
+``[S, 1, hidden]`` (``S = T / tp`` under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -53,12 +44,9 @@ class Qwen35Inputs:
         max_seqlen: longest document, tokens.
         pixel_values: ``[P, C * temporal_patch * patch**2]`` of all images in document order, or ``None``.
         image_grid_thw: ``[num_images, 3]`` int64, or ``None``.
-        image_tokens_per_document: ``n`` merged image-token counts (0 for text-only documents),
-            checked against the placeholders; required with images.
-        logit_index: ``[K]`` int64 positions of the packed axis whose logits the last stage computes
-            (e.g. the positions that predict response tokens), in the order wanted; ``None``: all ``T``.
-            The LM head is the largest matmul at Qwen3.5's 248k vocabulary, so a trainer that needs
-            the log-probs of the responses only computes it where they are predicted.
+        image_tokens_per_document: ``n`` merged image-token counts (0 for text-only); required with images.
+        logit_index: ``[K]`` int64 positions of the packed axis whose logits the last stage computes, in
+            that order; ``None``: all ``T``.
     """
 
     input_ids: torch.Tensor
@@ -73,17 +61,10 @@ class Qwen35Inputs:
     @classmethod
     def pack(cls, documents: "list[Qwen35Document]", arch, *, pad_to_multiple_of: int = 1, pad_token_id: int = 0
              ) -> "Qwen35Inputs":
-        """Pack sequences into one THD micro-batch: ids end to end, MRoPE positions per document.
-
-        Args:
-            documents: the sequences, in order.
-            arch: the model's :class:`~slime.models.qwen3_5.config.Qwen35Arch` (token ids, merge size).
-            pad_to_multiple_of: pad ``T`` (one extra padding document) to a multiple, e.g. TP under SP.
-            pad_token_id: the padding document's token.
+        """Pack documents into one THD micro-batch, ``T`` padded to a multiple of ``pad_to_multiple_of``.
 
         Raises:
-            slime.models.qwen3_5.rope.PositionError: a document's image tokens and grids disagree
-                (naming the document).
+            slime.models.qwen3_5.rope.PositionError: a document's image tokens and grids disagree (naming it).
         """
         from slime.models.qwen3_5.packing import pack_sequences
         from slime.models.qwen3_5.rope import packed_position_ids
@@ -105,7 +86,7 @@ class Qwen35Inputs:
         )
 
     def to(self, device) -> "Qwen35Inputs":
-        """The same micro-batch with its tensors on ``device`` (``cu_seqlens`` too)."""
+        """The same micro-batch with its tensors on ``device``."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return dataclasses.replace(self, input_ids=move(self.input_ids), position_ids=move(self.position_ids),
                                    cu_seqlens=move(self.cu_seqlens), pixel_values=move(self.pixel_values),
@@ -121,12 +102,7 @@ class Qwen35Inputs:
 
 
 def megatron_without_transformer_engine() -> None:
-    """Let megatron-core 0.16.1's MoE router run without TransformerEngine.
-
-    ``megatron.core.transformer.moe.moe_utils`` imports ``te_general_gemm`` only when TE imports and
-    then tests ``te_general_gemm is not None``; without TE the name is undefined (``NameError`` in the
-    router GEMM).  Defining it as ``None`` selects megatron-core's own torch path.  Idempotent.
-    """
+    """Define megatron-core 0.16.1's ``moe_utils.te_general_gemm`` as ``None`` without TE (its router's torch path)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -144,14 +120,12 @@ class Qwen35Model(_megatron_module()):
 
     Args:
         config: :class:`~slime.models.qwen3_5.config.Qwen35Config`.
-        pre_process: this stage holds the embedding (and the vision tower).
-        post_process: this stage holds the final norm and the LM head.
+        pre_process, post_process: this stage holds the embedding (and vision tower) / the final norm and LM head.
         vision: build the vision tower on the first stage (needs ``arch.vision_config``).
-        pg_collection: megatron-core process groups (default: the global ones).
-        vp_stage: virtual pipeline stage (megatron-core's interleaved schedule).
+        pg_collection, vp_stage: megatron-core's process groups and virtual pipeline stage.
 
-    Build large models under ``with torch.device("meta")`` and then
-    :func:`slime.models.qwen3_5.weights.load_hf_checkpoint`, which materialises and fills them.
+    Build large models under ``torch.device("meta")``; :func:`slime.models.qwen3_5.weights.load_hf_checkpoint`
+    materialises and fills them.
     """
 
     def __init__(self, config: Qwen35Config, *, pre_process: bool = True, post_process: bool = True,
@@ -195,7 +169,7 @@ class Qwen35Model(_megatron_module()):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        """(Re)compute the RoPE inverse frequencies (fp32; after ``to_empty`` as well)."""
+        """(Re)compute the fp32 RoPE inverse frequencies (after ``to_empty`` as well)."""
         arch = self.qwen_config.arch
         if self.inv_freq.device.type != "meta":
             self.inv_freq.copy_(inv_frequencies(arch.rotary_dim, arch.rope_theta, device=self.inv_freq.device))
@@ -231,13 +205,13 @@ class Qwen35Model(_megatron_module()):
         """Run this stage.
 
         Returns:
-            Last stage: logits ``[T, 1, Vp / tp]`` (this TP rank's vocabulary columns, in the
-            parameters' dtype), or ``[K, 1, Vp / tp]`` at ``inputs.logit_index``.  Other stages: hidden
-            states ``[S, 1, hidden]`` for the next stage.
+            Last stage: logits ``[T, 1, Vp / tp]`` (this TP rank's vocabulary columns, padding columns at the
+            dtype's lowest value), or ``[K, 1, Vp / tp]`` at ``inputs.logit_index``.  Other stages: hidden
+            states ``[S, 1, hidden]``.
 
         Raises:
-            ValueError: ``cu_seqlens`` does not end at ``T``; image placeholders and images disagree
-                (naming the document, see :func:`slime.models.qwen3_5.vision.scatter_image_features`).
+            ValueError: ``cu_seqlens`` does not end at ``T``; image placeholders and images disagree (naming
+                the document).
         """
         total = inputs.input_ids.numel()
         if int(inputs.cu_seqlens[-1]) != total:
@@ -261,13 +235,7 @@ class Qwen35Model(_megatron_module()):
         return logits
 
     def _select_positions(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The final hidden states at ``index`` (``[K, 1, hidden]``), laid out as the LM head expects.
-
-        Under sequence parallelism the states are first gathered over TP (every rank then holds the
-        same ``K`` rows; the gather's backward keeps each rank's own chunk, since every rank's
-        gradient is the full one), padded to a multiple of TP and split again, so that the
-        column-parallel LM head gathers them back; the caller drops the padding rows.
-        """
+        """The final hidden states at ``index``, ``[K, 1, hidden]``, split over TP again under SP (padded)."""
         from megatron.core.tensor_parallel import (
             gather_from_sequence_parallel_region,
             scatter_to_sequence_parallel_region,

@@ -1,16 +1,7 @@
-"""The two RMSNorms of Qwen3.5, in transformers' numerics.
+"""The two RMSNorms of Qwen3.5, in transformers' numerics (``rms`` over the last dimension, in fp32).
 
-- :class:`ZeroCenteredRMSNorm`: ``y = x / rms(x) * (1 + w)`` with the weight stored zero-centred
-  (a checkpoint's zeros mean the identity scale).  Used before attention / GDN / MoE, for the
-  final norm and for the per-head q/k norms.  Source: transformers ``Qwen3_5MoeRMSNorm``.
-- :class:`GatedRMSNorm`: the Gated DeltaNet output norm ``y = w * (x / rms(x)) * silu(z)`` per
-  value head, weight stored as is (ones = identity).  Source: transformers
-  ``Qwen3_5MoeRMSNormGated`` (norm before gate, as in fla's ``FusedRMSNormGated``).
-
-``rms(x) = sqrt(mean(x**2) + eps)`` over the last dimension, computed in fp32; the output has the
-input's dtype.  Both are plain ``torch.nn.Module``s with megatron-core's norm constructor
-signature ``(config, hidden_size, eps)``, so a ``ModuleSpec`` can place them.  Their weights carry
-``sequence_parallel`` so that megatron-core all-reduces their gradients across TP under SP.
+Both take megatron-core's norm constructor signature ``(config, hidden_size, eps)``, so that a
+``ModuleSpec`` can place them; ``config`` ``None`` gives fp32 weights on the default device.
 """
 
 from __future__ import annotations
@@ -20,10 +11,8 @@ import torch.nn.functional as F
 
 
 def param_device(config) -> torch.device | None:
-    """Where megatron-core would allocate a parameter: the current GPU, unless ``use_cpu_initialization``.
-
-    ``None`` (the ambient default device, e.g. ``meta`` inside ``with torch.device("meta")``) when
-    ``use_cpu_initialization`` is set or CUDA is absent.  Every module of this package uses it.
+    """Where megatron-core would allocate a parameter: the current GPU; ``None`` (ambient device) under
+    ``use_cpu_initialization`` or without CUDA.
     """
     if config is None or getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
         return None
@@ -31,15 +20,9 @@ def param_device(config) -> torch.device | None:
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
-    """``x / sqrt(mean(x**2, -1) + eps) * (1 + weight)`` in fp32, cast back to ``x.dtype``.
+    """``x / sqrt(mean(x**2, -1) + eps) * (1 + weight)``, zero-centred weight (transformers ``Qwen3_5MoeRMSNorm``).
 
-    Args:
-        config: megatron-core ``TransformerConfig`` (for ``params_dtype``, ``sequence_parallel``,
-            the allocation device); ``None`` gives fp32 weights on the default device.
-        hidden_size: size of the normalised (last) dimension.
-        eps: added to the mean square.
-
-    Shapes: any ``[..., hidden_size]`` -> same shape and dtype.
+    Shapes: ``[..., hidden_size]`` -> same shape and dtype.  The weight carries ``sequence_parallel``.
     """
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6):
@@ -56,21 +39,10 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 
 
 class GatedRMSNorm(torch.nn.Module):
-    """Gated DeltaNet output norm: ``weight * (x / rms(x)).to(dtype) * silu(z)``.
+    """GDN output norm ``weight * (x / rms(x)).to(dtype) * silu(z)`` (transformers ``Qwen3_5MoeRMSNormGated``).
 
-    Args:
-        config: as for :class:`ZeroCenteredRMSNorm`.
-        hidden_size: the value-head dimension.
-        eps: added to the mean square.
-
-    Shapes: ``x`` and ``z`` ``[..., hidden_size]`` of one dtype -> same shape and dtype.  The
-    order of casts follows transformers (normalise in fp32, scale in the input dtype, gate in fp32).
-
-    Under tensor parallelism the Gated DeltaNet gives each rank its own value heads, so the weight
-    (replicated, one per value-head dimension) gets a partial gradient on each rank; ``forward`` with
-    ``tp_group`` reads it through megatron-core's ``copy_to_tensor_model_parallel_region`` (identity
-    forward, all-reduce backward), so every rank holds the whole gradient, as for any replicated
-    parameter.
+    Shapes: ``x``, ``z`` ``[..., hidden_size]`` -> same shape and dtype.  With ``tp_group`` the weight's
+    gradient is all-reduced over TP (each rank sees only its value heads).
     """
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6):

@@ -1,14 +1,7 @@
-"""Packed sequences (THD): several documents laid end to end in one token axis, no padding between.
+"""Packed sequences (THD): documents end to end on one token axis, boundaries ``cu_seqlens`` (int32,
+``[0, L_0, L_0 + L_1, ..., T]``, FlashAttention's, fla's and megatron-core's convention).
 
-A micro-batch of ``n`` documents of lengths ``L_0 .. L_{n-1}`` is one token axis of
-``T = sum(L_i)`` tokens (plus optional trailing padding, itself one extra document, so that
-``T`` is a multiple of the sequence-parallel size).  Boundaries are ``cu_seqlens``
-``[0, L_0, L_0 + L_1, ..., T]`` (int32, FlashAttention's convention, also fla's and
-megatron-core's ``PackedSeqParams``).
-
-:class:`PackedSequences` holds the boundaries and the index maps the kernels' torch paths need:
-document id and position inside the document per token, and the scatter/gather between the
-packed axis and a zero-padded ``[n, max_len]`` batch.
+Optional trailing padding (so that ``T`` is a multiple of the sequence-parallel size) is one more document.
 """
 
 from __future__ import annotations
@@ -21,12 +14,12 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class PackedSequences:
-    """Boundaries of the documents packed into one token axis.
+    """Boundaries of the documents packed into one token axis, and the index maps of the torch kernel paths.
 
     Attributes:
         cu_seqlens: ``[n + 1]`` int32, ``cu_seqlens[0] = 0``, non-decreasing, ``cu_seqlens[-1] = T``.
         max_seqlen: the longest document, tokens.
-        num_padding: tokens of the trailing padding document (0 when none); it is the last document.
+        num_padding: tokens of the trailing padding document (0 when none).
     """
 
     cu_seqlens: torch.Tensor
@@ -37,13 +30,7 @@ class PackedSequences:
     def from_lengths(
         cls, lengths: Sequence[int], *, pad_to_multiple_of: int = 1, device: torch.device | str | None = None
     ) -> "PackedSequences":
-        """Boundaries for documents of ``lengths`` tokens, plus a padding document up to a multiple.
-
-        Args:
-            lengths: tokens per document, each >= 1.
-            pad_to_multiple_of: make the total a multiple of this (e.g. the TP size under sequence
-                parallelism); the padding becomes one more document.
-            device: where ``cu_seqlens`` lives.
+        """Boundaries for documents of ``lengths`` tokens, plus a padding document up to ``pad_to_multiple_of``.
 
         Raises:
             ValueError: no documents, a length < 1, or ``pad_to_multiple_of`` < 1.
@@ -71,7 +58,6 @@ class PackedSequences:
 
     @property
     def num_sequences(self) -> int:
-        """Documents, the padding document included."""
         return self.cu_seqlens.numel() - 1
 
     @property
@@ -83,12 +69,12 @@ class PackedSequences:
         return torch.repeat_interleave(torch.arange(self.num_sequences, device=self.cu_seqlens.device), self.lengths)
 
     def positions(self) -> torch.Tensor:
-        """``[T]`` int64: each token's position inside its document (0 at every document start)."""
+        """``[T]`` int64: each token's position inside its document."""
         starts = self.cu_seqlens[:-1].long()
         return torch.arange(self.total_tokens, device=self.cu_seqlens.device) - starts[self.document_ids()]
 
     def batch_index(self, padded_len: int | None = None) -> torch.Tensor:
-        """``[T]`` int64 flat index of each token in a ``[n, padded_len]`` batch (row = document)."""
+        """``[T]`` int64 flat index of each token in a ``[n, padded_len]`` batch."""
         padded_len = self.max_seqlen if padded_len is None else padded_len
         return self.document_ids() * padded_len + self.positions()
 
@@ -102,29 +88,21 @@ class PackedSequences:
         return flat.view(self.num_sequences, padded_len, *x.shape[1:])
 
     def from_batch(self, y: torch.Tensor) -> torch.Tensor:
-        """Gather a batch ``[n, padded_len, ...]`` back to the packed axis ``[T, ...]`` (differentiable)."""
+        """Gather a batch ``[n, padded_len, ...]`` back to ``[T, ...]`` (differentiable)."""
         n, padded_len = y.shape[:2]
         if n != self.num_sequences:
             raise ValueError(f"batch has {n} rows, the packing {self.num_sequences} documents")
         return y.reshape(n * padded_len, *y.shape[2:]).index_select(0, self.batch_index(padded_len))
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Packed ``x [T, ...]`` as a list of per-document tensors (views)."""
+        """Packed ``x [T, ...]`` as per-document views."""
         return list(torch.split(x, self.lengths.tolist(), dim=0))
 
 
 def pack_sequences(
     sequences: Sequence[torch.Tensor], *, pad_to_multiple_of: int = 1, pad_value: int = 0
 ) -> tuple[torch.Tensor, PackedSequences]:
-    """Concatenate 1-D token tensors into one packed axis.
-
-    Args:
-        sequences: ``n`` tensors ``[L_i]`` of one dtype and device.
-        pad_to_multiple_of: see :meth:`PackedSequences.from_lengths`.
-        pad_value: the token of the padding document.
-
-    Returns:
-        ``(tokens [T], packing)``; ``tokens`` has the padding at the end.
+    """Concatenate 1-D token tensors ``[L_i]`` into ``(tokens [T], packing)``, padding (``pad_value``) at the end.
 
     Raises:
         ValueError: see :meth:`PackedSequences.from_lengths`; a tensor that is not 1-D.
@@ -146,17 +124,10 @@ def pack_sequences(
 def packing_from_params(packed_seq_params, total: int, batch: int, device) -> PackedSequences:
     """The documents of a micro-batch: megatron-core's ``PackedSeqParams`` (THD, batch 1), or one per batch column.
 
-    Args:
-        packed_seq_params: ``PackedSeqParams`` with ``cu_seqlens_q`` / ``max_seqlen_q``, or ``None``.
-        total: tokens per batch column of the (SP-gathered) activations.
-        batch: batch columns.
-        device: where the boundaries should live.
+    ``total`` is the tokens per batch column; that ``cu_seqlens`` ends there is checked by the model, once.
 
     Raises:
         ValueError: THD with batch > 1.
-
-    That ``cu_seqlens`` ends at ``total`` is checked once per forward by the model
-    (``Qwen35Model``), not here, to keep host syncs out of every layer.
     """
     if packed_seq_params is not None:
         if batch != 1:

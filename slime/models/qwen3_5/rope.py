@@ -1,20 +1,15 @@
 """Multimodal rotary position embedding (MRoPE) of Qwen3.5's gated full-attention layers.
 
-Positions (Qwen2-VL, Wang et al. 2024, "Qwen2-VL", section 2.1; Qwen3.5 as in transformers
-``Qwen3_5MoeModel.get_rope_index``): every token has three position ids (temporal, height,
-width).  A text token has all three equal to a running counter.  An image of ``(t, h, w)``
-patches becomes ``t * (h/m) * (w/m)`` placeholder tokens after the ``m x m`` merge; the token of
-merged cell ``(ti, hi, wi)`` gets ``(start + ti, start + hi, start + wi)`` with ``start`` the
-counter before the image, and the counter then moves on by ``max(h, w) / m``.  Positions restart
-at 0 in every packed document.
+Positions (Qwen2-VL, Wang et al. 2024, sec. 2.1; transformers ``Qwen3_5MoeModel.get_rope_index``): a text
+token has three equal ids (temporal, height, width) from a running counter; the merged cell ``(ti, hi, wi)``
+of an image of ``(t, h, w)`` patches gets ``counter + (ti, hi, wi)``, and the counter then moves on by
+``max(h, w) / m`` (``m`` the merge size).  Positions restart at 0 in every packed document.
 
-Frequencies: ``inv_freq[i] = theta ** (-2 i / rotary_dim)`` for ``i < rotary_dim / 2`` (only the
-first ``rotary_dim = head_dim * partial_rotary_factor`` dims of a head rotate).  Frequency ``i``
-reads the position of one axis.  Interleaved MRoPE (Qwen3-VL / Qwen3.5, ``mrope_interleaved``):
-``i % 3 == 1`` and ``i < 3 * section[1]`` -> height, ``i % 3 == 2`` and ``i < 3 * section[2]`` ->
-width, else temporal.  Non-interleaved (Qwen2-VL): the first ``section[0]`` frequencies temporal,
-the next ``section[1]`` height, the last ``section[2]`` width.  The rotation is the
-"rotate half" form on ``cat(freqs, freqs)`` (as transformers' ``apply_rotary_pos_emb``).
+Frequencies: ``inv_freq[i] = theta ** (-2 i / rotary_dim)``; frequency ``i`` reads one axis.  Interleaved
+(Qwen3-VL / Qwen3.5): ``i % 3 == 1`` and ``i < 3 * section[1]`` -> height, ``i % 3 == 2`` and
+``i < 3 * section[2]`` -> width, else temporal.  Non-interleaved (Qwen2-VL): consecutive blocks of
+``section[0]``, ``section[1]``, ``section[2]``.  Rotation: "rotate half" on ``cat(freqs, freqs)``
+(transformers' ``apply_rotary_pos_emb``).
 """
 
 from __future__ import annotations
@@ -42,19 +37,14 @@ def mrope_position_ids(
     video_token_id: int | None = None,
     sample: int | str = 0,
 ) -> torch.Tensor:
-    """Three-axis positions of one document (see the module docstring).
+    """Three-axis positions ``[3, L]`` int64 of one document (see the module docstring), on ``input_ids.device``.
 
     Args:
         input_ids: ``[L]`` int64 token ids of one document.
-        image_grid_thw: ``[num_images, 3]`` int64 patch grids (temporal, height, width) of the
-            document's images in order, or ``None`` / empty for none.
-        image_token_id: the placeholder id (``<|image_pad|>``).
-        spatial_merge_size: ``m``, the vision merger's side (2 for Qwen3.5).
-        video_token_id: the video placeholder id; a video token raises (not implemented).
+        image_grid_thw: ``[num_images, 3]`` int64 patch grids of its images in order, or ``None``.
+        image_token_id, video_token_id: the placeholder ids.
+        spatial_merge_size: ``m``, the vision merger's side.
         sample: how errors name the document.
-
-    Returns:
-        ``[3, L]`` int64 on ``input_ids.device``.
 
     Raises:
         PositionError: a run of image tokens whose length differs from its grid's merged token
@@ -108,10 +98,11 @@ def packed_position_ids(
     video_token_id: int | None = None,
     num_padding: int = 0,
 ) -> torch.Tensor:
-    """``[3, T]`` positions of packed documents: :func:`mrope_position_ids` per document, concatenated.
+    """``[3, T]`` positions of packed documents; ``num_padding`` trailing tokens get text positions from 0.
 
-    ``image_grids[i]`` holds document ``i``'s grids.  ``num_padding`` trailing padding tokens get
-    text positions from 0.  Raises :class:`PositionError` naming the document index.
+    Raises:
+        PositionError: as :func:`mrope_position_ids`, naming the document index.
+        ValueError: ``documents`` and ``image_grids`` differ in length.
     """
     if len(documents) != len(image_grids):
         raise ValueError(f"{len(documents)} documents but {len(image_grids)} image-grid entries")
@@ -150,11 +141,7 @@ def mrope_frequencies(
 ) -> torch.Tensor:
     """Rotation angles of every token: ``[T, rotary_dim]`` fp32, radians, ``cat(f, f)`` layout.
 
-    Args:
-        position_ids: ``[3, T]`` (T/H/W) integer positions; a ``[T]`` tensor means text positions.
-        inv_freq: ``[rotary_dim / 2]`` fp32 from :func:`inv_frequencies`.
-        section: frequencies per axis (``mrope_section``).
-        interleaved: see the module docstring.
+    ``position_ids``: ``[3, T]`` (a ``[T]`` tensor means text positions); ``inv_freq``: ``[rotary_dim / 2]``.
     """
     if position_ids.dim() == 1:
         position_ids = position_ids.view(1, -1).expand(3, -1)
@@ -165,14 +152,9 @@ def mrope_frequencies(
 
 
 def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` dims of every head of ``x``; the rest pass through.
+    """Rotate the first ``rotary_dim`` dims of every head of ``x [T, heads, head_dim]`` by ``freqs [T, rotary_dim]``.
 
-    Args:
-        x: ``[T, heads, head_dim]``.
-        freqs: ``[T, rotary_dim]`` angles from :func:`mrope_frequencies`.
-
-    Returns:
-        ``[T, heads, head_dim]`` in ``x.dtype`` (the rotation itself runs in fp32).
+    Returns ``x``'s shape and dtype; the rotation itself runs in fp32.
     """
     rot = freqs.shape[-1]
     x_rot, x_pass = x[..., :rot].float(), x[..., rot:]

@@ -1,19 +1,10 @@
 """megatron-core ``ModuleSpec``s of the Qwen3.5-MoE decoder: which module fills each slot of a layer.
 
-Every layer is megatron-core's ``TransformerLayer`` with:
-
-- ``input_layernorm`` / ``pre_mlp_layernorm``: :class:`~slime.models.qwen3_5.norm.ZeroCenteredRMSNorm`;
-- ``self_attention``: :class:`~slime.models.qwen3_5.gdn.GatedDeltaNet` for a ``linear_attention``
-  layer, :class:`~slime.models.qwen3_5.attention.GatedAttention` for a ``full_attention`` one
-  (the only slot that differs between the two kinds);
-- ``mlp``: megatron-core's ``MoELayer`` (its token dispatcher, expert parallelism) with
-  :class:`~slime.models.qwen3_5.router.Qwen35Router` (megatron-core's ``TopKRouter``, device-agnostic)
-  with :class:`~slime.models.qwen3_5.experts.GroupedExperts` as the experts and megatron-core's
-  ``SharedExpertMLP`` (sigmoid gate) as the shared expert;
-- megatron-core's bias-dropout-add for both residuals.
-
-:func:`qwen35_block_spec` lists the layers of one pipeline stage, as megatron-core's
-``get_gpt_decoder_block_spec`` does, with the final norm.
+A layer is megatron-core's ``TransformerLayer`` with :class:`~slime.models.qwen3_5.norm.ZeroCenteredRMSNorm`
+norms; as ``self_attention`` :class:`~slime.models.qwen3_5.gdn.GatedDeltaNet` (``linear_attention``) or
+:class:`~slime.models.qwen3_5.attention.GatedAttention` (``full_attention``); as ``mlp`` megatron-core's
+``MoELayer`` with :class:`~slime.models.qwen3_5.router.Qwen35Router`,
+:class:`~slime.models.qwen3_5.experts.GroupedExperts` and ``SharedExpertMLP`` (sigmoid gate).
 """
 
 from __future__ import annotations

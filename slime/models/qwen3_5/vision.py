@@ -1,14 +1,8 @@
 """The Hugging Face vision tower of Qwen3.5 inside the native model, and the scatter of its features.
 
-The recipe keeps transformers' ``Qwen3_5MoeVisionModel`` (the ViT plus the 2x2 patch merger that
-projects to the language model's width) as is: its parameters keep their Hugging Face names
-(``model.visual.*``), are loaded and exported unchanged, and the module is built on the first
-pipeline stage only and replicated over tensor-parallel ranks (every TP rank runs the same images;
-its gradients are then equal across TP ranks, because the language model's input gradient is).
-
-Its output rows (one per merged image token, images in order) replace the embeddings of the
-``<|image_pad|>`` placeholders of the packed sequence (transformers ``Qwen3_5MoeModel.forward``,
-``masked_scatter``).  :func:`scatter_image_features` also checks each document's count.
+transformers' ``Qwen3_5MoeVisionModel`` is kept as is: Hugging Face parameter names (``model.visual.*``),
+first pipeline stage only, replicated over TP.  Its output rows (one per merged image token) replace the
+``<|image_pad|>`` embeddings (transformers ``Qwen3_5MoeModel.forward``, ``masked_scatter``).
 """
 
 from __future__ import annotations
@@ -25,12 +19,7 @@ class ImageTokenMismatch(ValueError):
 
 def build_vision_tower(vision_config: dict, *, dtype: torch.dtype = torch.bfloat16, device=None,
                        attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """transformers' ``Qwen3_5MoeVisionModel`` for a checkpoint's ``vision_config`` dict.
-
-    Built under ``torch.device(device)`` when given, else on the ambient default device (``meta``
-    inside ``with torch.device("meta")`` for a large model, then loaded); weights are transformers'
-    initialisation until loaded.
-    """
+    """transformers' ``Qwen3_5MoeVisionModel`` for a ``vision_config`` dict, on ``device`` or the ambient device."""
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
@@ -45,10 +34,7 @@ def build_vision_tower(vision_config: dict, *, dtype: torch.dtype = torch.bfloat
 def image_features(visual: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
     """Merged image features ``[sum_i t_i h_i w_i / m**2, out_hidden]`` of all images, in order.
 
-    Args:
-        visual: the vision tower.
-        pixel_values: ``[sum_i t_i h_i w_i, C * temporal_patch * patch**2]`` from the image processor.
-        image_grid_thw: ``[num_images, 3]`` patch grids.
+    ``pixel_values``: ``[sum_i t_i h_i w_i, C * temporal_patch * patch**2]``; ``image_grid_thw``: ``[num_images, 3]``.
     """
     out = visual(pixel_values.to(next(visual.parameters()).dtype), grid_thw=image_grid_thw, return_dict=True)
     return out.pooler_output
@@ -66,13 +52,9 @@ def scatter_image_features(
     """Put the image features into the placeholder rows of packed embeddings (differentiable).
 
     Args:
-        embeddings: ``[T, hidden]`` token embeddings of the packed micro-batch.
-        input_ids: ``[T]`` token ids.
+        embeddings: ``[T, hidden]``; input_ids: ``[T]``; cu_seqlens: ``[n + 1]`` document boundaries.
         features: ``[N, hidden]`` merged image features, documents' images in order.
-        image_token_id: the placeholder id.
-        cu_seqlens: ``[n + 1]`` document boundaries.
-        tokens_per_document: ``n`` counts, the merged image tokens each document's images make
-            (0 for text-only and padding documents).
+        tokens_per_document: ``n`` merged image-token counts (0 for text-only and padding documents).
 
     Returns:
         ``[T, hidden]``: ``embeddings`` with placeholder rows replaced, in order, by ``features``.
