@@ -1,30 +1,14 @@
 """Typed config groups and the one bridge between them and ``argparse``.
 
-Every subsystem owns a small ``@dataclass`` of its flags, defined next to the code that
-uses it (``RolloutConfig`` beside the rollout manager, ``GRPOConfig`` beside the GRPO
-math, ...).  Each field is declared with :func:`flag`, which records the help text and,
-where needed, the argparse details.  :mod:`slime.arguments` only assembles the
-groups: :func:`add_group` turns a dataclass into an argparse argument group (so
-``--help`` is grouped), and :func:`build_group` turns the parsed namespace back into the
-dataclass, which runs its ``__post_init__`` validation.
+Each subsystem owns a ``@dataclass`` of its flags, each field declared with :func:`flag`;
+:func:`add_group` turns it into an argparse group (``--help`` shows the first line of its docstring)
+and :func:`build_group` turns the parsed namespace back into it, running its ``__post_init__`` checks.
 
-Conventions (the same as slime / Megatron flags):
-
-- the flag name is the field name with ``_`` replaced by ``-`` (``rollout_batch_size``
-  -> ``--rollout-batch-size``), unless ``name=`` overrides it;
-- a ``bool`` field defaulting to ``False`` is a ``store_true`` switch; one defaulting to
-  ``True`` also gets a ``--no-...`` form;
-- ``list[...]`` fields take ``nargs="+"`` unless ``nargs`` says otherwise;
-- ``int`` / ``float`` values are shown as ``INT`` / ``FLOAT`` in ``--help`` unless ``metavar`` says otherwise;
-- ``--help`` ends each flag's text with its default, `` (default: X)``, unless the default is
-  ``None``, ``False`` or empty, or the text already speaks of a default (see :func:`default_text`);
-- every float value must be finite: ``nan``, ``inf`` and ``-inf`` (which ``float()`` accepts) are
-  refused for every flag by :func:`build_group`, naming the flag.  No flag takes them: a flag
-  that can mean "no limit" says so with a finite value or by being unset (``--clip-grad 0``,
-  ``--eps-clip-high`` unset).
-
-Validation errors raise :class:`ConfigError`, whose message names the flag, the bad value
-and the fix.
+Conventions: the flag is ``--`` + the field name with dashes unless ``name=`` says otherwise; a
+``bool`` field is a ``store_true`` switch (defaulting to ``True``: also ``--no-...``); ``list`` fields
+take ``nargs="+"``; ``int`` / ``float`` show as ``INT`` / ``FLOAT``; ``--help`` appends the default
+(:func:`default_text`); no float flag takes ``nan`` or ``inf``.  Errors raise :class:`ConfigError`,
+whose message names the flag, the bad value and the fix.
 """
 
 from __future__ import annotations
@@ -54,14 +38,10 @@ def flag(
     type: typing.Callable[[str], Any] | None = None,
     default_factory: typing.Callable[[], Any] | None = None,
 ) -> Any:
-    """Declare one config field and the command-line flag that sets it.
+    """Declare one config field and the flag that sets it; no ``default`` (nor ``default_factory``): required.
 
-    Args:
-        default: default value; omit (with no ``default_factory``) to make the flag required.
-        help: the ``--help`` text. State the unit (tokens, samples, seconds, ...).
-        name: the flag spelling when it is not ``--`` + field name with dashes.
-        choices, nargs, metavar, type: passed to ``argparse.add_argument``.
-        default_factory: for mutable defaults (lists, dicts).
+    ``help`` is the ``--help`` text (state the unit); ``name`` the flag spelling when it is not the
+    field's; ``choices``, ``nargs``, ``metavar``, ``type`` go to ``argparse.add_argument``.
     """
     metadata = dict(help=help, name=name, choices=choices, nargs=nargs, metavar=metavar, type=type)
     if default_factory is not None:
@@ -75,7 +55,6 @@ def flag_name(field: dataclasses.Field) -> str:
 
 
 def _scalar_type(tp: Any) -> Any:
-    """Strip ``Optional[...]`` / ``X | None`` and return the remaining type."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
         return args[0]
@@ -87,12 +66,9 @@ _MENTIONS_DEFAULT = re.compile(r"\bdefaults?\b", re.IGNORECASE)
 
 
 def default_text(value: Any) -> str | None:
-    """How ``--help`` writes a default, in command-line form; ``None`` when there is none to show.
+    """How ``--help`` writes a default as typed on the command line; ``None`` for ``None``, ``False``, empty lists.
 
-    ``None``, ``False`` and empty lists show nothing (the flag is simply off / unset); ``True``
-    is ``on``; a list is its values separated by spaces (as typed after the flag); a dict is
-    compact JSON (as typed for JSON flags, ``{}`` included); strings are shell-quoted only when
-    they need it; numbers are Python's ``repr`` (``1e-06``, ``0.0``).
+    ``True`` is ``on``, a list its values, a dict compact JSON, a string shell-quoted if need be, a number its ``repr``.
     """
     if value is None or value is False or (isinstance(value, (list, tuple)) and not value):
         return None
@@ -108,10 +84,7 @@ def default_text(value: Any) -> str | None:
 
 
 def add_group(parser: argparse.ArgumentParser, cls: type, title: str, description: str | None = None) -> None:
-    """Add every field of dataclass ``cls`` as a flag in a new argument group ``title``.
-
-    Each flag's help gets `` (default: X)`` appended (:func:`default_text`), unless its text
-    already mentions a default.
+    """Add every field of dataclass ``cls`` as a flag in a new argument group ``title``, with its default in the help.
 
     Raises:
         TypeError: a field was not declared with :func:`flag`.
@@ -162,9 +135,8 @@ def build_group(cls: type, namespace: argparse.Namespace) -> Any:
     """Instantiate dataclass ``cls`` from the parsed ``namespace`` (runs its validation).
 
     Raises:
-        ConfigError: a float value (alone or in a list) is NaN or infinite, naming its flag (checked
-            before the dataclass's own checks, whose comparisons NaN would slip through); or the
-            dataclass's own checks fail.
+        ConfigError: a float value (alone or in a list) is NaN or infinite, naming its flag (checked first:
+            comparisons let NaN through); or the dataclass's own checks fail.
     """
     values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
     for field in dataclasses.fields(cls):
@@ -184,10 +156,7 @@ def check_finite(flag: str, value: Any) -> None:
 
 
 def to_argv(cfg: Any) -> list[str]:
-    """The command-line flags that reproduce dataclass instance ``cfg`` (for logs and resume).
-
-    ``dict`` values (JSON flags such as ``--multimodal-keys``) are written as JSON.
-    """
+    """The command-line flags that reproduce dataclass instance ``cfg`` (dicts as JSON)."""
     argv: list[str] = []
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
@@ -209,8 +178,7 @@ def to_argv(cfg: Any) -> list[str]:
 
 
 def check_at_least_one(cfg: Any, *names: str) -> None:
-    """Refuse a count flag below 1: for each field of the config dataclass ``cfg`` in
-    ``names`` that is set (not None) and < 1.
+    """Refuse a count flag below 1 among the fields ``names`` of ``cfg`` (``None`` is unset).
 
     Raises:
         ConfigError: ``--<name> must be >= 1, got <value>`` for the first such field.
@@ -222,10 +190,7 @@ def check_at_least_one(cfg: Any, *names: str) -> None:
 
 
 def check_name_or_import_path(flag: str, value: str, names: typing.Sequence[str]) -> None:
-    """Check that ``value`` is one of ``names`` or a ``package.module:attr`` import path.
-
-    Only the form of an import path is checked here; importing it is left to the code that
-    uses it (the import may need packages that exist only on the GPU machines).
+    """Check that ``value`` is one of ``names`` or has the form of a ``package.module:attr`` import path (not imported).
 
     Raises:
         ConfigError: ``value`` is neither; the message names ``flag`` and lists ``names``.

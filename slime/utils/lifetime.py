@@ -1,40 +1,12 @@
 """The run stops when its launcher dies, whatever kills the launcher (``--parent-pid``).
 
-The geo3k launcher starts the driver in a session of its own (``setsid``), so that it can stop
-exactly the run's processes on exit, Ctrl-C or SIGTERM.  Nothing can trap SIGKILL, though: a
-``kill -9`` of the launcher used to leave the driver and its Ray processes running, writing the
-checkpoint folder and the metrics file that a resumed run would then share.  So the launcher
-passes its PID (``--parent-pid $$``) and the driver watches it (:func:`watch_parent`):
-
-1. A daemon thread waits for the process to exit: on a pidfd (``os.pidfd_open``, Linux >= 5.3),
-   which becomes readable the moment the process exits; elsewhere it polls every 0.5 s.
-2. When it has exited, the thread logs it and interrupts the main thread: a SIGUSR1 sent to
-   that thread (``signal.pthread_kill``) wakes it from any blocking call, and the handler raises
-   :class:`ParentExited`, a ``KeyboardInterrupt`` (``ray.get`` breaks out too), so the driver
-   unwinds as after Ctrl-C: its ``finally`` blocks stop the engines and trainers
-   and the Ray instance it started (an external cluster, ``--ray-address``, is only left; Ray
-   then kills the job's actors itself).  No checkpoint is started or marked complete on this
-   path; one being written at that moment stays unmarked, so a resume uses the one before it.
-3. If the driver is still alive ``grace_s`` seconds later (a hung clean-up), the thread ends the
-   process with ``os._exit``; Ray's processes follow it (a local Ray instance shares the
-   driver's fate; a cluster kills a dead driver's actors).
-
-Why a watch rather than the alternatives:
-
-- ``prctl(PR_SET_PDEATHSIG)`` fires when the *thread* that forked the child exits, not the
-  process (wrong for a multi-threaded parent); it is set by the child after it starts, so a
-  parent that died before that goes unnoticed; and it delivers a signal that the driver would
-  have to turn into the same clean shutdown anyway.  If ``setsid`` has to fork (it does when
-  called as a process-group leader), the driver's parent is ``setsid``, which exits at once.
-- A lease (a pipe whose write end only the launcher holds; EOF means "launcher gone") is
-  robust in principle, but a shell script cannot create an anonymous pipe for a child, and any
-  other process that inherits the write end silently keeps the lease alive.
-- A pidfd names one process, with no PID-reuse race once opened; when the PID is the driver's
-  parent, checking ``os.getppid()`` after opening proves the pidfd is that live parent.  It
-  needs nothing from the launcher but its PID.
-
-Without ``--parent-pid`` nothing is watched: ``nohup python -m slime.train ... &`` outlives
-its shell, as it should.
+:func:`watch_parent` watches the launcher's PID from a daemon thread (a pidfd where available, else a
+poll every ``POLL_S``).  When it exits, the thread interrupts the main thread with :data:`WAKE_SIGNAL`,
+whose handler raises :class:`ParentExited`, so the driver unwinds as after Ctrl-C (engines, trainers
+and the Ray instance it started are stopped; no checkpoint is started or marked complete).  If the
+process is still alive ``grace_s`` later, the thread ends it with ``os._exit``.  Without
+``--parent-pid`` nothing is watched.  Why a watch (not ``PR_SET_PDEATHSIG``, not a lease):
+``docs/design/run_lifetime.md``.
 """
 
 from __future__ import annotations
@@ -55,11 +27,9 @@ GRACE_S = 60.0
 
 
 class ParentExited(KeyboardInterrupt):
-    """Raised in the main thread once the watched process has exited.
-
-    A ``KeyboardInterrupt`` so that everything that cleans up after Ctrl-C cleans up after this
-    too; ``ray.get`` re-raises it as a plain ``KeyboardInterrupt``, so callers tell the two
-    apart by :attr:`ParentWatch.fired`, not by the exception's type.
+    """Raised in the main thread once the watched process has exited; a ``KeyboardInterrupt``, so that Ctrl-C's
+    clean-up runs.  ``ray.get`` re-raises it as a plain ``KeyboardInterrupt``: tell them apart by
+    :attr:`ParentWatch.fired`.
     """
 
 
@@ -72,13 +42,10 @@ previous handler (default: ignored while the parent lives)."""
 
 
 class ParentWatch:
-    """Watches process ``pid`` from a daemon thread (see the module docstring); built by
-    :func:`watch_parent`, started by :meth:`start` or a ``with`` block, which stops it on exit.
-    With ``pid=None`` it watches nothing.
+    """Watches process ``pid`` (``None``: nothing) from a daemon thread; built by :func:`watch_parent`.
 
-    Attributes:
-        pid: the watched process, or None.
-        fired: set once the process has exited and the main thread was interrupted.
+    Started by :meth:`start` or a ``with`` block, which stops it on exit.  ``fired`` is set once the
+    process has exited and the main thread was interrupted.
     """
 
     def __init__(self, pid: int | None, grace_s: float = GRACE_S, poll_s: float = POLL_S):
@@ -107,11 +74,7 @@ class ParentWatch:
         return self
 
     def stop(self) -> None:
-        """Stop watching (the run ended by itself); the thread exits within ``poll_s``.
-
-        Once the watch has fired, this changes nothing: the process is on its way out and is
-        ended ``grace_s`` seconds after the firing if it is still alive.
-        """
+        """Stop watching (within ``poll_s``); after the watch fired it changes nothing."""
         if self.fired.is_set():
             return
         self._stopped.set()
@@ -141,7 +104,6 @@ class ParentWatch:
         self._fire()
 
     def _fire(self) -> None:
-        """Interrupt the main thread, then end the process if it is still alive after ``grace_s``."""
         logger.error(
             "the launcher (pid %d, --parent-pid) has exited: stopping this run (engines, trainers and the Ray "
             "instance it started); nothing more is written to the checkpoint folder", self.pid,
@@ -171,28 +133,17 @@ class ParentWatch:
 
 
 def watch_parent(pid: int | None, *, grace_s: float = GRACE_S, poll_s: float = POLL_S) -> ParentWatch:
-    """A watch that stops this process's run when process ``pid`` exits (``--parent-pid``);
-    it watches nothing when ``pid`` is None.
+    """A watch (not yet started) that stops this process's run when process ``pid`` exits; ``None`` watches nothing.
 
-    Use it from the driver's main thread around the run: ``with watch_parent(pid) as watch:``
-    (or :meth:`ParentWatch.start` / :meth:`ParentWatch.stop`).  When ``pid`` has already
-    exited, the main thread is interrupted at once.
-
-    Args:
-        pid: the launcher's PID, usually the driver's parent.
-        grace_s: seconds between interrupting the main thread and ending the process.
-        poll_s: seconds between checks (also the pidfd wait's timeout, so that :meth:`ParentWatch.stop`
-            takes effect).
-
-    Returns:
-        The watch, not yet started.
+    Use it around the run from the driver's main thread: ``with watch_parent(pid) as watch:``.  A ``pid``
+    that has already exited interrupts at once.  ``grace_s``: seconds from the interrupt to ending the
+    process; ``poll_s``: seconds between checks (also how soon :meth:`ParentWatch.stop` takes effect).
     """
     return ParentWatch(pid, grace_s, poll_s)
 
 
 def _open_pidfd(pid: int) -> int | None:
-    """A pidfd of ``pid``, or None where pidfds are unavailable (then the watch polls).  For a pid
-    that has already exited, a descriptor that is always readable (:func:`_exited_pidfd`)."""
+    """A pidfd of ``pid`` (always readable if it has exited), or None where pidfds are unavailable."""
     if not hasattr(os, "pidfd_open"):
         return None
     try:
@@ -204,7 +155,6 @@ def _open_pidfd(pid: int) -> int | None:
 
 
 def _exited_pidfd() -> int:
-    """A descriptor that is always readable, standing for a process that has exited."""
     read_end, write_end = os.pipe()
     os.close(write_end)
     return read_end

@@ -1,28 +1,15 @@
 """Run observability: metrics JSONL, wandb, the reward-curve plot and the progress bar.
 
-The driver owns one :class:`MetricsLogger` per run and calls ``log(rollout_id, metrics)``
-once or more per rollout step; other processes (rollout manager, trainers) return their
-metrics to the driver instead of logging themselves.  Metric keys are namespaced with
-``/``: ``rollout/reward_mean``, ``train/grad_norm``, ``eval/geo3k/accuracy``,
-``perf/rollout_time_s`` (see :mod:`slime.utils.timer`).
+The driver owns one :class:`MetricsLogger` per run; other processes return their metrics to it.  Keys
+are namespaced with ``/`` (``rollout/reward_mean``, ``train/grad_norm``, ``eval/geo3k/accuracy``,
+``perf/rollout_time_s``).  Files in ``--output-dir``:
 
-Files in the run directory (``--output-dir``):
-
-``metrics.jsonl``
-    One JSON object per ``log`` call: ``{"step": <rollout id>, "time": <unix seconds>,
-    <metric key>: <value>, ...}``.  Each line is flushed as it is written, so a killed run
-    keeps everything it logged, and a resumed run appends to the file.  JSON has no NaN or
-    infinity, so non-finite values are written as the strings ``"NaN"``, ``"Infinity"`` and
-    ``"-Infinity"`` (``float()`` of each gives the value back; :func:`read_metrics` does it).
-    The file stays strict JSON that ``jq`` and ``pandas`` read, and a NaN gradient norm
-    stays distinguishable from an infinite one.
-``reward_curve.png``
-    Train reward (``rollout/reward_mean``) and every ``eval/<name>/accuracy`` series
-    against the rollout step, redrawn from ``metrics.jsonl`` (so a resumed run shows its
-    whole history) during the run and on ``close()``.
-``wandb_run.json`` and ``wandb/``
-    With ``--use-wandb``: the wandb run id and name, re-used when the run resumes, and
-    wandb's own files (``wandb/offline-run-*`` in offline mode, for ``wandb sync``).
+- ``metrics.jsonl``: one JSON object per ``log`` call, ``{"step": <rollout id>, "time": <unix s>, <key>:
+  <value>, ...}``, flushed per line; non-finite values as the strings ``"NaN"``, ``"Infinity"``,
+  ``"-Infinity"`` (strict JSON; :func:`read_metrics` turns them back);
+- ``reward_curve.png``: train reward and each ``eval/<name>/accuracy`` against the step, redrawn from
+  ``metrics.jsonl`` (a resumed run shows its whole history);
+- ``wandb_run.json`` and ``wandb/`` (``--use-wandb``): the wandb run id and name, re-used on resume.
 """
 
 from __future__ import annotations
@@ -57,7 +44,7 @@ _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def _to_scalar(key: str, value: Any) -> int | float:
-    """``value`` as a Python ``int`` or ``float``; 0-d tensors and numpy scalars via ``.item()``.
+    """``value`` as a Python ``int`` or ``float`` (0-d tensors and numpy scalars via ``.item()``).
 
     Raises:
         TypeError: ``value`` is not a number, or is a tensor / array with dimensions.
@@ -79,22 +66,16 @@ def _to_scalar(key: str, value: Any) -> int | float:
 
 
 def _json_value(value: int | float) -> int | float | str:
-    """``value``, with NaN / +-infinity spelled as the strings of ``_NON_FINITE``."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     return value
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read a ``metrics.jsonl`` file back, with ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``
-    turned back into floats.
+    """The records of a ``metrics.jsonl`` in file order, non-finite strings as floats; ``[]`` without the file.
 
-    A line that is not a JSON object with an integer ``"step"`` (e.g. the last line of a
-    run killed in the middle of a write) is skipped with a warning naming the file and the
-    line number.
-
-    Returns:
-        one dict per valid line, in file order; empty if the file does not exist.
+    A line that is not a JSON object with an integer ``"step"`` (a write cut by a kill) is skipped with a
+    warning naming the file and line.
     """
     path = Path(path)
     if not path.exists():
@@ -120,15 +101,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(path: str | os.PathLike, keep: Callable[[dict[str, Any]], bool]) -> int:
-    """Rewrite ``path`` keeping only the records for which ``keep(record)`` is true.
-
-    A resumed run calls this before logging again, so that steps re-run after the last
-    checkpoint appear once. The file is replaced atomically; lines that cannot be read are
-    dropped (with the warning of :func:`read_metrics`).
-
-    Returns:
-        The number of records dropped.
-    """
+    """Rewrite ``path`` (atomically) with only the records where ``keep(record)``; returns how many were dropped."""
     path = Path(path)
     records = read_metrics(path)
     kept = [r for r in records if keep(r)]
@@ -143,21 +116,7 @@ def truncate_metrics(path: str | os.PathLike, keep: Callable[[dict[str, Any]], b
 
 
 def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
-    """Draw train reward and eval accuracies against the rollout step into a PNG file.
-
-    Series: ``rollout/reward_mean`` ("train reward") and each ``eval/<name>/accuracy``
-    ("eval <name> accuracy").  When a step appears more than once (a run resumed from a
-    checkpoint older than its last logged step), the later value wins.  Non-finite values
-    are left out.  The y axis is fixed to [0, 1] (plus a margin), the range of the geo3k
-    reward and of accuracies; :func:`reward_curve_figure` draws it.  With no points the
-    axes are drawn with a note saying so.  The file is replaced atomically, so a reader
-    never sees a half-written PNG.
-
-    Args:
-        records: metric records as returned by :func:`read_metrics`.
-        path: the PNG to write.
-        title: run name shown in the title.
-    """
+    """Write :func:`reward_curve_figure` of ``records`` to the PNG ``path`` (replaced atomically)."""
     fig = reward_curve_figure(records, title)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -166,9 +125,10 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike, ti
 
 
 def reward_series(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """The plotted series of a run: ``"train reward"`` (``rollout/reward_mean``) and ``"eval <name> accuracy"``
-    (each ``eval/<name>/accuracy``), as ``{label: {step: value}}``; a later record of a step wins (a resumed
-    run), non-finite values are left out."""
+    """The plotted series, ``{label: {step: value}}``: ``"train reward"`` and ``"eval <name> accuracy"``.
+
+    A later record of a step wins (a resumed run); non-finite values are left out.
+    """
     series: dict[str, dict[int, float]] = {}
     for record in records:
         for key, value in record.items():
@@ -185,12 +145,10 @@ def reward_series(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
 
 
 def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
-    """The :func:`plot_reward_curve` figure (a ``matplotlib.figure.Figure``, Agg canvas), not saved.
+    """The reward / accuracy figure of :func:`reward_series` (a ``matplotlib.figure.Figure``, Agg canvas), not saved.
 
-    Train reward (always the first colour) is a line with dots; each eval accuracy (the next
-    colours, by dataset name) a dashed line with hollow squares,
-    so that an eval point on the same step and value as a reward point stays visible.  The
-    x axis ticks whole rollout steps only.
+    y in [0, 1] plus a margin; the train reward has dots, each eval accuracy a dashed line with hollow
+    squares, so that equal points stay visible.
     """
     from matplotlib.figure import Figure  # Agg canvas, without touching pyplot's global backend
     from matplotlib.ticker import MaxNLocator
@@ -219,14 +177,12 @@ def reward_curve_figure(records: list[dict[str, Any]], title: str = ""):
 
 
 def resolve_wandb_mode(cfg: WandbConfig) -> str:
-    """The wandb mode for ``cfg``: ``--wandb-mode``; else ``$WANDB_MODE``; else ``"online"``
-    with an API key (``--wandb-key`` or ``$WANDB_API_KEY``), otherwise ``"offline"``.
+    """``--wandb-mode``, else ``$WANDB_MODE``, else ``"online"`` with an API key (flag or env), else ``"offline"``.
 
-    Keys stored by ``wandb login`` (``~/.netrc``) are not looked at: pass ``--wandb-mode
-    online`` to use them.
+    Keys stored by ``wandb login`` (``~/.netrc``) are not looked at.
 
     Raises:
-        ConfigError: ``$WANDB_MODE`` is set to something other than online/offline/disabled.
+        ConfigError: ``$WANDB_MODE`` is not online/offline/disabled.
     """
     if cfg.wandb_mode is not None:
         return cfg.wandb_mode
@@ -291,31 +247,16 @@ def _init_wandb(run_dir: Path, cfg: WandbConfig, run_name: str, config: dict | N
 
 
 class MetricsLogger:
-    """Writes each step's metrics to ``metrics.jsonl``, wandb and ``reward_curve.png``.
+    """Writes each step's metrics to ``metrics.jsonl``, wandb (``step=<rollout id>``) and ``reward_curve.png``.
 
-    Usable as a context manager; ``close()`` is idempotent.
-
-    The plot is redrawn on a ``log`` call that contains the reward or an eval accuracy,
-    at most once every ``plot_interval_s`` seconds, and always on ``close()``.  A redraw
-    re-reads the JSONL and renders with matplotlib (about 0.1-0.3 s), negligible next to a
-    rollout step of a real run; the interval bounds the cost for tiny runs and very long
-    ones (whose JSONL grows with every step).
-
-    With wandb, metrics are logged with ``step=<rollout id>``, so wandb's x axis is the
-    rollout id.  wandb's step must not decrease within a run: when a run resumes from a
-    checkpoint older than its last logged step, wandb may reject the re-logged steps (with a
-    warning); ``metrics.jsonl`` and the plot keep them (the later value of a step wins).
-
-    Args:
-        run_dir: the run directory; created if missing.
-        wandb_cfg: wandb flags; wandb is used only if ``wandb_cfg.use_wandb``.
-        run_name: name of the run (plot title, wandb run name and default group).
-        config: the run's flags, stored as the wandb run config.
-        plot_interval_s: minimum seconds between two redraws of the plot during the run.
+    The plot is redrawn by a ``log`` with a reward or eval accuracy, at most every ``plot_interval_s``
+    seconds, and on ``close()``.  A context manager; ``close()`` is idempotent.  ``config`` (the run's
+    flags) is the wandb run config; ``run_name`` is the plot title, wandb run name and default group.
+    wandb may reject steps re-logged after a resume from an older checkpoint; the JSONL keeps them.
 
     Raises:
         ValueError: ``plot_interval_s`` < 0, or ``run_dir/wandb_run.json`` is malformed.
-        ConfigError: ``$WANDB_MODE`` is invalid (see :func:`resolve_wandb_mode`).
+        ConfigError: ``$WANDB_MODE`` is invalid.
     """
 
     def __init__(
@@ -346,7 +287,6 @@ class MetricsLogger:
             raise
 
     def _end_partial_line(self) -> None:
-        """End a last line cut by a killed write, so the next record starts on its own line."""
         if self._file.tell() == 0:
             return
         with open(self.metrics_path, "rb") as f:
@@ -358,12 +298,7 @@ class MetricsLogger:
         self._file.flush()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record the metrics of rollout step ``step``.
-
-        Args:
-            step: the rollout id (>= 0; any integer type, e.g. a numpy int).
-            metrics: key -> number; ints, floats, numpy scalars or 0-d tensors (``.item()``
-                is called, which synchronises a GPU tensor).
+        """Record the metrics of rollout step ``step`` (ints, floats, numpy scalars, 0-d tensors: ``.item()`` syncs).
 
         Raises:
             RuntimeError: the logger is closed.
@@ -397,10 +332,7 @@ class MetricsLogger:
         self._last_plot = time.monotonic()
 
     def close(self, exit_code: int = 0) -> None:
-        """Draw the final plot, close the JSONL and finish the wandb run (idempotent).
-
-        Args:
-            exit_code: passed to wandb; non-zero marks the wandb run as failed.
+        """Draw the final plot, close the JSONL and finish the wandb run (non-zero ``exit_code``: failed); idempotent.
         """
         if self._closed:
             return
@@ -420,19 +352,10 @@ class MetricsLogger:
 
 
 class RolloutProgress:
-    """Progress over rollout steps, showing the latest train reward and eval accuracies.
+    """Progress over rollout steps with the latest train reward and eval accuracies.
 
-    On a terminal it is a tqdm bar.  When ``file`` is not a TTY (a log file, a pipe) it
-    prints one plain line per step instead, since a bar redrawn with carriage returns is
-    unreadable there, e.g.
-    ``rollout: 3/10 (30%) [00:12<00:43, 6.25s/step, reward=0.412, eval/geo3k=0.370]``.
-    The rate counts only steps done in this process, so it is right for a resumed run.
-
-    Args:
-        total: number of rollout steps of the run (``--num-rollout``).
-        initial: steps already done (the resume point).
-        disable: show nothing (``--no-progress-bar``).
-        file: where to write; default ``sys.stderr``.
+    A tqdm bar on a terminal; elsewhere (a log file, a pipe) one plain line per step.  The rate counts
+    this process's steps only.  ``initial``: steps already done; ``disable``: show nothing.
 
     Raises:
         ValueError: not ``0 <= initial <= total``.
@@ -454,10 +377,7 @@ class RolloutProgress:
             self._bar = tqdm(total=total, initial=initial, desc="rollout", unit="step", file=self.file, dynamic_ncols=True)
 
     def update(self, metrics: dict[str, Any]) -> None:
-        """Advance one step; show ``metrics``' reward and any eval accuracy it contains.
-
-        Eval accuracies stay shown until the next eval replaces them.
-        """
+        """Advance one step; show ``metrics``' reward and eval accuracies (which stay until the next eval)."""
         self.n += 1
         for key, value in metrics.items():
             match = EVAL_ACCURACY_KEY.match(key)
@@ -496,8 +416,7 @@ class RolloutProgress:
 
 
 def progress(total: int, initial: int = 0, disable: bool = False) -> RolloutProgress:
-    """A :class:`RolloutProgress` on stderr: ``with progress(num_rollout, start, cfg.no_progress_bar) as bar:``
-    then ``bar.update(step_metrics)`` once per rollout step.
+    """A :class:`RolloutProgress` on stderr: ``with progress(num_rollout, start, disable) as bar: bar.update(metrics)``.
 
     Raises:
         ValueError: not ``0 <= initial <= total``.

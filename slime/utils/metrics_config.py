@@ -17,9 +17,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 class WandbConfig:
     """Weights & Biases (WANDB_ARGS). Metrics always go to <output-dir>/metrics.jsonl too.
 
-    The wandb mode is, in order: ``--wandb-mode``; else ``$WANDB_MODE``; else ``online``
-    when an API key is given (``--wandb-key`` or ``$WANDB_API_KEY``), otherwise
-    ``offline`` (see :func:`slime.utils.metrics.resolve_wandb_mode`).
+    The mode: :func:`slime.utils.metrics.resolve_wandb_mode`.
     """
 
     use_wandb: bool = flag(False, help="Also log metrics to wandb (offline mode when no API key is set).")

@@ -1,19 +1,12 @@
 """Overlay the reward curves of several runs in one PNG: ``python -m slime.utils.plot_runs RUN... -o out.png``.
 
-Each ``RUN`` is a run folder (``--output-dir``, holding ``metrics.jsonl``) or a ``metrics.jsonl`` file.
-Every run gets one colour and marker: its train reward (``rollout/reward_mean``) as a solid line and
-each of its eval accuracies (``eval/<name>/accuracy``) dashed with hollow squares, against the
-rollout step; earlier runs are drawn wider and lighter, so that runs with equal values stay visible.
-The series are :func:`slime.utils.metrics.reward_series`, the ones of each run's own
-``reward_curve.png``.  Labels default to the runs' folder names (``--labels`` to name them).
-
-For example, the colour task of ``tests/test_learning.py`` on both trainers
-(``docs/results/fsdp_vs_megatron.png``, the picture of the upstream recipe's README)::
+Each ``RUN`` is a run folder (``--output-dir``) or its ``metrics.jsonl``.  Each run gets one colour and
+marker: its train reward solid, each eval accuracy dashed with hollow squares (the series of
+:func:`slime.utils.metrics.reward_series`), against the rollout step; earlier runs are drawn wider and
+lighter.  E.g. ``docs/results/fsdp_vs_megatron.png``::
 
     python -m slime.utils.plot_runs runs/fsdp runs/megatron --labels FSDP Megatron \\
         -o docs/results/fsdp_vs_megatron.png --title "colour task, same seed and flags"
-
-Exit status 2 with a message naming the run for a missing or empty ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -58,7 +51,7 @@ def load_runs(runs: Sequence[str], labels: Sequence[str] | None = None) -> dict[
 
 
 def runs_figure(runs: Mapping[str, Mapping[str, Mapping[int, float]]], title: str = ""):
-    """The overlay figure (a ``matplotlib.figure.Figure``, Agg canvas), not saved (module docstring)."""
+    """The overlay figure (a ``matplotlib.figure.Figure``, Agg canvas), not saved."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 

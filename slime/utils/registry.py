@@ -1,21 +1,10 @@
 """Name -> implementation registries (reward functions, advantage estimators, engines, backends, transports).
 
-Every entry of one registry has the same signature, so callers never need an if-chain.
-A duplicate name raises; an unknown name raises with the list of valid ones.  A name of
-the form ``package.module:attr`` is imported on lookup, which is how users plug in their own
-implementation without editing slime.
-
-Built-in implementations whose modules are heavy or need optional packages (the training
-backends, the rollout engines, the weight-sync transports) are *declared* rather than
-imported: a :class:`Builtin` names the ``module:attr`` to import on the first lookup, the
-distributions that import needs, and the light module with its flags and checks.  Importing a
-registry therefore imports none of them (never megatron-core nor sglang), and
-:meth:`Registry.problem` tells at parse time, without importing the entry, whether it can run
-here: a built-in that is not in this version yet, or whose packages are missing or at another
-version than the pin, is named together with what is installed and what is needed.
-:meth:`Registry.resolve` is :meth:`Registry.get` for start-up checks: every failure (an unknown
-name, a missing package, an import path that does not import) becomes a
-:class:`~slime.utils.config.ConfigError` that names the flag.
+All entries of one registry share a signature.  A duplicate name raises; an unknown one raises with the
+valid ones listed; ``package.module:attr`` is imported on lookup (a user's own implementation).
+Built-ins whose modules are heavy are declared by import path (:class:`Builtin`), so importing a
+registry imports none of them, and :meth:`Registry.problem` tells at parse time, without importing the
+entry, whether it can run here (planned, or a package missing or at another version than its pin).
 """
 
 from __future__ import annotations
@@ -38,19 +27,12 @@ class Builtin:
     """A built-in entry that a registry knows by name before importing it.
 
     Attributes:
-        target: ``"package.module:attr"`` imported on the first lookup; ``None`` for an entry
-            that is planned but not in this version (its lookup raises :class:`Unavailable`).
-        requires: distributions the target needs beyond slime's base dependencies, in pip's
-            spelling with the pinned version, e.g. ``("megatron-core==0.16.1",)`` (or a bare name:
-            any version).  Checked with ``importlib.metadata``, so checking imports nothing; an
-            installed version other than the pin (compared without its local label, so
-            ``2.11.0+cu130`` meets ``==2.11.0``) counts as not met.
-        config: ``"package.module:attr"`` of the entry's light side (its flag group and parse-time
-            checks), importable without ``requires``; ``None`` when it has none.
-        planned: for ``target=None``: what is missing, e.g. "the native Megatron Qwen3.5 backend
-            (next on the roadmap)".
-        fix: the way out when ``requires`` is not met, appended to :meth:`Registry.problem`'s message,
-            e.g. "install the GPU profile (...) or use --rollout-backend transformers".
+        target: ``"package.module:attr"`` imported on the first lookup; ``None``: planned, not in this version.
+        requires: distributions beyond slime's base, pinned (``"megatron-core==0.16.1"``) or bare (any
+            version); checked with ``importlib.metadata`` against the pin without its local label.
+        config: ``"package.module:attr"`` of the entry's light side (flag group, parse-time checks).
+        planned: for ``target=None``, what is missing.
+        fix: the way out when ``requires`` is not met, appended to :meth:`Registry.problem`'s message.
     """
 
     target: str | None
@@ -67,11 +49,8 @@ class Unavailable(ImportError):
 class Registry(Generic[T]):
     """A named collection of interchangeable implementations.
 
-    Args:
-        kind: what is registered, used in error messages (e.g. ``"reward function"``).
-        flag: the command-line flag that selects an entry, used in error messages.
-        builtins: entries declared by import path (see :class:`Builtin`); each is imported on its
-            first :meth:`get`.
+    ``kind`` (e.g. ``"reward function"``) and ``flag`` name it in error messages; ``builtins`` are
+    declared by import path, each imported on its first :meth:`get`.
     """
 
     def __init__(self, kind: str, flag: str, builtins: Mapping[str, Builtin] | None = None):
@@ -107,8 +86,7 @@ class Registry(Generic[T]):
 
         Raises:
             KeyError: unknown name; the message lists the valid ones.
-            Unavailable: a built-in that is planned but not in this version, or whose required
-                packages are missing (the message is :meth:`problem`'s).
+            Unavailable: a built-in that is planned or whose required packages are missing (:meth:`problem`).
             ImportError / AttributeError: an import path (or a built-in's target) that does not resolve.
         """
         if name in self._entries:
@@ -128,18 +106,13 @@ class Registry(Generic[T]):
         )
 
     def resolve(self, name: str, flag: str | None = None) -> T:
-        """:meth:`get` for start-up checks (before Ray starts): every failure becomes a :class:`ConfigError`.
+        """:meth:`get` for start-up checks: every failure becomes a :class:`ConfigError` naming ``flag`` and ``name``.
 
-        Args:
-            name: the registered name or ``package.module:attr`` path.
-            flag: the flag that gave ``name``, for the message (default: the registry's :attr:`flag`;
-                e.g. ``--custom-rm-path`` for the reward functions).
+        ``flag`` defaults to the registry's.
 
         Raises:
-            ConfigError: an unknown name (the valid ones listed), an unavailable built-in (its
-                packages named), or an import path whose module cannot be imported or lacks the
-                attribute; the message starts with ``flag`` and ``name``.  Any exception raised while
-                importing the module (user code) is reported, chained as the cause.
+            ConfigError: an unknown name, an unavailable built-in, or an import path that does not import
+                (an exception of the user's module is chained as the cause).
         """
         flag = flag or self.flag
         try:
@@ -152,8 +125,7 @@ class Registry(Generic[T]):
             raise ConfigError(f"{flag} {name}: cannot be imported here: {type(e).__name__}: {e}") from e
 
     def config_class(self, name: str) -> type | None:
-        """The light side (flag group / checks) of built-in ``name`` (:attr:`Builtin.config`), imported;
-        ``None`` for entries without one (registered objects, import paths)."""
+        """The imported light side (:attr:`Builtin.config`) of built-in ``name``; ``None`` for entries without one."""
         entry = self.builtins.get(name)
         return None if entry is None or entry.config is None else import_object(entry.config)
 
@@ -163,17 +135,11 @@ class Registry(Generic[T]):
         return next((name for name, entry in self.builtins.items() if entry.config == path), None)
 
     def problem(self, name: str) -> str | None:
-        """Why ``name`` cannot run on this machine, found without importing it; ``None`` if nothing is known wrong.
+        """Why ``name`` cannot run here, found without importing it; ``None`` if nothing is known wrong (or unknown).
 
-        - a built-in planned for a later version: says so, and lists its required packages;
-        - a built-in with a required package missing or at another version than its pin: every
-          requirement as ``"megatron-core 0.16.1 (not installed)"``, ``"megatron-core 0.16.1
-          (installed 0.15.0, needs ==0.16.1)"`` or ``"flash-linear-attention 0.6.0 (installed: 0.6.0)"``,
-          then the entry's :attr:`Builtin.fix`;
-        - an import path whose module cannot be found (:func:`find_module_problem`: the module
-          itself is never imported, nor, as a rule, its parent packages).
-
-        An unknown name is left to the flag's own check (``check_name_or_import_path``) and gives ``None``.
+        A planned built-in; a built-in's requirements, each as ``"megatron-core 0.16.1 (not installed)"``,
+        ``"... (installed 0.15.0, needs ==0.16.1)"`` or ``"... (installed: 0.16.1)"``, then :attr:`Builtin.fix`;
+        an import path whose module cannot be found (:func:`find_module_problem`).
         """
         if name in self.builtins:
             entry = self.builtins[name]
@@ -195,13 +161,9 @@ class Registry(Generic[T]):
 def find_module_problem(module: str) -> str | None:
     """Why module ``module`` (dotted name) cannot be found; ``None`` when it can.  The module is never imported.
 
-    It is located as the import system would, without running any package's ``__init__``: a
-    top-level name with :func:`importlib.util.find_spec` (no parent to import), each submodule
-    with :class:`importlib.machinery.PathFinder` in its parent's folders (the parent's spec, or
-    its ``__path__`` when it is imported already).  So a module that exists is found with nothing
-    imported.  Only when a submodule is not in its parent's folders (a typo, or a package that
-    extends its ``__path__`` at import time or has its own finder) does
-    :func:`importlib.util.find_spec` give the final word, and that imports the parent packages.
+    Each submodule is looked up with :class:`importlib.machinery.PathFinder` in its parent's folders, so
+    no package ``__init__`` runs; only when that fails (a typo, or a package with its own finder or a
+    ``__path__`` built at import time) does :func:`importlib.util.find_spec` decide, importing the parents.
     """
     parts = module.split(".")
     try:
@@ -231,13 +193,7 @@ def find_module_problem(module: str) -> str | None:
 
 
 def _installed(requirement: str) -> tuple[bool, str]:
-    """Whether ``"name==pin"`` (or a bare ``"name"``: any version) is met here, and how to say it.
-
-    Returns:
-        ``(True, "name pin (installed: X)")`` when the installed version, without its PEP 440
-        local label, equals the pin (or there is no pin); ``(False, "name pin (installed X, needs
-        ==pin)")`` for another version; ``(False, "name pin (not installed)")``.
-    """
+    """``(met, "name pin (installed: X)" | "name pin (installed X, needs ==pin)" | "name pin (not installed)")``."""
     dist, _, pin = requirement.partition("==")
     label = f"{dist} {pin}" if pin else dist
     try:

@@ -1,53 +1,17 @@
 """One writer per run directory and per checkpoint folder.
 
-A run writes two folders: ``--output-dir`` (``metrics.jsonl``, ``reward_curve.png``,
-``wandb_run.json``) and ``--save`` (``iter_*``, ``latest_checkpointed_iteration.txt``).
-:func:`claim_run_dirs` makes sure nobody else writes them and that nothing in them is lost
-silently:
+:func:`claim_run_dirs` locks ``--output-dir`` and ``--save`` (``.slime.lock``, ``flock``, held for the
+whole run and dropped by the kernel however the process exits; the file records the holder) and
+refuses a folder that holds results this run would mix with or lose.  A used ``--output-dir``
+(non-empty ``metrics.jsonl``) is allowed when (a) ``--load`` holds a complete checkpoint (the
+records logged after it are dropped), (b) ``--save D --load D`` restarts the run of that folder,
+which saved to ``D`` and stopped before its first checkpoint (its records are dropped), or (c)
+``--overwrite-output-dir`` deletes its files first.  A ``--save`` with checkpoints is allowed when
+``--load`` is the same folder, or deleted with ``--overwrite-output-dir`` (refused when ``--load`` is it).
+Every deletion is logged.  The rules and why: ``docs/design/run_lifetime.md``.
 
-1. **Exclusive lock.**  Each folder gets a lock file, ``.slime.lock``, locked with
-   ``fcntl.flock(LOCK_EX | LOCK_NB)`` for the whole run.  The kernel drops the lock when the
-   holder exits, however it exits (SIGKILL, OOM killer, a crash), so a stale lock file never
-   blocks a later run.  The file holds the holder's PID, host, start time and command, which
-   the refusal names, and its ``--save`` folder (for 2b).  The descriptor is not inherited by child processes (Python opens
-   files non-inheritable, PEP 446), so Ray workers never hold the lock on the driver's behalf.
-   On NFS, Linux emulates ``flock`` with byte-range locks, which NFSv4 servers keep across
-   clients; Lustre needs its ``flock`` mount option.
-2. **No silent reuse.**  A folder that already holds a run's results is refused unless the
-   run resumes it or says to overwrite it:
-
-   - ``--output-dir`` with a non-empty ``metrics.jsonl`` is allowed when
-
-     a. ``--load`` holds a complete checkpoint (the marker names an iteration that has the
-        driver's ``rollout_state.pt`` and the backend's parts): the run resumes after it and
-        drops the records logged after the checkpoint, saying how many; or
-     b. the run restarts, from scratch, a run that stopped before its first checkpoint: the
-        auto-resume pattern ``--save D --load D`` where ``D`` holds no checkpoint yet, the
-        output dir's lock file says that its last run saved to the same ``D``, and none of
-        its records is of a step that saved a checkpoint (``perf/save_time_s``).  That run
-        left nothing to resume from, so its records (all of them from before any checkpoint)
-        are dropped, with a warning naming the file and the count; re-running the command of
-        a run that died during its first steps (e.g. a requeued cluster job) then just works.
-        Every other ``--load`` that resumes nothing (a typo, an empty folder, another run's
-        ``--save``) is refused, because the run would start at rollout 0 and either mix its
-        records with the old ones or lose them;
-     c. ``--overwrite-output-dir``: its ``metrics.jsonl``, ``reward_curve.png`` and
-        ``wandb_run.json`` are deleted first.
-
-   - ``--save`` with checkpoints (``iter_*`` folders or the marker file): allowed when
-     ``--load`` is the same folder (resuming it); with ``--overwrite-output-dir`` the
-     checkpoints are deleted first, which is refused when ``--load`` is that folder.
-
-   Every deletion is logged with the path.  The lock file's record (see 1.) is rewritten only
-   by a run that passes these checks (a refused run puts the previous record back), so it
-   always describes the run whose results are in the folder.
-
-``python -m slime.utils.run_lock [driver flags]`` runs the same checks without locking or
-deleting anything, on the ``--output-dir``, ``--save``, ``--load`` and
-``--overwrite-output-dir`` of a full driver command line (other flags are ignored; of a
-``--load`` checkpoint it checks the driver's part, the backend's parts being the driver's to
-check); the geo3k launcher calls it before it starts the driver, which writes ``command.sh``
-into the run directory once it holds the lock.
+``python -m slime.utils.run_lock [driver flags]`` runs the same checks without locking or deleting
+(the launcher calls it before it starts the driver).
 """
 
 from __future__ import annotations
@@ -84,8 +48,9 @@ _READ_HOLDER_ATTEMPTS = 20
 
 
 class RunDirError(ValueError):
-    """An ``--output-dir`` or ``--save`` folder cannot be used by this run; the message names the
-    flag, the folder, why (the other run's PID, or what the folder holds) and the fix."""
+    """An ``--output-dir`` or ``--save`` folder cannot be used by this run; the message names the flag, the
+    folder, why (the other run's PID, or what the folder holds) and the fix.
+    """
 
 
 @dataclasses.dataclass
@@ -103,16 +68,13 @@ class _Folder:
 
 
 class RunDirClaim:
-    """The locks of one run on its folders; :meth:`release` (or leaving the ``with`` block) drops them.
-
-    Process exit drops them too.  Built by :func:`claim_run_dirs`.
-    """
+    """The locks of one run on its folders; :meth:`release` (or leaving the ``with`` block) drops them."""
 
     def __init__(self, fds: list[int]):
         self._fds = fds
 
     def release(self) -> None:
-        """Unlock and close every lock file (idempotent); the files stay, with the last holder's record."""
+        """Unlock and close every lock file (idempotent); the files keep the last holder's record."""
         fds, self._fds = self._fds, []
         for fd in fds:
             try:
@@ -136,27 +98,18 @@ def claim_run_dirs(
     command: list[str] | None = None,
     checkpoint_parts: Sequence[str] = (),
 ) -> RunDirClaim:
-    """Lock ``--output-dir`` and ``--save`` for this process, refuse folders that hold another
-    run's results (see the module docstring), and with ``overwrite`` delete those results.
+    """Lock ``--output-dir`` and ``--save`` (created if missing), refuse folders that hold another run's
+    results, and with ``overwrite`` delete those results.
 
-    Args:
-        output_dir: ``--output-dir`` (created if missing).
-        save: ``--save`` or None (created if missing).
-        load: ``--load`` or None.
-        overwrite: ``--overwrite-output-dir``.
-        command: the command line recorded in the lock files (default: ``sys.argv``).
-        checkpoint_parts: the training backend's checkpoint parts
-            (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`), which a ``--load``
-            checkpoint must hold to count as a resume of a used ``--output-dir``.
-
-    Returns:
-        The claim; keep it for the whole run and release it at the end.
+    ``command`` is recorded in the lock files (default ``sys.argv``); ``checkpoint_parts`` are the
+    backend's parts (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`) that a ``--load``
+    checkpoint must hold to resume a used ``--output-dir``.  Keep the returned claim for the whole run.
 
     Raises:
-        RunDirError: a folder is locked by a live run (the message names its PID and host), or
-            holds results this run would mix with or lose.
-        CheckpointError: a used ``--output-dir`` is to be resumed from a ``--load`` whose
-            latest checkpoint is malformed or incomplete.
+        RunDirError: a folder is locked by a live run (naming its PID and host), or holds results this
+            run would mix with or lose.
+        CheckpointError: a used ``--output-dir`` is to be resumed from a ``--load`` whose latest
+            checkpoint is malformed or incomplete.
     """
     folders = _folders(output_dir, save)
     record = {
@@ -192,8 +145,7 @@ def claim_run_dirs(
 def check_run_dirs(
     output_dir: str | os.PathLike, save: str | os.PathLike | None, load: str | os.PathLike | None, *, overwrite: bool
 ) -> None:
-    """The checks of :func:`claim_run_dirs` without taking the locks (only probing them), creating
-    folders or deleting anything; of a ``--load`` checkpoint only the driver's part is checked.
+    """The checks of :func:`claim_run_dirs` without locking, creating or deleting (of ``--load``: the driver's part).
 
     Raises:
         RunDirError, CheckpointError: as :func:`claim_run_dirs` would.
@@ -211,7 +163,6 @@ def check_run_dirs(
 
 
 def _folders(output_dir: str | os.PathLike, save: str | os.PathLike | None) -> list[_Folder]:
-    """The run's distinct folders (``--save`` equal to ``--output-dir`` is one folder, locked once)."""
     if save is not None and _same(save, output_dir):
         return [_Folder("--output-dir", Path(output_dir), metrics=True, checkpoints=True)]
     folders = [_Folder("--output-dir", Path(output_dir), metrics=True, checkpoints=False)]
@@ -229,7 +180,7 @@ def _resolved(path: str | os.PathLike | None) -> str | None:
 
 
 def _lock(folder: _Folder) -> int:
-    """Open and lock ``folder/.slime.lock``; returns the descriptor.
+    """Open and lock ``folder/.slime.lock``.
 
     Raises:
         RunDirError: another process holds the lock.
@@ -265,7 +216,6 @@ def _parse_record(text: str) -> dict | None:
 
 
 def _read_holder(fd: int) -> str:
-    """The lock holder's record, as words: ``pid 1234 on host h, started ..., running: ...``."""
     for _ in range(_READ_HOLDER_ATTEMPTS):
         text = os.pread(fd, 1 << 16, 0).decode(errors="replace").strip()
         if text:
@@ -284,7 +234,6 @@ def _pid_hint(holder: str) -> str:
 
 
 def _metrics_records(folder: Path) -> list[dict | None]:
-    """The records of ``folder/metrics.jsonl`` (None for a line that is not a JSON object); [] when missing."""
     path = folder / METRICS_FILE
     if not path.is_file():
         return []
@@ -293,7 +242,6 @@ def _metrics_records(folder: Path) -> list[dict | None]:
 
 
 def _checkpoints(folder: Path) -> list[Path]:
-    """The checkpoint entries of a ``--save`` folder: ``iter_*`` folders and the marker file."""
     entries = sorted(folder.glob("iter_*"))
     marker = folder / ckpt.LATEST_FILE
     return entries + ([marker] if marker.exists() else [])
@@ -306,11 +254,7 @@ def _check_reuse(
     overwrite: bool,
     checkpoint_parts: Sequence[str],
 ) -> list[_Folder]:
-    """Refuse folders that hold results of a run this one neither resumes nor overwrites.
-
-    Returns:
-        The run directories whose records are to be dropped because this run restarts the
-        run that wrote them, which stopped before its first checkpoint (module docstring, 2b).
+    """Refuse folders that hold results of a run this one neither resumes nor overwrites; return those to restart (b).
     """
     restarts = []
     for folder in folders:
@@ -355,8 +299,7 @@ def _check_reuse(
 def _restarts_unsaved_run(
     folder: _Folder, records: list[dict | None], save: str | os.PathLike | None, load: str | os.PathLike
 ) -> bool:
-    """Whether ``--save D --load D`` (``D`` without a checkpoint) restarts the run whose ``records``
-    are in ``folder``: its lock record names the same ``D``, and none of its steps saved."""
+    """Whether ``--save D --load D`` restarts the run of ``folder``: it saved to ``D`` and none of its steps saved."""
     return (
         save is not None and _same(save, load) and folder.previous is not None
         and folder.previous.get("save") == _resolved(save)
@@ -365,7 +308,6 @@ def _restarts_unsaved_run(
 
 
 def _why_no_resume(folder: _Folder, records: list[dict | None], save, load) -> str:
-    """Why a ``--load`` without a checkpoint does not restart the run of ``folder``, in words."""
     state = "does not exist" if not Path(load).exists() else "holds no checkpoint"
     previous_save = (folder.previous or {}).get("save", False)
     if save is None or not _same(save, load):
@@ -379,8 +321,8 @@ def _why_no_resume(folder: _Folder, records: list[dict | None], save, load) -> s
 
 
 def _delete_results(folders: list[_Folder], run_files: Sequence[str], why: str) -> None:
-    """Delete a previous run's files (``run_files`` of the run directory, checkpoints of ``--save``
-    when ``run_files`` is :data:`RUN_FILES`), logging each one with ``why``."""
+    """Delete a previous run's ``run_files`` (and, for :data:`RUN_FILES`, the checkpoints), logging each with ``why``.
+    """
     for folder in folders:
         doomed = [folder.path / name for name in run_files if folder.metrics and (folder.path / name).exists()]
         if folder.checkpoints and run_files is RUN_FILES:

@@ -1,17 +1,7 @@
-"""Wall-time of the phases of one rollout step, for the ``perf/<phase>_time_s`` metrics.
+"""Wall time of the phases of one rollout step, the ``perf/<phase>_time_s`` metrics (seconds).
 
-The driver wraps each phase and logs the collected times with the step's other metrics::
-
-    perf = {}
-    with timed("rollout", perf):
-        batch = rollout_manager.generate(rollout_id)
-    with timed("train", perf):
-        metrics = trainers.train(rollout_id, batch)
-    logger.log(rollout_id, {**metrics, **perf})   # perf/rollout_time_s, perf/train_time_s
-
-The clock is :func:`time.perf_counter` (monotonic, so wall-clock adjustments such as NTP
-steps never give negative or inflated times).  Work launched asynchronously on a GPU is
-only counted once the phase waits for it, as the driver's phases do (they return results).
+The driver wraps each phase (``with timed("rollout", perf): ...``) and logs ``perf`` with the step's
+other metrics.  The clock is :func:`time.perf_counter` (monotonic); GPU work counts once the phase waits for it.
 """
 
 from __future__ import annotations
@@ -21,15 +11,10 @@ from typing import Any
 
 
 class Timer:
-    """Context manager that measures the wall time of one phase, in seconds.
+    """Context manager that measures the wall time of one phase, in seconds, also when the block raises.
 
-    On exit (also when the block raises) the elapsed time is stored in ``elapsed_s`` and, if
-    ``store`` is given, added to ``store["perf/<phase>_time_s"]``: timing the same phase
-    twice in one step gives the sum of both.
-
-    Args:
-        phase: phase name, e.g. ``"rollout"``, ``"train"``, ``"sync"``, ``"eval"``, ``"save"``.
-        store: the step's metrics dict to record into, or None to only set ``elapsed_s``.
+    Sets ``elapsed_s`` and, with ``store``, adds it to ``store["perf/<phase>_time_s"]`` (a phase timed
+    twice in a step sums).
 
     Raises:
         ValueError: ``phase`` is empty or contains whitespace.
@@ -59,8 +44,7 @@ def phase_key(phase: str) -> str:
 
 
 def timed(phase: str, store: dict[str, Any]) -> Timer:
-    """``with timed("train", perf): ...`` adds the block's wall time, seconds, to
-    ``perf["perf/train_time_s"]``. Same as ``Timer(phase, store)``.
+    """``Timer(phase, store)``: ``with timed("train", perf):`` adds the seconds to ``perf["perf/train_time_s"]``.
 
     Raises:
         ValueError: ``phase`` is empty or contains whitespace.
