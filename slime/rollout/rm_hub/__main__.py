@@ -2,12 +2,8 @@
 
     python -m slime.rollout.rm_hub --rm-type geo3k --label '8\\sqrt{3}' '\\boxed{13.86}' 'no box'
 
-prints one reward per response, one per line, in order (``1.0`` then ``0.0`` here).  The
-reward flags are the training ones (``--rm-type``, ``--custom-rm-path``,
-``--rm-tolerance``, ``--rm-timeout``, ``--rm-num-workers``), and scoring goes through the
-same :class:`~slime.rollout.rm_hub.scorer.RewardScorer`, so timeouts behave as in training.
-``--verbose`` also writes, to stderr, the boxed answer that was graded.  Responses that
-timed out or failed are reported on stderr; the exit status is 0 whenever scoring ran.
+prints one reward per response, one per line (``1.0`` then ``0.0`` here), through the training
+:class:`~slime.rollout.rm_hub.scorer.RewardScorer` and reward flags.  Failures go to stderr.
 """
 
 from __future__ import annotations

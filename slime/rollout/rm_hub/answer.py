@@ -1,20 +1,9 @@
-"""Final-answer extraction and parsing shared by every reward function.
+"""Final-answer extraction and parsing shared by every reward function (``math-verify``, pinned 0.9.0).
 
-A response states its final answer as ``\\boxed{...}`` (or ``\\fbox{...}``), the format the
-geo3k recipe asks for (the SFT data of upstream slime's ``examples/geo3k_vlm/README.md`` is
-``Answer: \\boxed{<answer>}``).  This module finds that answer and turns answer strings into
-SymPy objects with ``math-verify`` (pinned 0.9.0):
-
-- :func:`last_boxed` returns the content of the last box, braces balanced;
-- :func:`answer_alternatives` splits an answer that offers several values (``12\\text{ cm}
-  \\text{ or } 13\\text{ cm}``) into them, so that a hedge is graded as the set it is;
-- :func:`parse_latex` parses an answer (a gold label or a boxed content) as LaTeX math;
-- :func:`numeric_value` evaluates a parsed answer to a float, for the tolerance of the
-  ``geo3k`` reward.
-
-None of these functions has a timeout: SymPy can run for ever on an answer such as
-``9^{9^{9^{9^{9}}}}``.  The scorer (:mod:`slime.rollout.rm_hub.scorer`) calls them in
-worker processes under a ``SIGALRM`` timer and a hard deadline.
+:func:`last_boxed` finds the answer (``\\boxed{...}`` or ``\\fbox{...}``, the geo3k recipe's format),
+:func:`answer_alternatives` splits a hedge into its values, :func:`parse_latex` parses an answer as
+LaTeX math, :func:`numeric_value` evaluates it.  None has a timeout: the scorer runs them in worker
+processes under a timer (``docs/design/rewards.md``).
 """
 
 from __future__ import annotations
@@ -37,22 +26,10 @@ _OPENERS, _CLOSERS = "([{", ")]}"
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text``.
+    """The content (not stripped) of the last ``\\boxed{...}`` or ``\\fbox{...}`` of ``text``, braces matched.
 
-    Braces are matched, so nested groups come back whole:
-    ``"so \\boxed{\\frac{1}{2}}."`` gives ``"\\frac{1}{2}"``.  Escaped braces (``\\{``,
-    ``\\}``) do not count.  Only the last box is read (a response that changes its mind
-    is graded on its final answer), and a last box that is never closed (a response cut
-    at the length limit) gives ``None``, not an earlier box: this is how upstream slime's
-    ``last_boxed_only_string`` treats both cases.  ``\\boxed 5`` (no braces) is not
-    recognised.
-
-    Args:
-        text: a model response (any string).
-
-    Returns:
-        The content between the braces, not stripped, or ``None`` when there is no
-        complete last box.
+    ``None`` when the last box never closes (a response cut at the length limit), as upstream slime's
+    ``last_boxed_only_string``; escaped braces do not count.
     """
     openings = list(_BOX_OPEN.finditer(text))
     if not openings:
@@ -62,8 +39,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def _closing_brace(text: str, start: int) -> int | None:
-    """The index of the ``}`` that closes the group whose content starts at ``start`` (just after
-    its ``{``), skipping escaped characters (``\\{``, ``\\}``); None if the group never closes."""
+    """Index of the ``}`` closing the group whose content starts at ``start``, escapes skipped; None if unclosed."""
     depth = 1
     position = start
     while position < len(text):
@@ -82,26 +58,10 @@ def _closing_brace(text: str, start: int) -> int | None:
 
 
 def answer_alternatives(answer: str) -> list[str] | None:
-    """The alternatives of an answer that offers several values, or None for one answer.
+    """The alternatives (stripped, at least two) of an answer that offers several values, or None.
 
-    An answer is split at the words ``or`` / ``and`` (bare, or inside a ``\\text{...}``
-    group: ``\\text{ or }``, ``\\text{ cm or }``, ``\\text{12 cm or 13 cm}``) and at
-    commas, wherever they are outside parentheses, brackets and braces (so the point
-    ``(3, 4)``, the interval ``[1, 2)`` and the set ``\\{1, 2\\}`` stay whole), except a
-    thousands separator (``1,200``: a comma between a digit and exactly three digits).  A text
-    group that is split keeps its wrapping on each side (``\\text{12 cm }`` and
-    ``\\text{ 13 cm}``), so each alternative is unwrapped and graded like a whole answer.
-
-    math-verify alone grades ``12\\text{ cm} \\text{ or } 13\\text{ cm}`` as 12 (its unit
-    stripping drops the rest), which made that hedge score 1 against 12; graded as the set of
-    its alternatives it scores 0 (:func:`slime.rollout.rm_hub.math_reward.answers_match`).
-
-    Args:
-        answer: bare LaTeX (a boxed content or a label).
-
-    Returns:
-        The alternatives, stripped, when there are at least two non-empty ones (e.g.
-        ``["12\\text{ cm}", "13\\text{ cm}"]``); None otherwise.
+    Split at ``or`` / ``and`` (bare, or inside a ``\\text{...}`` group, whose wrapping each side keeps) and
+    at commas, outside brackets and not as a thousands separator: ``(3, 4)``, ``\\{1, 2\\}``, ``1,200`` stay whole.
     """
     pieces: list[list[str]] = [[]]
     depth, position = 0, 0
@@ -143,32 +103,17 @@ def answer_alternatives(answer: str) -> list[str] | None:
 
 
 def _thousands_separator(text: str, comma: int) -> bool:
-    """Whether the comma at ``text[comma]`` sits between a digit and exactly three digits (``1,200``)."""
     before = text[comma - 1] if comma else ""
     after = text[comma + 1 : comma + 5]
     return before.isdigit() and len(after) >= 3 and after[:3].isdigit() and not after[3:4].isdigit()
 
 
 def unwrap_math_text(answer: str) -> str:
-    """Replace every ``\\text{...}`` (or ``\\textrm``, ``\\textnormal``, ``\\mbox``) whose content
-    is one math expression by that content, so that math-verify grades it as math.
+    """``answer`` with each ``\\text{...}`` (or ``\\textrm``, ``\\mbox``, ...) holding one math expression unwrapped.
 
-    math-verify reads ``\\text{12.6}`` as the *symbol* named ``12.6``, not the number, and
-    ``\\text{4\\sqrt{3}}`` as text, so a model that wraps its answer in ``\\text{}`` scored 0
-    against ``12.6`` / ``4\\sqrt{3}`` (integers happen to pass).  A content counts as one math
-    expression when math-verify parses ``$content$`` to a SymPy expression without free
-    symbols (an assignment ``x = 5`` by its right side), math-verify's own unit stripping
-    applied (``12.6 cm`` is 12.6).  Anything else stays wrapped: words (``\\text{ or }``,
-    ``\\text{cm}``), letters (``\\text{C}``), and several values (``\\text{71 or 33}``
-    parses to the set {33, 71}).  So the hedge ``71 \\text{ or } 33`` is left as it is (and
-    scores 0 against 71), while ``\\text{12.6 cm}`` becomes ``12.6 cm``.
-
-    Args:
-        answer: bare LaTeX (a boxed content or a label).
-
-    Returns:
-        ``answer`` with the qualifying groups unwrapped (stripped of surrounding spaces);
-        unchanged when it has none.  Groups that never close are left alone.
+    One expression: math-verify parses ``$content$`` to an expression without free symbols (units
+    stripped), so ``\\text{12.6 cm}`` -> ``12.6 cm``; words, letters and several values stay wrapped, as do
+    groups that never close.
     """
     pieces, position = [], 0
     for opening in _TEXT_OPEN.finditer(answer):
@@ -185,7 +130,6 @@ def unwrap_math_text(answer: str) -> str:
 
 
 def _is_one_expression(content: str) -> bool:
-    """Whether math-verify parses ``$content$`` to one SymPy expression without free symbols."""
     if not content.strip():
         return False
     expr = parsed_expression(parse(f"${content}$", parsing_timeout=None))
@@ -193,58 +137,24 @@ def _is_one_expression(content: str) -> bool:
 
 
 def parse_latex(answer: str) -> list:
-    """Parse one answer string as LaTeX math with math-verify, after wrapping it in ``$...$``.
+    """math-verify's parse of ``$answer$`` (after :func:`unwrap_math_text`): ``[sympy_expr, string]``, ``[]`` if empty.
 
-    The wrapping matters: math-verify's ``parse`` looks for a math environment and, when
-    there is none, falls back to a plain-expression regex that reads only the leading
-    number, so ``parse("8\\sqrt{3}")`` is ``[8, "8"]`` while ``parse("$8\\sqrt{3}$")`` is
-    ``[8*sqrt(3), "8\\sqrt{3}"]``.  Gold labels (``5\\sqrt{3}``, ``\\frac{5}{3}\\pi``) and
-    boxed contents are both bare LaTeX, so both are parsed the same way here.
-
-    math-verify's own normalisation handles ``\\dfrac``/``\\tfrac``, ``\\sqrt3``,
-    degrees (``^\\circ``, ``^{\\circ}``, ``°``), ``\\text{...}`` units, thousands
-    separators (``1,200``) and assignments (``x = 5`` parses as ``Eq(x, 5)``, which
-    ``verify`` compares by its right side).
-
-    Its parsing timeout is disabled (``parsing_timeout=None``): it relies on
-    ``signal.alarm`` with whole seconds and swallows the timeout, so the scorer applies
-    one timer around the whole reward call instead (see :mod:`.scorer`).
-
-    ``\\text{...}`` groups that hold one math expression are unwrapped first
-    (:func:`unwrap_math_text`: ``\\text{12.6 cm}`` -> ``12.6 cm``), since math-verify would
-    read them as symbols or words.
-
-    Args:
-        answer: bare LaTeX, e.g. ``"\\frac{40}{3}"``.
-
-    Returns:
-        math-verify's parse result: usually ``[sympy_expr, normalised_string]``; ``[]``
-        when nothing could be extracted (an empty or blank answer).
+    Wrapped in ``$...$`` because without a math environment math-verify reads only the leading number;
+    its parsing timeout is disabled (the scorer times the whole call).
     """
     return parse(f"${unwrap_math_text(answer)}$", parsing_timeout=None)
 
 
 def parsed_expression(parsed: list) -> sympy.Basic | None:
-    """The first SymPy object of a :func:`parse_latex` result (math-verify puts the expression
-    before its string form), with an assignment ``x = 5`` taken as its right side; None if there is none."""
+    """The first SymPy object of a :func:`parse_latex` result, an assignment ``x = 5`` as its right side; or None."""
     expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
     return expr.rhs if isinstance(expr, sympy.Eq) else expr
 
 
 def numeric_value(parsed: list) -> float | None:
-    """The real number a parsed answer stands for, or ``None`` when it is not one number.
+    """The finite real number (``evalf`` to 30 digits) a parsed answer stands for, or ``None``.
 
-    Takes the first SymPy object of ``parsed`` (math-verify puts the expression before
-    its string form); an assignment ``x = 5`` counts as its right side.  The expression
-    must have no free symbols and evaluate (``evalf`` to 30 significant digits) to a
-    finite real number.
-
-    Args:
-        parsed: the output of :func:`parse_latex`.
-
-    Returns:
-        A float (e.g. ``13.856406460551018`` for ``8\\sqrt{3}``), or ``None`` for sets,
-        intervals, symbols, complex or non-finite values, and strings that did not parse.
+    ``None`` for sets, intervals, symbols, complex or non-finite values and text that did not parse.
     """
     expr = parsed_expression(parsed)
     if not isinstance(expr, sympy.Expr) or expr.free_symbols:

@@ -16,16 +16,10 @@ from slime.utils.registry import Builtin, Registry
 
 
 class RewardFunction(Protocol):
-    """The one signature of reward functions: ``(response, label, cfg) -> float``.
+    """The one signature of reward functions: ``(response, label, cfg: RewardConfig) -> float``.
 
-    ``response`` is the generated text, ``label`` the gold answer of the dataset row, and
-    ``cfg`` the :class:`RewardConfig`.  Returns the reward (0.0 or 1.0 for the built-in
-    ones).  Raising marks the response as an error: it scores 0.0 and is counted.
-
-    A user function runs in a scorer worker under a ``SIGALRM`` timer (:mod:`.scorer`), so
-    it should not arm ``SIGALRM`` itself (e.g. math-verify's ``parse``/``verify`` with their
-    default timeouts: pass ``parsing_timeout=None`` / ``timeout_seconds=None``); if it does,
-    only the hard deadline still bounds it.
+    Raising marks the response as an error (0.0, counted).  It runs under the scorer's ``SIGALRM`` timer,
+    so it must not arm ``SIGALRM`` itself (math-verify with its default timeouts does).
     """
 
     def __call__(self, response: str, label: str, cfg: RewardConfig) -> float: ...
@@ -97,10 +91,7 @@ class RewardConfig:
 
 
 def resolve_reward_function(cfg: RewardConfig) -> RewardFunction:
-    """The reward function ``cfg`` selects: ``--custom-rm-path`` if given, else ``--rm-type``.
-
-    A ``module:function`` path is imported here, so a bad path fails at start-up rather
-    than in every worker.
+    """The reward function ``cfg`` selects (``--custom-rm-path`` if given, else ``--rm-type``), imported here.
 
     Raises:
         ConfigError: the path cannot be imported, is not callable, or does not accept

@@ -1,16 +1,7 @@
 """The ``deepscaler`` reward: the ``math`` reward, but only for a response that closed its thinking.
 
-Source: upstream slime's ``deepscaler`` rule-based reward (after DeepScaleR): a response
-that does not contain the thinking-end marker ``</think>`` scores 0; otherwise only the
-text after the last marker is graded, so a box inside the reasoning does not count.
-
-Departures from upstream: upstream grades with its Hendrycks-MATH string normaliser and a
-SymPy grader, here the text after the marker is graded exactly like ``math``
-(math-verify, see :mod:`slime.rollout.rm_hub.math_reward`); upstream also accepts a
-``###Response`` marker from an older prompt format, which the Qwen3.5 chat format never
-produces, so it is not accepted here.
-
-Binary (0.0 / 1.0) for the reason given in :mod:`slime.rollout.rm_hub.math_reward`.
+Source: upstream slime's ``deepscaler`` rule (after DeepScaleR); graded with ``math`` instead of
+upstream's Hendrycks-MATH normaliser (departures: ``docs/design/rewards.md``).
 """
 
 from __future__ import annotations
@@ -28,14 +19,6 @@ THINK_END = "</think>"
 
 def deepscaler_reward(response: str, label: str, cfg: RewardConfig) -> float:
     """0.0 without ``</think>`` in ``response``; else the ``math`` reward of the text after the last one.
-
-    Args:
-        response: the generated text, thinking included.
-        label: the gold answer, bare LaTeX.
-        cfg: the reward flags (unused; the registry has one signature).
-
-    Returns:
-        0.0 or 1.0.
 
     Raises:
         EmptyLabelError: ``label`` is empty or blank (checked even without the marker).

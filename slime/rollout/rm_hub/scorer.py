@@ -1,39 +1,12 @@
 """Batched reward scoring in worker processes, with a time limit per response.
 
-Why processes: a SymPy comparison can run for ever (``\\boxed{9^{9^{9^{9^{9}}}}}``), and
-the only way to interrupt pure-Python code is a signal, which Python delivers to the main
-thread of a process.  math-verify's own timeout is ``signal.alarm`` for that reason, and
-fails in a thread; the rollout manager runs in a driver that may host Ray and event-loop
-threads.  So every reward call runs in the main thread of a worker process.
-
-Each response gets two limits:
-
-1. soft, ``--rm-timeout`` seconds: the worker arms ``signal.setitimer(ITIMER_REAL)`` around
-   the whole reward call (label parse, answer parse, comparison, ``evalf``).  The handler
-   raises :class:`RewardTimeout`, a ``BaseException`` so that the ``except Exception``
-   handlers of math-verify and SymPy do not swallow it.  The response scores 0.0 and is
-   counted in :attr:`RewardStats.timeouts`.  This replaces math-verify's timeout, which is
-   disabled in :mod:`.answer`: it takes whole seconds only, is armed separately for each
-   parse and comparison, and turns a timeout into a silent ``False``, so it could not be
-   counted.
-2. hard, ``2 * --rm-timeout + 1`` seconds: a signal handler runs only between Python
-   bytecodes, so one long C call (a huge integer power) outlives the soft limit.  When a
-   result is that late, the worker process is killed (``SIGKILL``) and restarted; the
-   response scores 0.0 and is counted in :attr:`RewardStats.killed`.
-
-A worker that dies by itself (a crash, the OOM killer) costs its response a 0.0, counted
-in :attr:`RewardStats.worker_deaths`, and is restarted.  A reward function that raises or
-returns something that is not a finite number gives 0.0, counted in
-:attr:`RewardStats.errors`.  Every ``score`` call that has such responses logs one warning
-with their count and the first few (index, cause, label, end of the response).
-
-The pool: ``--rm-num-workers`` single-process ``ProcessPoolExecutor``\\ s (``spawn``
-context, so no fork of a driver that holds Ray / CUDA state), each given one response at a
-time, so the scorer always knows which response a stuck or dead worker was on.  Workers
-start on the first ``score`` call and are reused by the next ones; :meth:`RewardScorer.close`
-(or the ``with`` block) stops them.  As with any ``spawn`` pool, the driver script must
-keep its entry point under ``if __name__ == "__main__":``, because each worker imports the
-main module.
+Every reward call runs in the main thread of a worker process (``--rm-num-workers`` single-process
+``spawn`` executors, one response each at a time), under a soft limit, ``--rm-timeout`` (a
+``SIGALRM`` timer raising :class:`RewardTimeout`), and a hard one, :func:`hard_deadline_s`, after
+which the worker is killed and restarted.  A response that times out, errors, is killed or loses its
+worker scores 0.0 and is counted in :class:`RewardStats`.  Why processes and two limits:
+``docs/design/rewards.md``.  As with any ``spawn`` pool, the driver's entry point must be under
+``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
@@ -68,21 +41,13 @@ _LOGGED_CHARS = 200
 
 
 def hard_deadline_s(rm_timeout: float) -> float:
-    """Seconds after which a response without a result gets its worker killed: ``2 * rm_timeout + 1``.
-
-    Twice the soft limit plus a second leaves room for SymPy to unwind after the timer
-    fires and for process scheduling on a loaded machine.
-    """
+    """Seconds after which a response without a result gets its worker killed: ``2 * rm_timeout + 1``."""
     return 2 * rm_timeout + 1.0
 
 
 @dataclasses.dataclass
 class RewardStats:
-    """Counts of scored responses, by outcome; every field is a number of responses.
-
-    A failed response (any counter but ``responses``) scored 0.0.  ``dataclasses.asdict``
-    gives the metrics dict.
-    """
+    """Counts of scored responses by outcome (each field a number of responses); a failure scored 0.0."""
 
     responses: int = 0
     """Responses scored, whatever the outcome."""
@@ -97,13 +62,10 @@ class RewardStats:
 
     @property
     def failed(self) -> int:
-        """Responses that scored 0.0 because of a timeout, an error, a kill or a worker death."""
         return self.timeouts + self.errors + self.killed + self.worker_deaths
 
 
 class _Outcome(enum.Enum):
-    """How one reward call ended; the value of a failure is its :class:`RewardStats` field."""
-
     OK = "ok"
     TIMEOUT = "timeouts"
     ERROR = "errors"
@@ -115,7 +77,7 @@ class _Outcome(enum.Enum):
 
 
 class RewardTimeout(BaseException):
-    """Raised in a worker by the ``--rm-timeout`` timer (a ``BaseException``, see the module docstring)."""
+    """Raised in a worker by the ``--rm-timeout`` timer; a ``BaseException``, so that SymPy cannot swallow it."""
 
 
 def _raise_timeout(signum, frame):
@@ -123,11 +85,7 @@ def _raise_timeout(signum, frame):
 
 
 def _init_worker() -> None:
-    """Runs once in each worker: Ctrl-C is the driver's business; SIGALRM raises :class:`RewardTimeout`.
-
-    math-verify warns once per process that its timeout is disabled; here the timer of
-    :func:`_score_in_worker` replaces it, so its loggers are set to ERROR in workers.
-    """
+    """Ignore SIGINT, raise :class:`RewardTimeout` on SIGALRM, quiet math-verify, warm its parsers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGALRM, _raise_timeout)
     logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -141,12 +99,7 @@ def _init_worker() -> None:
 
 
 def _score_in_worker(response: str, label: str, cfg: RewardConfig) -> tuple[float, _Outcome, str]:
-    """Score one response in a worker's main thread, under the ``cfg.rm_timeout`` timer.
-
-    Returns:
-        ``(reward, outcome, detail)``; ``reward`` is 0.0 unless ``outcome`` is OK, and
-        ``detail`` says what went wrong (empty when OK).
-    """
+    """``(reward, outcome, detail)`` of one response under the ``cfg.rm_timeout`` timer; reward 0.0 unless OK."""
     reward_function = resolve_reward_function(cfg)
     signal.setitimer(signal.ITIMER_REAL, cfg.rm_timeout)
     try:
@@ -196,7 +149,6 @@ class _Worker:
             ) from error
 
     def kill(self) -> None:
-        """SIGKILL the process and release the executor (without waiting for a process that never started)."""
         if not (self._pid.done() and self._pid.exception() is None):
             self.executor.shutdown(wait=False, cancel_futures=True)
             return
@@ -207,27 +159,17 @@ class _Worker:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
     def close(self) -> None:
-        """Let the idle process exit and wait for it."""
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 class RewardScorer:
     """Scores batches of responses with the reward function of a :class:`RewardConfig`, in worker processes.
 
-    Use as a context manager, or call :meth:`close`; the ``--rm-num-workers`` processes start
-    on the first :meth:`score` call and are reused.  See the module docstring for the time
-    limits and what happens to a response that hits one.
-
-    Args:
-        cfg: the reward flags; ``rm_num_workers`` sizes the pool.
+    A context manager (or call :meth:`close`); workers start on the first :meth:`score` and are reused.
+    ``stats``: :class:`RewardStats` since creation or the last :meth:`reset_stats`.
 
     Raises:
-        ConfigError: the reward function of ``cfg`` cannot be imported or has the wrong
-            signature (checked here, before any worker starts).
-
-    Attributes:
-        cfg: the config passed in.
-        stats: :class:`RewardStats` since creation or the last :meth:`reset_stats`.
+        ConfigError: the reward function cannot be imported or has the wrong signature (before any worker starts).
     """
 
     def __init__(self, cfg: RewardConfig):
@@ -250,16 +192,9 @@ class RewardScorer:
         return stats
 
     def score(self, responses: list[str], labels: list[str]) -> list[float]:
-        """Reward of each response against the label at the same index, with the scorer's reward flags.
+        """Reward of each response against the label at the same index: N floats in input order.
 
-        Args:
-            responses: generated texts, length N.
-            labels: gold answers, length N.
-
-        Returns:
-            N floats, in input order (0.0 / 1.0 for the built-in rewards); a response that
-            timed out, errored, was killed or lost its worker scores 0.0 and is counted in
-            :attr:`stats`.
+        A response that timed out, errored, was killed or lost its worker scores 0.0 and is counted in :attr:`stats`.
 
         Raises:
             ValueError: ``responses`` and ``labels`` differ in length.
@@ -319,7 +254,7 @@ class RewardScorer:
         return rewards
 
     def close(self) -> None:
-        """Stop the worker processes (idempotent).  :meth:`score` raises afterwards."""
+        """Stop the worker processes (idempotent); :meth:`score` raises afterwards."""
         self._closed = True
         for index, worker in enumerate(self._workers):
             if worker is not None:
@@ -329,7 +264,7 @@ class RewardScorer:
     # --------------------------------------------------------------------- internals
 
     def _start_idle_workers(self) -> None:
-        """Start every missing worker, in parallel, and wait until all are ready (none is kept if one fails)."""
+        """Start every missing worker in parallel and wait for all (none is kept if one fails)."""
         missing = [i for i, worker in enumerate(self._workers) if worker is None]
         for i in missing:
             self._workers[i] = _Worker(self._context)
@@ -343,7 +278,6 @@ class RewardScorer:
             raise
 
     def _restart(self, worker: int, kill: bool) -> None:
-        """Replace worker ``worker`` with a fresh process (killing the old one first when ``kill``)."""
         if kill:
             self._workers[worker].kill()
         else:
