@@ -1,22 +1,9 @@
 """GRPO advantages: one per response, from the rewards of its prompt's group.
 
-- GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, Sec. 4.1): each prompt is sampled
-  ``n`` times; a response's advantage is its reward minus the group mean, divided by the
-  group std, and is the same for every response token (outcome supervision).
-- Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
-  arXiv:2503.20783): no division by the group std (estimator ``dr_grpo``, or
-  ``--disable-grpo-std-normalization`` with ``grpo``).
-
-Where it departs from upstream slime / verl:
-
-- The group std is the unbiased one (Bessel, ``n - 1``), as ``torch.std`` upstream; the paper
-  does not say.  ``eps = 1e-6`` is added to the std (upstream).
-- A group whose rewards are all equal gets exactly 0 advantage (upstream leaves a rounding
-  residue, e.g. for fp32 rewards of 0.9, which the std division then amplifies).
-- A batch whose size is not a multiple of the group size raises (upstream slime silently
-  normalises the whole batch as one group).
-
-The estimators are registered by name in :data:`slime.grpo.config.ADVANTAGE_ESTIMATORS`.
+GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, Sec. 4.1) and Dr.GRPO (Liu et al. 2025,
+arXiv:2503.20783: no std division), registered in :data:`slime.grpo.config.ADVANTAGE_ESTIMATORS`.
+Departures from upstream (unbiased std, exact 0 for equal groups, a partial group raises):
+``docs/design/grpo.md``.
 """
 
 from __future__ import annotations
@@ -33,29 +20,15 @@ from slime.utils.config import ConfigError
 def compute_group_advantages(
     rewards: Tensor, n_samples_per_prompt: int, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """GRPO outcome advantages: ``A_i = (r_i - mean(g)) / (std(g) + eps)`` per group ``g``.
+    """GRPO outcome advantages ``A_i = (r_i - mean(g)) / (std(g) + eps)`` per group ``g`` (DeepSeekMath Sec. 4.1.2).
 
-    Shao et al. 2024 (DeepSeekMath), Sec. 4.1.2; without the std division when
-    ``normalize_std`` is False (Dr.GRPO, Liu et al. 2025).  ``std`` is the unbiased sample
-    std (divides by ``n - 1``), as ``torch.std`` in upstream slime / verl.
-
-    Rewards are promoted to float64 before any arithmetic.  A group whose rewards are all
-    equal (``max == min``) gets exactly 0 for every member, whatever the value and dtype;
-    this covers ``n_samples_per_prompt == 1``, where every advantage is 0.
-
-    Args:
-        rewards: ``[num_prompts * n_samples_per_prompt]``, any real or bool dtype; the
-            ``n_samples_per_prompt`` samples of one prompt are contiguous.
-        n_samples_per_prompt: group size ``n`` (``--n-samples-per-prompt``), >= 1.
-        normalize_std: divide the centred rewards by ``std + eps``.
-        eps: added to the std (reward units).
-
-    Returns:
-        float32 ``[num_prompts * n_samples_per_prompt]``, one advantage per sample.
+    ``rewards``: ``[num_prompts * n]`` (any real or bool dtype, a prompt's ``n`` samples contiguous) ->
+    float32 ``[num_prompts * n]``.  Unbiased ``std``; no division when not ``normalize_std`` (Dr.GRPO);
+    computed in float64; a group of equal rewards gets exactly 0.
 
     Raises:
-        ValueError: ``rewards`` is not 1-D, ``n_samples_per_prompt < 1``, its length is not a
-            multiple of ``n_samples_per_prompt``, or a reward is NaN / infinite.
+        ValueError: ``rewards`` is not 1-D, ``n < 1``, its length is not a multiple of ``n``, or a
+            reward is NaN / infinite.
     """
     n = n_samples_per_prompt
     if rewards.dim() != 1:
@@ -83,13 +56,13 @@ def compute_group_advantages(
 
 @group_relative
 def grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
-    """GRPO advantages (:func:`compute_group_advantages`); no std division with ``--disable-grpo-std-normalization``."""
+    """GRPO advantages; no std division with ``--disable-grpo-std-normalization``."""
     return compute_group_advantages(rewards, group_size, normalize_std=not cfg.disable_grpo_std_normalization)
 
 
 @group_relative
 def dr_grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
-    """Dr.GRPO advantages (Liu et al. 2025): group-centred rewards, never divided by the std."""
+    """Dr.GRPO advantages: group-centred rewards, never divided by the std."""
     return compute_group_advantages(rewards, group_size, normalize_std=False)
 
 
@@ -103,11 +76,7 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
 
 
 def resolve_advantage_estimator(cfg: GRPOConfig) -> AdvantageEstimator:
-    """The ``--advantage-estimator`` of ``cfg``, imported and checked; the driver calls it before Ray starts.
-
-    :class:`GRPOConfig` checks only the form of an import path; this imports it (through
-    :meth:`slime.utils.registry.Registry.resolve`) and checks that it accepts ``(rewards,
-    group_size, cfg)``.
+    """The ``--advantage-estimator`` of ``cfg``, imported and checked (the driver calls it before Ray starts).
 
     Raises:
         ConfigError: naming ``--advantage-estimator``: the module cannot be imported, has no such

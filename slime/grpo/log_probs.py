@@ -1,33 +1,11 @@
 """Per-token log-probs and entropies of the sampled tokens, from a model's logits.
 
-Every training backend turns logits into the two per-token quantities the GRPO loss
-(:mod:`slime.grpo.loss`) needs.  For a temperature ``tau`` and ``z = logits / tau``
-(the rollout engines sample from, and SGLang reports log-probs of, ``softmax(z)``):
-
-- log-prob of token ``y``: ``log p(y) = z_y - logsumexp(z)``;
-- entropy: ``H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v`` (nats).
-
-Both are computed in float32 whatever the logits' dtype (float64 kept).  Two layouts of the
-vocabulary dimension:
-
-- full vocabulary, ``[..., V]`` on every rank (Hugging Face models, the FSDP backend):
-  :func:`gather_log_probs`, :func:`entropy_from_logits`;
-- vocab-parallel, for a column-parallel LM head over a tensor-parallel (TP) group of size
-  ``tp`` (Megatron): TP rank ``r`` holds the logits ``[..., V_p]`` of the vocabulary ids
-  ``[r * V_p, (r + 1) * V_p)``, ``V_p = V_padded / tp`` (megatron-core's
-  ``VocabUtility.vocab_range_from_per_partition_vocab_size``): :func:`vocab_parallel_log_probs`.
-  It never gathers the vocabulary: each rank reduces its shard to a few numbers per token,
-  and one all-reduce of the maximum plus one of the sums combine them, as megatron-core's
-  ``vocab_parallel_cross_entropy`` (``megatron/core/tensor_parallel/cross_entropy.py``,
-  0.16.1) does for the cross-entropy; the entropy adds one sum (``sum_v e^{z_v} z_v``) to it.
-
-Padded vocabulary: Megatron-LM pads the vocabulary to a multiple of
-``--make-vocab-size-divisible-by`` (128) times the TP size (``_vocab_size_with_padding`` in
-``megatron/training/tokenizer/tokenizer.py``), with dummy rows in the embedding and output
-layer whose logits are ordinary finite numbers, not ``-inf``.  Pass ``vocab_size`` (the
-tokenizer's / Hugging Face config's size) and those columns are left out of the softmax, so
-the log-probs and entropies are those of the Hugging Face model and of the engines (SGLang
-also drops logits past ``vocab_size``); padded columns get zero gradient.
+With ``z = logits / temperature`` (the distribution the engines sample from and report):
+``log p(y) = z_y - logsumexp(z)`` and ``H = logsumexp(z) - sum_v p_v z_v`` (nats), in float32 whatever
+the logits' dtype (float64 kept).  Full vocabulary ``[..., V]``: :func:`gather_log_probs`,
+:func:`entropy_from_logits`.  Vocab-parallel ``[..., V_p]`` shards of a TP group (megatron-core's
+``vocab_parallel_cross_entropy`` scheme, never gathering the vocabulary): :func:`vocab_parallel_log_probs`.
+The derivation and the padded-vocabulary rule: ``docs/design/grpo.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +16,6 @@ from torch import Tensor
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -54,17 +31,13 @@ def _check_inputs(logits: Tensor, tokens: Tensor, temperature: float) -> None:
 def gather_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-probs (nats) of ``tokens`` under ``softmax(logits / temperature)``, full vocabulary.
 
-    ``log p(y) = z_y - logsumexp(z)`` with ``z = logits.float() / temperature``, as the
-    rollout engines report them (SGLang returns log-probs of the temperature-scaled
-    distribution).  Computed in float32 (float64 kept) whatever the logits' dtype.
-
     Args:
-        logits: ``[..., V]`` logits at the positions that predict ``tokens``.
-        tokens: int64 ``[...]`` token ids in ``[0, V)``.
+        logits: ``[..., V]`` at the positions that predict ``tokens``.
+        tokens: int64 ``[...]`` ids in ``[0, V)``.
         temperature: ``--rollout-temperature``, > 0.
 
     Returns:
-        ``[...]`` float32 log-probs.
+        ``[...]`` float32.
 
     Raises:
         ValueError: ``temperature <= 0`` or the leading shapes differ.
@@ -75,18 +48,9 @@ def gather_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy ``H = -sum_v p_v log p_v`` (nats) of ``softmax(logits)`` over the last dim, full vocabulary.
+    """Entropy (nats) of ``softmax(logits)`` over the last dim: ``[..., V]`` -> ``[...]`` float32.
 
-    ``log p = log_softmax(logits)`` (logsumexp-stabilised), in float32 whatever the input
-    dtype (float64 kept).  Pass the logits the tokens were sampled with (divided by the
-    rollout temperature).  Logits must be finite; a ``-inf`` logit gives NaN gradients.
-    Memory: about three float32 copies of ``logits``; chunk over tokens for large vocabularies.
-
-    Args:
-        logits: ``[..., V]`` any float dtype.
-
-    Returns:
-        ``[...]`` float32 entropies, one per token.
+    Pass the temperature-scaled logits; they must be finite (a ``-inf`` logit gives NaN gradients).
     """
     log_p = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1)
     return -(log_p.exp() * log_p).sum(dim=-1)
@@ -101,50 +65,26 @@ def vocab_parallel_log_probs(
     vocab_size: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) of ``tokens`` under ``softmax(logits / temperature)`` from
-    vocab-parallel logits; equal to :func:`gather_log_probs` / :func:`entropy_from_logits`
-    on the gathered full-vocabulary logits.  Collective over ``group``; differentiable.
+    """Log-probs (and entropies) of ``tokens`` under ``softmax(logits / temperature)`` from vocab-parallel logits.
 
-    TP rank ``r`` of ``group`` (size ``tp``) holds the columns ``[r * V_p, (r + 1) * V_p)``
-    of the vocabulary (module docstring).  With ``z = logits / temperature``, each rank
-    computes over its own columns ``m_r = max z``; one all-reduce (MAX) gives
-    ``m = max_r m_r``; then, with ``e_v = exp(z_v - m)``, each rank sums ``S_r = sum e_v``,
-    ``T_r = sum e_v (z_v - m)`` (entropy only), and ``z_y - m`` where it owns ``y``; one
-    all-reduce (SUM) of those gives
-
-        ``log p(y) = (z_y - m) - log S``,  ``H = log S - T / S``
-
-    (megatron-core's ``_VocabParallelCrossEntropy`` forward, 0.16.1, for the log-prob; the
-    entropy is ``logsumexp(z) - E_p[z]``).  The backward needs no communication: for the
-    rank's own columns, ``d log p(y) / d z_v = 1[v = y] - p_v`` and
-    ``d H / d z_v = -p_v (z_v - E_p[z])``, both divided by ``temperature`` for the logits.
-
-    Memory: one float32 copy of the shard ``[..., V_p]`` is kept for the backward (only when
-    ``logits`` requires grad), plus one transient copy in the forward and two in the
-    backward; no full-vocabulary tensor is ever built.
+    Equal to :func:`gather_log_probs` / :func:`entropy_from_logits` on the gathered logits; collective over
+    ``group`` (two all-reduces forward, none backward); differentiable.
 
     Args:
-        logits: ``[..., V_p]`` this rank's shard, any float dtype (e.g. Megatron's
-            ``[S, B, V_p]`` output, or the rows predicting the response tokens).
-        tokens: int64 ``[...]`` global token ids (the same on every rank of ``group``).
+        logits: ``[..., V_p]`` this rank's shard (columns ``[r V_p, (r + 1) V_p)``), any float dtype.
+        tokens: int64 ``[...]`` global ids, the same on every rank.
         temperature: ``--rollout-temperature``, > 0.
-        group: the tensor-parallel process group (Megatron:
-            ``parallel_state.get_tensor_model_parallel_group()``); None: the default group, or
-            a single rank holding the whole vocabulary when ``torch.distributed`` is not
-            initialised.
-        vocab_size: the real vocabulary size ``V``; columns of global id ``>= V`` (Megatron's
-            padding) are left out of the softmax.  None: every column counts.
-        with_entropy: also return the per-token entropy.
+        group: the TP group; None: the default group, or one rank if ``torch.distributed`` is not initialised.
+        vocab_size: the real vocabulary ``V``; columns of id ``>= V`` (padding) are left out.  None: all count.
+        with_entropy: also return the entropy.
 
     Returns:
-        ``(log_probs, entropy)``: float32 (float64 for float64 logits) ``[...]`` each;
-        ``entropy`` is None unless ``with_entropy``.  A token id outside ``[0, V)`` (e.g. a
-        padding id) gets a NaN log-prob, harmless under a loss mask (the GRPO loss never
-        reads masked tokens); the full-vocabulary version raises an index error instead.
+        ``(log_probs, entropy)``, float32 (float64 for float64 logits) ``[...]``; ``entropy`` None unless
+        ``with_entropy``.  A token id outside ``[0, V)`` gets NaN (harmless under a loss mask).
 
     Raises:
-        ValueError: ``temperature <= 0``, the leading shapes differ, ``tokens`` is not an
-            integer tensor, or ``vocab_size`` is not in ``[1, tp * V_p]``.
+        ValueError: ``temperature <= 0``, the leading shapes differ, ``tokens`` is not an integer
+            tensor, or ``vocab_size`` is not in ``[1, tp * V_p]``.
     """
     _check_inputs(logits, tokens, temperature)
     if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
@@ -171,7 +111,7 @@ def vocab_parallel_log_probs(
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
-    """Forward and backward of :func:`vocab_parallel_log_probs` (see its docstring for the math)."""
+    """Forward and backward of :func:`vocab_parallel_log_probs` (the math: ``docs/design/grpo.md``)."""
 
     @staticmethod
     def forward(ctx, logits, tokens, temperature, group, reduce, vocab_start, num_valid, with_entropy):
