@@ -1,28 +1,18 @@
 """Dataset rows -> prompt samples: images, chat template, limits, skips, shuffling, cursor.
 
-The rollout manager draws ``--rollout-batch-size`` prompts per step with :meth:`PromptDataset.next_batch`;
-evaluation walks a dataset once with :meth:`PromptDataset.eval_samples`.  Rows come from
-:func:`slime.data.sources.load_table`; each prompt is a :class:`slime.data.sample.Sample`.  A row becomes a
-prompt in four steps (:meth:`PromptDataset.make_sample`):
+A row becomes a :class:`slime.data.sample.Sample` (:meth:`PromptDataset.make_sample`): (1) the
+``--input-key`` text holds one :data:`IMAGE_PLACEHOLDER` per image of the ``image`` column, in order
+(checked for every row at load, nothing decoded); (2) each image is decoded to RGB and resized once
+with ``processor.resize_image`` (a fixed point), and the engine gets PNGs of the resized images, so
+engine and trainer count the same image tokens; (3) with ``--apply-chat-template`` the text becomes
+one user message of image / text items rendered by the chat template, else each placeholder becomes
+:data:`VISION_SPAN`; (4) the processor tokenises it and expands the image tokens.
 
-1. the ``--input-key`` text holds one :data:`IMAGE_PLACEHOLDER` per image of the ``--multimodal-keys``
-   ``image`` column, in order (the hiyouga/geometry3k convention, also slime's); every row's count is
-   checked at load (nothing decoded) and the mismatching rows are named in one error;
-2. each image is decoded to RGB (:func:`slime.data.image.decode_image`) and resized **once** with
-   ``processor.resize_image``, a fixed point of the processor; the base64 PNGs sent to the engine are of
-   the resized images, so the engine and the trainer see the same image-token counts;
-3. with ``--apply-chat-template`` the text becomes one user message of ``{"type": "image"}`` /
-   ``{"type": "text"}`` items in placeholder order, rendered by the model's chat template
-   (``--apply-chat-template-kwargs`` passed through); without it each placeholder becomes :data:`VISION_SPAN`;
-4. the processor tokenises it and expands the image tokens: ``prompt_token_ids``, ``pixel_values``, ``image_grid_thw``.
-
-Rows are skipped, never silently (an unreadable image, an empty or missing label, a prompt longer than
-``--rollout-max-prompt-len`` tokens, images expanded): each skip is logged with the row index and id,
-counted in :attr:`PromptDataset.skip_counts` (cumulative, by reason; reported in each step's metrics) and
-replaced by the next row.  Order: a cursor ``(epoch, position)``; with ``--rollout-shuffle`` epoch ``e``
-visits the rows in the order ``numpy.random.default_rng([seed, e]).permutation(N)``, else in file order.
-:meth:`PromptDataset.state_dict` / :meth:`PromptDataset.load_state_dict` save and restore the cursor and the
-skip counts, so a resumed run draws the batches the uninterrupted run would have drawn.
+Rows with an unreadable image, an empty label or a prompt over ``--rollout-max-prompt-len`` tokens
+are skipped, never silently: logged with index and id, counted (:attr:`PromptDataset.skip_counts`)
+and replaced by the next row.  The cursor is ``(epoch, position)``; with ``--rollout-shuffle`` epoch
+``e`` visits ``numpy.random.default_rng([seed, e]).permutation(N)``, else file order; it is saved and
+restored with the skip counts, so a resumed run draws the batches the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -61,25 +51,17 @@ class PromptDataset:
     """Rows of one dataset split, turned into prompt :class:`Sample` s on demand.
 
     Args:
-        cfg: the data flags (columns, chat template, limits, shuffle).
-        processor: the model's processor (:func:`slime.data.processor.load_processor`
-            with ``--image-min-pixels`` / ``--image-max-pixels``).  Its pixel bounds fix the
-            size of the images sent to the engine and of the ``pixel_values`` the trainer
-            receives, so both see the same image tokens.
-        seed: ``--rollout-seed``; with ``cfg.rollout_shuffle``, epoch ``e`` uses the permutation
-            ``numpy.random.default_rng([seed, e]).permutation(num_rows)``.
-        source: ``--prompt-data`` by default; pass an ``--eval-prompt-data`` path for evaluation.
-        split: default split for folders and hub names (``"train"``; ``"test"`` for eval).
-        flag_name: the flag that named ``source``, for error messages.
+        cfg: the data flags.
+        processor: the model's processor; its pixel bounds fix the images' size for engine and trainer.
+        seed: ``--rollout-seed`` (the shuffle's).
+        source: ``--prompt-data`` by default, or an ``--eval-prompt-data`` path.
+        split: default split for folders and hub names; flag_name: the flag that named ``source``.
 
     Raises:
-        ConfigError: no source, a source that does not load (see :func:`load_table`), or a
-            configured column (``--input-key``, ``--label-key``, ``--multimodal-keys``)
-            missing from the data; the message lists the columns that exist.
-        DatasetError: the dataset has no rows; or, from a scan of every row at load (no
-            image decoded), the ``--input-key`` column is not text, or rows have a null
-            prompt or a placeholder count that differs from their image count (the message
-            names up to :data:`LISTED_ROWS` of them, with index and id, and counts the rest).
+        ConfigError: no source, a source that does not load, or a configured column missing (the
+            message lists the columns that exist).
+        DatasetError: no rows; the ``--input-key`` column is not text; rows with a null prompt or a
+            placeholder count that differs from their image count (up to :data:`LISTED_ROWS` named).
     """
 
     def __init__(
@@ -124,16 +106,10 @@ class PromptDataset:
                 )
 
     def _check_placeholders(self, flag_name: str) -> None:
-        """Check every row's :data:`IMAGE_PLACEHOLDER` count against its number of images, at load.
-
-        Only the prompt strings and the image lists' lengths are read (Arrow kernels over
-        two columns); no image is decoded.  Images per row are counted as
-        :meth:`make_sample` sees them: a list's length, 0 for null, 1 for a single value.
+        """Check every row's :data:`IMAGE_PLACEHOLDER` count against its images (Arrow kernels, nothing decoded).
 
         Raises:
-            DatasetError: the ``--input-key`` column is not text, or rows whose prompt is
-                null or whose placeholder count differs from their image count; the message
-                lists the first :data:`LISTED_ROWS` of them (index and id) and counts the rest.
+            DatasetError: see :class:`PromptDataset`.
         """
         cfg = self.cfg
         text = self._table.column(cfg.input_key)
@@ -176,30 +152,23 @@ class PromptDataset:
 
     @property
     def num_rows(self) -> int:
-        """Number of rows N in the split (before skips)."""
+        """Rows N in the split (before skips)."""
         return self._table.num_rows
 
     @property
     def epoch(self) -> int:
-        """The epoch the next row is drawn from (= number of completed passes)."""
+        """The epoch the next row is drawn from (completed passes)."""
         return self._epoch
 
     @property
     def skip_counts(self) -> dict[str, int]:
-        """Rows skipped so far, cumulative since the start of the run, by reason (:data:`SKIP_REASONS`).
-
-        A row skipped in two epochs counts twice.  A copy; safe to log.
-        """
+        """Rows skipped since the start of the run, by reason (:data:`SKIP_REASONS`); a copy."""
         return dict(self._skip_counts)
 
     # ------------------------------------------------------------------ iteration
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Row indices in the order epoch ``epoch`` visits them, int64 ``[num_rows]``.
-
-        ``numpy.random.default_rng([seed, epoch]).permutation(num_rows)`` with
-        ``--rollout-shuffle`` (a pure function of seed and epoch), else ``0..N-1``.
-        """
+        """Row indices, int64 ``[num_rows]``, in the order epoch ``epoch`` visits them."""
         if not self.cfg.rollout_shuffle:
             return np.arange(self.num_rows)
         if self._order_cache is None or self._order_cache[0] != epoch:
@@ -208,21 +177,12 @@ class PromptDataset:
         return self._order_cache[1]
 
     def next_batch(self, num_prompts: int) -> list[Sample]:
-        """The next ``num_prompts`` valid prompts, drawn from the cursor.
-
-        Rows are read lazily; a skipped row is replaced by the following one, and the
-        cursor wraps into the next epoch (a new order when shuffling).  A batch may thus
-        span two epochs and, if ``num_prompts > num_rows``, hold a row twice.
-
-        Returns:
-            ``num_prompts`` samples; ``group_index`` is left at -1 (the rollout manager
-            numbers the groups).
+        """The next ``num_prompts`` valid prompts from the cursor (``group_index`` -1), wrapping into the next epoch.
 
         Raises:
             ValueError: ``num_prompts < 1``.
-            DatasetError: ``num_rows`` rows in a row were skipped (every row unusable):
-                the message gives the skip counts and the flags to check; or a row error
-                from :meth:`make_sample`.
+            DatasetError: ``num_rows`` rows in a row were skipped (with the skip counts and flags to check),
+                or a row error of :meth:`make_sample`.
         """
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -248,16 +208,12 @@ class PromptDataset:
         return samples
 
     def eval_samples(self) -> list[Sample]:
-        """Every valid row once, in file order, never shuffled (for ``--eval-prompt-data``).
-
-        Does not move the training cursor; skips are logged and counted as in training.
-        """
+        """Every valid row once, in file order, never shuffled; the training cursor does not move."""
         samples = [self.make_sample(row) for row in range(self.num_rows)]
         return [sample for sample in samples if sample is not None]
 
     def state_dict(self) -> dict[str, Any]:
-        """The cursor, for checkpoints: ``epoch``, ``position`` (rows of that epoch already
-        drawn), ``skip_counts``, plus ``num_rows``, ``seed`` and ``shuffle`` to check on load."""
+        """The cursor (``epoch``, ``position``, ``skip_counts``), and ``num_rows``, ``seed``, ``shuffle`` to check."""
         return dict(
             epoch=self._epoch,
             position=self._position,
@@ -268,12 +224,10 @@ class PromptDataset:
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a cursor saved by :meth:`state_dict`.
+        """Restore a cursor saved by :meth:`state_dict` (another seed or shuffle only warns).
 
         Raises:
-            DatasetError: the saved cursor was for a dataset with a different number of
-                rows (the data changed, so the saved position means nothing), or the
-                position is out of range.
+            DatasetError: the data has another number of rows, or the position is out of range.
         """
         if state["num_rows"] != self.num_rows:
             raise DatasetError(
@@ -298,31 +252,20 @@ class PromptDataset:
         return f"{self.source} {self._row_label(row)}"
 
     def _row_label(self, row: int) -> str:
-        """``"row <index> (id <id>)"``; the id only when the data has an ``id`` column."""
         if "id" in self._table.column_names:
             return f"row {row} (id {self._table.column('id')[row].as_py()})"
         return f"row {row}"
 
     def make_sample(self, row: int, *, drop_images: bool = False, count_skips: bool = True) -> Sample | None:
-        """Turn row ``row`` into a prompt sample, or skip it (log, count, return ``None``).
+        """Row ``row`` as a prompt sample, or ``None`` for a skipped row (logged and, with ``count_skips``, counted).
 
-        ``drop_images``: the same problem as text alone (its ``<image>`` placeholders and images left
-        out; the engine parity check's text prompts).  ``count_skips=False``: a skip is logged but not
-        counted (a row read outside the prompt stream, which counts it when it gets there).
-
-        Returns:
-            A :class:`Sample` with ``index=row``, ``prompt`` (text with one vision span
-            per image, templated if ``--apply-chat-template``), ``label`` (``str``),
-            ``images`` (base64 PNGs of the resized images), ``prompt_token_ids``
-            (``list[int]``, images expanded), ``multimodal_inputs`` (``pixel_values``
-            float32 ``[num_patches, C*T*P*P]``, ``image_grid_thw`` int64
-            ``[num_images, 3]``; empty without images) and ``metadata`` (the row's other
-            columns); or ``None`` for a skipped row.
+        ``drop_images``: the problem as text alone (the engine parity check).  The sample has ``index=row``,
+        ``prompt``, ``label``, ``images`` (base64 PNGs), ``prompt_token_ids``, ``multimodal_inputs``
+        (``pixel_values`` float32 ``[num_patches, C*T*P*P]``, ``image_grid_thw`` int64 ``[num_images, 3]``)
+        and ``metadata`` (the row's other columns).
 
         Raises:
-            DatasetError: the prompt is not a string, or the number of
-                :data:`IMAGE_PLACEHOLDER` in it differs from the number of images (both
-                already checked for every row when the dataset was loaded).
+            DatasetError: the prompt is not a string, or its placeholders differ from its images.
         """
         record = self._table.slice(row, 1).to_pylist()[0]
         cfg = self.cfg
@@ -381,7 +324,6 @@ class PromptDataset:
         )
 
     def _render_prompt(self, text: str) -> str:
-        """Prompt text with one vision span per placeholder (chat-templated if configured)."""
         pieces = text.split(IMAGE_PLACEHOLDER)
         if not self.cfg.apply_chat_template:
             return VISION_SPAN.format(image_token=self.processor.image_token).join(pieces)
@@ -404,16 +346,11 @@ class PromptDataset:
 
 
 def _label_text(value: Any) -> str:
-    """The label as a string, unchanged ("" when missing).
-
-    A .jsonl label is already its text as written (:func:`read_jsonl`); a number from a
-    parquet or hub column is formatted with ``str`` (float64 ``3.0`` -> ``"3.0"``).
-    """
+    """The label as written (.jsonl) or ``str`` of a column's number (``3.0`` -> ``"3.0"``); "" when missing."""
     return "" if value is None else str(value)
 
 
 def _is_list_type(data_type: pa.DataType) -> bool:
-    """Arrow list types (``list_value_length`` gives their lengths)."""
     return any(
         check(data_type)
         for check in (
@@ -427,7 +364,6 @@ def _is_list_type(data_type: pa.DataType) -> bool:
 
 
 def _image_items(value: Any) -> list:
-    """The image column's value as a list (``None`` -> no images, a single value -> one image)."""
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
@@ -436,17 +372,10 @@ def _image_items(value: Any) -> list:
 
 
 def load_eval_samples(cfg: DataConfig, processor: VLProcessor, path: str) -> list[Sample]:
-    """Prompts of one ``--eval-prompt-data`` set: every valid row once, in file order.
-
-    ``path`` takes the same forms as ``--prompt-data``; a folder or hub name defaults to
-    its ``test`` split.  Rows are built exactly as for training (same columns, chat
-    template, processor and limits); skipped rows are logged, and the totals are logged
-    once at the end.
+    """Prompts of one ``--eval-prompt-data`` set (default split ``test``), every valid row once, built as in training.
 
     Raises:
-        ConfigError, DatasetError: as :class:`PromptDataset` and :meth:`PromptDataset.make_sample`.
-        DatasetError: every row was skipped (the message names ``path`` and gives the skip
-            counts), rather than an empty eval set failing later in the metrics.
+        ConfigError, DatasetError: as :class:`PromptDataset`; DatasetError also when every row was skipped.
     """
     dataset = PromptDataset(cfg, processor, seed=0, source=path, split="test", flag_name="--eval-prompt-data")
     samples = dataset.eval_samples()

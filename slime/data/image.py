@@ -1,21 +1,10 @@
 """Decode the image values found in dataset rows into RGB PIL images, and encode them back.
 
-Dataset rows carry images in several forms, depending on how the dataset was written:
-
-- a Hugging Face ``datasets`` Image struct ``{"bytes": ..., "path": ...}`` (what
-  ``pyarrow`` / ``pandas`` return for an ``Image`` column, e.g. the bundled geo3k sample);
-- a file path (absolute, or relative to the dataset's folder);
-- an ``http(s)://`` URL;
-- a base64 string, or a ``data:`` URI such as ``data:image/png;base64,...``.  The
-  ``chenhegu/geo3k_imgurl`` dataset used by the upstream recipe writes the malformed prefix
-  ``data:image/None;base64,``; the media type of a data URI is therefore ignored and the
-  format is read from the image bytes themselves;
-- raw encoded bytes, or an already decoded ``PIL.Image.Image``.
-
-Whatever the input, :func:`decode_image` returns a fully loaded ``mode == "RGB"`` image, so
-the processor always sees 3 channels of 8 bits.  The conversion rules are in
-:func:`to_rgb`.  Every failure raises :class:`ImageDecodeError` naming the dataset row and
-field and what was wrong.
+Accepted values: a Hugging Face Image struct ``{"bytes", "path"}``, a file path (relative to the
+dataset's folder), an ``http(s)://`` URL, a base64 string or ``data:`` URI (its media type ignored:
+``chenhegu/geo3k_imgurl`` writes ``data:image/None;base64,``), raw encoded bytes, a PIL image.
+:func:`decode_image` returns a loaded ``"RGB"`` image (rules: :func:`to_rgb`); every failure raises
+:class:`ImageDecodeError` naming the row, field and what was wrong.
 """
 
 from __future__ import annotations
@@ -43,10 +32,7 @@ _PLAIN_MODES = {"1", "L", "P", "CMYK", "YCbCr", "LAB", "HSV"}
 
 
 class ImageDecodeError(ValueError):
-    """An image value in a dataset row cannot be turned into an RGB image.
-
-    The message names the row and field (when the caller gave them) and what was wrong.
-    """
+    """An image value in a dataset row cannot be turned into an RGB image (the message names the row and field)."""
 
 
 def decode_image(
@@ -57,31 +43,15 @@ def decode_image(
     field: str | None = None,
     timeout_s: float = DEFAULT_URL_TIMEOUT_S,
 ) -> Image.Image:
-    """Turn one image value from a dataset row into a loaded RGB ``PIL.Image.Image``.
+    """One image value of a dataset row as a loaded ``"RGB"`` PIL image (uint8 H x W x 3), EXIF orientation applied.
 
-    Args:
-        value: one of
-            - ``dict`` with keys ``bytes`` and/or ``path`` (a Hugging Face Image struct):
-              non-empty ``bytes`` are used; otherwise ``path`` is read as a string below;
-            - ``str``: a ``data:`` URI (``data:<anything>;base64,<payload>``; the media
-              type, including the malformed ``image/None``, is ignored), an ``http://`` /
-              ``https://`` URL, an existing file path, or else a bare base64 string;
-            - ``bytes`` / ``bytearray``: an encoded image file (PNG, JPEG, ...);
-            - ``PIL.Image.Image``.
-        base_dir: folder against which relative file paths are resolved (the dataset
-            file's folder); ``None`` means the current directory.
-        row: the dataset row, for error messages (e.g. ``"12 (id 2406)"``).
-        field: the column / item, for error messages (e.g. ``"images[0]"``).
-        timeout_s: URL timeout, seconds.
-
-    Returns:
-        The image in mode ``"RGB"`` (uint8, H x W x 3), pixels loaded, EXIF orientation
-        applied (``PIL.ImageOps.exif_transpose``, as image viewers display it).  Alpha
-        is flattened onto white; see :func:`to_rgb`.
+    A struct's non-empty ``bytes`` win over its ``path``; a string is a ``data:`` URI, a URL, an existing
+    file (relative to ``base_dir``) or else bare base64.  ``row`` and ``field`` name the value in errors;
+    ``timeout_s``: URL timeout, seconds.
 
     Raises:
-        ImageDecodeError: unsupported type, missing file, unreachable URL, invalid base64,
-            bytes that are not an image, or an image mode with no defined RGB conversion.
+        ImageDecodeError: unsupported type, missing file, unreachable URL, invalid base64, bytes that
+            are not an image, or a mode with no RGB conversion.
     """
     where = _where(row, field)
     if isinstance(value, Image.Image):
@@ -107,25 +77,12 @@ def decode_image(
 
 
 def to_rgb(image: Image.Image, *, where: str = "image") -> Image.Image:
-    """Convert a PIL image of any common mode to mode ``"RGB"`` (8 bits per channel).
+    """A PIL image of any common mode as ``"RGB"``, 8 bits per channel.
 
-    Rules:
-        - ``RGB``: returned as is.
-        - alpha modes (``RGBA``, ``LA``, ``PA``, premultiplied ``RGBa`` / ``La``) and ``P``
-          images with a transparent palette entry: alpha-composited onto an opaque white
-          background (``out = a * c + (1 - a) * 255`` per channel, Pillow's
-          ``Image.alpha_composite``).  White, because geometry diagrams are dark lines
-          on a transparent or white page; dropping alpha instead would expose whatever
-          colour the transparent pixels store (often black) and hide the lines.
-        - 16-bit grey (``I;16*``, and ``I`` which older Pillow uses for 16-bit PNGs):
-          scaled to 8 bits as ``round(v / 257)`` (maps 0..65535 onto 0..255 exactly at
-          the ends), clipped to 0..65535 first; then grey -> RGB.
-        - ``1``, ``L``, ``P`` (opaque), ``CMYK``, ``YCbCr``, ``LAB``, ``HSV``: Pillow's
-          ``Image.convert("RGB")``.
-
-    Args:
-        image: the input image (loaded or lazy).
-        where: context for error messages.
+    Alpha modes (and ``P`` with a transparent entry) are composited onto white (geometry diagrams are
+    dark lines on a transparent page; dropping alpha would expose the stored colour, often black);
+    16-bit grey is ``round(v / 257)``; ``1``, ``L``, ``P``, ``CMYK``, ``YCbCr``, ``LAB``, ``HSV`` go through
+    ``Image.convert("RGB")``.
 
     Raises:
         ImageDecodeError: a mode with no defined conversion (e.g. 32-bit float ``F``).
@@ -151,24 +108,13 @@ def to_rgb(image: Image.Image, *, where: str = "image") -> Image.Image:
 
 
 def encode_image_base64(image: Image.Image) -> str:
-    """Encode ``image`` as a PNG file and return it base64-encoded (ASCII, standard alphabet).
-
-    The result is the bare base64 text, with **no** ``data:image/png;base64,`` prefix (the
-    form SGLang's ``image_data`` accepts).  PNG is lossless, so
-    ``decode_image(encode_image_base64(img))`` has the same pixels as an RGB ``img``.
-    Uses zlib level 1: these strings are made once per prompt and sent over the network,
-    where encoding time matters more than a few percent of size.
-
-    Args:
-        image: any PIL image PNG can store (the data pipeline passes resized RGB images).
-    """
+    """``image`` as a PNG (lossless, zlib level 1), base64 text without a ``data:`` prefix (SGLang's ``image_data``)."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _decode_string(text: str, *, base_dir: str | None, where: str, timeout_s: float) -> Image.Image:
-    """Dispatch a string value: data URI, URL, existing file, or bare base64."""
     if text.startswith("data:"):
         header, comma, payload = text.partition(",")
         if not comma or not header.endswith(";base64"):
@@ -193,7 +139,7 @@ def _decode_string(text: str, *, base_dir: str | None, where: str, timeout_s: fl
 
 
 def _b64decode(payload: str, *, where: str) -> bytes:
-    """Strict base64 decode (whitespace, e.g. line breaks, is allowed and removed)."""
+    """Strict base64 decode; whitespace is removed first."""
     compact = "".join(payload.split())
     try:
         data = base64.b64decode(compact, validate=True)
@@ -205,7 +151,6 @@ def _b64decode(payload: str, *, where: str) -> bytes:
 
 
 def _fetch(url: str, *, where: str, timeout_s: float) -> bytes:
-    """GET ``url`` with urllib; every network failure becomes an ImageDecodeError."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.read()
@@ -217,7 +162,6 @@ def _fetch(url: str, *, where: str, timeout_s: float) -> bytes:
 
 
 def _open_bytes(data: bytes, *, where: str, source: str) -> Image.Image:
-    """Open and fully decode encoded image bytes, then convert to RGB."""
     try:
         image = Image.open(io.BytesIO(data))
         image.load()

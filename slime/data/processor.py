@@ -1,24 +1,12 @@
 """The project's Qwen3.5 prompt processor: chat template, image resizing, pixel patches, token ids.
 
-It does what transformers' ``Qwen3VLProcessor`` does for images, without needing
-torchvision (which the stock processor requires through its video processor):
-
-- pixels come from transformers' PIL-backend ``Qwen2VLImageProcessorPil`` (the class that
-  ``AutoImageProcessor`` picks for ``qwen3_5`` / ``qwen3_5_moe`` without torchvision), so
-  ``pixel_values`` and ``image_grid_thw`` are the stock ones;
-- each ``<|image_pad|>`` of the prompt is expanded to ``image_grid_thw.prod() //
-  merge_size**2`` copies, as ``Qwen3VLProcessor.replace_image_token`` does;
-- :meth:`VLProcessor.resize_image` applies the image processor's "smart resize" (sides
-  multiples of ``patch_size * merge_size``, area within ``[min_pixels, max_pixels]``,
-  ``transformers.models.qwen2_vl`` ``smart_resize``) with the same PIL bicubic filter, so
-  the result is a fixed point: processing it again, here or in an SGLang server with the
-  checkpoint's bounds, neither resizes it nor changes the token count.
-
-Pixel bounds: :func:`load_processor` may narrow the checkpoint's
-``preprocessor_config.json`` bounds but not widen them.  The rollout engine (SGLang)
-re-processes each image with the checkpoint's bounds; an image resized to an area outside
-them would be resized again there and the engine's prompt would no longer match the
-token ids kept on the sample.  Such an override raises :class:`ConfigError`.
+What transformers' ``Qwen3VLProcessor`` does for images, without torchvision: pixels from the
+PIL-backend ``Qwen2VLImageProcessorPil`` (the stock ``pixel_values`` and ``image_grid_thw``), each
+``<|image_pad|>`` expanded to ``image_grid_thw.prod() // merge_size**2`` copies
+(``Qwen3VLProcessor.replace_image_token``), and :meth:`VLProcessor.resize_image`, transformers'
+``smart_resize`` with the same bicubic filter, whose result is a fixed point: an SGLang server with
+the checkpoint's bounds neither resizes it again nor changes its token count.  So the pixel bounds
+may be narrowed but not widened (:func:`load_processor`).
 """
 
 from __future__ import annotations
@@ -42,10 +30,7 @@ IMAGE_TOKEN = "<|image_pad|>"
 
 
 class ImageSizeError(ValueError):
-    """An image cannot be resized to a fixed point within the pixel bounds (the message gives its size).
-
-    The data pipeline may catch it to skip the row (logged with the row id and counted).
-    """
+    """An image cannot be resized to a fixed point within the pixel bounds (the message gives its size)."""
 
 
 @dataclasses.dataclass
@@ -53,13 +38,10 @@ class ProcessedPrompt:
     """One processed prompt.
 
     Attributes:
-        input_ids: prompt token ids, each image's ``<|image_pad|>`` expanded to its token
-            count, ``list[int]`` of length P.
-        pixel_values: float32 ``[num_patches, C * T * patch * patch]`` (``C = 3``,
-            ``T = temporal_patch_size``), the images' patches in prompt order, normalised
-            with the checkpoint's mean/std; ``None`` without images.
-        image_grid_thw: int64 ``[num_images, 3]``, the patch grid (t, h, w) of each image;
-            ``num_patches = image_grid_thw.prod(-1).sum()``; ``None`` without images.
+        input_ids: ``list[int]`` token ids, each image's ``<|image_pad|>`` expanded.
+        pixel_values: float32 ``[num_patches, C * T * patch * patch]`` (``C = 3``, ``T = temporal_patch_size``),
+            the images' patches in prompt order, normalised; ``None`` without images.
+        image_grid_thw: int64 ``[num_images, 3]`` patch grids (t, h, w); ``None`` without images.
     """
 
     input_ids: list[int]
@@ -68,18 +50,10 @@ class ProcessedPrompt:
 
 
 class VLProcessor:
-    """Chat template, image resizing and prompt processing for a Qwen3.5 checkpoint.
+    """Chat template, image resizing and prompt processing of a Qwen3.5 checkpoint; built by :func:`load_processor`.
 
-    Build it with :func:`load_processor`.
-
-    Attributes:
-        tokenizer: the Hugging Face tokenizer of the checkpoint.
-        image_processor: the ``Qwen2VLImageProcessorPil`` with the effective pixel bounds.
-        image_token, image_token_id: ``"<|image_pad|>"`` and its id.
-        min_pixels, max_pixels: effective bounds on an image's area after resizing, pixels.
-        patch_size: ViT patch side, pixels (16 for Qwen3.5).
-        merge_size: patches merged per side into one LLM token (2: one token per 2x2 patches).
-        temporal_patch_size: frames per patch (2; an image is repeated to fill them).
+    Sizes in pixels: ``min_pixels`` / ``max_pixels`` (the effective bounds on an image's area),
+    ``patch_size`` (16), ``merge_size`` (2: one token per 2x2 patches), ``temporal_patch_size`` (2).
     """
 
     def __init__(self, tokenizer, image_processor):
@@ -94,27 +68,17 @@ class VLProcessor:
         self.temporal_patch_size = int(image_processor.temporal_patch_size)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render ``messages`` with the checkpoint's chat template, as text (not token ids).
-
-        Images are content items ``{"type": "image"}``; each renders as one
-        ``<|vision_start|><|image_pad|><|vision_end|>`` span that :meth:`__call__` expands.
-        ``kwargs`` go to the template (e.g. ``enable_thinking=False``).
-        """
+        """``messages`` rendered as text by the chat template; ``{"type": "image"}`` items become vision spans."""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
-        """The (width, height) in pixels that an image of this size is resized to.
-
-        Upstream ``smart_resize`` (transformers ``qwen2_vl``; Qwen2-VL's preprocessing):
-        sides rounded to multiples of ``patch_size * merge_size``, then scaled down/up
-        keeping the aspect ratio when the area leaves ``[min_pixels, max_pixels]``.
+        """The (width, height) in pixels an image of this size is resized to (transformers ``smart_resize``).
 
         Raises:
-            ImageSizeError: the aspect ratio is above 200 (upstream limit), or so extreme that
-                the rounded result leaves ``[min_pixels, max_pixels]`` (it would not be a
-                fixed point); the message gives the size and the bounds.
+            ImageSizeError: the aspect ratio is above 200, or so extreme that the result leaves
+                ``[min_pixels, max_pixels]`` (not a fixed point); the message gives the size and the bounds.
         """
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -132,10 +96,7 @@ class VLProcessor:
         return new_w, new_h
 
     def resize_image(self, image: Image.Image) -> Image.Image:
-        """Convert to RGB and resize to :meth:`resized_size` with PIL bicubic, as the image processor does.
-
-        The returned image is a fixed point: its size is its own :meth:`resized_size`, so
-        processing it (here, or in an engine with the checkpoint's bounds) does not resize it.
+        """``image`` in RGB, resized (PIL bicubic) to :meth:`resized_size`: a fixed point of it.
 
         Raises:
             ImageSizeError: see :meth:`resized_size`.
@@ -148,7 +109,7 @@ class VLProcessor:
         return image.resize(new_size, resample=Image.Resampling.BICUBIC)
 
     def num_image_tokens(self, image: Image.Image) -> int:
-        """Number of ``<|image_pad|>`` tokens the image takes in the prompt: ``(h / patch) * (w / patch) / merge**2``.
+        """``<|image_pad|>`` tokens the image takes in the prompt: ``(h / patch) * (w / patch) / merge**2``.
 
         Raises:
             ImageSizeError: see :meth:`resized_size`.
@@ -157,19 +118,11 @@ class VLProcessor:
         return (height // self.patch_size) * (width // self.patch_size) // self.merge_size**2
 
     def __call__(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
-        """Tokenize a chat-templated prompt and process its images.
-
-        Args:
-            text: prompt text from :meth:`apply_chat_template`, with one ``<|image_pad|>`` per image.
-            images: the images in placeholder order (resized or not: resizing is idempotent).
-
-        Returns:
-            :class:`ProcessedPrompt`; the number of ``image_token_id`` in ``input_ids``
-            equals ``sum(image_grid_thw.prod(-1)) // merge_size**2``.
+        """Tokenize a chat-templated prompt (one ``<|image_pad|>`` per image) and process its images, in order.
 
         Raises:
-            ValueError: the number of ``<|image_pad|>`` in ``text`` differs from ``len(images)``,
-                or an image cannot be resized (:class:`ImageSizeError`, see :meth:`resized_size`).
+            ValueError: the placeholders differ from ``len(images)``, or an image cannot be resized
+                (:class:`ImageSizeError`).
         """
         n_placeholders = text.count(self.image_token)
         if n_placeholders != len(images):
@@ -196,18 +149,10 @@ class VLProcessor:
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int | None = None) -> torch.Tensor:
-    """Per-token modality of a (prompt + response) sequence: 0 text, 1 image pad, 2 video pad.
+    """Per-token modality, int64 of ``input_ids``' shape: 0 text, 1 image pad, 2 video pad.
 
-    transformers' Qwen3.5 ``forward`` needs this tensor (``mm_token_type_ids``) next to
-    ``pixel_values`` to build the 3-D mRoPE positions; ``Qwen3VLProcessor`` returns it with
-    the same values.
-
-    Args:
-        input_ids: int64 ``[..., L]`` token ids.
-        image_token_id, video_token_id: ``config.image_token_id`` / ``config.video_token_id``.
-
-    Returns:
-        int64 tensor of the shape of ``input_ids``.
+    transformers' Qwen3.5 ``forward`` needs it (``mm_token_type_ids``) with ``pixel_values``, as
+    ``Qwen3VLProcessor`` returns it.
     """
     types = (input_ids == image_token_id).long()
     if video_token_id is not None:
@@ -218,22 +163,16 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
 def load_processor(
     hf_checkpoint: str | os.PathLike, *, min_pixels: int | None = None, max_pixels: int | None = None
 ) -> VLProcessor:
-    """Load the tokenizer and the PIL image processor of a Qwen3.5 checkpoint folder (no torchvision needed).
+    """The :class:`VLProcessor` (tokenizer, PIL image processor) of a local Qwen3.5 checkpoint folder.
 
-    Args:
-        hf_checkpoint: a local checkpoint folder (``--hf-checkpoint``).
-        min_pixels, max_pixels: narrower pixel bounds than the checkpoint's
-            ``preprocessor_config.json`` ``size.shortest_edge`` / ``size.longest_edge``;
-            ``None`` keeps the checkpoint's.
-
-    Returns:
-        The :class:`VLProcessor`.
+    ``min_pixels`` / ``max_pixels`` narrow the checkpoint's ``preprocessor_config.json`` bounds (``None``
+    keeps them).
 
     Raises:
-        FileNotFoundError: the folder, a file of :data:`REQUIRED_FILES`, a tokenizer model
-            file or a chat template is missing; the message names it.
-        ConfigError: ``min_pixels`` / ``max_pixels`` widen the checkpoint's bounds, or
-            ``min_pixels > max_pixels`` (see the module docstring).
+        FileNotFoundError: the folder, a file of :data:`REQUIRED_FILES`, a tokenizer model file or a
+            chat template is missing; the message names it.
+        ConfigError: the bounds widen the checkpoint's (the engine would resize such images again), or
+            ``min_pixels > max_pixels``.
     """
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -286,11 +225,7 @@ def load_processor(
 
 
 def _token_id(tokenizer, token: str) -> int:
-    """The single id of ``token``.
-
-    Raises:
-        ValueError: the tokenizer does not have ``token`` as one token.
-    """
+    """The single id of ``token``; ``ValueError`` when the tokenizer does not have it as one token."""
     token_id = tokenizer.convert_tokens_to_ids(token)
     if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != token:
         raise ValueError(f"the tokenizer has no {token} token; is this a Qwen3.5 / Qwen3-VL checkpoint?")

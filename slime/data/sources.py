@@ -1,16 +1,9 @@
 """Dataset rows from a file, a folder or the Hugging Face hub, as an Arrow table.
 
-Where rows come from (``--prompt-data``, ``--eval-prompt-data``; :func:`load_table`):
-
-- a local ``.parquet`` or ``.jsonl`` file;
-- a folder holding ``<split>.parquet`` (or ``<split>.jsonl``): ``train`` for training,
-  ``test`` for evaluation (the bundled ``examples/geo3k_vlm/data``);
-- otherwise a Hugging Face dataset name for ``datasets.load_dataset(name, split=split)``,
-  e.g. ``chenhegu/geo3k_imgurl`` (what the launcher's ``SLIME_SCRIPT_DATASET_NAME``
-  drives).  ``NAME@split`` (and ``FOLDER@split``) picks another split.
-
-Labels are strings: a .jsonl label keeps its text as written, numbers included
-(:func:`read_jsonl`).
+``--prompt-data`` / ``--eval-prompt-data`` name a ``.parquet`` or ``.jsonl`` file; a folder holding
+``<split>.parquet`` (or ``.jsonl``; ``train`` for training, ``test`` for evaluation); or else a Hugging
+Face dataset name for ``datasets.load_dataset(name, split=split)``.  ``NAME@split`` (or ``FOLDER@split``)
+picks another split.  Labels keep their text as written (:func:`read_jsonl`).
 """
 
 from __future__ import annotations
@@ -39,10 +32,7 @@ class DatasetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DataSource:
-    """Where the rows of one split live: a local file, or a Hugging Face dataset name and split.
-
-    Exactly one of ``path`` and ``hub_name`` is set.
-    """
+    """Where the rows of one split live: a local ``path`` or a ``hub_name`` (exactly one), and the split."""
 
     path: str | None
     """Local ``.parquet`` / ``.jsonl`` file."""
@@ -56,19 +46,11 @@ class DataSource:
 
 
 def resolve_source(spec: str, *, default_split: str, flag_name: str = "--prompt-data") -> DataSource:
-    """Decide what ``spec`` names (see the module docstring for the accepted forms).
-
-    Args:
-        spec: the ``--prompt-data`` / ``--eval-prompt-data`` value.
-        default_split: the split of a folder or hub dataset when ``spec`` has no ``@split``
-            (``"train"`` for training, ``"test"`` for evaluation).
-        flag_name: the flag that carried ``spec``, for error messages.
+    """What ``spec`` names; ``default_split`` applies to a folder or hub name without ``@split``.
 
     Raises:
-        ConfigError: a path that looks local (ends in .parquet / .jsonl, or starts with
-            ``/``, ``.`` or ``~``) does not exist, a file of another type, or a folder
-            without ``<split>.parquet`` / ``<split>.jsonl``.  Anything else is taken as a
-            hub name (checked when loaded).
+        ConfigError: a path that looks local (a .parquet / .jsonl suffix, or ``/``, ``.``, ``~``) does
+            not exist, a file of another type, or a folder without ``<split>.parquet`` / ``.jsonl``.
     """
     location, split = spec, default_split
     if "@" in spec and not os.path.exists(spec):
@@ -94,14 +76,8 @@ def resolve_source(spec: str, *, default_split: str, flag_name: str = "--prompt-
 
 @dataclasses.dataclass
 class LoadedTable:
-    """Rows of one dataset split, as an Arrow table, with where they came from.
-
-    Attributes:
-        table: the rows; image columns keep their stored form (e.g. ``{bytes, path}``
-            structs), decoded later one row at a time.
-        source: what was loaded (its ``str`` is used in messages).
-        base_dir: folder that relative image paths resolve against (the file's folder;
-            ``None`` for hub datasets).
+    """Rows of one dataset split as an Arrow table (images in their stored form), its source, and the
+    folder that relative image paths resolve against (``None`` for hub data).
     """
 
     table: pa.Table
@@ -112,22 +88,13 @@ class LoadedTable:
 def load_table(
     spec: str, *, default_split: str, flag_name: str = "--prompt-data", text_columns: Collection[str] = ()
 ) -> LoadedTable:
-    """Load the rows that ``spec`` names (resolved by :func:`resolve_source`).
+    """Load the rows that ``spec`` names (parquet memory-mapped, :func:`read_jsonl`, or the hub, images undecoded).
 
-    Local files are read with pyarrow (parquet memory-mapped) or :func:`read_jsonl`; hub
-    datasets through ``datasets.load_dataset(name, split=split)`` (which uses the
-    ``datasets`` cache), with their Image columns read undecoded.
-
-    Args:
-        spec, default_split, flag_name: see :func:`resolve_source`.
-        text_columns: columns whose JSON numbers keep their text in a .jsonl file (the
-            label column; see :func:`read_jsonl`).  Parquet and hub data keep their stored types.
+    ``text_columns``: columns whose .jsonl numbers keep their text (the label).
 
     Raises:
-        ConfigError: see :func:`resolve_source`; or the hub dataset cannot be loaded (the
-            message carries the ``datasets`` error).
-        DatasetError: a malformed .jsonl line, or a .jsonl column whose values cannot share one
-            type; or a file that is not parquet / UTF-8 text (the message names the flag and file).
+        ConfigError: see :func:`resolve_source`; or the hub dataset cannot be loaded.
+        DatasetError: a malformed .jsonl line or column, or a file that is not parquet / UTF-8 text.
     """
     source = resolve_source(spec, default_split=default_split, flag_name=flag_name)
     if source.path is None:
@@ -146,21 +113,14 @@ def load_table(
 
 
 def read_jsonl(path: str, *, text_columns: Collection[str] = ()) -> pa.Table:
-    """Read a JSON-lines file (one JSON object per line; blank lines ignored) into an Arrow table.
+    """A JSON-lines file (blank lines ignored) as an Arrow table: every key of any line a column, null where missing.
 
-    The columns are every key that appears on any line, in order of first appearance; a
-    line without a key has null there.  Each column's type is inferred from all its values.
-
-    In ``text_columns`` a value is kept *as written*: a JSON string is its decoded text
-    (``"3"`` -> ``3``), and a JSON number is its token exactly as it appears on the line,
-    not a float or int re-formatted (``3`` -> ``3``, ``3.50`` -> ``3.50``, ``1e-3`` ->
-    ``1e-3``, ``-0`` -> ``-0``; likewise Python's ``NaN`` / ``Infinity`` extensions).
-    Without this, a column holding both ``3`` and ``3.5`` becomes float64 and ``3`` reads
-    back as ``"3.0"``.  Other JSON values (``true``, lists, objects) are left as parsed.
+    In ``text_columns`` a number is kept as the token written (``3.50`` -> ``"3.50"``, not ``3.5``), so a
+    column of ``3`` and ``3.5`` does not turn ``3`` into ``"3.0"``.
 
     Raises:
-        DatasetError: a line that is not valid JSON or not an object (the message gives the
-            line number), or a column whose values cannot share one Arrow type (it names the column).
+        DatasetError: a line that is not a JSON object (with its number), or a column whose values cannot
+            share one Arrow type (naming it).
     """
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -193,7 +153,6 @@ def read_jsonl(path: str, *, text_columns: Collection[str] = ()) -> pa.Table:
 
 
 def _is_json_number(value: Any) -> bool:
-    """Whether ``json.loads`` produced ``value`` from a JSON number (bool is a JSON literal, not a number)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
