@@ -119,12 +119,9 @@ class RolloutEngineGroup:
     def set_resync(self, resync: Callable[[], None] | None) -> None:
         """Let :meth:`generate` re-sync restarted engines mid-rollout when no other engine is left to serve.
 
-        Args:
-            resync: called with no arguments once every engine being restarted is healthy again; it must push
-                the current policy weights into every engine and end with :meth:`weights_updated` (the driver
-                passes :func:`slime.driver.resync_engines`, i.e. ``trainers.update_weights(engines)`` inside the
-                colocated memory hand-over).  ``None`` turns the re-sync off: a rollout with no engine left then
-                fails (:class:`EngineError`).
+        ``resync()`` runs once every restarting engine is healthy; it must push the current weights into every
+        engine and end with :meth:`weights_updated` (the driver's :func:`slime.driver.resync_engines`).  ``None``:
+        a rollout with no engine left fails (:class:`EngineError`).
 
         Raises:
             TypeError: ``resync`` is neither callable nor None.

@@ -1,24 +1,12 @@
 """Ray start-up and placement groups: where trainer ranks and rollout engines run.
 
-Ray is slime's only orchestrator. :func:`init_ray` starts a local Ray instance, or joins
-an existing cluster (``--ray-address``; ``SLIME_SCRIPT_EXTERNAL_RAY=1`` in the launcher),
-which slime then never stops.  :func:`create_placement_groups` reserves one bundle per
-trainer rank and per rollout GPU:
-
-- GPU clusters: one bundle = one GPU (+1 CPU). ``--colocate`` puts trainers and engines on
-  the same bundles (fractional GPU requests, as upstream slime does: 0.4 per trainer, 0.2
-  per engine), and the driver releases/resumes memory around each phase. Without it they
-  get disjoint bundles (disaggregated).
-- Machines without GPUs: the same flags size CPU bundles (one CPU each), so
-  ``--actor-num-gpus-per-node 2`` still means two trainer ranks.
-
-An engine spans ``--rollout-num-gpus-per-engine`` bundles.  Ray places an actor on one
-bundle only, so the engine's actor sits on its first bundle and is told the resources of all
-of them (:class:`slime.rollout.engines.base.EngineResources`): a probe task on every bundle
-reads its node and ``ray.get_gpu_ids()``, the bundles are sorted by (node, GPU id) so that
-an engine's GPUs are neighbours on one node, and consecutive bundles form one engine.  The
-placement group keeps the other bundles reserved for the engine's own processes: trainers
-(disaggregated) have a group of their own, and no other actor is placed there.
+:func:`init_ray` starts a local Ray instance or joins a cluster (``--ray-address``), which slime then
+never stops.  :func:`create_placement_groups` reserves one bundle per trainer rank and per rollout
+GPU (one GPU + 1 CPU; one CPU on machines without GPUs, so the same flags size the run).
+``--colocate`` puts trainers and engines on the same bundles (fractional GPU requests, upstream
+slime's 0.4 / 0.2); else they get disjoint ones.  An engine spans ``--rollout-num-gpus-per-engine``
+bundles: its actor sits on the first and is told all of them (:class:`EngineResources`), found by a
+probe task per bundle and sorted by (node, GPU id), so that an engine's GPUs are neighbours on one node.
 """
 
 from __future__ import annotations
@@ -48,15 +36,9 @@ class PlacementError(RuntimeError):
 
 
 def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None) -> bool:
-    """Start or join Ray.
+    """Start or join Ray: ``--ray-address`` None starts a local instance, ``"auto"`` or ``host:port`` joins one.
 
-    Args:
-        cluster: ``--ray-address`` decides: None starts a local instance sized for this
-            run; ``"auto"`` or ``host:port`` joins an existing cluster.
-        extra_env: environment variables for every Ray worker (e.g. ``PYTHONPATH``).
-
-    Returns:
-        True when this process started Ray (and must stop it), False when it joined one.
+    ``extra_env``: environment of every Ray worker.  Returns True when this process started Ray (and must stop it).
     """
     env = {"PYTHONPATH": os.pathsep.join(p for p in [_repo_root(), os.environ.get("PYTHONPATH", "")] if p)}
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "WANDB_MODE", "NCCL_NVLS_ENABLE",
@@ -115,13 +97,9 @@ class Placement:
     """Reserved resources for one run.
 
     Attributes:
-        use_gpu: whether bundles are GPUs (else CPUs).
-        colocate: trainers and engines share bundles.
-        trainer_pg / trainer_bundles: the trainer ranks' placement group and bundle index
-            of each rank (rank order).
-        engine_pg: the rollout engines' placement group (the trainers' one when colocated).
-        engine_resources: per engine, every bundle it spans with its node and GPU ids
-            (``--rollout-num-gpus-per-engine`` bundles each; the actor goes on the first).
+        trainer_pg / trainer_bundles: the trainers' placement group and each rank's bundle index.
+        engine_pg: the engines' placement group (the trainers' one when colocated).
+        engine_resources: per engine, every bundle it spans with its node and GPU ids (actor on the first).
     """
 
     use_gpu: bool
@@ -142,7 +120,6 @@ class Placement:
 
     @property
     def engine_bundles(self) -> list[list[int]]:
-        """Per engine, the bundle indices it spans (in the engine placement group)."""
         return [r.bundle_indices for r in self.engine_resources]
 
     def trainer_options(self, rank: int) -> dict:
@@ -155,8 +132,7 @@ class Placement:
         )
 
     def engine_options(self, index: int) -> dict:
-        """``.options(...)`` for the actor of rollout engine ``index``: on its first bundle; on
-        GPUs Ray leaves ``CUDA_VISIBLE_DEVICES`` to the actor (:data:`NOSET_CUDA_VISIBLE_DEVICES`)."""
+        """``.options(...)`` for the actor of engine ``index`` (on GPUs it sets ``CUDA_VISIBLE_DEVICES`` itself)."""
         gpu = (COLOCATED_ENGINE_GPU if self.colocate else 1) if self.use_gpu else 0
         options = dict(
             num_cpus=0.5 if self.colocate else 1,
@@ -170,9 +146,7 @@ class Placement:
         return options
 
     def remove(self) -> None:
-        """Give the bundles back to the cluster (idempotent; logs, never raises: it runs during
-        clean-up).  Ray also removes them when the driver exits; this frees them at once on a
-        shared cluster."""
+        """Give the bundles back to the cluster at once (idempotent; logs, never raises: it runs during clean-up)."""
         if self._removed:
             return
         self._removed = True
@@ -184,19 +158,11 @@ class Placement:
 
 
 def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s: float = 600) -> Placement:
-    """Reserve bundles for trainers and engines, wait until Ray grants them, and find out where
-    each engine's bundles are.
-
-    Every bundle is ``{"GPU": 1, "CPU": 1}`` on GPU clusters, ``{"CPU": 1}`` otherwise:
-    ``--actor-num-nodes * --actor-num-gpus-per-node`` trainer bundles, plus (without
-    ``--colocate``) ``--rollout-num-gpus`` engine bundles.  Engines get consecutive bundles in
-    (node, GPU id) order, ``--rollout-num-gpus-per-engine`` each (see the module docstring).
+    """Reserve the bundles of trainers and engines, wait until Ray grants them, and probe where each engine's are.
 
     Raises:
-        PlacementError: at once when the cluster's total resources are fewer than the
-            bundles need (e.g. joining a small external cluster), or when Ray cannot grant
-            them within ``timeout_s`` (other jobs hold them); the message lists what was
-            asked and what the cluster has.
+        PlacementError: at once when the cluster's total resources are too few, or when Ray cannot
+            grant them within ``timeout_s``; the message lists what was asked and what the cluster has.
     """
     num_trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
     gpus_per_engine = cluster.rollout_num_gpus_per_engine
@@ -236,24 +202,17 @@ def create_placement_groups(cluster: ClusterConfig, *, use_gpu: bool, timeout_s:
 
 
 def cpu_threads_for_bundles(num_bundles: int, total_bundles: int) -> int:
-    """torch intra-op threads of an actor spanning ``num_bundles`` of the run's ``total_bundles``
-    CPU bundles on this machine: its share of the cores, ``cores * num_bundles // total_bundles``
-    (at least 1)."""
+    """torch threads of an actor on ``num_bundles`` of ``total_bundles`` CPU bundles: its share of the cores (>= 1)."""
     return max(1, (os.cpu_count() or 1) * num_bundles // max(1, total_bundles))
 
 
 @ray.remote(num_cpus=0)
 def _bundle_location() -> tuple[str, str, list]:
-    """Run inside a bundle: its node's IP and id, and the GPUs Ray assigned to the bundle."""
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
 
 
 def _probe_bundles(pg: PlacementGroup, num_bundles: int, unit: dict[str, float]) -> list[BundleResources]:
-    """Where each of the first ``num_bundles`` bundles of ``pg`` is, from a probe task inside it.
-
-    On GPU bundles the probe asks for a sliver of the bundle's GPU, so that Ray tells it the
-    GPU id (a zero-resource task is told none); it runs and ends before any actor is placed.
-    """
+    """Where each of the first ``num_bundles`` bundles is, from a probe task in it (a GPU sliver: told the GPU id)."""
     gpus = 0.01 if unit.get("GPU") else 0
     refs = [
         _bundle_location.options(num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
@@ -266,12 +225,7 @@ def _probe_bundles(pg: PlacementGroup, num_bundles: int, unit: dict[str, float])
 
 
 def assign_engine_bundles(bundles: list[BundleResources], per_engine: int) -> list[tuple[BundleResources, ...]]:
-    """Cut the probed bundles into engines of ``per_engine`` consecutive bundles in device order.
-
-    Ray does not number a placement group's bundles in node order, so bundles are first sorted
-    by node, then GPU id (numerically where it is a number), then bundle index; an engine then
-    takes GPUs that are neighbours on one node whenever ``per_engine`` divides the GPUs per node.
-    """
+    """Cut the probed bundles into engines of ``per_engine`` consecutive bundles, sorted by node, GPU id, index."""
 
     def device_order(bundle: BundleResources) -> tuple:
         gpus = tuple((0, int(g), "") if g.isdigit() else (1, 0, g) for g in bundle.gpu_ids)
@@ -282,7 +236,6 @@ def assign_engine_bundles(bundles: list[BundleResources], per_engine: int) -> li
 
 
 def _check_cluster_fits(num_bundles: int, unit: dict[str, float], cluster: ClusterConfig) -> None:
-    """Refuse at once a request that the whole cluster could never grant."""
     total = ray.cluster_resources()
     short = {k: (v * num_bundles, total.get(k, 0)) for k, v in unit.items() if v * num_bundles > total.get(k, 0)}
     if short:
@@ -317,7 +270,7 @@ CPU_ACTOR_BASE_BYTES = 512 << 20
 
 
 def host_memory_available() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read (not Linux)."""
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -329,12 +282,10 @@ def host_memory_available() -> int | None:
 
 
 def check_cpu_memory(cluster: ClusterConfig, weights_bytes: int) -> None:
-    """On a machine without GPUs, refuse at once a layout whose actor processes cannot fit in RAM.
+    """Without GPUs, refuse a layout whose actor processes cannot fit in RAM (rather than Ray's OOM killer later).
 
-    Lower bound per actor (trainer rank or engine): :data:`CPU_ACTOR_BASE_BYTES` plus one
-    float32 copy of the weights (``2 * weights_bytes`` for a bf16 checkpoint; trainers hold
-    more: gradients and Adam state).  Without this check, e.g. 128 actors on a 24 GiB machine
-    start one by one for minutes and then die in Ray's out-of-memory killer.
+    Bound per actor: :data:`CPU_ACTOR_BASE_BYTES` plus one float32 copy of the weights (``2 * weights_bytes``
+    for bf16).
 
     Raises:
         PlacementError: the bound exceeds ``MemAvailable``; names the flags and both figures.
@@ -358,16 +309,10 @@ RAY_CURRENT_CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
-    """Fail fast when the Ray head's GCS port cannot be reached: ``ray.init`` itself retries an
-    unreachable GCS for ever, logging a warning every few seconds.
-
-    ``"auto"`` is resolved the way Ray resolves it (``RAY_ADDRESS``, else
-    :data:`RAY_CURRENT_CLUSTER_FILE`); ``ray://`` client addresses and anything without a
-    ``host:port`` are left to Ray.
+    """Fail fast when the Ray head's GCS port is unreachable (``ray.init`` retries for ever).
 
     Raises:
-        ConnectionError: no TCP connection to ``host:port`` within ``timeout_s``; the message
-            names ``--ray-address`` and the resolved address.
+        ConnectionError: no TCP connection within ``timeout_s``, naming ``--ray-address`` and the address.
     """
     resolved = address
     if address == "auto":

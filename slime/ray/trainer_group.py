@@ -132,14 +132,9 @@ class TrainerGroup:
     def split_by_rank(self, samples: list[Sample]) -> tuple[list[list[Sample]], int]:
         """Cut ``samples`` into optimizer steps and each step evenly over data-parallel ranks.
 
-        That ``--global-batch-size`` splits evenly over the data-parallel ranks (with
-        ``--micro-batch-size``) is checked once, at parse time, with the backend's data-parallel
-        size (:func:`slime.arguments.validate`); here only the batch itself is checked.
-
-        Returns:
-            (per trainer rank: its samples, steps in order; number of optimizer steps).
-            Ranks with the same data-parallel rank (tensor/pipeline/context peers) get
-            the same samples.
+        Returns ``(per trainer rank: its samples, steps in order; optimizer steps)``; ranks of one data-parallel
+        rank (TP / PP / CP peers) get the same samples.  The divisibility of ``--global-batch-size`` by the
+        data-parallel ranks is checked at parse time.
 
         Raises:
             ValueError: the sample count is not a positive multiple of the global batch size.
