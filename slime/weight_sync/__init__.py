@@ -1,10 +1,8 @@
 """Weight sync from the trainer ranks to the rollout engines: one transport per run (see :mod:`.base`).
 
-:func:`make_transport` picks the run's transport once, from what the engine class accepts
-(:attr:`slime.rollout.engines.base.RolloutEngine.weight_transports`, in its order of preference)
-and where the engines sit: on GPUs, a colocated engine prefers CUDA IPC and a disaggregated one
-an NCCL broadcast; on CPU only the object store moves tensors.  Transports are registered lazily
-like the backends and engines (importing this package imports none).
+:func:`make_transport` picks it from what the engine class accepts and where the engines sit: on GPUs a
+colocated engine prefers CUDA IPC and a disaggregated one an NCCL broadcast; on CPU only the object
+store moves tensors.  Transports are registered lazily (importing this package imports none).
 """
 
 from __future__ import annotations
@@ -44,12 +42,7 @@ PREFERENCE = {
 
 
 def choose_transport(supported: Sequence[str], *, use_gpu: bool, colocate: bool) -> str:
-    """The transport of a run: the first of :data:`PREFERENCE` for this placement that the engine supports.
-
-    Args:
-        supported: the engine class's ``weight_transports``.
-        use_gpu: bundles are GPUs.
-        colocate: engines share the trainers' GPUs (``--colocate``).
+    """The run's transport: the first of :data:`PREFERENCE` for this placement that the engine class supports.
 
     Raises:
         ConfigError: the engine supports none of them (the message lists both sides).
@@ -68,8 +61,7 @@ def choose_transport(supported: Sequence[str], *, use_gpu: bool, colocate: bool)
 def make_transport(
     supported: Sequence[str], cfg: WeightSyncConfig, *, use_gpu: bool, colocate: bool, num_experts: int | None = None
 ) -> WeightTransport:
-    """Build the run's transport (:func:`choose_transport`) with ``--update-weight-buffer-size`` and the model's
-    routed experts per layer (``num_experts``, see :class:`~.base.WeightTransport`).
+    """Build the run's transport with ``--update-weight-buffer-size`` and the routed experts per layer.
 
     Raises:
         ConfigError: see :func:`choose_transport`.

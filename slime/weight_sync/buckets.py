@@ -1,10 +1,8 @@
 """Packing whole groups of tensors into buckets of about a byte budget: one rule for every bucketing.
 
-The rule: groups are taken in order and never split; a bucket closes as soon as it holds at least
-``bucket_bytes`` bytes, so it exceeds the budget by less than its last group, and a group larger than
-the budget is a bucket of its own.  Used for the weight-sync rounds of both backends
-(:meth:`slime.backends.base.TrainerBackend.iter_weight_buckets`) and the safetensors shards of saved
-Hugging Face folders.
+Groups are taken in order and never split; a bucket closes as soon as it holds at least ``bucket_bytes``
+bytes (so a group larger than the budget is a bucket of its own).  Used for the weight-sync rounds of
+both backends and the safetensors shards of saved Hugging Face folders.
 """
 
 from __future__ import annotations
@@ -17,15 +15,7 @@ T = TypeVar("T")
 
 
 def pack_by_bytes(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes: int) -> Iterator[list[T]]:
-    """Consecutive ``items`` packed by the module's rule, as they stream in.
-
-    Args:
-        items: the groups, in order.
-        nbytes: size of one group, bytes.
-        bucket_bytes: the budget, bytes, > 0.
-
-    Yields:
-        Non-empty lists of consecutive items; their concatenation is ``items``.
+    """Consecutive ``items`` packed by the rule as they stream in (``nbytes``: a group's size, bytes).
 
     Raises:
         ValueError: ``bucket_bytes <= 0`` (on the first ``next``).
@@ -47,10 +37,7 @@ def pack_by_bytes(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes: 
 def bucket_by_bytes(
     groups: Iterable[list[tuple[str, Tensor]]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """Groups of named tensors (e.g. one whole layer each) concatenated into buckets by the module's rule.
-
-    Yields:
-        Non-empty lists of ``(name, tensor)``, order kept.
+    """Groups of ``(name, tensor)`` (e.g. one layer each) concatenated into buckets by the rule, order kept.
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.
@@ -63,14 +50,7 @@ def bucket_by_bytes(
 
 
 def weight_rounds(group_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """The module's rule over group sizes alone (every rank computes the same rounds without the tensors).
-
-    Args:
-        group_bytes: size of each group, bytes, in order.
-        bucket_bytes: target round size, bytes, > 0.
-
-    Returns:
-        The group indices of each round, in order.
+    """The rule over group sizes alone (bytes): each round's group indices, so every rank computes the same rounds.
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.

@@ -1,21 +1,10 @@
 """Weight sync by CUDA IPC into colocated engines (SGLang ``/update_weights_from_tensor``, ``flattened_bucket``).
 
-Colocated runs put one trainer rank and one engine TP rank on every GPU, so the weights never leave
-the GPUs: the engine maps the trainer's buffers and copies from them.
-
-``connect_rank`` (every trainer rank): the rank finds its GPU among the engines' GPUs, which gives its
-engine and its TP rank there (:func:`ipc_plan`; every TP rank of every engine must have exactly one
-trainer rank on its GPU); a gloo group over the trainer ranks carries the small messages.
-``begin_sync``: every engine ``pause_generation`` then ``flush_cache``.  ``send``, per round of the
-lockstep buckets: the source flattens its tensors into one **new** ``uint8`` buffer
-(:func:`~.flattened.flatten`; each MoE layer it holds in full as two fused tensors,
-:func:`~.fused_experts.fused_layout`) and broadcasts it to every trainer GPU; each rank takes a CUDA IPC
-handle of its copy (:func:`~.flattened.serialize_ipc_bucket`), and each engine's TP-rank-0 trainer rank
-calls ``update_weights_from_ipc`` with its engine's handles in TP order.  The next buffer is made while
-the engines load this one; a barrier after the engines' answers frees it, so at most two buffers per
-rank are alive (twice ``--update-weight-buffer-size``).  ``end_sync``: every engine
-``continue_generation``.  Bytes moved per sync: the model once per GPU.  The protocol step by step and
-why (buffer reuse, the server plugin's synchronous copy): ``docs/design/weight_sync.md``.
+One trainer rank and one engine TP rank per GPU, so the weights never leave the GPUs: per round the
+source rank flattens its bucket into a new buffer (MoE layers as fused tensors) and broadcasts it to
+every trainer GPU; each rank hands a CUDA IPC handle of its copy to the engine TP rank on its GPU.  At
+most two buffers per rank are alive (twice ``--update-weight-buffer-size``); bytes moved per sync: the
+model once per GPU.  The protocol step by step and why: ``docs/design/weight_sync.md``.
 """
 
 from __future__ import annotations
@@ -85,7 +74,7 @@ def ipc_plan(slots: Sequence[EngineSlot | None], engines: Sequence[EngineResourc
 
 
 class CudaIpcTransport(WeightTransport):
-    """See the module docstring."""
+    """CUDA IPC transport (see the module docstring)."""
 
     name = "cuda_ipc"
     tensor_device = None
@@ -128,7 +117,7 @@ class CudaIpcTransport(WeightTransport):
         engines.flush_cache()
 
     def send(self, buckets: Iterable[WeightBucket], rank: RankInfo, engines: Sequence[ActorHandle]) -> list[str]:
-        """Move this rank's buckets into every engine (see the module docstring).
+        """Move this rank's buckets into every engine (collective over the trainer ranks).
 
         Raises:
             RuntimeError: an engine refused a bucket (its message).

@@ -1,27 +1,9 @@
-"""Flattened buckets: many named tensors as one byte buffer plus metadata, SGLang's ``flattened_bucket`` format.
+"""Flattened buckets: many named tensors as one ``uint8`` buffer plus metadata (SGLang 0.5.17's ``flattened_bucket``).
 
-SGLang 0.5.17 (``sglang/srt/weight_sync/tensor_bucket.py``,
-``model_runner_components/weight_updater.py``) rebuilds each tensor of a bucket as
-``buffer[start_idx:end_idx].view(dtype).reshape(shape)`` from a 1-D ``uint8`` buffer and, per
-tensor, an object with the attributes ``name, shape, dtype, start_idx, end_idx, numel`` (``numel``
-in bytes).  Two slime transports send buckets that way:
-
-- **CUDA IPC** (:mod:`slime.weight_sync.cuda_ipc`): :func:`serialize_ipc_bucket` pickles
-  ``{"flattened_tensor": <CUDA buffer>, "metadata": [...]}`` so that the buffer travels as a CUDA IPC
-  handle (the memory stays where it is; the server maps it), with the device given by its UUID
-  instead of this process's index (SGLang's ``monkey_patch_torch_reductions`` maps a UUID back to
-  its own index: trainer and server number the GPUs differently).  One payload per TP rank, each
-  made on that rank's GPU (``/update_weights_from_tensor``'s ``serialized_named_tensors``).
-- **Object store** to an SGLang engine: :func:`serialize_bucket_by_value` pickles a CPU buffer by
-  value (for CPU tests and runs without a GPU transport).
-
-Only classes that SGLang's ``SafeUnpickler`` accepts are pickled (``torch.*``, ``builtins``,
-``types.SimpleNamespace`` for the metadata), so slime needs no SGLang import to build payloads.
-
-NCCL (``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``) broadcasts the
-same buffer, but the server rebuilds the layout itself without gaps, so :func:`flatten` packs
-tensors back to back (``align=1``) there; the IPC and by-value payloads carry explicit offsets and
-align every tensor to 16 bytes, which ``Tensor.view(dtype)`` needs for mixed dtypes.
+Payloads for ``/update_weights_from_tensor``: :func:`serialize_ipc_bucket` (a CUDA IPC handle, device by
+UUID) and :func:`serialize_bucket_by_value` (a CPU copy); only classes SGLang's ``SafeUnpickler`` accepts
+are pickled.  IPC and by-value buffers align each tensor to :data:`IPC_ALIGN` bytes; NCCL packs them back
+to back (``align=1``).  The format and why: ``docs/design/weight_sync.md``.
 """
 
 from __future__ import annotations
@@ -41,14 +23,7 @@ IPC_ALIGN = 16
 
 @dataclasses.dataclass(frozen=True)
 class TensorMeta:
-    """Where one tensor sits in a flattened buffer.
-
-    Attributes:
-        name: Hugging Face checkpoint name.
-        shape: the tensor's shape.
-        dtype: its dtype.
-        start: first byte in the buffer.
-        nbytes: its size, bytes (``numel * element_size``).
+    """Where one tensor (Hugging Face name, ``shape``, ``dtype``) sits in a buffer: bytes ``[start, start + nbytes)``.
     """
 
     name: str
@@ -62,7 +37,6 @@ class TensorMeta:
         return self.start + self.nbytes
 
     def for_sglang(self) -> types.SimpleNamespace:
-        """SGLang's ``FlattenedTensorMetadata`` fields (``numel`` in bytes of the ``uint8`` buffer)."""
         return types.SimpleNamespace(name=self.name, shape=torch.Size(self.shape), dtype=self.dtype,
                                      start_idx=self.start, end_idx=self.end, numel=self.nbytes)
 
@@ -84,10 +58,7 @@ class FlatBucket:
 
 
 def layout(named_tensors: Sequence[tuple[str, torch.Tensor]], align: int = IPC_ALIGN) -> tuple[list[TensorMeta], int]:
-    """Offsets of ``named_tensors`` packed in order, each start a multiple of ``align`` bytes.
-
-    Returns:
-        ``(metadata, total bytes)``.
+    """``(metadata, total bytes)`` of ``named_tensors`` packed in order, each start a multiple of ``align`` bytes.
 
     Raises:
         ValueError: an empty bucket, a repeated name, or ``align < 1``.
@@ -112,7 +83,7 @@ def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]], device: torch.dev
             align: int = IPC_ALIGN) -> FlatBucket:
     """Copy ``named_tensors`` into one **new** ``uint8`` buffer on ``device`` (default: the first tensor's).
 
-    A new buffer every call: an engine may still be reading the previous one.
+    A new buffer every call, since an engine may still be reading the previous one.
 
     Raises:
         ValueError: see :func:`layout`.
@@ -138,7 +109,6 @@ def unflatten(buffer: torch.Tensor, metadata: Sequence[TensorMeta]) -> list[tupl
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (SGLang's ``getattr(torch, name)``)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -162,8 +132,7 @@ class _CudaIpcTensor:
 
 
 def serialize_ipc_bucket(bucket: FlatBucket) -> str:
-    """Base64 payload of one TP rank for ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``):
-    the CUDA buffer as an IPC handle.  The caller keeps ``bucket.buffer`` alive until the engine has loaded it.
+    """Base64 payload of one TP rank: the CUDA buffer as an IPC handle; keep ``bucket.buffer`` alive until loaded.
 
     Raises:
         ValueError: the buffer is not on a CUDA device.
@@ -175,7 +144,7 @@ def serialize_ipc_bucket(bucket: FlatBucket) -> str:
 
 
 def serialize_bucket_by_value(bucket: FlatBucket) -> str:
-    """Base64 payload with the buffer's bytes inside (a CPU copy), for SGLang engines fed through the object store."""
+    """Base64 payload with a CPU copy of the buffer inside (SGLang engines fed through the object store)."""
     payload = {"flattened_tensor": bucket.buffer.cpu(), "metadata": [m.for_sglang() for m in bucket.metadata]}
     buf = io.BytesIO()
     pickle.dump(payload, buf)

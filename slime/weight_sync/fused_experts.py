@@ -1,18 +1,10 @@
 """A MoE layer's routed experts as two fused tensors in a flattened weight-sync bucket, at no copy.
 
-Checkpoints, and so every backend's weight export, name each expert's projections apart:
-``<layer>.mlp.experts.<e>.gate_proj.weight`` [I, H], ``...up_proj.weight`` [I, H] and
-``...down_proj.weight`` [H, I], for ``e`` in ``0..E-1``.  transformers 5 holds a layer's experts fused,
-``<layer>.mlp.experts.gate_up_proj`` [E, 2I, H] (expert ``e``'s rows: its gate rows, then its up rows)
-and ``<layer>.mlp.experts.down_proj`` [E, H, I], and SGLang's Qwen3.5 ``load_weights`` takes that form too.
-Two names per layer instead of 3E matter there: SGLang looks every name up in its table of per-expert
-names (3E entries), so a layer of 256 experts costs 768 scans of 768 entries.  On one H200 with a
-real-width scaled Qwen3.5-35B-A3B (9.66 GB, SGLang 0.5.17, CUDA IPC) a full sync took 0.49 s per expert
-and 0.20 s fused, in 2 GiB buckets (``docs/results/h200_sglang.md``, run 5).
-
-The fused tensors need no copy: laid out as ``gate_0, up_0, gate_1, up_1, ..., gate_{E-1}, up_{E-1}``
-then ``down_0, ..., down_{E-1}``, back to back, the bytes of a flattened bucket are already those of
-``gate_up_proj`` and ``down_proj``; only the bucket's metadata changes (:func:`fused_layout`).
+Checkpoints name each expert's ``gate_proj`` [I, H], ``up_proj`` [I, H] and ``down_proj`` [H, I] apart;
+SGLang's Qwen3.5 ``load_weights`` also takes transformers 5's fused ``<layer>.mlp.experts.gate_up_proj``
+[E, 2I, H] and ``down_proj`` [E, H, I], and loads those about 2.5 times faster.  Laid out as ``gate_0,
+up_0, ..., gate_{E-1}, up_{E-1}, down_0, ..., down_{E-1}``, back to back, a flattened bucket's bytes
+already are the fused tensors; only its metadata changes (``docs/design/weight_sync.md``).
 """
 
 from __future__ import annotations
@@ -33,8 +25,7 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def checkpoint_num_experts(hf_checkpoint: str | Path | None) -> int | None:
-    """Routed experts per MoE layer from ``<hf_checkpoint>/config.json`` (``text_config.num_experts``, else the
-    top-level ``num_experts``); None for a dense model, or when there is no readable local ``config.json``."""
+    """Routed experts per MoE layer of ``<hf_checkpoint>/config.json``; None for a dense model or no readable config."""
     if hf_checkpoint is None:
         return None
     try:
@@ -47,9 +38,9 @@ def checkpoint_num_experts(hf_checkpoint: str | Path | None) -> int | None:
 
 def _complete_layers(bucket: Sequence[tuple[str, torch.Tensor]], num_experts: int,
                      align: int) -> dict[str, dict[str, list]]:
-    """The layers of ``bucket`` that hold all three projections of experts ``0..num_experts-1``, with one dtype,
-    gate and up of one 2-D shape [I, H], down [H, I], each tensor a multiple of ``align`` bytes (so that they
-    pack back to back): ``{layer: {proj: [(name, tensor) by expert]}}``."""
+    """``{layer: {proj: [(name, tensor) by expert]}}`` of the layers of ``bucket`` that can be fused (all experts,
+    one dtype, gate / up [I, H], down [H, I], each a multiple of ``align`` bytes).
+    """
     found: dict[str, dict[str, dict[int, tuple[str, torch.Tensor]]]] = {}
     for name, tensor in bucket:
         match = EXPERT_WEIGHT.match(name)
@@ -74,26 +65,18 @@ def _complete_layers(bucket: Sequence[tuple[str, torch.Tensor]], num_experts: in
 
 def fused_layout(bucket: Sequence[tuple[str, torch.Tensor]], num_experts: int | None,
                  align: int = IPC_ALIGN) -> tuple[list[tuple[str, torch.Tensor]], list[TensorMeta], int]:
-    """Order ``bucket`` so that each complete MoE layer's experts lie as their fused tensors, and describe it so.
+    """Order ``bucket`` so that each complete MoE layer lies as its fused tensors, and describe it so.
 
-    A layer is fused when the bucket holds its whole set of experts and the order above packs its tensors
-    back to back (each a multiple of ``align`` bytes; see :func:`_complete_layers`).  Such a layer's tensors
-    move to where its first one was, ordered ``gate_0, up_0, ..., gate_{E-1}, up_{E-1}, down_0, ...,
-    down_{E-1}``; every other tensor keeps its name and its place.
-
-    Args:
-        bucket: ``(checkpoint name, tensor)`` pairs.
-        num_experts: routed experts per layer (:func:`checkpoint_num_experts`); None or 0 fuses nothing.
-        align: byte alignment of each tensor in the buffer (:func:`slime.weight_sync.flattened.layout`).
+    A fused layer's tensors move to where its first one was, in the order above; every other tensor
+    keeps its name and place.  ``num_experts`` None or 0 fuses nothing.
 
     Returns:
         ``(ordered, metadata, total bytes)``: ``flatten(ordered, align=align)`` writes the buffer, and
-        ``unflatten(buffer, metadata)`` reads it as ``<layer>.gate_up_proj`` [E, 2I, H] and ``<layer>.down_proj``
-        [E, H, I] for each fused layer and the other tensors by their own names; the fused entries come last
-        in ``metadata`` (the order SGLang loads them in; see the comment at the end).
+        ``unflatten(buffer, metadata)`` reads the fused layers as ``<layer>.gate_up_proj`` [E, 2I, H] and
+        ``<layer>.down_proj`` [E, H, I] (their entries last) and the rest by their own names.
 
     Raises:
-        ValueError: see :func:`slime.weight_sync.flattened.layout` (an empty bucket, a repeated name).
+        ValueError: an empty bucket or a repeated name (:func:`slime.weight_sync.flattened.layout`).
     """
     complete = _complete_layers(bucket, num_experts, align) if num_experts else {}
     if not complete:

@@ -1,19 +1,10 @@
 """Weight sync by NCCL broadcast into disaggregated engines (SGLang ``/init_weights_update_group`` +
 ``/update_weights_from_distributed``).
 
-Each trainer rank ``r`` owns one process group, ``slime-weights-r<r>``, with itself as rank 0 and every
-engine GPU after it: engine ``e``'s TP rank ``i`` is rank ``1 + offset(e) + i``, ``world = 1 + the
-engines' GPUs`` (every rank may be the source of some buckets).
-
-``connect`` (driver, once per run and again after an engine actor is replaced): each trainer rank names
-a free port on its node; every engine joins the groups in rank order while every trainer rank creates
-its own group as rank 0 and hosts its rendezvous store (:func:`init_weight_group`).  ``begin_sync``:
-``pause_generation`` + ``flush_cache``.  ``send``, per non-empty bucket of the rank, split by dtype:
-start every engine's ``update_weights_from_distributed(names, dtypes, shapes, group)`` without waiting,
-broadcast the flattened buffer from rank 0 of the rank's group, then wait for the engines.  Names are
-the Hugging Face checkpoint names, the vision tower's included.  ``end_sync``: ``flush_cache`` +
-``continue_generation``.  NCCL needs the engines on other GPUs than the trainers; ``backend="gloo"``
-runs the same protocol on CPU tensors (tests).  Details: ``docs/design/weight_sync.md``.
+Trainer rank ``r`` owns the group ``slime-weights-r<r>``: itself as rank 0, then every engine GPU (engine
+``e``'s TP rank ``i`` at ``1 + offset(e) + i``).  Each non-empty bucket, split by dtype, is broadcast from
+rank 0 while the engines receive it.  NCCL needs the engines on other GPUs than the trainers;
+``backend="gloo"`` runs the same protocol on CPU tensors (tests).  Step by step: ``docs/design/weight_sync.md``.
 """
 
 from __future__ import annotations
@@ -62,11 +53,9 @@ def split_by_dtype(bucket: WeightBucket) -> list[WeightBucket]:
 
 def init_weight_group(master_address: str, master_port: int, world_size: int, rank: int, name: str,
                       backend: str = "nccl"):
-    """A process group outside the trainers' world, rendezvous at ``tcp://master_address:master_port``
-    (rank 0 hosts the store), as SGLang's server side creates it (``init_custom_process_group``).
+    """A process group outside the trainers' world (broadcast ``src=0``), rendezvous at ``master_address:master_port``.
 
-    Returns:
-        The process group (broadcast with ``src=0``).
+    Rank 0 hosts the store, as SGLang's ``init_custom_process_group`` expects.
     """
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
@@ -88,12 +77,7 @@ def _address(actor) -> tuple[str, int]:
 
 
 class NcclTransport(WeightTransport):
-    """See the module docstring.
-
-    Args:
-        bucket_bytes: ``--update-weight-buffer-size``.
-        backend: ``"nccl"`` (GPUs) or ``"gloo"`` (the same protocol on CPU tensors, for tests).
-    """
+    """NCCL transport (see the module docstring); ``backend``: ``"nccl"`` or ``"gloo"``."""
 
     name = "nccl"
     tensor_device = None
@@ -111,7 +95,7 @@ class NcclTransport(WeightTransport):
         return state
 
     def connect(self, trainers: TrainerRanks, engines: RolloutEngineGroup) -> None:
-        """Form one group per trainer rank with every engine GPU (see the module docstring).
+        """Form one group per trainer rank with every engine GPU.
 
         Raises:
             ray.exceptions.RayTaskError: an engine or a rank failed to join (SGLang's message inside).

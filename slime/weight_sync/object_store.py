@@ -1,19 +1,9 @@
 """Weight sync through Ray's object store: the transformers engine's path, and any engine's on CPU.
 
-Each trainer rank ``ray.put``s every non-empty bucket of its own (CPU tensors) once and hands
-the reference to every engine's ``update_weights_from_tensor``; it waits for all engines before
-the next bucket, so at most one bucket per sending rank sits in the store.  The ranks send at the
-same time, and an engine on another node pulls a copy of each bucket into its own node's store,
-so up to ``trainer ranks x bucket`` bytes can be in one store at once.  The store is small (1 GiB
-when slime starts Ray, :func:`slime.ray.placement.init_ray`), so :meth:`ObjectStoreTransport.connect`
-lowers the bucket to :func:`bucket_limit` of the smallest node's store: half of it shared out
-over the ranks, the other half left for what else goes through the store (rollout batches with
-their images, results).  A single layer larger than that is still a bucket of its own (buckets
-hold whole layers), and Ray then spills to disk.
-
-Engines are Ray actors that run one call at a time, so buckets from several ranks arrive one
-after another in any order; an engine must accept that (the transformers engine does: it fuses
-a parameter once all of its checkpoint tensors have arrived).
+Each rank ``ray.put``s each of its non-empty buckets (CPU tensors) once, hands it to every engine's
+``update_weights_from_tensor`` and waits before the next, so at most one bucket per rank sits in a
+store; :meth:`ObjectStoreTransport.connect` lowers the bucket to fit (:func:`bucket_limit`).  Buckets of
+several ranks reach an engine in any order.  Why: ``docs/design/weight_sync.md``.
 """
 
 from __future__ import annotations
@@ -38,12 +28,9 @@ STORE_SHARE_FOR_WEIGHTS = 0.5
 
 
 def bucket_limit(store_bytes: int, num_ranks: int) -> int:
-    """The largest bucket the object store holds from every rank at once:
-    ``floor(STORE_SHARE_FOR_WEIGHTS * store_bytes / num_ranks)`` bytes, at least 1.
+    """The largest bucket the store holds from every rank at once, bytes (>= 1).
 
-    Args:
-        store_bytes: the smallest object store of the cluster's nodes, bytes (:func:`object_store_bytes`).
-        num_ranks: trainer ranks, each of which may hold one bucket in the store at a time.
+    ``floor(STORE_SHARE_FOR_WEIGHTS * store_bytes / num_ranks)``, ``store_bytes`` the smallest node's store.
 
     Raises:
         ValueError: ``num_ranks < 1`` or ``store_bytes < 1``.
@@ -54,7 +41,7 @@ def bucket_limit(store_bytes: int, num_ranks: int) -> int:
 
 
 def object_store_bytes() -> int:
-    """The object store of the smallest alive node of the connected Ray cluster, bytes (``ray.nodes()``).
+    """The object store of the smallest alive node of the connected Ray cluster, bytes.
 
     Raises:
         RuntimeError: Ray reports no alive node with an object store.
@@ -77,18 +64,12 @@ class ObjectStoreTransport(WeightTransport):
     tensor_device = "cpu"
 
     def connect(self, trainers: TrainerRanks, engines: RolloutEngineGroup) -> None:
-        """Fit the bucket to the cluster's object store (:meth:`fit_bucket`), then hand this transport to the ranks."""
+        """Fit the bucket to the object store (:meth:`fit_bucket`), then hand this transport to the ranks."""
         self.fit_bucket(object_store_bytes(), len(trainers.actors))
         super().connect(trainers, engines)
 
     def fit_bucket(self, store_bytes: int, num_ranks: int) -> int:
-        """Lower :attr:`bucket_bytes` to :func:`bucket_limit` when it is larger; returns the size used.
-
-        Lowering is logged: a warning when ``--update-weight-buffer-size`` was given, at info level for
-        the default.  The bucket size sets only how many tensors travel per call, never which tensors
-        or their values, so a smaller one changes nothing but the number of calls; the same command
-        line thus runs over the object store and over transports that carry larger buckets.
-        """
+        """Lower :attr:`bucket_bytes` to :func:`bucket_limit` if larger (a warning if the user set it); returns it."""
         limit = bucket_limit(store_bytes, num_ranks)
         if self.bucket_bytes > limit:
             log = logger.warning if self.bucket_bytes_given else logger.info
