@@ -5,29 +5,13 @@
     DIR/
       latest_checkpointed_iteration.txt   # "7": the last COMPLETE checkpoint (Megatron's name)
       iter_0000007/
-        model/            # Hugging Face folder (config, safetensors, tokenizer, processor):
-                          # loadable by transformers.from_pretrained, usable as --hf-checkpoint
-                          # (the FSDP backend's weights; other backends write it on request)
-        trainer/          # backend-private: optimizer, LR scheduler, per-rank RNG state
-                          # (the Megatron backend: weights and optimizer in one torch.distributed.checkpoint)
-        rollout_state.pt  # driver: rollout id and data cursor (epoch, position, skip counts)
+        model/            # Hugging Face folder, usable as --hf-checkpoint (FSDP's weights)
+        trainer/          # backend-private: optimizer, LR scheduler, per-rank RNG (Megatron: weights too)
+        rollout_state.pt  # driver: rollout id and data cursor
 
-Which parts a complete checkpoint holds is the backend's to say
-(:meth:`slime.backends.config.BackendConfig.checkpoint_parts`: FSDP ``model/`` + ``trainer/``,
-Megatron ``trainer/state`` + ``trainer/scheduler.pt``);
-``rollout_state.pt`` is always the driver's.
-
-Randomness: the prompt order is a pure function of ``--rollout-seed`` and the epoch, so the
-data cursor restores it exactly; each trainer rank's torch/numpy/python RNG is in
-``trainer/``.  Sampling needs no state in the checkpoint: every request carries a seed that is
-a pure function of ``--rollout-seed``, the rollout id and the request's position in its rollout
-(:mod:`slime.rollout.seeds`), so the responses sampled after a resume are the ones the killed
-run would have sampled (exactly on the transformers engine; on SGLang with its deterministic
-inference mode).
-
-The marker file is written last, atomically, by the driver once every part is on disk, so
-a run killed in the middle of a save resumes from the previous complete checkpoint.
-``--load DIR`` resumes from the iteration the marker names.
+A complete checkpoint holds the backend's parts (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`)
+and ``rollout_state.pt``; the driver writes the marker last, atomically, so a run killed mid-save resumes
+from the previous one.  ``--load DIR`` resumes from the iteration the marker names.
 """
 
 from __future__ import annotations
@@ -45,22 +29,18 @@ class CheckpointError(RuntimeError):
 
 
 def iteration_dir(root: str | os.PathLike, rollout_id: int) -> Path:
-    """``root/iter_<rollout_id:07d>``."""
     return Path(root) / f"iter_{rollout_id:07d}"
 
 
 def model_dir(root: str | os.PathLike, rollout_id: int) -> Path:
-    """The Hugging Face model folder of one checkpoint."""
     return iteration_dir(root, rollout_id) / "model"
 
 
 def trainer_dir(root: str | os.PathLike, rollout_id: int) -> Path:
-    """The backend-private folder (optimizer, scheduler, RNG) of one checkpoint."""
     return iteration_dir(root, rollout_id) / "trainer"
 
 
 def rollout_state_path(root: str | os.PathLike, rollout_id: int) -> Path:
-    """The driver's state file (rollout id, data cursor) of one checkpoint."""
     return iteration_dir(root, rollout_id) / "rollout_state.pt"
 
 
@@ -92,14 +72,7 @@ def mark_latest(root: str | os.PathLike, rollout_id: int) -> None:
 
 
 def check_complete(root: str | os.PathLike, rollout_id: int, backend_parts: Sequence[str]) -> None:
-    """Check that the checkpoint of ``rollout_id`` under ``root`` has every part a resume reads.
-
-    Args:
-        root: the ``--load`` folder.
-        rollout_id: the checkpoint's rollout id.
-        backend_parts: the training backend's parts, relative to the iteration folder
-            (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`, e.g. ``("model", "trainer")``);
-            the driver's ``rollout_state.pt`` is checked too.
+    """Check that checkpoint ``rollout_id`` of ``root`` (``--load``) has ``backend_parts`` and ``rollout_state.pt``.
 
     Raises:
         CheckpointError: naming the first missing part and the ``--load`` folder.
@@ -138,15 +111,8 @@ def weights_bytes(path: str | os.PathLike) -> int:
 def explain_write_failure(folder: str | os.PathLike, needed_bytes: int, error: BaseException) -> BaseException:
     """The error to raise when writing ``needed_bytes`` of checkpoint into ``folder`` failed with ``error``.
 
-    torch's writers report a full disk as ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``
-    (or inside a ``CheckpointException``), which names neither the disk nor the size.  When ``folder``'s file
-    system has less than ``needed_bytes`` free now, this returns a :class:`CheckpointError` that says so (free and
-    needed GiB, the folder, what to do), chained to ``error``; otherwise ``error`` itself.
-
-    Args:
-        folder: where the checkpoint was being written (an existing folder or one below an existing one).
-        needed_bytes: bytes this writer was writing, > 0.
-        error: what the writer raised.
+    A :class:`CheckpointError` with the free and needed GiB, chained to ``error``, when the disk has less than
+    ``needed_bytes`` free (torch reports a full disk as ``inline_container.cc ... unexpected pos``); else ``error``.
     """
     probe = Path(folder)
     while not probe.exists() and probe != probe.parent:

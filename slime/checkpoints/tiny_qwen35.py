@@ -1,47 +1,11 @@
 """A tiny, seeded, random-initialised Qwen3.5-MoE vision-language checkpoint for CPU tests.
 
-The folder has the architecture of Qwen3.5-35B-A3B (``Qwen3_5MoeForConditionalGeneration``
-in transformers), scaled down to well under a million parameters:
-
-- text model: 4 layers in the released 3:1 pattern (three Gated-DeltaNet
-  ``linear_attention`` layers, then one gated ``full_attention`` layer), every layer a
-  sparse MoE block with a gated shared expert; 25 % partial, interleaved-mRoPE rotary
-  embedding with ``rope_theta`` 1e7 as in the released checkpoint;
-- vision tower: the Qwen3.5 ViT (patch 16, temporal patch 2, 2x2 spatial merge) with
-  2 blocks, whose merger projects straight to the text hidden size;
-- a byte-level BPE tokenizer trained here (or a word-level one for learning tests), the
-  Qwen chat format and special tokens, and the Qwen2-VL image-processor config with small
-  pixel bounds.
-
-The exact numbers are in :data:`TEXT_CONFIG` and :data:`VISION_CONFIG`;
-``scripts/models/qwen3.5-tiny.sh`` repeats them as Megatron flags.
-
-Weights are stored as float32 safetensors: CPU tests compare log-probs across backends
-and bf16 would add rounding noise on CPU, where bf16 matmuls are also slow.  GPU users
-load them with ``dtype=torch.bfloat16`` as they would a released checkpoint.
-
-Two fields that transformers does not write but SGLang reads are added to
-``config.json`` (real Qwen3.5 checkpoints carry both): ``text_config.full_attention_interval``
-(SGLang derives the layer pattern from it) and ``vision_config.deepstack_visual_indexes =
-[]`` (Qwen3.5 has no deepstack; without the field SGLang assumes Qwen3-VL's [8, 16, 24]).
-
-Tokenizer corpus (``tiny_tokenizer_corpus.txt``, 200 kB, shipped in this package), made
-once by a throw-away script:
-
-- the 400 Geometry3K problems of the project's sample (train and test parquet), each as a
-  ChatML role line (``user``, or ``system`` for every 10th row, so that role names become
-  single tokens), the ``problem`` text without ``<image>``, ``Choices: A. .. D. ..``,
-  ``assistant`` and ``The answer is <letter>. Answer: \\boxed{<answer>}``.  Geometry3K:
-  Lu et al., "Inter-GPS", ACL 2021, MIT licence, github.com/lupantech/InterGPS;
-- then sentences generated for this project from fixed templates with a fixed seed:
-  geometry statements with colour and shape words, LaTeX expressions (``\\frac``,
-  ``\\sqrt``, ``\\angle``, ``\\boxed{...}``, ...), and numbers.
-
-BPE training on it (``min_frequency`` 1) learns at most about 2480 ids.
-
-Entry points: :func:`ensure_tiny_checkpoint` (cached, what tests use),
-:func:`build_tiny_checkpoint` (writes one folder) and the CLI
-``scripts/tools/make_tiny_qwen35.py``.
+Qwen3.5-35B-A3B's architecture (``Qwen3_5MoeForConditionalGeneration``) scaled down to under a million
+parameters (:data:`TEXT_CONFIG`, :data:`VISION_CONFIG`), float32 safetensors, a BPE (or word-level)
+tokenizer trained here on ``tiny_tokenizer_corpus.txt`` (Geometry3K problems, Lu et al., "Inter-GPS",
+ACL 2021, MIT licence, plus generated sentences), the Qwen chat format and the Qwen2-VL image-processor
+config.  Entry points: :func:`ensure_tiny_checkpoint` (cached; what tests use), :func:`build_tiny_checkpoint`,
+``scripts/tools/make_tiny_qwen35.py``.  The recipe and its reasons: ``docs/design/tiny_qwen35.md``.
 """
 
 from __future__ import annotations
@@ -218,17 +182,12 @@ class TinyQwen35Options:
 
     Attributes:
         seed: torch seed of the weight initialisation.
-        vocab_words: ``None`` for the byte-level BPE tokenizer; otherwise the words of a
-            word-level tokenizer (each one token; no whitespace inside a word).  The vocab
-            is then the special and think tokens, ``<unk>``, ``"\\n"``, ``" "``, the role
-            names and these words (about 16 + len(vocab_words) ids), which the model's
-            vocab_size matches exactly.
-        bpe_vocab_size: total vocab size of the BPE tokenizer, added tokens included.
-        min_pixels: the image processor's lower pixel bound (``size.shortest_edge``), pixels.
-        max_pixels: the image processor's upper pixel bound (``size.longest_edge``), pixels.
-        real_geometry: use :data:`REAL_GEOMETRY_TEXT_CONFIG` (Qwen3.5-35B-A3B's head geometry);
-            pair it with a ``max_pixels`` that gives images of a few hundred merged tokens (one merged
-            token per 32 x 32 pixels, e.g. ``max_pixels = 512 * 512`` -> up to 256).
+        vocab_words: ``None`` for the BPE tokenizer; else the words of a word-level tokenizer (one token
+            each, no whitespace inside), the model's vocab_size matching its ids exactly.
+        bpe_vocab_size: total ids of the BPE tokenizer, added tokens included.
+        min_pixels, max_pixels: the image processor's pixel bounds.
+        real_geometry: :data:`REAL_GEOMETRY_TEXT_CONFIG` (35B-A3B's head geometry); pair it with a
+            ``max_pixels`` giving a few hundred merged tokens (one per 32 x 32 pixels).
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -284,17 +243,9 @@ class TinyQwen35Options:
 
 
 def scaled_35b_a3b_config(num_layers: int = 4, num_experts: int = 256):
-    """Qwen3.5-35B-A3B's config at its real widths, cut to fit one GPU (the benchmarks' and the GPU parity
-    tests' model).
+    """Qwen3.5-35B-A3B's ``transformers.Qwen3_5MoeConfig`` at real widths, cut to ``num_layers`` and ``num_experts``.
 
-    transformers' default ``Qwen3_5MoeConfig`` is the released 35B-A3B: hidden 2048, 16 query / 2 KV heads
-    of 256, Gated DeltaNet 16 key / 32 value heads of 128, 256 experts top-8 of width 512, a shared
-    expert of 512, vocab 248320, the vision tower at its released size.  Cut here: ``num_layers`` layers
-    in the 3 GDN : 1 attention pattern and ``num_experts`` experts; rope theta 1e7, no deepstack and the
-    merger's output at the hidden size, as the released checkpoint's ``config.json`` has them.
-
-    Returns:
-        a ``transformers.Qwen3_5MoeConfig`` (weights are the caller's: e.g. ``_from_config`` with a seed).
+    Rope theta 1e7, no deepstack and the merger's output at the hidden size, as the released ``config.json``.
     """
     from transformers import Qwen3_5MoeConfig
 
@@ -310,19 +261,9 @@ def scaled_35b_a3b_config(num_layers: int = 4, num_experts: int = 256):
 
 
 def build_bpe_tokenizer(vocab_size: int = 2048) -> Tokenizer:
-    """Train a byte-level BPE tokenizer with Qwen3.5's pre-tokenization on the shipped corpus.
+    """A byte-level BPE tokenizer with Qwen3.5's pipeline, trained (deterministically) on the shipped corpus.
 
-    The pipeline equals transformers' ``Qwen3_5Tokenizer`` (NFC normaliser, Qwen3.5's split
-    regex, byte-level mapping without prefix space, byte-level decoder), so any text
-    encodes without unknown tokens.  Training is deterministic (same corpus -> same merges).
-    The added tokens (:data:`SPECIAL_TOKENS`, then :data:`THINK_TOKENS`) take the last ids,
-    after the learned vocab, as in Qwen's tokenizers.
-
-    Args:
-        vocab_size: total vocab size including the added tokens.
-
-    Returns:
-        A ``tokenizers.Tokenizer`` with exactly ``vocab_size`` ids.
+    The added tokens take the last of exactly ``vocab_size`` ids.
 
     Raises:
         RuntimeError: the corpus is too small to learn ``vocab_size`` ids.
@@ -359,20 +300,7 @@ def build_bpe_tokenizer(vocab_size: int = 2048) -> Tokenizer:
 
 
 def build_word_level_tokenizer(vocab_words: tuple[str, ...]) -> Tokenizer:
-    """A word-level tokenizer: every ``vocab_words`` entry is one token, anything else ``<unk>``.
-
-    Text is split into single whitespace characters and maximal runs of non-whitespace,
-    so ``"red green"`` -> ``["red", " ", "green"]``; decoding concatenates the pieces, so
-    in-vocabulary text round-trips exactly.  Ids: the Qwen special tokens first (so
-    ``<|endoftext|>`` is 0), then the think tokens, ``<unk>``, :data:`WORD_LEVEL_BASE`, and
-    ``vocab_words`` in the given order.
-
-    Args:
-        vocab_words: validated words (see :class:`TinyQwen35Options`).
-
-    Returns:
-        A ``tokenizers.Tokenizer`` with ``len(SPECIAL_TOKENS) + 3 + len(WORD_LEVEL_BASE) + len(vocab_words)`` ids.
-    """
+    """A word-level tokenizer: each of ``vocab_words`` one token, anything else ``<unk>``; round-trips its words."""
     pieces = [*SPECIAL_TOKENS, *THINK_TOKENS, WORD_LEVEL_UNK, *WORD_LEVEL_BASE, *vocab_words]
     tok = Tokenizer(WordLevel({piece: i for i, piece in enumerate(pieces)}, unk_token=WORD_LEVEL_UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s"), behavior="isolated")
@@ -388,13 +316,7 @@ def _add_qwen_tokens(tok: Tokenizer) -> None:
 
 
 def _write_tokenizer(tok: Tokenizer, out_dir: Path, word_level: bool) -> None:
-    """Save through transformers so that ``AutoTokenizer`` reads exactly these files back.
-
-    ``tokenizer_class`` is ``TokenizersBackend``: transformers then uses ``tokenizer.json``
-    as is (a model-specific class would rebuild the pipeline, which is wrong for the
-    word-level vocab).  eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as in Qwen's
-    instruct tokenizers.
-    """
+    """Save through transformers (``TokenizersBackend``), so that ``AutoTokenizer`` reads exactly these files back."""
     from transformers import TokenizersBackend
 
     hf_tok = TokenizersBackend(
@@ -411,13 +333,7 @@ def _write_tokenizer(tok: Tokenizer, out_dir: Path, word_level: bool) -> None:
 
 
 def _write_processor_configs(out_dir: Path, min_pixels: int, max_pixels: int) -> None:
-    """Write the image, video and processor configs in the layout of a released Qwen3.5 folder.
-
-    ``Qwen2VLImageProcessorFast`` is the name released checkpoints use; transformers maps it to
-    the torchvision backend when available and to ``Qwen2VLImageProcessorPil`` otherwise.
-    Video bounds count all frames (T * H * W pixels): at least one temporal patch at
-    ``min_pixels``, at most 16 frames at ``max_pixels``.
-    """
+    """Write the image, video and processor configs in the layout of a released Qwen3.5 folder."""
     common = dict(
         do_convert_rgb=True,
         do_resize=True,
@@ -488,19 +404,9 @@ def _model_config(tok: Tokenizer, real_geometry: bool = False):
 
 
 def build_tiny_checkpoint(out_dir: str | os.PathLike, options: TinyQwen35Options | None = None) -> Path:
-    """Write the tiny checkpoint folder ``out_dir`` (which must not exist or be empty).
+    """Write the tiny checkpoint folder ``out_dir`` (config, float32 safetensors, tokenizer, chat template, processor).
 
-    Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32),
-    ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
-    ``preprocessor_config.json``, ``video_preprocessor_config.json``, ``processor_config.json``.
-    Same options -> bit-identical weights and identical files.  Takes a few seconds on CPU.
-
-    Args:
-        out_dir: destination folder.
-        options: the recipe; defaults to :class:`TinyQwen35Options` ``()``.
-
-    Returns:
-        ``Path(out_dir)``.
+    Same options: bit-identical files.  Returns ``Path(out_dir)``.
 
     Raises:
         FileExistsError: ``out_dir`` exists and is not empty.
@@ -530,25 +436,13 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, options: TinyQwen35Options
 
 
 def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None, **options) -> Path:
-    """Return the cached tiny checkpoint for ``options``, building it on first use.
+    """The cached tiny checkpoint of ``options`` (fields of :class:`TinyQwen35Options`), built atomically on first use.
 
-    The folder is ``cache_dir / TinyQwen35Options(**options).cache_name()``, so a change
-    of options or of :data:`BUILDER_VERSION` gives a new folder.  The build goes into a
-    temporary sibling that is renamed into place (atomic on one file system): a reader
-    never sees a half-written folder, and when several processes race, the first rename
-    wins and the others discard their copy.
-
-    Args:
-        cache_dir: parent folder of the cached checkpoints; defaults to
-            ``<repo>/.cache/tiny-qwen35`` (git-ignored).
-        **options: fields of :class:`TinyQwen35Options` (``seed``, ``vocab_words``, ...).
-
-    Returns:
-        Path of the checkpoint folder.
+    Under ``cache_dir`` (default ``<repo>/.cache/tiny-qwen35``), named by the options and :data:`BUILDER_VERSION`.
 
     Raises:
         TypeError: an unknown option name.
-        ValueError: an invalid option value (see :class:`TinyQwen35Options`).
+        ValueError: an invalid option value.
     """
     opts = TinyQwen35Options(**options)
     cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
