@@ -29,18 +29,22 @@ class CheckpointError(RuntimeError):
 
 
 def iteration_dir(root: str | os.PathLike, rollout_id: int) -> Path:
+    """``root/iter_<rollout_id:07d>``."""
     return Path(root) / f"iter_{rollout_id:07d}"
 
 
 def model_dir(root: str | os.PathLike, rollout_id: int) -> Path:
+    """The Hugging Face model folder of one checkpoint."""
     return iteration_dir(root, rollout_id) / "model"
 
 
 def trainer_dir(root: str | os.PathLike, rollout_id: int) -> Path:
+    """The backend-private folder of one checkpoint."""
     return iteration_dir(root, rollout_id) / "trainer"
 
 
 def rollout_state_path(root: str | os.PathLike, rollout_id: int) -> Path:
+    """The driver's state file of one checkpoint."""
     return iteration_dir(root, rollout_id) / "rollout_state.pt"
 
 

@@ -120,6 +120,7 @@ class Placement:
 
     @property
     def engine_bundles(self) -> list[list[int]]:
+        """Per engine, the bundle indices it spans."""
         return [r.bundle_indices for r in self.engine_resources]
 
     def trainer_options(self, rank: int) -> dict:

@@ -37,6 +37,7 @@ class TensorMeta:
         return self.start + self.nbytes
 
     def for_sglang(self) -> types.SimpleNamespace:
+        """SGLang's ``FlattenedTensorMetadata`` fields (``numel`` in bytes)."""
         return types.SimpleNamespace(name=self.name, shape=torch.Size(self.shape), dtype=self.dtype,
                                      start_idx=self.start, end_idx=self.end, numel=self.nbytes)
 
@@ -109,6 +110,7 @@ def unflatten(buffer: torch.Tensor, metadata: Sequence[TensorMeta]) -> list[tupl
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 

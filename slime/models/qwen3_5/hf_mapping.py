@@ -1,10 +1,10 @@
 """Hugging Face Qwen3.5-MoE tensor names <-> native Megatron parameters: one :class:`ParamRule` per parameter.
 
 A rule says which Hugging Face tensors a parameter comes from, which slice of them a rank reads
-(TP / ETP / EP; PP by the layers the rank holds) and how a TP (or ETP) group's shards go back to them.
-The reading and writing is :mod:`slime.models.qwen3_5.weights`; the table of names and on-disk layouts
-is ``docs/design/qwen35_weights.md``.
-Experts are read in either on-disk layout (per-expert or fused 3-D tensors) and exported per expert.
+(TP / ETP / EP; PP by the layers the rank holds) and how a TP (or ETP) group's shards go back to them;
+experts are read in either on-disk layout (per-expert or fused 3-D) and exported per expert.  The reading
+and writing is :mod:`slime.models.qwen3_5.weights`; the table of names and layouts is
+``docs/design/qwen35_native.md``.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ class PackedSequences:
 
     @property
     def num_sequences(self) -> int:
+        """Documents, the padding document included."""
         return self.cu_seqlens.numel() - 1
 
     @property

@@ -62,6 +62,7 @@ class RewardStats:
 
     @property
     def failed(self) -> int:
+        """Responses scored 0.0 for a timeout, an error, a kill or a worker death."""
         return self.timeouts + self.errors + self.killed + self.worker_deaths
 
 
