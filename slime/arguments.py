@@ -233,7 +233,7 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     backend = cfg.train_backend_config
     backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
                   other_flags=_other_backend_flags(cfg))
-    cfg.engine_config.check(cfg.rollout, cfg.sglang)
+    cfg.engine_config.check(cfg.rollout, cfg.sglang, cfg.checkpoint.hf_checkpoint)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)

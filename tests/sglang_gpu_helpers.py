@@ -133,12 +133,16 @@ def mean_abs_gap(samples, reference, skip_ids: set[int] = frozenset()) -> tuple[
 
 
 def load_checkpoint_tensors(model_path: str | Path, device: str = "cuda", dtype=torch.bfloat16) -> dict:
-    """Every tensor of the checkpoint's safetensors files by checkpoint name, on ``device`` in ``dtype``."""
+    """Every tensor of the checkpoint's safetensors files by checkpoint name, on ``device`` in ``dtype``, but an MTP
+    layer's (``mtp.*``: no trainer holds one, so none is ever synced)."""
     from safetensors.torch import load_file
+
+    from slime.checkpoints.mtp import MTP_PREFIX
 
     tensors = {}
     for path in sorted(Path(model_path).glob("*.safetensors")):
-        tensors.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(str(path)).items()})
+        tensors.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(str(path)).items()
+                        if not k.startswith(MTP_PREFIX)})
     return tensors
 
 

@@ -1053,15 +1053,26 @@ def fake_sglang_modules(monkeypatch, tmp_path):
         def load_weights(self, weights):
             return {name for name, _ in weights}
 
+    class EAGLEWorkerV2:
+        def update_weights_from_tensor(self, req):
+            return True, "Success"
+
     classes = {server_plugin.MROPE_FIX_TARGET: type("Layer", (_Layer,), {}),
                "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
                "sglang.srt.server_args.ServerArgs": ServerArgs,
-               "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker}
+               "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker,
+               server_plugin.SPEC_WORKER_TARGET: EAGLEWorkerV2}
     monkeypatch.setattr(server_plugin, "_import_attr", lambda path, missing_ok=False: classes[path])
     module = server_plugin.MROPE_FIX_TARGET.rpartition(".")[0]
+    spec_module, _, spec_class = server_plugin.SPEC_WORKER_TARGET.rpartition(".")
+    armed: list[str] = []
 
-    def arm_on_import(name, patch):  # SGLang imports the model module at once
-        assert name == module
+    def arm_on_import(name, patch):  # SGLang imports the model module (and the speculative worker's) at once
+        assert name in (module, spec_module)
+        armed.append(name)
+        if name == spec_module:
+            patch(types.SimpleNamespace(**{spec_class: classes[server_plugin.SPEC_WORKER_TARGET]}))
+            return
         patch(types.SimpleNamespace(**{server_plugin.MROPE_FIX_TARGET.rpartition(".")[2]:
                                        classes[server_plugin.MROPE_FIX_TARGET],
                                        "Qwen3_5MoeForConditionalGeneration": classes["Qwen3_5MoeForConditionalGeneration"]}))
@@ -1072,7 +1083,7 @@ def fake_sglang_modules(monkeypatch, tmp_path):
     monkeypatch.delenv(server_plugin.MAIN_PID_ENV, raising=False)
     monkeypatch.delenv(server_plugin.FAST_EXPERT_LOAD_ENV, raising=False)
     reports: list = []
-    return types.SimpleNamespace(classes=classes, reports=reports)
+    return types.SimpleNamespace(classes=classes, reports=reports, armed=armed)
 
 
 @pytest.mark.parametrize("version, states, patched", [("0.5.17", ["pending", "applied"], True),
@@ -1112,6 +1123,22 @@ def test_register_wraps_the_moe_load_weights_in_scheduler_processes(fake_sglang_
     assert expert_load.STATS.load_weights_calls == (1 if wrapped else 0)  # timed also when the fast path is off
     state = ("0.5.19", "not needed")  # a fixed SGLang: no RoPE fix anywhere
     assert fake_sglang_modules.reports == [state] * (2 if wrapped else 1)  # rewritten after each wrapped load
+
+
+@pytest.mark.parametrize("main", [False, True])
+def test_the_speculative_worker_waits_for_its_weight_copies_in_scheduler_processes(fake_sglang_modules, monkeypatch,
+                                                                                   main):
+    """With speculative decoding SGLang's scheduler updates weights through the EAGLE worker, not BaseTpWorker: it
+    gets the same CUDA-stream wait (scheduler processes only; the HTTP server's process runs no model)."""
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.19")
+    if main:
+        monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
+    worker = fake_sglang_modules.classes[server_plugin.SPEC_WORKER_TARGET]
+    server_plugin.register()
+    spec_module = server_plugin.SPEC_WORKER_TARGET.rpartition(".")[0]
+    assert (spec_module in fake_sglang_modules.armed) is not main
+    assert getattr(worker.update_weights_from_tensor, server_plugin._MARK, False) is not main
+    assert worker().update_weights_from_tensor(None) == (True, "Success")  # the original's answer, unchanged
 
 
 def test_the_servers_main_process_reports_without_patching_the_model(fake_sglang_modules, monkeypatch):

@@ -21,6 +21,10 @@
 #   SLIME_SCRIPT_HF_CHECKPOINT  [$HOME/models/$SLIME_SCRIPT_MODEL_NAME] HF checkpoint folder
 #   SLIME_SCRIPT_TRAIN_BACKEND  [megatron] megatron | fsdp
 #   SLIME_SCRIPT_ROLLOUT_BACKEND [sglang] sglang | transformers
+#   SLIME_SCRIPT_SPECULATIVE    [off] mtp: SGLang drafts with the checkpoint's MTP layer, upstream's
+#                               --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
+#                               --sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 3
+#                               (the checkpoint must have its mtp.* tensors; the sglang engine only)
 #   SLIME_SCRIPT_OUTPUT_DIR     [outputs/geo3k-<model>-<time>] metrics, plot, checkpoints
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
@@ -92,6 +96,15 @@ TRAIN_BACKEND=${SLIME_SCRIPT_TRAIN_BACKEND:-"megatron"}
 ROLLOUT_BACKEND=${SLIME_SCRIPT_ROLLOUT_BACKEND:-"sglang"}
 OUTPUT_DIR=${SLIME_SCRIPT_OUTPUT_DIR:-""}
 FORCE_CPU=${SLIME_SCRIPT_FORCE_CPU:-0}
+SPECULATIVE=${SLIME_SCRIPT_SPECULATIVE:-off}
+# Upstream's speculative decoding with the checkpoint's own MTP layer (slime.rollout.engines.sglang.config
+# MTP_SPECULATIVE_FLAGS holds the same four flags for the benchmarks).
+case "$SPECULATIVE" in
+   off) SPECULATIVE_ARGS=() ;;
+   mtp) SPECULATIVE_ARGS=(--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
+                          --sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 3) ;;
+   *) echo "[geo3k] SLIME_SCRIPT_SPECULATIVE=$SPECULATIVE: expected off or mtp" >&2; exit 2 ;;
+esac
 DRY_RUN=${SLIME_SCRIPT_DRY_RUN:-0}
 
 # Set-up: create or reuse the virtualenv and install slime with its pins when missing.
@@ -246,6 +259,7 @@ ARGS=(
    --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
    --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
    "${ROLLOUT_ENGINE_ARGS[@]}"
+   ${SPECULATIVE_ARGS[@]+"${SPECULATIVE_ARGS[@]}"}
    "${WANDB_ARGS[@]}"
    "${BACKEND_ARGS[@]}"
    "${MISC_ARGS[@]}"
@@ -277,7 +291,8 @@ fi
 resume_command() {
    local words=("SLIME_SCRIPT_OUTPUT_DIR=$OUTPUT_DIR") var skip=0 arg
    for var in SLIME_SCRIPT_DATASET_NAME SLIME_SCRIPT_NUM_GPUS SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_MODEL_NAME \
-              SLIME_SCRIPT_HF_CHECKPOINT SLIME_SCRIPT_TRAIN_BACKEND SLIME_SCRIPT_ROLLOUT_BACKEND SLIME_SCRIPT_FORCE_CPU; do
+              SLIME_SCRIPT_HF_CHECKPOINT SLIME_SCRIPT_TRAIN_BACKEND SLIME_SCRIPT_ROLLOUT_BACKEND SLIME_SCRIPT_FORCE_CPU \
+              SLIME_SCRIPT_SPECULATIVE; do
       if [ -n "${!var+x}" ]; then words+=("$var=${!var}"); fi
    done
    words+=(bash "$SLIME_DIR/examples/geo3k_vlm/run_geo3k_qwen35.sh")

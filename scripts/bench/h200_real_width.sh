@@ -14,14 +14,19 @@
 #               --rollout-batch-size 16 --global-batch-size 128 --rollout-max-response-len 512, 5 rollouts, a save
 #   resume      the same command with --load of that save, 2 more rollouts
 #   throughput  scripts/bench/sglang_rollout_bench.py throughput: ours vs sglang.Engine at SGLang's defaults
-# Results in OUT_DIR: summary.txt, figures.jsonl, metrics.jsonl (the e2e + resume run), logs.tar.gz.
+#   mtp         item 5: the same with --speculative mtp (EAGLE drafting with the checkpoint's MTP layer), then
+#               scripts/bench/mtp_sync.py: gap and acceptance length before / after a sync, no MTP vs MTP
+#   mtp-recipe  ours alone at the recipe's rollout size (128 prompts x 512 tokens), without and with MTP
+#   mtp-e2e     the e2e launcher run with SLIME_SCRIPT_SPECULATIVE=mtp, 3 rollouts (not in the default list)
+# Results in OUT_DIR: summary.txt, figures.jsonl, bench.jsonl (throughput), mtp.jsonl (mtp_sync), metrics.jsonl (the
+# e2e + resume run), logs.tar.gz.
 set -uo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/../.."
 MODE=${1:?usage: h200_real_width.sh start|wait|run OUT_DIR ...}; OUT=${2:?OUT_DIR}; shift 2
 LOGS=/tmp/h200-real-width
 mkdir -p "$OUT" "$LOGS"; OUT=$(cd "$OUT" && pwd)
 pack() {
-  cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$OUT/" 2>/dev/null
+  cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$LOGS/bench.jsonl" "$LOGS/mtp.jsonl" "$OUT/" 2>/dev/null
   cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
   tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
 }
@@ -42,7 +47,7 @@ case $MODE in
 esac
 
 WH=${1:?WHEELHOUSE}; shift
-PHASES=${*:-build floor e2e resume throughput}
+PHASES=${*:-build floor e2e resume throughput mtp mtp-recipe}
 trap pack EXIT
 trap 'exit 143' TERM
 export SLIME_VENV=none SLIME_WHEELHOUSE=$WH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -61,14 +66,15 @@ timed() {  # timed NAME COMMAND...: run it, log to LOGS/NAME.log, note seconds a
   return $status
 }
 launcher() {  # launcher SECONDS FLAGS...: the recipe as a user runs it on one GPU, the scaled model's file, no --sglang-* flag
-  local limit=$1; shift
+  local limit=$1; shift  # RUN_DIR (default $RUN) and SPECULATIVE (default off) from the caller
   SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=Qwen3.5-35B-A3B-scaled SLIME_SCRIPT_HF_CHECKPOINT="$SCALED" \
-  SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_OUTPUT_DIR="$RUN" \
+  SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_OUTPUT_DIR="${RUN_DIR:-$RUN}" \
+  SLIME_SCRIPT_SPECULATIVE="${SPECULATIVE:-off}" \
     timeout "$limit" bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
       --rollout-max-response-len 512 --save-interval 5 --no-progress-bar "$@"
 }
-summarize_run() {
-  python3 - "$RUN/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOGS/summary.txt"
+summarize_run() {  # summarize_run [RUN_DIR]
+  python3 - "${1:-$RUN}/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOGS/summary.txt"
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
@@ -91,7 +97,10 @@ set +e
 for phase in $PHASES; do
   case $phase in
   build)
-    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED" --layers 4 --experts 128 ;;
+    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED" --layers 4 --experts 128
+    # a checkpoint built before the MTP layer existed gets one (seed 0, as build-scaled's)
+    [ -f "$SCALED/mtp.safetensors" ] || timed add_mtp python3 -c "from slime.checkpoints.mtp import write_mtp_layer; \
+write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
   floor)
     timed floor timeout 900 python3 scripts/bench/parity_floor.py --model "$SCALED" --json "$LOGS/figures.jsonl" \
       --run-dir "$LOGS/floor" ${SLIME_FLOOR_ARGS:-}
@@ -113,7 +122,26 @@ for phase in $PHASES; do
     timed throughput timeout 1200 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_THROUGHPUT_ARGS---contenders ours sglang_alone}
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt" ;;
-  *) echo "unknown phase $phase (build floor e2e resume throughput)" | tee -a "$LOGS/summary.txt" ;;
+  mtp)
+    timed mtp_throughput timeout 1200 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
+      --json "$LOGS/bench.jsonl" --out "$LOGS/mtp" --speculative mtp ${SLIME_MTP_THROUGHPUT_ARGS---contenders ours sglang_alone}
+    grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | grep '"speculative": "mtp"' | tee -a "$LOGS/summary.txt"
+    timed mtp_sync timeout 1500 python3 scripts/bench/mtp_sync.py --model "$SCALED" --json "$LOGS/mtp.jsonl" \
+      --out "$LOGS/mtp-sync" ${SLIME_MTP_SYNC_ARGS:-}
+    grep -h '"mtp_sync' "$LOGS/mtp.jsonl" 2>/dev/null | cut -c1-700 | tee -a "$LOGS/summary.txt" ;;
+  mtp-recipe)
+    for spec in none mtp; do
+      timed "mtp_recipe_$spec" timeout 900 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
+        --json "$LOGS/bench.jsonl" --out "$LOGS/mtp-recipe-$spec" --speculative "$spec" --prompts 128 \
+        --max-new-tokens 512 --contenders ours --direct-requests-per-call 32
+    done
+    grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | grep '"prompts": 128' | cut -c1-900 | tee -a "$LOGS/summary.txt" ;;
+  mtp-e2e)
+    # 3 rollouts with MTP in its own folder; no optimizer state in the final save (the disk holds 64 GB)
+    RUN_DIR=$LOGS/run-mtp SPECULATIVE=mtp timed mtp_e2e launcher 1200 --num-rollout 3 --no-save-optim --overwrite-output-dir
+    summarize_run "$LOGS/run-mtp"
+    rm -rf "$LOGS/run-mtp/checkpoints" ;;
+  *) echo "unknown phase $phase (build floor e2e resume throughput mtp mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
   esac
 done
 echo "all phases done" | tee -a "$LOGS/summary.txt"

@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """SGLang benchmarks on one GPU with a real-width scaled Qwen3.5-MoE (issue 11, acceptance 4 and 5).
 
-  python scripts/bench/sglang_rollout_bench.py build-scaled /tmp/scaled [--layers 4]
+  python scripts/bench/sglang_rollout_bench.py build-scaled /tmp/scaled [--layers 4 --experts 128 --no-mtp]
   python scripts/bench/sglang_rollout_bench.py throughput --model /tmp/scaled [--prompts 64 --max-new-tokens 256]
   python scripts/bench/sglang_rollout_bench.py weight-sync --model /tmp/scaled [--bucket-mb 512 1024 2048 4096 --syncs 3]
 
 ``build-scaled``: Qwen3.5-35B-A3B's widths (hidden 2048, 16 query / 2 KV heads of 256, 25 % interleaved M-RoPE,
 16 / 32 Gated-DeltaNet heads of 128, 256 experts of 512 top-8 plus a 512 shared expert, vocab 248,320, the
 27-block 1152-wide vision tower) at ``--layers`` depth (every 4th layer full attention), random bf16 weights
-made on the GPU, with the tiny real-geometry checkpoint's tokenizer and processor (images up to 512 x 512 px).
+made on the GPU, with the tiny real-geometry checkpoint's tokenizer and processor (images up to 512 x 512 px), and
+(unless ``--no-mtp``) one random MTP layer of the released shapes (:mod:`slime.checkpoints.mtp`).
 
 ``throughput``: the same geo3k prompts (text + image, one sample each, ``--max-new-tokens`` tokens sampled at
 temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work) through
@@ -33,6 +34,9 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
    flags, for reference (text only, so not the same work);
 
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
+``--speculative mtp`` adds upstream's four speculative flags (EAGLE drafting with the MTP layer) to every SGLang
+contender and reports acceptance lengths: ours from the server's counters after a flushed pass
+(:func:`server_accept_length`), SGLang alone from every request's ``meta_info`` (:func:`spec_acceptance`).
 Every contender first runs the whole set once untimed (kernels compiled and autotuned for its batch shapes,
 which the Triton cache on disk would otherwise hand to whichever runs second), then ``--repeats`` timed passes
 (the median is reported, every pass's seconds beside it), SGLang's prefix cache flushed before each.  SGLang
@@ -123,9 +127,13 @@ def scaled_config(layers: int, token_ids: dict, experts: int = 128):
     return config
 
 
-def build_scaled(out: Path, layers: int, experts: int = 128) -> Path:
+def build_scaled(out: Path, layers: int, experts: int = 128, mtp: bool = True) -> Path:
+    """Write the scaled checkpoint to ``out`` (module docstring); with ``mtp``, also one random MTP layer of the
+    released shapes and its config fields (:func:`slime.checkpoints.mtp.write_mtp_layer`, seed 0), which SGLang
+    drafts with under ``--speculative-algorithm EAGLE``."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
+    from slime.checkpoints.mtp import write_mtp_layer
     from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 
     source = ensure_tiny_checkpoint(real_geometry=True, max_pixels=512 * 512)
@@ -149,8 +157,13 @@ def build_scaled(out: Path, layers: int, experts: int = 128) -> Path:
     for name in source.iterdir():
         if name.name not in ("config.json", "model.safetensors", "generation_config.json") and name.is_file():
             shutil.copy(name, out / name.name)
-    figure(check="scaled_model", params=params, layers=layers, build_s=round(time.monotonic() - started, 1),
-           path=str(out))
+    del model
+    mtp_params = 0
+    if mtp:
+        shapes = write_mtp_layer(out, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
+        mtp_params = sum(torch.Size(s).numel() for s in shapes.values())
+    figure(check="scaled_model", params=params, mtp_params=mtp_params, layers=layers,
+           build_s=round(time.monotonic() - started, 1), path=str(out))
     return out
 
 
@@ -245,6 +258,8 @@ def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
 
         result = timed_passes(one_pass, repeats, engines.flush_cache)
         result.update(calls=last["calls"], calls_at_once=last["calls_at_once"])
+        if SPECULATIVE != "none":
+            result["spec_accept_length"] = server_accept_length(engines)
         figures[f"same_server_calls_of_{n}"] = result
         ratio = f"; ours / this {group_tokens_per_s / result['tokens_per_s']:.3f}" if group_tokens_per_s else ""
         print(f"same server, calls of {n} request(s) from the engine actor ({result['calls']} calls, "
@@ -262,13 +277,45 @@ SGLang picks everything else (FA3 attention, CUDA graphs, flashinfer sampling, i
 SERVER_CONFIG = "eager"
 """``--server-config``: ``defaults`` (SGLang's defaults, the launcher's flags) or ``eager`` (the triton, no-CUDA-graph
 flags of ``tests/sglang_gpu_helpers.py``, the benchmarks' configuration before issue 24)."""
+SPECULATIVE = "none"
+"""``--speculative``: ``none``, or ``mtp``: upstream's speculative decoding with the checkpoint's MTP layer
+(:data:`slime.rollout.engines.sglang.config.MTP_SPECULATIVE_FLAGS`) on every SGLang contender."""
 
 
 def bench_flags(mem_fraction: float) -> tuple[str, ...]:
-    """SGLang server flags of every contender, by :data:`SERVER_CONFIG`."""
-    if SERVER_CONFIG == "defaults":
-        return ("--mem-fraction-static", str(mem_fraction), *LAUNCHER_FLAGS)
-    return server_flags(mem_fraction)
+    """SGLang server flags of every contender, by :data:`SERVER_CONFIG` and :data:`SPECULATIVE`."""
+    from slime.rollout.engines.sglang.config import MTP_SPECULATIVE_FLAGS
+
+    flags = ("--mem-fraction-static", str(mem_fraction), *LAUNCHER_FLAGS) if SERVER_CONFIG == "defaults" else (
+        server_flags(mem_fraction))
+    return (*flags, *MTP_SPECULATIVE_FLAGS) if SPECULATIVE == "mtp" else tuple(flags)
+
+
+def spec_acceptance(meta_infos: list[dict]) -> dict | None:
+    """Speculative decoding's figures over requests, from SGLang 0.5.17's per-request ``meta_info``
+    (``tokenizer_manager.py`` ``_calculate_spec_decoding_metrics``: ``spec_verify_ct`` verify steps,
+    ``spec_num_correct_drafts`` of ``spec_num_proposed_drafts`` draft tokens accepted), token-weighted:
+    ``accept_length`` = output tokens / verify steps (the bonus token included, so 1 when no draft is accepted and
+    at most ``--speculative-num-draft-tokens``), ``accept_rate`` = accepted / proposed drafts, ``verify_steps``.
+    None when no request carries them (speculative decoding off)."""
+    spec = [m for m in meta_infos if m.get("spec_verify_ct")]
+    if not spec:
+        return None
+    verify = sum(m["spec_verify_ct"] for m in spec)
+    proposed = sum(m.get("spec_num_proposed_drafts", 0) for m in spec)
+    return {"accept_length": sum(m["completion_tokens"] for m in spec) / verify,
+            "accept_rate": sum(m.get("spec_num_correct_drafts", 0) for m in spec) / proposed if proposed else None,
+            "verify_steps": verify, "requests": len(spec)}
+
+
+def server_accept_length(engines) -> float | None:
+    """Engine 0's ``avg_spec_accept_length`` (``/server_info`` ``internal_states``: output tokens per verify step
+    since the last cache flush, which resets SGLang's counters; so, after a flushed pass, that pass's), or None."""
+    import ray
+
+    info = ray.get(engines.actors[0].__ray_call__.remote(lambda a: a.engine.client.server_info()))
+    states = info.get("internal_states") or [{}]
+    return states[0].get("avg_spec_accept_length")
 
 
 def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_call: int, out: Path,
@@ -294,6 +341,8 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
         engines.generate(requests)  # warm-up: every prompt once (Triton JIT and autotuning, the image cache)
         result = timed_passes(lambda: sum(len(o.output_ids) for o in engines.generate(requests)), repeats,
                               engines.flush_cache)
+        if SPECULATIVE != "none":
+            result["spec_accept_length"] = server_accept_length(engines)  # the last pass's
         direct = same_server_sweep(engines, requests, direct_requests_per_call, repeats, result["tokens_per_s"])
     finally:
         engines.shutdown()
@@ -317,13 +366,18 @@ def sglang_alone(model: str, requests, mem_fraction: float, repeats: int) -> dic
         params = [r.sampling_params.to_sglang() for r in requests]
         engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
                         sampling_params=params, return_logprob=True)  # warm-up, as for our engine
+        last: dict = {}
+
         def run(logprobs: bool) -> int:
             out = engine.generate(prompt=[r.text for r in requests], image_data=[r.image_data for r in requests],
                                   sampling_params=params, return_logprob=logprobs)
+            last["spec"] = spec_acceptance([o["meta_info"] for o in out])
             return sum(o["meta_info"]["completion_tokens"] for o in out)
 
-        runs = {logprobs: timed_passes(lambda: run(logprobs), repeats, engine.flush_cache)
-                for logprobs in (True, False)}
+        runs = {}
+        for logprobs in (True, False):
+            runs[logprobs] = timed_passes(lambda: run(logprobs), repeats, engine.flush_cache)
+            runs[logprobs]["spec"] = last.get("spec")  # the last pass's (None without speculative decoding)
     finally:
         engine.shutdown()
     return {**runs[True], "start_s": start_s, "without_log_probs": runs[False]}
@@ -394,11 +448,11 @@ def _attempt(name: str, run, *args) -> dict:
 
 
 def throughput(args) -> None:
-    global SERVER_CONFIG
-    SERVER_CONFIG = args.server_config
+    global SERVER_CONFIG, SPECULATIVE
+    SERVER_CONFIG, SPECULATIVE = args.server_config, args.speculative
     requests = geo3k_requests(args.model, args.prompts, args.max_new_tokens)
     figures = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens, "server_config": SERVER_CONFIG,
-               "server_flags": list(bench_flags(args.mem_fraction))}
+               "speculative": SPECULATIVE, "server_flags": list(bench_flags(args.mem_fraction))}
     if "ours" in args.contenders:
         figures["ours"] = _attempt("ours", ours, args.model, requests, args.mem_fraction, args.capacity,
                                    args.requests_per_call, Path(args.out), args.repeats, args.direct_requests_per_call)
@@ -714,6 +768,9 @@ def main(argv=None) -> None:
     build.add_argument("out", type=Path)
     build.add_argument("--layers", type=int, default=4)
     build.add_argument("--experts", type=int, default=128)
+    build.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
+                       help="add one random MTP layer of the released shapes (mtp.* tensors, mtp_num_hidden_layers 1) "
+                       "for SGLang's speculative decoding (--speculative mtp)")
     for name in ("throughput", "weight-sync"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=True)
@@ -740,6 +797,9 @@ def main(argv=None) -> None:
     tp.add_argument("--official-cli", action="store_true", help="also run sglang.bench_offline_throughput (text)")
     tp.add_argument("--server-config", choices=["defaults", "eager"], default="defaults",
                     help="SGLang's defaults with the launcher's flags, or the triton eager flags of the GPU tests")
+    tp.add_argument("--speculative", choices=["none", "mtp"], default="none",
+                    help="mtp: upstream's speculative decoding with the checkpoint's MTP layer (--speculative-algorithm "
+                    "EAGLE, 2 steps, top-1, 3 draft tokens) on every SGLang contender; acceptance lengths reported")
     ws = sub.choices["weight-sync"]
     ws.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                     help="--update-weight-buffer-size values to measure, MiB (one engine start for all)")
@@ -756,8 +816,15 @@ def main(argv=None) -> None:
         if over:  # before the (minutes-long) engine start
             tp.error(f"--direct-requests-per-call {over}: at most --capacity {args.capacity} (a call's requests are "
                      "all in flight at the engine)")
+    if args.command == "throughput" and args.speculative == "mtp":
+        from slime.checkpoints.mtp import mtp_problem
+
+        problem = mtp_problem(args.model)
+        if problem:  # before the (minutes-long) engine start
+            tp.error(f"--speculative mtp drafts with the checkpoint's MTP layer, but --model {args.model} has none: "
+                     f"{problem} (build-scaled adds one unless --no-mtp)")
     if args.command == "build-scaled":
-        build_scaled(args.out, args.layers, args.experts)
+        build_scaled(args.out, args.layers, args.experts, args.mtp)
     elif args.command == "throughput":
         throughput(args)
     else:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from slime.checkpoints.mtp import MTP_PREFIX
 from slime.models.qwen3_5.config import Qwen35Arch
 
 LM = "model.language_model"
@@ -306,5 +307,6 @@ def param_rules(
 
 
 def checkpoint_has_fused_experts(reader: TensorReader) -> bool:
-    """Whether the checkpoint stores experts as fused 3-D tensors (``...mlp.experts.gate_up_proj``)."""
-    return any(n.endswith("mlp.experts.gate_up_proj") for n in reader.names())
+    """Whether the checkpoint stores the model's experts (an MTP layer's do not count) as fused 3-D tensors
+    (``...mlp.experts.gate_up_proj``)."""
+    return any(n.endswith("mlp.experts.gate_up_proj") and not n.startswith(MTP_PREFIX) for n in reader.names())

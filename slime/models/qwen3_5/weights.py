@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from slime.checkpoints.mtp import MTP_PREFIX
 from slime.models.qwen3_5.hf_mapping import (
     ModelLayout,
     ParamRule,
@@ -99,8 +100,8 @@ class LoadReport:
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-SKIPPED_PREFIXES = ("mtp.",)
-"""Checkpoint tensors that are not part of the model (Qwen3.5's multi-token-prediction head)."""
+SKIPPED_PREFIXES = (MTP_PREFIX,)
+"""Checkpoint tensors that are not part of the model (Qwen3.5's MTP layer, :mod:`slime.checkpoints.mtp`)."""
 
 
 def read_rank_state(reader: TensorReader, rules: Mapping[str, ParamRule]) -> dict[str, torch.Tensor]:

@@ -18,8 +18,9 @@ class EngineConfig:
     """Parse-time checks of one engine kind (class methods; never instantiated)."""
 
     @classmethod
-    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
-        """Refuse flag values this engine cannot honour (instead of silently ignoring them).
+    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig, hf_checkpoint: str | None = None) -> None:
+        """Refuse flag values this engine cannot honour (instead of silently ignoring them); ``hf_checkpoint`` is
+        ``--hf-checkpoint`` (a local folder, a hub name, or None), for checks against the checkpoint.
 
         Raises:
             ConfigError: naming the flags, their values and the fix.

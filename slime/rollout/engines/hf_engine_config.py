@@ -16,7 +16,7 @@ class TransformersEngineConfig(EngineConfig):
     """The transformers engine runs no SGLang server, so ``--sglang-*`` flags would be ignored: refused."""
 
     @classmethod
-    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
+    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig, hf_checkpoint: str | None = None) -> None:
         """Raises:
         ConfigError: any ``--sglang-*`` flag is given; the message names them all.
         """

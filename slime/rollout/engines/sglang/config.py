@@ -56,8 +56,16 @@ REFUSED = {
 }
 """Server arguments the engine sets itself or cannot work with, and why."""
 
+MTP_SPECULATIVE_FLAGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+                         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+"""Upstream's recipe's speculative decoding with the checkpoint's MTP layer (SGLang's flag names; the launcher's
+``SLIME_SCRIPT_SPECULATIVE=mtp`` passes them as ``--sglang-*``): 2 draft steps of 1 token, 3 tokens verified."""
+MTP_ALGORITHMS = ("EAGLE", "NEXTN")
+"""``--speculative-algorithm`` values with which SGLang drafts with the checkpoint's own MTP layer when no
+``--speculative-draft-model-path`` is given (NEXTN is SGLang's alias of EAGLE)."""
+
 CHECKED = ("tokenizer_worker_num", "dp_size", "data_parallel_size", "enable_dp_attention",
-           "enable_tokenizer_batch_encode")
+           "enable_tokenizer_batch_encode", "speculative_algorithm", "speculative_draft_model_path")
 """Server arguments whose values :meth:`SGLangEngineConfig.check` checks (an abbreviation of one is refused too)."""
 
 
@@ -120,7 +128,7 @@ class SGLangEngineConfig(EngineConfig):
     """Checks of the SGLang engine's flags (see the module docstring)."""
 
     @classmethod
-    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
+    def check(cls, rollout: RolloutConfig, sglang: SGLangConfig, hf_checkpoint: str | None = None) -> None:
         """Raises:
         ConfigError: a refused server argument (:data:`REFUSED`) or an abbreviation of one of them or of
             :data:`CHECKED` (SGLang's argparse would expand it past these checks), ``--sglang-tokenizer-worker-num``
@@ -129,7 +137,9 @@ class SGLangEngineConfig(EngineConfig):
             bad ``--sglang-server-concurrency`` or ``--sglang-requests-per-call``, or
             ``--sglang-enable-tokenizer-batch-encode`` with ``--sglang-requests-per-call`` above 1 (SGLang 0.5.17
             then refuses every batched ``/generate`` that holds an image: ``tokenizer_manager.py``,
-            ``_validate_batch_tokenization_constraints``).
+            ``_validate_batch_tokenization_constraints``), or ``--sglang-speculative-algorithm`` EAGLE / NEXTN
+            without ``--sglang-speculative-draft-model-path`` on a local ``hf_checkpoint`` without an MTP layer
+            (:func:`slime.checkpoints.mtp.mtp_problem`).
         """
         args = sglang.server_args
         for given in args:  # SGLang's argparse expands a unique prefix (allow_abbrev): --grpc-por is --grpc-port
@@ -162,3 +172,26 @@ class SGLangEngineConfig(EngineConfig):
                 "enable_tokenizer_batch_encode'), and slime sends up to --sglang-requests-per-call requests per call; "
                 "remove it, or add --sglang-requests-per-call 1 (which leaves it nothing to batch)"
             )
+        _check_mtp_draft(args, hf_checkpoint)
+
+
+def _check_mtp_draft(args: dict, hf_checkpoint: str | None) -> None:
+    """Speculative decoding that drafts with the checkpoint's own MTP layer needs a checkpoint that has one."""
+    from slime.checkpoints.mtp import mtp_problem
+
+    algorithm = args.get("speculative_algorithm")
+    if not isinstance(algorithm, str) or algorithm.upper() not in MTP_ALGORITHMS:
+        return
+    if "speculative_draft_model_path" in args or not hf_checkpoint:
+        return
+    try:
+        problem = mtp_problem(hf_checkpoint)
+    except ValueError as e:
+        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: {e}") from None
+    if problem:
+        raise ConfigError(
+            f"--sglang-speculative-algorithm {algorithm} drafts with the checkpoint's MTP layer, but --hf-checkpoint "
+            f"{hf_checkpoint} has none: {problem}. Use a checkpoint with its MTP layer (the released Qwen3.5 ones; "
+            "scripts/bench/sglang_rollout_bench.py build-scaled adds a random one), give "
+            "--sglang-speculative-draft-model-path, or drop the --sglang-speculative-* flags (SLIME_SCRIPT_SPECULATIVE=off)"
+        )

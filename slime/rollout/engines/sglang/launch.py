@@ -11,7 +11,10 @@ standard input).  slime sets:
 - ``--host``: ``127.0.0.1`` on a one-node cluster, the node's own address on a larger one (never
   ``0.0.0.0``), and ``--port``: a free port of the node;
 - ``--random-seed`` (``--rollout-seed`` + engine index: engines sample differently);
-- ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it);
+- ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it), and with speculative
+  decoding (``--sglang-speculative-algorithm``) also ``--enable-draft-weights-cpu-backup``: the memory saver
+  discards released weights, the weight sync restores the model's but never sends the draft's (an MTP layer no
+  trainer holds), so the draft's weights must come back from SGLang's CPU copy;
 - ``--dtype bfloat16`` unless ``--sglang-dtype`` is given (see :func:`server_command`);
 - then every ``--sglang-*`` flag, passed through as given (:class:`slime.rollout.config.SGLangConfig`).
 
@@ -136,7 +139,9 @@ class ServerSpec:
 def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     """The server's command line (see the module docstring); holds no secret.
 
-    ``--enable-memory-saver`` is added when colocated unless the pass-through flags already have it, and
+    ``--enable-memory-saver`` is added when colocated unless the pass-through flags already have it (and
+    ``--enable-draft-weights-cpu-backup`` with ``--speculative-algorithm``, unless they have it or
+    ``--enable-weights-cpu-backup``), and
     ``--dtype bfloat16`` unless they name a ``--dtype``: SGLang's ``auto`` serves a float32 checkpoint in
     float16, and SGLang 0.5.17's Gated-DeltaNet state cache is bfloat16, so the first prefill of such a
     model fails (``Index put requires the source and destination dtypes match``; seen on the H200 with
@@ -153,6 +158,10 @@ def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     ]  # fmt: skip
     if spec.colocated and "--enable-memory-saver" not in spec.passthrough:
         argv.append("--enable-memory-saver")
+    speculative = any(t == "--speculative-algorithm" or t.startswith("--speculative-algorithm=") for t in spec.passthrough)
+    backups = ("--enable-draft-weights-cpu-backup", "--enable-weights-cpu-backup")
+    if spec.colocated and speculative and not any(flag in spec.passthrough for flag in backups):
+        argv.append("--enable-draft-weights-cpu-backup")
     if not any(token == "--dtype" or token.startswith("--dtype=") for token in spec.passthrough):
         argv += ["--dtype", "bfloat16"]
     return argv + list(spec.passthrough)

@@ -27,7 +27,9 @@ What :func:`register` (the entry point) does, in every process:
 3. **A weight update that has finished when it answers**: after
    ``BaseTpWorker.update_weights_from_tensor`` the worker synchronises its CUDA stream, so the copies
    out of the trainer's CUDA-IPC buffer are done before the HTTP call returns and the trainer may
-   free that buffer (SGLang alone returns with the copies still queued).
+   free that buffer (SGLang alone returns with the copies still queued).  With speculative decoding the
+   scheduler calls the speculative worker's method instead (:data:`SPEC_WORKER_TARGET`, which loads the
+   draft and the target model itself): in scheduler processes it gets the same wait when SGLang imports it.
 4. **Fused experts in a few copies** (:mod:`.expert_load`), in every process but the main one, on any
    SGLang version: the ``load_weights`` of :data:`FAST_EXPERT_LOAD_TARGETS` (Qwen3.5 MoE) is wrapped, when
    SGLang imports ``sglang.srt.models.qwen3_5``, so that a fused ``gate_up_proj`` / ``down_proj`` tensor is
@@ -73,6 +75,10 @@ MAIN_PID_ENV = "SLIME_SGLANG_MAIN_PID"
 MROPE_FIX_ENV = "SLIME_SGLANG_MROPE_FIX"
 """``0`` leaves the multimodal-RoPE bug in; anything else (default) applies the fix where needed."""
 
+SPEC_WORKER_TARGET = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
+"""SGLang 0.5.17's EAGLE worker (MTP drafting), whose ``update_weights_from_tensor`` the scheduler calls instead of
+``BaseTpWorker``'s when speculative decoding is on (``scheduler_components/weight_updater.py``)."""
+
 FAST_EXPERT_LOAD_ENV = "SLIME_SGLANG_FAST_EXPERT_LOAD"
 """``0`` leaves fused expert tensors to SGLang's own per-expert loader (:mod:`.expert_load`); default on."""
 FAST_EXPERT_LOAD_TARGETS = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
@@ -112,6 +118,10 @@ def register() -> None:
         _write_report(report["version"], report["state"], report["main"])
 
     save_report()
+    if not main:
+        spec_module, _, spec_class = SPEC_WORKER_TARGET.rpartition(".")
+        arm_on_import(spec_module, lambda module: getattr(module, spec_class, None) is not None
+                      and synchronize_after_tensor_update(getattr(module, spec_class)))
     if state != "pending" and not fast_experts:
         return
     module_name, _, class_name = MROPE_FIX_TARGET.rpartition(".")

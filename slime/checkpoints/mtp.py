@@ -1,0 +1,218 @@
+"""Qwen3.5's multi-token-prediction (MTP) layer in a Hugging Face checkpoint: its tensors, a random one, a check.
+
+Released Qwen3.5 MoE checkpoints carry one MTP layer beside the model (``text_config.mtp_num_hidden_layers``
+1, ``mtp_use_dedicated_embeddings`` false) as ``mtp.*`` tensors, which transformers and slime's trainers do not
+load: the trainers hold no MTP layer and never send one in a weight sync.  SGLang 0.5.17 drafts with it for
+speculative decoding (``--speculative-algorithm EAGLE``; ``sglang/srt/configs/model_config.py``
+``_config_draft_model`` makes a Qwen3.5 checkpoint's draft model ``Qwen3_5ForCausalLMMTP`` of
+``sglang/srt/models/qwen3_5_mtp.py``, whose ``load_weights`` takes every name holding ``mtp``).  It reads:
+
+- ``mtp.fc.weight [h, 2h]`` (the concatenated [token embedding; target hidden state] down to ``h``),
+  ``mtp.pre_fc_norm_embedding.weight``, ``mtp.pre_fc_norm_hidden.weight`` and ``mtp.norm.weight [h]``;
+- ``mtp.layers.0.*``: one gated full-attention decoder layer with the model's MoE block, named as the model's
+  own layers (``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``, ``input_layernorm``,
+  ``post_attention_layernorm``, ``mlp.gate``, ``mlp.experts.<e>.{gate,up,down}_proj``,
+  ``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.shared_expert_gate``, each ``.weight``);
+- not the token embedding nor the LM head: the draft shares the target's (``set_embed_and_head``).
+
+That is ``17 + 3 E`` tensors (785 in Qwen3.5-35B-A3B, E = 256).  :func:`mtp_tensor_shapes` lists them for a
+text config, :func:`write_mtp_layer` adds a seeded random layer to a folder, :func:`mtp_problem` says why a
+checkpoint cannot serve MTP (the launcher's ``SLIME_SCRIPT_SPECULATIVE=mtp`` is checked with it at parse time).
+Importing this module imports neither torch nor safetensors (the parse path stays light).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+MTP_PREFIX = "mtp."
+"""The prefix of every MTP tensor name in a Qwen3.5 checkpoint."""
+MTP_FILE = "mtp.safetensors"
+"""The file :func:`write_mtp_layer` writes the layer into (listed in ``model.safetensors.index.json``)."""
+MTP_CONFIG_FIELDS = {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+"""The ``text_config`` fields of a released Qwen3.5 checkpoint with its MTP layer."""
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def mtp_tensor_shapes(text_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of one Qwen3.5-MoE MTP layer (the module docstring's list), per expert.
+
+    Args:
+        text_config: a ``Qwen3_5MoeTextConfig`` as a dict (``config.json``'s ``text_config``): ``hidden_size``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (absent: hidden // heads),
+            ``attn_output_gate`` (absent: true, q_proj then holds [query; gate] per head), ``num_experts``,
+            ``moe_intermediate_size``, ``shared_expert_intermediate_size``.
+
+    Raises:
+        ValueError: a field is missing (naming it).
+    """
+    def field(name: str) -> int:
+        if name not in text_config:
+            raise ValueError(f"text_config has no {name}: not a Qwen3.5-MoE text config")
+        return int(text_config[name])
+
+    h, heads, kv = field("hidden_size"), field("num_attention_heads"), field("num_key_value_heads")
+    d = int(text_config.get("head_dim") or h // heads)
+    q_rows = (2 if text_config.get("attn_output_gate", True) else 1) * heads * d
+    experts, inter, shared = field("num_experts"), field("moe_intermediate_size"), field(
+        "shared_expert_intermediate_size")
+    layer = f"{MTP_PREFIX}layers.0."
+    shapes = {
+        f"{MTP_PREFIX}fc.weight": (h, 2 * h),
+        f"{MTP_PREFIX}pre_fc_norm_embedding.weight": (h,),
+        f"{MTP_PREFIX}pre_fc_norm_hidden.weight": (h,),
+        f"{MTP_PREFIX}norm.weight": (h,),
+        f"{layer}input_layernorm.weight": (h,),
+        f"{layer}post_attention_layernorm.weight": (h,),
+        f"{layer}self_attn.q_proj.weight": (q_rows, h),
+        f"{layer}self_attn.k_proj.weight": (kv * d, h),
+        f"{layer}self_attn.v_proj.weight": (kv * d, h),
+        f"{layer}self_attn.o_proj.weight": (h, heads * d),
+        f"{layer}self_attn.q_norm.weight": (d,),
+        f"{layer}self_attn.k_norm.weight": (d,),
+        f"{layer}mlp.gate.weight": (experts, h),
+        f"{layer}mlp.shared_expert.gate_proj.weight": (shared, h),
+        f"{layer}mlp.shared_expert.up_proj.weight": (shared, h),
+        f"{layer}mlp.shared_expert.down_proj.weight": (h, shared),
+        f"{layer}mlp.shared_expert_gate.weight": (1, h),
+    }
+    for e in range(experts):
+        shapes[f"{layer}mlp.experts.{e}.gate_proj.weight"] = (inter, h)
+        shapes[f"{layer}mlp.experts.{e}.up_proj.weight"] = (inter, h)
+        shapes[f"{layer}mlp.experts.{e}.down_proj.weight"] = (h, inter)
+    return shapes
+
+
+def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
+    """The tensor entries of a safetensors file's header (``{name: {"dtype", "shape", "data_offsets"}}``), read
+    without loading a tensor (the format: an 8-byte little-endian header length, then the JSON header).
+
+    Raises:
+        ValueError: not a safetensors file (naming it).
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (size,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a safetensors file ({e})") from None
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+def weight_map(folder: str | os.PathLike) -> dict[str, str] | None:
+    """Tensor name -> file of a Hugging Face folder: ``model.safetensors.index.json``'s ``weight_map``, else the
+    headers of its ``*.safetensors`` files; None when it has neither (e.g. ``*.bin`` weights, or no folder)."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    return {name: f.name for f in files for name in safetensors_header(f)}
+
+
+def write_mtp_layer(folder: str | os.PathLike, *, seed: int = 0, dtype=None, device: str = "cpu",
+                    std: float | None = None) -> dict[str, tuple[int, ...]]:
+    """Add one random MTP layer of the checkpoint's own shapes (:func:`mtp_tensor_shapes`) to a Hugging Face folder.
+
+    Writes ``folder/mtp.safetensors`` (matrices ~ N(0, ``std``), default the config's ``initializer_range`` or
+    0.02; the 1-D RMSNorm weights 0, i.e. scale 1 in Qwen3.5's ``1 + w`` norms), lists its tensors in
+    ``model.safetensors.index.json`` (made from the single ``model.safetensors`` when there was no index), and sets
+    :data:`MTP_CONFIG_FIELDS` in ``config.json``'s ``text_config``.  The same seed, dtype and device give the same
+    weights (tensors drawn in name order from one generator).
+
+    Args:
+        folder: a Qwen3.5-MoE checkpoint folder (``config.json`` and safetensors weights).
+        seed: the generator's seed.
+        dtype: the stored dtype (default ``torch.bfloat16``, the released checkpoints').
+        device: where the random numbers are drawn (``cuda`` is much faster for real widths).
+        std: the matrices' standard deviation.
+
+    Returns:
+        The written tensors' names and shapes.
+
+    Raises:
+        FileExistsError: the folder already has ``mtp.*`` tensors.
+        ValueError: no safetensors weights, or ``config.json`` is not a Qwen3.5-MoE config (naming the field).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config", config)
+    shapes = mtp_tensor_shapes(text)
+    existing = weight_map(folder)
+    if existing is None:
+        raise ValueError(f"{folder}: no safetensors weights (model.safetensors or {INDEX_FILE}) to add an MTP layer to")
+    if any(name.startswith(MTP_PREFIX) for name in existing):
+        raise FileExistsError(f"{folder} already has {MTP_PREFIX}* tensors; use a checkpoint without an MTP layer")
+    dtype = dtype or torch.bfloat16
+    std = float(std if std is not None else text.get("initializer_range", 0.02))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if len(shape) == 1:
+            tensors[name] = torch.zeros(shape, dtype=dtype)
+        else:
+            drawn = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+            tensors[name] = drawn.mul_(std).to(dtype).cpu()
+    save_file(tensors, str(folder / MTP_FILE), metadata={"format": "pt"})
+    index_path = folder / INDEX_FILE
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {"metadata": {}, "weight_map": existing}
+    total = index.get("metadata", {}).get("total_size")
+    if total is None:
+        total = _tensor_bytes(folder, set(existing.values()))
+    index["metadata"] = {**index.get("metadata", {}),
+                         "total_size": int(total) + sum(t.numel() * t.element_size() for t in tensors.values())}
+    index["weight_map"] = dict(sorted({**index["weight_map"], **dict.fromkeys(tensors, MTP_FILE)}.items()))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    text.update(MTP_CONFIG_FIELDS)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return shapes
+
+
+def _tensor_bytes(folder: Path, files: set[str]) -> int:
+    """Bytes of the tensors of ``files`` in ``folder`` (from their headers' data offsets)."""
+    return sum(entry["data_offsets"][1] - entry["data_offsets"][0]
+               for name in files for entry in safetensors_header(folder / name).values())
+
+
+def mtp_problem(hf_checkpoint: str | os.PathLike) -> str | None:
+    """Why ``hf_checkpoint`` cannot serve MTP speculative decoding, or None.
+
+    None also when it cannot be told here: not a local folder with a ``config.json`` (a hub name, or a folder made
+    later).  A problem: ``config.json`` has no ``mtp_num_hidden_layers`` >= 1 (in ``text_config`` or at its top
+    level), or the safetensors weights hold no ``mtp.*`` tensor (not checked for ``*.bin`` weights).
+
+    Raises:
+        ValueError: ``config.json`` or a safetensors header is unreadable (naming the file).
+    """
+    config_path = Path(hf_checkpoint) / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {config_path}: {e}") from None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    layers = text.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers"))
+    problems = []
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        problems.append(f"config.json has no mtp_num_hidden_layers >= 1 (text_config.mtp_num_hidden_layers = "
+                        f"{layers!r})")
+    names = weight_map(hf_checkpoint)
+    if names is not None and not any(name.startswith(MTP_PREFIX) for name in names):
+        problems.append(f"its safetensors weights hold no {MTP_PREFIX}* tensor (the MTP layer)")
+    return "; ".join(problems) or None
