@@ -180,6 +180,41 @@ def test_cpu_default_honours_an_explicit_rollout_backend(tiny_ckpt, tmp_path):
         assert f"{engine} engine" in result.stdout + result.stderr
 
 
+def test_speculative_mtp_adds_upstreams_four_flags_which_the_parser_checks(tiny_ckpt, tmp_path, capsys):
+    """SLIME_SCRIPT_SPECULATIVE=mtp adds exactly upstream's four --sglang-speculative-* flags (unset: none); the parser
+    refuses them on the tiny checkpoint, which has no MTP layer, and with the transformers engine; a value other
+    than off / mtp stops the launcher."""
+    from slime.rollout.engines.sglang.config import MTP_SPECULATIVE_FLAGS
+
+    expected = ["--sglang-" + f[2:] if f.startswith("--") else f for f in MTP_SPECULATIVE_FLAGS]
+    assert expected[:2] == ["--sglang-speculative-algorithm", "EAGLE"] and len(expected) == 8
+    runs = {}
+    for value in (None, "off", "mtp"):
+        for engine in ("sglang", "transformers"):
+            extra = {"SLIME_SCRIPT_ROLLOUT_BACKEND": engine, **({"SLIME_SCRIPT_SPECULATIVE": value} if value else {})}
+            result = subprocess.run(
+                ["bash", str(LAUNCHER)], cwd=REPO, env=_env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", **extra),
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            runs[value, engine] = shlex.split(result.stdout.strip().splitlines()[-1])
+    for (value, engine), argv in runs.items():
+        flags = [a for a in argv if a.startswith("--sglang-speculative")]
+        assert flags == (expected[::2] if value == "mtp" else []), (value, engine)
+    argv = runs["mtp", "sglang"]
+    start = argv.index("--sglang-speculative-algorithm")
+    assert argv[start:start + 8] == expected
+    with pytest.raises(SystemExit):
+        parse_args(argv[3:])
+    assert "has none: config.json has no mtp_num_hidden_layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(runs["mtp", "transformers"][3:])
+    assert "does not run SGLang" in capsys.readouterr().err
+    bad = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=_env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_SPECULATIVE="eagle"))
+    assert bad.returncode == 2 and "SLIME_SCRIPT_SPECULATIVE=eagle: expected off or mtp" in bad.stderr
+
+
 @pytest.mark.parametrize("form", ["separate", "equals"])
 def test_dry_run_output_dir_moves_the_run_and_its_default_checkpoints(tiny_ckpt, tmp_path, form):
     mine = tmp_path / "mine"

@@ -162,3 +162,61 @@ def test_the_engines_expert_load_figures_are_read_summed_and_taken_per_sync(benc
     assert delta == {"fast_per_sync": 8.0, "load_weights_calls_per_sync": 4.0, "load_weights_s_per_sync": 0.375,
                      "declined": {"quantized experts": 1}, "disabled": "layer 0: differs"}
     assert bench._expert_load_delta(after, after, syncs=2)["declined"] == {}
+
+
+def test_spec_acceptance_is_token_weighted_over_the_requests_that_drafted(bench):
+    """SGLang 0.5.17's per-request meta_info: 10 tokens in 4 verify steps (6 of 8 drafts accepted) and 5 tokens in 5
+    steps (none of 10): (10 + 5) / (4 + 5) tokens per verify step, 6 / 18 drafts; a request without the fields (no
+    speculative decoding) does not count, and none at all gives None."""
+    metas = [{"completion_tokens": 10, "spec_verify_ct": 4, "spec_num_correct_drafts": 6, "spec_num_proposed_drafts": 8},
+             {"completion_tokens": 5, "spec_verify_ct": 5, "spec_num_correct_drafts": 0, "spec_num_proposed_drafts": 10},
+             {"completion_tokens": 3}]
+    assert bench.spec_acceptance(metas) == {"accept_length": pytest.approx(15 / 9), "accept_rate": pytest.approx(1 / 3),
+                                            "verify_steps": 9, "requests": 2}
+    assert bench.spec_acceptance([{"completion_tokens": 3}]) is None and bench.spec_acceptance([]) is None
+
+
+def test_speculative_mtp_adds_upstreams_four_flags_to_every_contender(bench, monkeypatch):
+    monkeypatch.setattr(bench, "SERVER_CONFIG", "defaults")
+    monkeypatch.setattr(bench, "SPECULATIVE", "none")
+    plain = bench.bench_flags(0.6)
+    assert plain == ("--mem-fraction-static", "0.6", *bench.LAUNCHER_FLAGS)
+    monkeypatch.setattr(bench, "SPECULATIVE", "mtp")
+    assert bench.bench_flags(0.6) == (*plain, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+                                      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+    monkeypatch.setattr(bench, "SERVER_CONFIG", "eager")
+    assert bench.bench_flags(0.6)[-8:-6] == ("--speculative-algorithm", "EAGLE")
+
+
+def test_speculative_mtp_without_an_mtp_layer_is_refused_before_any_engine_starts(bench, monkeypatch, capsys, tiny_ckpt,
+                                                                                   tmp_path):
+    import shutil
+
+    from slime.checkpoints.mtp import write_mtp_layer
+
+    ran = []
+    monkeypatch.setattr(bench, "throughput", lambda args: ran.append(args.speculative))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["throughput", "--model", str(tiny_ckpt), "--speculative", "mtp"])
+    assert exit_info.value.code == 2 and not ran
+    assert "--speculative mtp" in capsys.readouterr().err
+    with_mtp = tmp_path / "tiny-mtp"
+    shutil.copytree(tiny_ckpt, with_mtp)
+    write_mtp_layer(with_mtp)
+    bench.main(["throughput", "--model", str(with_mtp), "--speculative", "mtp"])
+    bench.main(["throughput", "--model", str(tiny_ckpt)])
+    assert ran == ["mtp", "none"]
+
+
+def test_the_scaled_models_mtp_layer_has_the_released_shapes_but_its_expert_count(bench):
+    from slime.checkpoints.mtp import mtp_tensor_shapes
+
+    ids = {"eos": 1, "pad": 2, "image": 3, "video": 4, "vision_start": 5, "vision_end": 6}
+    shapes = mtp_tensor_shapes(bench.scaled_config(4, ids, 128).text_config.to_dict())
+    assert len(shapes) == 17 + 3 * 128
+    assert shapes["mtp.layers.0.self_attn.q_proj.weight"] == (8192, 2048)  # 16 heads of 256, each [query; gate]
+    assert shapes["mtp.layers.0.mlp.gate.weight"] == (128, 2048) and shapes["mtp.fc.weight"] == (2048, 4096)
+
+
+def test_the_servers_acceptance_length_is_none_without_speculative_decoding(bench, fake_engines):
+    assert bench.server_accept_length(fake_engines) is None
