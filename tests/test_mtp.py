@@ -300,19 +300,61 @@ def dataclasses_replace(obj, **changes):
     return dataclasses.replace(obj, **changes)
 
 
-def test_the_bench_sync_runs_parse_with_and_without_mtp(tiny_ckpt, mtp_ckpt, monkeypatch, tmp_path):
-    """``scripts/bench/mtp_sync.py``'s runs are valid slime commands (the engine's package check aside: no SGLang
-    here), colocated, with the speculative flags only on the ``mtp`` server."""
+def _mtp_sync(monkeypatch):
+    """``scripts/bench/mtp_sync.py`` as a module (its ``sys.path`` additions undone after the test)."""
     import importlib.util
     import sys
-
-    import slime.arguments
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "mtp_sync.py"
     spec = importlib.util.spec_from_file_location("mtp_sync_under_test", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setattr(sys, "path", list(sys.path))
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_bench_moves_every_parameter_by_its_seeded_relative_noise(monkeypatch):
+    import types
+
+    module = _mtp_sync(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    before = [p.detach().double().clone() for p in model.parameters()]
+    actor = types.SimpleNamespace(backend=types.SimpleNamespace(model=model))
+    assert module.perturb_parameters(actor, 0.01, 7) == 4
+    for i, (param, old) in enumerate(zip(model.parameters(), before)):
+        noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(7 + i)).double()
+        torch.testing.assert_close(param.detach().double(), old * (1 + 0.01 * noise), rtol=1e-6, atol=1e-7)
+
+
+def test_the_bench_reports_every_gap_and_the_gates_own_verdict(monkeypatch):
+    """The check runs with bounds that never refuse; the verdict at the default bounds is reported beside the gaps."""
+    import types
+
+    from slime.rollout.config import ParityConfig
+
+    module = _mtp_sync(monkeypatch)
+
+    def run_with(text_gap):
+        metrics = {"parity/logprob_gap_image": 0.05, "parity/logprob_gap_text": text_gap,
+                   "parity/logprob_gap_image_max": 0.4, "parity/logprob_gap_text_max": 0.5, "parity/tokens_image": 64.0,
+                   "parity/tokens_text": 64.0, "parity/trainer_floor_image": 0.0, "parity/trainer_floor_text": 0.0,
+                   "parity/skipped_vision_token_responses": 0.0}
+        parity = types.SimpleNamespace(compare=lambda trainers, samples, rollout_id: metrics)
+        return types.SimpleNamespace(parity=parity, trainers=None)
+
+    ok = module.compare(run_with(0.04), [], 0, ParityConfig())
+    assert ok["verdict"] == "pass" and ok["parity/logprob_gap_text"] == 0.04
+    refused = module.compare(run_with(0.5), [], 1, ParityConfig())
+    assert refused["verdict"].startswith("text-prompt gap 0.5 nats > --engine-parity-max-gap 0.1")
+
+
+def test_the_bench_sync_runs_parse_with_and_without_mtp(tiny_ckpt, mtp_ckpt, monkeypatch, tmp_path):
+    """``scripts/bench/mtp_sync.py``'s runs are valid slime commands (the engine's package check aside: no SGLang
+    here), colocated, with the speculative flags only on the ``mtp`` server."""
+    import slime.arguments
+
+    module = _mtp_sync(monkeypatch)
     monkeypatch.setattr(slime.arguments, "_check_runs_here", lambda cfg: None)
     none = slime.arguments.parse_args(module.run_argv(str(mtp_ckpt), "none", 8, 128, tmp_path))
     mtp = slime.arguments.parse_args(module.run_argv(str(mtp_ckpt), "mtp", 8, 128, tmp_path))

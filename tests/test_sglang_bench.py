@@ -218,5 +218,18 @@ def test_the_scaled_models_mtp_layer_has_the_released_shapes_but_its_expert_coun
     assert shapes["mtp.layers.0.mlp.gate.weight"] == (128, 2048) and shapes["mtp.fc.weight"] == (2048, 4096)
 
 
-def test_the_servers_acceptance_length_is_none_without_speculative_decoding(bench, fake_engines):
-    assert bench.server_accept_length(fake_engines) is None
+def test_the_engines_answers_meta_info_is_kept_for_the_acceptance_figures(bench, fake_engines):
+    """record_spec_meta keeps every answer's completion_tokens (and spec_* fields: none without speculative
+    decoding, so no acceptance figure), whichever way the requests reach the server, once each."""
+    params = bench.BenchSamplingParams(max_new_tokens=4, temperature=1.0)
+    requests = [GenerateRequest(f"p{i} w", [], params, rid=f"m{i}") for i in range(6)]
+    actor = fake_engines.actors[0]
+    ray.get(actor.__ray_call__.remote(bench.record_spec_meta))
+    ray.get(actor.__ray_call__.remote(bench.record_spec_meta))  # idempotent: still one record per answer
+    fake_engines.generate(requests)
+    ray.get(actor.__ray_call__.remote(bench.generate_in_actor, requests, 3))
+    kept = ray.get(actor.__ray_call__.remote(bench.take_spec_meta))
+    assert [m["completion_tokens"] for m in kept] == [4] * 12
+    assert ray.get(actor.__ray_call__.remote(bench.take_spec_meta)) == []  # taken
+    fake_engines.generate(requests[:2])
+    assert bench.engine_acceptance(fake_engines) is None  # answers without spec_* fields

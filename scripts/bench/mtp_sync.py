@@ -12,14 +12,14 @@ weight sync) goes through two rollout ids as the training loop does:
 
 - ``before_sync``: the cache flushed, the parity probe sampled (:class:`slime.rollout.parity.EngineParityCheck`:
   ``--prompts`` geo3k rows with their image and as text alone, ``--response-len`` tokens at temperature 1), the
-  server's acceptance length of those requests read (``/server_info``, counters reset by the flush); then, in the
+  acceptance of those requests read from their ``meta_info`` (``spec_verify_ct``...); then, in the
   training phase, the trainer's log-probs of those tokens (plain and with one rounding step: the gap and the
   trainer's floor, and the gate's verdict at its default bounds) and the policy moved: every trainer parameter
   times ``1 + perturb * n``, n ~ N(0, 1), seeded per tensor; then the sync (engines release their memory, the
   trainer pushes its weights, which hold no MTP layer: the draft keeps its start-up weights from SGLang's CPU copy);
 - ``after_sync``: the same probe and figures against the moved policy.
 
-Figures: one JSON line per server and phase (``check: mtp_sync``) with the gaps, ``spec_accept_length``, the
+Figures: one JSON line per server and phase (``check: mtp_sync``) with the gaps, ``spec`` (acceptance), the
 probe's seconds and tokens, and the sync's seconds.  On a random model the acceptance length is about 1 at
 temperature 1 whatever the draft (docs/results/h200_real_width.md, item 5); the gaps and the sync are the point.
 """
@@ -80,16 +80,20 @@ def perturb_parameters(actor, rel: float, seed: int) -> int:
 
 
 def probe(run, rollout_id: int) -> tuple[list, dict]:
-    """The parity probe's samples at ``rollout_id`` and the engine's figures of them (the cache flushed first)."""
-    from sglang_rollout_bench import server_accept_length
+    """The parity probe's samples at ``rollout_id`` and the engine's figures of them (the cache flushed first):
+    seconds, tokens and the speculative figures of its requests (``spec``, None without speculative decoding)."""
+    import ray
 
-    run.engines.flush_cache()  # also resets SGLang's speculative counters
+    from sglang_rollout_bench import engine_acceptance, record_spec_meta
+
+    ray.get(run.engines.actors[0].__ray_call__.remote(record_spec_meta))
+    engine_acceptance(run.engines)  # not what came before
+    run.engines.flush_cache()
     t0 = time.monotonic()
     samples = run.parity.generate(run.engines, rollout_id)
     seconds = time.monotonic() - t0
     tokens = sum(len(s.response_token_ids) for s in samples)
-    return samples, {"probe_s": round(seconds, 2), "probe_tokens": tokens,
-                     "spec_accept_length": server_accept_length(run.engines)}
+    return samples, {"probe_s": round(seconds, 2), "probe_tokens": tokens, "spec": engine_acceptance(run.engines)}
 
 
 def compare(run, samples, rollout_id: int, strict) -> dict:

@@ -35,8 +35,8 @@ temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work
 
 and prints output tokens/s for each and the ratios ours / SGLang alone (goal >= 0.9) and SGLang / transformers.
 ``--speculative mtp`` adds upstream's four speculative flags (EAGLE drafting with the MTP layer) to every SGLang
-contender and reports acceptance lengths: ours from the server's counters after a flushed pass
-(:func:`server_accept_length`), SGLang alone from every request's ``meta_info`` (:func:`spec_acceptance`).
+contender and reports each one's acceptance (``spec``: :func:`spec_acceptance` of every request's ``meta_info``;
+ours through :func:`record_spec_meta` in the engine's actor).
 Every contender first runs the whole set once untimed (kernels compiled and autotuned for its batch shapes,
 which the Triton cache on disk would otherwise hand to whichever runs second), then ``--repeats`` timed passes
 (the median is reported, every pass's seconds beside it), SGLang's prefix cache flushed before each.  SGLang
@@ -256,10 +256,9 @@ def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
             last.update(ray.get(actor.__ray_call__.remote(generate_in_actor, requests, n)))
             return last["tokens"]
 
+        engine_acceptance(engines)  # what came before
         result = timed_passes(one_pass, repeats, engines.flush_cache)
-        result.update(calls=last["calls"], calls_at_once=last["calls_at_once"])
-        if SPECULATIVE != "none":
-            result["spec_accept_length"] = server_accept_length(engines)
+        result.update(calls=last["calls"], calls_at_once=last["calls_at_once"], spec=engine_acceptance(engines))
         figures[f"same_server_calls_of_{n}"] = result
         ratio = f"; ours / this {group_tokens_per_s / result['tokens_per_s']:.3f}" if group_tokens_per_s else ""
         print(f"same server, calls of {n} request(s) from the engine actor ({result['calls']} calls, "
@@ -308,14 +307,41 @@ def spec_acceptance(meta_infos: list[dict]) -> dict | None:
             "verify_steps": verify, "requests": len(spec)}
 
 
-def server_accept_length(engines) -> float | None:
-    """Engine 0's ``avg_spec_accept_length`` (``/server_info`` ``internal_states``: output tokens per verify step
-    since the last cache flush, which resets SGLang's counters; so, after a flushed pass, that pass's), or None."""
+def record_spec_meta(actor) -> None:
+    """On an SGLang engine's actor: from now on keep ``completion_tokens`` and the ``spec_*`` fields of the
+    ``meta_info`` of every ``/generate`` answer (slime's engine drops them), for :func:`take_spec_meta`."""
+    client = actor.engine.client
+    if getattr(client, "bench_spec_meta", None) is not None:
+        return
+    client.bench_spec_meta = []
+    original = client.generate
+
+    def generate(payload):
+        body = original(payload)
+        for item in body if isinstance(body, list) else [body]:
+            meta = item.get("meta_info") or {}
+            client.bench_spec_meta.append({k: v for k, v in meta.items()
+                                           if k.startswith("spec_") or k == "completion_tokens"})
+        return body
+
+    client.generate = generate
+
+
+def take_spec_meta(actor) -> list[dict]:
+    """On an SGLang engine's actor: the figures :func:`record_spec_meta` kept since the last call (and reset); [] when
+    it was not called."""
+    client = actor.engine.client
+    meta = list(getattr(client, "bench_spec_meta", None) or [])
+    if meta:
+        client.bench_spec_meta = []
+    return meta
+
+
+def engine_acceptance(engines) -> dict | None:
+    """:func:`spec_acceptance` of the requests engine 0 answered since the last call (after :func:`record_spec_meta`)."""
     import ray
 
-    info = ray.get(engines.actors[0].__ray_call__.remote(lambda a: a.engine.client.server_info()))
-    states = info.get("internal_states") or [{}]
-    return states[0].get("avg_spec_accept_length")
+    return spec_acceptance(ray.get(engines.actors[0].__ray_call__.remote(take_spec_meta)))
 
 
 def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_call: int, out: Path,
@@ -338,11 +364,12 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
         t0 = time.monotonic()
         engines.wait_until_healthy(START_TIMEOUT_S)
         start_s = time.monotonic() - t0
+        ray.get(engines.actors[0].__ray_call__.remote(record_spec_meta))
         engines.generate(requests)  # warm-up: every prompt once (Triton JIT and autotuning, the image cache)
+        engine_acceptance(engines)  # not the warm-up's
         result = timed_passes(lambda: sum(len(o.output_ids) for o in engines.generate(requests)), repeats,
                               engines.flush_cache)
-        if SPECULATIVE != "none":
-            result["spec_accept_length"] = server_accept_length(engines)  # the last pass's
+        result["spec"] = engine_acceptance(engines)  # over the timed passes (None without speculative decoding)
         direct = same_server_sweep(engines, requests, direct_requests_per_call, repeats, result["tokens_per_s"])
     finally:
         engines.shutdown()
