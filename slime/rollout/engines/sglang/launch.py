@@ -11,10 +11,8 @@ standard input).  slime sets:
 - ``--host``: ``127.0.0.1`` on a one-node cluster, the node's own address on a larger one (never
   ``0.0.0.0``), and ``--port``: a free port of the node;
 - ``--random-seed`` (``--rollout-seed`` + engine index: engines sample differently);
-- ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it), and with speculative
-  decoding (``--sglang-speculative-algorithm``) also ``--enable-draft-weights-cpu-backup``: the memory saver
-  discards released weights, the weight sync restores the model's but never sends the draft's (an MTP layer no
-  trainer holds), so the draft's weights must come back from SGLang's CPU copy;
+- ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it), with ``--speculative-algorithm``
+  also ``--enable-draft-weights-cpu-backup`` (released weights are lost and the sync never sends the draft's);
 - ``--dtype bfloat16`` unless ``--sglang-dtype`` is given (see :func:`server_command`);
 - then every ``--sglang-*`` flag, passed through as given (:class:`slime.rollout.config.SGLangConfig`).
 

@@ -27,9 +27,8 @@ What :func:`register` (the entry point) does, in every process:
 3. **A weight update that has finished when it answers**: after
    ``BaseTpWorker.update_weights_from_tensor`` the worker synchronises its CUDA stream, so the copies
    out of the trainer's CUDA-IPC buffer are done before the HTTP call returns and the trainer may
-   free that buffer (SGLang alone returns with the copies still queued).  With speculative decoding the
-   scheduler calls the speculative worker's method instead (:data:`SPEC_WORKER_TARGET`, which loads the
-   draft and the target model itself): in scheduler processes it gets the same wait when SGLang imports it.
+   free that buffer (SGLang alone returns with the copies still queued); the same for the method of
+   :data:`SPEC_WORKER_TARGET`, which the scheduler calls instead with speculative decoding.
 4. **Fused experts in a few copies** (:mod:`.expert_load`), in every process but the main one, on any
    SGLang version: the ``load_weights`` of :data:`FAST_EXPERT_LOAD_TARGETS` (Qwen3.5 MoE) is wrapped, when
    SGLang imports ``sglang.srt.models.qwen3_5``, so that a fused ``gate_up_proj`` / ``down_proj`` tensor is
