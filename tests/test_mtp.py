@@ -309,6 +309,7 @@ def _mtp_sync(monkeypatch):
     spec = importlib.util.spec_from_file_location("mtp_sync_under_test", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
     return module
 
@@ -364,3 +365,47 @@ def test_the_bench_sync_runs_parse_with_and_without_mtp(tiny_ckpt, mtp_ckpt, mon
     assert (mtp.parity.engine_parity_prompts, mtp.parity.engine_parity_response_len) == (8, 128)
     with pytest.raises(SystemExit):
         slime.arguments.parse_args(module.run_argv(str(tiny_ckpt), "mtp", 8, 128, tmp_path))
+
+
+@pytest.mark.slow
+def test_the_sync_bench_runs_through_slimes_driver_on_cpu(tiny_ckpt, monkeypatch, tmp_path):
+    """``mtp_sync.measure_server`` end to end on the CPU: the transformers engine in place of SGLang (its parity probe
+    switched on here), the FSDP trainer, Ray.  The engine computes the trainer's model exactly, so both gaps are 0:
+    after the 1 % move, only because the sync carried it (the trainer's log-probs move with it)."""
+    import sys
+    import types
+
+    from slime.rollout.engines.hf_engine import TransformersEngine
+
+    import importlib
+
+    module = _mtp_sync(monkeypatch)
+    monkeypatch.setitem(sys.modules, "sglang_rollout_bench", None)  # undone at teardown: the import below goes
+    del sys.modules["sglang_rollout_bench"]
+    bench = importlib.import_module("sglang_rollout_bench")  # the one mtp_sync imports (scripts/bench on its path)
+    monkeypatch.setattr(TransformersEngine, "parity_check", True)
+    monkeypatch.setattr(bench, "record_spec_meta", lambda actor: None)  # no SGLang client, no spec_* figures
+    monkeypatch.setattr(bench, "engine_acceptance", lambda engines: None)
+    sglang_run_argv = module.run_argv
+
+    def cpu_argv(model, server, prompts, response_len, out):
+        argv, keep = sglang_run_argv(model, server, prompts, response_len, out), []
+        for token in argv:
+            if token.startswith("--sglang-") or token in ("--colocate", "--bf16", "--gradient-checkpointing"):
+                keep.append(None)  # this flag and its values are dropped
+            elif token.startswith("--") or keep[-1:] != [None]:
+                keep.append(token)
+        argv = [t for t in keep if t is not None]
+        argv[argv.index("--rollout-backend") + 1] = "transformers"
+        return [*argv, "--rollout-num-gpus", "1"]
+
+    monkeypatch.setattr(module, "run_argv", cpu_argv)
+    args = types.SimpleNamespace(model=str(tiny_ckpt), prompts=2, response_len=8, perturb=0.01, seed=0,
+                                 json=str(tmp_path / "figures.jsonl"), out=str(tmp_path / "runs"))
+    module.measure_server("none", args)
+    rows = [json.loads(line) for line in (tmp_path / "figures.jsonl").read_text().splitlines()]
+    assert [(r["server"], r["phase"]) for r in rows] == [("none", "before_sync"), ("none", "after_sync")]
+    assert rows[0]["parameters_moved"] > 0 and rows[1]["sync_s"] is not None
+    for row in rows:
+        assert row["verdict"] == "pass" and row["parity/tokens_image"] == row["parity/tokens_text"] == 16
+        assert row["parity/logprob_gap_image"] == row["parity/logprob_gap_text"] == 0.0

@@ -63,7 +63,8 @@ def run_argv(model: str, server: str, prompts: int, response_len: int, out: Path
 
 def perturb_parameters(actor, rel: float, seed: int) -> int:
     """On a trainer actor: every parameter of its model (the rank's local shard) times ``1 + rel * n``, n ~ N(0, 1)
-    drawn from a generator seeded with ``seed + i`` for the i-th parameter; returns the parameters moved."""
+    drawn from a generator seeded with ``seed + i`` for the i-th parameter (zeros stay: the random model's norm
+    weights); returns the parameters moved."""
     import torch
 
     models = actor.backend.model if isinstance(actor.backend.model, (list, tuple)) else [actor.backend.model]
@@ -113,9 +114,14 @@ def compare(run, samples, rollout_id: int, strict) -> dict:
 def measure_server(server: str, args) -> None:
     import ray
 
+    import sglang_rollout_bench
     from slime.arguments import parse_args
     from slime.driver import init_ray, make_run_dir, prepare, resolve_components, setup
     from sglang_rollout_bench import _emit
+
+    for module in (sglang_rollout_bench, sys.modules.get(__name__)):  # Ray's workers cannot import the scripts by
+        if module is not None and module.__name__ != "__main__":  # name: functions run in actors travel by value
+            ray.cloudpickle.register_pickle_by_value(module)  # (__main__'s always do)
 
     cfg = parse_args(run_argv(args.model, server, args.prompts, args.response_len, Path(args.out)))
     strict = cfg.parity
