@@ -1,24 +1,12 @@
 """Qwen3.5's multi-token-prediction (MTP) layer in a Hugging Face checkpoint: its tensors, a random one, a check.
 
-Released Qwen3.5 MoE checkpoints carry one MTP layer beside the model (``text_config.mtp_num_hidden_layers``
-1, ``mtp_use_dedicated_embeddings`` false) as ``mtp.*`` tensors, which transformers and slime's trainers do not
-load: the trainers hold no MTP layer and never send one in a weight sync.  SGLang 0.5.17 drafts with it for
-speculative decoding (``--speculative-algorithm EAGLE``; ``sglang/srt/configs/model_config.py``
-``_config_draft_model`` makes a Qwen3.5 checkpoint's draft model ``Qwen3_5ForCausalLMMTP`` of
-``sglang/srt/models/qwen3_5_mtp.py``, whose ``load_weights`` takes every name holding ``mtp``).  It reads:
-
-- ``mtp.fc.weight [h, 2h]`` (the concatenated [token embedding; target hidden state] down to ``h``),
-  ``mtp.pre_fc_norm_embedding.weight``, ``mtp.pre_fc_norm_hidden.weight`` and ``mtp.norm.weight [h]``;
-- ``mtp.layers.0.*``: one gated full-attention decoder layer with the model's MoE block, named as the model's
-  own layers (``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``, ``input_layernorm``,
-  ``post_attention_layernorm``, ``mlp.gate``, ``mlp.experts.<e>.{gate,up,down}_proj``,
-  ``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.shared_expert_gate``, each ``.weight``);
-- not the token embedding nor the LM head: the draft shares the target's (``set_embed_and_head``).
-
-That is ``17 + 3 E`` tensors (785 in Qwen3.5-35B-A3B, E = 256).  :func:`mtp_tensor_shapes` lists them for a
-text config, :func:`write_mtp_layer` adds a seeded random layer to a folder, :func:`mtp_problem` says why a
-checkpoint cannot serve MTP (the launcher's ``SLIME_SCRIPT_SPECULATIVE=mtp`` is checked with it at parse time).
-Importing this module imports neither torch nor safetensors (the parse path stays light).
+Released Qwen3.5 MoE checkpoints carry one MTP layer (``text_config.mtp_num_hidden_layers`` 1) as ``mtp.*``
+tensors that no trainer loads or syncs; SGLang 0.5.17 drafts with it (``--speculative-algorithm EAGLE``:
+``Qwen3_5ForCausalLMMTP`` of ``sglang/srt/models/qwen3_5_mtp.py``, which loads the names holding ``mtp``):
+``mtp.fc [h, 2h]``, three RMSNorms and ``mtp.layers.0.*``, one gated full-attention decoder layer with the model's
+MoE block named as the model's layers, experts per expert; the embedding and LM head are the target's.  That is
+``17 + 3 E`` tensors (785 in Qwen3.5-35B-A3B).  How SGLang picks and feeds it: docs/results/h200_real_width.md,
+item 5.  Imports neither torch nor safetensors at module level (the flag parser uses :func:`mtp_problem`).
 """
 
 from __future__ import annotations
@@ -31,22 +19,15 @@ from pathlib import Path
 from typing import Any
 
 MTP_PREFIX = "mtp."
-"""The prefix of every MTP tensor name in a Qwen3.5 checkpoint."""
 MTP_FILE = "mtp.safetensors"
-"""The file :func:`write_mtp_layer` writes the layer into (listed in ``model.safetensors.index.json``)."""
 MTP_CONFIG_FIELDS = {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
 """The ``text_config`` fields of a released Qwen3.5 checkpoint with its MTP layer."""
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def mtp_tensor_shapes(text_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of one Qwen3.5-MoE MTP layer (the module docstring's list), per expert.
-
-    Args:
-        text_config: a ``Qwen3_5MoeTextConfig`` as a dict (``config.json``'s ``text_config``): ``hidden_size``,
-            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (absent: hidden // heads),
-            ``attn_output_gate`` (absent: true, q_proj then holds [query; gate] per head), ``num_experts``,
-            ``moe_intermediate_size``, ``shared_expert_intermediate_size``.
+    """Name -> shape of every tensor of one MTP layer for ``text_config`` (``config.json``'s, as a dict); q_proj
+    holds [query; gate] per head unless ``attn_output_gate`` is false.
 
     Raises:
         ValueError: a field is missing (naming it).
@@ -89,8 +70,8 @@ def mtp_tensor_shapes(text_config: Mapping[str, Any]) -> dict[str, tuple[int, ..
 
 
 def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
-    """The tensor entries of a safetensors file's header (``{name: {"dtype", "shape", "data_offsets"}}``), read
-    without loading a tensor (the format: an 8-byte little-endian header length, then the JSON header).
+    """``{name: {"dtype", "shape", "data_offsets"}}`` from a safetensors file's header (an 8-byte little-endian
+    length, then JSON), without loading a tensor.
 
     Raises:
         ValueError: not a safetensors file (naming it).
@@ -108,8 +89,8 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
 
 
 def weight_map(folder: str | os.PathLike) -> dict[str, str] | None:
-    """Tensor name -> file of a Hugging Face folder: ``model.safetensors.index.json``'s ``weight_map``, else the
-    headers of its ``*.safetensors`` files; None when it has neither (e.g. ``*.bin`` weights, or no folder)."""
+    """Tensor name -> file of a Hugging Face folder (its index, else its safetensors headers); None without
+    safetensors weights."""
     folder = Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
@@ -122,27 +103,14 @@ def weight_map(folder: str | os.PathLike) -> dict[str, str] | None:
 
 def write_mtp_layer(folder: str | os.PathLike, *, seed: int = 0, dtype=None, device: str = "cpu",
                     std: float | None = None) -> dict[str, tuple[int, ...]]:
-    """Add one random MTP layer of the checkpoint's own shapes (:func:`mtp_tensor_shapes`) to a Hugging Face folder.
-
-    Writes ``folder/mtp.safetensors`` (matrices ~ N(0, ``std``), default the config's ``initializer_range`` or
-    0.02; the 1-D RMSNorm weights 0, i.e. scale 1 in Qwen3.5's ``1 + w`` norms), lists its tensors in
-    ``model.safetensors.index.json`` (made from the single ``model.safetensors`` when there was no index), and sets
-    :data:`MTP_CONFIG_FIELDS` in ``config.json``'s ``text_config``.  The same seed, dtype and device give the same
-    weights (tensors drawn in name order from one generator).
-
-    Args:
-        folder: a Qwen3.5-MoE checkpoint folder (``config.json`` and safetensors weights).
-        seed: the generator's seed.
-        dtype: the stored dtype (default ``torch.bfloat16``, the released checkpoints').
-        device: where the random numbers are drawn (``cuda`` is much faster for real widths).
-        std: the matrices' standard deviation.
-
-    Returns:
-        The written tensors' names and shapes.
+    """Add a random MTP layer of :func:`mtp_tensor_shapes` to a checkpoint folder: ``mtp.safetensors`` (``dtype``,
+    default bf16; matrices ~ N(0, ``std``), default ``initializer_range``; RMSNorm weights 0, i.e. scale 1), its
+    entries in ``model.safetensors.index.json`` (made when absent) and :data:`MTP_CONFIG_FIELDS`.  Same seed, dtype
+    and ``device`` (where the numbers are drawn) -> same weights.  Returns the names and shapes written.
 
     Raises:
         FileExistsError: the folder already has ``mtp.*`` tensors.
-        ValueError: no safetensors weights, or ``config.json`` is not a Qwen3.5-MoE config (naming the field).
+        ValueError: no safetensors weights, or a field missing from ``config.json`` (naming it).
     """
     import torch
     from safetensors.torch import save_file
@@ -184,17 +152,14 @@ def write_mtp_layer(folder: str | os.PathLike, *, seed: int = 0, dtype=None, dev
 
 
 def _tensor_bytes(folder: Path, files: set[str]) -> int:
-    """Bytes of the tensors of ``files`` in ``folder`` (from their headers' data offsets)."""
+    """Bytes of the tensors in ``files`` (from their headers)."""
     return sum(entry["data_offsets"][1] - entry["data_offsets"][0]
                for name in files for entry in safetensors_header(folder / name).values())
 
 
 def mtp_problem(hf_checkpoint: str | os.PathLike) -> str | None:
-    """Why ``hf_checkpoint`` cannot serve MTP speculative decoding, or None.
-
-    None also when it cannot be told here: not a local folder with a ``config.json`` (a hub name, or a folder made
-    later).  A problem: ``config.json`` has no ``mtp_num_hidden_layers`` >= 1 (in ``text_config`` or at its top
-    level), or the safetensors weights hold no ``mtp.*`` tensor (not checked for ``*.bin`` weights).
+    """Why ``hf_checkpoint`` cannot serve MTP drafts: no ``mtp_num_hidden_layers`` >= 1 in ``config.json``, or no
+    ``mtp.*`` tensor in its safetensors; None when it can, or cannot be told (no local ``config.json``).
 
     Raises:
         ValueError: ``config.json`` or a safetensors header is unreadable (naming the file).
