@@ -409,3 +409,16 @@ def test_the_sync_bench_runs_through_slimes_driver_on_cpu(tiny_ckpt, monkeypatch
     for row in rows:
         assert row["verdict"] == "pass" and row["parity/tokens_image"] == row["parity/tokens_text"] == 16
         assert row["parity/logprob_gap_image"] == row["parity/logprob_gap_text"] == 0.0
+
+
+def test_fused_experts_of_an_mtp_layer_do_not_decide_the_models_expert_layout():
+    """Some checkpoints store the MTP layer's experts fused while the model's are per expert: the loader must read the
+    model's per-expert tensors then."""
+    from slime.models.qwen3_5.hf_mapping import checkpoint_has_fused_experts
+    from slime.models.qwen3_5.weights import StateDictReader
+
+    per_expert = "model.language_model.layers.0.mlp.experts.0.gate_proj.weight"
+    fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    mtp_fused = "mtp.layers.0.mlp.experts.gate_up_proj"
+    assert not checkpoint_has_fused_experts(StateDictReader({per_expert: torch.zeros(1), mtp_fused: torch.zeros(1)}))
+    assert checkpoint_has_fused_experts(StateDictReader({fused: torch.zeros(1), mtp_fused: torch.zeros(1)}))
