@@ -37,12 +37,14 @@ from slime.backends.config import (
     OptimizerConfig,
     OtherBackendFlag,
     TrainConfig,
+    read_hf_config,
 )
 from slime.backends.fsdp.config import FSDPConfig
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.checkpoints.model_args import check_model_args
 from slime.data.config import DataConfig
+from slime.data.routes import RouteError, RouteShape
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, ParityConfig, RolloutConfig, SGLangConfig, extract_sglang_args
@@ -234,12 +236,36 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
                   other_flags=_other_backend_flags(cfg))
     cfg.engine_config.check(cfg.rollout, cfg.sglang, cfg.checkpoint.hf_checkpoint)
+    _check_route_replay(cfg)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)
     _check_runs_here(cfg)
     if num_gpus_available is not None:
         _check_resources(cfg.cluster, num_gpus_available)
+
+
+def _check_route_replay(cfg: SlimeConfig) -> None:
+    """With the engine parity check on an engine it runs with (:attr:`EngineConfig.parity_check`) and
+    ``--engine-parity-replay-routes``, an MoE ``--hf-checkpoint`` (or one not on disk yet) must have routes that
+    fit uint8 and the training backend must replay them in its layout (:meth:`BackendConfig.replay_routes_problem`).
+
+    Raises:
+        ConfigError: naming the flags and the way out.
+    """
+    parity = cfg.parity
+    if parity.skip_engine_parity_check or not parity.engine_parity_replay_routes or not cfg.engine_config.parity_check:
+        return
+    config = read_hf_config(cfg.checkpoint.hf_checkpoint)
+    if config is not None:
+        try:
+            if RouteShape.from_hf_config(config, f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}") is None:
+                return  # a dense model: nothing to replay
+        except RouteError as e:
+            raise ConfigError(f"--engine-parity-replay-routes: {e}; add --no-engine-parity-replay-routes") from None
+    problem = cfg.train_backend_config.replay_routes_problem()
+    if problem:
+        raise ConfigError(f"--engine-parity-replay-routes with --train-backend {cfg.train.train_backend}: {problem}")
 
 
 def _other_backend_flags(cfg: SlimeConfig) -> list[OtherBackendFlag]:

@@ -35,7 +35,10 @@ Two models (``--fake-model``):
   trainer reproduces, and pushed weights really load.  ``--fake-image-logprob-shift X`` adds ``X`` to every
   log-prob of a request with images (a stand-in for SGLang's multimodal-RoPE bug);
   ``--fake-image-prompt-tokens-shift N`` reports ``N`` more prompt tokens per image than it saw (a stand-in for
-  an engine whose processor makes another number of image tokens).
+  an engine whose processor makes another number of image tokens; its routes get as many leading rows of expert 0).
+  With SGLang's ``--enable-return-routed-experts``, a request with ``return_routed_experts`` gets its model's
+  routes (the transformers engine's capture) as ``meta_info.routed_experts``: base64 of int32
+  ``[prompt_tokens + R - 1, layers, top_k]``, as SGLang 0.5.17's detokenizer encodes them.
 
 Processes: like SGLang, whose scheduler (one per TP rank) and detokenizer processes run in the server's
 session, the fake starts ``--fake-scheduler-processes`` children (default ``--tp-size``) in its session and
@@ -101,6 +104,7 @@ def parse_args(argv):
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--fake-model", choices=("echo", "hf"), default="echo")
     p.add_argument("--fake-version", default="0.5.17")
     p.add_argument("--fake-startup-s", type=float, default=0.0)
@@ -300,14 +304,23 @@ class FakeServer:
 
         known = {k: params[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop",
                                         "stop_token_ids", "no_stop_trim") if k in params}
-        request = GenerateRequest(body["text"], list(body.get("image_data") or []), SamplingParams(**known))
+        routes = bool(self.args.enable_return_routed_experts and body.get("return_routed_experts"))
+        request = GenerateRequest(body["text"], list(body.get("image_data") or []), SamplingParams(**known),
+                                  return_routed_experts=routes)
         with self.lock:  # one forward at a time
             out = self.engine.generate([request])[0]
         shift = self.args.fake_image_logprob_shift if request.image_data else 0.0
         logprobs = [min(0.0, lp + shift) for lp in out.output_log_probs]
         finish = {"type": out.finish_reason}
-        prompt_tokens = out.prompt_tokens + self.args.fake_image_prompt_tokens_shift * len(request.image_data)
-        return self._answer(out.text, out.output_ids, logprobs, finish, prompt_tokens, body.get("rid"))
+        extra = self.args.fake_image_prompt_tokens_shift * len(request.image_data)
+        answer = self._answer(out.text, out.output_ids, logprobs, finish, out.prompt_tokens + extra, body.get("rid"))
+        if routes:
+            import numpy as np
+
+            ids = out.routed_experts.astype(np.int32)
+            ids = np.concatenate([np.zeros((extra, *ids.shape[1:]), np.int32), ids]) if extra >= 0 else ids[-extra:]
+            answer["meta_info"]["routed_experts"] = base64.b64encode(np.ascontiguousarray(ids).tobytes()).decode()
+        return answer
 
     @staticmethod
     def _answer(text, ids, logprobs, finish, prompt_tokens, rid=None):

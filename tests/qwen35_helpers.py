@@ -79,3 +79,34 @@ def geo3k_prompts(processor, rows: list[int]) -> list[dict]:
         prompts.append(dict(input_ids=torch.tensor(out.input_ids), pixel_values=out.pixel_values,
                             image_grid_thw=out.image_grid_thw))
     return prompts
+
+
+def hf_forward_routes(model, input_ids, pixel_values=None, image_grid_thw=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts the transformers model's routers choose at every position of one plain forward over
+    ``input_ids`` (1-D), and each choice's margin (router logit of the k-th chosen minus the best unchosen one).
+
+    Returns:
+        ``(routes int64 [T, layers, top_k], margin float32 [T, layers])``.
+    """
+    from slime.data.processor import mm_token_type_ids
+    from slime.models.routes import hf_moe_routers
+
+    routers = hf_moe_routers(model)
+    logits = []
+    handles = [r.register_forward_hook(lambda m, a, out: logits.append(out[0].detach())) for r in routers]
+    ids = torch.as_tensor(input_ids).view(1, -1)
+    kwargs = {}
+    if pixel_values is not None:
+        kwargs = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                      mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    top_k = routers[0].top_k
+    stacked = torch.stack(logits, 1)  # [T, L, E]
+    ranked = stacked.sort(-1, descending=True)
+    margin = ranked.values[..., top_k - 1] - ranked.values[..., top_k]
+    return ranked.indices[..., :top_k], margin

@@ -443,7 +443,7 @@ class _CountedGpu(TrainerBackend):
     def train(self, rollout_id, samples, num_steps):
         return self.memory_metrics()
 
-    def compute_log_probs(self, samples, *, rounding_noise=False):
+    def compute_log_probs(self, samples, *, rounding_noise=False, replay_routes=False):
         return []
 
     def iter_weight_buckets(self, bucket_bytes, device=None):

@@ -67,7 +67,7 @@ class StandIn(TrainerBackend):
         self.ref_model = Linear(W_REF) if self.grpo.needs_ref_model else None
         return 0
 
-    def _forward_log_probs(self, model, batches):
+    def _forward_log_probs(self, model, batches, *, replay_routes=False):
         self.forward_passes.append(("ref" if model is self.ref_model else "policy", [b.indices for b in batches]))
         with torch.no_grad():
             return [torch.nn.functional.logsigmoid(model.logits(s.response_token_ids)) for b in batches

@@ -12,8 +12,8 @@ the train-vs-rollout log-prob gap (:mod:`slime.backends.train_metrics`), and run
 ``--clip-grad``, metric sums).  A backend supplies the hooks that differ: :meth:`~TrainerBackend._pack`,
 :meth:`~TrainerBackend._forward_log_probs`, :meth:`~TrainerBackend._forward_backward`,
 :meth:`~TrainerBackend._grad_norm`, :meth:`~TrainerBackend._apply_update`,
-:meth:`~TrainerBackend._placeholder_ids`, :meth:`~TrainerBackend._input_embedding` and
-:meth:`~TrainerBackend._move_part` (colocated memory).  Why the
+:meth:`~TrainerBackend._placeholder_ids`, :meth:`~TrainerBackend._input_embedding`,
+:meth:`~TrainerBackend._route_shape` (routing replay) and :meth:`~TrainerBackend._move_part` (colocated memory).  Why the
 cut is there: ``docs/design/training_step.md``.
 
 Weights leave by Hugging Face name (:meth:`TrainerBackend.iter_weight_buckets`, :mod:`slime.weight_sync`);
@@ -38,6 +38,7 @@ from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rounding import rounding_step_noise
 from slime.backends.steps import check_train_samples, loss_normalizer, plan_micro_batches, split_into_steps
 from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
+from slime.data.routes import RouteShape
 from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -242,7 +243,8 @@ class TrainerBackend(abc.ABC):
         self.optimizer_steps += 1
         return {**self._metric_sum(sums), "train/grad_norm": grad_norm, "train/lr": lr, **self._step_metrics(batches)}
 
-    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False) -> list[list[float]] | None:
+    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False,
+                          replay_routes: bool = False) -> list[list[float]] | None:
         """Per-token log-probs (nats) of each sample's response under the current policy (no grad).
 
         At ``logits / --rollout-temperature``, with the sample's images.  Not part of :meth:`train` (which
@@ -251,20 +253,26 @@ class TrainerBackend(abc.ABC):
         With ``rounding_noise`` the token embeddings (:meth:`_input_embedding`) get one rounding step of noise
         (:func:`slime.backends.rounding.rounding_step_noise`): the difference to the plain call is this
         trainer's own numerical floor on these tokens, which the parity check judges the engine against.
+        With ``replay_routes`` every MoE layer takes each sample's ``rollout_routed_experts`` at positions
+        ``0 .. P + R - 2`` (its own choice at the last position and on padding), gate weights from its own
+        router logits (:func:`slime.models.routes.forced_gate_weights`).
 
         Returns:
             One list of R floats per sample; None on a rank that computes no loss (a pipeline stage before
             the last), which a backend with such ranks overrides to share the lists.
 
         Raises:
-            SampleError: a malformed sample on any rank.
+            SampleError: a malformed sample on any rank; with ``replay_routes``, a sample without routes or
+                with routes of another shape than its prompt, response and the model (naming the sample).
+            NotImplementedError: ``replay_routes`` on a model or parallel layout that cannot replay them
+                (:meth:`_route_shape`).
         """
         self._require_init()
         self._require_on_device("compute_log_probs()", training=False)
-        check_train_samples(samples)
+        check_train_samples(samples, routes=self._route_shape() if replay_routes else None)
         batches = self._micro_batches(samples, range(len(samples)), None)
         with rounding_step_noise(self._input_embedding() if rounding_noise else None):
-            log_probs = self._log_probs_by_sample(self.model, batches, len(samples))
+            log_probs = self._log_probs_by_sample(self.model, batches, len(samples), replay_routes=replay_routes)
         return None if log_probs is None else [lp.tolist() for lp in log_probs]
 
     def _micro_batches(self, samples: Sequence[Sample], indices: Sequence[int], dp_group) -> list[MicroBatch]:
@@ -280,9 +288,10 @@ class TrainerBackend(abc.ABC):
             batches.append(MicroBatch([indices[j] for j in part], members, self._pack(members)))
         return batches
 
-    def _log_probs_by_sample(self, model, batches: list[MicroBatch], count: int) -> list[Tensor] | None:
+    def _log_probs_by_sample(self, model, batches: list[MicroBatch], count: int, *,
+                             replay_routes: bool = False) -> list[Tensor] | None:
         """:meth:`_forward_log_probs` of ``batches``, as one tensor per sample position ``0 .. count - 1``."""
-        found = self._forward_log_probs(model, batches)
+        found = self._forward_log_probs(model, batches, replay_routes=replay_routes)
         if found is None:
             return None
         out: list[Tensor] = [None] * count  # type: ignore[list-item]
@@ -298,8 +307,10 @@ class TrainerBackend(abc.ABC):
         """The backend's form of one micro-batch (kept on :attr:`MicroBatch.packed`); None by default."""
         return None
 
-    def _forward_log_probs(self, model: torch.nn.Module, batches: list[MicroBatch]) -> list[Tensor] | None:
-        """No-grad log-probs of ``model`` (the policy or the reference) at ``logits / temperature``.
+    def _forward_log_probs(self, model: torch.nn.Module, batches: list[MicroBatch], *,
+                           replay_routes: bool = False) -> list[Tensor] | None:
+        """No-grad log-probs of ``model`` (the policy or the reference) at ``logits / temperature``; with
+        ``replay_routes`` its MoE layers replay the samples' routed experts (checked already).
 
         Returns:
             One float32 ``[R_s]`` CPU tensor per sample of ``batches``, in order; None on a rank that computes
@@ -330,6 +341,15 @@ class TrainerBackend(abc.ABC):
     def _input_embedding(self) -> torch.nn.Module | None:
         """The policy's token-embedding module on this rank (None where it holds none)."""
         raise NotImplementedError
+
+    def _route_shape(self) -> RouteShape:
+        """The policy's routed experts per position, for replaying them.
+
+        Raises:
+            NotImplementedError: the model has no MoE layers, or the backend cannot replay routes (in this
+                parallel layout); the message says why.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot replay routed experts")
 
     def _placeholder_ids(self) -> set[int]:
         """The model's image / video placeholder ids (the log-prob gap leaves out what follows a generated one)."""

@@ -142,6 +142,11 @@ class BackendConfig:
         (:func:`slime.checkpoints.layout.iteration_dir`), checked before ``--load`` resumes from it."""
         return ()
 
+    def replay_routes_problem(self) -> str | None:
+        """Why this backend cannot replay an engine's routed experts in this layout (a reason and the way out),
+        or None (default: it can, or the backend refuses at run time)."""
+        return None
+
 
 def gdn_batching_problem(
     model: ModelConfig, checkpoint: CheckpointConfig, train: TrainConfig, *, reason: str

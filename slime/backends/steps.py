@@ -14,6 +14,7 @@ from typing import Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from slime.data.routes import RouteError, RouteShape, check_routes
 from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -33,17 +34,20 @@ class SampleError(ValueError):
     """A sample handed to a trainer is malformed; the message names its index and the field."""
 
 
-def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False) -> None:
+def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False, routes: RouteShape | None = None) -> None:
     """Check the per-token fields of one sample before it enters a forward pass.
 
     Args:
         sample: the sample.
         need_rollout_log_probs: also require ``rollout_log_probs`` (``use_rollout_logprobs``).
+        routes: also require ``rollout_routed_experts`` of this shape (routes to replay,
+            :func:`slime.data.routes.check_routes`).
 
     Raises:
         SampleError: no prompt or no response tokens, a ``loss_mask`` whose length differs
             from the response's, ``rollout_log_probs`` neither empty nor of the response's
-            length, or empty when ``need_rollout_log_probs``.
+            length, or empty when ``need_rollout_log_probs``; with ``routes``: no routed experts, or
+            routed experts of another shape or an expert id out of range.
     """
     r = sample.response_length
     where = f"sample {sample.index} (group {sample.group_index})"
@@ -65,10 +69,19 @@ def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False) -> 
             f"{where} has no rollout_log_probs, which --use-rollout-logprobs needs; "
             "check that the rollout engine returns log-probs"
         )
+    if routes is not None:
+        if sample.rollout_routed_experts is None:
+            raise SampleError(f"{where} has no rollout_routed_experts to replay; the engine returns them only when "
+                              "asked (return_routed_experts) and started to capture them")
+        try:
+            check_routes(sample.rollout_routed_experts, len(sample.prompt_token_ids), r, routes, where)
+        except RouteError as e:
+            raise SampleError(str(e)) from None
 
 
 def check_train_samples(
-    samples: Sequence[Sample], need_rollout_log_probs: bool = False, group: dist.ProcessGroup | None = None
+    samples: Sequence[Sample], need_rollout_log_probs: bool = False, group: dist.ProcessGroup | None = None,
+    routes: RouteShape | None = None,
 ) -> None:
     """:func:`check_train_sample` on every sample, then agree across the ranks of ``group`` (collective).
 
@@ -81,7 +94,7 @@ def check_train_samples(
     error = None
     try:
         for sample in samples:
-            check_train_sample(sample, need_rollout_log_probs)
+            check_train_sample(sample, need_rollout_log_probs, routes)
     except SampleError as e:
         error = e
     failed = torch.tensor([0 if error is None else 1])

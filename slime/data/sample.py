@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -59,6 +60,9 @@ class Sample:
         response_token_ids: generated token ids, ``list[int]`` of length R.
         rollout_log_probs: the engine's per-token log-probs of ``response_token_ids``
             under the sampling distribution (logits / temperature), ``list[float]`` of length R, nats.
+        rollout_routed_experts: the engine's routed experts of an MoE model, uint8 ``[P + R - 1, layers, top_k]``
+            (:mod:`slime.data.routes`): position ``t``'s top-k experts in each layer, for every position the
+            engine ran a forward for; None when the engine was not asked for them.
         loss_mask: 1 for response tokens that enter the loss, ``list[int]`` of length R.
         reward: scalar reward (binary 0/1 for the math reward model).
         advantage: scalar group advantage, broadcast to every response token by the trainer.
@@ -76,6 +80,7 @@ class Sample:
     response: str = ""
     response_token_ids: list[int] = dataclasses.field(default_factory=list)
     rollout_log_probs: list[float] = dataclasses.field(default_factory=list)
+    rollout_routed_experts: np.ndarray | None = None
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     reward: float | None = None
     advantage: float = 0.0

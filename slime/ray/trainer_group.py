@@ -55,8 +55,9 @@ class TrainerActor:
     def train(self, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
         return self.backend.train(rollout_id, samples, num_steps)
 
-    def compute_log_probs(self, samples: list[Sample], rounding_noise: bool = False) -> list[list[float]]:
-        return self.backend.compute_log_probs(samples, rounding_noise=rounding_noise)
+    def compute_log_probs(self, samples: list[Sample], rounding_noise: bool = False,
+                          replay_routes: bool = False) -> list[list[float]]:
+        return self.backend.compute_log_probs(samples, rounding_noise=rounding_noise, replay_routes=replay_routes)
 
     def connect_weights(self, transport: WeightTransport, engines: Sequence) -> None:
         """Keep this run's transport and the engine handles; its trainer-side set-up (once per run)."""
@@ -158,10 +159,11 @@ class TrainerGroup:
         results = ray.get([a.train.remote(rollout_id, shard, num_steps) for a, shard in zip(self.actors, shards)])
         return results[0]
 
-    def compute_log_probs(self, samples: list[Sample], rounding_noise: bool = False) -> list[list[float]]:
+    def compute_log_probs(self, samples: list[Sample], rounding_noise: bool = False,
+                          replay_routes: bool = False) -> list[list[float]]:
         """Current-policy log-probs of every sample's response (all ranks run the same samples):
         the engine parity check's trainer side (:meth:`TrainerBackend.compute_log_probs`)."""
-        return ray.get([a.compute_log_probs.remote(samples, rounding_noise) for a in self.actors])[0]
+        return ray.get([a.compute_log_probs.remote(samples, rounding_noise, replay_routes) for a in self.actors])[0]
 
     def connect_ranks(self, transport: WeightTransport, engines: RolloutEngineGroup) -> list[ray.ObjectRef]:
         """Hand ``transport`` and the engine handles to every rank (:meth:`WeightTransport.connect_rank`

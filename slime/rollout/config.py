@@ -305,21 +305,30 @@ class ParityConfig:
         "first weight sync (the check that catches, e.g., SGLang 0.5.17's wrong image positions for Qwen3.5)."
     )
     engine_parity_prompts: int = flag(
-        4, help="Prompts of the check: the first training rows with an image, each sent with and without it."
+        8, help="Prompts of the check: the first training rows with an image, each sent with and without it."
     )
-    engine_parity_response_len: int = flag(32, help="Response tokens sampled per prompt of the check.")
+    engine_parity_response_len: int = flag(64, help="Response tokens sampled per prompt of the check.")
+    engine_parity_replay_routes: bool = flag(
+        True, help="For an MoE checkpoint, the trainer replays the engine's routed experts (every MoE layer takes "
+        "the engine's top-k experts at every position, with gate weights from the trainer's own router logits) "
+        "when it scores the check's responses: at real width a random router's near-ties flip routes under any "
+        "rounding difference, which hides an engine bug. What it costs: the SGLang servers start with "
+        "--enable-return-routed-experts and then capture the routes of every forward of the run, not only the "
+        "check's (a device-to-host copy of layers x top-k int32 per token, into a pinned host buffer of that size "
+        "per KV-cache token: 1.25 KiB per token for Qwen3.5-35B-A3B), and each check answer carries them."
+    )
     engine_parity_max_gap: float = flag(
-        0.1, help="Largest mean |engine - trainer| log-prob gap per response token (nats) for image or text prompts."
+        1.0, help="Ceiling on the mean |engine - trainer| log-prob gap per response token (nats), image or text: "
+        "above it the check refuses whatever the trainer's floor; the tests against the floor decide below it."
     )
     engine_parity_max_ratio: float = flag(
-        3.0, help="Largest image-prompt gap as a multiple of the text-prompt gap, each in units of the trainer's own "
-        "floor on its tokens (at least 1e-3 nats)."
+        1.5, help="Largest image-prompt gap as a multiple of the text-prompt gap, each in units of the trainer's own "
+        "floor on its tokens (at least 1e-3 nats), the text gap counted as at least 1 such unit."
     )
     engine_parity_floor_factor: float = flag(
-        3.0, help="A kind's gap may also be up to this many times the trainer's own floor on the same tokens (its "
-        "log-probs with one rounding step of noise on the token embeddings against without), when that is above "
-        "--engine-parity-max-gap: a bf16 MoE model whose routers are near ties (random weights at real width) "
-        "disagrees with itself by ~0.1 nats."
+        3.0, help="Largest gap of a kind as a multiple of the trainer's own floor on the same tokens (at least 1e-3 "
+        "nats): its log-probs with one rounding step of noise on the token embeddings against without, with the "
+        "engine's routes replayed when they are."
     )
 
     def __post_init__(self):

@@ -4,20 +4,22 @@ For the first two rollout steps of a run (start-up weights, then after the first
 
 1. :meth:`EngineParityCheck.generate` (engines on the GPU, before the step's rollout): each of
    ``--engine-parity-prompts`` training rows with an image is sampled twice, with its image and as text alone,
-   like the rollout, for ``--engine-parity-response-len`` tokens; every prompt length the engine reports must
-   equal the trainer's (:func:`check_probe_prompt_lengths`).
+   for ``--engine-parity-response-len`` tokens, with the engine's routed experts of an MoE model
+   (``--engine-parity-replay-routes``); every prompt length the engine reports must equal the trainer's
+   (:func:`check_probe_prompt_lengths`).
 2. :meth:`EngineParityCheck.compare` (the trainer on the GPU): the trainer's log-probs of the same responses,
-   plain and with one rounding step of noise on its token embeddings
-   (:meth:`slime.backends.base.TrainerBackend.compute_log_probs`).  Per kind (image / text): the gap is the
-   mean ``|engine - trainer|`` over response tokens (nats), the trainer's floor the mean ``|noisy - plain|``.
-   Responses that sampled an image/video placeholder are left out (``parity/skipped_vision_token_responses``).
+   plain and with one rounding step of noise on its token embeddings, both replaying the engine's routes when
+   it returned them (:meth:`slime.backends.base.TrainerBackend.compute_log_probs`).  Per kind (image / text):
+   the gap is the mean ``|engine - trainer|`` over response tokens (nats), the trainer's floor the mean
+   ``|noisy - plain|``.  Responses that sampled an image/video placeholder are left out.
 
-:func:`verdict` refuses the run (:class:`EngineParityError`) on a text gap beyond the bound (the weights or
-sampling differ) or an image gap beyond the bound or far above the text gap (the multimodal-RoPE bug of SGLang
+:func:`verdict` refuses the run (:class:`EngineParityError`) on a text gap beyond its bounds (the weights or
+sampling differ), or an image gap beyond them or far above the text gap (the multimodal-RoPE bug of SGLang
 0.5.17 / 0.5.18, :mod:`slime.rollout.engines.sglang.versions`).  Metrics: ``parity/logprob_gap_{image,text}``,
-``..._max``, ``parity/trainer_floor_{image,text}``.  The rule and its figures: docs/design/parity_gate.md.
-Engines whose class sets :attr:`~slime.rollout.engines.base.RolloutEngine.parity_check` (SGLang) are checked
-unless ``--skip-engine-parity-check``.
+``..._max``, ``parity/trainer_floor_{image,text}``, ``parity/routes_replayed``.  The rule, its figures and
+why routes are replayed: docs/design/parity_gate.md.  Engines whose class sets
+:attr:`~slime.rollout.engines.base.RolloutEngine.parity_check` (SGLang) are checked unless
+``--skip-engine-parity-check``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GAP_FLOOR = 1e-3
-"""Nats: the text gap under which the ratio test uses this value instead (bf16 engines agree to about it)."""
+"""Nats: the least scale of a kind's gap (its trainer floor below this counts as this; bf16 engines of a small model
+agree with an fp32 trainer to about it)."""
 CHECKED_STEPS = 2
 """The check runs at the first this many rollout steps of a run (start-up weights, then after the first sync)."""
 
@@ -110,46 +113,53 @@ def summarize(image_gaps: list[float], text_gaps: list[float], image_floor: list
 def verdict(gaps: ParityGaps, max_gap: float, max_ratio: float, floor_factor: float = 3.0) -> str | None:
     """Why the gaps refuse the run, or None when they pass.
 
-    With the trainer's floors ``f`` (0 when not measured) and ``s = max(f, GAP_FLOOR)`` per kind:
+    With each kind's trainer floor ``f`` (0 when not measured) and its scale ``s = max(f, GAP_FLOOR)``:
 
-    - text: refused when ``text > max(max_gap, floor_factor * f_text)`` (the weights or sampling differ);
-    - image: refused when ``image > max(max_gap, floor_factor * f_image)``, or when the image gap in units of
-      its scale is more than ``max_ratio`` times the text gap in its own (at least 1):
-      ``image / s_image > max_ratio * max(text / s_text, 1)``.  With floors under ``GAP_FLOOR`` this is
-      ``image > max_ratio * max(text, GAP_FLOOR)``.
+    - text: refused when ``text > max_gap`` (the ceiling) or ``text > floor_factor * s_text`` (the weights or
+      sampling differ);
+    - image: refused when ``image > max_gap``, ``image > floor_factor * s_image``, or when the image gap in units
+      of its scale is more than ``max_ratio`` times the text gap in its own, counted as at least 1:
+      ``image / s_image > max_ratio * max(text / s_text, 1)`` (the image path differs: the multimodal-RoPE bug).
 
     A kind with no response token to compare refuses too (its gap would read 0 and pass): every response of
-    it was empty or left out for a sampled image/video placeholder."""
+    it was empty or left out for a sampled image/video placeholder.  The rule and its figures:
+    docs/design/parity_gate.md."""
     empty = [kind for kind, tokens in (("image", gaps.image_tokens), ("text", gaps.text_tokens)) if tokens == 0]
     if empty:
         return (f"no {' and no '.join(empty)}-prompt response token to compare (every such response was empty or "
                 "sampled an image/video placeholder, see parity/skipped_vision_token_responses), so the check "
                 "cannot tell whether the engine agrees with the trainer. Way out: more --engine-parity-prompts or "
                 "a longer --engine-parity-response-len; --skip-engine-parity-check runs anyway")
-    def allowed(floor: float) -> tuple[float, str]:
-        if floor_factor * floor > max_gap:
-            return floor_factor * floor, (f"{floor_factor:g} x the trainer's own floor {floor:.3g} on these tokens "
-                                          "(--engine-parity-floor-factor)")
-        return max_gap, f"--engine-parity-max-gap {max_gap:g}"
-
-    text_limit, text_bound = allowed(gaps.floor_text)
-    if gaps.text > text_limit:
-        return (f"text-prompt gap {gaps.text:.3g} nats > {text_bound}: the engine's weights or "
-                "sampling differ from the trainer's (a failed weight sync, another dtype or temperature)")
-    image_limit, image_bound = allowed(gaps.floor_image)
     scale_image, scale_text = max(gaps.floor_image, GAP_FLOOR), max(gaps.floor_text, GAP_FLOOR)
-    ratio_limit = max_ratio * scale_image * max(gaps.text / scale_text, 1.0)
-    if gaps.image > image_limit or gaps.image > ratio_limit:
-        bound = (image_bound if gaps.image > image_limit else
-                 f"{max_ratio:g} x the text gap (--engine-parity-max-ratio; text {gaps.text:.3g}; each in units of "
-                 f"the trainer's floor on its tokens, at least {GAP_FLOOR:g}: image {scale_image:.3g}, "
-                 f"text {scale_text:.3g})")
-        return (f"image-prompt gap {gaps.image:.3g} nats (max {gaps.image_max:.3g}) > {bound}: the engine computes "
-                "image tokens differently from the trainer. Likely cause: an engine with the Qwen3.5 multimodal-RoPE "
-                "bug "
-                "(SGLang 0.5.17 / 0.5.18 without slime's fix: image tokens get wrong rotary positions). Way out: keep "
-                "slime's SGLang plugin enabled (do not set SLIME_SGLANG_MROPE_FIX=0), or use SGLang >= 0.5.19; "
-                "--skip-engine-parity-check runs anyway")
+
+    def beyond(gap: float, floor: float, scale: float) -> str | None:
+        """The bound ``gap`` passes, in words, or None."""
+        if gap > max_gap:
+            return f"the ceiling --engine-parity-max-gap {max_gap:g}"
+        if gap > floor_factor * scale:
+            if floor >= GAP_FLOOR:
+                return (f"{floor_factor:g} x the trainer's own floor {floor:.3g} on these tokens "
+                        "(--engine-parity-floor-factor)")
+            return (f"{floor_factor:g} x {GAP_FLOOR:g} nats (the trainer's own floor on these tokens, {floor:.3g}, "
+                    f"counted as at least {GAP_FLOOR:g}; --engine-parity-floor-factor)")
+        return None
+
+    text_bound = beyond(gaps.text, gaps.floor_text, scale_text)
+    if text_bound:
+        return (f"text-prompt gap {gaps.text:.3g} nats > {text_bound}: the engine's weights or sampling differ from "
+                "the trainer's (a failed weight sync, another dtype or temperature)")
+    image_bound = beyond(gaps.image, gaps.floor_image, scale_image)
+    image_units, text_units = gaps.image / scale_image, gaps.text / scale_text
+    if image_bound is None and image_units > max_ratio * max(text_units, 1.0):
+        image_bound = (f"{max_ratio:g} x the text gap {gaps.text:.3g}, each in units of the trainer's floor on its "
+                       f"tokens (--engine-parity-max-ratio; image {image_units:.3g} units of {scale_image:.3g}, text "
+                       f"{text_units:.3g} units of {scale_text:.3g}, counted as at least 1)")
+    if image_bound:
+        return (f"image-prompt gap {gaps.image:.3g} nats (max {gaps.image_max:.3g}) > {image_bound}: the engine "
+                "computes image tokens differently from the trainer. Likely cause: an engine with the Qwen3.5 "
+                "multimodal-RoPE bug (SGLang 0.5.17 / 0.5.18 without slime's fix: image tokens get wrong rotary "
+                "positions). Way out: keep slime's SGLang plugin enabled (do not set SLIME_SGLANG_MROPE_FIX=0), or "
+                "use SGLang >= 0.5.19; --skip-engine-parity-check runs anyway")
     return None
 
 
@@ -192,7 +202,9 @@ class EngineParityCheck:
         return "before the first update" if rollout_id == self.start else "after the first weight sync"
 
     def generate(self, engines: RolloutEngineGroup, rollout_id: int) -> list[Sample] | None:
-        """Engine side: the check's samples with responses and engine log-probs, or None when not due.
+        """Engine side: the check's samples with responses and engine log-probs, or None when not due; with
+        ``--engine-parity-replay-routes`` the requests ask for routed experts, which engines that capture them
+        (SGLang started with ``--enable-return-routed-experts``) put on each sample.
 
         Raises:
             EngineParityError: the engine saw another prompt length than the trainer's processor computed for
@@ -204,7 +216,8 @@ class EngineParityCheck:
         requests = [
             GenerateRequest(s.prompt, s.images, SamplingParams(
                 max_new_tokens=self.cfg.engine_parity_response_len, temperature=self.temperature,
-                sampling_seed=sampling_seed(self.seed, rollout_id, i, "parity")), rid=f"parity:{i}")
+                sampling_seed=sampling_seed(self.seed, rollout_id, i, "parity")), rid=f"parity:{i}",
+                return_routed_experts=self.cfg.engine_parity_replay_routes)
             for i, s in enumerate(samples)
         ]  # fmt: skip
         outputs = engines.generate(requests)
@@ -213,19 +226,24 @@ class EngineParityCheck:
         for sample, out in zip(samples, outputs):
             sample.response_token_ids = list(out.output_ids)
             sample.rollout_log_probs = list(out.output_log_probs)
+            sample.rollout_routed_experts = out.routed_experts
             sample.loss_mask = [1] * len(out.output_ids)
         return samples
 
     def compare(self, trainers: TrainerGroup, samples: list[Sample] | None, rollout_id: int) -> dict[str, float]:
         """Trainer side: the gaps as metrics ({} when ``samples`` is None).
 
+        When every sample carries the engine's routed experts (and ``--engine-parity-replay-routes``), both of
+        the trainer's passes replay them (``parity/routes_replayed`` 1.0, else 0.0).
+
         Raises:
-            EngineParityError: the gaps refuse the run (:func:`verdict`).
+            EngineParityError: the gaps refuse the run (:func:`verdict`), or only some samples carry routes.
         """
         if samples is None:
             return {}
-        trainer = trainers.compute_log_probs(samples)
-        noisy = trainers.compute_log_probs(samples, rounding_noise=True)
+        replay = self.replays_routes(samples, rollout_id)
+        trainer = trainers.compute_log_probs(samples, replay_routes=replay)
+        noisy = trainers.compute_log_probs(samples, rounding_noise=True, replay_routes=replay)
         n = len(self.image_prompts)
         # A response with an image/video placeholder id is fed to the trainer with that id replaced
         # (slime.backends.fsdp.inputs), so its later tokens see another context than the engine's: left out.
@@ -238,14 +256,36 @@ class EngineParityCheck:
         gaps = summarize(*engine_gaps, *floors)
         when = self.when(rollout_id)
         logger.info("engine parity %s (rollout %d): image gap %.3g (max %.3g, trainer floor %.3g) over %d tokens, "
-                    "text gap %.3g (max %.3g, trainer floor %.3g) over %d tokens", when, rollout_id, gaps.image,
-                    gaps.image_max, gaps.floor_image, gaps.image_tokens, gaps.text, gaps.text_max, gaps.floor_text,
-                    gaps.text_tokens)
+                    "text gap %.3g (max %.3g, trainer floor %.3g) over %d tokens; engine routes %s", when, rollout_id,
+                    gaps.image, gaps.image_max, gaps.floor_image, gaps.image_tokens, gaps.text, gaps.text_max,
+                    gaps.floor_text, gaps.text_tokens, "replayed" if replay else "not replayed")
         why = verdict(gaps, self.cfg.engine_parity_max_gap, self.cfg.engine_parity_max_ratio,
                       self.cfg.engine_parity_floor_factor)
         if why:
             raise EngineParityError(f"engine parity check {when} (rollout {rollout_id}) failed: {why}")
-        return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(keep.count(False))}
+        return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(keep.count(False)),
+                "parity/routes_replayed": float(replay)}
+
+    def replays_routes(self, samples: list[Sample], rollout_id: int) -> bool:
+        """Whether :meth:`compare` replays the engine's routes: ``--engine-parity-replay-routes`` and every sample
+        carries them (none does: a dense model, or an engine that does not capture them).
+
+        Raises:
+            EngineParityError: some samples carry routes and others not (naming the first without).
+        """
+        if not self.cfg.engine_parity_replay_routes:
+            return False
+        missing = [s for s in samples if s.rollout_routed_experts is None]
+        if len(missing) == len(samples):
+            return False
+        if missing:
+            raise EngineParityError(
+                f"engine parity check {self.when(rollout_id)} (rollout {rollout_id}): the engine returned routed "
+                f"experts for {len(samples) - len(missing)} of its {len(samples)} answers but none for the prompt of "
+                f"training row {missing[0].index}, so they cannot be replayed for all; --no-engine-parity-replay-"
+                "routes compares without them"
+            )
+        return True
 
 
 def check_probe_prompt_lengths(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput],

@@ -17,6 +17,7 @@ weights and other 1-D parameters get no decay (Megatron-LM's default).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -38,7 +39,9 @@ from slime.backends.fsdp.inputs import build_model_inputs, pad_per_token, respon
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
+from slime.data.routes import RouteShape, token_routes
 from slime.grpo.loss import grpo_micro_batch_loss
+from slime.models.routes import force_hf_routes
 
 logger = logging.getLogger(__name__)
 
@@ -159,21 +162,37 @@ class FSDPBackend(TrainerBackend):
     # the training step's hooks (TrainerBackend.train)
     # ------------------------------------------------------------------------------------
 
-    def _forward_log_probs(self, model, batches: list[MicroBatch]) -> list[Tensor]:
-        """No-grad log-probs of each sample's response, float32 ``[R]`` on CPU, one padded micro-batch at a time."""
+    def _forward_log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False) -> list[Tensor]:
+        """No-grad log-probs of each sample's response, float32 ``[R]`` on CPU, one padded micro-batch at a time;
+        with ``replay_routes`` the HF routers take the samples' routes (:func:`slime.models.routes.force_hf_routes`)."""
         was_training = model.training
         model.eval()
         out = []
         with torch.no_grad():
             for batch in batches:
                 inputs = build_model_inputs(batch.samples, model.config, self.device)
-                log_probs, _ = response_log_probs(model, inputs, self.temperature)
+                replay = self._replayed(model, batch, inputs) if replay_routes else contextlib.nullcontext()
+                with replay:
+                    log_probs, _ = response_log_probs(model, inputs, self.temperature)
                 out.extend(log_probs[b, : s.response_length].float().cpu() for b, s in enumerate(batch.samples))
         # FSDP2 keeps the root's parameters gathered after a forward, expecting a backward;
         # free them (and put the sharded master weights back in place for save / weight sync).
         model.reshard()
         model.train(was_training)
         return out
+
+    def _replayed(self, model, batch: MicroBatch, inputs):
+        """:func:`~slime.models.routes.force_hf_routes` with ``batch``'s routes on the padded rows of ``inputs``."""
+        rows, width = inputs.model_kwargs["input_ids"].shape
+        routes = token_routes([s.rollout_routed_experts for s in batch.samples], [b * width for b in range(rows)],
+                              rows * width, self._route_shape())
+        return force_hf_routes(model, torch.from_numpy(routes).to(self.device))
+
+    def _route_shape(self) -> RouteShape:
+        shape = RouteShape.from_hf_config(self.model.config.to_dict(), "the policy's config")
+        if shape is None:
+            raise NotImplementedError("the policy has no MoE layers: there are no routed experts to replay")
+        return shape
 
     def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         """Each micro-batch's share of the step's GRPO loss, times the world size before its backward (FSDP

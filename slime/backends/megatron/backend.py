@@ -32,7 +32,7 @@ from torch import Tensor
 
 from slime.backends.base import WEIGHTS, MicroBatch, RankInfo, TrainerBackend
 from slime.backends.megatron import checkpoint as mckpt
-from slime.backends.megatron.batches import PackedBatch, pack_micro_batch, packed_per_token
+from slime.backends.megatron.batches import PackedBatch, pack_micro_batch, packed_per_token, with_routes
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.megatron.loss import LossContext, grpo_loss_func, log_prob_func, make_forward_step
 from slime.backends.megatron.model import build_stage
@@ -41,6 +41,7 @@ from slime.backends.megatron.schedule import run_micro_batches
 from slime.backends.megatron.weight_export import iter_buckets
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
+from slime.data.routes import RouteShape
 from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -166,12 +167,18 @@ class MegatronBackend(TrainerBackend):
         return LossContext(temperature=self.temperature, vocab_size=self.model.qwen_config.arch.vocab_size,
                            tp_group=ps.get_tensor_model_parallel_group(), device=self.device, **kw)
 
-    def _forward_log_probs(self, model, batches: list[MicroBatch]) -> list[Tensor] | None:
-        """Forward-only pass of the schedule; per sample ``[R]`` (CPU, fp32); None off the last pipeline stage."""
+    def _forward_log_probs(self, model, batches: list[MicroBatch], *,
+                           replay_routes: bool = False) -> list[Tensor] | None:
+        """Forward-only pass of the schedule; per sample ``[R]`` (CPU, fp32); None off the last pipeline stage.
+        With ``replay_routes`` each micro-batch carries its samples' routes (:func:`.batches.with_routes`)."""
+        packed = [b.packed for b in batches]
+        if replay_routes:
+            shape = self._route_shape()
+            packed = [with_routes(b.packed, b.samples, shape) for b in batches]
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            store = run_micro_batches(model, [b.packed for b in batches],
+            store = run_micro_batches(model, packed,
                                       make_forward_step(self._context(), log_prob_func),
                                       forward_only=True, device=self.device)
         model.train(was_training)
@@ -217,9 +224,23 @@ class MegatronBackend(TrainerBackend):
         """The first pipeline stage's ``VocabParallelEmbedding`` (None on later stages)."""
         return next((m for m in self.model.modules() if type(m).__name__ == "VocabParallelEmbedding"), None)
 
-    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False) -> list[list[float]]:
+    def _route_shape(self) -> RouteShape:
+        """The native model's routes per position (every layer is an MoE layer).
+
+        Raises:
+            NotImplementedError: a parallel layout in which replay is not proven
+                (:meth:`slime.backends.megatron.config.MegatronConfig.replay_routes_problem`).
+        """
+        problem = self.megatron.replay_routes_problem()
+        if problem:
+            raise NotImplementedError(problem)
+        arch = self.model.qwen_config.arch
+        return RouteShape(arch.num_layers, arch.moe_router_topk, arch.num_experts, "the policy")
+
+    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False,
+                          replay_routes: bool = False) -> list[list[float]]:
         """:meth:`TrainerBackend.compute_log_probs`, shared from the last pipeline stage with every stage."""
-        out = super().compute_log_probs(samples, rounding_noise=rounding_noise)
+        out = super().compute_log_probs(samples, rounding_noise=rounding_noise, replay_routes=replay_routes)
         if self.groups.pp_size > 1:
             from megatron.core import parallel_state as ps
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from slime.backends.steps import check_image_inputs, response_input_ids
+from slime.data.routes import RouteShape, token_routes
 from slime.data.sample import Sample
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
@@ -121,6 +122,16 @@ def pack_micro_batch(
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
         response_lengths=lengths,
     )
+
+
+def with_routes(batch: PackedBatch, samples: Sequence[Sample], shape: RouteShape) -> PackedBatch:
+    """``batch`` (packed from ``samples``) with their routed experts on its token axis
+    (:attr:`slime.models.qwen3_5.model.Qwen35Inputs.routed_experts`, :func:`slime.data.routes.token_routes`:
+    each sample's routes from its first token, the model's own choice at its last token and on the padding)."""
+    starts = batch.inputs.cu_seqlens[: len(samples)].tolist()
+    routes = token_routes([s.rollout_routed_experts for s in samples], starts, batch.num_tokens, shape)
+    inputs = dataclasses.replace(batch.inputs, routed_experts=torch.from_numpy(routes).to(batch.inputs.input_ids.device))
+    return dataclasses.replace(batch, inputs=inputs)
 
 
 def packed_per_token(rows: Sequence[Tensor], device: torch.device) -> Tensor:

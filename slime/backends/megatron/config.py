@@ -235,6 +235,26 @@ class MegatronConfig(BackendConfig):
             if problem:
                 raise ConfigError(problem)
 
+    def replay_routes_problem(self) -> str | None:
+        """Why this layout cannot replay routed experts (the engine parity check's
+        ``--engine-parity-replay-routes``), or None.
+
+        Replay is proven at TP = PP = CP = EP = 1 (``tests/test_qwen35_model.py``, ``tests/test_megatron_backend.py``);
+        the code also takes each rank's sequence-parallel share, a stage's global layer numbers and a rank's
+        tokens before dispatch under EP (:func:`slime.models.qwen3_5.router.replayed_routes`), which no test
+        on more than one GPU has checked yet."""
+        sizes = {"--tensor-model-parallel-size": self.tensor_model_parallel_size,
+                 "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
+                 "--context-parallel-size": self.context_parallel_size,
+                 "--expert-model-parallel-size": self.expert_model_parallel_size}
+        parallel = [f"{name} {size}" for name, size in sizes.items() if size > 1]
+        if not parallel:
+            return None
+        return (f"replaying the engine's routed experts in the Megatron trainer is proven only at TP = PP = CP = EP "
+                f"= 1, not at {' '.join(parallel)} (no multi-GPU test yet); add --no-engine-parity-replay-routes "
+                "(the parity check then compares unreplayed routes, which at real width hides the multimodal-RoPE "
+                "bug) or --skip-engine-parity-check")
+
     def _not_implemented(self) -> list[str]:
         """This backend's own flags set to something the native model does not do, each with the reason
         (context parallelism is the model's layout rule, :meth:`check_model_layout`)."""

@@ -15,6 +15,7 @@ import torch
 
 from slime.models.qwen3_5.config import Qwen35Config
 from slime.models.qwen3_5.rope import inv_frequencies, mrope_frequencies
+from slime.models.qwen3_5.router import replayed_routes
 from slime.models.qwen3_5.vision import build_vision_tower, image_features, scatter_image_features
 
 
@@ -47,6 +48,8 @@ class Qwen35Inputs:
         image_tokens_per_document: ``n`` merged image-token counts (0 for text-only); required with images.
         logit_index: ``[K]`` int64 positions of the packed axis whose logits the last stage computes, in
             that order; ``None``: all ``T``.
+        routed_experts: int ``[T, layers, top_k]`` experts every MoE layer takes at each position (``-1`` rows:
+            the router's own choice; :func:`slime.data.routes.token_routes`), or ``None``: the routers choose.
     """
 
     input_ids: torch.Tensor
@@ -57,6 +60,7 @@ class Qwen35Inputs:
     image_grid_thw: torch.Tensor | None = None
     image_tokens_per_document: list[int] | None = None
     logit_index: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, documents: "list[Qwen35Document]", arch, *, pad_to_multiple_of: int = 1, pad_token_id: int = 0
@@ -90,7 +94,8 @@ class Qwen35Inputs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return dataclasses.replace(self, input_ids=move(self.input_ids), position_ids=move(self.position_ids),
                                    cu_seqlens=move(self.cu_seqlens), pixel_values=move(self.pixel_values),
-                                   image_grid_thw=move(self.image_grid_thw), logit_index=move(self.logit_index))
+                                   image_grid_thw=move(self.image_grid_thw), logit_index=move(self.logit_index),
+                                   routed_experts=move(self.routed_experts))
 
     def packed_seq_params(self):
         """megatron-core's ``PackedSeqParams`` (THD) of these boundaries."""
@@ -202,7 +207,7 @@ class Qwen35Model(_megatron_module()):
         return embeddings
 
     def forward(self, inputs: Qwen35Inputs) -> torch.Tensor:
-        """Run this stage.
+        """Run this stage (with ``inputs.routed_experts``, its routers replay them: :func:`replayed_routes`).
 
         Returns:
             Last stage: logits ``[T, 1, Vp / tp]`` (this TP rank's vocabulary columns, padding columns at the
@@ -219,8 +224,10 @@ class Qwen35Model(_megatron_module()):
         arch = self.qwen_config.arch
         hidden = self.embed(inputs) if self.pre_process else None
         freqs = mrope_frequencies(inputs.position_ids, self.inv_freq, arch.mrope_section, arch.mrope_interleaved)
-        hidden = self.decoder(hidden, attention_mask=None, rotary_pos_emb=freqs,
-                              packed_seq_params=inputs.packed_seq_params())
+        sp_size = self.tp_size if self.config.sequence_parallel else 1
+        with replayed_routes(self, inputs.routed_experts, sp_rank=self.tp_rank % sp_size, sp_size=sp_size):
+            hidden = self.decoder(hidden, attention_mask=None, rotary_pos_emb=freqs,
+                                  packed_seq_params=inputs.packed_seq_params())
         if not self.post_process:
             return hidden
         if inputs.logit_index is not None:

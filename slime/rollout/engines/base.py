@@ -57,6 +57,7 @@ import abc
 import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -137,6 +138,9 @@ class GenerateRequest:
             pipeline, so every engine derives the same number of image tokens).
         sampling_params: how to sample.
         rid: request id, for logs.
+        return_routed_experts: also return the experts an MoE model routed every position to
+            (:attr:`GenerateOutput.routed_experts`; SGLang's field, which needs its server flag
+            ``--enable-return-routed-experts``).  An engine that does not capture them returns None.
 
     Engines do not check the prompt against the data pipeline's tokens: they report the
     length they saw (:attr:`GenerateOutput.prompt_tokens`) and the rollout manager compares
@@ -147,6 +151,7 @@ class GenerateRequest:
     image_data: list[str]
     sampling_params: SamplingParams
     rid: str | None = None
+    return_routed_experts: bool = False
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -172,6 +177,9 @@ class GenerateOutput:
             engine.
         rid: the request id the engine answered for, where it reports one (SGLang's
             ``meta_info.id``); the engine group checks it against the request's ``rid``.
+        routed_experts: with :attr:`GenerateRequest.return_routed_experts`, uint8
+            ``[prompt_tokens + R - 1, layers, top_k]``: the experts of each MoE layer at every position the
+            engine ran a forward for (:mod:`slime.data.routes`); None otherwise.
     """
 
     text: str
@@ -181,6 +189,7 @@ class GenerateOutput:
     prompt_tokens: int
     engine_index: int | None = None
     rid: str | None = None
+    routed_experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

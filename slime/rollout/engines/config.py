@@ -8,7 +8,7 @@ selected engine's :meth:`EngineConfig.check` at parse time.  Engines given as a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from slime.rollout.config import RolloutConfig, SGLangConfig
@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 class EngineConfig:
     """Parse-time checks of one engine kind (class methods; never instantiated)."""
+
+    parity_check: ClassVar[bool] = False
+    """The engine class's :attr:`slime.rollout.engines.base.RolloutEngine.parity_check`, known at parse time
+    (the parity check's own flags are checked only for engines it runs with)."""
 
     @classmethod
     def check(cls, rollout: RolloutConfig, sglang: SGLangConfig, hf_checkpoint: str | None = None) -> None:

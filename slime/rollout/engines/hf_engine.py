@@ -15,6 +15,9 @@ with a ``DynamicCache`` (for Qwen3.5 also the Gated DeltaNet states; transformer
 states before those layers, so padding never leaks into results).  Positions are the M-RoPE (t, h, w)
 rows of the model's ``get_rope_index`` over each prompt's own tokens, plus one per decode step.
 
+Routed experts: a request with ``return_routed_experts`` to an MoE model gets the experts its routers chose at
+every position the engine ran (:func:`slime.models.routes.capture_hf_routes`), as SGLang returns them.
+
 Randomness: token ``t`` of a request with ``sampling_seed = s`` uses :func:`slime.rollout.seeds.uniform`
 ``(s, t)``, so a response depends only on its seed, prompt and weights.  Requests without a seed get
 one from the engine's own CPU generator (seeded once by ``seed``); the process-wide RNG is never touched.
@@ -24,8 +27,10 @@ Weights arrive under their Hugging Face *checkpoint* names (:class:`.hf_weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+import numpy as np
 import torch
 
 from slime.data.image import decode_image
@@ -40,6 +45,8 @@ from slime.rollout.engines.base import (
     memory_tags,
 )
 from slime.rollout.engines.hf_sampling import check_sampling_params, sample_next_tokens
+from slime.data.routes import RouteShape, compact_routes
+from slime.models.routes import capture_hf_routes
 from slime.rollout.engines.hf_weights import CheckpointWeights
 from slime.rollout.seeds import SEED_BITS, uniform
 
@@ -202,18 +209,42 @@ class TransformersEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[_Prompt]) -> list[GenerateOutput]:
-        """One left-padded batch: prefill, then one decode step per token until every row has finished."""
+        """One left-padded batch: prefill, then one decode step per token until every row has finished (with the
+        routers' choices captured when a request asks for them)."""
+        batch = len(prompts)
+        params = [p.request.sampling_params for p in prompts]
+        stop_strs = {row: s.stop for row, s in enumerate(params) if s.stop}
+        shape = self._route_shape() if any(p.request.return_routed_experts for p in prompts) else None
+        with capture_hf_routes(self.model) if shape is not None else contextlib.nullcontext() as calls:
+            tokens, log_probs, n_tokens, by_length, matched_str = self._sample(prompts, params, stop_strs)
+        routes = [None] * batch if calls is None else self._routes(calls, prompts, n_tokens.tolist(), shape)
+
+        all_tokens, all_log_probs = tokens.tolist(), log_probs.tolist()
+        outputs = []
+        for row, (n, length) in enumerate(zip(n_tokens.tolist(), by_length.tolist())):
+            ids = all_tokens[row][:n]
+            text = self._response_text(ids, length, matched_str.get(row), params[row].no_stop_trim)
+            reason = "length" if length else "stop"
+            wanted = prompts[row].request.return_routed_experts
+            outputs.append(GenerateOutput(text, ids, all_log_probs[row][:n], reason, len(prompts[row].input_ids),
+                                          routed_experts=routes[row] if wanted else None))
+        return outputs
+
+    def _sample(self, prompts: list[_Prompt], params: list[SamplingParams], stop_strs: dict[int, list[str]]):
+        """Prefill and decode steps of one batch until every row has finished.
+
+        Returns:
+            ``(tokens [B, S], log_probs [B, S], n_tokens [B], by_length [B], matched stop string per row)``, ``S``
+            the decode steps run; row ``b`` is valid in its first ``n_tokens[b]`` entries.
+        """
         from transformers import DynamicCache
 
         batch, device = len(prompts), self.device
-        params = [p.request.sampling_params for p in prompts]
         temperature = torch.tensor([s.temperature for s in params], dtype=torch.float32, device=device)
         top_p = torch.tensor([s.top_p for s in params], dtype=torch.float32, device=device)
         top_k = torch.tensor([s.top_k for s in params], dtype=torch.long, device=device)
         max_new = torch.tensor([s.max_new_tokens for s in params], dtype=torch.long, device=device)
         stop_table = self._stop_token_table(params)
-        stop_strs = {row: s.stop for row, s in enumerate(params) if s.stop}
-
         inputs = self._prefill_inputs(prompts)
         attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"]
         cache = DynamicCache(config=self.model.config)
@@ -251,16 +282,30 @@ class TransformersEngine(RolloutEngine):
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
+        return torch.stack(token_steps, dim=1), torch.stack(log_prob_steps, dim=1), n_tokens, by_length, matched_str
 
-        all_tokens = torch.stack(token_steps, dim=1).tolist()
-        all_log_probs = torch.stack(log_prob_steps, dim=1).tolist()
-        outputs = []
-        for row, (n, length) in enumerate(zip(n_tokens.tolist(), by_length.tolist())):
-            ids = all_tokens[row][:n]
-            text = self._response_text(ids, length, matched_str.get(row), params[row].no_stop_trim)
-            reason = "length" if length else "stop"
-            outputs.append(GenerateOutput(text, ids, all_log_probs[row][:n], reason, len(prompts[row].input_ids)))
-        return outputs
+    def _route_shape(self) -> RouteShape | None:
+        """The model's routes per position; None for a dense model (its requests get no routes).
+
+        Raises:
+            RouteError: more than 256 experts per layer.
+        """
+        return RouteShape.from_hf_config(self.model.config.to_dict(), "the transformers engine's model")
+
+    @staticmethod
+    def _routes(calls: list[list[torch.Tensor]], prompts: list[_Prompt], lengths: list[int],
+                shape: RouteShape) -> list[np.ndarray]:
+        """Per row, uint8 ``[P + n - 1, layers, top_k]`` from the routers' choices (:func:`capture_hf_routes`):
+        the prefill's (left padded to the batch's width) at the prompt's positions, then one per decode step
+        that fed a token of this row (``n - 1`` of them)."""
+        batch, width = len(prompts), max(len(p.input_ids) for p in prompts)
+        per_call = [torch.stack([layer[f] for layer in calls], 1) for f in range(len(calls[0]))]  # [N_f, L, k]
+        prefill = per_call[0].view(batch, width, *per_call[0].shape[1:])
+        out = []
+        for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+            parts = [prefill[row, width - len(prompt.input_ids):]] + [per_call[1 + t][row: row + 1] for t in range(n - 1)]
+            out.append(compact_routes(torch.cat(parts).numpy(), shape, f"request {prompt.request.rid}"))
+        return out
 
     def _prefill_inputs(self, prompts: list[_Prompt]) -> dict[str, torch.Tensor | None]:
         """Model inputs of the prefill: int64 ``input_ids`` / ``attention_mask`` ``[B, L]`` (left padded),

@@ -127,6 +127,8 @@ def requests_per_call(sglang: SGLangConfig) -> int:
 class SGLangEngineConfig(EngineConfig):
     """Checks of the SGLang engine's flags (see the module docstring)."""
 
+    parity_check = True
+
     @classmethod
     def check(cls, rollout: RolloutConfig, sglang: SGLangConfig, hf_checkpoint: str | None = None) -> None:
         """Raises:

@@ -8,7 +8,9 @@ maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto endpoi
 
 - ``generate``: one ``/generate`` call (:mod:`.generation`) of at most ``--sglang-requests-per-call``
   requests (default 32), up to :attr:`~SGLangEngine.capacity` requests at once
-  (``--sglang-server-concurrency``; the engine group never has more in flight).
+  (``--sglang-server-concurrency``; the engine group never has more in flight); routed experts come back
+  where a request asks and the server captures them (``--enable-return-routed-experts``: added for an MoE
+  checkpoint when the engine parity check replays routes, ``--engine-parity-replay-routes``).
 - weights: ``/update_weights_from_tensor`` (object store: the bucket by value; CUDA IPC: one handle
   per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
   ``/update_weights_from_distributed`` (NCCL).
@@ -40,6 +42,7 @@ from typing import ClassVar
 
 import torch
 
+from slime.data.routes import RouteShape
 from slime.rollout.engines.base import (
     GPU_MEMORY_TYPE_CUDA_GRAPH,
     EngineResources,
@@ -59,6 +62,7 @@ from slime.rollout.engines.sglang.config import (
     slime_owned_args,
 )
 from slime.rollout.engines.sglang.launch import (
+    ROUTES_FLAG,
     GPUStartLock,
     ServerProcess,
     ServerSpec,
@@ -135,6 +139,8 @@ class SGLangEngine(RolloutEngine):
         self.memory_tags: tuple[str, ...] = ()
         self.version: str | None = None
         self._start_lock = GPUStartLock([])
+        self.route_shape = RouteShape.from_checkpoint(spec.model_path) if ROUTES_FLAG in self.server_command() else None
+        """The model's route shape when the server captures routes (requests may then ask for them), else None."""
         self._start()
 
     # ------------------------------------------------------------------ construction
@@ -143,12 +149,18 @@ class SGLangEngine(RolloutEngine):
     def from_config(cls, cfg, resources: EngineResources) -> SGLangEngine:
         """Engine ``resources.index`` of a run: its server on the engine's GPUs (see :mod:`.launch`).
 
+        The server captures routed experts (``--enable-return-routed-experts``) when the checkpoint is an MoE
+        model and the engine parity check will replay them (``--engine-parity-replay-routes``, not skipped).
+
         Raises:
             ValueError: the engine has no GPUs, or spans several nodes.
         """
         cls.check_resources(resources)
         owned, passthrough = slime_owned_args(cfg.sglang)
         del owned
+        parity = cfg.parity
+        replay = (cls.parity_check and parity.engine_parity_replay_routes and not parity.skip_engine_parity_check
+                  and RouteShape.from_checkpoint(cfg.checkpoint.hf_checkpoint) is not None)
         spec = ServerSpec(
             model_path=cfg.checkpoint.hf_checkpoint,
             tp_size=len(resources.local_gpu_ids) or 1,
@@ -157,6 +169,7 @@ class SGLangEngine(RolloutEngine):
             seed=cfg.rollout.rollout_seed + resources.index,
             colocated=resources.colocated,
             passthrough=tuple(passthrough),
+            return_routed_experts=replay,
         )
         return cls(spec, _run_dir(cfg, resources.index), capacity=server_concurrency(cfg.sglang),
                    requests_per_call=requests_per_call(cfg.sglang), gpu_ids=resources.local_gpu_ids)
@@ -300,15 +313,16 @@ class SGLangEngine(RolloutEngine):
         (:func:`.generation.generate`: a refused batch is sent again one request per call).
 
         Returns:
-            One output per request, in request order.
+            One output per request, in request order; with routed experts where the request asks and
+            :attr:`route_shape` is set.
 
         Raises:
             EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
             SGLangRequestError: the server refused a request (the message names its ``rid`` and SGLang's
-                reason), or answered malformed.
+                reason), or answered malformed (routes of another shape than the prompt and response).
         """
         return generation.generate(requests, lambda payload: self._call(self.client.generate, payload),
-                                   lambda: self.client.close(), self.spec.url)
+                                   lambda: self.client.close(), self.spec.url, self.route_shape)
 
     # ------------------------------------------------------------------ weights
 

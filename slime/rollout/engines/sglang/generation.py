@@ -6,7 +6,8 @@
 - SGLang's ``rid`` is the request's id plus :data:`RID_SEPARATOR` and a per-attempt suffix, unique while in
   flight, also when a request is retried; :func:`parse_generate_response` reads ``output_ids``, the log-probs
   of ``meta_info.output_token_logprobs``, ``meta_info.finish_reason.type``, ``meta_info.prompt_tokens`` and
-  the request id back from ``meta_info.id``.
+  the request id back from ``meta_info.id``, and with ``return_routed_experts`` the routes of
+  ``meta_info.routed_experts`` (:func:`decode_routed_experts`).
 - SGLang refuses a whole batch when it refuses one of its prompts (HTTP 400 naming neither the request nor
   its index), so :func:`generate` sends a refused batch again one request per call
   (:func:`_generate_one_by_one`): the error then names the refused request's ``rid`` and SGLang's reason,
@@ -18,11 +19,16 @@ raises.  Why batches: ``docs/design/engine_group.md``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
+
+from slime.data.routes import RouteError, RouteShape, compact_routes
 from slime.rollout.engines.base import EngineUnavailableError, GenerateOutput, GenerateRequest
 from slime.rollout.engines.sglang.client import SGLangRequestError
 
@@ -35,7 +41,8 @@ Send = Callable[[dict], Any]
 """One ``/generate`` call: the body -> SGLang's answer (a dict, or a list of them for a batch)."""
 
 
-def generate(requests: list[GenerateRequest], send: Send, close: Callable[[], None], url: str) -> list[GenerateOutput]:
+def generate(requests: list[GenerateRequest], send: Send, close: Callable[[], None], url: str,
+             routes: RouteShape | None = None) -> list[GenerateOutput]:
     """Complete ``requests`` with one ``/generate`` call (a refused batch: one call per request, all at once).
 
     Args:
@@ -43,6 +50,8 @@ def generate(requests: list[GenerateRequest], send: Send, close: Callable[[], No
         send: the ``/generate`` call.
         close: closes the calling thread's connection (each thread of the one-by-one pool calls it).
         url: the server's address, for the log.
+        routes: the model's route shape when the server captures routes (``--enable-return-routed-experts``);
+            None: no request gets routes back.
 
     Returns:
         One output per request, in request order.
@@ -56,19 +65,25 @@ def generate(requests: list[GenerateRequest], send: Send, close: Callable[[], No
     if not requests:
         return []
     if len(requests) == 1:
-        return [_generate_single(requests[0], 0, send)]
+        return [_generate_single(requests[0], 0, send, routes)]
     try:
         bodies = send(generate_batch_payload(requests))
     except SGLangRequestError as e:
-        return _generate_one_by_one(requests, e, send, close, url)
+        return _generate_one_by_one(requests, e, send, close, url, routes)
     if not isinstance(bodies, list) or len(bodies) != len(requests):
         got = f"{len(bodies)} outputs" if isinstance(bodies, list) else type(bodies).__name__
         raise SGLangRequestError(f"/generate answered a batch of {len(requests)} requests with {got}",
                                  endpoint="/generate")
-    return [parse_generate_response(body, r.rid) for body, r in zip(bodies, requests)]
+    return [parse_generate_response(body, r.rid, _wanted(r, routes)) for body, r in zip(bodies, requests)]
 
 
-def _generate_single(request: GenerateRequest, index: int, send: Send) -> GenerateOutput:
+def _wanted(request: GenerateRequest, routes: RouteShape | None) -> RouteShape | None:
+    """The route shape to decode ``request``'s answer with: None unless it asked for routes."""
+    return routes if request.return_routed_experts else None
+
+
+def _generate_single(request: GenerateRequest, index: int, send: Send,
+                     routes: RouteShape | None = None) -> GenerateOutput:
     """``request`` in a ``/generate`` call of its own; a refusal names the request (``index``: its place
     in the engine's call, for a request without ``rid``).
 
@@ -81,11 +96,11 @@ def _generate_single(request: GenerateRequest, index: int, send: Send) -> Genera
     except SGLangRequestError as e:
         raise SGLangRequestError(f"SGLang refused request {_request_name(request, index)}: {e}",
                                  endpoint="/generate", status=e.status) from e
-    return parse_generate_response(body, request.rid)
+    return parse_generate_response(body, request.rid, _wanted(request, routes))
 
 
 def _generate_one_by_one(requests: list[GenerateRequest], refusal: SGLangRequestError, send: Send,
-                         close: Callable[[], None], url: str) -> list[GenerateOutput]:
+                         close: Callable[[], None], url: str, routes: RouteShape | None) -> list[GenerateOutput]:
     """After SGLang refused the batch ``requests`` with ``refusal``: each request in a call of its own.
 
     All calls are in flight at once, from a pool of ``len(requests)`` threads: the engine group counts
@@ -106,7 +121,7 @@ def _generate_one_by_one(requests: list[GenerateRequest], refusal: SGLangRequest
 
     def one(index: int) -> GenerateOutput | BaseException:
         try:
-            return _generate_single(requests[index], index, send)
+            return _generate_single(requests[index], index, send, routes)
         except Exception as e:  # noqa: BLE001 - every outcome is looked at below, in request order
             return e
         finally:
@@ -135,17 +150,19 @@ def _generate_one_by_one(requests: list[GenerateRequest], refusal: SGLangRequest
     ) from first
 
 
-def parse_generate_response(body: dict, rid: str | None = None) -> GenerateOutput:
+def parse_generate_response(body: dict, rid: str | None = None, routes: RouteShape | None = None) -> GenerateOutput:
     """A :class:`GenerateOutput` from SGLang's ``/generate`` answer for one request.
 
     ``body`` is ``{"text": str, "output_ids": [int], "meta_info": {"finish_reason": {"type": ...},
     "prompt_tokens": int, "output_token_logprobs": [[logprob, token_id, text|None], ...], "id": rid, ...}}``
     (``tokenizer_manager.py`` of SGLang 0.5.17).  ``rid`` of the output: the request id of ``meta_info.id``
-    (:func:`generate_payload`'s form), None for another form.
+    (:func:`generate_payload`'s form), None for another form.  With ``routes`` (the request asked for them),
+    ``meta_info.routed_experts`` becomes :attr:`GenerateOutput.routed_experts` (:func:`decode_routed_experts`;
+    None when the answer has none).
 
     Raises:
         SGLangRequestError: a field is missing, the log-probs do not cover the output tokens one to
-            one, or the finish reason is unknown (the message names the request).
+            one, the finish reason is unknown, or the routes are malformed (the message names the request).
     """
     where = f"/generate answer{f' for rid {rid}' if rid else ''}"
     try:
@@ -169,9 +186,47 @@ def parse_generate_response(body: dict, rid: str | None = None) -> GenerateOutpu
     if reason == "abort":
         logger.warning("SGLang aborted request %s: %s", rid, finish.get("message") if isinstance(finish, dict) else "")
     answered = meta.get("id")
+    routed = None
+    if routes is not None and meta.get("routed_experts") is not None:
+        try:
+            routed = decode_routed_experts(meta["routed_experts"], prompt_tokens + len(output_ids) - 1, routes, where)
+        except RouteError as e:
+            raise SGLangRequestError(str(e), endpoint="/generate") from e
     return GenerateOutput(text=text, output_ids=output_ids, output_log_probs=[float(entry[0]) for entry in logprobs],
                           finish_reason=reason, prompt_tokens=prompt_tokens,
-                          rid=answered.rpartition(RID_SEPARATOR)[0] if answered and RID_SEPARATOR in answered else None)
+                          rid=answered.rpartition(RID_SEPARATOR)[0] if answered and RID_SEPARATOR in answered else None,
+                          routed_experts=routed)
+
+
+def decode_routed_experts(data: str, positions: int, routes: RouteShape, where: str = "routed_experts") -> np.ndarray:
+    """SGLang's ``meta_info.routed_experts`` as uint8 ``[positions, layers, top_k]``.
+
+    SGLang 0.5.17 sends the int32 array ``[prompt_tokens + R - 1, layers, top_k]`` of every position it ran a
+    forward for (``state_capturer/routed_experts.py``), as base64 of its bytes in the machine's (little-endian)
+    order (``detokenizer_manager.py``, ``_b64_encode_per_request``).
+
+    Args:
+        data: the base64 text.
+        positions: the rows expected, ``prompt_tokens + R - 1`` of the answer.
+        routes: the model's shape.
+        where: names the answer in errors.
+
+    Raises:
+        RouteError: not base64, a byte count that is not whole ``[layers, top_k]`` int32 rows, another number of
+            rows than ``positions``, or an expert id out of range.
+    """
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise RouteError(f"{where}: meta_info.routed_experts is not base64 ({e})") from None
+    row = 4 * routes.num_layers * routes.top_k
+    if len(raw) % row or len(raw) // row != positions:
+        raise RouteError(
+            f"{where}: meta_info.routed_experts holds {len(raw)} bytes, expected {positions} positions (prompt + "
+            f"response - 1) x {routes.num_layers} layers x top-{routes.top_k} int32 = {positions * row} bytes"
+        )
+    ids = np.frombuffer(raw, dtype="<i4").reshape(positions, routes.num_layers, routes.top_k)
+    return compact_routes(ids, routes, where)
 
 
 def generate_payload(request: GenerateRequest) -> dict:
@@ -189,6 +244,8 @@ def generate_payload(request: GenerateRequest) -> dict:
         payload["image_data"] = list(request.image_data)
     if request.rid is not None:  # unique per attempt (SGLang refuses a rid in flight); the output names the request
         payload["rid"] = f"{request.rid}{RID_SEPARATOR}{uuid.uuid4().hex[:12]}"
+    if request.return_routed_experts:
+        payload["return_routed_experts"] = True
     return payload
 
 
@@ -198,7 +255,8 @@ def generate_batch_payload(requests: list[GenerateRequest]) -> dict:
 
     ``image_data`` is a list of per-request image lists (``[]`` for a prompt without images; left out when
     no request has one), ``rid`` a list (a fresh id where the request has none: SGLang wants one per
-    entry), ``return_logprob`` one value for all.  The answer is a list of single-request answers in the
+    entry), ``return_logprob`` one value for all, ``return_routed_experts`` one value for all (SGLang's
+    batch form has no list of it): on when any request asks (the others' routes are dropped when parsed).  The answer is a list of single-request answers in the
     same order (``tokenizer_manager.py``, ``_handle_batch_request``).
 
     Raises:
@@ -215,6 +273,8 @@ def generate_batch_payload(requests: list[GenerateRequest]) -> dict:
     }
     if any("image_data" in p for p in singles):
         payload["image_data"] = [p.get("image_data", []) for p in singles]
+    if any(r.return_routed_experts for r in requests):
+        payload["return_routed_experts"] = True
     return payload
 
 

@@ -13,6 +13,8 @@ standard input).  slime sets:
 - ``--random-seed`` (``--rollout-seed`` + engine index: engines sample differently);
 - ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it), with ``--speculative-algorithm``
   also ``--enable-draft-weights-cpu-backup`` (released weights are lost and the sync never sends the draft's);
+- ``--enable-return-routed-experts`` when the engine parity check replays an MoE model's routes
+  (:attr:`ServerSpec.return_routed_experts`);
 - ``--dtype bfloat16`` unless ``--sglang-dtype`` is given (see :func:`server_command`);
 - then every ``--sglang-*`` flag, passed through as given (:class:`slime.rollout.config.SGLangConfig`).
 
@@ -83,6 +85,8 @@ UNSAFE_SERVER_ENV = {
 """Variables of the actor's environment that the server does not inherit, and why (SGLang 0.5.17's
 ``sglang/srt/environ.py``; each also under its deprecated ``SGL_`` spelling, which SGLang renames to ``SGLANG_``)."""
 LOCALHOST = "127.0.0.1"
+ROUTES_FLAG = "--enable-return-routed-experts"
+"""SGLang's server flag that captures the routed experts of every forward (0.5.17, ``server_args.py``)."""
 STOP_GRACE_S = 30.0
 """Seconds between ``SIGTERM`` and ``SIGKILL`` when a server is stopped."""
 LOG_TAIL_LINES = 60
@@ -118,6 +122,7 @@ class ServerSpec:
         seed: SGLang's ``--random-seed``.
         colocated: trainers share the GPUs (adds ``--enable-memory-saver``).
         passthrough: the ``--sglang-*`` flags as SGLang flags (``SGLangConfig.server_argv()``).
+        return_routed_experts: capture every forward's routed experts (adds ``--enable-return-routed-experts``).
     """
 
     model_path: str
@@ -127,6 +132,7 @@ class ServerSpec:
     seed: int
     colocated: bool
     passthrough: tuple[str, ...] = ()
+    return_routed_experts: bool = False
 
     @property
     def url(self) -> str:
@@ -160,6 +166,8 @@ def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     backups = ("--enable-draft-weights-cpu-backup", "--enable-weights-cpu-backup")
     if spec.colocated and speculative and not any(flag in spec.passthrough for flag in backups):
         argv.append("--enable-draft-weights-cpu-backup")
+    if spec.return_routed_experts and ROUTES_FLAG not in spec.passthrough:
+        argv.append(ROUTES_FLAG)
     if not any(token == "--dtype" or token.startswith("--dtype=") for token in spec.passthrough):
         argv += ["--dtype", "bfloat16"]
     return argv + list(spec.passthrough)
