@@ -110,3 +110,25 @@ def hf_forward_routes(model, input_ids, pixel_values=None, image_grid_thw=None) 
     ranked = stacked.sort(-1, descending=True)
     margin = ranked.values[..., top_k - 1] - ranked.values[..., top_k]
     return ranked.indices[..., :top_k], margin
+
+
+def moe_block_f64(block, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's MoE block by hand in float64: ``sum_j w_j E_j(x) + sigmoid(x g_s) S(x)``, ``w`` the softmax over
+    all router logits taken at ``experts`` and renormalised, ``E_j(x) = W_down (silu(W_gate x) * W_up x)``."""
+    x = x.double()
+    logits = x @ block.gate.weight.double().T
+    probs = torch.exp(logits - logits.max(-1, keepdim=True).values)
+    probs = probs / probs.sum(-1, keepdim=True)
+    chosen = probs.gather(-1, experts)
+    weights = chosen / chosen.sum(-1, keepdim=True)
+    gate_up, down = block.experts.gate_up_proj.double(), block.experts.down_proj.double()
+    inter = down.shape[-1]
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j, e in enumerate(experts[n].tolist()):
+            h = gate_up[e] @ x[n]
+            out[n] += weights[n, j] * (down[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    shared = block.shared_expert
+    s = (shared.down_proj.weight.double() @ (torch.nn.functional.silu(shared.gate_proj.weight.double() @ x.T)
+                                             * (shared.up_proj.weight.double() @ x.T))).T
+    return out + torch.sigmoid(x @ block.shared_expert_gate.weight.double().T) * s

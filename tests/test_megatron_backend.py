@@ -187,6 +187,102 @@ def test_weight_export_is_the_checkpoint_each_name_once_in_lockstep(against_fsdp
 
 
 # ---------------------------------------------------------------------------------------
+# routing replay in compute_log_probs (the engine parity check's trainer side)
+# ---------------------------------------------------------------------------------------
+
+
+def _with_routes(samples, routes):
+    import dataclasses
+
+    return [dataclasses.replace(s, rollout_routed_experts=r) for s, r in zip(samples, routes)]
+
+
+def _job_replay(rank_info, ckpt_dir, samples, own, other, out):
+    from slime.backends.steps import SampleError
+
+    result = {}
+    fsdp = make_backend(rank_info, ckpt_dir, train={"micro_batch_size": 4})  # padded rows of several samples
+    fsdp.init()
+    result["fsdp_plain"] = fsdp.compute_log_probs(samples)
+    result["fsdp_own"] = fsdp.compute_log_probs(_with_routes(samples, own), replay_routes=True)
+    result["fsdp_other"] = fsdp.compute_log_probs(_with_routes(samples, other), replay_routes=True)
+    result["fsdp_other_noisy"] = fsdp.compute_log_probs(_with_routes(samples, other), replay_routes=True,
+                                                        rounding_noise=True)
+    del fsdp
+    megatron = make_megatron(rank_info, ckpt_dir, train={"use_dynamic_batch_size": True, "max_tokens_per_gpu": 200})
+    megatron.init()
+    result["plain"] = megatron.compute_log_probs(samples)
+    result["own"] = megatron.compute_log_probs(_with_routes(samples, own), replay_routes=True)
+    result["other"] = megatron.compute_log_probs(_with_routes(samples, other), replay_routes=True)
+    result["micro_batches"] = len(megatron._micro_batches(samples, range(len(samples)), None))
+    short = _with_routes(samples, [r[:-1] for r in other])
+    try:
+        megatron.compute_log_probs(short, replay_routes=True)
+    except SampleError as e:
+        result["short_error"] = str(e)
+    try:
+        megatron.compute_log_probs(samples, replay_routes=True)
+    except SampleError as e:
+        result["missing_error"] = str(e)
+    torch.save(result, out / f"rank{rank_info.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def replay(tiny_ckpt, tmp_path_factory):
+    """The samples' own routes (the HF model's choice over prompt + response, every choice at least 1e-4 away from
+    a tie, so the native model chooses the same) and random other routes, replayed by both backends."""
+    import numpy as np
+    from qwen35_helpers import hf_forward_routes
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("replay")
+    samples = make_samples(tiny_ckpt, LENS, images=IMAGES)
+    hf = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    own, other, margins = [], [], []
+    rng = np.random.default_rng(0)
+    for s in samples:
+        mm = s.multimodal_inputs
+        routes, margin = hf_forward_routes(hf, s.prompt_token_ids + s.response_token_ids, mm.get("pixel_values"),
+                                           mm.get("image_grid_thw"))
+        own.append(routes[:-1].numpy().astype(np.uint8))  # positions 0 .. P + R - 2, as an engine reports them
+        margins.append(float(margin[:-1].min()))
+        n, layers, top_k = own[-1].shape
+        other.append(np.stack([rng.permutation(8)[:top_k] for _ in range(n * layers)]).reshape(n, layers, top_k)
+                     .astype(np.uint8))
+    assert min(margins) > 1e-4, margins
+    spawn(_job_replay, tiny_ckpt, samples, own, other, out, world=1)
+    return samples, torch.load(out / "rank0.pt")
+
+
+def test_replaying_the_models_own_routes_changes_no_log_prob(replay):
+    _, r = replay
+    assert r["fsdp_own"] == r["fsdp_plain"]  # bit for bit (the HF router's own arithmetic)
+    torch.testing.assert_close(torch.tensor(sum(r["own"], [])), torch.tensor(sum(r["plain"], [])), rtol=0, atol=1e-6)
+    assert r["micro_batches"] < len(LENS)  # the routes were laid out on packed micro-batches
+
+
+def test_both_backends_replay_other_routes_alike_and_not_as_their_own(replay):
+    samples, r = replay
+    for sample, got, want, plain in zip(samples, r["other"], r["fsdp_other"], r["fsdp_plain"]):
+        assert len(got) == sample.response_length
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=2e-5)
+    gap = (torch.tensor(sum(r["fsdp_other"], [])) - torch.tensor(sum(r["fsdp_plain"], []))).abs().mean()
+    assert gap > 1e-2  # other routes move the log-probs far beyond rounding
+    noise = (torch.tensor(sum(r["fsdp_other_noisy"], [])) - torch.tensor(sum(r["fsdp_other"], []))).abs().max()
+    assert 0 < noise < 1e-4  # one fp32 rounding step with the routes held: rounding only
+
+
+def test_replay_refuses_samples_without_routes_or_with_routes_of_another_length(replay):
+    samples, r = replay
+    s = samples[0]
+    n = len(s.prompt_token_ids) + s.response_length - 1
+    assert r["short_error"] == (f"sample 0 (group 0): routed experts are uint8 [{n - 1}, 4, 2], expected uint8 "
+                                f"[{n}, 4, 2] (prompt {len(s.prompt_token_ids)} + response {s.response_length} - 1 "
+                                "positions, 4 layers, top-2)")
+    assert r["missing_error"].startswith("sample 0 (group 0) has no rollout_routed_experts to replay")
+
+
+# ---------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------
 

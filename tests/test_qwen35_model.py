@@ -144,3 +144,100 @@ def test_parameter_gradients_match_hf(models, documents):
     rest = {n: e for n, e in worst.items() if n not in decay}
     assert max(rest.values()) <= 1e-4, sorted(rest.items(), key=lambda kv: -kv[1])[:5]
     assert max(decay.values()) <= 2e-3, sorted(decay.items(), key=lambda kv: -kv[1])[:5]
+
+
+# ----------------------------------------------------------------------------- routing replay
+
+
+def _random_routes(tokens: int, arch, seed: int) -> torch.Tensor:
+    """int16 ``[tokens, layers, top_k]`` of distinct random experts per row; every 5th row -1 (the router's own)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(arch.num_experts, generator=gen)[: arch.moe_router_topk] for _ in range(tokens * arch.num_layers)]
+    routes = torch.stack(rows).view(tokens, arch.num_layers, arch.moe_router_topk).to(torch.int16)
+    routes[::5] = -1
+    return routes
+
+
+def _own_native_routes(native, inputs: Qwen35Inputs) -> torch.Tensor:
+    """The experts the native routers choose at every position (layer order), int16 ``[T, layers, top_k]``."""
+    from slime.models.qwen3_5.router import moe_routers
+
+    chosen = {}
+    routers = moe_routers(native)
+    handles = [r.register_forward_hook(lambda m, a, out: chosen.__setitem__(m.layer_number, out[1])) for r in routers]
+    try:
+        with torch.no_grad():
+            native(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    top_k = routers[0].topk
+    return torch.stack([chosen[n].int().topk(top_k, -1).indices for n in sorted(chosen)], 1).to(torch.int16)
+
+
+def test_replaying_the_native_models_own_routes_changes_its_logits_by_rounding_only(models, documents):
+    import dataclasses
+
+    native = models[0]
+    inputs = Qwen35Inputs.pack(documents, native.qwen_config.arch)
+    own = _own_native_routes(native, inputs)
+    with torch.no_grad():
+        plain = native(inputs)
+        replayed = native(dataclasses.replace(inputs, routed_experts=own))
+    assert _rel(replayed, plain) <= 1e-6
+
+
+def test_native_and_hf_agree_under_the_same_replayed_routes_and_so_do_router_gradients(models, documents):
+    """Random routes (every 5th position the router's own): the packed native model and the HF model one document at
+    a time give the same logits, other than without replay, and the same router-weight gradients, non-zero."""
+    import dataclasses
+
+    from slime.models.qwen3_5.router import moe_routers
+    from slime.models.routes import force_hf_routes, hf_moe_routers
+
+    native, hf, _ = models
+    arch = native.qwen_config.arch
+    inputs = Qwen35Inputs.pack(documents, arch)
+    routes = _random_routes(inputs.input_ids.numel(), arch, seed=4)
+    forced = dataclasses.replace(inputs, routed_experts=routes)
+    weights = torch.randn(inputs.input_ids.numel(), arch.vocab_size, generator=torch.Generator().manual_seed(5))
+    native.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)
+    logits = native(forced)[:, 0, : arch.vocab_size]
+    (logits * weights).sum().backward()
+    ref, offset = [], 0
+    for d in documents:
+        n = d.input_ids.numel()
+        with force_hf_routes(hf, routes[offset: offset + n]):
+            doc_logits = _hf_logits(hf, d, arch.image_token_id)
+        (doc_logits * weights[offset: offset + n]).sum().backward()
+        ref.append(doc_logits.detach())
+        offset += n
+    ref = torch.cat(ref)
+    assert _rel(logits.detach(), ref) <= 1e-4
+    with torch.no_grad():
+        unforced = native(inputs)[:, 0, : arch.vocab_size]
+    assert _rel(unforced, ref) > 1e-2  # the routes were others than the model's own
+    for router, gate in zip(moe_routers(native), hf_moe_routers(hf), strict=True):
+        assert router.weight.grad.abs().max() > 0
+        error = (router.weight.grad - gate.weight.grad).norm() / gate.weight.grad.norm()
+        assert error <= 1e-4, (router.layer_number, error.item())
+
+
+def test_the_native_moe_layer_under_forced_routes_is_the_block_by_hand(models):
+    from qwen35_helpers import moe_block_f64
+
+    native, hf, _ = models
+    arch = native.qwen_config.arch
+    layer = native.decoder.layers[2].mlp
+    x = torch.randn(9, 1, arch.hidden_size, generator=torch.Generator().manual_seed(6))
+    routes = _random_routes(9, arch, seed=7)[:, 2].long()
+    routes[::5] = torch.tensor([1, 3][: arch.moe_router_topk])  # no own-choice rows here
+    layer.router.forced_experts = routes
+    try:
+        with torch.no_grad():
+            out, _ = layer(x)
+    finally:
+        layer.router.forced_experts = None
+    expected = moe_block_f64(hf.model.language_model.layers[2].mlp, x[:, 0], routes)
+    torch.testing.assert_close(out[:, 0].double(), expected, rtol=1e-5, atol=1e-6)

@@ -142,29 +142,9 @@ def test_replaying_the_models_own_routes_changes_nothing(hf_model):
     assert torch.equal(replayed, plain) and torch.equal(mixed, plain)
 
 
-def _moe_block_f64(block, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Qwen3.5's MoE block by hand in float64: ``sum_j w_j E_j(x) + sigmoid(x g_s) S(x)``, ``w`` the softmax over
-    all router logits taken at ``experts`` and renormalised, ``E_j(x) = W_down (silu(W_gate x) * W_up x)``."""
-    x = x.double()
-    logits = x @ block.gate.weight.double().T
-    probs = torch.exp(logits - logits.max(-1, keepdim=True).values)
-    probs = probs / probs.sum(-1, keepdim=True)
-    chosen = probs.gather(-1, experts)
-    weights = chosen / chosen.sum(-1, keepdim=True)
-    gate_up, down = block.experts.gate_up_proj.double(), block.experts.down_proj.double()
-    inter = down.shape[-1]
-    out = torch.zeros_like(x)
-    for n in range(x.shape[0]):
-        for j, e in enumerate(experts[n].tolist()):
-            h = gate_up[e] @ x[n]
-            out[n] += weights[n, j] * (down[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
-    shared = block.shared_expert
-    s = (shared.down_proj.weight.double() @ (torch.nn.functional.silu(shared.gate_proj.weight.double() @ x.T)
-                                             * (shared.up_proj.weight.double() @ x.T))).T
-    return out + torch.sigmoid(x @ block.shared_expert_gate.weight.double().T) * s
-
-
 def test_replaying_other_routes_is_the_moe_block_by_hand(hf_model):
+    from qwen35_helpers import moe_block_f64
+
     from slime.models.routes import force_hf_routes, hf_moe_routers
 
     layers = len(hf_moe_routers(hf_model))
@@ -176,7 +156,7 @@ def test_replaying_other_routes_is_the_moe_block_by_hand(hf_model):
     routes = routes.view(12, layers, top_k)
     with torch.no_grad(), force_hf_routes(hf_model, routes):
         got = block(x)[0]
-    expected = _moe_block_f64(block, x[0], routes[:, 1])
+    expected = moe_block_f64(block, x[0], routes[:, 1])
     own = block(x)[0].detach()  # without forcing: the router's own experts
     assert not torch.allclose(own.double(), expected, atol=1e-6)  # the forced experts are others
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
