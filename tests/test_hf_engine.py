@@ -383,6 +383,33 @@ def test_engine_reports_the_prompt_length_it_saw(greedy_engine, processor):
     assert greedy_engine.capacity == greedy_engine.max_batch_size == 32
 
 
+def test_routed_experts_are_the_routers_choices_of_a_plain_forward(greedy_engine, processor, reference_model):
+    """A batch of prompts of different lengths (left padded), with 0-2 images, sampled with a seed: each request that
+    asks gets ``[P + R - 1, layers, top_k]`` uint8, the experts a plain forward over its prompt and response chooses at
+    every position but the last, wherever that choice is at least 1e-4 (router logit) away from a tie; the request
+    that does not ask gets none."""
+    from qwen35_helpers import hf_forward_routes
+
+    requests = [dataclasses.replace(r, return_routed_experts=i != 2, sampling_params=dataclasses.replace(
+        r.sampling_params, temperature=1.0, sampling_seed=i)) for i, r in enumerate(_mixed_requests(processor))]
+    outputs = greedy_engine.generate(requests)
+    assert outputs[2].routed_experts is None
+    checked = near_ties = 0
+    for request, out in zip(requests, outputs):
+        if not request.return_routed_experts:
+            continue
+        processed = processor(request.text, [decode_image(b) for b in request.image_data])
+        routes, margin = hf_forward_routes(reference_model, processed.input_ids + out.output_ids,
+                                           processed.pixel_values, processed.image_grid_thw)
+        n = len(processed.input_ids) + len(out.output_ids) - 1
+        assert out.routed_experts.dtype == np.uint8 and out.routed_experts.shape == (n, 4, 2)
+        clear = (margin[:n] > 1e-4).numpy()
+        got, want = np.sort(out.routed_experts, -1), np.sort(routes[:n].numpy(), -1)
+        assert np.array_equal(got[clear], want[clear])
+        checked, near_ties = checked + clear.sum(), near_ties + (~clear).sum()
+    assert near_ties <= 0.01 * checked, (near_ties, checked)
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

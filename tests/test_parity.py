@@ -15,6 +15,7 @@ from slime.data.sample import Sample
 from slime.rollout.config import ParityConfig
 from slime.rollout.parity import (
     CHECKED_STEPS,
+    GAP_FLOOR,
     EngineParityCheck,
     EngineParityError,
     ParityGaps,
@@ -44,48 +45,61 @@ def test_token_gaps_and_their_summary_by_hand():
         token_gaps([_sample([-1.0, -2.0])], [[-1.0]])
 
 
-def _gaps(image, text):
-    return ParityGaps(image, text, 4 * image, 4 * text, 100, 100)
+def _gaps(image, text, floor_image=0.0, floor_text=0.0):
+    return ParityGaps(image, text, 4 * image, 4 * text, 100, 100, floor_image, floor_text)
 
 
-@pytest.mark.parametrize("image, text, refused, reason", [
-    (6.0e-3, 9.9e-4, True, "multimodal-RoPE bug"),  # issue 11's H200 figures with the bug: 6.0e-3 > 3 x 1e-3
-    (9.9e-4, 1.07e-3, False, None),  # and with the fix
-    (2.9e-3, 1e-5, False, None),  # the text gap is floored at 1e-3: 2.9e-3 < 3e-3
-    (3.1e-3, 1e-5, True, "3 x the text gap"),
-    (0.2, 0.09, True, "--engine-parity-max-gap 0.1"),  # absolute bound, although only 2.2 x the text gap
-    (0.01, 0.15, True, "weights or sampling differ"),  # the text gap alone is off: not the image path
-])  # fmt: skip
-def test_verdict(image, text, refused, reason):
-    why = verdict(_gaps(image, text), max_gap=0.1, max_ratio=3.0)
-    assert (why is not None) == refused
-    if refused:
-        assert reason in why
-        if "multimodal" in reason or "x the text gap" in reason:
-            assert "SGLang 0.5.17" in why and "--skip-engine-parity-check" in why
+def test_the_checks_defaults():
+    cfg = ParityConfig()
+    assert (cfg.engine_parity_prompts, cfg.engine_parity_response_len) == (8, 64)  # 512 tokens per kind
+    assert (cfg.engine_parity_max_gap, cfg.engine_parity_max_ratio, cfg.engine_parity_floor_factor) == (1.0, 1.5, 3.0)
+    assert cfg.engine_parity_replay_routes and GAP_FLOOR == 1e-3
+
+
+FLOOR_TEXT = "the trainer's own floor on these tokens, 0, counted as at least 0.001; --engine-parity-floor-factor)"
+RATIO = "x the text gap"
 
 
 @pytest.mark.parametrize("image, text, floor_image, floor_text, refused, reason", [
-    # a random real-width bf16 model: the engine at about the trainer's own floor passes (issue 24's gaps)
-    (0.10, 0.20, 0.08, 0.12, False, None),
-    (0.14, 0.21, 0.10, 0.10, False, None),   # text 0.21 < 3 x 0.10
-    (0.10, 0.31, 0.08, 0.10, True, "3 x the trainer's own floor 0.1"),  # text beyond 3 floors: weights differ
-    (0.25, 0.05, 0.08, 0.10, True, "3 x the trainer's own floor 0.08"),  # image beyond 3 x its floor (0.24)
-    (0.20, 0.05, 0.08, 0.10, False, None),   # image 2.5 floors
-    # the ratio test, in units of each kind's floor: image 0.09 = 18 floors, text 0.02 = 4 floors: 18 > 3 x 4
-    (0.09, 0.02, 0.005, 0.005, True, "3 x the text gap"),
-    (0.05, 0.02, 0.005, 0.005, False, None),  # 10 < 12
-    # the floor only raises the absolute bound: with a floor below max_gap / factor the old rule holds
-    (0.2, 0.09, 0.01, 0.01, True, "--engine-parity-max-gap 0.1"),
-    # floors under GAP_FLOOR change nothing in the ratio test
-    (6.0e-3, 9.9e-4, 1e-5, 1e-5, True, "multimodal-RoPE bug"),
+    # --- floors under GAP_FLOOR (the tiny model in fp32): each kind's scale is 1e-3 nats
+    (9.9e-4, 1.07e-3, 0.0, 0.0, False, None),  # issue 11's H200 figures with the fix
+    (6.0e-3, 9.9e-4, 0.0, 0.0, True, f"image-prompt gap 0.006 nats (max 0.024) > 3 x 0.001 nats ({FLOOR_TEXT}"),  # bug
+    (1e-4, 2.99e-3, 0.0, 0.0, False, None),  # text: 2.99 units < 3
+    (1e-4, 3.01e-3, 0.0, 0.0, True, f"text-prompt gap 0.00301 nats > 3 x 0.001 nats ({FLOOR_TEXT}: the engine's "
+                                    "weights or sampling differ"),
+    # the ratio test: text 1.5 units, so image may reach 1.5 x 1.5 = 2.25 units
+    (2.2e-3, 1.5e-3, 0.0, 0.0, False, None),
+    (2.3e-3, 1.5e-3, 0.0, 0.0, True, "image-prompt gap 0.0023 nats (max 0.0092) > 1.5 x the text gap 0.0015, each in "
+                                     "units of the trainer's floor on its tokens (--engine-parity-max-ratio; image "
+                                     "2.3 units of 0.001, text 1.5 units of 0.001, counted as at least 1)"),
+    # a text gap under one unit counts as one: image may reach 1.5 units
+    (1.49e-3, 2e-4, 5e-4, 5e-4, False, None),
+    (1.51e-3, 2e-4, 5e-4, 5e-4, True, RATIO),
+    # --- floors above GAP_FLOOR (real width, routes replayed): the expected figures of the findings brief
+    (0.018, 0.027, 0.016, 0.024, False, None),  # fix on: 1.125 and 1.125 units
+    (0.038, 0.027, 0.016, 0.024, True, "image 2.38 units of 0.016, text 1.12 units of 0.024"),  # fix off: 2.38 > 1.69
+    (0.047, 0.070, 0.016, 0.024, False, None),  # image 2.94, text 2.92 units: under 3 floors, alike
+    (0.049, 0.070, 0.016, 0.024, True, "image-prompt gap 0.049 nats (max 0.196) > 3 x the trainer's own floor 0.016 on "
+                                       "these tokens (--engine-parity-floor-factor)"),
+    (0.018, 0.073, 0.016, 0.024, True, "text-prompt gap 0.073 nats > 3 x the trainer's own floor 0.024 on these tokens "
+                                       "(--engine-parity-floor-factor): the engine's weights or sampling differ"),
+    # without replay at real width (issue 24, fix off, HF bf16): 0.71 and 0.80 units: the bug passes, hence replay
+    (0.082, 0.142, 0.116, 0.177, False, None),
+    # --- the ceiling, whatever the floors
+    (0.9, 0.99, 0.5, 0.5, False, None),
+    (0.9, 1.01, 0.5, 0.5, True, "text-prompt gap 1.01 nats > the ceiling --engine-parity-max-gap 1: the engine's"),
+    (1.01, 0.99, 0.5, 0.5, True, "image-prompt gap 1.01 nats (max 4.04) > the ceiling --engine-parity-max-gap 1: the "
+                                 "engine computes image tokens differently"),
 ])  # fmt: skip
-def test_verdict_against_the_trainers_floor(image, text, floor_image, floor_text, refused, reason):
-    gaps = ParityGaps(image, text, 4 * image, 4 * text, 100, 100, floor_image, floor_text)
-    why = verdict(gaps, max_gap=0.1, max_ratio=3.0, floor_factor=3.0)
+def test_verdict(image, text, floor_image, floor_text, refused, reason):
+    """Each bound of :func:`verdict` just below and just above, at the defaults (ceiling 1, ratio 1.5, 3 floors)."""
+    why = verdict(_gaps(image, text, floor_image, floor_text), max_gap=1.0, max_ratio=1.5, floor_factor=3.0)
     assert (why is not None) == refused, why
     if refused:
         assert reason in why, why
+        if why.startswith("image"):
+            assert "Likely cause: an engine with the Qwen3.5 multimodal-RoPE bug (SGLang 0.5.17 / 0.5.18" in why
+            assert "--skip-engine-parity-check runs anyway" in why
 
 
 @pytest.mark.parametrize("image_tokens, text_tokens, missing", [(0, 100, "no image-prompt"), (100, 0, "no text-prompt"),
@@ -149,13 +163,14 @@ def test_responses_with_a_vision_placeholder_are_left_out_of_the_gaps(dataset):
     noisy = [[-0.5, -0.5, -0.5], [-2.03], [-1.0, -1.96], [-3.03]]  # the trainer with one rounding step of noise
     calls = []
 
-    def compute_log_probs(samples, rounding_noise=False):
-        calls.append(rounding_noise)
+    def compute_log_probs(samples, rounding_noise=False, replay_routes=False):
+        calls.append((rounding_noise, replay_routes))
         return noisy if rounding_noise else trainer
 
     trainers = types.SimpleNamespace(compute_log_probs=compute_log_probs)
     metrics = check.compare(trainers, [image, image2, text, text2], 0)
-    assert sorted(calls) == [False, True]
+    assert sorted(calls) == [(False, False), (True, False)]  # no sample carries routes: none replayed
+    assert metrics["parity/routes_replayed"] == 0.0
     assert metrics["parity/skipped_vision_token_responses"] == 1.0 and metrics["parity/tokens_image"] == 1
     assert metrics["parity/logprob_gap_image"] == pytest.approx(0.01)  # image2 alone
     assert metrics["parity/logprob_gap_text"] == pytest.approx(0.1 / 3) and metrics["parity/tokens_text"] == 3
@@ -165,6 +180,90 @@ def test_responses_with_a_vision_placeholder_are_left_out_of_the_gaps(dataset):
     image2.response_token_ids = [pad]  # now every image response is left out: nothing to compare
     with pytest.raises(EngineParityError, match="no image-prompt response token to compare"):
         check.compare(trainers, [image, image2, text, text2], 0)
+
+
+def test_the_engines_routes_are_replayed_when_every_sample_carries_them(dataset):
+    import types
+
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True)
+    image, text = check.image_prompts[0].clone_prompt(), check.text_prompts[0].clone_prompt()
+    for sample in (image, text):
+        sample.response_token_ids, sample.rollout_log_probs = [5, 6], [-1.0, -1.0]
+        sample.rollout_routed_experts = np.zeros((len(sample.prompt_token_ids) + 1, 4, 2), np.uint8)
+    calls = []
+
+    def compute_log_probs(samples, rounding_noise=False, replay_routes=False):
+        calls.append((rounding_noise, replay_routes))
+        return [[-1.0, -1.0]] * len(samples)
+
+    trainers = types.SimpleNamespace(compute_log_probs=compute_log_probs)
+    assert check.compare(trainers, [image, text], 0)["parity/routes_replayed"] == 1.0
+    assert sorted(calls) == [(False, True), (True, True)]  # plain and noisy passes both replay
+    off = EngineParityCheck(ParityConfig(engine_parity_prompts=1, engine_parity_replay_routes=False), dataset, 1.0,
+                            enabled=True)
+    calls.clear()
+    assert off.compare(trainers, [image, text], 1)["parity/routes_replayed"] == 0.0
+    assert sorted(calls) == [(False, False), (True, False)]
+    text.rollout_routed_experts = None
+    with pytest.raises(EngineParityError, match=r"after the first weight sync \(rollout 1\): the engine returned routed "
+                                                "experts for 1 of its 2 answers but none for the prompt of training "
+                                                "row 0"):
+        check.compare(trainers, [image, text], 1)
+
+
+def test_the_probe_asks_for_routes_and_keeps_them_on_its_samples(dataset):
+    routes = np.ones((3, 4, 2), np.uint8)
+    asked = []
+
+    class Engines(_StubEngines):
+        def generate(self, requests):
+            asked.extend(r.return_routed_experts for r in requests)
+            outs = super().generate(requests)
+            for out in outs:
+                out.routed_experts = routes
+            return outs
+
+    check = EngineParityCheck(ParityConfig(engine_parity_prompts=1), dataset, 1.0, enabled=True)
+    samples = check.generate(Engines(dataset.processor), 0)
+    assert asked == [True, True] and all(s.rollout_routed_experts is routes for s in samples)
+    off = EngineParityCheck(ParityConfig(engine_parity_prompts=1, engine_parity_replay_routes=False), dataset, 1.0,
+                            enabled=True)
+    asked.clear()
+    off.generate(Engines(dataset.processor), 0)
+    assert asked == [False, False]
+
+
+def _parse(tiny_ckpt, *extra):
+    from slime.arguments import parse_args
+
+    return parse_args(["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",
+                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                       "--rollout-backend", "sglang", "--colocate", *extra])
+
+
+def test_replay_is_refused_at_parse_time_where_it_is_not_proven(tiny_ckpt, tmp_path, capsys):
+    megatron_tp2 = ("--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size",
+                    "2", "--sequence-parallel")
+    with pytest.raises(SystemExit):
+        _parse(tiny_ckpt, *megatron_tp2)
+    assert ("--engine-parity-replay-routes with --train-backend megatron: replaying the engine's routed experts in the "
+            "Megatron trainer is proven only at TP = PP = CP = EP = 1, not at --tensor-model-parallel-size 2 (no "
+            "multi-GPU test yet); add --no-engine-parity-replay-routes") in capsys.readouterr().err
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text('{"text_config": {"num_hidden_layers": 2, "num_experts_per_tok": 8, '
+                                      '"num_experts": 512}}')
+    with pytest.raises(SystemExit):
+        _parse(wide, "--train-backend", "fsdp")
+    assert (f"--engine-parity-replay-routes: --hf-checkpoint {wide} has 512 experts per layer; routed experts are "
+            "stored as uint8, which names at most 256; add --no-engine-parity-replay-routes") in capsys.readouterr().err
+    # either way out passes this check (on a machine without SGLang the parse stops later, at the engine's install)
+    for way_out in ("--no-engine-parity-replay-routes", "--skip-engine-parity-check"):
+        try:
+            _parse(tiny_ckpt, *megatron_tp2, way_out)
+        except SystemExit:
+            pass
+        assert "--engine-parity-replay-routes" not in capsys.readouterr().err
 
 
 class _StubEngines:

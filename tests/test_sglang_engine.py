@@ -637,6 +637,69 @@ def test_the_secret_is_in_no_command_log_recording_or_printed_config(engine_fact
     assert "wk-123" not in argv and not any("api-key" in a for a in argv)  # the engine's key is never a flag
 
 
+def _run_cfg(ckpt, *extra):
+    from slime.arguments import parse_args
+
+    return parse_args(["--hf-checkpoint", str(ckpt), "--prompt-data", "y", "--num-rollout", "1",
+                       "--rollout-batch-size", "1", "--rollout-max-response-len", "4", "--train-backend", "fsdp",
+                       "--rollout-backend", "tests.fake_sglang:FakeSGLangEngine", "--colocate", *extra])
+
+
+def test_servers_capture_routes_for_an_moe_checkpoint_whose_parity_check_replays_them(tiny_ckpt, tmp_path):
+    assert FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt))
+    assert not FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--no-engine-parity-replay-routes"))
+    assert not FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--skip-engine-parity-check"))
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 2}}))
+    assert not FakeSGLangEngine.captures_routes(_run_cfg(dense))
+    spec = ServerSpec(model_path="/ckpt", tp_size=1, host="127.0.0.1", port=1, seed=0, colocated=False,
+                      return_routed_experts=True)
+    assert server_command(spec, python="/py")[-3:] == ["--enable-return-routed-experts", "--dtype", "bfloat16"]
+    given = dataclasses.replace(spec, passthrough=("--enable-return-routed-experts",))
+    assert server_command(given, python="/py").count("--enable-return-routed-experts") == 1
+
+
+def test_the_fake_server_returns_its_models_routes_as_sglang_encodes_them(tiny_ckpt, tmp_path, processor_tiny):
+    """``--fake-model hf`` with ``--enable-return-routed-experts``: a request that asks gets, through the engine's
+    decoding of SGLang's base64 int32 answer, the experts a plain forward of its model chooses (away from ties)."""
+    from qwen35_helpers import hf_forward_routes
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from slime.data.image import decode_image
+
+    spec = dataclasses.replace(_spec(tmp_path, "--fake-model", "hf"), model_path=str(tiny_ckpt),
+                               return_routed_experts=True)
+    engine = FakeSGLangEngine(spec, tmp_path / "engine")
+    try:
+        _wait_healthy(engine)
+        assert engine.route_shape.num_layers == 4 and engine.route_shape.top_k == 2
+        content = [{"type": "image"}, {"type": "text", "text": "Find x."}]
+        prompt = processor_tiny.apply_chat_template([{"role": "user", "content": content}])
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=3)
+        asks = GenerateRequest(prompt, [IMAGE], params, rid="a", return_routed_experts=True)
+        out, plain = engine.generate([asks, dataclasses.replace(asks, rid="b", return_routed_experts=False)])
+    finally:
+        engine.shutdown()
+    assert plain.routed_experts is None
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    processed = processor_tiny(prompt, [decode_image(IMAGE)])
+    routes, margin = hf_forward_routes(model, processed.input_ids + out.output_ids, processed.pixel_values,
+                                       processed.image_grid_thw)
+    n = out.prompt_tokens + len(out.output_ids) - 1
+    assert out.routed_experts.shape == (n, 4, 2) and out.routed_experts.dtype.name == "uint8"
+    clear = (margin[:n] > 1e-4).numpy()
+    assert clear.mean() > 0.99
+    assert (out.routed_experts[clear] == routes[:n].numpy()[clear]).all()
+
+
+@pytest.fixture
+def processor_tiny(tiny_ckpt):
+    from slime.data.processor import load_processor
+
+    return load_processor(tiny_ckpt)
+
+
 @pytest.mark.parametrize("flag", ["--sglang-api-key", "--sglang-admin-api-key"])
 def test_the_key_flags_are_refused(flag):
     from slime.rollout.config import extract_sglang_args

@@ -149,18 +149,12 @@ class SGLangEngine(RolloutEngine):
     def from_config(cls, cfg, resources: EngineResources) -> SGLangEngine:
         """Engine ``resources.index`` of a run: its server on the engine's GPUs (see :mod:`.launch`).
 
-        The server captures routed experts (``--enable-return-routed-experts``) when the checkpoint is an MoE
-        model and the engine parity check will replay them (``--engine-parity-replay-routes``, not skipped).
-
         Raises:
             ValueError: the engine has no GPUs, or spans several nodes.
         """
         cls.check_resources(resources)
         owned, passthrough = slime_owned_args(cfg.sglang)
         del owned
-        parity = cfg.parity
-        replay = (cls.parity_check and parity.engine_parity_replay_routes and not parity.skip_engine_parity_check
-                  and RouteShape.from_checkpoint(cfg.checkpoint.hf_checkpoint) is not None)
         spec = ServerSpec(
             model_path=cfg.checkpoint.hf_checkpoint,
             tp_size=len(resources.local_gpu_ids) or 1,
@@ -169,10 +163,18 @@ class SGLangEngine(RolloutEngine):
             seed=cfg.rollout.rollout_seed + resources.index,
             colocated=resources.colocated,
             passthrough=tuple(passthrough),
-            return_routed_experts=replay,
+            return_routed_experts=cls.captures_routes(cfg),
         )
         return cls(spec, _run_dir(cfg, resources.index), capacity=server_concurrency(cfg.sglang),
                    requests_per_call=requests_per_call(cfg.sglang), gpu_ids=resources.local_gpu_ids)
+
+    @classmethod
+    def captures_routes(cls, cfg) -> bool:
+        """Whether the run's servers capture routed experts (``--enable-return-routed-experts``): an MoE
+        ``--hf-checkpoint`` whose engine parity check replays them (``--engine-parity-replay-routes``, not skipped)."""
+        parity = cfg.parity
+        return (cls.parity_check and parity.engine_parity_replay_routes and not parity.skip_engine_parity_check
+                and RouteShape.from_checkpoint(cfg.checkpoint.hf_checkpoint) is not None)
 
     @classmethod
     def check_resources(cls, resources: EngineResources) -> None:
