@@ -394,7 +394,9 @@ def test_the_driver_refuses_an_engine_that_sees_other_image_prompt_lengths_befor
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ckpt, tmp_path, backend):
     """With either trainer the weights pushed into the SGLang engine (the fake server runs the HF model on what it
-    receives) give the trainer's log-probs after the first sync: every tensor arrived under its HF name."""
+    receives) give the trainer's log-probs after the first sync: every tensor arrived under its HF name.  The engine
+    starts with --enable-return-routed-experts (an MoE checkpoint, replay on by default) and the trainer replays
+    its routes."""
     from slime import driver
     from slime.utils.metrics import read_metrics
 
@@ -406,6 +408,7 @@ def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ck
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
     for record in records:  # the fake runs the trainer's HF model in float32: the two agree to rounding
+        assert record["parity/routes_replayed"] == 1.0  # the fake server's routes, replayed by the trainer
         assert record["parity/logprob_gap_image"] < 1e-4 and record["parity/logprob_gap_text"] < 1e-4
         assert record["parity/tokens_image"] > 0 and record["parity/tokens_text"] > 0
         # one fp32 rounding step on the embeddings moves an fp32 trainer's log-probs by rounding only
