@@ -185,10 +185,8 @@ else
    EVAL_SETTINGS=(--eval-interval 20 --eval-max-response-len 4096)
    BACKEND_ARGS=(--train-backend "$TRAIN_BACKEND" --micro-batch-size 1 --bf16)
    if [ "$TRAIN_BACKEND" = "megatron" ]; then
-      # Upstream's TP 2 with sequence parallelism; one GPU runs TP 1 (then without it).  The parity check's
-      # routing replay is proven at TP = EP = 1 only (docs/design/parity_gate.md): off on several GPUs.
-      if [ "$NUM_GPUS" -ge 2 ]; then
-         TP_ARGS=(--tensor-model-parallel-size 2 --sequence-parallel --no-engine-parity-replay-routes)
+      # Upstream's TP 2 with sequence parallelism; one GPU runs TP 1 (then without it).
+      if [ "$NUM_GPUS" -ge 2 ]; then TP_ARGS=(--tensor-model-parallel-size 2 --sequence-parallel)
       else TP_ARGS=(--tensor-model-parallel-size 1); fi
       BACKEND_ARGS+=(
          "${TP_ARGS[@]}"

@@ -143,8 +143,8 @@ class BackendConfig:
         return ()
 
     def replay_routes_problem(self) -> str | None:
-        """Why this backend cannot replay an engine's routed experts in this layout (a reason and the way out),
-        or None (default: it can, or the backend refuses at run time)."""
+        """Why this backend cannot replay an engine's routed experts in this layout, or None (default: it can, or
+        the backend refuses at run time); :func:`slime.arguments.validate` then turns the parity check's replay off."""
         return None
 
 

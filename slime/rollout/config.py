@@ -315,7 +315,9 @@ class ParityConfig:
         "rounding difference, which hides an engine bug. What it costs: the SGLang servers start with "
         "--enable-return-routed-experts and then capture the routes of every forward of the run, not only the "
         "check's (a device-to-host copy of layers x top-k int32 per token, into a pinned host buffer of that size "
-        "per KV-cache token: 1.25 KiB per token for Qwen3.5-35B-A3B), and each check answer carries them."
+        "per KV-cache token: 1.25 KiB per token for Qwen3.5-35B-A3B), and each check answer carries them. Turned off, "
+        "with a warning, where it cannot run: models of more than 256 experts per layer, --train-backend megatron at "
+        "TP, PP, CP or EP > 1 (not proven yet)."
     )
     engine_parity_max_gap: float = flag(
         1.0, help="Ceiling on the mean |engine - trainer| log-prob gap per response token (nats), image or text: "

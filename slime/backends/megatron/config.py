@@ -237,7 +237,7 @@ class MegatronConfig(BackendConfig):
 
     def replay_routes_problem(self) -> str | None:
         """Why this layout cannot replay routed experts (the engine parity check's
-        ``--engine-parity-replay-routes``), or None.
+        ``--engine-parity-replay-routes``, turned off at parse time for this reason), or None.
 
         Replay is proven at TP = PP = CP = EP = 1 (``tests/test_qwen35_model.py``, ``tests/test_megatron_backend.py``);
         the code also takes each rank's sequence-parallel share, a stage's global layer numbers and a rank's
@@ -250,10 +250,8 @@ class MegatronConfig(BackendConfig):
         parallel = [f"{name} {size}" for name, size in sizes.items() if size > 1]
         if not parallel:
             return None
-        return (f"replaying the engine's routed experts in the Megatron trainer is proven only at TP = PP = CP = EP "
-                f"= 1, not at {' '.join(parallel)} (no multi-GPU test yet); add --no-engine-parity-replay-routes "
-                "(the parity check then compares unreplayed routes, which at real width hides the multimodal-RoPE "
-                "bug) or --skip-engine-parity-check")
+        return (f"routing replay in the Megatron trainer is proven only at TP = PP = CP = EP = 1 (no multi-GPU "
+                f"test yet), not at {' '.join(parallel)}")
 
     def _not_implemented(self) -> list[str]:
         """This backend's own flags set to something the native model does not do, each with the reason
