@@ -205,9 +205,9 @@ def test_the_engines_routes_are_replayed_when_every_sample_carries_them(dataset)
     assert off.compare(trainers, [image, text], 1)["parity/routes_replayed"] == 0.0
     assert sorted(calls) == [(False, False), (True, False)]
     text.rollout_routed_experts = None
-    with pytest.raises(EngineParityError, match=r"after the first weight sync \(rollout 1\): the engine returned routed "
-                                                "experts for 1 of its 2 answers but none for the prompt of training "
-                                                "row 0"):
+    with pytest.raises(EngineParityError, match=r"after the first weight sync \(rollout 1\): the engine returned "
+                                                "routed experts for 1 of its 2 answers but none for the prompt of "
+                                                "training row 0"):
         check.compare(trainers, [image, text], 1)
 
 

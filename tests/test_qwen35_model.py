@@ -152,7 +152,8 @@ def test_parameter_gradients_match_hf(models, documents):
 def _random_routes(tokens: int, arch, seed: int) -> torch.Tensor:
     """int16 ``[tokens, layers, top_k]`` of distinct random experts per row; every 5th row -1 (the router's own)."""
     gen = torch.Generator().manual_seed(seed)
-    rows = [torch.randperm(arch.num_experts, generator=gen)[: arch.moe_router_topk] for _ in range(tokens * arch.num_layers)]
+    top_k = arch.moe_router_topk
+    rows = [torch.randperm(arch.num_experts, generator=gen)[:top_k] for _ in range(tokens * arch.num_layers)]
     routes = torch.stack(rows).view(tokens, arch.num_layers, arch.moe_router_topk).to(torch.int16)
     routes[::5] = -1
     return routes

@@ -13,8 +13,8 @@ the train-vs-rollout log-prob gap (:mod:`slime.backends.train_metrics`), and run
 :meth:`~TrainerBackend._forward_log_probs`, :meth:`~TrainerBackend._forward_backward`,
 :meth:`~TrainerBackend._grad_norm`, :meth:`~TrainerBackend._apply_update`,
 :meth:`~TrainerBackend._placeholder_ids`, :meth:`~TrainerBackend._input_embedding`,
-:meth:`~TrainerBackend._route_shape` (routing replay) and :meth:`~TrainerBackend._move_part` (colocated memory).  Why the
-cut is there: ``docs/design/training_step.md``.
+:meth:`~TrainerBackend._route_shape` (routing replay) and :meth:`~TrainerBackend._move_part` (colocated memory).
+Why the cut is there: ``docs/design/training_step.md``.
 
 Weights leave by Hugging Face name (:meth:`TrainerBackend.iter_weight_buckets`, :mod:`slime.weight_sync`);
 a backend's flags, checks and checkpoint layout live in its :class:`slime.backends.config.BackendConfig`.

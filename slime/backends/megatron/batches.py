@@ -130,7 +130,8 @@ def with_routes(batch: PackedBatch, samples: Sequence[Sample], shape: RouteShape
     each sample's routes from its first token, the model's own choice at its last token and on the padding)."""
     starts = batch.inputs.cu_seqlens[: len(samples)].tolist()
     routes = token_routes([s.rollout_routed_experts for s in samples], starts, batch.num_tokens, shape)
-    inputs = dataclasses.replace(batch.inputs, routed_experts=torch.from_numpy(routes).to(batch.inputs.input_ids.device))
+    device = batch.inputs.input_ids.device
+    inputs = dataclasses.replace(batch.inputs, routed_experts=torch.from_numpy(routes).to(device))
     return dataclasses.replace(batch, inputs=inputs)
 
 

@@ -303,7 +303,8 @@ class TransformersEngine(RolloutEngine):
         prefill = per_call[0].view(batch, width, *per_call[0].shape[1:])
         out = []
         for row, (prompt, n) in enumerate(zip(prompts, lengths)):
-            parts = [prefill[row, width - len(prompt.input_ids):]] + [per_call[1 + t][row: row + 1] for t in range(n - 1)]
+            decoded = [per_call[1 + t][row: row + 1] for t in range(n - 1)]
+            parts = [prefill[row, width - len(prompt.input_ids):], *decoded]
             out.append(compact_routes(torch.cat(parts).numpy(), shape, f"request {prompt.request.rid}"))
         return out
 

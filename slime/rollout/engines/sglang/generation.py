@@ -256,8 +256,9 @@ def generate_batch_payload(requests: list[GenerateRequest]) -> dict:
     ``image_data`` is a list of per-request image lists (``[]`` for a prompt without images; left out when
     no request has one), ``rid`` a list (a fresh id where the request has none: SGLang wants one per
     entry), ``return_logprob`` one value for all, ``return_routed_experts`` one value for all (SGLang's
-    batch form has no list of it): on when any request asks (the others' routes are dropped when parsed).  The answer is a list of single-request answers in the
-    same order (``tokenizer_manager.py``, ``_handle_batch_request``).
+    batch form has no list of it): on when any request asks (the others' routes are dropped when parsed).
+    The answer is a list of single-request answers in the same order (``tokenizer_manager.py``,
+    ``_handle_batch_request``).
 
     Raises:
         ValueError: ``requests`` is empty.
