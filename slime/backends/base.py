@@ -343,12 +343,7 @@ class TrainerBackend(abc.ABC):
         raise NotImplementedError
 
     def _route_shape(self) -> RouteShape:
-        """The policy's routed experts per position, for replaying them.
-
-        Raises:
-            NotImplementedError: the model has no MoE layers, or the backend cannot replay routes (in this
-                parallel layout); the message says why.
-        """
+        """The policy's routed experts per position; NotImplementedError (saying why) where it cannot replay them."""
         raise NotImplementedError(f"{type(self).__name__} cannot replay routed experts")
 
     def _placeholder_ids(self) -> set[int]:

@@ -143,8 +143,7 @@ class BackendConfig:
         return ()
 
     def replay_routes_problem(self) -> str | None:
-        """Why this backend cannot replay an engine's routed experts in this layout, or None (default: it can, or
-        the backend refuses at run time); :func:`slime.arguments.validate` then turns the parity check's replay off."""
+        """Why this backend cannot replay routed experts in its layout (the parser then turns replay off), or None."""
         return None
 
 

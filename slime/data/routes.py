@@ -63,12 +63,7 @@ class RouteShape:
 
     @classmethod
     def from_checkpoint(cls, hf_checkpoint: str) -> RouteShape | None:
-        """The shape of ``<hf_checkpoint>/config.json``; None for a dense model or no local ``config.json``.
-
-        Raises:
-            RouteError: more than :data:`MAX_EXPERTS` experts.
-            ConfigError: an unreadable ``config.json``.
-        """
+        """:meth:`from_hf_config` of ``<hf_checkpoint>/config.json`` (None without one; ConfigError if unreadable)."""
         from slime.backends.config import read_hf_config
 
         config = read_hf_config(hf_checkpoint)
@@ -111,15 +106,9 @@ def check_routes(routes: np.ndarray, prompt_len: int, response_len: int, shape: 
 
 
 def token_routes(routes: Sequence[np.ndarray], starts: Sequence[int], total: int, shape: RouteShape) -> np.ndarray:
-    """One micro-batch's routes on its token axis: int16 ``[total, num_layers, top_k]``, sample ``i``'s routes at
-    rows ``starts[i] ..`` and :data:`OWN_ROUTE` everywhere else (each response's last token, padding).
-
-    Args:
-        routes: per sample, ``[n_i, num_layers, top_k]`` (:func:`check_routes`).
-        starts: per sample, the token-axis row of its first token (padded rows ``b * T``, packed offsets).
-        total: rows of the token axis.
-        shape: the model's.
-    """
+    """One micro-batch's routes on its token axis: int16 ``[total, num_layers, top_k]``, sample ``i``'s
+    ``[n_i, num_layers, top_k]`` at rows ``starts[i] .. starts[i] + n_i`` (padded rows ``b * T``, or packed
+    offsets), :data:`OWN_ROUTE` everywhere else (each response's last token, padding)."""
     out = np.full((total, shape.num_layers, shape.top_k), OWN_ROUTE, dtype=np.int16)
     for sample_routes, start in zip(routes, starts, strict=True):
         out[start: start + len(sample_routes)] = sample_routes

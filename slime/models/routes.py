@@ -22,17 +22,9 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def forced_gate_weights(router_logits: Tensor, experts: Tensor) -> Tensor:
-    """Gate weights of the given experts: the softmax over all experts (float32), taken at ``experts`` and
-    renormalised to sum 1 (transformers' ``Qwen3_5MoeTopKRouter``; equal, in exact arithmetic, to megatron-core's
-    softmax over the top-k logits).
-
-    Args:
-        router_logits: ``[N, E]``, any float dtype.
-        experts: int64 ``[N, k]`` expert ids in ``[0, E)``.
-
-    Returns:
-        float32 ``[N, k]``, differentiable in ``router_logits``.
-    """
+    """float32 ``[N, k]`` gate weights of ``experts`` (int64 ``[N, k]``) from ``router_logits`` (``[N, E]``): the
+    softmax over all experts taken at ``experts``, renormalised to sum 1 (transformers' ``Qwen3_5MoeTopKRouter``;
+    in exact arithmetic megatron-core's softmax over the top-k logits); differentiable in ``router_logits``."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32).gather(-1, experts)
     return probs / probs.sum(dim=-1, keepdim=True)
 

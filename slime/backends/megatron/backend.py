@@ -225,12 +225,7 @@ class MegatronBackend(TrainerBackend):
         return next((m for m in self.model.modules() if type(m).__name__ == "VocabParallelEmbedding"), None)
 
     def _route_shape(self) -> RouteShape:
-        """The native model's routes per position (every layer is an MoE layer).
-
-        Raises:
-            NotImplementedError: a parallel layout in which replay is not proven
-                (:meth:`slime.backends.megatron.config.MegatronConfig.replay_routes_problem`).
-        """
+        """NotImplementedError in an unproven layout (:meth:`.config.MegatronConfig.replay_routes_problem`)."""
         problem = self.megatron.replay_routes_problem()
         if problem:
             raise NotImplementedError(problem)

@@ -13,10 +13,8 @@ stop string (``no_stop_trim=True``: kept, cut after it).
 Batching: requests go through the model in request order, ``max_batch_size`` at a time, left padded,
 with a ``DynamicCache`` (for Qwen3.5 also the Gated DeltaNet states; transformers zeroes padded hidden
 states before those layers, so padding never leaks into results).  Positions are the M-RoPE (t, h, w)
-rows of the model's ``get_rope_index`` over each prompt's own tokens, plus one per decode step.
-
-Routed experts: a request with ``return_routed_experts`` to an MoE model gets the experts its routers chose at
-every position the engine ran (:func:`slime.models.routes.capture_hf_routes`), as SGLang returns them.
+rows of the model's ``get_rope_index`` over each prompt's own tokens, plus one per decode step.  With
+``return_routed_experts`` an MoE model's routes come back as SGLang's (:func:`slime.models.routes.capture_hf_routes`).
 
 Randomness: token ``t`` of a request with ``sampling_seed = s`` uses :func:`slime.rollout.seeds.uniform`
 ``(s, t)``, so a response depends only on its seed, prompt and weights.  Requests without a seed get
@@ -285,11 +283,7 @@ class TransformersEngine(RolloutEngine):
         return torch.stack(token_steps, dim=1), torch.stack(log_prob_steps, dim=1), n_tokens, by_length, matched_str
 
     def _route_shape(self) -> RouteShape | None:
-        """The model's routes per position; None for a dense model (its requests get no routes).
-
-        Raises:
-            RouteError: more than 256 experts per layer.
-        """
+        """None for a dense model (its requests get no routes); RouteError above 256 experts per layer."""
         return RouteShape.from_hf_config(self.model.config.to_dict(), "the transformers engine's model")
 
     @staticmethod

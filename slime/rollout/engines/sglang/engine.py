@@ -6,11 +6,9 @@ It starts the server (:mod:`.launch`: command line, environment, log), talks to 
 :class:`~.client.SGLangClient` with a per-engine secret that never leaves the actor and the server, and
 maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto endpoints:
 
-- ``generate``: one ``/generate`` call (:mod:`.generation`) of at most ``--sglang-requests-per-call``
-  requests (default 32), up to :attr:`~SGLangEngine.capacity` requests at once
-  (``--sglang-server-concurrency``; the engine group never has more in flight); routed experts come back
-  where a request asks and the server captures them (``--enable-return-routed-experts``: added for an MoE
-  checkpoint when the engine parity check replays routes, ``--engine-parity-replay-routes``).
+- ``generate``: one ``/generate`` call (:mod:`.generation`) of at most ``--sglang-requests-per-call`` requests
+  (default 32), up to :attr:`~SGLangEngine.capacity` requests at once (``--sglang-server-concurrency``; the engine
+  group never has more in flight); routed experts too where asked (:meth:`~SGLangEngine.captures_routes`).
 - weights: ``/update_weights_from_tensor`` (object store: the bucket by value; CUDA IPC: one handle
   per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
   ``/update_weights_from_distributed`` (NCCL).

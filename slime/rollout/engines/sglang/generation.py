@@ -199,21 +199,13 @@ def parse_generate_response(body: dict, rid: str | None = None, routes: RouteSha
 
 
 def decode_routed_experts(data: str, positions: int, routes: RouteShape, where: str = "routed_experts") -> np.ndarray:
-    """SGLang's ``meta_info.routed_experts`` as uint8 ``[positions, layers, top_k]``.
-
-    SGLang 0.5.17 sends the int32 array ``[prompt_tokens + R - 1, layers, top_k]`` of every position it ran a
-    forward for (``state_capturer/routed_experts.py``), as base64 of its bytes in the machine's (little-endian)
-    order (``detokenizer_manager.py``, ``_b64_encode_per_request``).
-
-    Args:
-        data: the base64 text.
-        positions: the rows expected, ``prompt_tokens + R - 1`` of the answer.
-        routes: the model's shape.
-        where: names the answer in errors.
+    """SGLang's ``meta_info.routed_experts`` (base64 of the little-endian int32 ``[prompt_tokens + R - 1, layers,
+    top_k]`` of every position it ran: ``state_capturer/routed_experts.py``, ``detokenizer_manager.py``) as uint8
+    ``[positions, layers, top_k]``.
 
     Raises:
-        RouteError: not base64, a byte count that is not whole ``[layers, top_k]`` int32 rows, another number of
-            rows than ``positions``, or an expert id out of range.
+        RouteError: not base64, another byte count than ``positions`` int32 rows, or an expert id out of range
+            (``where`` names the answer).
     """
     try:
         raw = base64.b64decode(data, validate=True)

@@ -13,8 +13,7 @@ standard input).  slime sets:
 - ``--random-seed`` (``--rollout-seed`` + engine index: engines sample differently);
 - ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it), with ``--speculative-algorithm``
   also ``--enable-draft-weights-cpu-backup`` (released weights are lost and the sync never sends the draft's);
-- ``--enable-return-routed-experts`` when the engine parity check replays an MoE model's routes
-  (:attr:`ServerSpec.return_routed_experts`);
+- ``--enable-return-routed-experts`` with :attr:`ServerSpec.return_routed_experts`;
 - ``--dtype bfloat16`` unless ``--sglang-dtype`` is given (see :func:`server_command`);
 - then every ``--sglang-*`` flag, passed through as given (:class:`slime.rollout.config.SGLangConfig`).
 
