@@ -13,6 +13,7 @@
 #   e2e         the launcher with only the recipe's variables: Megatron + SGLang (its defaults), colocated,
 #               --rollout-batch-size 16 --global-batch-size 128 --rollout-max-response-len 512, 5 rollouts, a save
 #   resume      the same command with --load of that save, 2 more rollouts
+#   refuse      the e2e launch with SGLang's multimodal-RoPE bug left in: the parity gate must stop it before step 0
 #   throughput  scripts/bench/sglang_rollout_bench.py throughput: ours vs sglang.Engine at SGLang's defaults
 #   mtp         item 5: the same with --speculative mtp (EAGLE drafting with the checkpoint's MTP layer), then
 #               scripts/bench/mtp_sync.py: gap and acceptance length before / after a sync, no MTP vs MTP
@@ -105,6 +106,11 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     timed floor timeout 900 python3 scripts/bench/parity_floor.py --model "$SCALED" --json "$LOGS/figures.jsonl" \
       --run-dir "$LOGS/floor" ${SLIME_FLOOR_ARGS:-}
     grep -h '"check": "\(engine_start\|hf\|native\|engine_error\|native_error\)' "$LOGS/figures.jsonl" | cut -c1-600 | tee -a "$LOGS/summary.txt" >/dev/null ;;
+  refuse)
+    # The same launch with SGLang's multimodal-RoPE bug left in (SLIME_SGLANG_MROPE_FIX=0): the parity gate must stop
+    # the run before step 0 (exit 1, EngineParityError naming the image gap).
+    SLIME_SGLANG_MROPE_FIX=0 timed refuse launcher 900 --num-rollout 1 --output-dir "$LOGS/run-bug" --save "$LOGS/run-bug/ckpt"
+    grep -a "EngineParityError\|engine parity" "$LOGS/refuse.log" | tail -n 3 | cut -c1-600 | tee -a "$LOGS/summary.txt" ;;
   e2e)
     timed e2e launcher 1500 --num-rollout 5 --overwrite-output-dir
     summarize_run ;;

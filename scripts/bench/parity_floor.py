@@ -168,7 +168,7 @@ def gate(name: str, trainer: str, samples, num_image: int, plain, noisy, skip: s
     floors = [token_gaps([samples[i] for i in p], [noisy[i] for i in p], [plain[i] for i in p]) for p in parts]
     gaps = summarize(*engine, *floors)
     figure(check="gate", engine=name, trainer=trainer, **{k: round(v, 5) for k, v in gaps.metrics().items()},
-           verdict=verdict(gaps, max_gap=0.1, max_ratio=3.0, floor_factor=3.0))
+           verdict=verdict(gaps, max_gap=1.0, max_ratio=1.5, floor_factor=3.0))
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -320,6 +320,11 @@ def hf_phase(model_path: Path, engines: dict, num_image: int) -> dict:
                 noisy = hf_score(model, probe, samples)
             report("bf16_rounding_step", *noisy, ref)
             gate(name, "hf_bf16", samples, num_image, plain[0], noisy[0], skip)
+            replayed = hf_score(model, probe, samples, engine_routes)
+            with rounding_step_noise(lm.embed_tokens):
+                replayed_noisy = hf_score(model, probe, samples, engine_routes)
+            report("bf16_engine_routes_rounding_step", *replayed_noisy, ref)
+            gate(name, "hf_bf16_replay", samples, num_image, replayed[0], replayed_noisy[0], skip)
         finally:
             model.float()
     probe.remove()
@@ -330,7 +335,8 @@ def hf_phase(model_path: Path, engines: dict, num_image: int) -> dict:
 
 
 def native_phase(hf: dict, engines: dict, num_image: int) -> None:
-    from slime.backends.megatron.batches import pack_micro_batch
+    from slime.backends.megatron.batches import pack_micro_batch, with_routes
+    from slime.data.routes import RouteShape
     from slime.models.qwen3_5.build import initialize_single_process, native_from_hf_model
     from slime.models.qwen3_5.config import Qwen35Kernels
 
@@ -348,11 +354,15 @@ def native_phase(hf: dict, engines: dict, num_image: int) -> None:
         figure(check="native_build", dtype=str(dtype), kernels=str(kernels), seconds=round(time.monotonic() - t0, 1),
                routers=len(routers))
 
-        def score(samples):
+        def score(samples, replay: bool = False):
             lps, routes = [], []
             with torch.no_grad():
                 for s in samples:
                     mb = pack_micro_batch([s], [0], arch, torch.device(DEVICE))
+                    if replay:
+                        layers = hf_model.config.text_config.num_hidden_layers
+                        s.rollout_routed_experts = s.metadata["routes"].view(-1, layers, top_k).numpy()
+                        mb = with_routes(mb, [s], RouteShape(layers, top_k, hf_model.config.text_config.num_experts))
                     logits = native(mb.inputs)[:, 0].float()
                     lp = logits.log_softmax(-1).gather(-1, mb.targets[:, None])[:, 0]
                     lps.append(lp.tolist())
@@ -381,6 +391,15 @@ def native_phase(hf: dict, engines: dict, num_image: int) -> None:
                            routes_vs_hf_fp32=route_agreement(samples, routes, ref[1], top_k))
                 if "rounding_step" in scored:
                     gate(name, "native_bf16", samples, num_image, scored["plain"][0], scored["rounding_step"][0], skip)
+                    replayed = score(samples, replay=True)
+                    with rounding_step_noise(native.embedding):
+                        replayed_noisy = score(samples, replay=True)
+                    figure(check="native", engine=name, dtype=str(dtype), variant="engine_routes",
+                           vs_engine=gaps(samples, num_image, replayed[0], engine_lp, skip),
+                           vs_hf_fp32=gaps(samples, num_image, replayed[0], ref[0], skip),
+                           routes_vs_engine=route_agreement(samples, replayed[1], engine_routes, top_k),
+                           routes_vs_hf_fp32=route_agreement(samples, replayed[1], ref[1], top_k))
+                    gate(name, "native_bf16_replay", samples, num_image, replayed[0], replayed_noisy[0], skip)
         finally:
             for h in handles:
                 h.remove()
