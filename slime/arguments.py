@@ -18,8 +18,8 @@ explains how); this module only
    of one response).
 
 Every error is raised at parse time and names the flag(s), the value(s) and a fix.
-The one check that needs the real cluster (enough GPUs) runs when the driver calls
-``validate(cfg, num_gpus_available=...)`` once Ray is up.
+The one check that needs the real cluster (enough GPUs) is :func:`check_resources`, which the driver
+calls once Ray is up.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from slime.rollout.config import EvalConfig, ParityConfig, RolloutConfig, SGLang
 from slime.rollout.engines import ENGINES
 from slime.rollout.engines.config import EngineConfig
 from slime.rollout.rm_hub.config import RewardConfig
+from slime.errors import SlimeError
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.metrics_config import LoggingConfig, WandbConfig
 from slime.weight_sync.config import WeightSyncConfig
@@ -189,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> SlimeConfig:
         groups = {attr: build_group(cls, namespace) for attr, cls, _ in GROUPS if cls is not SGLangConfig}
         cfg = SlimeConfig(sglang=sglang, **groups)
         validate(cfg)
-    except ConfigError as e:
+    except SlimeError as e:  # a flag, or a file a flag names (an unreadable config.json)
         parser.error(str(e))
     return cfg
 
@@ -233,9 +234,11 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
 
     Raises:
         ConfigError: the message names the flags, their values and a fix.
+        CheckpointError: ``--hf-checkpoint``'s ``config.json`` exists but cannot be read.
     """
-    check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint)
     backend = cfg.train_backend_config
+    check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint,
+                     megatron=backend if isinstance(backend, MegatronConfig) else None)
     backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
                   other_flags=_other_backend_flags(cfg))
     cfg.engine_config.check(cfg.rollout, cfg.sglang, cfg.checkpoint.hf_checkpoint)
@@ -245,7 +248,7 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     _check_kl(cfg.grpo, cfg.checkpoint)
     _check_runs_here(cfg)
     if num_gpus_available is not None:
-        _check_resources(cfg.cluster, num_gpus_available)
+        check_resources(cfg.cluster, num_gpus_available)
 
 
 def _resolve_route_replay(cfg: SlimeConfig) -> None:
@@ -367,7 +370,12 @@ def _check_kl(grpo: GRPOConfig, checkpoint: CheckpointConfig) -> None:
         )
 
 
-def _check_resources(cluster: ClusterConfig, num_gpus_available: int) -> None:
+def check_resources(cluster: ClusterConfig, num_gpus_available: int) -> None:
+    """The one check that needs the cluster: the run's GPUs (:attr:`ClusterConfig.num_gpus_needed`) fit in it.
+
+    Raises:
+        ConfigError: naming the flags that set the GPU count, the count needed and the cluster's.
+    """
     needed = cluster.num_gpus_needed
     if needed <= num_gpus_available:
         return
