@@ -124,6 +124,12 @@ class SlimeConfig:
         if self.train.global_batch_size is None:
             self.train.global_batch_size = self.rollout.samples_per_rollout
 
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout step: ``samples_per_rollout / global_batch_size``, a whole number >= 1
+        (:func:`validate` refuses flags for which it is not)."""
+        return self.rollout.samples_per_rollout // self.train.global_batch_size
+
     def backend_configs(self) -> list[BackendConfig]:
         """Every training backend's own flag group, in :data:`GROUPS` order."""
         return [getattr(self, attr) for attr, cls, _ in GROUPS if issubclass(cls, BackendConfig)]
