@@ -8,7 +8,8 @@ explains how); this module only
 2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
    collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
 3. runs the checks that span several groups (:func:`validate`): MODEL_ARGS against the
-   checkpoint's ``config.json``, the selected training backend's and rollout engine's own checks
+   checkpoint's ``config.json`` and the model built from it, refusing those nothing reads
+   (:mod:`slime.checkpoints.model_args`), the selected training backend's and rollout engine's own checks
    (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
    flags, the Megatron backend checks its parallel layout against the model's sizes, the
    transformers engine refuses ``--sglang-*``), batch sizes against the backend's
