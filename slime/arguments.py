@@ -9,8 +9,8 @@ explains how); this module only
    collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
 3. runs the checks that span several groups (:func:`validate`): MODEL_ARGS against the
    checkpoint's ``config.json`` and the model built from it, refusing those nothing reads
-   (:mod:`slime.checkpoints.model_args`), the selected training backend's and rollout engine's own checks
-   (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
+   (:mod:`slime.checkpoints.model_args`), the selected training backend's and rollout engine's own
+   checks (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
    flags, the Megatron backend checks its parallel layout against the model's sizes, the
    transformers engine refuses ``--sglang-*``), batch sizes against the backend's
    data-parallel size (Gated-DeltaNet batching is the backends' own check), and last whether the selected backend and engine
@@ -46,13 +46,13 @@ from slime.backends.registry import TRAIN_BACKENDS
 from slime.checkpoints.model_args import check_model_args
 from slime.data.config import DataConfig
 from slime.data.routes import RouteError, RouteShape
+from slime.errors import SlimeError
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, ParityConfig, RolloutConfig, SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
 from slime.rollout.engines.config import EngineConfig
 from slime.rollout.rm_hub.config import RewardConfig
-from slime.errors import SlimeError
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.metrics_config import LoggingConfig, WandbConfig
 from slime.weight_sync.config import WeightSyncConfig

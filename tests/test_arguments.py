@@ -751,7 +751,8 @@ def test_35b_model_script_matches_the_transformers_config(tmp_path):
 # A hand-made Qwen3.5-MoE text config with a distinct value in every field, and the flags that describe it
 # (the architecture's switches included: a Qwen3.5-MoE model_type fixes them).
 HAND_TEXT_CONFIG = {
-    "model_type": "qwen3_5_moe_text", "num_hidden_layers": 6, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 24,
+    "model_type": "qwen3_5_moe_text",
+    "num_hidden_layers": 6, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 24,
     "num_experts": 10, "num_experts_per_tok": 3, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 48,
     "rope_parameters": {"rope_theta": 500000.0, "partial_rotary_factor": 0.5}, "vocab_size": 1024,
     "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "linear_conv_kernel_dim": 3, "linear_key_head_dim": 8,

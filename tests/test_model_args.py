@@ -202,8 +202,8 @@ def wrong_values(text: dict) -> dict[str, tuple[str | list[str] | None, str]]:
     wrong["--untie-embeddings-and-output-weights"] = (
         None, "--untie-embeddings-and-output-weights not given (tied) vs text_config.tie_word_embeddings false")
     wrong["--group-query-attention"] = (
-        None, f"--group-query-attention not given (off) vs text_config.num_key_value_heads {text['num_key_value_heads']} "
-        f"(num_attention_heads {text['num_attention_heads']})")
+        None, "--group-query-attention not given (off) vs text_config.num_key_value_heads "
+        f"{text['num_key_value_heads']} (num_attention_heads {text['num_attention_heads']})")
     wrong["--swiglu"] = (None, f"--swiglu not given (off) vs text_config.hidden_act '{text['hidden_act']}'")
     wrong["--disable-bias-linear"] = (
         None, f"--disable-bias-linear not given (off) vs text_config.attention_bias {text['attention_bias']}")
@@ -281,7 +281,7 @@ def test_attention_softmax_in_fp32_is_refused_with_what_decides_it(tiny_ckpt):
     model = parse_args(sourced_model_args(MODELS / "qwen3.5-tiny.sh") + ["--hf-checkpoint", str(tiny_ckpt)]
                        + RUN_FLAGS).model
     check_model_args(model, str(tiny_ckpt), megatron=MegatronConfig())
-    with pytest.raises(ConfigError, match=r"--attention-softmax-in-fp32 \(the attention kernels of --attention-backend"):
+    with pytest.raises(ConfigError, match=r"--attention-softmax-in-fp32 \(the attention kernels of --attention-"):
         check_model_args(model, str(tiny_ckpt), megatron=MegatronConfig(attention_softmax_in_fp32=True))
 
 
