@@ -53,7 +53,7 @@ def test_fields_are_taken_from_text_config_first_then_the_top_level():
 
 
 def test_check_hf_folder_names_the_flag_and_what_is_missing(tmp_path):
-    with pytest.raises(HFFolderError, match=r"--load '.*nope' is not a folder"):
+    with pytest.raises(HFFolderError, match=r"--load .*nope: no such folder \(it does not exist or is not a folder\)"):
         check_hf_folder(tmp_path / "nope", "--load")
     with pytest.raises(HFFolderError, match="config.json is missing"):
         check_hf_folder(tmp_path)

@@ -130,8 +130,8 @@ def check_hf_folder(
     folder = Path(path)
     if not folder.is_dir():
         raise HFFolderError(
-            f"{flag} {str(path)!r} is not a folder; give a local Hugging Face model folder (download a hub "
-            f"model there first, e.g. `hf download <repo> --local-dir {path}`)"
+            f"{flag} {path}: no such folder (it does not exist or is not a folder); give a local Hugging Face "
+            f"model folder (download a hub model there first, e.g. `hf download <repo> --local-dir {path}`)"
         )
     if not has_config(folder):
         raise HFFolderError(f"{flag} {path}: {CONFIG_FILE} is missing; this is not a Hugging Face model folder")
