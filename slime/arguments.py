@@ -38,11 +38,11 @@ from slime.backends.config import (
     OptimizerConfig,
     OtherBackendFlag,
     TrainConfig,
-    read_hf_config,
 )
 from slime.backends.fsdp.config import FSDPConfig
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.registry import TRAIN_BACKENDS
+from slime.checkpoints.hf import read_config
 from slime.checkpoints.model_args import check_model_args
 from slime.data.config import DataConfig
 from slime.data.routes import RouteError, RouteShape
@@ -268,7 +268,7 @@ def _resolve_route_replay(cfg: SlimeConfig) -> None:
     if parity.skip_engine_parity_check or not parity.engine_parity_replay_routes or not cfg.engine_config.parity_check:
         return
     problem = None
-    config = read_hf_config(cfg.checkpoint.hf_checkpoint)
+    config = read_config(cfg.checkpoint.hf_checkpoint)
     if config is not None:
         try:
             if RouteShape.from_hf_config(config, f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}") is None:
