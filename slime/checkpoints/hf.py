@@ -36,24 +36,15 @@ class HFFolderError(CheckpointError, FileNotFoundError):
 
 
 def has_config(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder holding a ``config.json`` (a Hugging Face folder rather than a slime
-    checkpoint root)."""
+    """Whether ``path`` holds a ``config.json`` (a Hugging Face folder, not a slime checkpoint root)."""
     return (Path(path) / CONFIG_FILE).is_file()
 
 
 def read_config(path: str | os.PathLike, flag: str = "--hf-checkpoint") -> dict | None:
-    """``<path>/config.json`` as a dict.
-
-    Args:
-        path: the model folder.
-        flag: the flag that named it, for messages.
-
-    Returns:
-        The config, or ``None`` when the folder or its ``config.json`` does not exist (a hub name, or a
-        folder made later).
+    """``<path>/config.json`` as a dict; ``None`` when there is none (a hub name, a folder made later).
 
     Raises:
-        CheckpointError: ``config.json`` exists but is not a readable JSON object.
+        CheckpointError: ``config.json`` exists but is not a readable JSON object (naming ``flag``).
     """
     config_file = Path(path) / CONFIG_FILE
     if not config_file.is_file():
@@ -68,12 +59,7 @@ def read_config(path: str | os.PathLike, flag: str = "--hf-checkpoint") -> dict 
 
 
 def require_config(path: str | os.PathLike, flag: str = "--hf-checkpoint") -> dict:
-    """:func:`read_config`, for a folder that must be a model folder.
-
-    Raises:
-        HFFolderError: no ``config.json`` there.
-        CheckpointError: see :func:`read_config`.
-    """
+    """:func:`read_config` of a folder that must have one; raises :class:`HFFolderError` when it has none."""
     config = read_config(path, flag)
     if config is None:
         raise HFFolderError(f"{flag} {path}: {CONFIG_FILE} is missing; this is not a Hugging Face model folder")

@@ -240,16 +240,8 @@ def _compare_switches(model: ModelConfig, config: Mapping, qwen35: bool, arch: s
 
 
 def model_args_mismatches(model: ModelConfig, config: Mapping) -> list[str]:
-    """Every given MODEL_ARGS value that disagrees with a checkpoint's config (see the module docstring).
-
-    Args:
-        model: the parsed MODEL_ARGS.
-        config: the checkpoint's ``config.json`` as a dict.
-
-    Returns:
-        One ``"--flag VALUE vs SOURCE VALUE"`` line per mismatch (numbers in :data:`MODEL_ARGS_TO_HF`
-        order, then the layer patterns, then the switches and choices); empty when all agree.
-    """
+    """One ``"--flag VALUE vs SOURCE VALUE"`` line per MODEL_ARGS value that disagrees with ``config`` (a
+    ``config.json`` dict) or the model built from it: numbers, then layer patterns, then switches and choices."""
     qwen35, arch = _architecture(config)
     describes = (
         any(getattr(model, attr) is not None for attr, _ in MODEL_ARGS_TO_HF)
