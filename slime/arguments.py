@@ -8,8 +8,9 @@ explains how); this module only
 2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
    collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
 3. runs the checks that span several groups (:func:`validate`): MODEL_ARGS against the
-   checkpoint's ``config.json``, the selected training backend's and rollout engine's own checks
-   (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
+   checkpoint's ``config.json`` and the model built from it, refusing those nothing reads
+   (:mod:`slime.checkpoints.model_args`), the selected training backend's and rollout engine's own
+   checks (their configs, named in the registries: e.g. the FSDP backend refuses the Megatron backend's
    flags, the Megatron backend checks its parallel layout against the model's sizes, the
    transformers engine refuses ``--sglang-*``), batch sizes against the backend's
    data-parallel size (Gated-DeltaNet batching is the backends' own check), and last whether the selected backend and engine
@@ -18,8 +19,8 @@ explains how); this module only
    of one response).
 
 Every error is raised at parse time and names the flag(s), the value(s) and a fix.
-The one check that needs the real cluster (enough GPUs) runs when the driver calls
-``validate(cfg, num_gpus_available=...)`` once Ray is up.
+The one check that needs the real cluster (enough GPUs) is :func:`check_resources`, which the driver
+calls once Ray is up.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ from slime.backends.config import (
     OptimizerConfig,
     OtherBackendFlag,
     TrainConfig,
-    read_hf_config,
 )
 from slime.backends.fsdp.config import FSDPConfig
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.registry import TRAIN_BACKENDS
+from slime.checkpoints.hf import read_config
 from slime.checkpoints.model_args import check_model_args
 from slime.data.config import DataConfig
 from slime.data.routes import RouteError, RouteShape
+from slime.errors import SlimeError
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.ray.config import ClusterConfig
 from slime.rollout.config import EvalConfig, ParityConfig, RolloutConfig, SGLangConfig, extract_sglang_args
@@ -123,6 +125,12 @@ class SlimeConfig:
         if self.train.global_batch_size is None:
             self.train.global_batch_size = self.rollout.samples_per_rollout
 
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout step: ``samples_per_rollout / global_batch_size``, a whole number >= 1
+        (:func:`validate` refuses flags for which it is not)."""
+        return self.rollout.samples_per_rollout // self.train.global_batch_size
+
     def backend_configs(self) -> list[BackendConfig]:
         """Every training backend's own flag group, in :data:`GROUPS` order."""
         return [getattr(self, attr) for attr, cls, _ in GROUPS if issubclass(cls, BackendConfig)]
@@ -189,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> SlimeConfig:
         groups = {attr: build_group(cls, namespace) for attr, cls, _ in GROUPS if cls is not SGLangConfig}
         cfg = SlimeConfig(sglang=sglang, **groups)
         validate(cfg)
-    except ConfigError as e:
+    except SlimeError as e:  # a flag, or a file a flag names (an unreadable config.json)
         parser.error(str(e))
     return cfg
 
@@ -233,9 +241,11 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
 
     Raises:
         ConfigError: the message names the flags, their values and a fix.
+        CheckpointError: ``--hf-checkpoint``'s ``config.json`` exists but cannot be read.
     """
-    check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint)
     backend = cfg.train_backend_config
+    check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint,
+                     megatron=backend if isinstance(backend, MegatronConfig) else None)
     backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
                   other_flags=_other_backend_flags(cfg))
     cfg.engine_config.check(cfg.rollout, cfg.sglang, cfg.checkpoint.hf_checkpoint)
@@ -245,7 +255,7 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     _check_kl(cfg.grpo, cfg.checkpoint)
     _check_runs_here(cfg)
     if num_gpus_available is not None:
-        _check_resources(cfg.cluster, num_gpus_available)
+        check_resources(cfg.cluster, num_gpus_available)
 
 
 def _resolve_route_replay(cfg: SlimeConfig) -> None:
@@ -258,7 +268,7 @@ def _resolve_route_replay(cfg: SlimeConfig) -> None:
     if parity.skip_engine_parity_check or not parity.engine_parity_replay_routes or not cfg.engine_config.parity_check:
         return
     problem = None
-    config = read_hf_config(cfg.checkpoint.hf_checkpoint)
+    config = read_config(cfg.checkpoint.hf_checkpoint)
     if config is not None:
         try:
             if RouteShape.from_hf_config(config, f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}") is None:
@@ -367,7 +377,12 @@ def _check_kl(grpo: GRPOConfig, checkpoint: CheckpointConfig) -> None:
         )
 
 
-def _check_resources(cluster: ClusterConfig, num_gpus_available: int) -> None:
+def check_resources(cluster: ClusterConfig, num_gpus_available: int) -> None:
+    """The one check that needs the cluster: the run's GPUs (:attr:`ClusterConfig.num_gpus_needed`) fit in it.
+
+    Raises:
+        ConfigError: naming the flags that set the GPU count, the count needed and the cluster's.
+    """
     needed = cluster.num_gpus_needed
     if needed <= num_gpus_available:
         return

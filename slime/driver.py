@@ -26,43 +26,30 @@ from typing import Callable
 import ray
 import torch
 
-from slime.arguments import SlimeConfig, config_to_argv, validate
+from slime.arguments import SlimeConfig, check_resources, config_to_argv
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.backends.weight_sources import resolve_weights
 from slime.checkpoints import layout as ckpt
+from slime.checkpoints.hf import weights_bytes
 from slime.data.processor import load_processor
-from slime.data.sources import DatasetError, load_table
+from slime.data.sources import load_table
 from slime.grpo.advantages import resolve_advantage_estimator
 from slime.ray.colocate import ColocatedMemory
-from slime.ray.engine_group import EngineStartError, RolloutEngineGroup
-from slime.ray.placement import (
-    Placement,
-    PlacementError,
-    check_cpu_memory,
-    cluster_num_gpus,
-    create_placement_groups,
-    init_ray,
-)
+from slime.ray.engine_group import RolloutEngineGroup
+from slime.ray.placement import Placement, check_cpu_memory, cluster_num_gpus, create_placement_groups, init_ray
 from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engines import ENGINES
-from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
-from slime.rollout.parity import EngineParityCheck, EngineParityError
+from slime.rollout.manager import RolloutManager
+from slime.rollout.parity import EngineParityCheck
 from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
-from slime.utils.run_lock import RunDirError
 from slime.utils.timer import timed
 from slime.weight_sync import make_transport
 from slime.weight_sync.fused_experts import checkpoint_num_experts
 
 logger = logging.getLogger("slime")
-
-RUN_ERRORS = (
-    ConfigError, ckpt.CheckpointError, DatasetError, FileNotFoundError, ConnectionError, PlacementError,
-    EngineStartError, PromptMismatchError, RolloutAbortedError, RunDirError, EngineParityError,
-)
-"""Errors that stop a run with their message (:func:`slime.train.main` prints it and exits), not a traceback."""
 
 
 def train(cfg: SlimeConfig, on_start: Callable[[], object] | None = None) -> Path:
@@ -214,7 +201,7 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     function, and returns the rollout manager without engines.
 
     Raises:
-        CheckpointError, ConfigError, DatasetError, FileNotFoundError: naming the flag / file / row.
+        CheckpointError, ConfigError, DatasetError: naming the flag / file / row.
     """
     start = resolve_weights(cfg.checkpoint, need_reference=cfg.grpo.needs_ref_model,
                             backend_parts=cfg.train_backend_config.checkpoint_parts())
@@ -240,10 +227,10 @@ def setup(
     """
     use_gpu = cluster_num_gpus() > 0
     if use_gpu:
-        validate(cfg, num_gpus_available=cluster_num_gpus())
+        check_resources(cfg.cluster, cluster_num_gpus())  # the one check parse time could not run
         check_environment()
     else:
-        check_cpu_memory(cfg.cluster, ckpt.weights_bytes(cfg.checkpoint.hf_checkpoint))
+        check_cpu_memory(cfg.cluster, weights_bytes(cfg.checkpoint.hf_checkpoint))
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
     cleanup.callback(placement.remove)
     engines, trainers = start_workers(cfg, placement, components, cleanup)

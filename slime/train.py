@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from slime.arguments import parse_args
+from slime.errors import SlimeError
 from slime.utils.lifetime import watch_parent
 from slime.utils.run_lock import claim_run_dirs
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
               + ("; resume it with --load" if started else ""), started=bool(started))
-    except driver.RUN_ERRORS as e:
+    except SlimeError as e:  # every user-facing error (slime.errors); anything else keeps its traceback
         _fail(str(e), started=bool(started))
 
 

@@ -748,8 +748,10 @@ def test_35b_model_script_matches_the_transformers_config(tmp_path):
         parse_args(argv + with_flags("--hf-checkpoint", ckpt))
 
 
-# A hand-made Qwen3.5-style text config with a distinct value in every field, and the flags that describe it.
+# A hand-made Qwen3.5-MoE text config with a distinct value in every field, and the flags that describe it
+# (the architecture's switches included: a Qwen3.5-MoE model_type fixes them).
 HAND_TEXT_CONFIG = {
+    "model_type": "qwen3_5_moe_text",
     "num_hidden_layers": 6, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 24,
     "num_experts": 10, "num_experts_per_tok": 3, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 48,
     "rope_parameters": {"rope_theta": 500000.0, "partial_rotary_factor": 0.5}, "vocab_size": 1024,
@@ -764,7 +766,8 @@ HAND_MODEL_ARGS = [
     "--rotary-percent", "0.5", "--vocab-size", "1024", "--norm-epsilon", "0.00001",  # = 1e-5, spelt differently
     "--max-position-embeddings", "4096", "--linear-conv-kernel-dim", "3", "--linear-key-head-dim", "8",
     "--linear-value-head-dim", "12", "--linear-num-key-heads", "2", "--linear-num-value-heads", "6",
-    "--linear-attention-freq", "2", "--untie-embeddings-and-output-weights",
+    "--linear-attention-freq", "2", "--untie-embeddings-and-output-weights", "--swiglu", "--disable-bias-linear",
+    "--qk-layernorm", "--apply-layernorm-1p", "--attention-output-gate", "--moe-shared-expert-gate",
 ]  # fmt: skip
 
 

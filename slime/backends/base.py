@@ -152,7 +152,7 @@ class TrainerBackend(abc.ABC):
             rank_info, **{cls.config_group: getattr(cfg, cls.config_group)}, train=cfg.train,
             optimizer=cfg.optimizer, grpo=cfg.grpo, checkpoint=cfg.checkpoint,
             rollout_temperature=cfg.rollout.rollout_temperature, num_rollout=cfg.rollout.num_rollout,
-            num_steps_per_rollout=max(1, cfg.rollout.samples_per_rollout // cfg.train.global_batch_size),
+            num_steps_per_rollout=cfg.steps_per_rollout,
             seed=cfg.cluster.seed,
         )
 

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from slime.backends.registry import TRAIN_BACKENDS
+from slime.checkpoints.hf import lookup, read_config
 from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag, flag_name
 
 if TYPE_CHECKING:
@@ -167,15 +166,16 @@ def gdn_batching_problem(
         when the batching is one sequence per micro-batch or the model has no GDN layer.
 
     Raises:
-        ConfigError: ``config.json`` exists but is not readable.
+        CheckpointError: ``config.json`` exists but is not readable.
     """
     if train.micro_batch_size == 1 and not train.use_dynamic_batch_size:
         return None
     if model.is_hybrid_gdn:
         source = f"--linear-attention-freq {model.linear_attention_freq}"
     else:
-        layer_types = hf_checkpoint_layer_types(checkpoint.hf_checkpoint) or []
-        if "linear_attention" not in layer_types:
+        config = read_config(checkpoint.hf_checkpoint) or {}
+        _, layer_types = lookup(config, "layer_types")
+        if not isinstance(layer_types, list) or "linear_attention" not in layer_types:
             return None
         source = f"layer_types of {checkpoint.hf_checkpoint}/config.json"
     got = "--use-dynamic-batch-size" if train.use_dynamic_batch_size else f"--micro-batch-size {train.micro_batch_size}"
@@ -283,50 +283,6 @@ class CheckpointConfig:
                 raise ConfigError(f"--save-interval must be >= 1 rollout step, got {self.save_interval}")
             if self.save is None:
                 raise ConfigError(f"--save-interval {self.save_interval} needs a folder to save to: add --save DIR")
-
-
-def read_hf_config(hf_checkpoint: str) -> dict | None:
-    """``<hf_checkpoint>/config.json`` of a local Hugging Face checkpoint, as a dict.
-
-    Returns:
-        The config, or ``None`` when the folder or its ``config.json`` does not exist (a hub
-        name, or a path made later).
-
-    Raises:
-        ConfigError: ``config.json`` exists but is not a readable JSON object.
-    """
-    config_file = Path(hf_checkpoint) / "config.json"
-    if not config_file.is_file():
-        return None
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: cannot read {config_file}: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: {config_file} is not a JSON object")
-    return config
-
-
-def hf_checkpoint_layer_types(hf_checkpoint: str) -> list[str] | None:
-    """The per-layer attention kinds of a local Hugging Face checkpoint.
-
-    Reads ``layer_types`` from ``<hf_checkpoint>/config.json``, at the top level or in its
-    ``text_config`` (vision-language models), e.g. ``["linear_attention", ..., "full_attention"]``.
-
-    Returns:
-        The list, or ``None`` when the folder or its ``config.json`` does not exist (a hub name,
-        or a path made later) or the config has no ``layer_types``.
-
-    Raises:
-        ConfigError: ``config.json`` exists but is not a readable JSON object.
-    """
-    config = read_hf_config(hf_checkpoint)
-    if config is None:
-        return None
-    for section in (config, config.get("text_config")):
-        if isinstance(section, dict) and "layer_types" in section:
-            return list(section["layer_types"])
-    return None
 
 
 def _layer_pattern(flag_name: str, text: str | None, num_layers: int | None) -> int | list[int] | None:
@@ -476,9 +432,14 @@ class ModelConfig:
 
         Integer N follows Megatron: layer ``i`` (from 0) is MoE when ``i % N == 0``.
         """
+        return self.moe_layers(self.num_layers)
+
+    def moe_layers(self, num_layers: int | None) -> list[int] | None:
+        """:attr:`moe_layer_pattern` with the integer form expanded over ``num_layers`` layers (e.g. the
+        checkpoint's count when --num-layers is unset); None if unknown."""
         value = _layer_pattern("--moe-layer-freq", self.moe_layer_freq, self.num_layers)
         if isinstance(value, int):
-            return None if self.num_layers is None else [int(i % value == 0) for i in range(self.num_layers)]
+            return None if num_layers is None else [int(i % value == 0) for i in range(num_layers)]
         return value
 
     @property

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from slime.checkpoints import layout as ckpt
+from slime.checkpoints.hf import check_hf_folder, has_config
 
 if TYPE_CHECKING:
     from slime.backends.config import CheckpointConfig
@@ -91,7 +92,7 @@ def resolve_weights(
             ``--ref-load`` is neither a checkpoint root nor a Hugging Face folder.  Each names the flag.
     """
     hf = Path(checkpoint.hf_checkpoint)
-    ckpt.check_hf_folder(hf, "--hf-checkpoint")
+    check_hf_folder(hf, "--hf-checkpoint")
     policy, note = WeightSource("--hf-checkpoint", hf), ""
     load = checkpoint.load
     if load is not None:
@@ -100,8 +101,8 @@ def resolve_weights(
             if backend_parts:
                 ckpt.check_complete(load, latest, backend_parts)
             policy = WeightSource("--load", Path(load), latest)
-        elif (Path(load) / "config.json").is_file():
-            ckpt.check_hf_folder(load, "--load")
+        elif has_config(load):
+            check_hf_folder(load, "--load")
             policy = WeightSource("--load", Path(load))
         elif not Path(load).exists():
             note = f"--load {load} does not exist"
@@ -114,6 +115,6 @@ def resolve_weights(
         if ref_load is not None:
             latest = ckpt.latest_iteration(ref_load)
             if latest is None:
-                ckpt.check_hf_folder(ref_load, "--ref-load")
+                check_hf_folder(ref_load, "--ref-load")
             reference = WeightSource("--ref-load", Path(ref_load), latest)
     return StartingWeights(policy, reference, note)

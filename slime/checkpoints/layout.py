@@ -21,10 +21,12 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
+from slime.errors import SlimeError
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SlimeError, RuntimeError):
     """A checkpoint folder is missing or malformed; the message names the path."""
 
 
@@ -89,27 +91,6 @@ def check_complete(root: str | os.PathLike, rollout_id: int, backend_parts: Sequ
                 f"checkpoint or was damaged. Point --load at the --save folder of a run, or remove {Path(root) / LATEST_FILE} "
                 "to start from --hf-checkpoint"
             )
-
-
-def check_hf_folder(path: str | os.PathLike, flag: str = "--hf-checkpoint") -> None:
-    """Check that ``path`` is a local Hugging Face model folder with a config and weights.
-
-    Raises:
-        CheckpointError: naming ``flag``, the folder and what is missing.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{flag} {path}: no such folder (download the model there, e.g. `hf download <repo> --local-dir {path}`)")
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{flag} {path}: config.json is missing; this is not a Hugging Face model folder")
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
-        raise CheckpointError(f"{flag} {path}: no weights (*.safetensors or *.bin) in the folder")
-
-
-def weights_bytes(path: str | os.PathLike) -> int:
-    """Total size in bytes of the weight files (``*.safetensors``, ``*.bin``) of a Hugging Face folder."""
-    folder = Path(path)
-    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))
 
 
 def explain_write_failure(folder: str | os.PathLike, needed_bytes: int, error: BaseException) -> BaseException:

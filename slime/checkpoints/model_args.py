@@ -1,62 +1,43 @@
-"""MODEL_ARGS (Megatron's names) against the Hugging Face config of ``--hf-checkpoint``.
+"""MODEL_ARGS (Megatron's names) against the checkpoint they describe and the model slime builds from it.
 
-The Megatron backend builds the language model from MODEL_ARGS; the FSDP backend builds it
-from ``--hf-checkpoint`` and never reads them.  A given MODEL_ARGS value that disagrees with the
-checkpoint is therefore a mistake either way (the wrong ``scripts/models/*.sh`` sourced, a
-stale override), so :func:`check_model_args` refuses it at parse time.
+No backend builds the model from MODEL_ARGS: the Megatron backend builds the native Qwen3.5-MoE model
+from ``--hf-checkpoint``'s ``config.json`` (:mod:`slime.models.qwen3_5`), the FSDP backend the
+transformers class it names.  Every MODEL_ARGS flag is therefore a statement about that model, and
+:func:`check_model_args` refuses at parse time each one that is false or that nothing reads:
 
-Fields are read from the config's ``text_config`` (vision-language models such as
-Qwen3.5-MoE), then from its top level.  The mapping, Megatron flag -> Hugging Face field of
-``Qwen3_5MoeTextConfig`` (transformers):
+- numbers are compared with their ``config.json`` field (:data:`MODEL_ARGS_TO_HF`; the integer form
+  of ``--linear-attention-freq`` / ``--moe-layer-freq`` is expanded over the checkpoint's layers);
+- architecture switches and choices are compared with a ``config.json`` field where one decides them
+  (``tie_word_embeddings``, ``hidden_act``, ``attention_bias``, the head counts), else with the
+  Qwen3.5-MoE architecture's fixed behaviour (:data:`QWEN35_MOE_FIXED`; known only for a config whose
+  ``model_type`` is Qwen3.5-MoE's);
+- flags that choose something slime decides elsewhere are refused, naming what decides it
+  (:data:`REFUSED`; also the Megatron backend's ``--attention-softmax-in-fp32``).
 
-==========================================  ==================================================
-``--num-layers``                            ``num_hidden_layers``
-``--hidden-size``                           ``hidden_size``
-``--num-attention-heads``                   ``num_attention_heads``
-``--num-query-groups``                      ``num_key_value_heads``
-``--kv-channels``                           ``head_dim`` (absent: hidden_size // heads, as HF)
-``--num-experts``                           ``num_experts``
-``--moe-router-topk``                       ``num_experts_per_tok``
-``--moe-ffn-hidden-size``                   ``moe_intermediate_size``
-``--moe-shared-expert-intermediate-size``   ``shared_expert_intermediate_size``
-``--rotary-percent``                        ``rope_parameters.partial_rotary_factor`` (absent: 1)
-``--rotary-base``                           ``rope_parameters.rope_theta``
-``--vocab-size``                            ``vocab_size`` (the embedding rows, padding included)
-``--norm-epsilon``                          ``rms_norm_eps``
-``--max-position-embeddings``               ``max_position_embeddings``
-``--linear-conv-kernel-dim`` ...            ``linear_conv_kernel_dim``, ``linear_key_head_dim``,
-                                            ``linear_value_head_dim``, ``linear_num_key_heads``,
-                                            ``linear_num_value_heads`` (same names)
-``--linear-attention-freq``                 ``layer_types``: 1 per ``linear_attention`` layer
-                                            (absent: every layer full attention); an integer
-                                            N is expanded over ``num_hidden_layers``
-``--untie-embeddings-and-output-weights``   not ``tie_word_embeddings`` (absent: tied, as HF)
-==========================================  ==================================================
-
-``--vocab-size`` must equal the checkpoint's ``vocab_size`` exactly: that is the number of
-embedding rows, which for Qwen3.5 already includes padding beyond the tokenizer's ids
-(248320 rows), and Megatron's embedding must hold the same rows to load the weights.
-
-``--untie-embeddings-and-output-weights`` is a switch, so "not given" and "off" look the same;
-it is compared when it is given, and also when any other mapped flag is given (the command
-line then describes the architecture, and Megatron ties the weights without the switch).
-
-Not compared: ``--ffn-hidden-size`` (Qwen3.5-MoE has no dense MLP layer), ``--moe-layer-freq``
-(no Hugging Face field: every Qwen3.5-MoE layer is MoE) and the other switches.
+A switch given says "on".  When the command line describes the architecture (a number or a layer
+pattern is given), a switch of :data:`SWITCHES` left out says "off", as in Megatron, and is compared
+too.  Without a readable local ``config.json`` (a hub name, a folder made later) nothing is
+checked; the driver stops at ``--hf-checkpoint`` before a run starts.  The flag-by-flag table and
+the reasons: ``docs/design/model_args.md``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
-from slime.backends.config import ModelConfig, read_hf_config
+from slime.backends.config import ModelConfig
+from slime.checkpoints.hf import MISSING, lookup, read_config
 from slime.utils.config import ConfigError
+
+if TYPE_CHECKING:
+    from slime.backends.megatron.config import MegatronConfig
 
 MODEL_ARGS_TO_HF: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (ModelConfig field, Hugging Face field paths tried in order; dots go into nested dicts)
     ("num_layers", ("num_hidden_layers",)),
     ("hidden_size", ("hidden_size",)),
+    ("ffn_hidden_size", ("intermediate_size", "moe_intermediate_size")),
     ("num_attention_heads", ("num_attention_heads",)),
     ("num_query_groups", ("num_key_value_heads",)),
     ("kv_channels", ("head_dim",)),
@@ -75,39 +56,52 @@ MODEL_ARGS_TO_HF: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("linear_num_key_heads", ("linear_num_key_heads",)),
     ("linear_num_value_heads", ("linear_num_value_heads",)),
 )
-"""The numeric MODEL_ARGS and their Hugging Face fields (see the module docstring)."""
+"""The numeric MODEL_ARGS and their Hugging Face fields.  ``--ffn-hidden-size`` is the dense MLP width; a
+Qwen3.5-MoE config has no ``intermediate_size`` (no dense MLP) and the native model sets it to the expert width."""
 
-_ABSENT = object()
+QWEN35_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+"""``model_type`` of a Qwen3.5-MoE ``config.json`` (top level, and its ``text_config``)."""
+
+QWEN35_MOE_FIXED: dict[str, tuple[Any, str]] = {
+    # field: (what the model does: True for a switch, the accepted values for a choice; in words)
+    "swiglu": (True, "SwiGLU experts (hidden_act silu)"),
+    "disable_bias_linear": (True, "no bias in any linear layer"),
+    "qk_layernorm": (True, "queries and keys RMS-normalised per head"),
+    "apply_layernorm_1p": (True, "every RMSNorm scales by (1 + weight)"),
+    "attention_output_gate": (True, "full-attention output gated by a sigmoid of q_proj's gate half"),
+    "moe_shared_expert_gate": (True, "the shared expert's output gated by a sigmoid"),
+    "normalization": (("RMSNorm",), "RMSNorm"),
+    "position_embedding_type": (("rope", "mrope"), "rotary embeddings (multimodal RoPE; rope on text positions)"),
+    "moe_router_score_function": (("softmax",), "softmax over the experts, then top-k, renormalised"),
+    "moe_layer_freq": (True, "every layer MoE (no dense MLP layer)"),
+}
+"""What the Qwen3.5-MoE architecture fixes (transformers' ``Qwen3_5MoeForConditionalGeneration`` and the native
+model alike), for the flags no ``config.json`` field decides (``swiglu`` / ``disable_bias_linear``: when
+``hidden_act`` / ``attention_bias`` are absent)."""
+
+SWITCHES = ("untie_embeddings_and_output_weights", "group_query_attention", "swiglu", "disable_bias_linear",
+            "qk_layernorm", "apply_layernorm_1p", "attention_output_gate", "moe_shared_expert_gate")
+"""Architecture switches; ``--use-gated-attention`` is upstream slime's alias of ``--attention-output-gate``."""
+
+REFUSED: dict[str, str] = {
+    "spec": "the layer spec follows from --hf-checkpoint's architecture: the Megatron backend builds "
+    "slime.models.qwen3_5.spec for a Qwen3.5-MoE config.json, the FSDP backend the transformers class it names",
+    "moe_grouped_gemm": "the native model always runs each layer's experts as two grouped GEMMs, "
+    "torch._grouped_mm in slime/models/qwen3_5/experts.py",
+    "moe_permute_fusion": "tokens are permuted by megatron-core's unfused permutation (no TransformerEngine)",
+    "moe_token_drop_policy": "the MoE layers are dropless (no expert capacity), so no token is ever dropped",
+    "moe_token_dispatcher_type": "the Megatron backend chooses the dispatcher: alltoall on GPUs, allgather on CPU",
+    "moe_router_dtype": "the native model's router computes its logits in the hidden states' dtype",
+}
+"""MODEL_ARGS that choose what slime decides elsewhere, with what decides it."""
+
+SOFTMAX_IN_FP32 = ("--attention-softmax-in-fp32", "the attention kernels of --attention-backend (torch's varlen "
+                   "FlashAttention, SDPA) compute the softmax themselves; no flag reaches them")
+"""The Megatron backend's flag refused with :data:`REFUSED` (megatron-core's unfused softmax is never built)."""
 
 
-def _sections(config: dict) -> list[tuple[str, dict]]:
-    """(name prefix, dict) of the config parts searched: ``text_config`` first, then the top level."""
-    text = config.get("text_config")
-    return ([("text_config.", text)] if isinstance(text, dict) else []) + [("", config)]
-
-
-def _lookup(config: dict, paths: tuple[str, ...]) -> tuple[str, Any]:
-    """The first of ``paths`` present in the config: ``(qualified name, value)``, or ``(paths[0], _ABSENT)``."""
-    for prefix, section in _sections(config):
-        for path in paths:
-            value: Any = section
-            for key in path.split("."):
-                value = value.get(key, _ABSENT) if isinstance(value, dict) else _ABSENT
-            if value is not _ABSENT:
-                return prefix + path, value
-    return paths[0], _ABSENT
-
-
-def _implied(attr: str, config: dict) -> Any:
-    """Hugging Face's value for a field the config leaves out, or ``_ABSENT`` when it has none."""
-    if attr == "rotary_percent":
-        return 1.0  # no partial_rotary_factor: the whole head dimension is rotated
-    if attr == "kv_channels":
-        _, hidden = _lookup(config, ("hidden_size",))
-        _, heads = _lookup(config, ("num_attention_heads",))
-        if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-            return hidden // heads  # PretrainedConfig subclasses' default head_dim
-    return _ABSENT
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
 
 
 def _same(given: Any, found: Any) -> bool:
@@ -118,82 +112,188 @@ def _same(given: Any, found: Any) -> bool:
 
 
 def _show(value: Any) -> str:
-    return "absent" if value is _ABSENT else repr(value) if isinstance(value, str) else str(value)
+    return "absent" if value is MISSING else repr(value) if isinstance(value, str) else str(value)
 
 
-def _layer_type_pattern(config: dict) -> tuple[str, list[int] | None]:
-    """The checkpoint's layers as ``--linear-attention-freq`` list: 1 per ``linear_attention`` layer."""
-    name, layer_types = _lookup(config, ("layer_types",))
-    if isinstance(layer_types, list):
-        return name, [int(kind == "linear_attention") for kind in layer_types]
-    _, num_layers = _lookup(config, ("num_hidden_layers",))
-    if not isinstance(num_layers, int):
-        return name, None
-    return f"{name} (absent: all full_attention)", [0] * num_layers
+def _implied(attr: str, config: Mapping) -> Any:
+    """Hugging Face's value for a field the config leaves out, or ``MISSING`` when it has none."""
+    if attr == "rotary_percent":
+        return 1.0  # no partial_rotary_factor: the whole head dimension is rotated
+    if attr == "kv_channels":
+        _, hidden = lookup(config, "hidden_size")
+        _, heads = lookup(config, "num_attention_heads")
+        if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+            return hidden // heads  # PretrainedConfig subclasses' default head_dim
+    return MISSING
 
 
-def model_args_mismatches(model: ModelConfig, config: dict) -> list[str]:
-    """Every given MODEL_ARGS value that disagrees with a Hugging Face config (see the module docstring).
+def _num_layers(config: Mapping, model: ModelConfig) -> int | None:
+    """The checkpoint's layer count (integer layer patterns are expanded over it), else ``--num-layers``."""
+    _, num_layers = lookup(config, "num_hidden_layers")
+    return num_layers if isinstance(num_layers, int) else model.num_layers
 
-    Args:
-        model: the parsed MODEL_ARGS.
-        config: the checkpoint's ``config.json`` as a dict.
 
-    Returns:
-        One ``"--flag VALUE vs field VALUE"`` line per mismatch, in :data:`MODEL_ARGS_TO_HF` order,
-        then ``--linear-attention-freq`` and ``--untie-embeddings-and-output-weights``; empty when all agree.
-    """
+def _architecture(config: Mapping) -> tuple[bool, str]:
+    """Whether the config is a Qwen3.5-MoE one, and its ``model_type`` as messages show it."""
+    name, model_type = lookup(config, "model_type")
+    return model_type in QWEN35_MOE_TYPES, f"{name} {_show(model_type)}"
+
+
+def _switch_truth(attr: str, config: Mapping, qwen35: bool, arch: str) -> tuple[Any, str]:
+    """(whether the checkpoint's model does what switch ``attr`` says, how the message names the source);
+    ``None`` when both values are true (grouped-query attention with one query head per KV head),
+    ``MISSING`` when the config does not say."""
+    if attr == "untie_embeddings_and_output_weights":
+        name, tied = lookup(config, "tie_word_embeddings")
+        if tied is MISSING:
+            name, tied = name + " (absent; implied)", True
+        return not tied, f"{name} {str(bool(tied)).lower()}"
+    if attr == "group_query_attention":
+        kv_name, kv = lookup(config, "num_key_value_heads")
+        _, heads = lookup(config, "num_attention_heads")
+        if not (isinstance(kv, int) and isinstance(heads, int)):
+            return MISSING, f"{kv_name} absent"
+        return (kv < heads if kv != heads else None), f"{kv_name} {kv} (num_attention_heads {heads})"
+    field = {"swiglu": "hidden_act", "disable_bias_linear": "attention_bias"}.get(attr)
+    if field is not None:
+        name, value = lookup(config, field)
+        if value is not MISSING:
+            return (value == "silu" if field == "hidden_act" else not value), f"{name} {_show(value)}"
+    if qwen35:
+        return QWEN35_MOE_FIXED[attr][0], f"the Qwen3.5-MoE model ({arch}): {QWEN35_MOE_FIXED[attr][1]}"
+    return MISSING, f"{arch} (only a Qwen3.5-MoE config.json's is known)"
+
+
+def _compare_numbers(model: ModelConfig, config: Mapping) -> list[str]:
     mismatches = []
-    any_given = False
     for attr, paths in MODEL_ARGS_TO_HF:
         given = getattr(model, attr)
         if given is None:
             continue
-        any_given = True
-        name, found = _lookup(config, paths)
-        if found is _ABSENT:
+        name, found = lookup(config, *paths)
+        if found is MISSING:
             found = _implied(attr, config)
-            name += " (absent; implied)" if found is not _ABSENT else ""
-        if found is _ABSENT or not _same(given, found):
-            mismatches.append(f"--{attr.replace('_', '-')} {given} vs {name} {_show(found)}")
+            name += " (absent; implied)" if found is not MISSING else ""
+        if found is MISSING or not _same(given, found):
+            mismatches.append(f"{_flag(attr)} {given} vs {name} {_show(found)}")
+    if model.moe_aux_loss_coeff not in (None, 0):
+        mismatches.append(f"--moe-aux-loss-coeff {model.moe_aux_loss_coeff} vs the trainers: no load-balancing "
+                          "loss in RL (0; config.json's router_aux_loss_coef is a pre-training value)")
+    return mismatches
+
+
+def _compare_layer_patterns(model: ModelConfig, config: Mapping, qwen35: bool, arch: str) -> list[str]:
+    """``--linear-attention-freq`` against ``layer_types``, ``--moe-layer-freq`` against every layer MoE."""
+    mismatches = []
+    num_layers = _num_layers(config, model)
     if model.linear_attention_freq is not None:
-        any_given = True
-        name, want = _layer_type_pattern(config)
-        # The integer form is expanded over the checkpoint's layers: a different --num-layers is its own mismatch.
-        _, num_layers = _lookup(config, ("num_hidden_layers",))
-        got = model.linear_attention_layers(num_layers if isinstance(num_layers, int) else model.num_layers)
+        name, layer_types = lookup(config, "layer_types")
+        if isinstance(layer_types, list):
+            want = [int(kind == "linear_attention") for kind in layer_types]
+        else:
+            _, hf_layers = lookup(config, "num_hidden_layers")
+            want = [0] * hf_layers if isinstance(hf_layers, int) else None
+            name += " (absent: all full_attention)" if want is not None else ""
+        got = model.linear_attention_layers(num_layers)
         if want is None or got != want:
             shown = "absent" if want is None else f"{want} (1 = linear_attention)"
             given = model.linear_attention_freq.strip()
             given += "" if given.startswith("[") or got is None else f" = {got}"  # the integer form, expanded
             mismatches.append(f"--linear-attention-freq {given} vs {name} {shown}")
-    if model.untie_embeddings_and_output_weights or any_given:
-        name, tied = _lookup(config, ("tie_word_embeddings",))
-        if tied is _ABSENT:
-            name, tied = name + " (absent; implied)", True
-        if bool(tied) == model.untie_embeddings_and_output_weights:
-            given = "given" if model.untie_embeddings_and_output_weights else "not given (tied)"
-            mismatches.append(f"--untie-embeddings-and-output-weights {given} vs {name} {str(bool(tied)).lower()}")
+    if model.moe_layer_freq is not None:
+        got = model.moe_layers(num_layers)
+        if not qwen35:
+            mismatches.append(f"--moe-layer-freq {model.moe_layer_freq.strip()} vs {arch} (only a Qwen3.5-MoE "
+                              "config.json's MoE layers are known)")
+        elif got is None or got != [1] * len(got):
+            given = model.moe_layer_freq.strip()
+            given += "" if given.startswith("[") or got is None else f" = {got}"
+            mismatches.append(f"--moe-layer-freq {given} vs the Qwen3.5-MoE model ({arch}): "
+                              f"{QWEN35_MOE_FIXED['moe_layer_freq'][1]}")
     return mismatches
 
 
-def check_model_args(model: ModelConfig, hf_checkpoint: str) -> None:
-    """Refuse MODEL_ARGS that disagree with ``<hf_checkpoint>/config.json``.
+def _compare_switches(model: ModelConfig, config: Mapping, qwen35: bool, arch: str, describes: bool) -> list[str]:
+    mismatches = []
+    for attr in SWITCHES:
+        given = getattr(model, attr) or (attr == "attention_output_gate" and model.use_gated_attention)
+        if not (given or describes):
+            continue
+        truth, source = _switch_truth(attr, config, qwen35, arch)
+        if truth is None or (truth is MISSING and not given) or truth == given:
+            continue
+        if given:
+            alias = attr == "attention_output_gate" and not model.attention_output_gate
+            mismatches.append(f"{'--use-gated-attention' if alias else _flag(attr)} given vs {source}")
+        else:
+            off = "tied" if attr == "untie_embeddings_and_output_weights" else "off"
+            mismatches.append(f"{_flag(attr)} not given ({off}) vs {source}")
+    for attr in ("normalization", "position_embedding_type", "moe_router_score_function"):
+        given = getattr(model, attr)
+        if given is None:
+            continue
+        if not qwen35:
+            mismatches.append(f"{_flag(attr)} {given} vs {arch} (only a Qwen3.5-MoE config.json's is known)")
+        elif given not in QWEN35_MOE_FIXED[attr][0]:
+            mismatches.append(f"{_flag(attr)} {given} vs the Qwen3.5-MoE model ({arch}): {QWEN35_MOE_FIXED[attr][1]}")
+    return mismatches
 
-    Nothing is checked when ``hf_checkpoint`` is not a local folder with a ``config.json`` (a
-    hub name, or a folder made later) or when no MODEL_ARGS are given.
+
+def model_args_mismatches(model: ModelConfig, config: Mapping) -> list[str]:
+    """One ``"--flag VALUE vs SOURCE VALUE"`` line per MODEL_ARGS value that disagrees with ``config`` (a
+    ``config.json`` dict) or the model built from it: numbers, then layer patterns, then switches and choices."""
+    qwen35, arch = _architecture(config)
+    describes = (
+        any(getattr(model, attr) is not None for attr, _ in MODEL_ARGS_TO_HF)
+        or model.linear_attention_freq is not None or model.moe_layer_freq is not None
+    )
+    return (_compare_numbers(model, config) + _compare_layer_patterns(model, config, qwen35, arch)
+            + _compare_switches(model, config, qwen35, arch, describes))
+
+
+def refused_flags(model: ModelConfig, megatron: MegatronConfig | None = None) -> list[str]:
+    """The given flags of :data:`REFUSED` (and ``--attention-softmax-in-fp32`` of ``megatron``), each as
+    ``"--flag VALUE (what decides it)"``."""
+    refused = []
+    for attr, instead in REFUSED.items():
+        value = getattr(model, attr)
+        if value not in (None, False):
+            shown = "" if value is True else " " + " ".join(value) if isinstance(value, list) else f" {value}"
+            refused.append(f"{_flag(attr)}{shown} ({instead})")
+    if megatron is not None and megatron.attention_softmax_in_fp32:
+        refused.append(f"{SOFTMAX_IN_FP32[0]} ({SOFTMAX_IN_FP32[1]})")
+    return refused
+
+
+def check_model_args(model: ModelConfig, hf_checkpoint: str, *, megatron: MegatronConfig | None = None) -> None:
+    """Refuse MODEL_ARGS that disagree with ``<hf_checkpoint>/config.json`` or the model built from it, and
+    those that nothing reads (module docstring).
+
+    Args:
+        model: the parsed MODEL_ARGS.
+        hf_checkpoint: ``--hf-checkpoint``; nothing is checked when it has no ``config.json``.
+        megatron: the Megatron backend's flags when it is the selected backend
+            (its ``--attention-softmax-in-fp32`` is refused with the MODEL_ARGS).
 
     Raises:
-        ConfigError: listing each mismatch (flag, value, checkpoint field, checkpoint value), or
-            an unreadable ``config.json``.
+        ConfigError: listing each mismatch (flag, value, checkpoint field or fixed behaviour and its value)
+            and each refused flag with what decides it instead.
+        CheckpointError: ``config.json`` exists but is not readable.
     """
-    config = read_hf_config(hf_checkpoint)
+    config = read_config(hf_checkpoint)
     if config is None:
         return
+    problems = []
     mismatches = model_args_mismatches(model, config)
     if mismatches:
-        raise ConfigError(
+        problems.append(
             f"MODEL_ARGS disagree with --hf-checkpoint {hf_checkpoint} (config.json): {'; '.join(mismatches)}. "
             "Fix these flags (e.g. source the scripts/models/*.sh file of this checkpoint) or drop them: "
             "unset MODEL_ARGS are taken from the checkpoint"
         )
+    refused = refused_flags(model, megatron)
+    if refused:
+        problems.append(f"these flags are read by nothing, so they could only say something false; drop them: "
+                        f"{'; '.join(refused)}")
+    if problems:
+        raise ConfigError(". ".join(problems))

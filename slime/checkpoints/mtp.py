@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from slime.checkpoints.hf import CONFIG_FILE, lookup, read_config, require_config
+
 MTP_PREFIX = "mtp."
 MTP_FILE = "mtp.safetensors"
 MTP_CONFIG_FIELDS = {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
@@ -116,8 +118,7 @@ def write_mtp_layer(folder: str | os.PathLike, *, seed: int = 0, dtype=None, dev
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
+    config = require_config(folder, "the checkpoint")
     text = config.get("text_config", config)
     shapes = mtp_tensor_shapes(text)
     existing = weight_map(folder)
@@ -147,7 +148,7 @@ def write_mtp_layer(folder: str | os.PathLike, *, seed: int = 0, dtype=None, dev
     index["weight_map"] = dict(sorted({**index["weight_map"], **dict.fromkeys(tensors, MTP_FILE)}.items()))
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     text.update(MTP_CONFIG_FIELDS)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return shapes
 
 
@@ -162,17 +163,13 @@ def mtp_problem(hf_checkpoint: str | os.PathLike) -> str | None:
     ``mtp.*`` tensor in its safetensors; None when it can, or cannot be told (no local ``config.json``).
 
     Raises:
-        ValueError: ``config.json`` or a safetensors header is unreadable (naming the file).
+        CheckpointError: ``config.json`` is unreadable (naming the file).
+        ValueError: a safetensors header is unreadable (naming the file).
     """
-    config_path = Path(hf_checkpoint) / "config.json"
-    if not config_path.is_file():
+    config = read_config(hf_checkpoint)
+    if config is None:
         return None
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {config_path}: {e}") from None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    layers = text.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers"))
+    _, layers = lookup(config, "mtp_num_hidden_layers")
     problems = []
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         problems.append(f"config.json has no mtp_num_hidden_layers >= 1 (text_config.mtp_num_hidden_layers = "

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from slime.errors import SlimeError
+
 DEFAULT_URL_TIMEOUT_S = 30.0
 """Seconds to wait for an image URL (connect and each read) before giving up."""
 
@@ -31,7 +33,7 @@ _WIDE_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 _PLAIN_MODES = {"1", "L", "P", "CMYK", "YCbCr", "LAB", "HSV"}
 
 
-class ImageDecodeError(ValueError):
+class ImageDecodeError(SlimeError, ValueError):
     """An image value in a dataset row cannot be turned into an RGB image (the message names the row and field)."""
 
 

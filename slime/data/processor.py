@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import torch
 from PIL import Image
 
+from slime.checkpoints.hf import HFFolderError, check_hf_folder
+from slime.errors import SlimeError
 from slime.utils.config import ConfigError
-
-REQUIRED_FILES = ("tokenizer_config.json", "preprocessor_config.json")
-"""Files a checkpoint folder needs for :func:`load_processor` (plus a tokenizer model file and a chat template)."""
-
-TOKENIZER_MODEL_FILES = ("tokenizer.json", "vocab.json")
-"""At least one of these holds the tokenizer's vocabulary."""
 
 IMAGE_TOKEN = "<|image_pad|>"
 
 
-class ImageSizeError(ValueError):
+class ImageSizeError(SlimeError, ValueError):
     """An image cannot be resized to a fixed point within the pixel bounds (the message gives its size)."""
 
 
@@ -169,33 +164,19 @@ def load_processor(
     keeps them).
 
     Raises:
-        FileNotFoundError: the folder, a file of :data:`REQUIRED_FILES`, a tokenizer model file or a
-            chat template is missing; the message names it.
+        HFFolderError: the folder, ``config.json``, a processor file or a tokenizer model file
+            (:func:`slime.checkpoints.hf.check_hf_folder`) or the chat template is missing; the message names it.
         ConfigError: the bounds widen the checkpoint's (the engine would resize such images again), or
             ``min_pixels > max_pixels``.
     """
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    folder = Path(hf_checkpoint)
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"--hf-checkpoint {str(hf_checkpoint)!r} is not a folder; give a local checkpoint folder"
-        )
-    for name in REQUIRED_FILES:
-        if not (folder / name).is_file():
-            raise FileNotFoundError(
-                f"--hf-checkpoint {str(folder)!r} has no {name}; it is not a complete HF checkpoint"
-            )
-    if not any((folder / name).is_file() for name in TOKENIZER_MODEL_FILES):
-        raise FileNotFoundError(
-            f"--hf-checkpoint {str(folder)!r} has none of {' / '.join(TOKENIZER_MODEL_FILES)}; "
-            "copy the tokenizer files of the checkpoint"
-        )
+    folder = check_hf_folder(hf_checkpoint, "--hf-checkpoint", weights=False, processor=True)
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if not tokenizer.chat_template:
-        raise FileNotFoundError(
+        raise HFFolderError(
             f"--hf-checkpoint {str(folder)!r} has no chat template (chat_template.jinja, or chat_template in "
             "tokenizer_config.json); copy it from the released checkpoint"
         )

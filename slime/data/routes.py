@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from slime.checkpoints.hf import read_config, text_fields
+
 ROUTE_DTYPE = np.uint8
 """How samples and engine outputs store expert ids."""
 MAX_EXPERTS = 256
@@ -54,8 +56,7 @@ class RouteShape:
         Raises:
             RouteError: more than :data:`MAX_EXPERTS` experts.
         """
-        text = config.get("text_config")
-        section = text if isinstance(text, dict) else config
+        section = text_fields(config)
         experts = section.get("num_experts")
         if not isinstance(experts, int) or experts <= 0:
             return None
@@ -63,10 +64,9 @@ class RouteShape:
 
     @classmethod
     def from_checkpoint(cls, hf_checkpoint: str) -> RouteShape | None:
-        """:meth:`from_hf_config` of ``<hf_checkpoint>/config.json`` (None without one; ConfigError if unreadable)."""
-        from slime.backends.config import read_hf_config
-
-        config = read_hf_config(hf_checkpoint)
+        """:meth:`from_hf_config` of ``<hf_checkpoint>/config.json`` (None without one; CheckpointError if
+        unreadable)."""
+        config = read_config(hf_checkpoint)
         return None if config is None else cls.from_hf_config(config, f"--hf-checkpoint {hf_checkpoint}")
 
 

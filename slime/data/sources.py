@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from slime.errors import SlimeError
 from slime.utils.config import ConfigError
 
 LOCAL_SUFFIXES = (".parquet", ".jsonl")
@@ -26,7 +27,7 @@ LISTED_ROWS = 10
 """Bad rows named in one error message; the rest are counted."""
 
 
-class DatasetError(ValueError):
+class DatasetError(SlimeError, ValueError):
     """A dataset row or file cannot be used; the message names the file, row and field."""
 
 

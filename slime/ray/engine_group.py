@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 import ray
 
+from slime.errors import SlimeError
 from slime.ray.engine_actor import engine_actor_class
 from slime.rollout.engines.base import (
     EngineResources,
@@ -55,7 +56,7 @@ SHUTDOWN_TIMEOUT_S = 60.0
 """Seconds the engines get to stop their processes before their actors are killed."""
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(SlimeError, RuntimeError):
     """One or more rollout engines failed to start; the message names each one and why."""
 
 

@@ -20,6 +20,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime.errors import SlimeError
 from slime.ray.config import ClusterConfig
 from slime.rollout.engines.base import BundleResources, EngineResources
 
@@ -31,14 +32,19 @@ COLOCATED_TRAINER_GPU = 0.4
 COLOCATED_ENGINE_GPU = 0.2
 
 
-class PlacementError(RuntimeError):
+class PlacementError(SlimeError, RuntimeError):
     """The Ray cluster cannot host the requested trainer ranks and rollout engines."""
+
+
+class RayAddressError(SlimeError, ConnectionError):
+    """``--ray-address`` names no Ray cluster that this process can join; the message names the address."""
 
 
 def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None) -> bool:
     """Start or join Ray: ``--ray-address`` None starts a local instance, ``"auto"`` or ``host:port`` joins one.
 
     ``extra_env``: environment of every Ray worker.  Returns True when this process started Ray (and must stop it).
+    Raises RayAddressError: ``--ray-address`` is given and no Ray cluster there can be joined.
     """
     env = {"PYTHONPATH": os.pathsep.join(p for p in [_repo_root(), os.environ.get("PYTHONPATH", "")] if p)}
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "WANDB_MODE", "NCCL_NVLS_ENABLE",
@@ -52,7 +58,7 @@ def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None)
         try:
             ray.init(address=cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
         except (ConnectionError, RuntimeError) as e:
-            raise ConnectionError(
+            raise RayAddressError(
                 f"--ray-address {cluster.ray_address}: cannot join the Ray cluster ({e}). Check that it runs "
                 "(`ray status`), that RAY_ADDRESS / --ray-address point at its head, and that both sides use the "
                 "same Ray version and authentication settings (RAY_AUTH_MODE)"
@@ -313,7 +319,7 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
     """Fail fast when the Ray head's GCS port is unreachable (``ray.init`` retries for ever).
 
     Raises:
-        ConnectionError: no TCP connection within ``timeout_s``, naming ``--ray-address`` and the address.
+        RayAddressError: no TCP connection within ``timeout_s``, naming ``--ray-address`` and the address.
     """
     resolved = address
     if address == "auto":
@@ -332,7 +338,7 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
             pass
     except OSError as e:
         via = "" if resolved == address else f" (resolved to {resolved})"
-        raise ConnectionError(
+        raise RayAddressError(
             f"--ray-address {address}{via}: no Ray head answers at {resolved} ({e}). Start one with "
             "`ray start --head`, or fix the address (RAY_ADDRESS / --ray-address; `ray status` on the head prints it)"
         ) from None

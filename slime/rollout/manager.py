@@ -21,6 +21,7 @@ from slime.data.config import DataConfig
 from slime.data.dataset import PromptDataset, load_eval_samples
 from slime.data.processor import VLProcessor
 from slime.data.sample import Sample, SampleStatus
+from slime.errors import SlimeError
 from slime.grpo.advantages import compute_advantages
 from slime.grpo.config import GRPOConfig
 from slime.rollout.config import EvalConfig, RolloutConfig
@@ -51,12 +52,12 @@ class RolloutBatch:
     metrics: dict[str, float]
 
 
-class PromptMismatchError(RuntimeError):
+class PromptMismatchError(SlimeError, RuntimeError):
     """A rollout engine saw a prompt of another length than the data pipeline computed, so the
     trainer would train on tokens the engine never conditioned on."""
 
 
-class RolloutAbortedError(RuntimeError):
+class RolloutAbortedError(SlimeError, RuntimeError):
     """Every group of a training rollout (or every sample of an eval set) was left out for an aborted
     sample (with or without prompt length mismatches), so nothing is left to train on or to measure."""
 

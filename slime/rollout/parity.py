@@ -30,6 +30,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from slime.data.sample import Sample
+from slime.errors import SlimeError
 from slime.rollout.config import ParityConfig
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.manager import PROMPT_LENGTH_CAUSES, prompt_length_mismatches
@@ -49,7 +50,7 @@ CHECKED_STEPS = 2
 """The check runs at the first this many rollout steps of a run (start-up weights, then after the first sync)."""
 
 
-class EngineParityError(RuntimeError):
+class EngineParityError(SlimeError, RuntimeError):
     """The engine's log-probs disagree with the trainer's beyond the bounds (the message says which and why)."""
 
 

@@ -22,8 +22,10 @@ import shlex
 import typing
 from typing import Any
 
+from slime.errors import SlimeError
 
-class ConfigError(ValueError):
+
+class ConfigError(SlimeError, ValueError):
     """A flag value is invalid. The message names the flag, the value and the fix."""
 
 

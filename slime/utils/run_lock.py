@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from slime.checkpoints import layout as ckpt
+from slime.errors import SlimeError
 from slime.utils.timer import phase_key
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ _READ_HOLDER_ATTEMPTS = 20
 """Reads of a just-locked lock file before giving up on its holder's record (its writer may lag)."""
 
 
-class RunDirError(ValueError):
+class RunDirError(SlimeError, ValueError):
     """An ``--output-dir`` or ``--save`` folder cannot be used by this run; the message names the flag, the
     folder, why (the other run's PID, or what the folder holds) and the fix.
     """

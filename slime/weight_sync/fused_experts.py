@@ -9,13 +9,14 @@ already are the fused tensors; only its metadata changes (``docs/design/weight_s
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from slime.checkpoints.hf import lookup, read_config
+from slime.checkpoints.layout import CheckpointError
 from slime.weight_sync.flattened import IPC_ALIGN, TensorMeta, layout
 
 EXPERT_WEIGHT = re.compile(r"^(?P<layer>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -29,11 +30,11 @@ def checkpoint_num_experts(hf_checkpoint: str | Path | None) -> int | None:
     if hf_checkpoint is None:
         return None
     try:
-        config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_config(hf_checkpoint)
+    except CheckpointError:
         return None
-    value = (config.get("text_config") or {}).get("num_experts", config.get("num_experts"))
-    return value if isinstance(value, int) and value > 0 else None
+    _, value = lookup(config or {}, "num_experts")
+    return value if type(value) is int and value > 0 else None
 
 
 def _complete_layers(bucket: Sequence[tuple[str, torch.Tensor]], num_experts: int,

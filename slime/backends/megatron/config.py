@@ -274,13 +274,13 @@ class MegatronConfig(BackendConfig):
         when it exists, else on those MODEL_ARGS give (sizes neither gives are not checked).
 
         Raises:
-            ConfigError: from :func:`slime.models.qwen3_5.config.check_parallel_layout`, or an unreadable
-                ``config.json``.
+            ConfigError: from :func:`slime.models.qwen3_5.config.check_parallel_layout`.
+            CheckpointError: an unreadable ``config.json``.
         """
-        from slime.backends.config import read_hf_config
+        from slime.checkpoints.hf import read_config
         from slime.models.qwen3_5.config import Qwen35ConfigError, ShardedSizes, check_parallel_layout
 
-        config = read_hf_config(hf_checkpoint)
+        config = read_config(hf_checkpoint)
         if config is not None:
             sizes = ShardedSizes.from_hf_config(config, f"--hf-checkpoint {hf_checkpoint}/config.json")
         else:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from slime.backends.megatron.config import MegatronConfig
+from slime.errors import SlimeError
 from slime.models.qwen3_5.config import Qwen35Kernels, qwen35_config_from_hf
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ GPU_KERNEL_PACKAGES = ("flash-linear-attention==0.6.0", "fla-core==0.6.0", "tile
 extra of pyproject.toml); the CPU / fp32 torch paths need none of them."""
 
 
-class KernelUnavailable(RuntimeError):
+class KernelUnavailable(SlimeError, RuntimeError):
     """The selected kernels cannot run here (package missing, or a kernel that needs CUDA and bf16)."""
 
 

@@ -10,17 +10,19 @@ The field mapping, what is fixed by the architecture and what is set for RL: ``d
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import torch
+
+from slime.checkpoints.hf import require_config, text_fields
+from slime.errors import SlimeError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
-class Qwen35ConfigError(ValueError):
+class Qwen35ConfigError(SlimeError, ValueError):
     """A checkpoint config or a parallel layout that the native Qwen3.5 model cannot build."""
 
 
@@ -128,31 +130,10 @@ class Qwen35Config:
         return self.arch.padded_vocab_size(self.transformer.tensor_model_parallel_size)
 
 
-def _text_section(config: dict) -> dict:
-    text = config.get("text_config")
-    return text if isinstance(text, dict) else config
-
-
-def _field(section: dict, name: str, source: str) -> Any:
+def _field(section: Mapping, name: str, source: str) -> Any:
     if name not in section:
         raise Qwen35ConfigError(f"{source}: field {name!r} is missing; is this a Qwen3.5-MoE config.json?")
     return section[name]
-
-
-def read_config_json(hf_checkpoint: str | Path) -> dict:
-    """``<hf_checkpoint>/config.json`` as a dict.
-
-    Raises:
-        Qwen35ConfigError: the file is missing or not a JSON object (naming the path).
-    """
-    path = Path(hf_checkpoint) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Qwen35ConfigError(f"cannot read {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise Qwen35ConfigError(f"{path} is not a JSON object")
-    return config
 
 
 def arch_from_hf_config(config: dict | Any, source: str = "config.json") -> Qwen35Arch:
@@ -166,7 +147,7 @@ def arch_from_hf_config(config: dict | Any, source: str = "config.json") -> Qwen
     """
     if not isinstance(config, dict):
         config = config.to_dict()
-    text = _text_section(config)
+    text = text_fields(config)
     get = lambda name: _field(text, name, source)  # noqa: E731
     num_layers = int(get("num_hidden_layers"))
     layer_types = tuple(get("layer_types"))
@@ -285,7 +266,7 @@ class ShardedSizes:
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config.json") -> "ShardedSizes":
         """The integer sizes a ``config.json`` dict states; nothing else of the config is checked."""
-        text = _text_section(config)
+        text = text_fields(config)
         values = {field: text.get(hf) for field, hf in HF_SIZE_NAMES.items()}
         return cls(**{f: v if type(v) is int else None for f, v in values.items()}, source=source)
 
@@ -417,13 +398,13 @@ def qwen35_config_from_hf(
     :func:`transformer_config`.
 
     Raises:
-        Qwen35ConfigError: unreadable ``config.json``, or see :func:`arch_from_hf_config` and
-            :func:`check_parallel_layout`.
+        Qwen35ConfigError: see :func:`arch_from_hf_config` and :func:`check_parallel_layout`.
+        CheckpointError: no readable ``config.json`` in the folder (:func:`slime.checkpoints.hf.require_config`).
     """
     if isinstance(hf_checkpoint, dict):
         config, source = hf_checkpoint, "config.json"
     else:
-        config, source = read_config_json(hf_checkpoint), str(Path(hf_checkpoint) / "config.json")
+        config, source = require_config(hf_checkpoint), str(Path(hf_checkpoint) / "config.json")
     arch = arch_from_hf_config(config, source)
     if kernels is None:
         kernels = Qwen35Kernels.for_dtype(params_dtype, "cuda" if torch.cuda.is_available() else "cpu")

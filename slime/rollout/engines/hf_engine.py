@@ -76,7 +76,7 @@ class TransformersEngine(RolloutEngine):
 
     Raises:
         ValueError: ``max_batch_size < 1``.
-        FileNotFoundError / ConfigError: from ``load_processor`` (missing files, widened pixel bounds).
+        HFFolderError / ConfigError: from ``load_processor`` (missing files, widened pixel bounds).
     """
 
     def __init__(

@@ -1,0 +1,78 @@
+"""One error base class (slime.errors.SlimeError): every user-facing error of slime derives from it, and
+``python -m slime.train`` turns one into ``slime: error: <message>`` and exit status 2 before the first step."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from slime.errors import SlimeError
+
+USER_FACING = [
+    # (module, class, the standard type callers already catch it as)
+    ("slime.utils.config", "ConfigError", ValueError),
+    ("slime.checkpoints.layout", "CheckpointError", RuntimeError),
+    ("slime.checkpoints.hf", "HFFolderError", FileNotFoundError),
+    ("slime.data.sources", "DatasetError", ValueError),
+    ("slime.data.image", "ImageDecodeError", ValueError),
+    ("slime.data.processor", "ImageSizeError", ValueError),
+    ("slime.ray.placement", "PlacementError", RuntimeError),
+    ("slime.ray.placement", "RayAddressError", ConnectionError),
+    ("slime.ray.engine_group", "EngineStartError", RuntimeError),
+    ("slime.rollout.manager", "PromptMismatchError", RuntimeError),
+    ("slime.rollout.manager", "RolloutAbortedError", RuntimeError),
+    ("slime.rollout.parity", "EngineParityError", RuntimeError),
+    ("slime.utils.run_lock", "RunDirError", ValueError),
+    ("slime.models.qwen3_5.config", "Qwen35ConfigError", ValueError),
+    ("slime.backends.megatron.model", "KernelUnavailable", RuntimeError),
+]
+
+
+@pytest.mark.parametrize("module, name, standard", USER_FACING, ids=[name for _, name, _ in USER_FACING])
+def test_user_facing_errors_derive_from_slime_error_and_keep_their_standard_type(module, name, standard):
+    if module == "slime.backends.megatron.model":
+        pytest.importorskip("megatron.core")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, SlimeError) and issubclass(cls, standard)
+    error = cls("--flag 3: the message")
+    assert str(error) == "--flag 3: the message"
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [("slime.checkpoints.layout", "CheckpointError"), ("slime.ray.placement", "RayAddressError"),
+     ("slime.ray.engine_group", "EngineStartError"), ("slime.utils.run_lock", "RunDirError")],
+)  # fmt: skip
+def test_main_turns_a_slime_error_into_exit_status_2_with_its_message(module, name, tmp_path, monkeypatch, capsys):
+    from slime import driver
+    from slime.train import EXIT_NOT_STARTED, main
+
+    cls = getattr(importlib.import_module(module), name)
+
+    def resolve_components(cfg):
+        raise cls(f"--hf-checkpoint {tmp_path}: what {name} says")
+
+    monkeypatch.setattr(driver, "resolve_components", resolve_components)
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "4", "--num-rollout", "1", "--rollout-num-gpus", "1",
+            "--train-backend", "fsdp", "--rollout-backend", "transformers", "--check-only"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == EXIT_NOT_STARTED == 2
+    assert capsys.readouterr().err == f"slime: error: --hf-checkpoint {tmp_path}: what {name} says\n"
+
+
+def test_main_leaves_other_errors_their_traceback(tmp_path, monkeypatch):
+    from slime import driver
+    from slime.train import main
+
+    def resolve_components(cfg):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(driver, "resolve_components", resolve_components)
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "4", "--num-rollout", "1", "--rollout-num-gpus", "1",
+            "--train-backend", "fsdp", "--rollout-backend", "transformers", "--check-only"]  # fmt: skip
+    with pytest.raises(KeyError, match="a bug"):
+        main(argv)
