@@ -1,15 +1,9 @@
-"""Rollout engines by ``--rollout-backend`` name (see :mod:`slime.rollout.engines.base` for the interface).
+"""Rollout engines by ``--rollout-backend`` name (interface: :mod:`slime.rollout.engines.base`).
 
-Built-in engines are declared by import path (:class:`slime.utils.registry.Builtin`), like the
-training backends, and imported on their first lookup: importing this package imports no
-engine module (so neither transformers' model code nor sglang).  Each built-in may name its
-*config*: an :class:`slime.rollout.engines.config.EngineConfig` subclass with its parse-time
-checks, importable without the engine's packages.
-
-``sglang`` (:mod:`slime.rollout.engines.sglang`) needs the ``sglang`` distribution installed in the
-run's environment (its servers run on the same Python); without it ``--rollout-backend sglang``
-stops at parse time, saying so and naming the way out (the GPU profile, or
-``--rollout-backend transformers``).
+Built-ins are declared by import path (:class:`slime.utils.registry.Builtin`) and imported on first lookup, so
+importing this package imports no engine module (neither transformers' model code nor SGLang); each names its
+parse-time checks (:class:`slime.rollout.engines.config.EngineConfig`).  Without the ``sglang`` distribution,
+``--rollout-backend sglang`` stops at parse time, naming the way out.
 """
 
 from slime.utils.registry import Builtin, Registry

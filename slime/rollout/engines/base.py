@@ -1,54 +1,11 @@
 """The rollout-engine interface, shaped after SGLang's HTTP server API.
 
-A rollout engine is one inference server, possibly spanning several GPUs
-(``--rollout-num-gpus-per-engine``); slime runs each engine inside a Ray actor and talks
-to all of them through :class:`slime.ray.engine_group.RolloutEngineGroup`.  Engines are
-selected with ``--rollout-backend`` (registry: :mod:`slime.rollout.engines`):
-
-- ``sglang`` (the production engine, :mod:`slime.rollout.engines.sglang`): each engine is one
-  SGLang server process on the engine's GPUs, and each method maps onto one of its endpoints
-  (``/generate``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
-  ``/update_weights_from_distributed``, ``/release_memory_occupation``,
-  ``/resume_memory_occupation``, ``/flush_cache``, ``/pause_generation``,
-  ``/continue_generation``, ``/health``).
-- ``transformers``: an in-process Hugging Face model; the embedded default on machines
-  without a GPU, and usable on one GPU with small models.
-
-The request/response records mirror SGLang's ``/generate`` payload so that the same
-rollout code drives both engines: prompts travel as text plus base64 images
-(``image_data``), sampling parameters use SGLang's names, and the output carries the
-generated token ids, their log-probs and a ``finish_reason``.
-
-Memory tags: ``/release_memory_occupation`` and ``/resume_memory_occupation`` take
-``{"tags": [...]}`` naming regions of the engine's GPU memory (SGLang's
-``sglang.srt.constants.GPU_MEMORY_TYPE_*``; ``None`` or ``[]`` means every region).
-Colocated runs free everything before training and bring the regions back one at a time
-around the weight sync (:mod:`slime.ray.colocate`).
-
-Lifecycle, as :class:`slime.ray.engine_group.RolloutEngineGroup` drives it:
-
-1. ``from_config(cfg, resources)`` builds the engine inside its Ray actor.  ``resources``
-   (:class:`EngineResources`) lists every placement-group bundle the engine spans
-   (``--rollout-num-gpus-per-engine`` of them): node, GPU ids, CPUs.  The actor sits on the
-   first bundle; the others are reserved for the engine's own processes (an SGLang server's
-   tensor-parallel ranks) and nothing else of the run is placed on them.  The constructor
-   should start the server and return; readiness is reported by :meth:`RolloutEngine.health`.
-2. :meth:`RolloutEngine.health` is polled until it is True, for at most
-   ``--rollout-engine-start-timeout`` seconds; an engine that raises, or is not healthy in
-   time, fails the start-up with an error naming it (index, node, bundles, exception and
-   :meth:`RolloutEngine.log_tail`).
-3. The step's requests form one queue; an engine with room in its window (requests in
-   flight: its :attr:`RolloutEngine.capacity` when it is the only engine, else at most half
-   an even share of the step, :func:`slime.rollout.scheduler.balance_windows`) gets the
-   next ones, in calls of at most :attr:`RolloutEngine.max_requests_per_call`, and up to
-   :attr:`RolloutEngine.max_concurrent_calls` calls at once.
-4. An engine that dies while serving (its :meth:`RolloutEngine.generate` raises
-   :class:`EngineUnavailableError`, its actor dies, or its :meth:`RolloutEngine.health` turns False)
-   is taken out of the rotation; its requests go to the other engines and it is restarted
-   (:meth:`RolloutEngine.restart`), then serves again after the next weight sync (mid-rollout when no
-   other engine is left to serve, :meth:`slime.ray.engine_group.RolloutEngineGroup.set_resync`).
-5. :meth:`RolloutEngine.shutdown` stops everything the engine started; it runs in the
-   driver's ``finally``, also after errors and when the run joined an external Ray cluster.
+One engine is one inference server, possibly over several GPUs (``--rollout-num-gpus-per-engine``), built inside
+its own Ray actor and driven by :class:`slime.ray.engine_group.RolloutEngineGroup`; ``--rollout-backend`` picks
+the class (:mod:`slime.rollout.engines`).  The records mirror SGLang's ``/generate`` payload (text plus base64
+images, SGLang's sampling names; token ids, log-probs, ``finish_reason``), and the memory calls take SGLang's
+tags (:data:`GPU_MEMORY_TYPES`).  The lifecycle the group drives (start-up, health polling, windows, restarts,
+shutdown): ``docs/design/rollout_engines.md``.
 """
 
 from __future__ import annotations
@@ -98,20 +55,14 @@ class SamplingParams:
     """Sampling parameters, with SGLang's ``sampling_params`` names.
 
     Attributes:
-        max_new_tokens: hard cap on generated tokens; a response that reaches it ends with
-            ``finish_reason == "length"``.
-        temperature: softmax temperature, >= 0; 0 is greedy decoding (argmax; ``top_p`` and
-            ``top_k`` are ignored, log-probs under ``T = 1``). Log-probs are reported under
-            ``logits / temperature``, as SGLang does.
-        top_p: nucleus sampling mass in (0, 1].
-        top_k: keep the k most likely tokens; -1 disables.
-        stop: extra stop strings (the EOS token always stops).
-        stop_token_ids: extra stop token ids.
-        no_stop_trim: keep the matched stop string in the text (SGLang semantics).
-        sampling_seed: this request's seed, an int in ``[0, 2**63)`` (SGLang's name), or None
-            for the engine's own stream.  With a seed, the response depends only on the seed,
-            the prompt and the weights, never on the engine, the batch or earlier requests
-            (:mod:`slime.rollout.seeds`); ignored when ``temperature == 0``.
+        max_new_tokens: cap on generated tokens (reaching it: ``finish_reason == "length"``).
+        temperature: >= 0; 0 is greedy (``top_p`` / ``top_k`` ignored, log-probs at ``T = 1``).  Log-probs are
+            reported under ``logits / temperature``, as SGLang does.
+        top_p: nucleus mass in (0, 1].  top_k: keep the k most likely tokens; -1 disables.
+        stop, stop_token_ids: extra stop strings and ids (EOS always stops).
+        no_stop_trim: keep the matched stop string in the text.
+        sampling_seed: int in ``[0, 2**63)``, or None for the engine's own stream; with a seed the response depends
+            only on seed, prompt and weights (:mod:`slime.rollout.seeds`).  Ignored when greedy.
     """
 
     max_new_tokens: int
@@ -133,18 +84,11 @@ class GenerateRequest:
     """One prompt to complete (SGLang ``/generate`` with ``return_logprob=True``).
 
     Attributes:
-        text: the chat-templated prompt, with one vision span per image.
-        image_data: base64 PNG images in placeholder order (already resized by the data
-            pipeline, so every engine derives the same number of image tokens).
-        sampling_params: how to sample.
-        rid: request id, for logs.
-        return_routed_experts: also return the experts an MoE model routed every position to
-            (:attr:`GenerateOutput.routed_experts`; SGLang's field, which needs its server flag
-            ``--enable-return-routed-experts``).  An engine that does not capture them returns None.
-
-    Engines do not check the prompt against the data pipeline's tokens: they report the
-    length they saw (:attr:`GenerateOutput.prompt_tokens`) and the rollout manager compares
-    it, once for every engine.
+        text: the chat-templated prompt, one vision span per image.
+        image_data: base64 PNG images in placeholder order, already resized by the data pipeline.
+        sampling_params: how to sample.  rid: request id, for logs.
+        return_routed_experts: also return :attr:`GenerateOutput.routed_experts` (None from an engine that does
+            not capture them).
     """
 
     text: str
@@ -159,27 +103,19 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclasses.dataclass
 class GenerateOutput:
-    """One completion (the fields of SGLang's ``/generate`` response that slime uses).
+    """One completion (the fields of SGLang's ``/generate`` answer that slime uses).
 
     Attributes:
         text: decoded response text.
-        output_ids: generated token ids (R), including the stop token when generation
-            stopped on one.
-        output_log_probs: log-probs of ``output_ids`` under the sampling distribution
-            (``logits / temperature``), natural log, length R (SGLang
-            ``meta_info.output_token_logprobs``).
-        finish_reason: ``"stop"`` (EOS or a stop token/string), ``"length"``
-            (``max_new_tokens`` reached) or ``"abort"``.
-        prompt_tokens: number of prompt tokens the engine saw (images expanded; SGLang
-            ``meta_info.prompt_tokens``), checked by the rollout manager against the data
-            pipeline's count.
-        engine_index: which engine served the request; set by the engine group, not by the
-            engine.
-        rid: the request id the engine answered for, where it reports one (SGLang's
-            ``meta_info.id``); the engine group checks it against the request's ``rid``.
-        routed_experts: with :attr:`GenerateRequest.return_routed_experts`, uint8
-            ``[prompt_tokens + R - 1, layers, top_k]``: the experts of each MoE layer at every position the
-            engine ran a forward for (:mod:`slime.data.routes`); None otherwise.
+        output_ids: generated token ids (R), the stop token included when one ended the response.
+        output_log_probs: natural-log probabilities of ``output_ids`` under ``logits / temperature``, length R
+            (SGLang ``meta_info.output_token_logprobs``).
+        finish_reason: ``"stop"`` (EOS, stop token or string), ``"length"`` or ``"abort"``.
+        prompt_tokens: prompt tokens the engine saw, images expanded (the rollout manager checks it).
+        engine_index: the serving engine, set by the engine group.
+        rid: the request id the engine answered for, where it reports one (the group checks it).
+        routed_experts: when asked, uint8 ``[prompt_tokens + R - 1, layers, top_k]``: each MoE layer's experts at
+            every position the engine ran a forward for (:mod:`slime.data.routes`); None otherwise.
     """
 
     text: str
@@ -194,16 +130,9 @@ class GenerateOutput:
 
 @dataclasses.dataclass(frozen=True)
 class BundleResources:
-    """One placement-group bundle of an engine, as Ray reports it from inside the bundle.
-
-    Attributes:
-        bundle_index: index of the bundle in the engines' placement group.
-        node_ip: IP address of the bundle's node.
-        node_id: Ray node id (hex) of that node.
-        gpu_ids: ``ray.get_gpu_ids()`` in the bundle, as strings: the node's device ids as
-            ``CUDA_VISIBLE_DEVICES`` spells them; empty for CPU bundles.
-        num_cpus: logical CPUs the bundle reserves.
-    """
+    """One placement-group bundle of an engine as Ray reports it inside the bundle: ``bundle_index`` in the engines'
+    placement group, its node's ``node_ip`` and Ray ``node_id`` (hex), ``gpu_ids`` (``ray.get_gpu_ids()`` as
+    ``CUDA_VISIBLE_DEVICES`` spells them; empty on CPU) and ``num_cpus`` (logical CPUs reserved)."""
 
     bundle_index: int
     node_ip: str
@@ -214,22 +143,15 @@ class BundleResources:
 
 @dataclasses.dataclass(frozen=True)
 class EngineResources:
-    """Everything one engine may use: the bundles it spans (``--rollout-num-gpus-per-engine``).
-
-    The engine's Ray actor runs on ``bundles[0]``.  On GPUs the actor is started with Ray's
-    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` and sets ``CUDA_VISIBLE_DEVICES`` to
-    :attr:`local_cuda_visible_devices` itself, so that it and the processes it starts see
-    every GPU of the engine on its node (an SGLang server then takes ``base_gpu_id=0``,
-    ``tp_size=len(local_gpu_ids)``).  Bundles on other nodes (an engine larger than a node)
-    are listed for the engine to start its remote ranks there.
+    """The bundles one engine spans (``--rollout-num-gpus-per-engine``); its actor runs on ``bundles[0]`` and, on
+    GPUs, sets ``CUDA_VISIBLE_DEVICES`` to :attr:`local_cuda_visible_devices` (Ray leaves it unset), so that it and
+    its processes see every GPU of the engine on its node.
 
     Attributes:
-        index: engine index, ``0 <= index < number of engines``; also its seed offset.
-        bundles: the bundles in device order (sorted by node, then GPU id).
-        use_gpu: whether the bundles hold GPUs (else CPUs only).
-        colocated: whether trainer ranks share these bundles (``--colocate``).
-        cpu_threads: torch intra-op threads for this engine on a machine without GPUs (its
-            share of the cores, in proportion to its bundles); None on GPUs.
+        index: engine index (``0 .. engines - 1``), also its seed offset.
+        bundles: in device order (node, then GPU id).
+        use_gpu: the bundles hold GPUs.  colocated: trainer ranks share them (``--colocate``).
+        cpu_threads: torch intra-op threads without GPUs (the engine's share of the cores); None on GPUs.
     """
 
     index: int
@@ -286,16 +208,10 @@ class EngineResources:
 
 
 class RolloutEngine(abc.ABC):
-    """One inference server. Instances live inside Ray actors (see ``engine_group``).
-
-    Threads: the engine group calls one method at a time, with two exceptions.
-    :meth:`health`, :meth:`log_tail` and :meth:`shutdown` may arrive from another thread while
-    a method runs (a health poll, a shutdown after Ctrl-C during generation); and up to
-    :attr:`max_concurrent_calls` :meth:`generate` calls may run at once when an engine sets it
-    above 1 (never together with a weight, memory or cache call).  Weight updates may come from
-    several trainer ranks in one sync (each sends the tensors it is the source of), one call after
-    another in any order.
-    """
+    """One inference server inside a Ray actor.  The group calls one method at a time, except that :meth:`health`,
+    :meth:`log_tail` and :meth:`shutdown` may come from another thread meanwhile, and up to
+    :attr:`max_concurrent_calls` :meth:`generate` calls may run at once (never with a weight, memory or cache call).
+    Weight buckets of one sync may come from several trainer ranks, in any order."""
 
     weight_transports: ClassVar[tuple[str, ...]] = ("object_store",)
     """The weight-sync transports this engine accepts (:mod:`slime.weight_sync`), best first.  Every engine
@@ -317,104 +233,69 @@ class RolloutEngine(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def from_config(cls, cfg: SlimeConfig, resources: EngineResources) -> RolloutEngine:
-        """Build engine ``resources.index`` of a run inside its Ray actor (the engine factory).
-
-        Args:
-            cfg: the run's flags.
-            resources: the bundles the engine spans; the engine uses all of them.
+        """Build engine ``resources.index`` of a run inside its Ray actor, on all of ``resources``.
 
         Raises:
-            ValueError / ConfigError: the engine cannot use these resources or flags; the
-                message names the flag.
+            ValueError / ConfigError: the engine cannot use these resources or flags (the message names the flag).
         """
 
     @property
     def capacity(self) -> int:
-        """The most requests the engine works on at once, over all its :meth:`generate` calls (>= 1).
-
-        The engine group never has more in flight at the engine.  An engine that batches per
-        call (transformers) gives its batch size; a continuous-batching server (SGLang) the
-        requests it keeps in flight (upstream slime's ``--sglang-server-concurrency``).
-        Default 1.
-        """
+        """The most requests in flight at the engine over all its calls (>= 1; default 1): a batching engine's
+        batch size, a continuous-batching server's concurrency."""
         return 1
 
     @property
     def max_requests_per_call(self) -> int:
-        """The most requests in one :meth:`generate` call (>= 1); default :attr:`capacity` (one
-        call is one batch).  A continuous-batching server with :attr:`max_concurrent_calls` > 1
-        sets it smaller (SGLang: ``--sglang-requests-per-call``), so that a call's requests come back
-        and free the group's window without waiting for the whole step."""
+        """The most requests in one :meth:`generate` call (>= 1; default :attr:`capacity`)."""
         return self.capacity
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete every request (at most :attr:`max_requests_per_call`); the output list is in
-        request order, one output per request, each with the engine's
-        :attr:`GenerateOutput.prompt_tokens`."""
+        """Complete every request (at most :attr:`max_requests_per_call`): one output each, in request order."""
 
     @abc.abstractmethod
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
-        """Load one bucket of weights, by Hugging Face parameter name.
-
-        Names are those of the HF checkpoint (``model.language_model.layers.0...``,
-        ``model.visual.blocks.0...``, ``lm_head.weight``); the vision tower keeps its HF
-        names. Tensors arrive on CPU (Ray object store) or, for colocated GPU engines,
-        as CUDA tensors the engine may read in place.
+        """Load one bucket by Hugging Face checkpoint name; tensors arrive on CPU, or on CUDA for a colocated engine to
+        read in place.
 
         Raises:
             KeyError: a name the engine's model does not have.
-            ValueError: a shape that does not match the engine's parameter.
+            ValueError: a shape that differs from the engine's parameter.
         """
 
     @abc.abstractmethod
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free the device memory of the regions ``tags`` for a colocated trainer
-        (SGLang ``POST /release_memory_occupation {"tags": tags}``).
-
-        Args:
-            tags: :data:`GPU_MEMORY_TYPE_WEIGHTS`, :data:`GPU_MEMORY_TYPE_KV_CACHE`,
-                :data:`GPU_MEMORY_TYPE_CUDA_GRAPH`; ``None`` (or ``[]``) releases all of them.
-
-        The engine must not generate until every released region is resumed.  After the
-        weights are resumed they must be pushed again (SGLang without a weight backup keeps
-        no copy), which :class:`slime.ray.colocate.ColocatedMemory` always does.
+        """Free the device memory of regions ``tags`` (:data:`GPU_MEMORY_TYPES`; None or ``[]``: all) for a colocated
+        trainer.  No generation until they are resumed; released weights must be pushed again.
 
         Raises:
-            ValueError: an unknown tag (the message names it).
+            ValueError: an unknown tag (named).
         """
 
     @abc.abstractmethod
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Re-allocate the regions ``tags`` that :meth:`release_memory_occupation` freed
-        (SGLang ``POST /resume_memory_occupation {"tags": tags}``; ``None`` or ``[]``: all).
-
-        Callers resume only released regions: SGLang raises for a tag that is not released.
+        """Re-allocate the released regions ``tags`` (None or ``[]``: all); callers resume released regions only.
 
         Raises:
-            ValueError: an unknown tag (the message names it).
+            ValueError: an unknown tag (named).
         """
 
     # -- weight-sync transports other than the object store (see slime.weight_sync.base) ---------
 
     def update_weights_from_ipc(self, serialized_per_tp_rank: list[str]) -> None:
-        """Load one flattened bucket from CUDA IPC handles, one per TP rank of the engine (transport
-        ``cuda_ipc``; SGLang ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``).
-
-        Args:
-            serialized_per_tp_rank: for TP rank ``i``, the base64 payload of
-                :func:`slime.weight_sync.flattened.serialize_ipc_bucket` made on that rank's GPU.
+        """Transport ``cuda_ipc``: load one flattened bucket, one base64 payload per TP rank of the engine
+        (:func:`slime.weight_sync.flattened.serialize_ipc_bucket`, made on that rank's GPU).
 
         Raises:
-            NotImplementedError: the engine does not take ``cuda_ipc`` (not in its :attr:`weight_transports`).
+            NotImplementedError: the engine does not take ``cuda_ipc``.
         """
         raise NotImplementedError(f"{type(self).__name__} does not take weights by CUDA IPC")
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str) -> None:
-        """Join the NCCL group ``group_name`` of a weight source (transport ``nccl``; SGLang
-        ``/init_weights_update_group``): the engine's TP rank ``i`` becomes rank ``rank_offset + i`` of
-        ``world_size``, rank 0 being the trainer rank that broadcasts.  Blocks until the group is formed.
+        """Transport ``nccl``: join group ``group_name``, TP rank ``i`` as rank ``rank_offset + i`` of ``world_size``
+        (rank 0 broadcasts); blocks until the group is formed.
 
         Raises:
             NotImplementedError: the engine does not take ``nccl``.
@@ -423,10 +304,8 @@ class RolloutEngine(abc.ABC):
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str) -> None:
-        """Receive one flattened bucket broadcast from rank 0 of ``group_name`` (transport ``nccl``; SGLang
-        ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``): the tensors
-        ``names`` (HF checkpoint names) of ``dtypes`` (``"bfloat16"``, ...) and ``shapes``, concatenated
-        as bytes in that order.  Returns once they are loaded.
+        """Transport ``nccl``: receive one flattened bucket from rank 0 of ``group_name``, the tensors ``names`` of
+        ``dtypes`` (``"bfloat16"``, ...) and ``shapes`` as bytes in that order; returns once they are loaded.
 
         Raises:
             NotImplementedError: the engine does not take ``nccl``.
@@ -439,19 +318,17 @@ class RolloutEngine(abc.ABC):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def restart(self) -> None:
-        """Stop what is left of the engine's server and start a new one with the start-up weights
-        (``--hf-checkpoint``); returns once it is started (readiness: :meth:`health`).  The engine
-        group calls it after the engine died, and pushes the current weights in at the next sync.
+        """Stop what is left of the server and start a new one from ``--hf-checkpoint``; returns once started
+        (readiness: :meth:`health`).  The group pushes the current weights at the next sync.
 
         Raises:
-            NotImplementedError: the engine cannot restart (the group then fails the run instead).
+            NotImplementedError: the engine cannot restart (the group then fails the run).
         """
         raise NotImplementedError(f"{type(self).__name__} cannot restart")
 
     def memory_info(self) -> dict[str, float]:
-        """GPU memory figures of the engine's GPUs for the colocation metrics: ``{"free_gib": ...,
-        "total_gib": ...}`` (GiB, summed over its GPUs) and ``"gpus"`` (how many); empty where unknown
-        (CPU engines)."""
+        """``{"free_gib", "total_gib", "gpus"}`` of the engine's GPUs (GiB, summed) for the colocation metrics; ``{}``
+        where unknown."""
         return {}
 
     def flush_cache(self) -> None:
@@ -464,19 +341,13 @@ class RolloutEngine(abc.ABC):
         """Undo :meth:`pause_generation`."""
 
     def health(self) -> bool:
-        """Whether the engine can serve requests (SGLang ``GET /health``); polled during start-up
-        until True, so it must return quickly, never block until the server is up."""
+        """Whether the engine can serve (SGLang ``GET /health``); polled during start-up, so it never blocks."""
         return True
 
     def log_tail(self) -> str:
-        """The last lines of the engine's own log (e.g. its server's), quoted when the engine
-        fails to start; empty when there is none."""
+        """The last lines of the engine's own log, quoted when it fails to start ("" without one)."""
         return ""
 
     def shutdown(self) -> None:
-        """Release every resource: stop every process the engine started and free device memory.
-
-        Called once at the end of every run, including failed ones, possibly while another
-        method still runs (see the class docstring); a second call does nothing.  Processes the
-        engine's actor started and that outlive this call are killed by the actor afterwards.
-        """
+        """Stop every process the engine started and free its device memory; idempotent, may run while another method
+        runs (the actor kills processes that outlive it)."""

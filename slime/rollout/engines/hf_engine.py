@@ -1,26 +1,11 @@
-"""Rollout engine on an in-process transformers model: the embedded default on machines without a GPU
-and the fallback where SGLang is not installed.  Runs on CPU or one GPU (``device``, ``dtype``).
+"""Rollout engine on an in-process transformers model, on CPU or one GPU: the default without a GPU and the
+fallback without SGLang.
 
-It reproduces the SGLang 0.5 behaviour the trainer relies on: sampling and log-probs as
-:mod:`.hf_sampling` states; **stopping** (``managers/schedule_batch.py``, ``Req.check_finished``) after
-every token, in this order: ``max_new_tokens`` reached -> ``"length"`` (even on an EOS); an EOS id (the
-tokenizer's or ``generation_config.eos_token_id``) or a ``stop_token_ids`` entry -> ``"stop"``; a ``stop``
-string in the decoded tail -> ``"stop"``; ``output_ids`` keep the stop token (and a stop string's
-tokens); **text** (``managers/detokenizer_manager.py``, ``trim_matched_stop``):
-``decode(output_ids, skip_special_tokens=True)``, without a matched stop token and cut before a matched
-stop string (``no_stop_trim=True``: kept, cut after it).
-
-Batching: requests go through the model in request order, ``max_batch_size`` at a time, left padded,
-with a ``DynamicCache`` (for Qwen3.5 also the Gated DeltaNet states; transformers zeroes padded hidden
-states before those layers, so padding never leaks into results).  Positions are the M-RoPE (t, h, w)
-rows of the model's ``get_rope_index`` over each prompt's own tokens, plus one per decode step.  With
-``return_routed_experts`` an MoE model's routes come back as SGLang's (:func:`slime.models.routes.capture_hf_routes`).
-
-Randomness: token ``t`` of a request with ``sampling_seed = s`` uses :func:`slime.rollout.seeds.uniform`
-``(s, t)``, so a response depends only on its seed, prompt and weights.  Requests without a seed get
-one from the engine's own CPU generator (seeded once by ``seed``); the process-wide RNG is never touched.
-
-Weights arrive under their Hugging Face *checkpoint* names (:class:`.hf_weights.CheckpointWeights`).
+It reproduces the SGLang 0.5 behaviour the trainer relies on: sampling and log-probs (:mod:`.hf_sampling`);
+stopping, checked after every token in this order: ``max_new_tokens`` -> ``"length"`` (even on an EOS), an EOS or
+``stop_token_ids`` id -> ``"stop"``, a ``stop`` string in the decoded tail -> ``"stop"`` (``output_ids`` keep the
+stop token); the text, ``decode(output_ids, skip_special_tokens=True)`` with the matched stop cut off unless
+``no_stop_trim``.  Sources, batching and randomness: ``docs/design/rollout_engines.md``.
 """
 
 from __future__ import annotations
@@ -65,18 +50,16 @@ class TransformersEngine(RolloutEngine):
     """A :class:`RolloutEngine` around ``AutoModelForImageTextToText`` (``Qwen3_5MoeForConditionalGeneration``).
 
     Args:
-        hf_checkpoint: local Hugging Face checkpoint folder (weights, tokenizer, processor configs).
-        device: torch device of the model, e.g. ``"cpu"`` or ``"cuda:0"``.
-        dtype: parameter dtype, e.g. ``torch.float32`` on CPU, ``torch.bfloat16`` on GPU.
-        min_pixels, max_pixels: narrower image pixel bounds for :func:`slime.data.processor.load_processor`.
-        seed: seed of the engine's generator, which gives a sampling seed to every request that
-            has none (``sampling_params.sampling_seed is None``).
+        hf_checkpoint: local checkpoint folder (weights, tokenizer, processor files).
+        device, dtype: of the model, e.g. ``"cpu"`` and float32, ``"cuda:0"`` and bfloat16.
+        min_pixels, max_pixels: narrower image bounds for :func:`slime.data.processor.load_processor`.
+        seed: seeds the engine's generator, which gives a seed to every request without ``sampling_seed``.
         max_batch_size: requests per forward batch (>= 1).
-        attn_implementation: transformers attention backend (``"sdpa"``, ``"eager"``, ...).
+        attn_implementation: transformers' attention backend (``"sdpa"``, ``"eager"``, ...).
 
     Raises:
         ValueError: ``max_batch_size < 1``.
-        HFFolderError / ConfigError: from ``load_processor`` (missing files, widened pixel bounds).
+        HFFolderError / ConfigError: from ``load_processor``.
     """
 
     def __init__(
@@ -115,19 +98,11 @@ class TransformersEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg, resources: EngineResources) -> "TransformersEngine":
-        """Build engine ``resources.index`` of a run from its :class:`slime.arguments.SlimeConfig`
-        (what the driver's engine factory calls inside each engine's Ray actor).
-
-        ``--hf-checkpoint``, ``--image-min-pixels`` / ``--image-max-pixels`` (so that the engine's
-        prompts match the data pipeline's), engine seed ``--rollout-seed + resources.index`` (used
-        only for requests without a ``sampling_seed``; the rollout manager gives every request one,
-        so a request's draws do not depend on the engine it lands on); bfloat16 on the engine's GPU
-        (the actor's ``CUDA_VISIBLE_DEVICES`` is that GPU), float32 on CPU, where the actor's torch
-        threads already cover all of the engine's CPU bundles.
+        """Engine ``resources.index`` of a run: ``--hf-checkpoint``, the data pipeline's pixel bounds, seed
+        ``--rollout-seed + index`` (for requests without one), bfloat16 on the engine's GPU, float32 on CPU.
 
         Raises:
-            ValueError: the engine spans more than one GPU (``--rollout-num-gpus-per-engine`` > 1):
-                this engine runs on one device.
+            ValueError: the engine spans more than one GPU (``--rollout-num-gpus-per-engine`` > 1).
         """
         if resources.num_gpus > 1:
             raise ValueError(
@@ -146,18 +121,16 @@ class TransformersEngine(RolloutEngine):
 
     @property
     def capacity(self) -> int:
-        """``max_batch_size``: one call is one forward batch (:attr:`max_requests_per_call` is the same),
-        and calls run one at a time (``max_concurrent_calls = 1``)."""
+        """``max_batch_size``: one call is one forward batch."""
         return self.max_batch_size
 
     # ---------------------------------------------------------------- generation
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete every request (see the module docstring for the sampling and stopping rules).
+        """Complete every request (sampling and stopping: module docstring).
 
         Raises:
-            RuntimeError: the engine is paused, released, shut down, or a weight update left a
-                fused parameter half-received.
+            RuntimeError: the engine is paused, released or shut down, or a fused parameter is half-received.
             ValueError: invalid sampling parameters, or an image the processor cannot take.
         """
         self._check_can_generate()
@@ -207,8 +180,7 @@ class TransformersEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[_Prompt]) -> list[GenerateOutput]:
-        """One left-padded batch: prefill, then one decode step per token until every row has finished (with the
-        routers' choices captured when a request asks for them)."""
+        """One left-padded batch: prefill, then decode steps until every row is done (routes captured where asked)."""
         batch = len(prompts)
         params = [p.request.sampling_params for p in prompts]
         stop_strs = {row: s.stop for row, s in enumerate(params) if s.stop}
@@ -229,12 +201,8 @@ class TransformersEngine(RolloutEngine):
         return outputs
 
     def _sample(self, prompts: list[_Prompt], params: list[SamplingParams], stop_strs: dict[int, list[str]]):
-        """Prefill and decode steps of one batch until every row has finished.
-
-        Returns:
-            ``(tokens [B, S], log_probs [B, S], n_tokens [B], by_length [B], matched stop string per row)``, ``S``
-            the decode steps run; row ``b`` is valid in its first ``n_tokens[b]`` entries.
-        """
+        """Prefill and decode one batch: ``(tokens [B, S], log_probs [B, S], n_tokens [B], by_length [B], matched stop
+        string per row)``, ``S`` the steps run; row ``b`` is valid in its first ``n_tokens[b]`` entries."""
         from transformers import DynamicCache
 
         batch, device = len(prompts), self.device
@@ -343,12 +311,8 @@ class TransformersEngine(RolloutEngine):
         return position_ids
 
     def _find_stop_string(self, response_ids: torch.Tensor, stop: list[str]) -> str | None:
-        """The first stop string found in the decoded tail of the response, or None.
-
-        The tail is ``4 * len(longest stop string) + 1`` tokens: every token carries at least
-        one UTF-8 byte and a character has at most 4, and the check runs after every token, so
-        a stop string first appears within it.
-        """
+        """The first stop string in the decoded tail, or None.  The tail is ``4 * len(longest) + 1`` tokens: a token
+        carries at least one UTF-8 byte, a character at most 4, and the check runs after every token."""
         tail = response_ids[-(4 * max(map(len, stop)) + 1) :].tolist()
         text = self.tokenizer.decode(tail, skip_special_tokens=True)
         return next((s for s in stop if s in text), None)
@@ -369,37 +333,24 @@ class TransformersEngine(RolloutEngine):
     def update_weights_from_tensor(
         self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True
     ) -> None:
-        """Load one bucket of checkpoint-named tensors (see :class:`CheckpointWeights`).
-
-        ``flush_cache`` has nothing to do here: this engine keeps no cache between calls.
+        """Load one bucket of checkpoint-named tensors (:class:`CheckpointWeights`; there is no cache to flush).
 
         Raises:
             RuntimeError: the engine was shut down.
-            KeyError: a name that is not a checkpoint tensor of this model.
-            ValueError: a tensor whose shape differs from the checkpoint's.
+            KeyError: not a checkpoint tensor of this model.
+            ValueError: another shape than the checkpoint's.
         """
         self._check_not_shut_down()
         self._weights.load(named_tensors)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free device memory for a colocated trainer, by SGLang tag (``None``: all); generation
-        raises until every released tag is resumed.
-
-        - ``"weights"``: on CUDA the model moves to CPU; on CPU nothing moves.  Unlike SGLang
-          without a weight backup, the weights survive, so pushing them again after the resume
-          (as :class:`slime.ray.colocate.ColocatedMemory` does) is correct but not needed.
-          Weight updates are accepted meanwhile and land in the CPU copy.
-        - ``"kv_cache"``: this engine keeps no KV cache between :meth:`generate` calls (each call
-          builds and drops its own ``DynamicCache``), so nothing is held; on CUDA the blocks the
-          last call left in PyTorch's caching allocator go back to the driver, where the trainer
-          (another process) can use them.
-        - ``"cuda_graph"``: this engine captures no CUDA graphs; nothing to free.
-
-        Releasing an already released tag does nothing.
+        """Free device memory by SGLang tag (None: all); generation raises until every released tag is resumed.
+        ``"weights"``: on CUDA the model moves to CPU (kept, so weight updates land there); ``"kv_cache"``: the
+        allocator's cached blocks go back to the driver (no cache lives between calls); ``"cuda_graph"``: none captured.
 
         Raises:
             RuntimeError: the engine was shut down.
-            ValueError: an unknown tag (named in the message); nothing is released then.
+            ValueError: an unknown tag (named); nothing is released then.
         """
         self._check_not_shut_down()
         tags = memory_tags(tags)
@@ -411,14 +362,11 @@ class TransformersEngine(RolloutEngine):
         self._released.update(tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Undo :meth:`release_memory_occupation` for ``tags`` (``None``: all): ``"weights"`` moves
-        the model back to ``device`` (a no-op on CPU); ``"kv_cache"`` and ``"cuda_graph"`` hold no
-        memory here.  A tag that is not released is skipped (SGLang would raise; the driver never
-        does this).
+        """Undo :meth:`release_memory_occupation` for ``tags`` (None: all); a tag that is not released is skipped.
 
         Raises:
             RuntimeError: the engine was shut down.
-            ValueError: an unknown tag (named in the message); nothing is resumed then.
+            ValueError: an unknown tag (named); nothing is resumed then.
         """
         self._check_not_shut_down()
         tags = memory_tags(tags)
@@ -428,15 +376,10 @@ class TransformersEngine(RolloutEngine):
         self._released.difference_update(tags)
 
     def flush_cache(self) -> None:
-        """No-op: the KV cache lives only inside one :meth:`generate` call, so nothing is cached across calls."""
+        """No-op: no cache lives across :meth:`generate` calls."""
 
     def pause_generation(self) -> None:
-        """Refuse :meth:`generate` until :meth:`continue_generation`.
-
-        The engine runs one call at a time (the engine group never overlaps calls), so nothing is
-        in flight to pause; a later ``generate`` raises instead of blocking, because blocking
-        would wait forever for a ``continue_generation`` that cannot arrive meanwhile.
-        """
+        """Refuse :meth:`generate` until :meth:`continue_generation` (calls never overlap: nothing is in flight)."""
         self._paused = True
 
     def continue_generation(self) -> None:

@@ -1,14 +1,9 @@
 """SGLang's sampler (0.5, ``python/sglang/srt/layers/sampler.py``, pytorch backend) for the transformers engine.
 
-- **Sampling**: ``p = softmax(logits / T)``; top-k keeps the k most likely tokens and top-p the sorted
-  tokens whose probability mass *before* them is ``<= top_p``, both judged on the same unrenormalised
-  sorted ``p``; one token is drawn from what is kept.  ``temperature == 0`` is greedy (SGLang turns it
-  into ``top_k = 1`` at ``T = 1``).
-- **Log-probs** (``torch.log(probs)`` there): ``log_softmax(logits / T)`` of the chosen token, taken
-  *before* top-k / top-p filtering, in float32 (``T = 1`` for greedy rows).
-
-All the randomness is in one uniform number per row (:func:`slime.rollout.seeds.uniform`), so a draw
-depends only on the request's seed and step, never on its batch.
+Sampling: ``p = softmax(logits / T)``; top-k keeps the k most likely tokens and top-p the sorted tokens whose mass
+*before* them is ``<= top_p`` (both on the same unrenormalised sorted ``p``); one token is drawn from what is kept.
+Greedy (``T == 0``) is SGLang's ``top_k = 1`` at ``T = 1``.  Log-probs: ``log_softmax(logits / T)`` of the chosen
+token before filtering, float32.  The randomness is one uniform number per row (:func:`slime.rollout.seeds.uniform`).
 """
 
 from __future__ import annotations
@@ -26,23 +21,16 @@ def sample_next_tokens(
     top_k: torch.Tensor,
     uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row with SGLang's sampling rules (see the module docstring).
-
-    A sampled row sorts ``p = softmax(logits / T)`` in decreasing order (stable: ties by token
-    id), keeps the prefix that top-k and top-p allow, and returns the first kept token whose
-    cumulative kept mass exceeds ``u * (kept mass)``: exact sampling from the renormalised kept
-    distribution, with all the randomness in ``u``.
+    """One token per row by the module's rules: the first kept token (sorted stably, ties by id) whose cumulative
+    kept mass exceeds ``u * (kept mass)``.
 
     Args:
-        logits: float32 ``[B, V]`` raw next-token logits.
-        temperature: float32 ``[B]``, ``>= 0``; 0 means greedy (top-k / top-p ignored).
-        top_p: float32 ``[B]`` in ``(0, 1]``.
-        top_k: int64 ``[B]``; ``-1`` (or ``>= V``) keeps every token.
-        uniforms: float64 ``[B]`` in ``[0, 1)``, one random number per row (unused for greedy rows).
+        logits: float32 ``[B, V]``.  temperature: float32 ``[B]``, >= 0 (0: greedy).
+        top_p: float32 ``[B]`` in (0, 1].  top_k: int64 ``[B]``; -1 (or >= V) keeps every token.
+        uniforms: float64 ``[B]`` in [0, 1) (unused for greedy rows).
 
     Returns:
-        ``(tokens, log_probs)``: int64 ``[B]`` and float32 ``[B]``, the natural-log probability
-        of each token under ``log_softmax(logits / T)`` (``T = 1`` for greedy rows), unfiltered.
+        ``(tokens, log_probs)``: int64 ``[B]`` and float32 ``[B]`` (nats, unfiltered, ``T = 1`` for greedy rows).
     """
     vocab = logits.shape[-1]
     greedy = temperature == 0

@@ -1,9 +1,4 @@
-"""Weights pushed into the transformers engine under their Hugging Face *checkpoint* names.
-
-:class:`CheckpointWeights` writes a bucket of checkpoint-named tensors (what the trainers send, e.g. the
-per-expert ``...mlp.experts.{e}.gate_proj.weight``) into the model's in-memory layout (transformers 5's
-fused ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``), buffering a fused group until it is complete.
-"""
+"""Weights pushed into the transformers engine under their Hugging Face *checkpoint* names."""
 
 from __future__ import annotations
 
@@ -13,23 +8,12 @@ import torch
 
 
 class CheckpointWeights:
-    """Writes tensors named as in the model's checkpoint files into the model's in-memory layout.
+    """Writes checkpoint-named tensors (per-expert ``...mlp.experts.{e}.gate_proj.weight``, ...) into the model's
+    in-memory layout (transformers 5's fused ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``, gate rows first, and
+    ``down_proj`` ``[E, H, I]``) with transformers' own conversions (``model._weight_conversions``).
 
-    transformers 5 converts checkpoint tensors when it loads a model and records the conversions
-    it used on ``model._weight_conversions`` (``transformers/conversion_mapping.py``).  For
-    Qwen3.5-MoE the per-expert ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` /
-    ``down_proj`` (``[I, H]``, ``[I, H]``, ``[H, I]``) become ``...mlp.experts.gate_up_proj``
-    (``[E, 2I, H]``, gate rows first) and ``...mlp.experts.down_proj`` (``[E, H, I]``); every
-    other name is kept.  This class runs the load direction with transformers' own pieces:
-    ``rename_source_key`` maps a checkpoint name to its parameter and ``WeightConverter.convert``
-    fuses a complete group.  Which checkpoint names (and shapes) exist is derived from the model
-    once, by running ``revert_weight_conversion`` (what ``save_pretrained`` and the trainer use
-    to produce these names) on a meta-device copy of the state dict.
-
-    A bucket may end in the middle of a fused group (e.g. half the experts of a layer): the
-    received tensors are buffered until the group is complete, then fused and copied in.  A
-    tensor sent twice before its group completes replaces the earlier one.  So buckets from
-    several trainer ranks (each sending the tensors it is the source of) may arrive in any order.
+    A fused group is buffered until complete, so buckets may end mid-group and come from several ranks in any order;
+    a tensor sent twice before its group completes replaces the first.  How: ``docs/design/rollout_engines.md``.
     """
 
     def __init__(self, model: torch.nn.Module):

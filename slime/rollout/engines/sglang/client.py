@@ -1,35 +1,10 @@
 """HTTP client of one SGLang server (the 0.5.17 native API, ``sglang/srt/entrypoints/http_server.py``).
 
-Standard library only (``http.client``), one keep-alive connection per thread, so the engine can
-run many ``/generate`` calls at once (one per request: a continuous-batching server answers each
-as soon as it finishes).  Every request carries ``Authorization: Bearer <secret>``.
-
-Endpoints and payloads (request body -> answer), as the 0.5.17 server reads and writes them:
-
-- ``GET /health`` -> 200 once up (503 while starting); ``GET /model_info`` -> ``{"model_path",
-  "weight_version", ...}``; ``GET /server_info`` -> the server args, ``"version"``, ...;
-- ``POST /generate``: ``text``, ``image_data`` (base64 list), ``sampling_params``, ``return_logprob``,
-  ``rid`` -> ``{"text", "output_ids", "meta_info"}``;
-- ``POST /pause_generation``: ``{"mode": "abort" | "retract" | "in_place"}``; ``POST /continue_generation``:
-  ``{}`` -> ``{"status": "ok"}``; ``POST /flush_cache`` -> 200, or 400 while requests run;
-- ``POST /release_memory_occupation`` and ``/resume_memory_occupation``: ``{"tags": [...]}`` -> 200 (``null``);
-- ``POST /update_weights_from_tensor``: ``serialized_named_tensors`` (base64, one per TP rank),
-  ``load_format``, ``flush_cache`` -> ``{"success", "message"}``;
-- ``POST /init_weights_update_group``: ``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
-  ``group_name``, ``backend``; ``POST /update_weights_from_distributed``: ``names``, ``dtypes``, ``shapes``,
-  ``group_name``, ``load_format``, ``flush_cache``; ``POST /destroy_weights_update_group``: ``group_name``
-  -> ``{"success", "message"}``.
-
-0.5.17 quirks: ``/get_weight_version`` answers 404 (the version is in ``/model_info``);
-``/pause_generation`` defaults to ``mode="abort"`` (running requests come back with
-``finish_reason.type == "abort"``).  Errors come as ``{"error": {"message": ...}}`` (most
-endpoints), ``{"success": false, "message": ...}`` (weight endpoints) or ``{"error":
-"Unauthorized"}`` with status 401 (a missing or wrong key).
-
-Errors raised: :class:`SGLangUnavailable` (the server cannot be reached or dropped the
-connection: the engine is dead or not up yet; retrying on another engine is safe because the
-request produced nothing), :class:`SGLangAuthError` (401/403) and :class:`SGLangRequestError`
-(any other refusal; not retried).
+Standard library only (``http.client``), one keep-alive connection per thread, so that the engine can run many
+``/generate`` calls at once; every request carries ``Authorization: Bearer <secret>``.  Errors:
+:class:`SGLangUnavailable` (no answer: the server is dead or not up yet; the request produced nothing, so another
+engine may take it), :class:`SGLangAuthError` (401/403) and :class:`SGLangRequestError` (any other refusal; not
+retried).  The endpoints' payloads and 0.5.17's quirks: ``docs/design/sglang_engine.md``.
 """
 
 from __future__ import annotations
@@ -68,17 +43,11 @@ class SGLangRequestError(SGLangError):
 
 
 class SGLangClient:
-    """Calls one server at ``base_url`` (``http://host:port``) with ``api_key``.
+    """Calls one server at ``base_url`` (``http://host:port``) with ``api_key`` (None: no ``Authorization`` header).
 
-    Args:
-        base_url: the server's address.
-        api_key: the run's secret (None: send no ``Authorization`` header).
-        timeout_s: socket timeout of control calls, seconds; ``/generate`` and weight updates
-            wait without limit (a dead server resets the connection, and the engine group's
-            health checks catch a hung one).
-        record: append every exchange to this JSON-lines file (``{"method", "endpoint", "request",
-            "status", "response"}``; the key replaced by ``<redacted>`` wherever it appears), e.g. to
-            record a real server's answers for the CPU tests' fake server (``tests/fake_sglang_server.py --replay``).
+    ``timeout_s``: socket timeout of control calls, seconds (``/generate`` and weight updates wait without limit: a dead
+    server resets the connection, and the group's health checks catch a hung one).  ``record``: append every exchange to
+    this JSON-lines file, the key redacted (e.g. for ``tests/fake_sglang_server.py --replay``).
     """
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 60.0,
@@ -242,7 +211,8 @@ class SGLangClient:
 
 
 def _message(data: Any) -> str:
-    """The error text of an SGLang error body (the shapes of the module docstring)."""
+    """The error text of an SGLang error body (``{"error": {"message"}}``, ``{"error"}``, ``{"message"}``,
+    ``{"detail"}``)."""
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict):

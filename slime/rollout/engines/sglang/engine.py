@@ -1,27 +1,11 @@
 """The SGLang rollout engine: one SGLang server process per engine, driven over its HTTP API.
 
-:class:`SGLangEngine` lives in the engine's Ray actor (:class:`slime.ray.engine_actor.EngineActor`) on
-the engine's first bundle, with ``CUDA_VISIBLE_DEVICES`` set to all of the engine's GPUs on that node.
-It starts the server (:mod:`.launch`: command line, environment, log), talks to it through
-:class:`~.client.SGLangClient` with a per-engine secret that never leaves the actor and the server, and
-maps every :class:`~slime.rollout.engines.base.RolloutEngine` method onto endpoints:
-
-- ``generate``: one ``/generate`` call (:mod:`.generation`) of at most ``--sglang-requests-per-call`` requests
-  (default 32), up to :attr:`~SGLangEngine.capacity` requests at once (``--sglang-server-concurrency``; the engine
-  group never has more in flight); routed experts too where asked (:meth:`~SGLangEngine.captures_routes`).
-- weights: ``/update_weights_from_tensor`` (object store: the bucket by value; CUDA IPC: one handle
-  per TP rank, ``load_format="flattened_bucket"``), ``/init_weights_update_group`` +
-  ``/update_weights_from_distributed`` (NCCL).
-- memory: ``/release_memory_occupation`` / ``/resume_memory_occupation`` with the tags the server has
-  (no ``cuda_graph`` where the release lacks it or with ``--disable-cuda-graph``); a tag already
-  released (or not released) is not sent again.
-- ``/pause_generation`` (``abort``, SGLang's default, or ``retract``), ``/continue_generation``,
-  ``/flush_cache``; ``/health`` (never generates: see :mod:`.launch`) plus "is the process alive".
-
-Start-up: the constructor starts the server and returns; :meth:`~SGLangEngine.health` is polled by the
-group and raises once the server exited (exit code, log tail).  Once healthy, the engine checks the
-plugin's reports (:mod:`.server_plugin`) and refuses to serve without them or without the multimodal-RoPE
-fix where the SGLang release needs it (unless ``SLIME_SGLANG_MROPE_FIX=0``).
+:class:`SGLangEngine` lives in the engine's Ray actor with ``CUDA_VISIBLE_DEVICES`` set to the engine's GPUs on its
+node; it starts the server (:mod:`.launch`) and talks to it through :class:`~.client.SGLangClient` with a per-server
+secret that never leaves the actor and the server.  Each :class:`~slime.rollout.engines.base.RolloutEngine` method
+is one endpoint (``docs/design/sglang_engine.md`` lists them).  Once ``/health`` answers, the engine checks the
+plugin's reports (:mod:`.server_plugin`) and refuses to serve without them, or without the multimodal-RoPE fix where
+the release needs it (unless ``SLIME_SGLANG_MROPE_FIX=0``).
 """
 
 from __future__ import annotations
@@ -88,19 +72,17 @@ class ServerReportError(RuntimeError):
 
 
 class SGLangEngine(RolloutEngine):
-    """One SGLang server (see the module docstring).
+    """One SGLang server (module docstring).
 
     Args:
         spec: what the server is started with (:class:`~.launch.ServerSpec`).
         run_dir: folder for the server's log (``server.log``), plugin folder and reports.
-        capacity: requests in flight at once (``--sglang-server-concurrency``), <= :data:`MAX_CONCURRENT_CALLS`.
-        requests_per_call: the most requests in one ``/generate`` call (``--sglang-requests-per-call``),
-            1..``capacity``; default :func:`~.config.default_requests_per_call`.
+        capacity: requests in flight (``--sglang-server-concurrency``), at most :data:`MAX_CONCURRENT_CALLS`.
+        requests_per_call: requests per ``/generate`` call (``--sglang-requests-per-call``), 1..``capacity``; default
+            :func:`~.config.default_requests_per_call`.
         gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them (for :meth:`memory_info`).
-        secret: the key the first server requires (default: a new random one, never shown); a restarted
-            server gets a new random one (:meth:`restart`).
-        env: variables set for the server on top of this process's environment (e.g.
-            ``{"SLIME_SGLANG_MROPE_FIX": "0"}`` to measure the bug).
+        secret: the first server's key (default: a new random one); a restarted server gets a new one.
+        env: variables set for the server on top of this process's environment.
 
     Raises:
         ValueError: ``capacity`` or ``requests_per_call`` out of range.
@@ -244,7 +226,7 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ health and reports
 
     def health(self) -> bool:
-        """Whether the server is up and checked (see the module docstring).
+        """Whether the server is up; the first time it is, its plugin reports are checked.
 
         Raises:
             EngineUnavailableError: the server process exited (exit code and log tail in the message).
@@ -309,17 +291,12 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete the requests with one ``/generate`` call, at most :attr:`max_requests_per_call` of them
-        (:func:`.generation.generate`: a refused batch is sent again one request per call).
-
-        Returns:
-            One output per request, in request order; with routed experts where the request asks and
-            :attr:`route_shape` is set.
+        """Complete the requests in one ``/generate`` call (:func:`.generation.generate`), with routed experts where a
+        request asks and :attr:`route_shape` is set.
 
         Raises:
             EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
-            SGLangRequestError: the server refused a request (the message names its ``rid`` and SGLang's
-                reason), or answered malformed (routes of another shape than the prompt and response).
+            SGLangRequestError: a request refused (its ``rid`` and SGLang's reason) or answered malformed.
         """
         return generation.generate(requests, lambda payload: self._call(self.client.generate, payload),
                                    lambda: self.client.close(), self.spec.url, self.route_shape)
@@ -417,10 +394,9 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ lifecycle
 
     def restart(self) -> None:
-        """Stop the old server (whatever is left of it) and start a new one on a new port, with a new secret.
-
-        The new secret leaves nothing the old server (or a process that read its key, e.g. from a dump) could
-        use; the new client carries it, and a recording (``client.record``) goes on, redacting it."""
+        """Stop what is left of the old server and start a new one on a new port with a new secret (nothing the old
+        server, or a process that read its key, holds stays usable); a recording (``client.record``) goes on, redacted.
+        """
         with self._lock:
             if self._shut_down:
                 raise EngineUnavailableError("the SGLang engine was shut down")

@@ -1,36 +1,11 @@
 """Fused-expert weight loading inside SGLang's server processes: a layer's routed experts in a few copies.
 
-slime's weight sync sends each complete MoE layer's experts as two fused tensors
-(:mod:`slime.weight_sync.fused_experts`): ``<layer>.mlp.experts.gate_up_proj`` [E, 2I, H] (expert ``e``'s
-gate rows, then its up rows) and ``<layer>.mlp.experts.down_proj`` [E, H, I].  SGLang 0.5.17's Qwen3.5 MoE
-``load_weights`` (``sglang/srt/models/qwen3_5.py``) loads such a tensor expert by expert: it splits
-``gate_up_proj`` into gate and up halves and calls the ``FusedMoE`` layer's ``weight_loader`` once per
-expert and half, ``3 E`` Python calls per layer, each narrowing and copying one [I, H] slice.  On one H200
-those calls were most of a sync's engine time (a 4-layer real-width Qwen3.5-35B-A3B: 192-261 ms of engine
-time for 9.66 GB, ``docs/results/h200_sglang.md`` run 6); at 40 layers they would be 30,720 calls.
-
-:func:`wrap_load_weights` wraps a model class's ``load_weights`` so that each fused expert tensor whose
-``FusedMoE`` layer has the plain layout (:func:`plain_layout_problem`: unquantized, gated, no Triton-kernel
-or FlashInfer TRT-LLM layout, no padding, no EPLB expert remapping, no fused shared experts) is copied with
-three slice copies (two for ``down_proj``) into the layer's ``w13_weight`` [E_local, 2 I_tp, H] and
-``w2_weight`` [E_local, H, I_tp].  The slices are SGLang's own (``FusedMoE._load_w13`` / ``_load_w2``):
-
-- local experts: global ``e`` with ``FusedMoE._map_global_expert_id_to_local_expert_id(e) >= 0``, which must
-  be one contiguous run ``lo..hi-1`` mapped to ``0..E_local-1`` (expert parallelism's shard);
-- ``I_tp = I / moe_tp_size``, rank ``r`` takes rows ``r I_tp .. (r+1) I_tp`` of the gate half into
-  ``w13[:, :I_tp]`` and the same rows of the up half into ``w13[:, I_tp:]``, and columns ``r I_tp ..`` of
-  ``down_proj`` into ``w2``.
-
-**Every fast copy is checked against SGLang's own loader**: for the first and the last local expert the copied
-slice is saved, SGLang's ``weight_loader`` loads that expert again, and the two must hold the same bits (NaN
-included: :func:`same_bits`).  If
-they differ (a layout this module does not know), the fast path is switched off for the rest of the process,
-a warning names the tensor, and SGLang's loader loads the whole tensor as it would have without slime.
-Every other name, and every tensor the fast path declines, goes to SGLang's ``load_weights`` unchanged, in
-its order; the weights stream through (a load from disk is not materialised).
-
-Imports SGLang only inside functions: the CPU tests drive it with stand-in layers, and with SGLang's real
-``FusedMoE.weight_loader`` where SGLang is installed.
+The weight sync sends each MoE layer's experts fused (:mod:`slime.weight_sync.fused_experts`): ``gate_up_proj`` ``[E,
+2I, H]`` (expert ``e``'s gate rows, then its up rows) and ``down_proj`` ``[E, H, I]``.  :func:`wrap_load_weights` copies
+each into its ``FusedMoE`` layer's ``w13_weight`` ``[E_local, 2 I_tp, H]`` or ``w2_weight`` ``[E_local, H, I_tp]`` with
+SGLang's own slices (``FusedMoE._load_w13`` / ``_load_w2``) where the layer has the plain layout
+(:func:`plain_layout_problem`), checking every copy against SGLang's loader; everything else goes to SGLang's
+``load_weights`` unchanged, streamed in order.  Why, the slices and the check: ``docs/design/sglang_engine.md``.
 """
 
 from __future__ import annotations
@@ -53,13 +28,9 @@ _MARK = "_slime_fast_expert_load"
 
 
 class ExpertLoadStats:
-    """What the fast path did in this process, for the server plugin's report (:meth:`as_dict`).
-
-    ``fast``: fused tensors copied by the fast path; ``declined``: handed to SGLang's loader, by reason;
-    ``load_weights_calls`` / ``load_weights_s``: calls of the wrapped ``load_weights`` and their wall time
-    (seconds; the check's comparisons wait for the GPU, other copies may still be queued at the end);
-    ``disabled``: why the fast path is off (``SLIME_SGLANG_FAST_EXPERT_LOAD=0``, or a failed check), or None.
-    """
+    """What the fast path did in this process, for the plugin's report (:meth:`as_dict`): ``fast`` (tensors copied),
+    ``declined`` (by reason), ``load_weights_calls`` / ``load_weights_s`` (calls of the wrapped ``load_weights``, wall
+    seconds), ``disabled`` (why the fast path is off, or None)."""
 
     def __init__(self):
         self.fast = 0
@@ -109,14 +80,10 @@ def resolve_layer(model: torch.nn.Module, module_path: str) -> tuple[str, torch.
 
 
 def plain_layout_problem(layer: torch.nn.Module, param: torch.nn.Parameter) -> str | None:
-    """Why ``layer`` (an SGLang ``FusedMoE``) is not in the plain layout the fast path copies into, or None.
-
-    Plain: ``UnquantizedFusedMoEMethod`` without a compressed-tensors ``scheme``, a gated MLP, gate rows first
-    (no ``load_up_proj_weight_first``), none of the Triton-kernel (transposed), FlashInfer TRT-LLM (swapped or
-    reshaped), padded or pre-sharded layouts, no fused shared experts, no EPLB remapping or redundant experts
-    (:func:`expert_location_problem`), and
-    ``param.weight_loader`` being ``FusedMoE.weight_loader`` (the per-expert form the check calls).
-    """
+    """Why ``layer`` (an SGLang ``FusedMoE``) is not in the plain layout the fast path copies into, or None:
+    unquantized, gated, gate rows first, no Triton-kernel / FlashInfer TRT-LLM / padded / pre-sharded layout, no fused
+    shared experts, ``param.weight_loader`` is ``FusedMoE.weight_loader``, no expert remapping
+    (:func:`expert_location_problem`)."""
     method = getattr(layer, "quant_method", None)
     if type(method).__name__ != "UnquantizedFusedMoEMethod" or hasattr(layer, "scheme"):
         return f"quantized experts ({type(method).__name__})"
@@ -138,16 +105,9 @@ def plain_layout_problem(layer: torch.nn.Module, param: torch.nn.Parameter) -> s
 
 
 def expert_location_problem(layer: torch.nn.Module) -> str | None:
-    """Why SGLang's expert-location metadata makes ``layer``'s physical experts differ from the checkpoint's
-    logical ones, or None.
-
-    SGLang sets the metadata on every MoE server, EPLB or not (``ExpertLocationMetadata.init_trivial``: physical
-    expert i is logical expert i); ``FusedMoE.weight_loader`` then loads logical expert e into every physical
-    slot of ``logical_to_all_physical(layer_id, e)``.  The fast copy is the per-expert load only when that is
-    ``[e]`` for every e: as many physical as logical experts and ``physical_to_logical_map[layer_id]`` (int,
-    [num_physical]) equal to ``arange``.  EPLB rebalancing or redundant experts (``--ep-num-redundant-experts``)
-    are declined.  A layer id past the map's layers is the identity (SGLang's own fallback for draft layers).
-    """
+    """Why SGLang's expert-location metadata makes ``layer``'s physical experts differ from the logical ones, or None:
+    the fast copy is the per-expert load only when ``physical_to_logical_map[layer_id]`` is ``arange`` over as many
+    physical as logical experts (no EPLB rebalancing, no redundant experts); a layer id past the map is the identity."""
     try:
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
@@ -231,12 +191,8 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` (same shape and dtype, a floating or integer dtype) hold the same bits.
-
-    Unlike ``torch.equal`` this holds for NaN (NaN != NaN as numbers): a pushed tensor with a NaN in the
-    first or last expert (a diverged policy) loads through both paths to the same bits, and the check against
-    SGLang's loader must not call that a layout disagreement.  ``-0.0`` and ``0.0`` count as different here
-    (``torch.equal`` calls them equal)."""
+    """Whether ``a`` and ``b`` (same shape and dtype) hold the same bits: NaN equals NaN (a diverged policy's NaN must
+    not read as a layout disagreement), and ``-0.0`` differs from ``0.0``."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype.is_floating_point:
@@ -247,16 +203,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor,
               stats: ExpertLoadStats = STATS) -> str | None:
-    """Copy one fused expert tensor into its ``FusedMoE`` layer (module docstring) and return the parameter's
-    name in the model (e.g. ``model.layers.0.mlp.experts.w13_weight``); None when it is left to
-    SGLang's loader (not a fused name, not the plain layout, shapes that do not fit, the fast path off, or the
-    check against SGLang's loader failed, which also switches the fast path off).
+    """Copy one fused expert tensor into its ``FusedMoE`` layer; returns the parameter's name in the model (e.g.
+    ``model.layers.0.mlp.experts.w13_weight``), or None when SGLang's loader is to load it (not a fused name, not the
+    plain layout, shapes that do not fit, the fast path off, or a failed check, which turns the fast path off).
 
     Args:
         model: the SGLang model (``self`` of ``load_weights``).
         name: the checkpoint name, e.g. ``model.language_model.layers.0.mlp.experts.gate_up_proj``.
-        tensor: [E, 2I, H] (``gate_up_proj``) or [E, H, I] (``down_proj``), any device, the parameter's dtype or
-            one ``copy_`` converts from.
+        tensor: ``[E, 2I, H]`` (``gate_up_proj``) or ``[E, H, I]`` (``down_proj``), any device, a dtype ``copy_`` takes.
     """
     target = fused_target(name)
     if target is None or stats.disabled is not None:
@@ -302,10 +256,9 @@ def fast_load(model: torch.nn.Module, name: str, tensor: torch.Tensor,
 
 
 def wrap_load_weights(model_cls: type, stats: ExpertLoadStats = STATS, on_load=None) -> None:
-    """Wrap ``model_cls.load_weights(self, weights)`` so that fused expert tensors go through :func:`fast_load`
-    and everything else to the original, streamed in order (idempotent).  ``on_load()`` runs after each call
-    (the plugin rewrites its report there).  The return value is the original's (SGLang's set of loaded names),
-    with the fast-loaded parameters' names added."""
+    """Wrap ``model_cls.load_weights`` so that fused expert tensors go through :func:`fast_load` and the rest to the
+    original, streamed in order (idempotent); ``on_load()`` runs after each call.  Returns the original's set of loaded
+    names with the fast-loaded parameters' names added."""
     original = model_cls.load_weights
     if getattr(original, _MARK, False):
         return

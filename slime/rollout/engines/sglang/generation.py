@@ -1,20 +1,10 @@
 """One engine call on SGLang's ``/generate`` (0.5.17, ``tokenizer_manager.py``): bodies, answers, refusals.
 
-- A single request goes as :func:`generate_payload`: the prompt as text plus ``image_data`` (base64 images;
-  never pre-tokenised ``input_ids``, which SGLang would expand a second time), ``sampling_params``,
-  ``return_logprob=True``.  Several go in one call as :func:`generate_batch_payload` (every field a list).
-- SGLang's ``rid`` is the request's id plus :data:`RID_SEPARATOR` and a per-attempt suffix, unique while in
-  flight, also when a request is retried; :func:`parse_generate_response` reads ``output_ids``, the log-probs
-  of ``meta_info.output_token_logprobs``, ``meta_info.finish_reason.type``, ``meta_info.prompt_tokens`` and
-  the request id back from ``meta_info.id``, and with ``return_routed_experts`` the routes of
-  ``meta_info.routed_experts`` (:func:`decode_routed_experts`).
-- SGLang refuses a whole batch when it refuses one of its prompts (HTTP 400 naming neither the request nor
-  its index), so :func:`generate` sends a refused batch again one request per call
-  (:func:`_generate_one_by_one`): the error then names the refused request's ``rid`` and SGLang's reason,
-  and a batch whose requests all complete alone returns their outputs.
-
-The functions take ``send``, the engine's ``/generate`` call (``payload -> answer``), and raise what it
-raises.  Why batches: ``docs/design/engine_group.md``.
+A request goes as text plus base64 ``image_data`` (never pre-tokenised ``input_ids``, which SGLang would expand a
+second time), several as SGLang's batch form; SGLang's ``rid`` is the request's plus :data:`RID_SEPARATOR` and a
+per-attempt suffix.  SGLang refuses a whole batch for one bad prompt without naming it, so a refused batch is sent
+again one request per call (:func:`generate`).  The functions take ``send``, the engine's ``/generate`` call, and
+raise what it raises.  Why batches: ``docs/design/engine_group.md``.
 """
 
 from __future__ import annotations
@@ -43,24 +33,17 @@ Send = Callable[[dict], Any]
 
 def generate(requests: list[GenerateRequest], send: Send, close: Callable[[], None], url: str,
              routes: RouteShape | None = None) -> list[GenerateOutput]:
-    """Complete ``requests`` with one ``/generate`` call (a refused batch: one call per request, all at once).
-
-    Args:
-        requests: at most the engine's ``max_requests_per_call``.
-        send: the ``/generate`` call.
-        close: closes the calling thread's connection (each thread of the one-by-one pool calls it).
-        url: the server's address, for the log.
-        routes: the model's route shape when the server captures routes (``--enable-return-routed-experts``);
-            None: no request gets routes back.
+    """Complete ``requests`` (at most the engine's ``max_requests_per_call``) in one ``/generate`` call; a refused batch
+    in one call per request, all at once.  ``close`` closes the calling thread's connection, ``url`` names the server in
+    the log, ``routes`` is the model's route shape when the server captures routes (None: no request gets any).
 
     Returns:
         One output per request, in request order.
 
     Raises:
         EngineUnavailableError: the server is gone (the group retries the requests elsewhere).
-        SGLangRequestError: the server refused a request (the message names its ``rid`` and SGLang's
-            reason; for a batch: the first refused one in request order, sent alone, and how many of the
-            batch were refused), answered malformed, or answered a batch with another number of outputs.
+        SGLangRequestError: a request was refused (its ``rid`` and SGLang's reason; for a batch, the first refused one
+            sent alone, and how many were), an answer is malformed, or a batch got another number of outputs.
     """
     if not requests:
         return []
@@ -84,12 +67,10 @@ def _wanted(request: GenerateRequest, routes: RouteShape | None) -> RouteShape |
 
 def _generate_single(request: GenerateRequest, index: int, send: Send,
                      routes: RouteShape | None = None) -> GenerateOutput:
-    """``request`` in a ``/generate`` call of its own; a refusal names the request (``index``: its place
-    in the engine's call, for a request without ``rid``).
+    """``request`` in a call of its own (``index``: its place in the engine's call, naming a request without rid).
 
     Raises:
-        SGLangRequestError: refused (``rid`` and SGLang's reason in the message; ``status`` kept) or
-            answered malformed.
+        SGLangRequestError: refused (``rid`` and SGLang's reason; ``status`` kept) or answered malformed.
     """
     try:
         body = send(generate_payload(request))
@@ -101,19 +82,13 @@ def _generate_single(request: GenerateRequest, index: int, send: Send,
 
 def _generate_one_by_one(requests: list[GenerateRequest], refusal: SGLangRequestError, send: Send,
                          close: Callable[[], None], url: str, routes: RouteShape | None) -> list[GenerateOutput]:
-    """After SGLang refused the batch ``requests`` with ``refusal``: each request in a call of its own.
-
-    All calls are in flight at once, from a pool of ``len(requests)`` threads: the engine group counts
-    the batch's requests as in flight at this engine already, so the server gets no more at once than
-    the batch gave it (the backpressure holds), and the refused request is found in one generation's
-    time (one after the other, a refused 32nd request would wait for 31 generations).  Each thread closes
-    its own keep-alive connection (the client's connections are per thread) before it ends.
+    """After SGLang refused the batch ``requests``: each request in a call of its own, all in flight at once (the group
+    counts them in flight here already, and the refused one is found in one generation's time); each thread closes its
+    own connection.
 
     Raises:
-        EngineUnavailableError: a call found the server gone (first, so that the group can retry the
-            batch elsewhere).
-        SGLangRequestError: the first request in request order that was refused (or answered malformed)
-            when sent alone, with how many were.
+        EngineUnavailableError: a call found the server gone (first, so that the group can retry the batch).
+        SGLangRequestError: the first request, in request order, that failed alone, with how many did.
     """
     logger.warning("SGLang at %s refused a batched /generate of %d requests (%s); sending them again one "
                    "request per call to find the refused one. The refusal: %s", url, len(requests),
@@ -151,18 +126,14 @@ def _generate_one_by_one(requests: list[GenerateRequest], refusal: SGLangRequest
 
 
 def parse_generate_response(body: dict, rid: str | None = None, routes: RouteShape | None = None) -> GenerateOutput:
-    """A :class:`GenerateOutput` from SGLang's ``/generate`` answer for one request.
-
-    ``body`` is ``{"text": str, "output_ids": [int], "meta_info": {"finish_reason": {"type": ...},
-    "prompt_tokens": int, "output_token_logprobs": [[logprob, token_id, text|None], ...], "id": rid, ...}}``
-    (``tokenizer_manager.py`` of SGLang 0.5.17).  ``rid`` of the output: the request id of ``meta_info.id``
-    (:func:`generate_payload`'s form), None for another form.  With ``routes`` (the request asked for them),
-    ``meta_info.routed_experts`` becomes :attr:`GenerateOutput.routed_experts` (:func:`decode_routed_experts`;
-    None when the answer has none).
+    """A :class:`GenerateOutput` from SGLang's answer for one request: ``output_ids``, the log-probs of
+    ``meta_info.output_token_logprobs``, ``meta_info.finish_reason.type``, ``prompt_tokens``, the request id of
+    ``meta_info.id`` (None for another form), and with ``routes`` ``meta_info.routed_experts``
+    (:func:`decode_routed_experts`; None when absent).
 
     Raises:
-        SGLangRequestError: a field is missing, the log-probs do not cover the output tokens one to
-            one, the finish reason is unknown, or the routes are malformed (the message names the request).
+        SGLangRequestError: a field is missing, the log-probs are not one per output token, the finish reason is
+            unknown, or the routes are malformed (naming the request).
     """
     where = f"/generate answer{f' for rid {rid}' if rid else ''}"
     try:
@@ -222,11 +193,8 @@ def decode_routed_experts(data: str, positions: int, routes: RouteShape, where: 
 
 
 def generate_payload(request: GenerateRequest) -> dict:
-    """The ``/generate`` body of one request: text, base64 images, SGLang sampling params, log-probs on.
-
-    Per-request sampling seeds (``SamplingParams.sampling_seed``, SGLang's ``sampling_seed``) travel
-    inside ``sampling_params`` once the sampling params carry them (``SamplingParams.to_sglang``).
-    """
+    """The ``/generate`` body of one request: text, base64 images, SGLang sampling params (the seed among them),
+    log-probs on, a per-attempt ``rid``."""
     payload = {
         "text": request.text,
         "sampling_params": request.sampling_params.to_sglang(),
@@ -242,15 +210,10 @@ def generate_payload(request: GenerateRequest) -> dict:
 
 
 def generate_batch_payload(requests: list[GenerateRequest]) -> dict:
-    """The ``/generate`` body of several requests in one call: SGLang's batch form of :func:`generate_payload`
-    (``GenerateReqInput`` with every field a list, one entry per request, in request order).
-
-    ``image_data`` is a list of per-request image lists (``[]`` for a prompt without images; left out when
-    no request has one), ``rid`` a list (a fresh id where the request has none: SGLang wants one per
-    entry), ``return_logprob`` one value for all, ``return_routed_experts`` one value for all (SGLang's
-    batch form has no list of it): on when any request asks (the others' routes are dropped when parsed).
-    The answer is a list of single-request answers in the same order (``tokenizer_manager.py``,
-    ``_handle_batch_request``).
+    """SGLang's batch form of :func:`generate_payload` (``GenerateReqInput``, every field a list in request order):
+    ``image_data`` a list of per-request lists (left out when no request has images), a fresh ``rid`` where a request
+    has none, one ``return_logprob``, and ``return_routed_experts`` on when any request asks.  The answer is a list of
+    single answers in the same order.
 
     Raises:
         ValueError: ``requests`` is empty.

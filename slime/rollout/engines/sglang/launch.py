@@ -1,46 +1,10 @@
-"""Starting and stopping one SGLang server: its command line, its environment, its process and log.
+"""Starting and stopping one SGLang server: its command line, environment, process and log.
 
-The command (:func:`server_command`) is ``python -m slime.rollout.engines.sglang.server_main`` with
-SGLang's own flags (:mod:`.server_main` is SGLang's ``launch_server`` plus the run's secret read from
-standard input).  slime sets:
-
-- ``--model-path`` (``--hf-checkpoint``), ``--tp-size`` (the engine's GPUs on its node,
-  ``--rollout-num-gpus-per-engine``) and ``--base-gpu-id 0``: the engine's actor sets
-  ``CUDA_VISIBLE_DEVICES`` to exactly its GPUs (:class:`~slime.rollout.engines.base.EngineResources`)
-  and the server inherits it;
-- ``--host``: ``127.0.0.1`` on a one-node cluster, the node's own address on a larger one (never
-  ``0.0.0.0``), and ``--port``: a free port of the node;
-- ``--random-seed`` (``--rollout-seed`` + engine index: engines sample differently);
-- ``--enable-memory-saver`` when colocated (``/release_memory_occupation`` needs it), with ``--speculative-algorithm``
-  also ``--enable-draft-weights-cpu-backup`` (released weights are lost and the sync never sends the draft's);
-- ``--enable-return-routed-experts`` with :attr:`ServerSpec.return_routed_experts`;
-- ``--dtype bfloat16`` unless ``--sglang-dtype`` is given (see :func:`server_command`);
-- then every ``--sglang-*`` flag, passed through as given (:class:`slime.rollout.config.SGLangConfig`).
-
-The secret never appears in the command, the environment, the log (the plugin redacts SGLang's
-``server_args=...`` line, and :meth:`ServerProcess.log_tail` scrubs it again) or anything slime prints.
-
-Environment (:func:`server_env`): ``PYTHONPATH`` = the plugin's ``*.dist-info`` folder
-(:func:`write_plugin_dist`), ``SLIME_SGLANG_PYTHONPATH`` (a tree with SGLang and its pins for the
-servers alone, e.g. an ``offline_bundle.sh --form packed --extras sglang`` tree; optional), slime's
-own source folder, then the inherited ``PYTHONPATH``; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``,
-so ``/health`` never runs a generation (SGLang's default does, which would block on a paused
-server and touch released memory); the report folder of :mod:`.server_plugin`; no ``OMP_NUM_THREADS``
-(Ray sets it for its actors, often to 1, which would make SGLang's tokenizer and image processing
-serial) unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one; and without the variables of
-:data:`UNSAFE_SERVER_ENV` (``SGLANG_GRPC_PORT``, ``SGLANG_RUST_SERVER``: listeners that skip the key check).
-
-:class:`ServerProcess` starts the command in a session of its own, so that stopping it
-(``SIGTERM`` to that session's process group, then ``SIGKILL`` after a grace period) reaches SGLang's
-scheduler and detokenizer processes and nothing else: the server's main process is reaped only after
-the group is killed, so the group's number cannot have passed to another process in between (see
-:class:`ServerProcess`).
-
-Servers that share a GPU start one at a time (:class:`GPUStartLock`): SGLang 0.5.17 sizes its KV and
-Gated-DeltaNet state caches from the GPU memory that is free before it loads the model, minus what is
-free after (``kv_cache_configurator._profile_available_bytes``), so a server that measures while
-another one allocates computes a negative budget and exits ("Not enough GPU memory for hybrid
-(mamba/linear-attention) state cache"; seen on the H200 with two engines on one GPU).
+:func:`server_command` runs :mod:`.server_main` (SGLang's ``launch_server`` with the run's secret read from standard
+input) with the engine's flags, then every ``--sglang-*`` flag as given; :func:`server_env` builds its environment;
+:class:`ServerProcess` runs it in a session of its own and stops that session; :class:`GPUStartLock` makes servers
+that share a GPU start one at a time.  The secret never appears in the command, the environment, the log or
+anything slime prints.  What each flag and variable is for: ``docs/design/sglang_engine.md``.
 """
 
 from __future__ import annotations
@@ -111,18 +75,10 @@ def server_host(node_ip: str, num_nodes: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ServerSpec:
-    """What one server is started with (everything but the secret).
-
-    Attributes:
-        model_path: the Hugging Face checkpoint folder (``--hf-checkpoint``).
-        tp_size: tensor-parallel size = the engine's GPUs (``--rollout-num-gpus-per-engine``).
-        host: bind address (:func:`server_host`).
-        port: HTTP port.
-        seed: SGLang's ``--random-seed``.
-        colocated: trainers share the GPUs (adds ``--enable-memory-saver``).
-        passthrough: the ``--sglang-*`` flags as SGLang flags (``SGLangConfig.server_argv()``).
-        return_routed_experts: capture every forward's routed experts (adds ``--enable-return-routed-experts``).
-    """
+    """What one server is started with (everything but the secret): ``model_path`` (``--hf-checkpoint``), ``tp_size``
+    (the engine's GPUs), ``host`` (:func:`server_host`), ``port``, ``seed`` (SGLang's ``--random-seed``), ``colocated``
+    (adds ``--enable-memory-saver``), ``passthrough`` (the ``--sglang-*`` flags as SGLang flags) and
+    ``return_routed_experts`` (adds :data:`ROUTES_FLAG`)."""
 
     model_path: str
     tp_size: int
@@ -140,16 +96,10 @@ class ServerSpec:
 
 
 def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
-    """The server's command line (see the module docstring); holds no secret.
-
-    ``--enable-memory-saver`` is added when colocated unless the pass-through flags already have it (and
-    ``--enable-draft-weights-cpu-backup`` with ``--speculative-algorithm``, unless they have it or
-    ``--enable-weights-cpu-backup``), and
-    ``--dtype bfloat16`` unless they name a ``--dtype``: SGLang's ``auto`` serves a float32 checkpoint in
-    float16, and SGLang 0.5.17's Gated-DeltaNet state cache is bfloat16, so the first prefill of such a
-    model fails (``Index put requires the source and destination dtypes match``; seen on the H200 with
-    the tiny float32 checkpoint). bfloat16 is also what the trainers compute in.
-    """
+    """The server's command line (no secret): ``--model-path``, ``--tp-size``, ``--base-gpu-id 0``, ``--host``,
+    ``--port``, ``--random-seed``; when colocated ``--enable-memory-saver`` (with ``--speculative-algorithm`` also
+    ``--enable-draft-weights-cpu-backup``); :data:`ROUTES_FLAG` when asked; ``--dtype bfloat16``; then the pass-through
+    flags.  An added flag is left out where they set it already (or ``--dtype``, or ``--enable-weights-cpu-backup``)."""
     argv = [
         python, "-m", SERVER_MODULE,
         "--model-path", spec.model_path,
@@ -173,13 +123,8 @@ def server_command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
 
 
 def write_plugin_dist(folder: str | os.PathLike) -> Path:
-    """Write the ``*.dist-info`` folder that makes :mod:`.server_plugin` an SGLang general plugin
-    (entry point ``sglang.srt.plugins: slime_server_plugin``) for processes with ``folder`` on
-    ``sys.path`` (``importlib.metadata`` finds distributions on every ``sys.path`` entry).
-
-    Returns:
-        ``folder`` (to put on the server's ``PYTHONPATH``).
-    """
+    """Write the ``*.dist-info`` folder that makes :mod:`.server_plugin` an SGLang general plugin (entry point
+    ``sglang.srt.plugins: slime_server_plugin``) for processes with ``folder`` on ``sys.path``; returns ``folder``."""
     folder = Path(folder)
     dist = folder / "slime_sglang_plugin-0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
@@ -189,8 +134,10 @@ def write_plugin_dist(folder: str | os.PathLike) -> Path:
 
 
 def server_env(base: dict[str, str], plugin_path: str | os.PathLike, report_dir: str | os.PathLike) -> dict[str, str]:
-    """The server's environment: ``base`` (the actor's) with the entries of the module docstring, less
-    :data:`UNSAFE_SERVER_ENV` (a warning names each variable dropped)."""
+    """The server's environment: ``base`` with ``PYTHONPATH`` = the plugin folder, ``SLIME_SGLANG_PYTHONPATH``, slime's
+    source, the inherited path; ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``; the report folder; no
+    ``OMP_NUM_THREADS`` unless ``SLIME_SGLANG_OMP_NUM_THREADS`` gives one; less :data:`UNSAFE_SERVER_ENV` (a warning
+    names each variable dropped)."""
     env = dict(base)
     for name in UNSAFE_SERVER_ENV:
         for spelling in (name, "SGL_" + name.removeprefix("SGLANG_")):
@@ -214,30 +161,15 @@ def server_env(base: dict[str, str], plugin_path: str | os.PathLike, report_dir:
 class ServerProcess:
     """One running server: ``Popen`` in its own session, its log file, its secret on stdin.
 
-    The server is its session's leader, so its pid is also the number of its session and process group,
-    which every process it starts (SGLang's scheduler and detokenizer) inherits.  :meth:`stop` signals
-    that group with ``os.killpg``; to be sure the number still names *this* group, the leader is never
-    reaped before the group is killed:
-
-    - :meth:`alive`, :meth:`exit_code` and :meth:`wait_exit` look at the leader with
-      ``os.waitid(P_PID, pid, WEXITED | WNOHANG | WNOWAIT)``, which reports an exit without reaping
-      (``Popen.poll()`` / ``wait()`` would reap);
-    - an exited, unreaped leader stays a zombie, and Linux frees a pid number only once no task uses
-      it as its pid, process group or session (``free_pid`` runs when the last one detaches), so while
-      the zombie exists no new process can get that number, nor lead a group or session of it; and
-      only members of the server's session can join its group (``setpgid`` stays within a session);
-    - :meth:`stop` sends the group ``SIGTERM``, waits, sends ``SIGKILL``, and only then reaps the
-      leader; after that it never signals the number again.
-
-    Should something else in this process reap the leader (a stray ``os.wait()``; nothing in slime does),
-    the number proves nothing any more: :meth:`stop` then signals nothing and logs a warning naming the
-    processes that ``/proc`` shows in a session of that number (the server's children, or, if the whole
-    session ended and the number was reused, another program's processes: the two cannot be told apart).
+    The server leads its session, so its pid numbers the process group that SGLang's scheduler and detokenizer
+    inherit, and :meth:`stop` signals that group.  The leader is never reaped before the group is killed (its exit is
+    read with ``waitid(..., WNOWAIT)``), so the number cannot pass to another process meanwhile; should something else
+    reap it, :meth:`stop` signals nothing and logs what ``/proc`` shows in that session.  Why this is safe:
+    ``docs/design/sglang_engine.md``.
 
     Args:
-        command: :func:`server_command`.
-        env: :func:`server_env`.
-        log_path: where the server's stdout and stderr go (appended).
+        command, env: :func:`server_command`, :func:`server_env`.
+        log_path: where stdout and stderr go (appended).
         secret: written to the server's stdin (:mod:`.server_main`); scrubbed from :meth:`log_tail`.
 
     Raises:
@@ -272,7 +204,7 @@ class ServerProcess:
         return self.process.pid
 
     def alive(self) -> bool:
-        """Whether the server's main process still runs (it is not reaped by this: see the class docstring)."""
+        """Whether the server's main process still runs (not reaped by this)."""
         return self.exit_code() is None
 
     def exit_code(self) -> int | None:
@@ -326,14 +258,9 @@ class ServerProcess:
         return tail.replace(self._secret, "<redacted>") if self._secret else tail
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """``SIGTERM`` the server's process group (its session), wait up to ``grace_s`` seconds for the main
-        process, ``SIGKILL`` the group (children that outlived it), then reap the main process; idempotent.
-
-        The group is signalled only while its number is known to be the server's (class docstring): never
-        after this object reaped the main process, so nothing that this object did not start is touched.
-        A main process that survives ``SIGKILL`` for 10 s (stuck in the kernel) stays unreaped, and a later
-        ``stop()`` signals its group again.
-        """
+        """``SIGTERM`` the server's process group, wait up to ``grace_s`` seconds for the main process, ``SIGKILL`` the
+        group, then reap the main process; idempotent.  The group is never signalled after the reap; a main process that
+        survives ``SIGKILL`` for 10 s stays unreaped, and a later ``stop()`` signals its group again."""
         with self._stopping:
             if self._reaped:
                 return
@@ -361,7 +288,7 @@ class ServerProcess:
             return self._look()
 
     def _signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the server's process group while its number is the server's (class docstring)."""
+        """Send ``sig`` to the server's process group while its number is the server's."""
         with self._guard:
             if not self._look():
                 return
@@ -382,19 +309,13 @@ class ServerProcess:
 
 
 class GPUStartLock:
-    """Exclusive ``flock`` s on one file per GPU of this node (``<tmp>/slime-sglang-start-gpu<i>.lock``),
-    taken in GPU order (so two engines never wait on each other) and held while a server starts.
+    """Exclusive ``flock`` s on one file per GPU of this node (``<tmp>/slime-sglang-start-gpu<i>.lock``), taken in GPU
+    order and held while a server starts (why: ``docs/design/sglang_engine.md``).  Blocking (the engine group bounds the
+    start-up); :meth:`release` is idempotent; the kernel drops a dead process's locks; the empty files stay.
 
     Args:
         gpu_ids: the engine's GPUs as ``nvidia-smi`` numbers them on this node; none: no lock.
-        folder: where the lock files live (default the system's temporary folder, shared by every
-            process of the node).
-
-    The lock is blocking; an engine waiting on it waits inside its start-up, which the engine group
-    bounds with ``--rollout-engine-start-timeout``.  :meth:`release` is idempotent; the kernel drops
-    the locks of a process that dies.  The (empty) lock files stay: removing one while another process
-    waits on it would let a third take a lock on a new file at the same path.  They are shared by every
-    user of the node (:func:`_open_lock_file`).
+        folder: where the lock files live (default: the system's temporary folder).
 
     Raises:
         PermissionError: a lock file that can be neither created nor read (nothing stays locked then).
@@ -425,17 +346,13 @@ class GPUStartLock:
 
 
 def _open_lock_file(path: Path) -> int:
-    """A descriptor of the lock file ``path``, created world-writable (mode 0666, whatever the umask) so that
-    every user's engines on the node share it.  A file that another user created, in a sticky folder such as
-    ``/tmp`` (where Linux's ``fs.protected_regular`` refuses ``O_CREAT`` on it) or without write permission, is
-    opened read-only: ``flock`` needs no write access.
-
-    A symbolic link at ``path`` is never followed (``O_NOFOLLOW``): in a folder every user writes, another user's
-    link would otherwise have slime create, or make world-writable (``fchmod``), the file it points to.
+    """A descriptor of the lock file ``path``, created mode 0666 so that every user's engines share it; another user's
+    file (in a sticky folder, or not writable) is opened read-only (``flock`` needs no write access).  A symbolic link
+    is never followed (``O_NOFOLLOW``).
 
     Raises:
-        PermissionError: the file can be neither created nor read; the message names it and the way out.
-        OSError: ``path`` is a symbolic link (``ELOOP``); the message names it and the way out.
+        PermissionError: the file can be neither created nor read (the message names it and the way out).
+        OSError: ``path`` is a symbolic link (``ELOOP``; the message names it and the way out).
     """
     flags = os.O_CLOEXEC | os.O_NOFOLLOW
     try:

@@ -1,30 +1,11 @@
 """The SGLang server process the engine starts: ``python -m slime.rollout.engines.sglang.server_main [SGLang flags]``.
 
-The same as ``python -m sglang.launch_server [SGLang flags]`` (SGLang 0.5.17's ``launch_server``:
-load the plugins, ``prepare_server_args``, ``run_server``), with one difference: the run's secret
-is read from the first line of standard input and handed to SGLang's own parser as ``--api-key=<secret>``
-and ``--admin-api-key=<secret>`` in this process (SGLang 0.5.17's ``ServerArgs`` is read-only once resolved,
-so the keys cannot be set afterwards), so it is in neither the command line (``ps``,
-``/proc/<pid>/cmdline``) nor the environment.  With both keys set to the same secret, SGLang 0.5.17 refuses every endpoint
-without ``Authorization: Bearer <secret>`` except ``/health*`` and ``/metrics``
-(``sglang.srt.utils.auth.decide_request_auth``: normal endpoints check ``api_key``, management
-endpoints ``admin_api_key``).  No secret (an empty first line) and the server does not start.
-
-Before ``run_server``, :func:`check_server_args` checks what SGLang resolved, whatever the route (a flag, an
-SGLang ``--config`` file, an environment variable): no gRPC listener (SGLang 0.5.17's gRPC servers skip the
-API-key check), one tokenizer worker (keys are enforced only then), the host slime gave, both keys the
-secret, no crash-dump folder (SGLang would pickle the secret into it), no embedded Rust server.  Anything else
-and the process exits with code 2, naming the setting (``slime.rollout.engines.sglang.config`` refuses the
-flags earlier, at parse time; this is the last guard).
-
-Everything else is SGLang's; the plugin (:mod:`.server_plugin`) is found through the
-``*.dist-info`` folder the engine put on ``PYTHONPATH``.
-
-The server also dies with the engine (:func:`exit_with_parent`): a thread watches the parent process (the
-engine's Ray actor) and, once it is gone (e.g. the actor was killed), kills the server's own session (SGLang's
-scheduler and detokenizer processes with it); and a guard process in the session kills the session once the
-server's main process is gone, however it ended (Ray kills an exiting actor's direct children, which the thread
-cannot see), so no orphaned server process keeps the GPU memory.
+SGLang 0.5.17's ``launch_server`` (load the plugins, ``prepare_server_args``, ``run_server``), except that the run's
+secret comes from the first line of standard input and goes to SGLang's parser as ``--api-key`` and
+``--admin-api-key`` (so it is in neither the command line nor the environment; no secret, no server).  Before
+``run_server``, :func:`check_server_args` refuses settings that would skip the key check or write the key to disk
+(exit code 2), and :func:`exit_with_parent` ties the server's session to the engine's actor.  Why each:
+``docs/design/sglang_engine.md``.
 """
 
 from __future__ import annotations
@@ -60,14 +41,10 @@ def given_value(argv: list[str], flag: str) -> str | None:
 
 
 def check_server_args(server_args, host: str | None, secret: str, environ=None) -> None:
-    """Refuse SGLang 0.5.17 ``ServerArgs`` (as ``prepare_server_args`` resolved them) that slime cannot run safely.
-
-    Args:
-        server_args: ``sglang.srt.server_args.ServerArgs`` (fields ``grpc_port``, ``grpc_mode``, ``smg_grpc_mode``,
-            ``tokenizer_worker_num``, ``host``, ``api_key``, ``admin_api_key``, ``crash_dump_folder``).
-        host: the ``--host`` slime gave (:func:`given_value`).
-        secret: the run's secret (read from standard input).
-        environ: the server's environment (default ``os.environ``), for ``SGLANG_RUST_SERVER``.
+    """Refuse SGLang 0.5.17 ``ServerArgs`` (as ``prepare_server_args`` resolved them, whatever the route) that slime
+    cannot run safely: no secret, a gRPC listener or mode, more than one tokenizer worker, another host than ``host``
+    (the ``--host`` slime gave), keys other than ``secret``, a crash-dump folder, or ``SGLANG_RUST_SERVER`` set in
+    ``environ`` (default ``os.environ``).
 
     Raises:
         UnsafeServerArgs: the message names every setting refused and why.
@@ -113,16 +90,11 @@ if os.getsid(0) == main:
 
 
 def exit_with_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
-    """Tie this process's session to this process and to its parent (the engine's actor); returns the thread.
+    """Tie this process's session to this process and to its parent (the engine's actor); returns the watcher thread.
 
-    - A daemon thread polls ``os.getppid()`` every ``poll_s`` seconds; once the parent has exited it kills this
-      process's session (when it leads one, as the engine starts it) with ``SIGKILL``, or else this process alone.
-    - When this process leads its session, a *session guard*: a small process (``python -I``) in the session that
-      polls its own parent (this process) and, once this process has exited however it ended, ``SIGKILL`` s the
-      session.  Ray kills an actor's direct children when the actor exits (``RAY_kill_child_processes_on_worker_exit``,
-      default on; not recursive) and an OOM killer may pick this process: neither lets the thread run, and both
-      would leave SGLang's scheduler and detokenizer processes behind.  The session's number is held by its
-      members (the guard among them) until the last one exits, so the guard's ``killpg`` reaches this session only.
+    A daemon thread kills the session (this process alone when it leads none) with ``SIGKILL`` once the parent has
+    exited; when this process leads its session, a guard process in it (``python -I``) kills the session once this
+    process has exited, however it ended.  Why both: ``docs/design/sglang_engine.md``.
     """
     parent = os.getppid()
     if os.getsid(0) == os.getpid():

@@ -1,50 +1,13 @@
-"""slime's SGLang plugin: code that runs inside every SGLang server process the engine starts.
+"""slime's SGLang plugin: code that runs inside every process of the SGLang servers the engine starts.
 
-SGLang (0.5.17) loads *general plugins* from the ``sglang.srt.plugins`` entry-point group in each
-of its processes (``sglang.srt.plugins.load_plugins``: the HTTP server's main process through
-``launch_server`` / ``_launch_subprocesses``, and every scheduler, i.e. tensor-parallel worker,
-process in ``run_scheduler_process``; schedulers are separate ``spawn`` processes, so a patch made
-in the parent alone would not reach them).  The engine makes this module such a plugin for its own
-servers only: it writes a one-entry-point ``*.dist-info`` folder into the server's run folder and
-puts that folder on the server's ``PYTHONPATH`` (:func:`slime.rollout.engines.sglang.launch.write_plugin_dist`),
-so nothing is installed and no other SGLang process on the machine sees it.
-
-What :func:`register` (the entry point) does, in every process:
-
-1. **The multimodal-RoPE fix**, only where :func:`~slime.rollout.engines.sglang.versions.needs_mrope_fix`
-   says the installed SGLang is affected (0.5.17, 0.5.18; see :mod:`.versions`), in every process but the
-   HTTP server's main one (which runs no model), applied when SGLang imports ``sglang.srt.models.qwen3_5``
-   (a post-import hook, :func:`arm_on_import`):
-   ``Qwen3_5AttentionDecoderLayer.forward_prepare_cuda_fused`` is wrapped so that a call with 2-D
-   (M-RoPE, ``[3, T]``) positions runs ``forward_prepare_native`` instead (QK norm, then the model's
-   own M-RoPE rotary embedding), as SGLang >= 0.5.19 does; 1-D positions (text-only models) keep the
-   fused kernel.  ``SLIME_SGLANG_MROPE_FIX=0`` in the server's environment leaves the bug in (for
-   the benchmark that measures it).  A needed fix that cannot be applied (the class or a method is
-   missing) stops the process with ``SystemExit`` naming both: SGLang catches plugin ``Exception``s
-   and would otherwise serve wrong image log-probs silently.
-2. **Secrets out of the logs**: ``ServerArgs.__repr__`` (which SGLang logs at start-up as
-   ``server_args=ServerArgs(...)``) shows ``api_key`` and ``admin_api_key`` as ``'<redacted>'``.
-3. **A weight update that has finished when it answers**: after
-   ``BaseTpWorker.update_weights_from_tensor`` the worker synchronises its CUDA stream, so the copies
-   out of the trainer's CUDA-IPC buffer are done before the HTTP call returns and the trainer may
-   free that buffer (SGLang alone returns with the copies still queued); the same for the method of
-   :data:`SPEC_WORKER_TARGET`, which the scheduler calls instead with speculative decoding.
-4. **Fused experts in a few copies** (:mod:`.expert_load`), in every process but the main one, on any
-   SGLang version: the ``load_weights`` of :data:`FAST_EXPERT_LOAD_TARGETS` (Qwen3.5 MoE) is wrapped, when
-   SGLang imports ``sglang.srt.models.qwen3_5``, so that a fused ``gate_up_proj`` / ``down_proj`` tensor is
-   copied into its ``FusedMoE`` layer with slice copies instead of SGLang's 3 E per-expert loader calls, each
-   copy checked against SGLang's own loader.  ``SLIME_SGLANG_FAST_EXPERT_LOAD=0`` leaves every tensor to
-   SGLang's loader (the wrapper then only times it, for the report).
-5. **A report**: one JSON file per process, ``<SLIME_SGLANG_REPORT_DIR>/<pid>.json`` with the
-   SGLang version, whether this process is the server's main process, the fix's state
-   (``"applied"``; ``"pending"`` until the model module is imported; ``"not needed"``, ``"disabled"``,
-   ``"main process"``), ``GPU_MEMORY_ALL_TYPES`` and the fast expert load's figures (``expert_load``,
-   rewritten after every ``load_weights`` call); the engine reads
-   them once the server is healthy (:func:`read_reports`) to check that every scheduler process
-   carries the fix and to learn which memory tags exist.
-
-Imports SGLang only inside functions, so the engine side can import this module for
-:func:`read_reports` and the tests for the wrappers.
+SGLang loads *general plugins* (entry-point group ``sglang.srt.plugins``) in each of its processes; the engine makes
+this module one for its own servers only, through a ``*.dist-info`` folder on the server's ``PYTHONPATH``
+(:func:`slime.rollout.engines.sglang.launch.write_plugin_dist`).  :func:`register` applies, in every process: the
+multimodal-RoPE fix where the SGLang release needs it (:func:`apply_rope_fix`), secrets out of the logs
+(:func:`redact_server_args`), weight updates that have finished when they answer
+(:func:`synchronize_after_tensor_update`), fused experts in a few copies (:mod:`.expert_load`), and one JSON report
+per process, which the engine checks (:func:`read_reports`).  Details: ``docs/design/sglang_engine.md``.  SGLang is
+imported only inside functions.
 """
 
 from __future__ import annotations
@@ -183,9 +146,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def arm_on_import(module_name: str, patch) -> None:
-    """Call ``patch(module)`` once ``module_name`` is imported: at once if it already is, else right after
-    SGLang imports it (a post-import hook on ``sys.meta_path``), so the plugin itself imports no model code
-    (which could touch a GPU before the scheduler has picked its own)."""
+    """Call ``patch(module)`` once ``module_name`` is imported: now if it is, else right after SGLang imports it (a
+    ``sys.meta_path`` hook), so that the plugin imports no model code (which could touch a GPU too early)."""
     module = sys.modules.get(module_name)
     if module is not None:
         patch(module)
@@ -194,13 +156,8 @@ def arm_on_import(module_name: str, patch) -> None:
 
 
 def apply_rope_fix(layer_cls: type) -> None:
-    """Route ``layer_cls.forward_prepare_cuda_fused(positions, hidden_states)`` to
-    ``forward_prepare_native`` whenever ``positions.ndim == 2`` (M-RoPE ``[3, T]`` positions).
-
-    Idempotent.  Both methods return ``(q, k, v, gate)`` for ``self_attention``: the fused one a
-    2-D gate ``[T, heads * head_dim]``, the native one a strided ``[T, heads, head_dim]`` view, both
-    accepted by SGLang's ``fused_sigmoid_mul`` (the native path is what the layer takes without a
-    gate, and what SGLang >= 0.5.19 takes for 2-D positions).
+    """Route ``layer_cls.forward_prepare_cuda_fused(positions, hidden_states)`` to ``forward_prepare_native`` when
+    ``positions.ndim == 2`` (M-RoPE ``[3, T]``), as SGLang >= 0.5.19 does; idempotent.
 
     Raises:
         AttributeError: ``layer_cls`` lacks either method (another SGLang layout).
