@@ -1,23 +1,10 @@
 """The training-backend interface, and the training step written once.
 
-One :class:`TrainerBackend` per trainer rank; :class:`slime.ray.trainer_group.TrainerGroup` runs one Ray
-actor per rank, splits every rollout batch across the data-parallel ranks and gathers the metrics.  Two
-backends exist (``--train-backend``): ``fsdp`` (the Hugging Face model under torch FSDP2) and
-``megatron`` (the native Megatron-core Qwen3.5 model and megatron-core's schedule).
-
-:meth:`TrainerBackend.train` is the training step of every backend: it checks the samples, cuts them into
-optimizer steps and micro-batches (:mod:`slime.backends.steps`), takes the old and reference log-probs and
-the train-vs-rollout log-prob gap (:mod:`slime.backends.train_metrics`), and runs each optimizer step
-(loss normaliser, learning rate of :class:`slime.backends.lr_schedule.LRSchedule`, gradient-norm check,
-``--clip-grad``, metric sums).  A backend supplies the hooks that differ: :meth:`~TrainerBackend._pack`,
-:meth:`~TrainerBackend._forward_log_probs`, :meth:`~TrainerBackend._forward_backward`,
-:meth:`~TrainerBackend._grad_norm`, :meth:`~TrainerBackend._apply_update`,
-:meth:`~TrainerBackend._placeholder_ids`, :meth:`~TrainerBackend._input_embedding`,
-:meth:`~TrainerBackend._route_shape` (routing replay) and :meth:`~TrainerBackend._move_part` (colocated memory).
-Why the cut is there: ``docs/design/training_step.md``.
-
-Weights leave by Hugging Face name (:meth:`TrainerBackend.iter_weight_buckets`, :mod:`slime.weight_sync`);
-a backend's flags, checks and checkpoint layout live in its :class:`slime.backends.config.BackendConfig`.
+One :class:`TrainerBackend` per trainer rank, each in a Ray actor of :class:`slime.ray.trainer_group.TrainerGroup`;
+``--train-backend`` picks ``fsdp`` (the Hugging Face model under FSDP2) or ``megatron`` (the native Megatron-core
+model).  :meth:`TrainerBackend.train` is every backend's training step, and a backend supplies its hooks (the private
+methods from :meth:`~TrainerBackend._pack` on; why: ``docs/design/training_step.md``).  Weights leave by Hugging
+Face name; a backend's flags, checks and checkpoint layout are its :class:`slime.backends.config.BackendConfig`.
 """
 
 from __future__ import annotations
@@ -57,15 +44,8 @@ class NonFiniteGradNorm(FloatingPointError):
 
 @dataclasses.dataclass
 class RankInfo:
-    """Where this rank sits in the trainer world.
-
-    Attributes:
-        rank: global rank in the trainer process group, 0 <= rank < world_size.
-        world_size: number of trainer processes.
-        master_addr: address of rank 0 for ``torch.distributed`` rendezvous.
-        master_port: TCP port of that rendezvous.
-        device: ``"cuda"`` or ``"cpu"``; the process group uses NCCL or gloo accordingly.
-    """
+    """Where this rank sits in the trainer world: ``rank`` in ``0 .. world_size - 1``, the rendezvous ``master_addr`` /
+    ``master_port`` of rank 0, and ``device``, ``"cuda"`` (NCCL process group) or ``"cpu"`` (gloo)."""
 
     rank: int
     world_size: int
@@ -76,16 +56,10 @@ class RankInfo:
 
 @dataclasses.dataclass
 class MicroBatch:
-    """One micro-batch as the skeleton hands it to the hooks.
-
-    Attributes:
-        indices: its samples' positions in the list given to :meth:`TrainerBackend.train` (or
-            :meth:`~TrainerBackend.compute_log_probs`).
-        samples: those samples, in order.
-        packed: what the backend's :meth:`~TrainerBackend._pack` made of them (None by default).
-        old_log_probs, ref_log_probs: per sample, float32 ``[R_s]`` on the CPU, set before the first update
-            (None before, for the reference without a KL term, and on ranks that compute no loss).
-    """
+    """One micro-batch as the skeleton hands it to the hooks: the ``indices`` of its ``samples`` in the list given to
+    :meth:`TrainerBackend.train` (or ``compute_log_probs``), ``packed`` (what :meth:`~TrainerBackend._pack` made of
+    them), and per sample the float32 ``[R_s]`` CPU ``old_log_probs`` and ``ref_log_probs``, set before the first
+    update (None before, without a KL term, and on ranks that compute no loss)."""
 
     indices: list[int]
     samples: list[Sample]
@@ -103,29 +77,18 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
 
 
 class TrainerBackend(abc.ABC):
-    """One rank of a training backend. Every public method is collective: the group calls it on all ranks.
-
-    Batches arrive already split by data-parallel rank: ``samples`` holds this rank's share of every
-    optimizer step of the rollout, in order (``num_steps`` consecutive chunks of equal size
-    ``global_batch_size / dp_size``).
+    """One rank of a training backend; every public method is collective (the group calls it on all ranks).
 
     Args:
         rank_info: this rank's place in the trainer world.
-        train: BACKEND_ARGS (micro-batching, ``--bf16``, ``--use-rollout-logprobs``: the engines' log-probs
-            as the PPO ratio's old log-probs, in which case ``train/logprob_abs_diff*`` are not reported).
-        optimizer: OPTIMIZER_ARGS (AdamW, ``--clip-grad`` and the LR schedule).
-        grpo: the GRPO loss flags; ``grpo.needs_ref_model`` decides the reference model.
-        checkpoint: CKPT_ARGS (resolved by :func:`slime.backends.weight_sources.resolve_weights`).
-        rollout_temperature: ``--rollout-temperature`` (> 0); log-probs are taken under
-            ``softmax(logits / rollout_temperature)``, as the engines sample.
-        num_rollout: rollout steps of the run, or None when unknown (then a decaying LR schedule needs
-            ``--lr-decay-iters``).
-        num_steps_per_rollout: optimizer steps per rollout; with ``num_rollout`` the default decay length.
-        seed: base seed; rank ``r`` seeds torch with ``seed + r``.
+        train, optimizer, grpo, checkpoint: BACKEND_ARGS, OPTIMIZER_ARGS, the GRPO flags, CKPT_ARGS.
+        rollout_temperature: ``--rollout-temperature`` (> 0); log-probs are of ``softmax(logits / temperature)``.
+        num_rollout: rollout steps of the run, or None (a decaying LR schedule then needs ``--lr-decay-iters``).
+        num_steps_per_rollout: optimizer steps per rollout.  seed: rank ``r`` seeds torch with ``seed + r``.
 
     Raises:
         ValueError: ``num_steps_per_rollout < 1``.
-        ConfigError: an inconsistent LR schedule (see :class:`LRSchedule`).
+        ConfigError: an inconsistent LR schedule (:class:`LRSchedule`).
     """
 
     config_group: ClassVar[str] = ""
@@ -158,36 +121,27 @@ class TrainerBackend(abc.ABC):
 
     @abc.abstractmethod
     def init(self) -> int:
-        """Build the model, optimizer and (if a KL coefficient is set) the reference model, from the weights
-        :func:`slime.backends.weight_sources.resolve_weights` names.
-
-        Returns:
-            The next rollout id to train: 0 for a fresh run, ``k + 1`` after loading the checkpoint of rollout ``k``.
-        """
+        """Build the model, optimizer and (with a KL term) the reference model from the weights
+        :func:`slime.backends.weight_sources.resolve_weights` names; returns the next rollout id (0 for a fresh run,
+        ``k + 1`` after loading the checkpoint of rollout ``k``)."""
 
     # ------------------------------------------------------------------------------------
     # the training step
     # ------------------------------------------------------------------------------------
 
     def train(self, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
-        """Run ``num_steps`` optimizer steps over this rank's samples (module docstring).
-
-        Args:
-            rollout_id: the rollout step, for logs and errors.
-            samples: this rank's samples, with advantages and rollout log-probs.
-            num_steps: optimizer steps; ``len(samples)`` is a multiple of it.
+        """Run ``num_steps`` optimizer steps over this rank's samples (its share of every step, in order: ``num_steps``
+        chunks of ``global_batch_size / dp_size``, with advantages and rollout log-probs).
 
         Returns:
-            Metrics averaged over the steps, identical on every rank: ``train/loss``, ``train/pg_loss``,
-            ``train/pg_clipfrac``, ``train/ppo_kl``, ``train/entropy``, ``train/kl_loss`` (with a KL loss),
-            ``train/grad_norm`` (before clipping), ``train/lr``, the backend's own (:meth:`_step_metrics`),
-            the log-prob gap ``train/logprob_abs_diff`` with ``_image`` / ``_text`` splits (a split without
-            tokens omitted) and ``train/logprob_gap_altered_tokens`` (unless ``--use-rollout-logprobs``), and
-            colocated on GPU the free-memory figures of :meth:`memory_metrics`.
+            Metrics averaged over the steps, the same on every rank: ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
+            entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, the backend's :meth:`_step_metrics`,
+            the log-prob gap (:mod:`slime.backends.train_metrics`; not with ``--use-rollout-logprobs``) and on a
+                colocated
+            GPU the free-memory figures of :meth:`memory_metrics`.
 
         Raises:
-            SampleError: a malformed sample on any rank, or a missing ``rollout_log_probs`` with
-                ``--use-rollout-logprobs``.
+            SampleError: a malformed sample on any rank, or no ``rollout_log_probs`` with ``--use-rollout-logprobs``.
             ValueError: ``len(samples)`` is not a positive multiple of ``num_steps``.
             NonFiniteGradNorm: the gradient norm is not finite (no update applied).
             RuntimeError: before :meth:`init`, or the optimizer state is offloaded (no :meth:`onload`).
@@ -245,27 +199,18 @@ class TrainerBackend(abc.ABC):
 
     def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False,
                           replay_routes: bool = False) -> list[list[float]] | None:
-        """Per-token log-probs (nats) of each sample's response under the current policy (no grad).
-
-        At ``logits / --rollout-temperature``, with the sample's images.  Not part of :meth:`train` (which
-        takes its own old log-probs): the trainer side of the engine parity check
-        (:meth:`slime.ray.trainer_group.TrainerGroup.compute_log_probs`).  Every rank passes the same samples.
-        With ``rounding_noise`` the token embeddings (:meth:`_input_embedding`) get one rounding step of noise
-        (:func:`slime.backends.rounding.rounding_step_noise`): the difference to the plain call is this
-        trainer's own numerical floor on these tokens, which the parity check judges the engine against.
-        With ``replay_routes`` every MoE layer takes each sample's ``rollout_routed_experts`` at positions
-        ``0 .. P + R - 2`` (its own choice at the last position and on padding), gate weights from its own
-        router logits (:func:`slime.models.routes.forced_gate_weights`).
+        """Per-token log-probs (nats) of each sample's response under the current policy at ``logits / temperature``, no
+        grad, for the engine parity check (every rank passes the same samples); ``rounding_noise``: with
+        :func:`slime.backends.rounding.rounding_step_noise`; ``replay_routes``: every MoE layer takes each sample's
+        ``rollout_routed_experts`` at positions ``0 .. P + R - 2`` (:func:`slime.models.routes.forced_gate_weights`).
 
         Returns:
-            One list of R floats per sample; None on a rank that computes no loss (a pipeline stage before
-            the last), which a backend with such ranks overrides to share the lists.
+            One list of R floats per sample; None on a rank that computes no loss (unless the backend shares the lists).
 
         Raises:
-            SampleError: a malformed sample on any rank; with ``replay_routes``, a sample without routes or
-                with routes of another shape than its prompt, response and the model (naming the sample).
-            NotImplementedError: ``replay_routes`` on a model or parallel layout that cannot replay them
-                (:meth:`_route_shape`).
+            SampleError: a malformed sample; with ``replay_routes``, routes missing or of another shape (naming the
+                sample).
+            NotImplementedError: ``replay_routes`` where the model or layout cannot replay them (:meth:`_route_shape`).
         """
         self._require_init()
         self._require_on_device("compute_log_probs()", training=False)
@@ -309,24 +254,14 @@ class TrainerBackend(abc.ABC):
 
     def _forward_log_probs(self, model: torch.nn.Module, batches: list[MicroBatch], *,
                            replay_routes: bool = False) -> list[Tensor] | None:
-        """No-grad log-probs of ``model`` (the policy or the reference) at ``logits / temperature``; with
-        ``replay_routes`` its MoE layers replay the samples' routed experts (checked already).
-
-        Returns:
-            One float32 ``[R_s]`` CPU tensor per sample of ``batches``, in order; None on a rank that computes
-            no loss (a pipeline stage before the last).
-        """
+        """No-grad log-probs of ``model`` (policy or reference), replaying routes with ``replay_routes``: one float32
+        ``[R_s]`` CPU tensor per sample, in order; None on a rank that computes no loss."""
         raise NotImplementedError
 
     def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
-        """Forward and backward of one optimizer step's micro-batches with the shared GRPO loss
-        (:func:`slime.grpo.loss.grpo_micro_batch_loss` with ``global_normalizer=normalizer``), leaving
-        on the parameters the gradient of the step's global mean loss (data-parallel averaging undone).
-
-        Returns:
-            Per micro-batch its 0-d tensors ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``entropy``
-            (and ``kl_loss``): its share of the step's values; ``[]`` on a rank that computes no loss.
-        """
+        """Forward and backward of one step's micro-batches with :func:`slime.grpo.loss.grpo_micro_batch_loss` at
+        ``global_normalizer=normalizer``, leaving the gradient of the step's mean loss; per micro-batch its 0-d shares
+        of the loss terms of :meth:`train` (``[]`` on a rank that computes no loss)."""
         raise NotImplementedError
 
     def _grad_norm(self) -> float:
@@ -370,42 +305,19 @@ class TrainerBackend(abc.ABC):
     def iter_weight_buckets(
         self, bucket_bytes: int, device: str | torch.device | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """This rank's share of the full weights, by Hugging Face checkpoint name, for the weight sync.
-
-        The contract every backend keeps (:mod:`slime.weight_sync.base`):
-
-        - a rank yields only the tensors it is the **source** of, whole (unsharded) and under their Hugging
-          Face checkpoint names; the union over all ranks is the whole model, each name exactly once;
-        - collective and in lockstep: every rank must exhaust the iterator, and every rank yields the same
-          number of buckets, bucket ``k`` of each rank being its share of round ``k`` (``[]`` on a rank that
-          is not a source in that round), so a transport may run its own collectives between buckets;
-        - a bucket holds whole layers, about ``bucket_bytes`` bytes (:mod:`slime.weight_sync.buckets`).
-
-        Args:
-            bucket_bytes: target bucket size, bytes (``--update-weight-buffer-size``), > 0.
-            device: where the yielded tensors live: ``"cpu"`` (the object store), or ``None`` for this
-                rank's device (IPC / NCCL transports).  Dtype: the backend's compute dtype.
-
-        Raises:
-            ValueError: ``bucket_bytes <= 0``.
-        """
+        """This rank's share of the full weights by Hugging Face checkpoint name for the weight sync: the tensors it is
+        the source of, whole, each name once over all ranks, whole layers per bucket of about ``bucket_bytes`` (> 0), in
+        the compute dtype on ``device`` (None: this rank's).  Collective and in lockstep: every rank exhausts the
+        iterator and yields the same number of buckets (``[]`` where it sources nothing).  ``ValueError`` when
+        ``bucket_bytes <= 0``."""
 
     @abc.abstractmethod
     def save(self, rollout_id: int, path: Path) -> None:
-        """Write this backend's checkpoint of ``rollout_id`` into the iteration folder ``path``. Collective.
-
-        What a complete checkpoint holds is the backend's to say
-        (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`); the driver adds
-        ``rollout_state.pt`` and marks the checkpoint complete (:mod:`slime.checkpoints.layout`).
-        """
+        """Write this backend's checkpoint of ``rollout_id`` into the iteration folder ``path`` (its parts:
+        :meth:`slime.backends.config.BackendConfig.checkpoint_parts`; the driver adds the rest). Collective."""
 
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
-        """This rank's (data-parallel rank, data-parallel size).
-
-        The default suits pure data parallelism (FSDP): every rank is its own data-parallel rank.
-        Backends with tensor/pipeline/context parallelism override it so that peers of one model replica
-        receive the same samples.
-        """
+        """This rank's (data-parallel rank, size); default: every rank is its own (FSDP)."""
         return dist.get_rank(), dist.get_world_size()
 
     def _require_init(self) -> None:
@@ -429,56 +341,25 @@ class TrainerBackend(abc.ABC):
     _memory_figures: dict[str, float] | None = None  # recorded since the last memory_metrics()
 
     def offload(self, keep_weights: bool = False) -> None:
-        """Move this rank's training memory off the GPU for colocated engines. Collective.
-
-        Two parts move, each only if it is on the device (:data:`TRAINING_STATE` first, then
-        :data:`WEIGHTS`), so calling it twice, or after :meth:`onload` with ``weights_only``, moves
-        only what is still there.  The backend's :meth:`_move_part` moves them; on CPU (or before
-        :meth:`init`) nothing moves, but which parts are "offloaded" is tracked all the same (after
-        :meth:`init`), so :meth:`_require_on_device` guards the same call orders on every device.
-
-        Args:
-            keep_weights: keep the policy weights on the GPU, where :meth:`iter_weight_buckets`
-                gathers them for the weight sync, and move everything else (optimizer state,
-                gradients, a reference model); ``False`` moves everything.
-
-        Records (on a CUDA device, when something moved) the device's free memory before and after,
-        GiB (``cudaMemGetInfo``), as ``perf/<phase>_free_gib_{before,after}_offload`` (``..._offload_keep_weights``
-        with ``keep_weights``), where ``<phase>`` is ``resync`` after an ``onload(weights_only=True)`` (the
-        offload ends a mid-rollout re-sync) and ``train`` otherwise (after a full :meth:`onload`, or at
-        start-up).  :meth:`memory_metrics` hands them to the next :meth:`train`'s metrics.
-
-        :class:`slime.ray.colocate.ColocatedMemory` calls ``offload(keep_weights=True)`` after training
-        (and at start-up) and ``offload()`` after each weight sync.
-        """
+        """Move this rank's training memory off the GPU for colocated engines: :data:`TRAINING_STATE`, then (unless
+        ``keep_weights``) :data:`WEIGHTS`, each only if it is on the device; tracked but not moved on CPU. Collective.
+        On CUDA records ``perf/<phase>_free_gib_{before,after}_offload[_keep_weights]`` (GiB; ``<phase>``: ``resync``
+        after ``onload(weights_only=True)``, else ``train``).  The call order: ``docs/design/colocate.md``."""
         name = "offload_keep_weights" if keep_weights else "offload"
         self._hand_over([TRAINING_STATE] if keep_weights else [TRAINING_STATE, WEIGHTS], False,
                         f"{self._figure_phase}_free_gib", name)
 
     def onload(self, weights_only: bool = False) -> None:
-        """Undo :meth:`offload`. Collective.
-
-        Args:
-            weights_only: bring back the policy weights alone (:data:`WEIGHTS`), enough for
-                :meth:`iter_weight_buckets` and :meth:`compute_log_probs`, and leave the optimizer
-                state, gradient buffers and reference model (:data:`TRAINING_STATE`; with AdamW the
-                fp32 moments alone are twice the parameters) off the GPU: the mid-rollout re-sync
-                (:meth:`slime.ray.colocate.ColocatedMemory.resync_phase`).  ``False`` brings back
-                everything, ready to :meth:`train` (weights first, then the rest; a part already on the
-                device is not moved again), and is what every :meth:`train` after an offload needs.
-
-        Records (on a CUDA device, when something moved) ``perf/train_free_gib_{before,after}_onload``, or
-        with ``weights_only`` ``perf/resync_free_gib_{before,after}_onload_weights`` (GiB).
-        """
+        """Undo :meth:`offload`, weights first; ``weights_only``: :data:`WEIGHTS` alone, enough for the weight sync and
+        :meth:`compute_log_probs`. Collective.  Records ``perf/train_free_gib_{before,after}_onload`` (or
+        ``perf/resync_free_gib_{before,after}_onload_weights``)."""
         self._figure_phase = "resync" if weights_only else "train"
         self._hand_over([WEIGHTS] if weights_only else [WEIGHTS, TRAINING_STATE], True,
                         f"{self._figure_phase}_free_gib", "onload_weights" if weights_only else "onload")
 
     def memory_metrics(self) -> dict[str, float]:
-        """The free-memory figures (GiB) recorded by :meth:`offload` / :meth:`onload` since the last call, and
-        forgets them: each backend's :meth:`train` adds them to its metrics, so a rollout step's record holds
-        the moves since the previous step's training (that step's offloads after training and after the
-        sync, or the start-up's; a mid-rollout re-sync's; this step's onload), each once.  ``{}`` on CPU."""
+        """The free-memory figures (GiB) recorded by :meth:`offload` / :meth:`onload` since the last call, then
+        forgotten, so that each move is in one step's metrics; ``{}`` on CPU."""
         figures, self._memory_figures = self._memory_figures or {}, None
         return figures
 
@@ -509,26 +390,12 @@ class TrainerBackend(abc.ABC):
         logger.info("%s (%s): free GPU memory %.2f -> %.2f GiB", move, ", ".join(moving), before, after)
 
     def _move_part(self, part: str, onto_device: bool) -> None:
-        """Move one part of this rank's training memory onto (``onto_device``) or off its CUDA device.
-
-        Called only on CUDA after :meth:`init`, once per part and direction (:meth:`offload` /
-        :meth:`onload` keep track).  Backends that offload implement it:
-
-        - :data:`WEIGHTS`: the policy's parameters as the forward pass and the weight export read them;
-        - :data:`TRAINING_STATE`: what only the optimizer step needs: optimizer state (fp32 main weights,
-          Adam moments), gradient buffers, the reference model.
-
-        The default moves nothing (a backend that keeps everything on the device).
-        """
+        """Move one part (:data:`WEIGHTS`, :data:`TRAINING_STATE`) onto or off this rank's CUDA device; called only on
+        CUDA after :meth:`init`, once per part and direction.  Default: nothing moves."""
 
     def _require_on_device(self, what: str, *, training: bool) -> None:
-        """Raise unless this rank's weights (and with ``training`` its optimizer state too) are on the
-        device, i.e. unless :meth:`onload` (``weights_only`` is enough without ``training``) followed
-        the last :meth:`offload`.
-
-        Raises:
-            RuntimeError: naming ``what`` was called and the missing :meth:`onload`.
-        """
+        """Raise ``RuntimeError`` (naming ``what`` and the missing :meth:`onload`) unless the weights, and with
+        ``training`` the optimizer state too, are on the device."""
         missing = self._offloaded if training else self._offloaded & {WEIGHTS}
         if missing:
             call = "onload()" if training else "onload() or onload(weights_only=True)"

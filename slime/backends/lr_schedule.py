@@ -1,23 +1,12 @@
-"""Learning-rate schedule shared by the training backends: linear warm-up, then constant,
-linear or cosine decay to a floor.
+"""Learning-rate schedule of every backend: linear warm-up, then constant, linear or cosine decay to a floor.
 
-The schedule is a pure function of the optimizer-step index, so a backend only keeps the
-number of steps taken (its "scheduler state"); the training step
-(:meth:`slime.backends.base.TrainerBackend.train`) asks it for the rate of every step.
+A pure function of the optimizer-step index (a backend keeps only the steps taken), after Megatron-LM's
+``OptimizerParamScheduler.get_lr`` (upstream slime's).  With ``W`` warm-up steps, horizon ``D`` and
+``progress = (s - W) / (D - W)``, step ``s`` gets:
 
-What it follows: Megatron-LM's ``OptimizerParamScheduler.get_lr`` (``--lr``,
-``--min-lr``, ``--lr-decay-style``, ``--lr-warmup-iters``, ``--lr-decay-iters``), which
-upstream slime inherits.  With ``W`` warm-up steps, decay horizon ``D`` and
-``progress = (s - W) / (D - W)``:
-
-- warm-up, ``s < W``: ``lr * (s + 1) / W``;
-- ``constant`` after warm-up: ``lr``;
-- ``linear``: ``min_lr + (lr - min_lr) * (1 - progress)``;
-- ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2``;
-- ``s >= D``: ``min_lr`` (linear / cosine).
-
-Where it departs: Megatron's warm-up gives ``lr * s / W`` (the run's first step at rate 0);
-here step ``s`` uses ``lr * (s + 1) / W`` (why: ``docs/design/training_step.md``).
+- ``s < W``: ``lr * (s + 1) / W`` (Megatron: ``lr * s / W``; why: ``docs/design/training_step.md``);
+- ``constant``: ``lr``; ``linear``: ``min_lr + (lr - min_lr) * (1 - progress)``;
+- ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2``; linear / cosine at ``s >= D``: ``min_lr``.
 """
 
 from __future__ import annotations
@@ -32,19 +21,10 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 @dataclasses.dataclass(frozen=True)
 class LRSchedule:
-    """Learning rate as a function of the optimizer-step index (see the module docstring).
-
-    Attributes:
-        lr: peak rate (``--lr``), > 0.
-        min_lr: floor of the decay (``--min-lr``), ``0 <= min_lr <= lr``.
-        decay_style: ``constant``, ``linear`` or ``cosine`` (``--lr-decay-style``).
-        warmup_steps: linear warm-up length ``W`` (``--lr-warmup-iters``), optimizer steps, >= 0.
-        decay_steps: step ``D`` at which the decay reaches ``min_lr`` (``--lr-decay-iters``),
-            counted from step 0 and including the warm-up; ``> W`` for linear / cosine,
-            unused (may be None) for constant.
-
-    Raises:
-        ConfigError: a value is out of range; the message names the flag and the fix.
+    """Learning rate as a function of the optimizer-step index (module docstring): peak ``lr`` (``--lr``, > 0), floor
+    ``min_lr`` (``--min-lr``, in ``[0, lr]``), ``decay_style`` (``--lr-decay-style``), ``warmup_steps`` ``W``
+    (``--lr-warmup-iters``, >= 0) and ``decay_steps`` ``D`` (``--lr-decay-iters``, counted from step 0, ``> W`` for
+    linear / cosine, unused for constant), in optimizer steps; ``ConfigError`` (naming the flag and the fix) otherwise.
     """
 
     lr: float
@@ -78,18 +58,8 @@ class LRSchedule:
 
     @classmethod
     def from_config(cls, cfg, total_steps: int | None) -> "LRSchedule":
-        """Build the schedule from an :class:`slime.backends.config.OptimizerConfig`.
-
-        Args:
-            cfg: the optimizer flags (``lr``, ``min_lr``, ``lr_decay_style``,
-                ``lr_warmup_iters``, ``lr_decay_iters``).
-            total_steps: optimizer steps of the whole run (``num_rollout *
-                num_steps_per_rollout``), the decay length when ``--lr-decay-iters`` is
-                unset; None when unknown.
-
-        Raises:
-            ConfigError: see the class docstring.
-        """
+        """From an :class:`slime.backends.config.OptimizerConfig`; ``total_steps`` (the run's optimizer steps, None when
+        unknown) is the decay length without ``--lr-decay-iters``.  ``ConfigError``: see the class docstring."""
         return cls(
             lr=cfg.lr,
             min_lr=cfg.min_lr,
@@ -99,11 +69,7 @@ class LRSchedule:
         )
 
     def __call__(self, step: int) -> float:
-        """The rate of optimizer step ``step`` (0 for the first step of the run).
-
-        Raises:
-            ValueError: ``step < 0``.
-        """
+        """The rate of optimizer step ``step`` (0: the run's first); ``ValueError`` when ``step < 0``."""
         if step < 0:
             raise ValueError(f"optimizer step index must be >= 0, got {step}")
         if step < self.warmup_steps:

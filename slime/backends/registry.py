@@ -1,19 +1,9 @@
-"""``--train-backend`` name -> training-backend class.
+"""``--train-backend`` name -> training-backend class (:class:`slime.backends.base.TrainerBackend` subclasses).
 
-Every entry is a :class:`slime.backends.base.TrainerBackend` subclass with the same
-constructor entry point, ``from_config(cfg: SlimeConfig, rank_info: RankInfo)``, which the
-trainer group calls in each rank's process (``functools.partial(cls.from_config, cfg)``).
-A ``package.module:Class`` name is imported on lookup, so users plug in their own backend.
-
-Built-in backends are declared by import path (:class:`slime.utils.registry.Builtin`) and
-imported on first lookup: importing this module imports no backend, in particular not
-Megatron (``megatron-core`` exists on GPU machines only).  Each built-in also names its
-*config*: the :class:`slime.backends.config.BackendConfig` flag group that owns its flags, its
-parse-time checks, its data-parallel size and its checkpoint layout, importable without the
-backend's packages.
-
-``--train-backend megatron`` needs megatron-core (installed in the CPU and GPU profiles); without
-it the flag stops at parse time, naming the package, whether it is installed and the way out.
+The trainer group builds each rank with ``cls.from_config(cfg, rank_info)``; a ``package.module:Class`` name is
+imported on lookup, so users plug in their own backend.  Built-ins are declared by import path and imported on first
+lookup (this module imports no backend, megatron-core least of all); each names its
+:class:`slime.backends.config.BackendConfig` (flags, checks, data-parallel size, checkpoint layout).
 """
 
 from __future__ import annotations

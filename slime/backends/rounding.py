@@ -1,12 +1,5 @@
-"""One rounding step of noise on a model's token embeddings: how the trainer measures its own numerical floor.
-
-Two correct low-precision computations of one model differ by their rounding.  In a mixture-of-experts model
-the difference need not stay small: a token whose router scores two experts almost equally can be sent to
-another expert, and the changed output changes the next layers' routes (docs/design/parity_gate.md has the
-figures).  :func:`rounding_step_noise` moves every element of the embedding output by one unit in the last
-place, up or down at random: the trainer's log-probs with and without it differ by what one rounding
-difference costs this model on these tokens.  The engine parity check judges the engine against that floor
-(:mod:`slime.rollout.parity`).
+"""One rounding step of noise on a model's token embeddings: how the trainer measures its own numerical floor, which
+the engine parity check judges the engine against (:mod:`slime.rollout.parity`, ``docs/design/parity_gate.md``).
 """
 
 from __future__ import annotations
@@ -21,19 +14,9 @@ _SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch
 
 
 def one_ulp_step(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``x`` with every non-zero finite element moved one unit in the last place, up or down in magnitude with
-    probability 1/2 each (zeros, and steps that would leave the finite range, keep their value).
-
-    Args:
-        x: a floating-point tensor (bf16, fp16, fp32 or fp64), any shape.
-        generator: the random source, on ``x``'s device.
-
-    Returns:
-        A new tensor of ``x``'s shape and dtype.
-
-    Raises:
-        TypeError: ``x`` is not of one of those dtypes.
-    """
+    """``x`` (bf16, fp16, fp32 or fp64, else ``TypeError``; any shape) with every non-zero finite element moved one unit
+    in the last place, up or down in magnitude with probability 1/2 each (zeros, and steps that would leave the finite
+    range, keep their value); a new tensor, its randomness from ``generator`` (on ``x``'s device)."""
     ints = _SAME_SIZE_INT.get(x.dtype)
     if ints is None:
         raise TypeError(f"one_ulp_step: no bit-level step for dtype {x.dtype}")

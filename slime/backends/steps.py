@@ -1,9 +1,7 @@
 """A rollout's samples as the training step takes them: checks, optimizer steps, micro-batches, the loss normaliser.
 
-The skeleton in :meth:`slime.backends.base.TrainerBackend.train` is the one caller of
-:func:`split_into_steps`, :func:`plan_micro_batches` and :func:`loss_normalizer`; both backends build their
-model inputs with :func:`response_input_ids` and :func:`check_image_inputs`.  Why the pieces are cut this
-way: ``docs/design/training_step.md``.
+The skeleton (:meth:`slime.backends.base.TrainerBackend.train`) is the one caller of the plan and the normaliser;
+both backends build their model inputs with :func:`response_input_ids` (``docs/design/training_step.md``).
 """
 
 from __future__ import annotations
@@ -35,19 +33,12 @@ class SampleError(ValueError):
 
 
 def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False, routes: RouteShape | None = None) -> None:
-    """Check the per-token fields of one sample before it enters a forward pass.
-
-    Args:
-        sample: the sample.
-        need_rollout_log_probs: also require ``rollout_log_probs`` (``use_rollout_logprobs``).
-        routes: also require ``rollout_routed_experts`` of this shape (routes to replay,
-            :func:`slime.data.routes.check_routes`).
+    """Check one sample's per-token fields before a forward pass (with ``need_rollout_log_probs`` also its
+    ``rollout_log_probs``; with ``routes`` its ``rollout_routed_experts`` of that shape, :func:`check_routes`).
 
     Raises:
-        SampleError: no prompt or no response tokens, a ``loss_mask`` whose length differs
-            from the response's, ``rollout_log_probs`` neither empty nor of the response's
-            length, or empty when ``need_rollout_log_probs``; with ``routes``: no routed experts, or
-            routed experts of another shape or an expert id out of range.
+        SampleError: no prompt or response tokens; a ``loss_mask``, or non-empty ``rollout_log_probs``, not of the
+            response's length; no ``rollout_log_probs`` when needed; with ``routes``, none or malformed ones.
     """
     r = sample.response_length
     where = f"sample {sample.index} (group {sample.group_index})"
@@ -83,14 +74,8 @@ def check_train_samples(
     samples: Sequence[Sample], need_rollout_log_probs: bool = False, group: dist.ProcessGroup | None = None,
     routes: RouteShape | None = None,
 ) -> None:
-    """:func:`check_train_sample` on every sample, then agree across the ranks of ``group`` (collective).
-
-    A rank that raised alone would leave the others waiting in the forward pass's collectives, so every
-    rank learns whether any rank found a malformed sample, and all raise.
-
-    Raises:
-        SampleError: this rank's own error, or one saying that another rank found one.
-    """
+    """:func:`check_train_sample` on every sample, agreed over the ranks of ``group`` (collective), so that no rank
+    waits in a forward pass for one that raised alone: ``SampleError``, this rank's own or one naming another rank's."""
     error = None
     try:
         for sample in samples:
@@ -118,14 +103,9 @@ def check_image_inputs(sample: Sample) -> None:
 
 
 def response_input_ids(sample: Sample, placeholders: set[int]) -> list[int]:
-    """The sample's response ids as the model *input* sees them: image / video placeholder ids replaced
-    by :data:`PAD_TOKEN_ID` (the log-prob *targets* keep the generated ids).
-
-    A model treats every placeholder id in its input as a slot for vision features, so a response that
-    contains one (a policy may sample any id) cannot be fed as is.  Logged as a warning the first time
-    per process, then at debug level (the rollout manager counts such responses in
-    ``rollout/vision_token_responses``).
-    """
+    """The response ids as the model *input* sees them: image / video placeholder ids (which a model takes as slots for
+    vision features) replaced by :data:`PAD_TOKEN_ID`; the log-prob targets keep the generated ids.  Warned about
+    once per process (why: ``docs/design/training_step.md``)."""
     global _placeholder_warned
     ids = list(sample.response_token_ids)
     hits = [i for i, token in enumerate(ids) if token in placeholders]
@@ -150,11 +130,8 @@ def response_input_ids(sample: Sample, placeholders: set[int]) -> list[int]:
 
 
 def split_into_steps(samples: Sequence[T], num_steps: int) -> list[list[T]]:
-    """Cut this rank's samples into ``num_steps`` consecutive equal chunks, one per optimizer step.
-
-    Raises:
-        ValueError: ``num_steps < 1`` or ``len(samples)`` is not a positive multiple of it.
-    """
+    """Cut this rank's samples into ``num_steps`` consecutive equal chunks, one per optimizer step; ``ValueError``
+    unless ``len(samples)`` is a positive multiple of ``num_steps >= 1``."""
     if num_steps < 1 or len(samples) == 0 or len(samples) % num_steps:
         raise ValueError(
             f"{len(samples)} samples cannot be cut into {num_steps} equal optimizer steps; the trainer group "
@@ -165,11 +142,7 @@ def split_into_steps(samples: Sequence[T], num_steps: int) -> list[list[T]]:
 
 
 def split_into_micro_batches(samples: Sequence[T], micro_batch_size: int) -> list[list[T]]:
-    """Consecutive micro-batches of ``micro_batch_size`` samples (``--micro-batch-size``); the last may be smaller.
-
-    Raises:
-        ValueError: ``micro_batch_size < 1``.
-    """
+    """Consecutive micro-batches of ``micro_batch_size`` samples (the last may be smaller); ``ValueError`` below 1."""
     if micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
     return [list(samples[i : i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]
@@ -181,14 +154,8 @@ def sample_tokens(sample: Sample) -> int:
 
 
 def balanced_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
-    """Split item indices into ``num_bins`` non-empty bins of nearly equal total length.
-
-    Longest-processing-time-first (Graham 1969): items by decreasing length, each into the bin with
-    the smallest total so far; bins list their items in increasing index order.  ``1 <= num_bins <=
-    len(lengths)``, so every bin gets at least one item.
-
-    Raises:
-        ValueError: ``num_bins`` out of range.
+    """Item indices in ``num_bins`` (``1 .. len(lengths)``, else ``ValueError``) non-empty bins of nearly equal total
+    length: longest-processing-time-first (Graham 1969), each item into the lightest bin; items in index order per bin.
     """
     if not 1 <= num_bins <= len(lengths):
         raise ValueError(f"cannot split {len(lengths)} samples into {num_bins} non-empty micro-batches")
@@ -214,19 +181,11 @@ def bins_for_budget(lengths: Sequence[int], max_tokens: int) -> int:
 def plan_micro_batches(
     samples: Sequence[Sample], *, micro_batch_size: int, max_tokens: int | None, dp_group: dist.ProcessGroup | None,
 ) -> list[list[int]]:
-    """Micro-batches of one optimizer step (or of a log-prob pass), as lists of sample indices.
-
-    Args:
-        samples: this rank's samples.
-        micro_batch_size: ``--micro-batch-size`` (used when ``max_tokens`` is None): consecutive samples.
-        max_tokens: ``--max-tokens-per-gpu`` with ``--use-dynamic-batch-size``, else None: bins of at most
-            this many tokens (:func:`balanced_bins`; a longer sample gets a bin of its own, logged).
-        dp_group: the data-parallel group (CPU tensors) over which the number of bins is agreed (the
-            largest any rank needs: expert all-to-alls and megatron-core's schedule need the same count on
-            every rank); None: no agreement (one rank, or every rank holds the same samples).
-
-    Returns:
-        Non-empty lists of indices; with ``max_tokens``, the same number of lists on every rank of ``dp_group``.
+    """One step's (or log-prob pass's) micro-batches, as lists of sample indices: runs of ``micro_batch_size``
+    consecutive samples, or with ``max_tokens`` (``--max-tokens-per-gpu`` under ``--use-dynamic-batch-size``)
+    :func:`balanced_bins` of at most that many tokens (a longer sample alone, logged), as many on every rank of
+    ``dp_group`` (the most any rank needs: expert all-to-alls and megatron-core's schedule need one count; None: no
+    agreement).
 
     Raises:
         ValueError: no samples, or ``micro_batch_size < 1``.
@@ -250,27 +209,14 @@ def plan_micro_batches(
 
 
 def loss_normalizer(samples: Sequence[Sample], per_token: bool, group: dist.ProcessGroup | None = None) -> float:
-    """``N`` of one optimizer step over all data-parallel ranks, for ``aggregate_loss(global_normalizer=N)``.
-
-    Per-sample aggregation (default): the number of samples of the step; per-token
-    (``--calculate-per-token-loss``): the number of loss-masked response tokens.  Summed over
-    ``group`` with an all-reduce (collective: every rank of ``group`` must call it), so ranks
-    with unequal response lengths agree.
-
-    Args:
-        samples: this rank's samples of the step.
-        per_token: count tokens instead of samples.
-        group: the data-parallel process group, which must take CPU tensors (gloo, or
-            ``"cpu:gloo,cuda:nccl"``); None for the default group, or no reduction when
-            ``torch.distributed`` is not initialised.
-
-    Returns:
-        ``N`` (float, > 0).  A per-token step whose samples have every token masked (e.g.
-        ``--overlong-filter`` with every sample truncated) gets ``N = 1``: its loss is 0 and it
-        gives no gradient, as the same step does under per-sample aggregation; a warning says so.
+    """``N`` of one optimizer step over the ranks of ``group``, for ``aggregate_loss(global_normalizer=N)``: the step's
+    samples, or with ``per_token`` (``--calculate-per-token-loss``) its loss-masked response tokens.  Collective (an
+    all-reduce over ``group``, which takes CPU tensors; None: the default group, no reduction without
+    ``torch.distributed``).  A per-token step with every token masked gets ``N = 1`` (loss 0, no gradient), with a
+    warning.
 
     Raises:
-        ValueError: the step has no sample on any rank (nothing to train on).
+        ValueError: the step has no sample on any rank.
     """
     tokens = sum(int(sum(s.loss_mask)) for s in samples)
     counts = torch.tensor([len(samples), tokens], dtype=torch.float64)  # one all-reduce for both

@@ -1,18 +1,11 @@
 """Backend-neutral training metrics: cross-rank sums, and the train-vs-rollout log-prob gap.
 
-Loss terms computed with a global normaliser (:func:`slime.backends.steps.loss_normalizer`)
-are each rank's share of the step's value, so the step value is a plain sum over
-micro-batches and ranks: :func:`all_reduce_sums` does the rank part.
-
-The log-prob gap measures how far the trainer's log-probs of the sampled tokens are from
-the engine's (``train/logprob_abs_diff``): the mean of ``|log p_train(y_t) - log
-p_rollout(y_t)|`` over loss-masked response tokens, token-weighted over all samples of all
-ranks.  It is split by prompt kind, ``..._image`` (prompts with images) and ``..._text``,
-since a vision-tower mismatch (preprocessing, precision) shows up only in the first.  Upstream
-slime reports the same quantity as ``train_rollout_logprob_abs_diff``.  Tokens that follow a
-generated image / video placeholder are left out (the trainer feeds the placeholder as a pad
-token, so their context differs by design, not by precision) and counted in
-``train/logprob_gap_altered_tokens``.
+Loss terms computed with the step's global normaliser are each rank's share, so a step's value is a sum over
+micro-batches and ranks (:func:`all_reduce_sums`).  The gap ``train/logprob_abs_diff`` is the mean
+``|log p_train(y_t) - log p_rollout(y_t)|`` over loss-masked response tokens of all samples of all ranks (upstream's
+``train_rollout_logprob_abs_diff``), also split by prompt kind (``_image``, ``_text``: a vision-tower mismatch shows
+only in the first); tokens after a generated image / video placeholder are left out and counted in
+``train/logprob_gap_altered_tokens`` (``docs/design/training_step.md``).
 """
 
 from __future__ import annotations
@@ -32,18 +25,9 @@ _GAP_KINDS = ("image", "text")
 
 
 def all_reduce_sums(values: Mapping[str, float | Tensor], group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Sum scalar values over the ranks of ``group`` (collective; float64 on CPU).
-
-    Every rank must pass the same keys.  Without an initialised ``torch.distributed`` the
-    values come back as floats unchanged.
-
-    Args:
-        values: name -> Python number or 0-d tensor (any device; detached first).
-        group: a process group that takes CPU tensors (gloo, or ``"cpu:gloo,cuda:nccl"``).
-
-    Returns:
-        name -> summed float, in the order of ``sorted(values)``.
-    """
+    """Sum scalar values (numbers or 0-d tensors on any device) over the ranks of ``group`` (collective, float64 on CPU;
+    ``group`` must take CPU tensors); every rank passes the same keys.  Returns name -> float in sorted order, the
+    values unchanged without ``torch.distributed``."""
     keys = sorted(values)
     local = torch.tensor(
         [float(values[k].detach().double().cpu()) if isinstance(values[k], Tensor) else float(values[k]) for k in keys],
@@ -57,22 +41,10 @@ def all_reduce_sums(values: Mapping[str, float | Tensor], group: dist.ProcessGro
 def logprob_gap_sums(
     samples: Sequence[Sample], train_log_probs: Sequence[Tensor], placeholder_ids: Collection[int] = ()
 ) -> dict[str, float]:
-    """This rank's sums for the log-prob gap: ``gap/<kind>/abs_diff`` (nats) and ``gap/<kind>/tokens``.
-
-    ``kind`` is ``image`` when the sample's prompt has images, else ``text``.  Only
-    loss-masked response tokens count.  Samples without ``rollout_log_probs`` are left
-    out (logged once per call with their count and first index).  A response that generated
-    one of ``placeholder_ids`` (an image / video placeholder, which the trainer feeds as a pad
-    token, :mod:`slime.backends.fsdp.inputs`) has its tokens *after* the first one left out
-    too, since they see another context by design; they are counted in ``gap/altered/tokens``.
-
-    Args:
-        samples: the samples, with ``rollout_log_probs`` and ``loss_mask`` of length R each.
-        train_log_probs: the trainer's log-probs of each sample's response, float ``[R]`` each.
-        placeholder_ids: response token ids the trainer does not feed as the engine did.
-
-    Returns:
-        The five sums (floats), always all present so ranks can reduce them together.
+    """This rank's sums for the log-prob gap (module docstring): ``gap/<kind>/abs_diff`` (nats), ``gap/<kind>/tokens``
+    (``kind``: ``image`` when the prompt has images, else ``text``) and ``gap/altered/tokens``, always all present.
+    Samples without ``rollout_log_probs`` are left out (logged); ``train_log_probs`` holds one float ``[R]`` per sample;
+    ``placeholder_ids`` are the response ids the trainer does not feed as the engine did.
 
     Raises:
         ValueError: the lists differ in length, or a sample's tensors differ from its R.
@@ -110,12 +82,8 @@ def logprob_gap_sums(
 
 
 def logprob_gap_metrics(summed: Mapping[str, float]) -> dict[str, float]:
-    """Turn (all-reduced) :func:`logprob_gap_sums` into ``train/logprob_abs_diff[_image|_text]``
-    and ``train/logprob_gap_altered_tokens`` (tokens left out after a generated placeholder).
-
-    A split with no token is omitted (not reported as 0); so is the overall value when
-    neither split has one.
-    """
+    """All-reduced :func:`logprob_gap_sums` -> ``train/logprob_abs_diff[_image|_text]`` and
+    ``train/logprob_gap_altered_tokens``; a split without tokens is omitted (so is the overall value without any)."""
     metrics = {"train/logprob_gap_altered_tokens": summed.get("gap/altered/tokens", 0.0)}
     total_diff = total_tokens = 0.0
     for kind in _GAP_KINDS:

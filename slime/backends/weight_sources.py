@@ -1,15 +1,9 @@
 """Where the policy's and the reference model's weights come from: ``--hf-checkpoint``, ``--load``, ``--ref-load``.
 
-One rule for every backend, resolved by :func:`resolve_weights` (the driver calls it before Ray starts to
-check and log; each backend calls it in ``init`` to load):
-
-- ``--hf-checkpoint H`` (a Hugging Face folder with weights) is always the architecture, tokenizer and
-  processor, and what the engines start from;
-- policy: ``--load L`` holding a checkpoint resumes from its latest one; ``L`` a Hugging Face folder (a
-  ``config.json``, no checkpoint marker) is a fresh run from its weights; ``L`` absent, missing, or
-  holding neither is a fresh run from ``H`` (so ``--save D --load D`` resumes when it can);
-- reference (only with a KL term): ``--ref-load R``, the latest checkpoint's policy when ``R`` holds
-  checkpoints, else ``R`` as a Hugging Face folder; without ``--ref-load``, the weights of ``H``.
+One rule for every backend (:func:`resolve_weights`, called by the driver before Ray starts and by each backend in
+``init``): the policy resumes from ``--load``'s latest checkpoint, starts from ``--load`` as a Hugging Face folder,
+or else from ``--hf-checkpoint``; the reference (with a KL term) is ``--ref-load`` (its latest policy, or a Hugging
+Face folder), else ``--hf-checkpoint``.  In full: ``docs/design/training_step.md``.
 """
 
 from __future__ import annotations
@@ -27,14 +21,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class WeightSource:
-    """One model's weights.
-
-    Attributes:
-        flag: the flag that named them: ``--hf-checkpoint``, ``--load`` or ``--ref-load``.
-        path: a Hugging Face model folder, or with ``rollout_id`` a slime checkpoint root (a ``--save`` folder).
-        rollout_id: the checkpoint under ``path`` (its latest complete one); None when ``path`` is a Hugging
-            Face folder.
-    """
+    """One model's weights: the ``flag`` that named them (``--hf-checkpoint``, ``--load``, ``--ref-load``) and ``path``,
+    a Hugging Face folder, or with ``rollout_id`` a ``--save`` root whose checkpoint of that rollout is meant."""
 
     flag: str
     path: Path
@@ -48,14 +36,9 @@ class WeightSource:
 
 @dataclasses.dataclass(frozen=True)
 class StartingWeights:
-    """What a run starts from (module docstring).
-
-    Attributes:
-        policy: the policy's weights: a checkpoint to resume (``rollout_id`` set: optimizer, scheduler, RNG
-            and data cursor come from it too) or a Hugging Face folder (a fresh run).
-        reference: the reference model's weights, None when no KL term needs one.
-        note: why a given ``--load`` was not used (empty otherwise), for the log.
-    """
+    """What a run starts from: the ``policy``'s weights (a checkpoint to resume, ``rollout_id`` set, with its optimizer,
+    scheduler, RNG and data cursor; or a Hugging Face folder), the ``reference``'s (None without a KL term), and a
+    ``note`` on why a given ``--load`` was not used (for the log)."""
 
     policy: WeightSource
     reference: WeightSource | None = None
@@ -76,20 +59,14 @@ class StartingWeights:
 def resolve_weights(
     checkpoint: CheckpointConfig, *, need_reference: bool, backend_parts: Sequence[str] = ()
 ) -> StartingWeights:
-    """Resolve ``--hf-checkpoint``, ``--load`` and ``--ref-load`` by the module's rule; reads the file system only.
-
-    Args:
-        checkpoint: the run's CKPT_ARGS (``hf_checkpoint``, ``load``, ``ref_load``).
-        need_reference: a KL term needs a reference model (``GRPOConfig.needs_ref_model``); otherwise
-            ``--ref-load`` is not read.
-        backend_parts: the parts a checkpoint of the training backend holds
-            (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`): a resume checks them;
-            empty: not checked (the backend reads them itself).
+    """Resolve ``--hf-checkpoint``, ``--load`` and ``--ref-load`` (CKPT_ARGS) by the module's rule, reading the file
+    system only; ``--ref-load`` only with ``need_reference``; a resume checks that the checkpoint holds
+    ``backend_parts`` (:meth:`slime.backends.config.BackendConfig.checkpoint_parts`; empty: not checked).
 
     Raises:
-        CheckpointError: ``--hf-checkpoint`` is not a Hugging Face folder with weights; ``--load`` is a
-            Hugging Face folder without weights, or its latest checkpoint is malformed or lacks a part;
-            ``--ref-load`` is neither a checkpoint root nor a Hugging Face folder.  Each names the flag.
+        CheckpointError: naming the flag: ``--hf-checkpoint`` is not a Hugging Face folder with weights; ``--load`` is
+            one without weights, or its latest checkpoint is malformed or lacks a part; ``--ref-load`` is neither a
+            checkpoint root nor a Hugging Face folder.
     """
     hf = Path(checkpoint.hf_checkpoint)
     check_hf_folder(hf, "--hf-checkpoint")

@@ -1,17 +1,11 @@
 """``--train-backend fsdp``: the Hugging Face model trained with GRPO under torch FSDP2.
 
-One :class:`FSDPBackend` per rank; all ranks form one data-parallel group (gloo on CPU, NCCL for CUDA
-tensors plus gloo for CPU tensors on GPU machines).  The training step is the shared one
-(:meth:`slime.backends.base.TrainerBackend.train`); this module supplies its hooks: padded micro-batches
-(:mod:`slime.backends.fsdp.inputs`), each micro-batch's loss times the data-parallel size before its
-backward (FSDP averages gradients over ranks), the global gradient norm of the sharded gradients, AdamW.
-
-Precision: float32 master weights and optimizer state.  On GPU with ``--bf16`` the blocks compute in
-bfloat16 and reduce gradients in float32 (FSDP2 ``MixedPrecisionPolicy``); on CPU ``--bf16`` is ignored
-and everything runs in float32.  Log-probs and losses are always float32.
-
-Optimizer: AdamW (Loshchilov & Hutter 2019) with decoupled weight decay on matrices only; biases, norm
-weights and other 1-D parameters get no decay (Megatron-LM's default).
+One :class:`FSDPBackend` per rank, all ranks one data-parallel group (gloo on CPU; NCCL plus gloo for CPU tensors on
+GPU machines).  It supplies the shared step's hooks (:meth:`slime.backends.base.TrainerBackend.train`): padded
+micro-batches (:mod:`.inputs`), each micro-batch's loss times the data-parallel size before its backward (FSDP
+averages gradients over ranks), the global norm of the sharded gradients, AdamW (decay on matrices only).  Precision:
+float32 master weights and optimizer state; ``--bf16`` on GPU computes the blocks in bfloat16 and reduces gradients
+in float32 (ignored on CPU); log-probs and losses in float32.
 """
 
 from __future__ import annotations
@@ -50,16 +44,12 @@ MAX_SHARD_BYTES = 5 << 30
 
 
 class FSDPBackend(TrainerBackend):
-    """One rank of the FSDP2 trainer (see the module docstring). Every public method is collective.
-
-    Args:
-        rank_info: this rank's place in the trainer world.
-        fsdp: BACKEND_ARGS (fsdp): ``attn_implementation``, ``gradient_checkpointing``.
-        **kwargs: the shared arguments of :class:`~slime.backends.base.TrainerBackend`.
+    """One rank of the FSDP2 trainer (module docstring); every public method is collective.  ``fsdp``: its BACKEND_ARGS
+    (``attn_implementation``, ``gradient_checkpointing``); ``kwargs``: :class:`~slime.backends.base.TrainerBackend`'s.
 
     Raises:
-        ConfigError: ``--use-dynamic-batch-size`` (see :func:`slime.backends.fsdp.config.check_train`;
-            the Megatron backend's flags never reach this class), or an inconsistent LR schedule.
+        ConfigError: ``--use-dynamic-batch-size`` (:func:`slime.backends.fsdp.config.check_train`), or an inconsistent
+            LR schedule.
         ValueError: ``num_steps_per_rollout < 1``.
     """
 
@@ -77,16 +67,12 @@ class FSDPBackend(TrainerBackend):
     # ------------------------------------------------------------------------------------
 
     def init(self) -> int:
-        """Join the process group, build the sharded policy, AdamW and the reference model (only when
-        ``grpo.needs_ref_model``) from the weights :func:`~slime.backends.weight_sources.resolve_weights`
-        names, and resume when ``--load`` holds a checkpoint.
-
-        Returns:
-            0 for a fresh run, ``k + 1`` after loading the checkpoint of rollout ``k``.
+        """Join the process group; build the sharded policy, AdamW and (with a KL term) the reference model from
+        :func:`~slime.backends.weight_sources.resolve_weights`; resume when ``--load`` holds a checkpoint.  Returns the
+        next rollout id.
 
         Raises:
-            CheckpointError: ``--hf-checkpoint`` / ``--load`` / ``--ref-load`` is not what it must be, or the
-                checkpoint lacks the optimizer state to load.
+            CheckpointError: a weight flag's folder is not what it must be, or the optimizer state to load is missing.
             RuntimeError: a process group of another size or rank is already initialised.
         """
         self._init_process_group()
@@ -250,34 +236,21 @@ class FSDPBackend(TrainerBackend):
     def iter_weight_buckets(
         self, bucket_bytes: int, device: str | torch.device | None = None
     ) -> Iterator[list[tuple[str, Tensor]]]:
-        """This rank's share of the full weights by checkpoint (safetensors) name, in lockstep buckets.
-
-        The FSDP units are packed into rounds of about ``bucket_bytes`` and round ``k`` is sent by
-        rank ``k % world_size`` (:func:`slime.backends.fsdp.hf_io.iter_hf_weight_buckets`): all
-        ranks gather every unit, each keeps the rounds it is the source of and yields ``[]`` for
-        the others.  A bucket holds whole FSDP units (a decoder layer with all its experts, a
-        vision block, or the root's parameters).  Tensors are in the compute dtype (bfloat16 with
-        ``--bf16`` on GPU, else float32), on ``device`` (default: this rank's device).
-        """
+        """This rank's share of the weights by checkpoint name in the compute dtype on ``device``
+        (:func:`slime.backends.fsdp.hf_io.iter_hf_weight_buckets`: whole FSDP units, round ``k`` from rank ``k %
+        world``)."""
         self._require_init()
         self._require_on_device("iter_weight_buckets()", training=False)
         yield from iter_hf_weight_buckets(self.model, self.compute_dtype, bucket_bytes, device=device or self.device)
 
     def save(self, rollout_id: int, path: Path) -> None:
-        """Write ``path/model`` (HF folder) and ``path/trainer`` (optimizer, scheduler, RNG). Collective.
+        """Write ``path/model`` and ``path/trainer``, replacing them. Collective.
 
-        - ``model/``: float32 master weights as sharded safetensors with checkpoint names
-          (:func:`slime.backends.fsdp.hf_io.save_hf_folder`), plus ``config.json``, the
-          tokenizer, chat template and processor files copied from ``--hf-checkpoint``;
-          loadable by ``from_pretrained`` and usable as ``--hf-checkpoint``.  ``config.json``
-          keeps the source's ``dtype``, so engines load it in their usual precision.
-        - ``trainer/optimizer/``: AdamW state as a ``torch.distributed.checkpoint`` (sharded,
-          reloadable at another world size); skipped with ``--no-save-optim``.
-        - ``trainer/scheduler.pt``: ``{"optimizer_steps": n}`` (the LR schedule's position).
-        - ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states.
-
-        ``path`` is the iteration folder (``slime.checkpoints.layout.iteration_dir``); an
-        existing ``model/`` or ``trainer/`` in it is replaced.
+        - ``model/``: the float32 master weights as a Hugging Face folder (:func:`.hf_io.save_hf_folder`), usable as
+          ``--hf-checkpoint`` (``config.json`` keeps the source's ``dtype``);
+        - ``trainer/optimizer/``: AdamW's state, a ``torch.distributed.checkpoint`` (reloadable at another world size;
+          not with ``--no-save-optim``); ``trainer/scheduler.pt``: ``{"optimizer_steps": n}``;
+          ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states.
         """
         self._require_init()
         path = Path(path)
@@ -305,11 +278,10 @@ class FSDPBackend(TrainerBackend):
         dist.barrier()
 
     def _load_trainer_state(self, trainer_dir: Path) -> None:
-        """Restore optimizer + scheduler state (unless ``--no-load-optim``) and this rank's RNG.
+        """Restore optimizer and scheduler state (unless ``--no-load-optim``) and this rank's RNG.
 
         Raises:
-            CheckpointError: the optimizer state or scheduler file is missing; the message
-                says to resume with ``--no-load-optim``.
+            CheckpointError: the optimizer state or scheduler file is missing (the message says ``--no-load-optim``).
         """
         if not self.ckpt_cfg.no_load_optim:
             optim_dir, sched_file = trainer_dir / "optimizer", trainer_dir / "scheduler.pt"
@@ -334,11 +306,8 @@ class FSDPBackend(TrainerBackend):
     # ------------------------------------------------------------------------------------
 
     def _move_part(self, part: str, onto_device: bool) -> None:
-        """Colocated offload (:meth:`TrainerBackend.offload` / :meth:`~TrainerBackend.onload` decide what and
-        when): :data:`WEIGHTS` is the policy's FSDP shards (``model.to``: the parameter objects stay, so the
-        optimizer keeps stepping them); :data:`TRAINING_STATE` the AdamW state tensors and the reference
-        model's shards.  Gradients need no move: ``zero_grad(set_to_none=True)`` frees them after each
-        optimizer step."""
+        """:data:`WEIGHTS`: the policy's shards (``model.to``, so the optimizer keeps its parameter objects);
+        :data:`TRAINING_STATE`: AdamW's state and the reference model (gradients are freed after every step)."""
         device = self.device if onto_device else torch.device("cpu")
         if part == WEIGHTS:
             self.model.to(device)

@@ -1,19 +1,11 @@
 """Hugging Face checkpoints in and out of an FSDP2-sharded model.
 
-In: :func:`load_sharded_model` reads a checkpoint folder on rank 0 only (one CPU copy of
-the weights on the node of rank 0, not one per rank), builds the model on the ``meta``
-device on every rank, shards it (:mod:`slime.backends.fsdp.parallelize`) and broadcasts the
-weights from rank 0 into the shards.
-
-Out: :func:`iter_hf_weight_groups` (saving, everything on rank 0) and
-:func:`iter_hf_weight_buckets` (weight sync, each bucket on its source rank) gather the full
-weights one FSDP unit (one decoder layer, one vision block, then the root's remaining
-parameters) at a time and rename them to the checkpoint's names: transformers 5 keeps MoE experts fused in memory
-(``mlp.experts.gate_up_proj [E, 2I, H]``) while checkpoints (and SGLang's loader) hold one
-tensor per expert (``mlp.experts.{e}.gate_proj.weight``); the in-memory -> checkpoint
-conversion is ``transformers.core_model_loading.revert_weight_conversion``, the function
-``save_pretrained`` uses.  :func:`save_hf_folder` writes those groups as a sharded
-safetensors folder next to the source checkpoint's config, tokenizer and processor files.
+In: :func:`load_sharded_model` reads the folder on rank 0 only, builds the model on ``meta`` on every rank, shards it
+and broadcasts the weights into the shards.  Out: :func:`iter_hf_weight_groups` (saving, on rank 0) and
+:func:`iter_hf_weight_buckets` (weight sync, on each bucket's source rank) gather the full weights one FSDP unit at a
+time and rename them to checkpoint names with ``transformers.core_model_loading.revert_weight_conversion`` (fused
+in-memory experts -> one tensor per expert, as checkpoints and SGLang's loader hold them); :func:`save_hf_folder`
+writes them as sharded safetensors next to the source's config, tokenizer and processor files.
 """
 
 from __future__ import annotations
@@ -48,11 +40,8 @@ WeightGroup = list[tuple[str, torch.Tensor]]
 
 
 def model_class(config: transformers.PretrainedConfig) -> type[transformers.PreTrainedModel]:
-    """The transformers class named by ``config.architectures[0]`` (e.g. ``Qwen3_5MoeForConditionalGeneration``).
-
-    Raises:
-        ValueError: the config names no architecture, or transformers has no such class.
-    """
+    """The transformers class ``config.architectures[0]`` names (e.g. ``Qwen3_5MoeForConditionalGeneration``);
+    ``ValueError`` when it names none, or transformers has no such class."""
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
@@ -74,32 +63,19 @@ def load_sharded_model(
     param_dtype: torch.dtype | None = None,
     trainable: bool = True,
 ) -> nn.Module:
-    """Build the FSDP2-sharded model of the checkpoint folder ``path``. Collective.
+    """Build the FSDP2-sharded model of checkpoint folder ``path``. Collective.
 
-    Rank 0 loads the checkpoint with ``from_pretrained`` on CPU; every rank builds the same
-    model on ``meta``, applies :func:`~slime.backends.fsdp.parallelize.parallelize_model`,
-    allocates its shards on ``device`` and receives them from rank 0
-    (``set_model_state_dict(broadcast_from_rank0=True)``).  Buffers that are not in the
-    state dict (rotary ``inv_freq``) are broadcast from rank 0's loaded model too.
-
-    Args:
-        path: Hugging Face checkpoint folder.
-        mesh: 1-D data-parallel mesh.
-        device: where the shards live (``cuda:<local rank>`` or ``cpu``).
-        dtype: dtype of the stored shards (float32 master weights for the policy; the
-            compute dtype for a frozen reference model).
-        attn_implementation: transformers attention kernel (``--attn-implementation``).
-        gradient_checkpointing: recompute block activations in backward.
-        param_dtype: mixed-precision compute dtype (bfloat16) or None.
-        trainable: False freezes every parameter (reference model).
+    Rank 0 loads it with ``from_pretrained`` on CPU; every rank builds it on ``meta``, parallelises it
+    (:func:`~slime.backends.fsdp.parallelize.parallelize_model`), allocates its shards on ``device`` and receives them
+    from rank 0 (``set_model_state_dict(broadcast_from_rank0=True)``), buffers outside the state dict (rotary
+    ``inv_freq``) too.  ``dtype``: of the stored shards (float32 master weights; the compute dtype for a frozen
+    reference); ``param_dtype``: the mixed-precision compute dtype or None; ``trainable`` False freezes every parameter.
 
     Returns:
-        The sharded model (a ``FSDPModule``), in train mode when ``trainable`` else eval mode.
+        The sharded model (an ``FSDPModule``), in train mode when ``trainable``, else in eval mode.
 
     Raises:
-        ValueError: see :func:`model_class`; also for a model with tied input/output embeddings
-            (not supported).  (The folder itself is checked by
-            :func:`slime.backends.weight_sources.resolve_weights`.)
+        ValueError: see :func:`model_class`; tied input/output embeddings (not supported).
     """
     config = transformers.AutoConfig.from_pretrained(path)
     cls = model_class(config)
@@ -135,9 +111,8 @@ def fsdp_unit_prefixes(model: nn.Module) -> list[str]:
 
 
 def fsdp_unit_groups(model: nn.Module) -> list[list[str]]:
-    """The model's state-dict names grouped by owning FSDP unit: every unit below the root (one
-    decoder layer / vision block each), in module order, then the root's own parameters; empty
-    groups are left out.  The same on every rank."""
+    """State-dict names grouped by owning FSDP unit (each unit below the root in module order, then the root's own),
+    empty groups left out; the same on every rank."""
     units = fsdp_unit_prefixes(model)
     groups: dict[str, list[str]] = {unit: [] for unit in units}
     groups[""] = []
@@ -169,23 +144,9 @@ def _checkpoint_group(
 def iter_hf_weight_groups(
     model: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> Iterator[WeightGroup]:
-    """Full weights by checkpoint name, one FSDP unit at a time, all on rank 0 (for saving).
-
-    Collective: every rank must exhaust the iterator (each group is all-gathered), but only
-    rank 0 (or the only process, without ``torch.distributed``) yields the groups; on the
-    other ranks the iterator is empty.  Groups come in :func:`fsdp_unit_groups` order; each is
-    converted to checkpoint names with ``revert_weight_conversion`` (fused experts -> one
-    tensor per expert, per layer, so a group holds whole layers); vision-tower names pass
-    through unchanged.
-
-    Args:
-        model: the sharded model (plain tensors are passed through as they are).
-        dtype: dtype of the yielded tensors (the float32 master dtype for checkpoints).
-        device: where the yielded tensors live.
-
-    Yields:
-        On rank 0: lists of ``(checkpoint name, contiguous tensor)``.
-    """
+    """Full weights by checkpoint name, one FSDP unit (whole layers) at a time in :func:`fsdp_unit_groups` order, as
+    lists of ``(name, contiguous tensor)`` in ``dtype`` on ``device``, for saving.  Collective: every rank exhausts the
+    iterator (each group is all-gathered), but only rank 0 (or a lone process) yields."""
     if isinstance(model, FSDPModule):
         model.reshard()  # a root gathered by a forward without backward would expose unsharded (compute-dtype) tensors
     receiver = not dist.is_initialized() or dist.get_rank() == 0
@@ -199,24 +160,10 @@ def iter_hf_weight_groups(
 def iter_hf_weight_buckets(
     model: nn.Module, dtype: torch.dtype, bucket_bytes: int, device: torch.device | str = "cpu"
 ) -> Iterator[WeightGroup]:
-    """This rank's share of the full weights by checkpoint name, in lockstep buckets (for the weight sync).
-
-    The FSDP units (:func:`fsdp_unit_groups`) are packed into rounds of about ``bucket_bytes``
-    (:func:`slime.weight_sync.buckets.weight_rounds`, sizes from the global shapes in ``dtype``, so every
-    rank computes the same rounds); round ``k`` is sourced by rank ``k % world_size``.  Every rank takes part in
-    every gather (``DTensor.full_tensor`` is an all-gather) and yields once per round: the source
-    rank its converted tensors (as :func:`iter_hf_weight_groups` converts them), every other rank
-    ``[]``.  So the union over ranks holds each checkpoint name once, every rank is a source when
-    there are at least ``world_size`` rounds, and transports may run collectives between buckets.
-
-    Args:
-        model: the sharded model.
-        dtype: dtype of the yielded tensors (the compute dtype for the weight sync).
-        bucket_bytes: target bucket size, bytes, > 0.
-        device: where the yielded tensors live.
-
-    Yields:
-        One bucket per round: ``[(checkpoint name, contiguous tensor), ...]`` on its source rank, else ``[]``.
+    """This rank's share of the full weights by checkpoint name, in lockstep buckets for the weight sync: the FSDP units
+    packed into rounds of about ``bucket_bytes`` (:func:`slime.weight_sync.buckets.weight_rounds`, sizes from the global
+    shapes in ``dtype``, the same on every rank), round ``k`` yielded by rank ``k % world_size`` (converted as
+    :func:`iter_hf_weight_groups` does) and ``[]`` by the others.  Every rank takes part in every gather.
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.
@@ -238,12 +185,8 @@ def iter_hf_weight_buckets(
 
 
 def copy_side_files(source: str | os.PathLike, dest: str | os.PathLike) -> list[str]:
-    """Copy every top-level file of checkpoint folder ``source`` that holds no weights
-    (config, generation config, tokenizer, chat template, processor configs) into ``dest``.
-
-    Returns:
-        The copied file names, sorted.
-    """
+    """Copy every top-level file of checkpoint folder ``source`` that holds no weights (config, tokenizer, chat
+    template, processor files) into ``dest``; returns the copied names, sorted."""
     copied = []
     for entry in sorted(Path(source).iterdir()):
         if entry.is_file() and not any(fnmatch.fnmatch(entry.name, pattern) for pattern in WEIGHT_FILE_PATTERNS):
@@ -255,19 +198,9 @@ def copy_side_files(source: str | os.PathLike, dest: str | os.PathLike) -> list[
 def save_hf_folder(
     groups: Iterable[WeightGroup], out_dir: str | os.PathLike, source: str | os.PathLike, max_shard_bytes: int
 ) -> None:
-    """Write a complete Hugging Face folder: the non-weight files of ``source`` and ``groups`` as safetensors.
-
-    The weights go to ``model-XXXXX-of-YYYYY.safetensors`` shards of about
-    ``max_shard_bytes`` (a group is never split across shards) with the standard
-    ``model.safetensors.index.json``, so ``from_pretrained(out_dir)`` loads the folder and
-    SGLang reads it as a checkpoint.  ``config.json`` is copied unchanged (training does not
-    change the architecture; fields only engines read are kept).
-
-    Args:
-        groups: ``(checkpoint name, tensor)`` groups, e.g. from :func:`iter_hf_weight_groups`.
-        out_dir: destination folder (created; stale weight files in it are removed first).
-        source: the checkpoint folder the run started from (``--hf-checkpoint``).
-        max_shard_bytes: target size of one safetensors file, bytes.
+    """Write a complete Hugging Face folder ``out_dir``: ``source``'s non-weight files (``config.json`` unchanged) and
+    ``groups`` as ``model-XXXXX-of-YYYYY.safetensors`` shards of about ``max_shard_bytes`` (a group never split) with
+    ``model.safetensors.index.json``, loadable by ``from_pretrained`` and SGLang; stale weight files are removed first.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,18 +1,11 @@
 """One micro-batch of samples -> Hugging Face model inputs -> per-token log-probs of the responses.
 
-Layout: right-padded ``[B, T]`` rows, row ``b`` = ``prompt_token_ids + response_token_ids``
-of sample ``b``.  The logit at position ``t`` predicts token ``t + 1``, so sample ``b``'s
-response tokens ``y_0 .. y_{R-1}`` (at positions ``P .. P+R-1``) are predicted by the
-logits at ``P-1 .. P+R-2``.  Only the positions from the first sample's ``P-1`` to the last
-response token are put through the LM head (``logits_to_keep``).
-
-Images: ``pixel_values`` of the micro-batch's samples are concatenated in sample order
-and ``image_grid_thw`` likewise; ``mm_token_type_ids`` (1 at image tokens) lets the model
-build the 3-D mRoPE positions.  A micro-batch without images gets one blank dummy image (one
-merged token) appended after the last token of row 0, so that every FSDP rank gathers and
-reduces the vision blocks in every micro-batch (why: ``docs/design/training_step.md``).
-Generated image / video placeholder tokens in a response are fed as
-:data:`~slime.backends.steps.PAD_TOKEN_ID` (:func:`slime.backends.steps.response_input_ids`).
+Right-padded ``[B, T]`` rows, row ``b`` = ``prompt_token_ids + response_token_ids`` of sample ``b``.  The logit at
+``t`` predicts token ``t + 1``, so the response (positions ``P .. P+R-1``) is predicted at ``P-1 .. P+R-2``; only the
+positions from the first sample's ``P-1`` to the last response token reach the LM head (``logits_to_keep``).  Images
+are concatenated in sample order and ``mm_token_type_ids`` marks image tokens; a micro-batch without images gets one
+blank image after row 0 (why: ``docs/design/training_step.md``); generated placeholders are fed as
+:data:`~slime.backends.steps.PAD_TOKEN_ID`.
 """
 
 from __future__ import annotations
@@ -34,14 +27,11 @@ class ModelInputs:
     """A micro-batch ready for ``model(**model_kwargs)``.
 
     Attributes:
-        model_kwargs: ``input_ids`` int64 ``[B, T]``; ``attention_mask`` int64 ``[B, T]`` (only
-            when ``B > 1``; one row needs no mask); ``logits_to_keep`` int64 ``[K]``, the
-            positions whose logits are computed; for vision-language models also
-            ``pixel_values`` float32 ``[num_patches, C*T*P*P]``, ``image_grid_thw`` int64
-            ``[num_images, 3]`` and ``mm_token_type_ids`` int64 ``[B, T]``.
-        response_index: int64 ``[B, R_max]``, index into the ``K`` kept logits of the logit
-            predicting each response token (0 on padding).
-        response_tokens: int64 ``[B, R_max]`` response token ids (0 on padding).
+        model_kwargs: int64 ``input_ids`` ``[B, T]``, ``attention_mask`` ``[B, T]`` (only when ``B > 1``) and
+            ``logits_to_keep`` ``[K]``; for a vision-language model also float32 ``pixel_values`` ``[patches,
+            C*T*P*P]``, int64 ``image_grid_thw`` ``[images, 3]`` and ``mm_token_type_ids`` ``[B, T]``.
+        response_index: int64 ``[B, R_max]``, the kept logit that predicts each response token (0 on padding).
+        response_tokens: int64 ``[B, R_max]``, the response token ids (0 on padding).
     """
 
     model_kwargs: dict[str, Tensor]
@@ -58,19 +48,11 @@ def dummy_image(vision_config) -> tuple[Tensor, Tensor]:
 
 
 def build_model_inputs(samples: Sequence[Sample], config, device: torch.device | str) -> ModelInputs:
-    """Pad ``samples`` into one micro-batch for a Hugging Face causal (vision-)language model.
-
-    Args:
-        samples: checked samples (:func:`slime.backends.steps.check_train_sample`).
-        config: the model's ``PretrainedConfig``; ``vision_config``, ``image_token_id`` and
-            ``video_token_id`` mark a vision-language model.
-        device: device of the returned tensors.
-
-    Returns:
-        :class:`ModelInputs`.
+    """Pad checked ``samples`` into one micro-batch for a Hugging Face causal (vision-)language model with ``config``
+    (``vision_config``, ``image_token_id``, ``video_token_id`` mark a vision-language model), on ``device``.
 
     Raises:
-        ValueError: a sample has ``pixel_values`` without ``image_grid_thw`` or the reverse.
+        ValueError: a sample with ``pixel_values`` but no ``image_grid_thw``, or the reverse.
     """
     placeholders = vision_placeholder_ids(config)
     rows = [list(s.prompt_token_ids) + response_input_ids(s, placeholders) for s in samples]
@@ -117,16 +99,8 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
 
 
 def pad_per_token(rows: Sequence[Sequence[float] | Tensor], dtype: torch.dtype, device=None, pad: float = 0) -> Tensor:
-    """Right-pad per-token rows of different lengths into one ``[B, max_len]`` tensor.
-
-    Args:
-        rows: B rows (lists or 1-D tensors); row ``b`` fills ``out[b, :len(rows[b])]``.
-        dtype, device: of the result.
-        pad: value of the padding.
-
-    Returns:
-        ``[B, max_len]`` tensor (``max_len = 0`` when every row is empty).
-    """
+    """Right-pad B per-token rows (lists or 1-D tensors) into one ``[B, max_len]`` tensor of ``dtype`` on ``device``,
+    padding with ``pad`` (``max_len = 0`` when every row is empty)."""
     max_len = max((len(row) for row in rows), default=0)
     out = torch.full((len(rows), max_len), pad, dtype=dtype, device=device)
     for b, row in enumerate(rows):
@@ -143,23 +117,14 @@ def vision_placeholder_ids(config) -> set[int]:
 def response_log_probs(
     model: nn.Module, inputs: ModelInputs, temperature: float, *, with_entropy: bool = False, entropy_grad: bool = True
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``.
-
-    Log-probs follow :func:`slime.grpo.log_probs.gather_log_probs`; entropies
-    :func:`slime.grpo.log_probs.entropy_from_logits` of the same temperature-scaled
-    distribution.  Both are differentiable when grad mode is on.
-
-    Args:
-        model: a Hugging Face causal LM taking ``logits_to_keep`` (plain or FSDP-sharded).
-        inputs: from :func:`build_model_inputs`.
-        temperature: ``--rollout-temperature``, > 0.
-        with_entropy: also return the per-token entropy (nats).
-        entropy_grad: False computes the entropy without autograd (a metric only), which
-            spares the vocabulary-sized tensors its backward would keep.
+    """Log-probs (and with ``with_entropy`` entropies, nats) of the response tokens under ``softmax(logits /
+    temperature)`` (:func:`slime.grpo.log_probs.gather_log_probs`, :func:`~slime.grpo.log_probs.entropy_from_logits`),
+    differentiable in grad mode; ``entropy_grad`` False computes the entropy without autograd (a metric only).
+    ``model`` takes ``logits_to_keep`` (plain or FSDP-sharded).
 
     Returns:
-        ``(log_probs, entropy)``: float32 ``[B, R_max]`` each, row ``b`` valid in its first
-        ``R_b`` entries (garbage after: mask it); ``entropy`` is None unless asked for.
+        ``(log_probs, entropy)``: float32 ``[B, R_max]`` each, row ``b`` valid in its first ``R_b`` entries;
+        ``entropy`` is None unless asked for.
     """
     logits = model(**inputs.model_kwargs, use_cache=False).logits  # [B, K, V]
     batch = logits.shape[0]

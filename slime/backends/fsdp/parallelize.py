@@ -1,17 +1,8 @@
-"""Parallelism for a plain Hugging Face model, one small function per technique, applied in a
-fixed order by :func:`parallelize_model`:
-
-1. activation checkpointing (``--gradient-checkpointing``) on every transformer block;
-2. FSDP2 (``torch.distributed.fsdp.fully_shard``) on every transformer block: the decoder
-   layers of the language model and the blocks of the vision tower, i.e. the classes the
-   model lists in ``_no_split_modules``;
-3. FSDP2 on the root module, which then holds the remaining parameters (embeddings, final
-   norm, LM head, the vision patch embedding, position embedding and merger).
-
-Each block's parameters are gathered just before its forward and freed after it (and again
-for its backward), so a rank holds its shard of the model plus about one full block.
-Mixed precision (``--bf16`` on GPU): parameters are gathered and computed in bfloat16 and
-gradients reduced in float32 onto float32 master shards (``MixedPrecisionPolicy``).
+"""Parallelism for a plain Hugging Face model, applied by :func:`parallelize_model` in this order: activation
+checkpointing (``--gradient-checkpointing``) on every transformer block, FSDP2 (``fully_shard``) on every block (the
+classes of ``_no_split_modules``: decoder layers, vision blocks), then FSDP2 on the root, which holds the rest.  A
+rank holds its shard plus about one gathered block; ``--bf16`` on GPU gathers and computes in bfloat16 and reduces
+gradients in float32 onto float32 master shards (``MixedPrecisionPolicy``).
 """
 
 from __future__ import annotations
@@ -23,12 +14,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks, in module order: instances of the classes named in its
-    ``_no_split_modules`` (for Qwen3.5: ``Qwen3_5MoeDecoderLayer`` and ``Qwen3_5MoeVisionBlock``).
-
-    Raises:
-        ValueError: the model names no such classes, or none of its modules is one.
-    """
+    """The model's repeated blocks in module order: instances of the classes its ``_no_split_modules`` names (Qwen3.5:
+    ``Qwen3_5MoeDecoderLayer``, ``Qwen3_5MoeVisionBlock``); ``ValueError`` when there are none."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
@@ -40,26 +27,14 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in the backward pass instead of storing them.
-
-    Uses transformers' own mechanism (``gradient_checkpointing_enable``, non-reentrant
-    ``torch.utils.checkpoint``), which keeps parameter names unchanged (a
-    ``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module`` into every name).  It
-    composes with FSDP2: the recomputation runs inside the block's backward, where FSDP has
-    already gathered its parameters.  Active in ``model.train()`` mode only.
-    """
+    """Recompute each block's activations in the backward pass with transformers' own mechanism (non-reentrant
+    ``torch.utils.checkpoint``, which keeps parameter names, unlike a ``checkpoint_wrapper``); active in train mode."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> None:
-    """Shard ``model`` over ``mesh`` with FSDP2: every block (:func:`transformer_blocks`), then the root.
-
-    Args:
-        model: a plain model (on any device, ``meta`` included).
-        mesh: 1-D data-parallel device mesh.
-        param_dtype: compute dtype of gathered parameters (bfloat16 for mixed precision, with
-            float32 gradient reduction); None computes in the parameters' own dtype.
-    """
+    """Shard ``model`` (any device, ``meta`` included) over the 1-D ``mesh`` with FSDP2: every block, then the root;
+    ``param_dtype``: the compute dtype of gathered parameters (float32 gradient reduction), None: their own."""
     if param_dtype is None:
         mp_policy = MixedPrecisionPolicy()
     else:

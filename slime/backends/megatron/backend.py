@@ -1,23 +1,12 @@
-"""``--train-backend megatron``: GRPO on the native Megatron Qwen3.5 model (slime.models.qwen3_5).
+"""``--train-backend megatron``: GRPO on the native Megatron Qwen3.5 model (:mod:`slime.models.qwen3_5`).
 
-One :class:`MegatronBackend` per rank.  ``init`` joins the trainer world, builds megatron-core's parallel
-state (TP, PP, EP, expert-TP, DP; :mod:`.parallel`), this rank's pipeline stage of the model (:mod:`.model`),
-the gradient reduction and AdamW (:mod:`.optimizer`: megatron-core's DDP and distributed optimizer on GPU),
-a reference model only when a KL coefficient is non-zero, from the weights
-:func:`slime.backends.weight_sources.resolve_weights` names.
-
-The training step is the shared one (:meth:`slime.backends.base.TrainerBackend.train`); this module
-supplies its hooks: packed THD micro-batches (:mod:`.batches`), every micro-batch of a step through
-megatron-core's forward-backward schedule (:mod:`.schedule`) with the shared GRPO loss over vocab-parallel
-log-probs (:mod:`.loss`), and the optimizer's global gradient norm and update.
-
-Weights leave by Hugging Face name (:mod:`.weight_export`); checkpoints are a
-``torch.distributed.checkpoint`` of Hugging Face-named fp32 tensors plus optimizer moments, scheduler and
-RNG (:mod:`.checkpoint`); colocated runs move buffers with megatron-core's offload API
-(:meth:`MegatronBackend._move_part`).  Precision: ``--bf16`` on GPU trains bf16 parameters with fp32 main
-weights and moments (``A_log`` stays fp32); ``--accumulate-allreduce-grads-in-fp32`` accumulates and
-reduces gradients in fp32.  On CPU everything is fp32 and only data parallelism runs (:mod:`.optimizer`
-and :mod:`.schedule` say what megatron-core does not do without CUDA).  Log-probs and losses are fp32.
+One :class:`MegatronBackend` per rank.  ``init`` builds megatron-core's parallel state (:mod:`.parallel`), this rank's
+pipeline stage (:mod:`.model`), DDP and AdamW (:mod:`.optimizer`) and, with a KL term, a reference model.  It
+supplies the shared step's hooks: packed THD micro-batches (:mod:`.batches`) through megatron-core's forward-backward
+schedule (:mod:`.schedule`) with the shared GRPO loss over vocab-parallel log-probs (:mod:`.loss`).  Weights leave by
+Hugging Face name (:mod:`.weight_export`); checkpoints: :mod:`.checkpoint`.  Precision: ``--bf16`` on GPU trains bf16
+parameters with fp32 main weights and moments (``A_log`` stays fp32); on CPU everything is fp32 and only data
+parallelism runs; log-probs and losses are fp32.
 """
 
 from __future__ import annotations
@@ -48,17 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 class MegatronBackend(TrainerBackend):
-    """One rank of the Megatron trainer (see the module docstring). Every public method is collective.
-
-    Args:
-        rank_info: this rank's place in the trainer world.
-        megatron: BACKEND_ARGS (megatron).
-        **kwargs: the shared arguments of :class:`~slime.backends.base.TrainerBackend`.
-
-    Raises:
-        ValueError: ``num_steps_per_rollout < 1``.
-        ConfigError: an inconsistent LR schedule.
-    """
+    """One rank of the Megatron trainer (module docstring); every public method is collective.  ``megatron``: its
+    BACKEND_ARGS; ``kwargs``: :class:`~slime.backends.base.TrainerBackend`'s (whose errors it raises)."""
 
     config_group = "megatron"
 
@@ -73,16 +53,13 @@ class MegatronBackend(TrainerBackend):
     # ------------------------------------------------------------------------------------
 
     def init(self) -> int:
-        """Process groups, the policy stage, gradient reduction + AdamW, the reference model (only when
-        ``grpo.needs_ref_model``), and the resume when ``--load`` holds a checkpoint.
-
-        Returns:
-            0 for a fresh run, ``k + 1`` after loading the checkpoint of rollout ``k``.
+        """Process groups, the policy stage, DDP + AdamW, the reference model (with a KL term), and the resume when
+        ``--load`` holds a checkpoint; returns the next rollout id.
 
         Raises:
-            CheckpointError: ``--hf-checkpoint`` / ``--load`` / ``--ref-load`` is not what it must be, or the
-                checkpoint is malformed or lacks what it must hold.
-            NotImplementedError: pipeline or expert parallelism on CPU.
+            CheckpointError: a weight flag's folder is not what it must be, or the checkpoint is malformed or
+                incomplete.
+            NotImplementedError: pipeline, tensor or expert parallelism on CPU.
             KernelUnavailable: the GPU kernels' packages are missing.
         """
         from megatron.core.distributed import finalize_model_grads
@@ -252,9 +229,8 @@ class MegatronBackend(TrainerBackend):
     def iter_weight_buckets(
         self, bucket_bytes: int, device: str | torch.device | None = None
     ) -> Iterator[list[tuple[str, Tensor]]]:
-        """This rank's share of the weights by Hugging Face name, in lockstep buckets of whole layers
-        (:func:`slime.backends.megatron.weight_export.iter_buckets`), in the parameters' dtype (bf16 with
-        ``--bf16`` on GPU, ``A_log`` fp32), on ``device`` (default: this rank's)."""
+        """This rank's share of the weights by Hugging Face name in lockstep buckets of whole layers
+        (:func:`.weight_export.iter_buckets`), in the parameters' dtype, on ``device`` (default: this rank's)."""
         self._require_init()
         self._require_on_device("iter_weight_buckets()", training=False)
         yield from iter_buckets(self.model, bucket_bytes, device=device or self.device)
@@ -278,16 +254,9 @@ class MegatronBackend(TrainerBackend):
     # ------------------------------------------------------------------------------------
 
     def _move_part(self, part: str, onto_device: bool) -> None:
-        """Colocated offload (:meth:`TrainerBackend.offload` / :meth:`~TrainerBackend.onload` decide what and
-        when): :data:`WEIGHTS` is the policy's parameter buffers; :data:`TRAINING_STATE` the gradient buffers,
-        the optimizer state (fp32 main weights, Adam moments) and the reference model
-        (:meth:`slime.backends.megatron.optimizer.DistributedAdam.move_weights` / ``move_training_state``).
-
-        It uses megatron-core's own RL offload API (``offload_grad_buffers``, the optimizers'
-        ``offload_to_cpu``, the buffers' ``offload_to_cpu``: storage resized to 0, pinned CPU copies),
-        not ``torch_memory_saver``: that pauses only memory allocated inside its regions (its LD_PRELOAD
-        hook, or its allocator mode), i.e. every trainer allocation from start-up on, which nothing here
-        has measured yet; the buffer moves are exact and measured by ``tests/test_megatron_gpu.py``."""
+        """:data:`WEIGHTS`: the policy's parameter buffers; :data:`TRAINING_STATE`: gradient buffers, optimizer state
+        and the reference model, through megatron-core's RL offload API (why not ``torch_memory_saver``:
+        ``docs/design/training_step.md``)."""
         if part == WEIGHTS:
             self.optimizer.move_weights(onto_device)
             return

@@ -1,19 +1,11 @@
 """Samples -> one packed (THD) micro-batch of the native Qwen3.5 model, with the per-token tensors of the loss.
 
-A micro-batch of ``S`` samples is one token axis (:class:`slime.models.qwen3_5.model.Qwen35Inputs`):
-sample ``s``'s ``prompt_token_ids + response_token_ids`` (placeholders in the response replaced,
-:func:`slime.backends.steps.response_input_ids`) laid end to end, no padding between samples,
-``cu_seqlens`` at the sample boundaries, MRoPE positions restarting in every sample, its images'
-``pixel_values`` in sample order.  Under sequence parallelism one padding document brings the total
-to a multiple of TP.
-
-The logit at position ``t`` predicts token ``t + 1``: sample ``s`` at offset ``o_s`` with prompt
-length ``P_s`` and response length ``R_s`` has its response predicted at ``o_s + P_s - 1 ..
-o_s + P_s + R_s - 2``.  Those ``K = sum R_s`` positions are the model's ``logit_index`` (the LM head
-runs only there), and every per-token tensor of the loss is laid out on them, packed: ``targets``,
-``loss_mask``, old / reference log-probs ``[K]`` with the response boundaries ``cu_seqlens`` ``[S + 1]``
-(the layout of :func:`slime.grpo.loss.grpo_micro_batch_loss`).  Which samples form a micro-batch
-is the shared step's choice (:func:`slime.backends.steps.plan_micro_batches`).
+A micro-batch of ``S`` samples is one token axis (:class:`slime.models.qwen3_5.model.Qwen35Inputs`): each sample's
+prompt and response ids end to end, ``cu_seqlens`` at the boundaries, MRoPE positions restarting per sample, images in
+sample order; under sequence parallelism one padding document brings the total to a multiple of TP.  Sample ``s`` at
+offset ``o_s`` has its response predicted at ``o_s + P_s - 1 .. o_s + P_s + R_s - 2``; those ``K = sum R_s``
+positions are the model's ``logit_index``, and every per-token loss tensor is ``[K]`` on them, with response
+boundaries ``cu_seqlens`` ``[S + 1]`` (the layout of :func:`slime.grpo.loss.grpo_micro_batch_loss`).
 """
 
 from __future__ import annotations
@@ -33,18 +25,10 @@ from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
 
 @dataclasses.dataclass
 class PackedBatch:
-    """One packed micro-batch and its loss tensors (module docstring).
-
-    Attributes:
-        indices: the samples it holds, as indices into the list it was planned from.
-        inputs: the model's inputs (``logit_index`` set), on the training device.
-        targets: ``[K]`` int64 response token ids, samples concatenated.
-        loss_mask: ``[K]`` float32, 1 for response tokens in the loss.
-        cu_seqlens: ``[S + 1]`` int64 response boundaries in the ``[K]`` layout.
-        advantages: ``[S]`` float32 per-sample advantages.
-        response_lengths: ``R_s`` per sample.
-        old_log_probs, ref_log_probs: ``[K]`` float32, filled before the update (None until then).
-    """
+    """One packed micro-batch and its loss tensors (module docstring): ``indices`` of its samples in the planned list,
+    ``inputs`` (``logit_index`` set), int64 ``targets`` ``[K]``, float32 ``loss_mask`` ``[K]``, int64 ``cu_seqlens``
+    ``[S + 1]``, float32 ``advantages`` ``[S]``, ``response_lengths`` (``R_s``), and float32 ``old_log_probs`` /
+    ``ref_log_probs`` ``[K]``, filled before the update."""
 
     indices: list[int]
     inputs: Qwen35Inputs
@@ -79,18 +63,11 @@ def pack_micro_batch(
     samples: Sequence[Sample], indices: Sequence[int], arch: Qwen35Arch, device: torch.device,
     *, pad_to_multiple_of: int = 1,
 ) -> PackedBatch:
-    """Pack ``samples`` (checked by :func:`slime.backends.steps.check_train_samples`) into one micro-batch.
-
-    Args:
-        samples: the micro-batch's samples, in order.
-        indices: their indices in the caller's list (kept on the result).
-        arch: the model's architecture (token ids of the placeholders, merge size).
-        device: where the tensors go.
-        pad_to_multiple_of: total tokens a multiple of this (TP under sequence parallelism).
+    """Pack checked ``samples`` (``indices``: their indices in the caller's list) into one micro-batch on ``device``
+    (``arch``: placeholder ids, merge size), its total tokens a multiple of ``pad_to_multiple_of``.
 
     Raises:
-        ValueError: a sample's ``multimodal_inputs`` has ``pixel_values`` without ``image_grid_thw`` or
-            the reverse (naming the sample).
+        ValueError: a sample with ``pixel_values`` but no ``image_grid_thw``, or the reverse (naming it).
         slime.models.qwen3_5.rope.PositionError: a prompt's image placeholders and grids disagree.
     """
     placeholders = {arch.image_token_id, arch.video_token_id} - {None}
@@ -125,9 +102,8 @@ def pack_micro_batch(
 
 
 def with_routes(batch: PackedBatch, samples: Sequence[Sample], shape: RouteShape) -> PackedBatch:
-    """``batch`` (packed from ``samples``) with their routed experts on its token axis
-    (:attr:`slime.models.qwen3_5.model.Qwen35Inputs.routed_experts`, :func:`slime.data.routes.token_routes`:
-    each sample's routes from its first token, the model's own choice at its last token and on the padding)."""
+    """``batch`` with its samples' routed experts on its token axis (:func:`slime.data.routes.token_routes`: from each
+    sample's first token; the model's own choice at its last token and on the padding)."""
     starts = batch.inputs.cu_seqlens[: len(samples)].tolist()
     routes = token_routes([s.rollout_routed_experts for s in samples], starts, batch.num_tokens, shape)
     device = batch.inputs.input_ids.device

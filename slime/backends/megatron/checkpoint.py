@@ -1,26 +1,16 @@
-"""The Megatron backend's checkpoint: model and optimizer as one ``torch.distributed.checkpoint``, under
-Hugging Face names, plus scheduler and RNG; and the ``--save-hf`` export.
+"""The Megatron backend's checkpoint: model and optimizer as one ``torch.distributed.checkpoint`` under Hugging Face
+names, scheduler and RNG; and the ``--save-hf`` export.  ``<iteration folder>/trainer/``::
 
-Layout of ``<iteration folder>/trainer/`` (the driver adds ``rollout_state.pt`` next to it,
-:mod:`slime.checkpoints.layout`)::
+    state/            full fp32 tensors: param/<hf name> (main weights), exp_avg/<hf name>, exp_avg_sq/<hf name>
+                      (Adam's moments, not with --no-save-optim)
+    scheduler.pt      {"optimizer_steps": n}
+    rng_rank<r>.pt    rank r's torch / CUDA / Python / NumPy / megatron-core RNG states
+    layout.json       the parallel sizes and dtype it was saved with (for people; nothing reads it)
 
-    state/               torch.distributed.checkpoint (.distcp files + .metadata), full fp32 tensors:
-                           param/<hf name>        the fp32 main weights (the model's weights are their cast)
-                           exp_avg/<hf name>      Adam's first moment   (not with --no-save-optim)
-                           exp_avg_sq/<hf name>   Adam's second moment  (not with --no-save-optim)
-    scheduler.pt         {"optimizer_steps": n} (the LR schedule's position, Adam's step count)
-    rng_rank<r>.pt       rank r's torch / CUDA / Python / NumPy / megatron-core RNG states
-    layout.json          the parallel sizes and dtype it was saved with (for people; nothing reads it)
-
-Every tensor is saved whole, by its single source rank (:class:`slime.models.qwen3_5.weights.ExportGroups`),
-in the layout of the Hugging Face checkpoint; the moments are parameter-shaped, so the same per-parameter
-rules map them.  A resume reads, for each of its parameters, only the tensors its rules name and slices out
-its shard (:func:`slime.models.qwen3_5.weights.read_rank_state`), so a checkpoint resumes at any TP / PP /
-EP / DP layout.  Memory and the distributed optimizer's slices: ``docs/design/training_step.md``.
-
-``--save-hf DIR``: the ``param`` tensors as safetensors, each source rank writing its own files
-``model-r<rank>-<k>.safetensors`` (about 5 GiB each), rank 0 the index, ``config.json``, tokenizer and
-processor files of ``--hf-checkpoint``: a folder ``transformers.from_pretrained`` loads (float32 weights).
+Each tensor is saved whole by its one source rank, in the Hugging Face layout, and a resume slices out its own
+shards, so a checkpoint resumes at any TP / PP / EP / DP layout.  ``--save-hf DIR``: the ``param`` tensors as
+safetensors, each rank writing its own files, rank 0 the index and the side files of ``--hf-checkpoint``.  Memory and
+the optimizer's slices: ``docs/design/training_step.md``.
 """
 
 from __future__ import annotations
@@ -57,18 +47,9 @@ def save_trainer_state(
     trainer_dir: Path, model, optimizer, *, steps: int, save_optim: bool, layout: dict,
     save_hf: str | os.PathLike | None = None, hf_checkpoint: str | os.PathLike | None = None,
 ) -> None:
-    """Write ``trainer_dir`` (module docstring) and, with ``save_hf``, the Hugging Face folder. Collective.
-
-    Args:
-        trainer_dir: ``<iteration folder>/trainer`` (replaced if it exists).
-        model: the stage's ``Qwen35Model``.
-        optimizer: :class:`~slime.backends.megatron.optimizer.DistributedAdam` or ``LocalAdam``.
-        steps: optimizer steps taken.
-        save_optim: also the Adam moments (not with ``--no-save-optim``).
-        layout: parallel sizes and dtype, written to ``layout.json``.
-        save_hf: the ``--save-hf`` folder, or None.
-        hf_checkpoint: ``--hf-checkpoint`` (its side files go into the ``--save-hf`` folder).
-    """
+    """Write ``trainer_dir`` (replaced; module docstring) and, with ``save_hf``, the Hugging Face folder with
+    ``hf_checkpoint``'s side files. Collective.  ``optimizer``: :class:`~.optimizer.DistributedAdam` or ``LocalAdam``;
+    ``steps``: optimizer steps taken; ``save_optim``: also the moments; ``layout``: written to ``layout.json``."""
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(trainer_dir, ignore_errors=True)
@@ -156,14 +137,12 @@ def _by_group(model, groups: ExportGroups):
 
 
 def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool) -> int:
-    """Restore weights (and the fp32 main weights), Adam's moments and step count, RNG; returns the optimizer
-    steps taken.  With ``load_optim`` False (``--no-load-optim``) Adam and the LR schedule start afresh
-    (returns 0), as the FSDP backend does.
+    """Restore weights (and the fp32 main weights), Adam's moments and step count, and RNG; returns the optimizer steps
+    taken, or 0 with ``load_optim`` False (``--no-load-optim``: Adam and the LR schedule start afresh).
 
     Raises:
-        CheckpointError: ``state/`` or ``scheduler.pt`` missing or malformed, a tensor the model needs is not
-            in the checkpoint, or the moments are missing with ``load_optim`` (the message says to resume
-            with ``--no-load-optim``).
+        CheckpointError: ``state/`` or ``scheduler.pt`` missing or malformed, a tensor the model needs missing, or no
+            moments with ``load_optim`` (the message says ``--no-load-optim``).
     """
     state_dir = trainer_dir / STATE_DIR
     scheduler = trainer_dir / SCHEDULER_FILE
@@ -203,12 +182,8 @@ def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool)
 
 
 def load_weights(model, state_dir: Path) -> None:
-    """Fill a built model's weights from a checkpoint's ``param/`` tensors (e.g. a reference model from
-    ``--ref-load``), reading one export group at a time.
-
-    Raises:
-        CheckpointError: see :func:`load_trainer_state`.
-    """
+    """Fill a built model's weights from a checkpoint's ``param/`` tensors (e.g. a ``--ref-load`` reference), one export
+    group at a time; ``CheckpointError`` as :func:`load_trainer_state`."""
     sizes = _checkpoint_keys(state_dir)
     params = dict(model.named_parameters())
     for members in _by_group(model, ExportGroups.current()):

@@ -1,21 +1,12 @@
 """The Megatron backend's forward step and loss functions, in megatron-core's ``forward_step_func`` contract.
 
-megatron-core's schedule calls ``forward_step_func(data_iterator, model) -> (output, loss_func)`` per
-micro-batch and, on the last pipeline stage, ``loss_func(output)``.  Here ``output`` is the model's
-logits at the micro-batch's response-predicting positions, this TP rank's vocabulary columns
-``[K, 1, Vp / tp]``; both loss functions turn them into per-token log-probs (and entropies) of the
-sampled tokens under ``softmax(logits / --rollout-temperature)``, as the engines sample, with
-:func:`slime.grpo.log_probs.vocab_parallel_log_probs` (no full-vocabulary tensor; the TP
-vocabulary padding is left out of the softmax).
-
-- :func:`grpo_loss_func`: the shared GRPO loss (:func:`slime.grpo.loss.grpo_micro_batch_loss`)
-  with the step's global normaliser, returned as megatron-core's 3-tuple ``(loss * num_microbatches *
-  dp, 1, metrics)``: the schedule divides by the token count (1) and by ``num_microbatches``, DDP
-  averages gradients over the ``dp`` data-parallel ranks, so the gradient summed over micro-batches
-  and ranks is that of the step's global mean loss (the contract spelled out in
-  ``grpo_micro_batch_loss``'s docstring).
-- :func:`log_prob_func`: no loss, the detached log-probs in the metrics slot (forward-only passes:
-  old, reference and parity log-probs).
+The schedule calls ``forward_step_func(data_iterator, model) -> (output, loss_func)`` per micro-batch and, on the last
+stage, ``loss_func(output)``; ``output`` is this TP rank's vocabulary columns of the logits at the response-predicting
+positions, ``[K, 1, Vp / tp]``.  Both loss functions take log-probs (and entropies) under ``softmax(logits / T)`` with
+:func:`slime.grpo.log_probs.vocab_parallel_log_probs` (TP vocabulary padding left out).  :func:`grpo_loss_func`
+returns ``(loss * num_microbatches * dp, 1, metrics)``: the schedule divides by the token count (1) and the
+micro-batches, DDP averages over ``dp`` ranks, so the summed gradient is that of the step's mean loss
+(``docs/design/grpo.md``).  :func:`log_prob_func` returns the detached log-probs (forward-only passes).
 """
 
 from __future__ import annotations
@@ -34,19 +25,10 @@ from slime.grpo.loss import grpo_micro_batch_loss
 
 @dataclasses.dataclass(frozen=True)
 class LossContext:
-    """What the loss functions need besides the micro-batch.
-
-    Attributes:
-        temperature: ``--rollout-temperature`` (> 0).
-        vocab_size: the real vocabulary (the checkpoint's ``vocab_size``; TP padding columns excluded).
-        tp_group: the tensor-parallel group of the vocab-parallel log-probs.
-        grpo: the GRPO flags.
-        normalizer: the optimizer step's sample (or token) count over all DP ranks
-            (:func:`slime.backends.steps.loss_normalizer`).
-        num_microbatches: micro-batches of this step on this rank.
-        dp_size: data-parallel ranks (megatron-core's DDP averages gradients over them).
-        device: where micro-batches are moved before their forward pass.
-    """
+    """What the loss functions need besides the micro-batch: ``temperature``, the real ``vocab_size`` (the checkpoint's,
+    TP padding excluded), the vocab-parallel ``tp_group``, the ``device`` micro-batches move to, and for training
+    ``grpo``, the step's ``normalizer`` over all DP ranks (:func:`slime.backends.steps.loss_normalizer`), this rank's
+    ``num_microbatches`` and ``dp_size``."""
 
     temperature: float
     vocab_size: int
@@ -64,13 +46,9 @@ def _log_probs(ctx: LossContext, batch: PackedBatch, logits: Tensor, with_entrop
 
 
 def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
-    """megatron-core loss function of one training micro-batch (module docstring).
-
-    Returns:
-        ``(scaled loss, ones(int), metrics)``: metrics are this micro-batch's share of the step's
-        ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``entropy`` (and ``kl_loss``), detached 0-d
-        tensors that sum over micro-batches and data-parallel ranks to the step's values.
-    """
+    """megatron-core loss function of one training micro-batch (module docstring): ``(scaled loss, ones(int),
+    metrics)``, the metrics this micro-batch's detached 0-d shares of ``loss``, ``pg_loss``, ``pg_clipfrac``,
+    ``ppo_kl``, ``entropy`` (and ``kl_loss``)."""
     log_probs, entropy = _log_probs(ctx, batch, logits, with_entropy=True)
     if ctx.grpo.entropy_coef == 0:
         entropy = entropy.detach()  # a metric only: spare its backward

@@ -1,18 +1,7 @@
-"""Building this rank's pipeline stage of the native Qwen3.5 model for training, from a Hugging Face folder.
-
-The stage is :class:`slime.models.qwen3_5.model.Qwen35Model` with the layers megatron-core assigns to
-this pipeline rank, allocated directly on the training device (uninitialised) and filled from the
-checkpoint with :func:`slime.models.qwen3_5.weights.load_hf_checkpoint`, which reads only this rank's
-TP / EP / ETP slices of the safetensors (the full model is never materialised on one rank).
-
-Flags that shape it (:class:`slime.backends.megatron.config.MegatronConfig`): the parallel sizes and
-``--sequence-parallel``; ``--recompute-granularity`` / ``--recompute-method`` /
-``--recompute-num-layers`` (megatron-core's ``TransformerConfig`` fields: full recompute of layer
-blocks by its ``TransformerBlock``; selective recompute of the attention and delta-rule kernels by the
-model's own modules); ``--hidden-dropout``; ``--attention-backend``: ``auto`` picks the fast kernels
-where they are right (:meth:`slime.models.qwen3_5.config.Qwen35Kernels.for_dtype`: fla + ``varlen_attn``
-for bf16 on CUDA, the torch paths otherwise), ``flash`` asks for ``varlen_attn`` (torch's
-FlashAttention-2: bf16 on CUDA), ``local`` / ``unfused`` for SDPA per document.
+"""This rank's pipeline stage of the native Qwen3.5 model, allocated uninitialised on the training device and filled
+from a Hugging Face folder with :func:`slime.models.qwen3_5.weights.load_hf_checkpoint` (only this rank's TP / EP /
+ETP slices are read).  Shaped by :class:`slime.backends.megatron.config.MegatronConfig` (parallel sizes, recompute,
+dropout) and ``--attention-backend`` (:func:`kernels_for`).
 """
 
 from __future__ import annotations
@@ -39,7 +28,9 @@ class KernelUnavailable(SlimeError, RuntimeError):
 
 
 def kernels_for(megatron: MegatronConfig, dtype: torch.dtype, device: torch.device) -> Qwen35Kernels:
-    """The model's kernels for ``--attention-backend`` on this device and dtype (module docstring).
+    """The model's kernels for ``--attention-backend``: ``auto`` the fast ones where they are right
+    (:meth:`slime.models.qwen3_5.config.Qwen35Kernels.for_dtype`: fla + ``varlen_attn`` for bf16 on CUDA, the torch
+    paths otherwise), ``flash`` torch's varlen FlashAttention-2, ``local`` / ``unfused`` SDPA per document.
 
     Raises:
         KernelUnavailable: ``flash`` off CUDA / in fp32, or fla not installed where its kernels are picked.
@@ -69,14 +60,8 @@ def build_stage(
     hf_folder: str | Path, megatron: MegatronConfig, *, dtype: torch.dtype, device: torch.device,
     load: bool = True,
 ):
-    """This rank's stage of the model, its weights read from ``hf_folder`` (unless ``load`` is False).
-
-    Args:
-        hf_folder: a Hugging Face checkpoint folder (architecture from its ``config.json``).
-        megatron: BACKEND_ARGS (megatron).
-        dtype: parameter dtype (``A_log`` stays fp32).
-        device: the training device (megatron-core's parallel state must be initialised).
-        load: fill the weights from ``hf_folder``; False leaves them for a checkpoint load.
+    """This rank's stage of the model, its weights read from ``hf_folder`` unless ``load`` is False (a checkpoint fills
+    them); ``dtype``: the parameters' (``A_log`` stays fp32); ``device``: megatron-core's parallel state must be set.
 
     Raises:
         slime.models.qwen3_5.config.Qwen35ConfigError: the checkpoint or layout is not buildable.

@@ -1,25 +1,11 @@
 """Gradient reduction and AdamW for the Megatron backend: megatron-core's on GPU, a small torch stand-in on CPU.
 
-**GPU** (:class:`DistributedAdam`): megatron-core's ``DistributedDataParallel`` (contiguous gradient
-buffers, fp32 accumulation and reduction with ``--accumulate-allreduce-grads-in-fp32``) and its
-distributed optimizer: bf16 model parameters, fp32 main parameters and Adam moments sharded over the
-data-parallel ranks; fp32 parameters (``A_log``) are their own main copies; expert parameters get their
-own optimizer over the expert-data-parallel group (megatron-core's ``ChainedOptimizer``).
-
-**CPU** (:class:`LocalAdam`): megatron-core's DDP and optimizers cannot run without CUDA; the stand-in
-replaces only those two (:class:`LocalDataParallel` averages ``.grad`` over the data-parallel group as
-megatron-core's DDP does, ``torch.optim.AdamW`` on the fp32 parameters) and keeps the schedule's
-``forward_step`` / ``backward_step`` and ``finalize_model_grads``.  Data parallelism only (why:
-``docs/design/training_step.md``).
-
-Both follow the same rules: decoupled weight decay on tensors of two or more dimensions only
-(megatron-core's ``get_standard_config_overrides``: 1-D parameters and biases get ``wd_mult`` 0), and the
-global gradient L2 norm over every rank's shards (TP-duplicate parameters counted once,
-``param_is_not_tensor_parallel_duplicate``).  The shared training step
-(:meth:`slime.backends.base.TrainerBackend.train`) checks that norm, picks the learning rate and the
-``--clip-grad`` factor, and hands both to ``step``.  For checkpoints and colocated memory both expose, per
-model parameter, its optimizer state as whole TP-local fp32 tensors (:meth:`DistributedAdam.param_state`):
-``param`` (the fp32 main weights), ``exp_avg``, ``exp_avg_sq``.
+GPU (:class:`DistributedAdam`): megatron-core's ``DistributedDataParallel`` and distributed optimizer (bf16
+parameters; fp32 main parameters and moments sharded over data-parallel ranks, the experts' over the
+expert-data-parallel group).  CPU (:class:`LocalAdam`): :class:`LocalDataParallel` and ``torch.optim.AdamW``, data
+parallelism only.  Both decay tensors of two or more dimensions only, take the global gradient L2 norm over every
+rank's shards (TP duplicates once), and expose each parameter's optimizer state as whole TP-local fp32 tensors
+(:data:`STATE_KEYS`) for checkpoints.  Why the stand-in: ``docs/design/training_step.md``.
 """
 
 from __future__ import annotations
@@ -47,14 +33,8 @@ def decays(name: str, param: Tensor) -> bool:
 
 
 class DistributedAdam:
-    """megatron-core's DDP + distributed AdamW around one pipeline stage (GPU only).
-
-    Args:
-        model: the stage's ``Qwen35Model`` (on the GPU).
-        megatron: BACKEND_ARGS (megatron) (``accumulate_allreduce_grads_in_fp32``).
-        optimizer: OPTIMIZER_ARGS (betas, eps, weight decay, ``--clip-grad``).
-        bf16: the model's parameters are bf16 (fp32 main copies in the optimizer).
-    """
+    """megatron-core's DDP + distributed AdamW around one pipeline stage (GPU only); ``megatron``, ``optimizer``:
+    BACKEND_ARGS and OPTIMIZER_ARGS; ``bf16``: bf16 parameters with fp32 main copies in the optimizer."""
 
     def __init__(self, model: torch.nn.Module, megatron: MegatronConfig, optimizer: OptimizerConfig, bf16: bool):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -123,16 +103,9 @@ class DistributedAdam:
 
     @staticmethod
     def _main_param(part, param: Tensor) -> Tensor:
-        """The fp32 main parameter (this rank's flat shard) of model parameter ``param`` in ``part``.
-
-        Not megatron-core's ``_get_main_param_and_optimizer_states``: in 0.16.1 it indexes the optimizer's
-        group by the parameter's place in the gradient buffer, but the group lists the fp32 model
-        parameters first and the fp32 copies of the bf16 ones after, so in a group that mixes both (the
-        native model keeps e.g. ``A_log`` in fp32) it returns another parameter's state (seen on the
-        H200: a 96-element shard for a 32-element slice).  The parallel lists it builds its groups from
-        (``model_float16_groups`` / ``shard_fp32_from_float16_groups``, ``model_fp32_groups`` /
-        ``shard_fp32_groups``) pair each model parameter with its main parameter.
-        """
+        """The fp32 main parameter (this rank's flat shard) of model parameter ``param`` in ``part``, paired through the
+        lists megatron-core builds its groups from (its own ``_get_main_param_and_optimizer_states`` returns another
+        parameter's state in 0.16.1: ``docs/design/training_step.md``)."""
         mapping = part.__dict__.get("_slime_main_params")
         if mapping is None:
             mapping = {}
@@ -150,12 +123,8 @@ class DistributedAdam:
         return {"param": main, **part.optimizer.state.get(main, {})}
 
     def param_state(self, param: Tensor) -> dict[str, Tensor]:
-        """``{param, exp_avg, exp_avg_sq}`` of one model parameter as whole fp32 tensors of its local shape.
-
-        Collective over the parameter's optimizer's data-parallel group (every rank of it calls this for
-        the same parameters in the same order): each rank fills the slice of the flattened parameter it
-        owns and an all-reduce sums the slices.
-        """
+        """``{param, exp_avg, exp_avg_sq}`` of one model parameter as whole fp32 tensors of its local shape; collective
+        over its optimizer's DP group (the same parameters in the same order on every rank)."""
         part = self._owner(param)
         full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATE_KEYS}
         if param in part.model_param_gbuf_map:
@@ -195,10 +164,9 @@ class DistributedAdam:
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
 
     def move_training_state(self, onto_device: bool) -> None:
-        """Free the gradient buffers and move the optimizer state (fp32 main weights, Adam moments) to CPU, or
-        restore both (``onto_device``; the gradient buffers come back zeroed): megatron-core's
-        ``offload_grad_buffers`` / ``restore_grad_buffers`` and the optimizers' ``offload_to_cpu`` /
-        ``restore_from_cpu``."""
+        """Free the gradient buffers and move the optimizer state (fp32 main weights, moments) to CPU, or restore both
+        (the gradient buffers zeroed), with megatron-core's ``offload_grad_buffers`` and optimizer ``offload_to_cpu``
+        APIs."""
         if onto_device:
             self.optimizer.restore_from_cpu()
             self.ddp.restore_grad_buffers(synchronize=True)
@@ -208,13 +176,9 @@ class DistributedAdam:
 
 
 class LocalDataParallel(torch.nn.Module):
-    """CPU stand-in for megatron-core's ``DistributedDataParallel``: the interface its schedule and
-    ``finalize_model_grads`` call (``no_sync``, ``finish_grad_sync``, ``scale_gradients``, ``ddp_config``),
-    gradients left in ``.grad`` and averaged over the data-parallel group at the end of the step.
-
-    A parameter without a gradient on a rank (a vision tower that saw no image there) counts as a zero
-    gradient, so every rank reduces the same tensors.
-    """
+    """CPU stand-in for megatron-core's ``DistributedDataParallel``: what its schedule and ``finalize_model_grads``
+    call, gradients in ``.grad`` averaged over the data-parallel group at the end of the step (a missing one as zeros,
+    so every rank reduces the same tensors)."""
 
     def __init__(self, module: torch.nn.Module, dp_group: dist.ProcessGroup):
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -261,14 +225,8 @@ class LocalDataParallel(torch.nn.Module):
 
 
 class LocalAdam:
-    """Data-parallel training on CPU: :class:`LocalDataParallel` + ``torch.optim.AdamW`` on fp32 parameters
-    (the gradient norm is written for TP shards too, for a CPU TP that megatron-core may allow one day).
-
-    Args:
-        model: the ``Qwen35Model`` (fp32, on the CPU).
-        optimizer: OPTIMIZER_ARGS.
-        dp_group, tp_group: megatron-core's data- and tensor-parallel groups.
-    """
+    """Data-parallel training on CPU: :class:`LocalDataParallel` + ``torch.optim.AdamW`` on fp32 parameters (its
+    gradient norm handles TP shards too); ``dp_group``, ``tp_group``: megatron-core's groups."""
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, dp_group, tp_group):
         self.wrapper = LocalDataParallel(model, dp_group)

@@ -1,20 +1,9 @@
-"""Process groups of the Megatron backend: the world from the rank info, then megatron-core's parallel state.
+"""Process groups of the Megatron backend: the trainer world, then megatron-core's parallel state.
 
-The trainer world (``RankInfo``: rank, world size, rendezvous address) becomes one
-``torch.distributed`` default group, NCCL for CUDA tensors plus gloo for CPU tensors on GPU machines
-(``"cpu:gloo,cuda:nccl"``), gloo alone on CPU.  megatron-core's
-``parallel_state.initialize_model_parallel`` then cuts it into its TP, PP, CP, EP, expert-TP and
-data-parallel groups with Megatron's rank order (``tp-cp-ep-dp-pp``) and gloo twins of the
-data-parallel groups, which the backend uses for its CPU-side reductions (sample counts, metrics).
-
-What each group is used for (:class:`Groups`):
-
-- ``dp_gloo``: the data-parallel group (ranks holding different samples), CPU tensors: loss
-  normalisers, micro-batch counts;
-- ``tp``: the tensor-parallel group, for the vocab-parallel log-probs;
-- the whole world, for metrics: every TP rank of the last pipeline stage computes the same loss
-  terms and every other rank none, so a world sum divided by TP is the sum over micro-batches and
-  data-parallel ranks (:meth:`Groups.metric_sum`).
+The world is one default group (``"cpu:gloo,cuda:nccl"`` on GPUs, gloo on CPU); megatron-core's
+``initialize_model_parallel`` cuts it into TP, PP, CP, EP, expert-TP and data-parallel groups (rank order
+``tp-cp-ep-dp-pp``) with gloo twins of the data-parallel groups.  The backend itself uses ``dp_gloo`` (loss
+normalisers, micro-batch counts), ``tp`` (vocab-parallel log-probs) and the world (metrics, :meth:`Groups.metric_sum`).
 """
 
 from __future__ import annotations
@@ -66,12 +55,8 @@ def init_world(rank_info: RankInfo) -> torch.device:
 
 
 def init_model_parallel(cfg: MegatronConfig, device: torch.device, seed: int) -> None:
-    """megatron-core's parallel state for ``cfg``'s sizes (idempotent: an existing state is kept when its
-    sizes agree), and on CUDA its model-parallel RNG (``model_parallel_cuda_manual_seed``: the same seed
-    within a TP group, another per PP stage / expert rank, as Megatron-LM seeds it).
-
-    Raises:
-        RuntimeError: an existing parallel state has other sizes.
+    """megatron-core's parallel state for ``cfg``'s sizes (kept when already set with the same sizes, else
+    ``RuntimeError``), and on CUDA its model-parallel RNG (``model_parallel_cuda_manual_seed``, as Megatron-LM seeds).
     """
     from megatron.core import parallel_state as ps
 
@@ -129,9 +114,6 @@ class Groups:
         return self.pp_rank == self.pp_size - 1
 
     def metric_sum(self, values: dict[str, float | torch.Tensor]) -> dict[str, float]:
-        """Sum per-rank loss terms over micro-batches and data-parallel ranks (collective over the world).
-
-        Every rank passes the same keys (zeros where it computed none, i.e. on earlier pipeline stages);
-        the TP ranks of the last stage hold identical copies, hence the division.
-        """
+        """Per-rank loss terms (the same keys everywhere, zeros off the last stage) summed over micro-batches and DP
+        ranks: a world sum divided by TP, whose ranks of the last stage hold identical copies. Collective."""
         return {k: v / self.tp_size for k, v in all_reduce_sums(values).items()}

@@ -1,16 +1,7 @@
-"""Running micro-batches through megatron-core's forward-backward schedule.
-
-On CUDA this is megatron-core's own ``get_forward_backward_func()`` (no pipelining, or 1F1B across
-``--pipeline-model-parallel-size`` stages with variable-length packed micro-batches), which ends with
-``config.finalize_model_grads_func`` (megatron-core's ``finalize_model_grads``: the data-parallel
-gradient reduction, and the TP all-reduce of the sequence-parallel and q/k-norm gradients).
-
-On CPU megatron-core's schedules cannot run: ``forward_backward_no_pipelining`` allocates its token
-counter with ``device="cuda"`` and the pipelined ones communicate through CUDA streams.  Without
-pipelining that schedule is a loop over micro-batches of megatron-core's own ``forward_step`` (which
-calls the loss function, scales the loss and collects its metrics) and ``backward_step``, then
-``finalize_model_grads``; :func:`run_micro_batches` runs exactly that loop on CPU, so the CPU tests
-exercise the same loss contract and gradient finalisation as the GPU schedule.
+"""Running micro-batches through megatron-core's forward-backward schedule: ``get_forward_backward_func()`` on CUDA (no
+pipelining, or 1F1B over pipeline stages), ending with ``finalize_model_grads``; on CPU, where its schedules cannot
+run, the same loop of its ``forward_step`` / ``backward_step`` and ``finalize_model_grads``
+(``docs/design/training_step.md``).
 """
 
 from __future__ import annotations
@@ -30,19 +21,10 @@ def run_micro_batches(
     forward_only: bool,
     device: torch.device,
 ) -> list[dict]:
-    """Forward (and backward) every micro-batch of one optimizer step (or of a no-grad pass).
-
-    Args:
-        model: the stage's model as the schedule sees it (megatron-core's DDP wrapper, its CPU stand-in,
-            or the bare model for forward-only passes of a reference model).
-        batches: the micro-batches, in order (every data-parallel rank runs the same number).
-        forward_step_func: from :func:`slime.backends.megatron.loss.make_forward_step`.
-        forward_only: no backward pass and no gradient finalisation.
-        device: the training device (CUDA: megatron-core's schedule; CPU: the loop of the module docstring).
-
-    Returns:
-        The loss functions' metrics dicts, one per micro-batch, on the last pipeline stage (empty elsewhere).
-    """
+    """Forward (and unless ``forward_only``, backward and gradient finalisation) every micro-batch of one optimizer
+    step, in order (the same count on every DP rank).  ``model`` as the schedule sees it (DDP wrapper, CPU stand-in, or
+    the bare model for forward-only passes); ``forward_step_func`` from :func:`.loss.make_forward_step`.  Returns the
+    loss functions' metrics, one dict per micro-batch, on the last pipeline stage (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if device.type == "cuda":

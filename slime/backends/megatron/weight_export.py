@@ -1,21 +1,12 @@
 """The Megatron backend's weights (and optimizer moments) as Hugging Face tensors, in lockstep buckets.
 
-Every native parameter has a :class:`slime.models.qwen3_5.weights.ParamRule` (its Hugging Face
-names, the TP / ETP group its shards are gathered in) and a single source rank
-(:class:`~slime.models.qwen3_5.weights.ExportGroups`).  The whole model is cut into *export groups*
-in one global order, the same on every rank whatever it holds: the embedding, the vision tower's
-patch embedding, each vision block, the merger, each decoder layer (with all its experts), and the
-final norm with the LM head (:func:`group_index`).
-
-Buckets (:func:`iter_buckets`), the lockstep contract of
-:meth:`slime.backends.base.TrainerBackend.iter_weight_buckets`: every rank counts the bytes it is the
-source of in each export group; one all-reduce sums them, so every rank knows every group's size
-and cuts the same sequence of whole groups into buckets of about ``bucket_bytes``.  Each rank then
-walks the groups in that order, gathering the shards of the parameters it holds (collective within
-its TP / ETP group only) and yields, at every bucket boundary, the tensors it is the source of in
-that bucket (``[]`` if none): all ranks yield the same number of buckets, bucket ``k`` being each
-rank's share of round ``k``.  Pipeline stages, expert-parallel ranks and data-parallel replicas
-differ only in what they hold, never in the bucket boundaries.
+Every native parameter has a :class:`~slime.models.qwen3_5.weights.ParamRule` (Hugging Face names, the TP / ETP
+group its shards are gathered in) and one source rank (:class:`~slime.models.qwen3_5.weights.ExportGroups`).  The
+model is cut into *export groups* in one global order, the same on every rank (:func:`group_index`: embedding, vision
+patch embedding, each vision block, merger, each decoder layer with its experts, final norm with the LM head).  One
+all-reduce of each group's bytes lets every rank cut the same buckets of whole groups (:func:`bucket_plan`); each
+rank then gathers its parameters' shards (within its TP / ETP group) and yields, per bucket, the tensors it is the
+source of (``[]`` if none), so pipeline stages, expert ranks and data-parallel replicas share the boundaries.
 """
 
 from __future__ import annotations
@@ -110,20 +101,10 @@ def iter_buckets(
     dtype: torch.dtype | None = None,
     groups: ExportGroups | None = None,
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """This rank's share of the model as lockstep buckets of ``(Hugging Face name, tensor)`` (module docstring).
-
-    Args:
-        model: the stage's ``Qwen35Model``.
-        bucket_bytes: target bucket size, bytes, > 0.
-        tensor_of: ``(native name, parameter) -> tensor of the parameter's local shape`` to export
-            instead of the parameter itself (e.g. an optimizer moment); may be collective, and is called
-            on every rank for every parameter in the global order.
-        device: where the yielded tensors go (default: where they are).
-        dtype: cast them (default: the tensors' own dtype; ``A_log`` stays fp32).
-        groups: who gathers / yields (default: megatron-core's parallel state).
-
-    Yields:
-        Lists of ``(name, tensor)``, the same number on every rank (collective: exhaust it on every rank).
+    """This rank's share of the model as lockstep buckets of ``(Hugging Face name, tensor)`` (module docstring), the
+    same number on every rank (collective: exhaust it everywhere).  ``tensor_of(native name, parameter)``: a tensor of
+    the parameter's local shape to export instead (e.g. an optimizer moment; may be collective); ``device``, ``dtype``:
+    move and cast (default: as they are; ``A_log`` stays fp32); ``groups``: default megatron-core's state.
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.

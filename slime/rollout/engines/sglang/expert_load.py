@@ -152,8 +152,8 @@ def local_experts(layer: torch.nn.Module, num_experts: int) -> tuple[int, int] |
 
 
 def _slices(layer, param_name: str, tensor: torch.Tensor, lo: int, hi: int):
-    """``[(destination view, source view)]`` of one fused tensor into ``layer``'s parameter (module docstring),
-    or None when the shapes do not fit."""
+    """``[(destination view, source view)]`` of one fused tensor into ``layer``'s parameter (SGLang's ``_load_w13`` /
+    ``_load_w2`` slices), or None when the shapes do not fit."""
     param = getattr(layer, param_name).data
     tp_rank, tp_size = int(getattr(layer, "moe_tp_rank", 0)), int(getattr(layer, "moe_tp_size", 1))
     if param_name == "w13_weight":
