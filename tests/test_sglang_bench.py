@@ -180,7 +180,7 @@ def test_speculative_mtp_adds_upstreams_four_flags_to_every_contender(bench, mon
     monkeypatch.setattr(bench, "SERVER_CONFIG", "defaults")
     monkeypatch.setattr(bench, "SPECULATIVE", "none")
     plain = bench.bench_flags(0.6)
-    assert plain == ("--mem-fraction-static", "0.6", *bench.LAUNCHER_FLAGS)
+    assert plain == ("--mem-fraction-static", "0.6", "--max-running-requests", "512", "--disable-custom-all-reduce")
     monkeypatch.setattr(bench, "SPECULATIVE", "mtp")
     assert bench.bench_flags(0.6) == (*plain, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
                                       "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")

@@ -191,12 +191,10 @@ def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
     return figures
 
 
-LAUNCHER_FLAGS = ("--max-running-requests", "512", "--disable-custom-all-reduce")
-"""The launcher's SGLang flags on one GPU (examples/geo3k_vlm/run_geo3k_qwen35.sh) besides the memory fraction;
-SGLang picks everything else (FA3 attention, CUDA graphs, flashinfer sampling, its MoE runner)."""
 SERVER_CONFIG = "eager"
-"""``--server-config``: ``defaults`` (SGLang's defaults, the launcher's flags) or ``eager`` (the triton, no-CUDA-graph
-flags of ``tests/sglang_gpu_helpers.py``, the benchmarks' configuration before issue 24)."""
+"""``--server-config``: ``defaults`` (SGLang's defaults, :data:`~tests.sglang_gpu_helpers.LAUNCHER_FLAGS`) or
+``eager`` (:data:`~tests.sglang_gpu_helpers.EAGER_FLAGS`: triton, no CUDA graph; the benchmarks' configuration
+before issue 24)."""
 SPECULATIVE = "none"
 """``--speculative``: ``none``, or ``mtp``: upstream's speculative decoding with the checkpoint's MTP layer
 (:data:`slime.rollout.engines.sglang.config.MTP_SPECULATIVE_FLAGS`) on every SGLang contender."""
@@ -206,8 +204,7 @@ def bench_flags(mem_fraction: float) -> tuple[str, ...]:
     """SGLang server flags of every contender, by :data:`SERVER_CONFIG` and :data:`SPECULATIVE`."""
     from slime.rollout.engines.sglang.config import MTP_SPECULATIVE_FLAGS
 
-    flags = ("--mem-fraction-static", str(mem_fraction), *LAUNCHER_FLAGS) if SERVER_CONFIG == "defaults" else (
-        server_flags(mem_fraction))
+    flags = server_flags(mem_fraction, eager=SERVER_CONFIG == "eager")
     return (*flags, *MTP_SPECULATIVE_FLAGS) if SPECULATIVE == "mtp" else tuple(flags)
 
 
@@ -551,7 +548,7 @@ def weight_sync(args) -> None:
     cfg = parse_args(["--hf-checkpoint", args.model, "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
                       "--rollout-backend", "sglang", "--colocate", "--output-dir", str(Path(args.out) / "weight-sync"),
-                      *sglang_argv(args.mem_fraction)])  # the server's log there
+                      *sglang_argv(args.mem_fraction, eager=True)])  # the server's log there
     placement = _BenchPlacement()
     engines = RolloutEngineGroup(placement, functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
