@@ -1,12 +1,15 @@
 """Shared pieces of the SGLang GPU tests and benchmarks (``tests/test_sglang_gpu*.py``, ``scripts/bench/sglang_*.py``).
 
-- :data:`SERVER_FLAGS`: the SGLang flags that work with the project's trimmed GPU wheelhouse (no FA3 in
-  ``sglang-kernel``: triton attention backends), from ``../shared/gpu/README.md``;
+- :data:`LAUNCHER_FLAGS`, :func:`server_flags`, :func:`sglang_argv`: SGLang at its defaults with the launcher's
+  flags (what users get: FA3 attention, CUDA graphs, flashinfer sampling), or with ``eager=True``
+  :data:`EAGER_FLAGS` (triton kernels, no CUDA graph: the GPU tests' configuration before issue 24, kept for the
+  benchmarks' continuity figures);
 - :class:`SharedGpuPlacement`: engines on GPUs named by hand (several engines may share one GPU), for
   :class:`slime.ray.engine_group.RolloutEngineGroup` without a placement group;
 - :func:`start_engine`: one :class:`~slime.rollout.engines.sglang.engine.SGLangEngine` in this process;
-- :func:`reference_log_probs`: the Hugging Face model's log-probs of given responses (the trainer's code path:
-  :func:`slime.backends.fsdp.inputs.build_model_inputs` + ``response_log_probs``), float32;
+- :func:`hf_log_probs`: a Hugging Face model's log-probs of given responses along the FSDP trainer's code path,
+  optionally with the engine's routes replayed and one rounding step of noise (the parity gate's trainer side);
+- :func:`route_agreement`: the share of positions whose top-k experts two route tables agree on, per layer;
 - :func:`figure`: one JSON line of figures into ``$SLIME_GPU_FIGURES`` (when set) and on stdout;
 - :func:`generate_in_actor`: requests sent from inside an engine's actor in calls of N, without the engine group.
 """
@@ -16,10 +19,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from slime.rollout.engines.base import BundleResources, EngineResources
@@ -27,22 +30,32 @@ from slime.rollout.engines.sglang.engine import SGLangEngine
 from slime.rollout.engines.sglang.launch import LOCALHOST, ServerSpec
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-SERVER_FLAGS = (
+LAUNCHER_FLAGS = ("--max-running-requests", "512", "--disable-custom-all-reduce")
+"""The launcher's SGLang flags on one GPU (examples/geo3k_vlm/run_geo3k_qwen35.sh) besides the memory fraction;
+SGLang picks everything else (FA3 attention, CUDA graphs, flashinfer sampling, its MoE runner)."""
+EAGER_FLAGS = (
     "--attention-backend", "triton", "--mm-attention-backend", "triton_attn", "--sampling-backend", "pytorch",
     "--moe-runner-backend", "triton", "--disable-cuda-graph", "--skip-server-warmup",
 )  # fmt: skip
+"""Triton kernels and no CUDA graph: what a wheelhouse without FA3 needs, and the configuration of the benchmarks'
+figures before issue 24 (``sglang_rollout_bench.py --server-config eager``)."""
 START_TIMEOUT_S = 900.0
-"""A server's start-up on a fresh machine (~140 s seen for the tiny model, kernels compiling)."""
+"""A server's start-up on a fresh machine (142 s seen for the scaled model at SGLang's defaults, CUDA graphs
+captured, kernels compiling)."""
 
 
-def server_flags(mem_fraction: float, *extra: str) -> tuple[str, ...]:
-    return (*SERVER_FLAGS, "--mem-fraction-static", str(mem_fraction), *extra)
+def server_flags(mem_fraction: float, *extra: str, eager: bool = False) -> tuple[str, ...]:
+    """SGLang server flags: the launcher's (:data:`LAUNCHER_FLAGS`) or, with ``eager``, :data:`EAGER_FLAGS`; the
+    memory fraction, then ``extra``."""
+    if eager:
+        return (*EAGER_FLAGS, "--mem-fraction-static", str(mem_fraction), *extra)
+    return ("--mem-fraction-static", str(mem_fraction), *LAUNCHER_FLAGS, *extra)
 
 
-def sglang_argv(mem_fraction: float, *extra: str) -> list[str]:
+def sglang_argv(mem_fraction: float, *extra: str, eager: bool = False) -> list[str]:
     """:func:`server_flags` as ``--sglang-*`` flags of slime."""
-    flags, argv = server_flags(mem_fraction, *extra), []
-    for token in flags:
+    argv = []
+    for token in server_flags(mem_fraction, *extra, eager=eager):
         argv.append("--sglang-" + token[2:] if token.startswith("--") else token)
     return argv
 
@@ -84,12 +97,16 @@ class SharedGpuPlacement:
 
 
 def start_engine(model_path: str, run_dir: str | os.PathLike, *, mem_fraction: float = 0.25, colocated: bool = True,
-                 env: dict[str, str] | None = None, capacity: int = 128, extra: tuple[str, ...] = ()) -> SGLangEngine:
-    """One SGLang server on ``CUDA_VISIBLE_DEVICES``'s first GPU, through the engine; returns once it started."""
+                 env: dict[str, str] | None = None, capacity: int = 128, extra: tuple[str, ...] = (),
+                 eager: bool = False, return_routed_experts: bool = False) -> SGLangEngine:
+    """One SGLang server on ``CUDA_VISIBLE_DEVICES``'s first GPU, through the engine, with :func:`server_flags`
+    (and ``--enable-return-routed-experts`` with ``return_routed_experts``: requests may then ask for the routes);
+    returns once it started (:func:`wait_healthy` waits until it serves)."""
     from slime.ray.placement import free_port
 
     spec = ServerSpec(model_path=str(model_path), tp_size=1, host=LOCALHOST, port=free_port(), seed=0,
-                      colocated=colocated, passthrough=server_flags(mem_fraction, *extra))
+                      colocated=colocated, passthrough=server_flags(mem_fraction, *extra, eager=eager),
+                      return_routed_experts=return_routed_experts)
     return SGLangEngine(spec, run_dir, capacity=capacity, gpu_ids=["0"], env=env)
 
 
@@ -110,26 +127,63 @@ def wait_healthy(*engines: SGLangEngine, timeout_s: float = START_TIMEOUT_S) -> 
     return time.monotonic() - started
 
 
-def reference_log_probs(model, samples, temperature: float) -> list[list[float]]:
-    """Per-token log-probs of each sample's response under ``model`` (one sample per forward), float32."""
+def hf_log_probs(model, samples, temperature: float, *, replay_routes: bool = False, rounding_noise: bool = False,
+                 routes_out: list | None = None) -> list[list[float]]:
+    """Per-token log-probs (float32, as lists) of each sample's response under the Hugging Face model ``model``, one
+    sample per forward, along the FSDP trainer's path (:func:`slime.backends.fsdp.inputs.build_model_inputs`,
+    ``response_log_probs`` at ``logits / temperature``).
+
+    Args:
+        replay_routes: every MoE layer takes the sample's ``rollout_routed_experts`` (uint8 ``[P + R - 1, layers,
+            top_k]``) at those positions and its own choice at the last one (:func:`slime.data.routes.token_routes`,
+            :func:`slime.models.routes.force_hf_routes`: the FSDP trainer's replay).
+        rounding_noise: one rounding step of noise on the token embeddings, the ``n``-th forward seeded ``n``
+            (:func:`slime.backends.rounding.rounding_step_noise` around all forwards, as the trainer's floor pass).
+        routes_out: when a list, each sample's own routes (int64 ``[P + R, layers, top_k]``) are appended to it.
+
+    Raises:
+        ValueError: ``replay_routes`` and a sample without routes (naming its index).
+    """
+    import contextlib
+
     from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
+    from slime.backends.rounding import rounding_step_noise
+    from slime.data.routes import RouteShape, token_routes
+    from slime.models.routes import capture_hf_routes, force_hf_routes
 
     device = next(model.parameters()).device
+    shape = RouteShape.from_hf_config(model.config.to_dict(), "the reference's config") if replay_routes else None
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), rounding_step_noise(model.get_input_embeddings() if rounding_noise else None):
         for sample in samples:
             inputs = build_model_inputs([sample], model.config, device)
-            log_probs, _ = response_log_probs(model, inputs, temperature)
+            replay = contextlib.nullcontext()
+            if replay_routes:
+                if sample.rollout_routed_experts is None:
+                    raise ValueError(f"sample {sample.index} has no routed experts to replay")
+                width = inputs.model_kwargs["input_ids"].shape[1]
+                routes = token_routes([np.asarray(sample.rollout_routed_experts)], [0], width, shape)
+                replay = force_hf_routes(model, torch.from_numpy(routes).to(device))
+            capture = capture_hf_routes(model) if routes_out is not None else contextlib.nullcontext()
+            with replay, capture as calls:
+                log_probs, _ = response_log_probs(model, inputs, temperature)
+            if routes_out is not None:
+                routes_out.append(torch.stack([layer[-1] for layer in calls], 1))
             out.append(log_probs[0, : sample.response_length].float().tolist())
     return out
 
 
-def mean_abs_gap(samples, reference, skip_ids: set[int] = frozenset()) -> tuple[float, float, int]:
-    """(mean, max, tokens) of ``|engine - reference|`` over every response token, leaving out responses that
-    sampled one of ``skip_ids`` (vision placeholders: the reference feeds them replaced)."""
-    gaps = [abs(a - b) for s, ref in zip(samples, reference) if not skip_ids.intersection(s.response_token_ids)
-            for a, b in zip(s.rollout_log_probs, ref)]
-    return (statistics.fmean(gaps) if gaps else 0.0), max(gaps, default=0.0), len(gaps)
+def route_agreement(routes: list, reference: list) -> list[float]:
+    """Per layer, the share of positions where ``routes[i]`` and ``reference[i]`` (integer ``[positions, layers,
+    top_k]`` each, any order of the top-k) name the same experts, over the positions both cover, all samples."""
+    same, total = None, 0
+    for a, b in zip(routes, reference, strict=True):
+        a, b = torch.as_tensor(np.asarray(a)).long(), torch.as_tensor(np.asarray(b)).long()
+        n = min(a.shape[0], b.shape[0])
+        equal = (a[:n].sort(-1).values == b[:n].sort(-1).values).all(-1).sum(0)
+        same = equal if same is None else same + equal
+        total += n
+    return [round(float(x) / total, 4) for x in same] if total else []
 
 
 def load_checkpoint_tensors(model_path: str | Path, device: str = "cuda", dtype=torch.bfloat16) -> dict:

@@ -38,7 +38,7 @@ HF_MODELING = transformers_qwen35_without_fla()
 
 from qwen35_helpers import geo3k_prompts  # noqa: E402
 
-from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
+from slime.checkpoints.scaled_qwen35 import scaled_config  # noqa: E402
 from slime.models.qwen3_5.config import Qwen35Kernels  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
 from slime.models.qwen3_5.hf_mapping import Ranks  # noqa: E402
@@ -505,7 +505,7 @@ def test_35b_layer_shapes_bf16_forward_backward_match_hf(realgeo):
     ``max(2e-2, 1.5 x HF bf16's own error)``, for the logits and per parameter for the gradients."""
     from slime.data.processor import load_processor
 
-    config = scaled_35b_a3b_config()
+    config = scaled_config(layers=4, experts=256)
     with torch.device("cuda"):
         torch.manual_seed(0)
         hf = HF_MODELING.Qwen3_5MoeForConditionalGeneration._from_config(

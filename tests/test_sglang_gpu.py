@@ -1,17 +1,23 @@
-"""Real SGLang (0.5.17) through the engine interface on one GPU: text and geo3k image prompts, the multimodal-RoPE
-bug and slime's fix measured as log-prob gaps against the Hugging Face model in float32, the per-run key, CUDA-IPC
-weight updates, and memory release/resume.  Needs CUDA and an installed sglang (the GPU profile).
+"""Real SGLang (0.5.17) through the engine interface on one GPU, on the real-width scaled Qwen3.5-35B-A3B at SGLang's
+defaults: geo3k prompts with their image and as text alone, the engine parity gate with the engine's routes replayed
+(it passes the server as slime starts it and refuses one with the multimodal-RoPE bug), one batched call, the per-run
+key, CUDA-IPC weight updates, and memory release/resume with CUDA graphs.  Needs CUDA and an installed sglang.
 
-Checkpoint: the tiny Qwen3.5-MoE with Qwen3.5-35B-A3B's attention geometry (``real_geometry=True``: head_dim 256,
-25 % rotary, interleaved ``mrope_section`` [11, 11, 10]) and images of up to 512 x 512 pixels, where the bug is
-visible (issue 11: image gap 6.0e-3 against text 9.9e-4 with the bug, 9.9e-4 against 1.07e-3 with the fix).
-Two servers run side by side on the GPU: one as slime starts it (fix applied) and one with
-``SLIME_SGLANG_MROPE_FIX=0``.  ``SLIME_SGLANG_RECORD=FILE`` records the fixed server's exchanges (the CPU tests'
-fixture ``tests/fixtures/sglang_0.5.17_h200.jsonl``); ``SLIME_GPU_FIGURES=FILE`` collects the figures.
+Checkpoint: :mod:`slime.checkpoints.scaled_qwen35` (the ``scaled_ckpt`` fixture: 4 layers, 128 experts, built once
+per machine).  Two servers share the GPU, both with the launcher's flags (:data:`LAUNCHER_FLAGS`: FA3, CUDA graphs,
+flashinfer sampling) and ``--enable-return-routed-experts``: ``fixed`` as slime starts it, and ``bug`` with
+``SLIME_SGLANG_MROPE_FIX=0`` and ``--disable-cuda-graph`` (the fix-off configuration measured in
+docs/results/h200_real_width.md; it starts in half the time).  The gate's trainer is the HF model in bf16 replaying
+the engine's routes, its floor the same with one rounding step on its embeddings, judged with the flags' defaults
+(docs/design/parity_gate.md); the HF model in float32 is the reference of the figures.  Expected from the H200
+findings (issue 24): engine vs fp32 with the routes forced 0.015-0.018 image / 0.022-0.027 text with the fix, 0.038
+image without.  ``SLIME_SGLANG_RECORD=FILE`` records the fixed server's exchanges (the CPU tests' fixture
+``tests/fixtures/sglang_0.5.17_h200.jsonl``); ``SLIME_GPU_FIGURES=FILE`` collects the figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import math
@@ -22,14 +28,15 @@ import pytest
 import torch
 
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
-from slime.rollout.parity import GAP_FLOOR, ParityGaps, verdict
+from slime.rollout.parity import GAP_FLOOR, EngineParityError, ParityGaps, verdict
 from slime.weight_sync.fused_experts import checkpoint_num_experts
 from tests.sglang_gpu_helpers import (
     HAVE_SGLANG,
+    LAUNCHER_FLAGS,
     figure,
+    hf_log_probs,
     load_checkpoint_tensors,
-    mean_abs_gap,
-    reference_log_probs,
+    route_agreement,
     start_engine,
     wait_healthy,
 )
@@ -40,42 +47,41 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_SGLANG, reason="needs sglang (the GPU profile)"),
 ]
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
-PROBLEMS = 12
-RESPONSE_TOKENS = 32
 TEMPERATURE = 1.0
+MEM_FRACTION = 0.25
+"""Of the GPU, per server: two servers, the HF model in float32 and bf16 and the checkpoint's tensors fit an H200."""
+IPC_BUCKET_BYTES = 1 << 30
+"""Buckets of about 1 GiB: some hold a whole MoE layer (805 MB of experts), sent fused as slime's transport sends
+them, others split one, sent per expert."""
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(real_geometry=True, max_pixels=512 * 512)
-
-
-@pytest.fixture(scope="module")
-def prompts(checkpoint):
-    """12 geo3k problems with their image, and the same problems as text only."""
+def parity(scaled_ckpt):
+    """(the run's parity flags, :class:`~slime.rollout.parity.EngineParityCheck` over geo3k's first rows with an
+    image): the flags' defaults, 8 prompts with their image and the same 8 as text alone, 64 response tokens each."""
     from slime.arguments import parse_args
     from slime.data.dataset import PromptDataset
     from slime.data.processor import load_processor
-    from slime.rollout.parity import probe_prompts
+    from slime.rollout.parity import EngineParityCheck
 
-    cfg = parse_args(["--hf-checkpoint", str(checkpoint), "--prompt-data", str(DATA), "--num-rollout", "1",
+    cfg = parse_args(["--hf-checkpoint", str(scaled_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
                       "--rollout-backend", "transformers", "--rollout-num-gpus", "1", "--input-key", "problem",
                       "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template"])
-    return probe_prompts(PromptDataset(cfg.data, load_processor(str(checkpoint)), seed=0), PROBLEMS)
+    dataset = PromptDataset(cfg.data, load_processor(str(scaled_ckpt)), seed=0)
+    return cfg.parity, EngineParityCheck(cfg.parity, dataset, TEMPERATURE, enabled=True)
 
 
 @pytest.fixture(scope="module")
-def servers(checkpoint, tmp_path_factory):
+def servers(scaled_ckpt, tmp_path_factory):
     """{"fixed": engine as slime starts it, "bug": engine with SLIME_SGLANG_MROPE_FIX=0}, both on GPU 0."""
     root = tmp_path_factory.mktemp("sglang")
-    fixed = start_engine(checkpoint, root / "fixed", mem_fraction=0.25)
-    bug = start_engine(checkpoint, root / "bug", mem_fraction=0.25, env={"SLIME_SGLANG_MROPE_FIX": "0"})
+    fixed = start_engine(scaled_ckpt, root / "fixed", mem_fraction=MEM_FRACTION, return_routed_experts=True)
+    bug = start_engine(scaled_ckpt, root / "bug", mem_fraction=MEM_FRACTION, env={"SLIME_SGLANG_MROPE_FIX": "0"},
+                       extra=("--disable-cuda-graph",), return_routed_experts=True)
     try:
         seconds = wait_healthy(fixed, bug)
-        figure(check="sglang_start", seconds=round(seconds, 1), version=fixed.version)
+        figure(check="sglang_start", seconds=round(seconds, 1), version=fixed.version, flags=list(LAUNCHER_FLAGS))
         if os.environ.get("SLIME_SGLANG_RECORD"):
             fixed.client.record = os.environ["SLIME_SGLANG_RECORD"]
         yield {"fixed": fixed, "bug": bug}
@@ -85,73 +91,124 @@ def servers(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_model(checkpoint):
+def hf(scaled_ckpt):
+    """{"fp32": the reference, "bf16": the gate's trainer}: the HF model on the GPU, its Gated DeltaNet on
+    transformers' exact torch path (as in the findings' figures) unless this process imported it with fla before."""
+    from slime.models.qwen3_5.build import transformers_qwen35_without_fla
+
+    try:
+        transformers_qwen35_without_fla()
+        gdn = "torch"
+    except RuntimeError:  # another test module of this session imported transformers' Qwen3.5 with fla first
+        gdn = "fla"
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32).cuda().eval()
+    models = {name: AutoModelForImageTextToText.from_pretrained(str(scaled_ckpt), dtype=dtype).cuda().eval()
+              for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    figure(check="hf_models", gdn=gdn)
+    return models
+
+
+class _HfTrainer:
+    """The gate's trainer side in this process: :meth:`slime.ray.trainer_group.TrainerGroup.compute_log_probs`'s
+    signature over :func:`~tests.sglang_gpu_helpers.hf_log_probs` of one HF model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def compute_log_probs(self, samples, rounding_noise: bool = False, replay_routes: bool = False):
+        return hf_log_probs(self.model, samples, TEMPERATURE, replay_routes=replay_routes, rounding_noise=rounding_noise)
+
+
+@dataclasses.dataclass
+class _Gate:
+    samples: list
+    gaps: ParityGaps
+    why: str | None
+    free: ParityGaps  # the engine against HF float32 choosing its own routes
+    forced: ParityGaps  # the engine against HF float32 with the engine's routes forced
+
+
+def _gate(name: str, parity, hf, samples) -> _Gate:
+    """The gate's verdict on ``samples`` (the image prompts' first, as the check's ``generate`` returns them) with the
+    HF bf16 trainer replaying the engine's routes, and the figures: gaps, floors, each in units of its scale, the
+    engine against HF float32 with and without its routes, the trainer against float32 (both replaying), and the
+    share of positions per layer where the engine's top-8 equals float32's own choice."""
+    cfg, check = parity
+    assert check.replays_routes(samples, 0), f"{name}: the engine returned no routed experts"
+    trainer = _HfTrainer(hf["bf16"])
+    plain = trainer.compute_log_probs(samples, replay_routes=True)
+    noisy = trainer.compute_log_probs(samples, rounding_noise=True, replay_routes=True)
+    gaps, skipped = check.gaps(samples, plain, noisy)
+    why = verdict(gaps, cfg.engine_parity_max_gap, cfg.engine_parity_max_ratio, cfg.engine_parity_floor_factor)
+    own_routes = []
+    free = hf_log_probs(hf["fp32"], samples, TEMPERATURE, routes_out=own_routes)
+    forced = hf_log_probs(hf["fp32"], samples, TEMPERATURE, replay_routes=True)
+    free_gaps, _ = check.gaps(samples, free, free)
+    forced_gaps, _ = check.gaps(samples, forced, plain)  # floors: |bf16 trainer - fp32|, both replaying
+
+    def units(gap: float, floor: float) -> float:
+        return round(gap / max(floor, GAP_FLOOR), 3)
+
+    figure(check="parity_gate", engine=name, verdict=why or "pass", **{k: round(v, 5) for k, v in gaps.metrics().items()},
+           image_units=units(gaps.image, gaps.floor_image), text_units=units(gaps.text, gaps.floor_text),
+           skipped_vision_token_responses=skipped,
+           engine_vs_hf_fp32=dict(image=round(free_gaps.image, 5), text=round(free_gaps.text, 5)),
+           engine_vs_hf_fp32_routes_forced=dict(image=round(forced_gaps.image, 5), text=round(forced_gaps.text, 5)),
+           hf_bf16_vs_fp32_routes_forced=dict(image=round(forced_gaps.floor_image, 5),
+                                              text=round(forced_gaps.floor_text, 5)),
+           route_same_per_layer=route_agreement([s.rollout_routed_experts for s in samples], own_routes))
+    return _Gate(samples, gaps, why, free_gaps, forced_gaps)
+
+
+def test_the_parity_gate_with_routes_replayed_passes_the_fix_and_refuses_the_bug(servers, parity, hf):
+    _, check = parity
+    gates = {}
+    for name, engine in servers.items():
+        assert engine.version == "0.5.17"
+        assert {r["mrope_fix"] for r in engine.reports if not r["main"]} == {"applied" if name == "fixed" else "disabled"}
+        samples = check.generate(engine, 0)  # refuses a prompt length other than the data pipeline's
+        assert all(s.response_length > 0 for s in samples)
+        gates[name] = _gate(name, parity, hf, samples)
+    fixed, bug = gates["fixed"], gates["bug"]
+    assert fixed.why is None, fixed.gaps
+    assert bug.why is not None and "multimodal-RoPE" in bug.why, bug.gaps
+    # replaying the engine's routes takes the route flips out of its distance to the fp32 reference
+    assert fixed.forced.image < fixed.free.image and fixed.forced.text < fixed.free.text, (fixed.forced, fixed.free)
+    # the check's own comparison with this trainer: the same verdicts, routes replayed
+    assert check.compare(_HfTrainer(hf["bf16"]), fixed.samples, 0)["parity/routes_replayed"] == 1.0
+    with pytest.raises(EngineParityError, match="multimodal-RoPE"):
+        check.compare(_HfTrainer(hf["bf16"]), bug.samples, 0)
 
 
 def _with_response(sample, out):
-    """A copy of ``sample`` with ``out``'s response tokens and log-probs (every token trained on)."""
+    """A copy of ``sample`` with ``out``'s response tokens, log-probs and routed experts (every token trained on)."""
     s = sample.clone_prompt()
     s.response_token_ids, s.rollout_log_probs = list(out.output_ids), list(out.output_log_probs)
+    s.rollout_routed_experts = out.routed_experts
     s.loss_mask = [1] * len(out.output_ids)
     return s
 
 
-def _generate(engine, samples, seed: int = 0):
-    """Each prompt through ``engine.generate``, one request per call (the batched call has its own test)."""
-    params = SamplingParams(max_new_tokens=RESPONSE_TOKENS, temperature=TEMPERATURE)
-    done = []
-    for sample in samples:
-        out = engine.generate([GenerateRequest(sample.prompt, sample.images, params)])[0]
-        assert out.prompt_tokens == len(sample.prompt_token_ids), "SGLang saw another prompt than the data pipeline"
-        done.append(_with_response(sample, out))
-    return done
-
-
-def _gaps(hf_model, image_samples, text_samples) -> ParityGaps:
-    """Mean and max ``|engine - HF float32|`` log-prob gaps of image and of text responses (vision placeholder
-    tokens sampled into a response leave that response out: the reference feeds them replaced)."""
-    skip = {hf_model.config.image_token_id, hf_model.config.video_token_id}
-    image = mean_abs_gap(image_samples, reference_log_probs(hf_model, image_samples, TEMPERATURE), skip)
-    text = mean_abs_gap(text_samples, reference_log_probs(hf_model, text_samples, TEMPERATURE), skip)
-    return ParityGaps(image[0], text[0], image[1], text[1], image[2], text[2])
-
-
-def test_text_and_image_prompts_and_the_mrope_fix(servers, prompts, hf_model):
-    images, texts = prompts
-    gaps = {}
-    for name, engine in servers.items():
-        assert engine.version == "0.5.17"
-        assert {r["mrope_fix"] for r in engine.reports if not r["main"]} == {"applied" if name == "fixed" else "disabled"}
-        image_samples, text_samples = _generate(engine, images), _generate(engine, texts)
-        assert all(s.response_length > 0 for s in image_samples + text_samples)
-        g = gaps[name] = _gaps(hf_model, image_samples, text_samples)
-        figure(check="mrope_gap", engine=name, image_gap=g.image, image_max=g.image_max, image_tokens=g.image_tokens,
-               text_gap=g.text, text_max=g.text_max, text_tokens=g.text_tokens)
-    assert verdict(gaps["fixed"], max_gap=0.1, max_ratio=3.0) is None, gaps["fixed"]
-    assert gaps["bug"].image > 3.0 * max(gaps["bug"].text, GAP_FLOOR), gaps["bug"]  # the bug, visible
-    assert "multimodal-RoPE" in verdict(gaps["bug"], max_gap=0.1, max_ratio=3.0)
-
-
 def _mixed_requests(images, texts, max_new_tokens: int, temperature: float):
     """(samples, requests): the image and text problems interleaved (image 0, text 0, image 1, ...), request ``i``
-    with rid ``mixed-<i>``."""
+    with rid ``mixed-<i>``, each asking for its routed experts."""
     samples = [s for pair in zip(images, texts, strict=True) for s in pair]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    return samples, [GenerateRequest(s.prompt, s.images, params, rid=f"mixed-{i}") for i, s in enumerate(samples)]
+    return samples, [GenerateRequest(s.prompt, s.images, params, rid=f"mixed-{i}", return_routed_experts=True)
+                     for i, s in enumerate(samples)]
 
 
-def test_one_batched_call_of_image_and_text_prompts_answers_each_request_in_order(servers, prompts, hf_model,
-                                                                                  tmp_path):
-    """The engine group's form since run 7: the 12 image and 12 text problems interleaved in one batched
+def test_one_batched_call_of_image_and_text_prompts_answers_each_request_in_order(servers, parity, hf, tmp_path):
+    """The engine group's form since run 7: the gate's 8 image and 8 text problems interleaved in one batched
     ``/generate`` call (SGLang's list form, :func:`~slime.rollout.engines.sglang.generation.generate_batch_payload`).
     One output per request in request order (SGLang's ``meta_info.id`` names each), each prompt as long as the
-    data pipeline made it, one log-prob per output token (read from SGLang's raw answer), and log-probs as close
-    to the HF model's as single calls give (the fixed server)."""
+    data pipeline made it, one log-prob per output token (read from SGLang's raw answer), and the parity gate
+    passing on them as on single calls (the fixed server)."""
+    cfg, check = parity
     engine = servers["fixed"]
-    samples, requests = _mixed_requests(*prompts, RESPONSE_TOKENS, TEMPERATURE)
+    samples, requests = _mixed_requests(check.image_prompts, check.text_prompts, cfg.engine_parity_response_len,
+                                        TEMPERATURE)
     assert len(requests) <= engine.max_requests_per_call, "the test needs the requests in one call"
     kept, engine.client.record = engine.client.record, tmp_path / "batched.jsonl"
     try:
@@ -173,20 +230,21 @@ def test_one_batched_call_of_image_and_text_prompts_answers_each_request_in_orde
         "SGLang saw another prompt than the data pipeline"
     for out, answer in zip(outputs, answers):
         raw = answer["meta_info"]["output_token_logprobs"]  # [[log-prob, token id, text], ...]
-        assert 0 < len(out.output_ids) <= RESPONSE_TOKENS and out.finish_reason in ("stop", "length")
+        assert 0 < len(out.output_ids) <= cfg.engine_parity_response_len and out.finish_reason in ("stop", "length")
         assert [entry[1] for entry in raw] == answer["output_ids"] == out.output_ids
         assert out.output_log_probs == [entry[0] for entry in raw]
         assert all(math.isfinite(lp) and lp <= 0 for lp in out.output_log_probs)
     done = [_with_response(s, o) for s, o in zip(samples, outputs)]
-    gaps = _gaps(hf_model, done[0::2], done[1::2])
-    figure(check="batched_call", requests=len(requests), image_gap=gaps.image, text_gap=gaps.text,
-           image_tokens=gaps.image_tokens, text_tokens=gaps.text_tokens,
-           output_tokens=sum(len(o.output_ids) for o in outputs))
-    assert verdict(gaps, max_gap=0.1, max_ratio=3.0) is None, gaps
+    gate = _gate("fixed_batched", parity, hf, done[0::2] + done[1::2])
+    figure(check="batched_call", requests=len(requests), output_tokens=sum(len(o.output_ids) for o in outputs))
+    assert gate.why is None, gate.gaps
 
 
 def _greedy(engine, prompt: str) -> tuple[list[int], list[float]]:
-    """(token ids, log-probs) of a 16-token greedy answer."""
+    """(token ids, log-probs) of a 16-token greedy answer, the prefix cache flushed first: each answer computes its
+    prompt afresh (at real width a prompt read from the cache can route a near-tie otherwise, which moves log-probs
+    by up to ~0.1 nats)."""
+    engine.flush_cache()
     out = engine.generate([GenerateRequest(prompt, [], SamplingParams(max_new_tokens=16, temperature=0.0, top_k=1))])[0]
     return out.output_ids, out.output_log_probs
 
@@ -205,13 +263,15 @@ def _status(engine, method: str, endpoint: str, body=None, key: str | None = Non
     return response.status
 
 
-def test_requests_without_the_runs_key_are_refused_and_the_weights_stay(servers, checkpoint):
+def test_requests_without_the_runs_key_are_refused_and_the_weights_stay(servers, scaled_ckpt):
     engine = servers["fixed"]
     before = _greedy(engine, "the area of a triangle is")
     from slime.weight_sync.flattened import flatten, serialize_bucket_by_value
 
-    zeros = flatten([("lm_head.weight", torch.zeros(load_checkpoint_tensors(checkpoint, "cpu")["lm_head.weight"].shape))])
-    update = {"serialized_named_tensors": [serialize_bucket_by_value(zeros)], "load_format": "flattened_bucket"}
+    # The final norm scales by (1 + weight): -1 would zero every logit, so an accepted update changes the answer.
+    hidden = json.loads((Path(scaled_ckpt) / "config.json").read_text())["text_config"]["hidden_size"]
+    norm = flatten([("model.language_model.norm.weight", torch.full((hidden,), -1.0, dtype=torch.bfloat16))])
+    update = {"serialized_named_tensors": [serialize_bucket_by_value(norm)], "load_format": "flattened_bucket"}
     statuses = {}
     for key in (None, "not-the-key"):
         statuses[str(key)] = [
@@ -247,42 +307,50 @@ def _push_ipc(engine, named, bucket_bytes: int, num_experts: int | None = None) 
         torch.cuda.synchronize()
         engine.update_weights_from_ipc([serialize_ipc_bucket(flat)])
         del flat
+    torch.cuda.empty_cache()  # the buckets' memory back to the GPU (free-memory figures read the whole GPU)
     return len(buckets)
 
 
-def test_cuda_ipc_buckets_change_the_weights_and_bring_them_back(servers, checkpoint):
+@pytest.fixture(scope="module")
+def weights(scaled_ckpt):
+    """The checkpoint's tensors in bf16 on the GPU (6.4 GB), but the MTP layer's."""
+    return load_checkpoint_tensors(scaled_ckpt)
+
+
+def test_cuda_ipc_buckets_change_the_weights_and_bring_them_back(servers, scaled_ckpt, weights):
     engine = servers["fixed"]
     prompt = "find the length of the side"
     before = _greedy(engine, prompt)
-    weights = load_checkpoint_tensors(checkpoint)
-    _push_ipc(engine, {"lm_head.weight": weights["lm_head.weight"].flip(0)}, 1 << 30)
+    _push_ipc(engine, {"lm_head.weight": weights["lm_head.weight"].flip(0)}, IPC_BUCKET_BYTES)
     changed = _greedy(engine, prompt)
-    # the whole model again, in ~2 MB buckets, experts fused where a bucket holds a whole layer (slime's form)
-    buckets = _push_ipc(engine, weights, 2 << 20, checkpoint_num_experts(checkpoint))
+    # the whole model again, experts fused where a bucket holds a whole layer (slime's form), per expert elsewhere
+    buckets = _push_ipc(engine, weights, IPC_BUCKET_BYTES, checkpoint_num_experts(scaled_ckpt))
     after = _greedy(engine, prompt)
     figure(check="ipc_update", buckets=buckets, changed=changed[0] != before[0], restored=after[0] == before[0],
            logprob_max_diff=_max_diff(after[1], before[1]))
     assert changed[0] != before[0] and after[0] == before[0]
-    # the same tokens; their log-probs agree to bf16 noise (the prompt's KV may now come from the prefix cache)
+    # the same tokens; their log-probs agree to bf16 noise
     assert _max_diff(after[1], before[1]) <= 2e-2
 
 
-def test_release_and_resume_give_memory_back_and_weights_must_be_pushed_again(servers, checkpoint):
+def test_release_and_resume_give_memory_back_and_weights_must_be_pushed_again(servers, scaled_ckpt, weights):
     engine = servers["fixed"]
     prompt = "the angle measures"
     before = _greedy(engine, prompt)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0] / 2**30
     engine.release_memory_occupation(["weights", "kv_cache", "cuda_graph"])
     free_released = torch.cuda.mem_get_info()[0] / 2**30
     engine.resume_memory_occupation(["weights"])
-    _push_ipc(engine, load_checkpoint_tensors(checkpoint), 64 << 20, checkpoint_num_experts(checkpoint))
+    _push_ipc(engine, weights, IPC_BUCKET_BYTES, checkpoint_num_experts(scaled_ckpt))
     engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
     free_resumed = torch.cuda.mem_get_info()[0] / 2**30
     after = _greedy(engine, prompt)
     info = engine.memory_info()
     figure(check="memory", free_gib_before=free_before, free_gib_released=free_released,
            free_gib_resumed=free_resumed, nvidia_smi=info, tags=list(engine.memory_tags))
+    assert "cuda_graph" in engine.memory_tags  # SGLang's defaults capture CUDA graphs: released and resumed too
     assert free_released - free_before > 10, "the release gave back less than 10 GiB (mem fraction 0.25 of the GPU)"
     assert abs(free_resumed - free_before) < 2
     assert after[0] == before[0] and _max_diff(after[1], before[1]) <= 2e-2

@@ -2,7 +2,9 @@
 
 Every request is answered exactly once (request ids compared), the other engine serves the dead one's requests,
 the dead engine is restarted (a new server process, healthy again), and it serves after the next weight sync.
-Needs CUDA and an installed sglang.  ``SLIME_GPU_FIGURES=FILE`` collects the figures.
+The model is the real-width scaled Qwen3.5-35B-A3B (the ``scaled_ckpt`` fixture), each engine at SGLang's defaults
+with the launcher's flags (CUDA graphs) and 0.3 of the GPU.  Needs CUDA and an installed sglang.
+``SLIME_GPU_FIGURES=FILE`` collects the figures.
 """
 
 from __future__ import annotations
@@ -26,9 +28,14 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_SGLANG, reason="needs sglang (the GPU profile)"),
 ]
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+MEM_FRACTION = 0.3
+"""Of the GPU, per engine: two engines of the scaled model fit an H200."""
+RESPONSE_TOKENS = 512
+"""Per request: 96 requests at 16 in flight per engine take about 10 s at SGLang's defaults, so the kill at 2 s
+lands mid-rollout (the 64 tokens of the tiny model's test would be done in about one)."""
 
 
-def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(tiny_ckpt, tmp_path):
+def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(scaled_ckpt, tmp_path):
     import ray
 
     from slime.arguments import parse_args
@@ -37,10 +44,10 @@ def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(tin
     from slime.rollout.engines.sglang.engine import SGLangEngine
 
     cfg = parse_args([
-        "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",
-        "--rollout-batch-size", "1", "--rollout-max-response-len", "64", "--train-backend", "fsdp",
+        "--hf-checkpoint", str(scaled_ckpt), "--prompt-data", str(DATA), "--num-rollout", "1",
+        "--rollout-batch-size", "1", "--rollout-max-response-len", str(RESPONSE_TOKENS), "--train-backend", "fsdp",
         "--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--output-dir", str(tmp_path / "run"),
-        "--sglang-server-concurrency", "16", *sglang_argv(0.2),
+        "--sglang-server-concurrency", "16", *sglang_argv(MEM_FRACTION),
     ])  # fmt: skip
     started = not ray.is_initialized()
     if started:
@@ -51,7 +58,7 @@ def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(tin
         t0 = time.monotonic()
         engines.wait_until_healthy(START_TIMEOUT_S)
         start_s = time.monotonic() - t0
-        params = SamplingParams(max_new_tokens=64, temperature=1.0)
+        params = SamplingParams(max_new_tokens=RESPONSE_TOKENS, temperature=1.0)
         requests = [GenerateRequest(f"r{i} find the area of the triangle", [], params, rid=f"r{i}") for i in range(96)]
         pid = ray.get(engines.actors[1].__ray_call__.remote(lambda a: a.engine.server.pid))
         killer = threading.Timer(2.0, lambda: os.killpg(pid, signal.SIGKILL))

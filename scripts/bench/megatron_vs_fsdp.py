@@ -1,7 +1,7 @@
 """Training speed of the Megatron backend against the FSDP backend on the same geo3k-shaped samples (one GPU).
 
-Model: a scaled Qwen3.5-35B-A3B (``slime.checkpoints.tiny_qwen35.scaled_35b_a3b_config``: real width, head shapes, expert shape and
-vision tower; ``--layers`` layers in the 3:1 GDN / attention pattern, ``--experts`` routed experts, top-8),
+Model: a scaled Qwen3.5-35B-A3B (``slime.checkpoints.scaled_qwen35.scaled_config``: real width, head shapes, expert
+shape and vision tower; ``--layers`` layers in the 3:1 GDN / attention pattern, ``--experts`` routed experts, top-8),
 random weights saved once as a bf16 Hugging Face folder that both backends load.
 
 Samples: ``--samples`` geo3k-shaped GRPO samples, the same for both: a chat prompt of ``--prompt-text``
@@ -49,14 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen35_shapes import flops_per_step  # noqa: E402
 
-from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
+from slime.checkpoints.scaled_qwen35 import scaled_config  # noqa: E402
 
 
 def write_checkpoint(folder: Path, layers: int, experts: int) -> None:
     """A random-initialised scaled Qwen3.5-35B-A3B, bf16 safetensors, built on the GPU."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    config = scaled_35b_a3b_config(layers, experts)
+    config = scaled_config(layers, experts)
     with torch.device("cuda"):
         torch.manual_seed(0)
         model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=torch.bfloat16)

@@ -158,7 +158,8 @@ def measure_server(server: str, args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="the scaled checkpoint, with its MTP layer (build-scaled)")
+    parser.add_argument("--model", required=True,
+                        help="the scaled checkpoint, with its MTP layer (scripts/tools/make_scaled_qwen35.py)")
     parser.add_argument("--servers", nargs="+", choices=["none", "mtp"], default=["none", "mtp"])
     parser.add_argument("--prompts", type=int, default=8, help="image prompts of the probe (and as many text ones)")
     parser.add_argument("--response-len", type=int, default=128)
@@ -173,7 +174,7 @@ def main(argv=None) -> None:
         problem = mtp_problem(args.model)
         if problem:  # before any engine starts
             parser.error(f"--servers mtp drafts with the checkpoint's MTP layer, but --model {args.model} has none: "
-                         f"{problem} (sglang_rollout_bench.py build-scaled adds one)")
+                         f"{problem} (scripts/tools/make_scaled_qwen35.py adds one)")
     for server in args.servers:
         try:
             measure_server(server, args)

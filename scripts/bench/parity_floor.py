@@ -439,10 +439,9 @@ def main() -> None:
 
     transformers_qwen35_without_fla()  # the HF reference's Gated DeltaNet on its exact torch path (fla uses TF32)
     if args.build and not (args.model / "config.json").exists():
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from sglang_rollout_bench import build_scaled
+        from slime.checkpoints.scaled_qwen35 import build_scaled_checkpoint
 
-        build_scaled(args.model, args.layers, args.experts)
+        build_scaled_checkpoint(args.model, args.layers, args.experts)
     prompts, num_image = probe_samples(args.model, args.prompts)
     engines = {}
     if args.fake_engine:  # a CPU smoke test of the phases below: random responses, log-probs 0, random routes

@@ -52,7 +52,7 @@ from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E40
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen35_shapes import flops_per_step  # noqa: E402  (the FLOP count)
 
-from slime.checkpoints.tiny_qwen35 import scaled_35b_a3b_config  # noqa: E402
+from slime.checkpoints.scaled_qwen35 import scaled_config  # noqa: E402
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:
@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
 
     initialize_single_process("cuda")
-    config = scaled_35b_a3b_config(args.layers, args.experts)
+    config = scaled_config(args.layers, args.experts)
     with torch.device("cuda"):
         torch.manual_seed(0)
         hf = HF_MODELING.Qwen3_5MoeForConditionalGeneration._from_config(

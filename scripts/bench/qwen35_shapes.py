@@ -1,5 +1,5 @@
 """Shared by the Qwen3.5 benchmarks: the FLOP count of a training step of the scaled Qwen3.5-35B-A3B
-(:func:`slime.checkpoints.tiny_qwen35.scaled_35b_a3b_config`: the released widths, layers and experts cut).
+(:func:`slime.checkpoints.scaled_qwen35.scaled_config`: the released widths, layers and experts cut).
 
 FLOPs (multiply-add = 2 FLOPs; a training step = 3 x forward: forward, and a backward of twice its cost):
 

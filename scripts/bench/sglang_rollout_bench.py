@@ -1,15 +1,11 @@
 #!/usr/bin/env python
 """SGLang benchmarks on one GPU with a real-width scaled Qwen3.5-MoE (issue 11, acceptance 4 and 5).
 
-  python scripts/bench/sglang_rollout_bench.py build-scaled /tmp/scaled [--layers 4 --experts 128 --no-mtp]
-  python scripts/bench/sglang_rollout_bench.py throughput --model /tmp/scaled [--prompts 64 --max-new-tokens 256]
-  python scripts/bench/sglang_rollout_bench.py weight-sync --model /tmp/scaled [--bucket-mb 512 1024 2048 4096 --syncs 3]
+  python scripts/bench/sglang_rollout_bench.py throughput --model DIR [--prompts 64 --max-new-tokens 256]
+  python scripts/bench/sglang_rollout_bench.py weight-sync --model DIR [--bucket-mb 512 1024 2048 4096 --syncs 3]
 
-``build-scaled``: Qwen3.5-35B-A3B's widths (hidden 2048, 16 query / 2 KV heads of 256, 25 % interleaved M-RoPE,
-16 / 32 Gated-DeltaNet heads of 128, 256 experts of 512 top-8 plus a 512 shared expert, vocab 248,320, the
-27-block 1152-wide vision tower) at ``--layers`` depth (every 4th layer full attention), random bf16 weights
-made on the GPU, with the tiny real-geometry checkpoint's tokenizer and processor (images up to 512 x 512 px), and
-(unless ``--no-mtp``) one random MTP layer of the released shapes (:mod:`slime.checkpoints.mtp`).
+``DIR``: the real-width scaled checkpoint (``python scripts/tools/make_scaled_qwen35.py`` prints its cached folder;
+:mod:`slime.checkpoints.scaled_qwen35`).
 
 ``throughput``: the same geo3k prompts (text + image, one sample each, ``--max-new-tokens`` tokens sampled at
 temperature 1 with ``ignore_eos``, output log-probs returned: the rollout's work) through
@@ -68,7 +64,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -91,80 +86,6 @@ from tests.sglang_gpu_helpers import (  # noqa: E402
 )
 
 DATA = ROOT / "examples" / "geo3k_vlm" / "data"
-
-
-# ----------------------------------------------------------------------------- the scaled model
-
-
-def scaled_config(layers: int, token_ids: dict, experts: int = 128):
-    """The ``Qwen3_5MoeConfig`` of the real-width scaled model (module docstring)."""
-    import copy
-
-    from transformers import Qwen3_5MoeConfig
-
-    from slime.checkpoints.tiny_qwen35 import (
-        FULL_ATTENTION_INTERVAL,
-        REAL_GEOMETRY_TEXT_CONFIG,
-        TEXT_CONFIG,
-        VISION_CONFIG,
-    )
-
-    text = copy.deepcopy(TEXT_CONFIG)
-    text.update(copy.deepcopy(REAL_GEOMETRY_TEXT_CONFIG))
-    text.update(hidden_size=2048, num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=8,
-                moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
-                layer_types=["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
-                             for i in range(layers)],
-                eos_token_id=token_ids["eos"], pad_token_id=token_ids["pad"], bos_token_id=None, dtype="bfloat16")
-    vision = copy.deepcopy(VISION_CONFIG)
-    vision.update(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
-                  num_position_embeddings=2304)
-    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=token_ids["image"],
-                              video_token_id=token_ids["video"], vision_start_token_id=token_ids["vision_start"],
-                              vision_end_token_id=token_ids["vision_end"], tie_word_embeddings=False, dtype="bfloat16")
-    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
-    config.text_config.full_attention_interval = FULL_ATTENTION_INTERVAL
-    return config
-
-
-def build_scaled(out: Path, layers: int, experts: int = 128, mtp: bool = True) -> Path:
-    """Write the scaled checkpoint to ``out`` (module docstring); with ``mtp``, also one random MTP layer of the
-    released shapes and its config fields (:func:`slime.checkpoints.mtp.write_mtp_layer`, seed 0), which SGLang
-    drafts with under ``--speculative-algorithm EAGLE``."""
-    from transformers import Qwen3_5MoeForConditionalGeneration
-
-    from slime.checkpoints.mtp import write_mtp_layer
-    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
-
-    source = ensure_tiny_checkpoint(real_geometry=True, max_pixels=512 * 512)
-    tiny = json.loads((source / "config.json").read_text())
-    ids = {"eos": tiny["text_config"]["eos_token_id"], "pad": tiny["text_config"]["pad_token_id"],
-           "image": tiny["image_token_id"], "video": tiny["video_token_id"],
-           "vision_start": tiny["vision_start_token_id"], "vision_end": tiny["vision_end_token_id"]}
-    config = scaled_config(layers, ids, experts)
-    started = time.monotonic()
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = Qwen3_5MoeForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(default)
-    params = sum(p.numel() for p in model.parameters())
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size="4GB")
-    for name in source.iterdir():
-        if name.name not in ("config.json", "model.safetensors", "generation_config.json") and name.is_file():
-            shutil.copy(name, out / name.name)
-    del model
-    mtp_params = 0
-    if mtp:
-        shapes = write_mtp_layer(out, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
-        mtp_params = sum(torch.Size(s).numel() for s in shapes.values())
-    figure(check="scaled_model", params=params, mtp_params=mtp_params, layers=layers,
-           build_s=round(time.monotonic() - started, 1), path=str(out))
-    return out
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -270,12 +191,10 @@ def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
     return figures
 
 
-LAUNCHER_FLAGS = ("--max-running-requests", "512", "--disable-custom-all-reduce")
-"""The launcher's SGLang flags on one GPU (examples/geo3k_vlm/run_geo3k_qwen35.sh) besides the memory fraction;
-SGLang picks everything else (FA3 attention, CUDA graphs, flashinfer sampling, its MoE runner)."""
 SERVER_CONFIG = "eager"
-"""``--server-config``: ``defaults`` (SGLang's defaults, the launcher's flags) or ``eager`` (the triton, no-CUDA-graph
-flags of ``tests/sglang_gpu_helpers.py``, the benchmarks' configuration before issue 24)."""
+"""``--server-config``: ``defaults`` (SGLang's defaults, :data:`~tests.sglang_gpu_helpers.LAUNCHER_FLAGS`) or
+``eager`` (:data:`~tests.sglang_gpu_helpers.EAGER_FLAGS`: triton, no CUDA graph; the benchmarks' configuration
+before issue 24)."""
 SPECULATIVE = "none"
 """``--speculative``: ``none``, or ``mtp``: upstream's speculative decoding with the checkpoint's MTP layer
 (:data:`slime.rollout.engines.sglang.config.MTP_SPECULATIVE_FLAGS`) on every SGLang contender."""
@@ -285,8 +204,7 @@ def bench_flags(mem_fraction: float) -> tuple[str, ...]:
     """SGLang server flags of every contender, by :data:`SERVER_CONFIG` and :data:`SPECULATIVE`."""
     from slime.rollout.engines.sglang.config import MTP_SPECULATIVE_FLAGS
 
-    flags = ("--mem-fraction-static", str(mem_fraction), *LAUNCHER_FLAGS) if SERVER_CONFIG == "defaults" else (
-        server_flags(mem_fraction))
+    flags = server_flags(mem_fraction, eager=SERVER_CONFIG == "eager")
     return (*flags, *MTP_SPECULATIVE_FLAGS) if SPECULATIVE == "mtp" else tuple(flags)
 
 
@@ -630,7 +548,7 @@ def weight_sync(args) -> None:
     cfg = parse_args(["--hf-checkpoint", args.model, "--prompt-data", str(DATA), "--num-rollout", "1",
                       "--rollout-batch-size", "1", "--rollout-max-response-len", "8", "--train-backend", "fsdp",
                       "--rollout-backend", "sglang", "--colocate", "--output-dir", str(Path(args.out) / "weight-sync"),
-                      *sglang_argv(args.mem_fraction)])  # the server's log there
+                      *sglang_argv(args.mem_fraction, eager=True)])  # the server's log there
     placement = _BenchPlacement()
     engines = RolloutEngineGroup(placement, functools.partial(SGLangEngine.from_config, cfg),
                                  SGLangEngine.max_concurrent_calls)
@@ -791,13 +709,6 @@ def _at_least_one(text: str) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build-scaled", help="write the real-width scaled checkpoint")
-    build.add_argument("out", type=Path)
-    build.add_argument("--layers", type=int, default=4)
-    build.add_argument("--experts", type=int, default=128)
-    build.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
-                       help="add one random MTP layer of the released shapes (mtp.* tensors, mtp_num_hidden_layers 1) "
-                       "for SGLang's speculative decoding (--speculative mtp)")
     for name in ("throughput", "weight-sync"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=True)
@@ -849,10 +760,8 @@ def main(argv=None) -> None:
         problem = mtp_problem(args.model)
         if problem:  # before the (minutes-long) engine start
             tp.error(f"--speculative mtp drafts with the checkpoint's MTP layer, but --model {args.model} has none: "
-                     f"{problem} (build-scaled adds one unless --no-mtp)")
-    if args.command == "build-scaled":
-        build_scaled(args.out, args.layers, args.experts, args.mtp)
-    elif args.command == "throughput":
+                     f"{problem} (scripts/tools/make_scaled_qwen35.py adds one unless --no-mtp)")
+    if args.command == "throughput":
         throughput(args)
     else:
         weight_sync(args)

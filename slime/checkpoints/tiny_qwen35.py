@@ -242,24 +242,6 @@ class TinyQwen35Options:
         return f"{kind}-seed{self.seed}-{digest}"
 
 
-def scaled_35b_a3b_config(num_layers: int = 4, num_experts: int = 256):
-    """Qwen3.5-35B-A3B's ``transformers.Qwen3_5MoeConfig`` at real widths, cut to ``num_layers`` and ``num_experts``.
-
-    Rope theta 1e7, no deepstack and the merger's output at the hidden size, as the released ``config.json``.
-    """
-    from transformers import Qwen3_5MoeConfig
-
-    config = Qwen3_5MoeConfig()
-    text = config.text_config
-    text.num_hidden_layers = num_layers
-    text.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-    text.num_experts = num_experts
-    text.rope_parameters["rope_theta"] = 1e7
-    config.vision_config.deepstack_visual_indexes = []
-    config.vision_config.out_hidden_size = text.hidden_size  # the released model's merger output (default 3584)
-    return config
-
-
 def build_bpe_tokenizer(vocab_size: int = 2048) -> Tokenizer:
     """A byte-level BPE tokenizer with Qwen3.5's pipeline, trained (deterministically) on the shipped corpus.
 

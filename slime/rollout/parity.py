@@ -245,16 +245,7 @@ class EngineParityCheck:
         replay = self.replays_routes(samples, rollout_id)
         trainer = trainers.compute_log_probs(samples, replay_routes=replay)
         noisy = trainers.compute_log_probs(samples, rounding_noise=True, replay_routes=replay)
-        n = len(self.image_prompts)
-        # A response with an image/video placeholder id is fed to the trainer with that id replaced
-        # (slime.backends.fsdp.inputs), so its later tokens see another context than the engine's: left out.
-        keep = [not self.vision_token_ids.intersection(s.response_token_ids) for s in samples]
-        kinds = [[(s, t, f) for s, t, f, k in zip(samples[a:b], trainer[a:b], noisy[a:b], keep[a:b]) if k]
-                 for a, b in ((0, n), (n, None))]
-        engine_gaps = [token_gaps([s for s, _, _ in kind], [t for _, t, _ in kind]) for kind in kinds]
-        floors = [token_gaps([s for s, _, _ in kind], [f for _, _, f in kind], [t for _, t, _ in kind])
-                  for kind in kinds]
-        gaps = summarize(*engine_gaps, *floors)
+        gaps, skipped = self.gaps(samples, trainer, noisy)
         when = self.when(rollout_id)
         logger.info("engine parity %s (rollout %d): image gap %.3g (max %.3g, trainer floor %.3g) over %d tokens, "
                     "text gap %.3g (max %.3g, trainer floor %.3g) over %d tokens; engine routes %s", when, rollout_id,
@@ -264,8 +255,23 @@ class EngineParityCheck:
                       self.cfg.engine_parity_floor_factor)
         if why:
             raise EngineParityError(f"engine parity check {when} (rollout {rollout_id}) failed: {why}")
-        return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(keep.count(False)),
+        return {**gaps.metrics(), "parity/skipped_vision_token_responses": float(skipped),
                 "parity/routes_replayed": float(replay)}
+
+    def gaps(self, samples: list[Sample], trainer: list[list[float]],
+             noisy: list[list[float]]) -> tuple[ParityGaps, int]:
+        """The gaps of :meth:`compare`: ``samples`` as :meth:`generate` returns them (the image prompts first)
+        against the trainer's log-probs ``trainer``, the floors from its ``noisy`` ones; and how many responses
+        were left out for a sampled image/video placeholder (the trainer is fed that id replaced, so the later
+        tokens see another context than the engine's)."""
+        n = len(self.image_prompts)
+        keep = [not self.vision_token_ids.intersection(s.response_token_ids) for s in samples]
+        kinds = [[(s, t, f) for s, t, f, k in zip(samples[a:b], trainer[a:b], noisy[a:b], keep[a:b]) if k]
+                 for a, b in ((0, n), (n, None))]
+        engine_gaps = [token_gaps([s for s, _, _ in kind], [t for _, t, _ in kind]) for kind in kinds]
+        floors = [token_gaps([s for s, _, _ in kind], [f for _, _, f in kind], [t for _, t, _ in kind])
+                  for kind in kinds]
+        return summarize(*engine_gaps, *floors), keep.count(False)
 
     def replays_routes(self, samples: list[Sample], rollout_id: int) -> bool:
         """Whether :meth:`compare` replays the engine's routes: ``--engine-parity-replay-routes`` and every sample

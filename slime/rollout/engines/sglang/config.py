@@ -194,6 +194,6 @@ def _check_mtp_draft(args: dict, hf_checkpoint: str | None) -> None:
         raise ConfigError(
             f"--sglang-speculative-algorithm {algorithm} drafts with the checkpoint's MTP layer, but --hf-checkpoint "
             f"{hf_checkpoint} has none: {problem}. Use a checkpoint with its MTP layer (the released Qwen3.5 ones; "
-            "scripts/bench/sglang_rollout_bench.py build-scaled adds a random one), give "
+            "scripts/tools/make_scaled_qwen35.py adds a random one), give "
             "--sglang-speculative-draft-model-path, or drop the --sglang-speculative-* flags (SLIME_SCRIPT_SPECULATIVE=off)"
         )
