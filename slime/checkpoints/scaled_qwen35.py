@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from slime.checkpoints.tiny_qwen35 import (
     TEXT_CONFIG,
     VISION_CONFIG,
     TinyQwen35Options,
+    build_once,
     ensure_tiny_checkpoint,
 )
 
@@ -173,25 +173,13 @@ def cache_name(layers: int = LAYERS, experts: int = EXPERTS, mtp: bool = True, d
 def ensure_scaled_checkpoint(cache_dir: str | os.PathLike | None = None, *, layers: int = LAYERS,
                              experts: int = EXPERTS, mtp: bool = True, device: str | None = None,
                              seed: int = 0) -> Path:
-    """The cached scaled checkpoint of these arguments (:func:`build_scaled_checkpoint`), built on first use into a
-    temporary sibling and renamed into place (a reader never sees half a folder; of two racing builds the first
-    rename wins), under ``cache_dir`` (default ``<repo>/.cache/scaled-qwen35``) as :func:`cache_name`.
+    """The cached scaled checkpoint of these arguments (:func:`build_scaled_checkpoint`), built once
+    (:func:`~slime.checkpoints.tiny_qwen35.build_once`) under ``cache_dir`` (default
+    ``<repo>/.cache/scaled-qwen35``) as :func:`cache_name`.
 
     Raises:
         ValueError: see :func:`scaled_config`.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    final = cache_dir / cache_name(layers, experts, mtp, device, seed)
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        build_scaled_checkpoint(tmp, layers, experts, mtp, device=device, seed=seed)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():  # not a lost race: a real error
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(cache_dir / cache_name(layers, experts, mtp, device, seed),
+                      lambda tmp: build_scaled_checkpoint(tmp, layers, experts, mtp, device=device, seed=seed))

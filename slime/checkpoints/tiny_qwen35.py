@@ -428,13 +428,22 @@ def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None, **options
     """
     opts = TinyQwen35Options(**options)
     cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    final = cache_dir / opts.cache_name()
+    return build_once(cache_dir / opts.cache_name(), lambda tmp: build_tiny_checkpoint(tmp, opts))
+
+
+def build_once(final: Path, build) -> Path:
+    """``final``, built by ``build(tmp)`` into a temporary sibling and renamed into place unless it exists: a reader
+    never sees half a folder, and of two racing builds the first rename wins.
+
+    Raises:
+        OSError: creating, building or renaming failed (not a lost race); whatever ``build`` raises.
+    """
     if final.is_dir():
         return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build_tiny_checkpoint(tmp, opts)
+        build(tmp)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():  # not a lost race: a real error
