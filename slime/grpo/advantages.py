@@ -1,7 +1,8 @@
 """GRPO advantages: one per response, from the rewards of its prompt's group.
 
-GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, Sec. 4.1) and Dr.GRPO (Liu et al. 2025,
-arXiv:2503.20783: no std division), registered in :data:`slime.grpo.config.ADVANTAGE_ESTIMATORS`.
+GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, Sec. 4.1), Dr.GRPO (Liu et al. 2025,
+arXiv:2503.20783: no std division) and GSPO (GRPO's advantages; a sequence ratio in the loss), registered
+in :data:`slime.grpo.config.ADVANTAGE_ESTIMATORS`.
 Departures from upstream (unbiased std, exact 0 for equal groups, a partial group raises):
 ``docs/design/grpo.md``.
 """
@@ -64,6 +65,13 @@ def grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
 def dr_grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
     """Dr.GRPO advantages: group-centred rewards, never divided by the std."""
     return compute_group_advantages(rewards, group_size, normalize_std=False)
+
+
+@group_relative
+def gspo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
+    """GSPO's advantages, GRPO's (Zheng et al. 2025, arXiv:2507.18071, eq. 6); the name also switches the policy loss
+    to GSPO's sequence ratio (:func:`slime.grpo.correction.gspo_log_ratio`)."""
+    return grpo(rewards, group_size, cfg)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:

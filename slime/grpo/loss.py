@@ -18,19 +18,13 @@ import torch
 from torch import Tensor
 
 from slime.grpo.config import KL_TYPES, GRPOConfig
+from slime.grpo.correction import gspo_log_ratio, importance_weights, masked_extrema, opsm_keep
+from slime.grpo.layout import as_float as _float
+from slime.grpo.layout import check_same_shape as _check_same_shape
+from slime.grpo.layout import per_sample_sums, spread_per_sample
 
 LOW_VAR_KL_BOUND = 10.0
 """``low_var_kl`` is k3 clamped to ``[-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND]`` (upstream slime / verl)."""
-
-
-def _float(x: Tensor) -> Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _check_same_shape(**tensors: Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"per-token tensors must have one shape, got {shapes}")
 
 
 # --- KL reward shaping --------------------------------------------------------------
@@ -73,18 +67,26 @@ def compute_policy_loss(
     loss_mask: Tensor,
     eps_clip: float,
     eps_clip_high: float,
+    *,
+    sequence_level: bool = False,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> PolicyLossTerms:
     """PPO clipped surrogate with clip-higher, per token (Schulman et al. 2017 eq. 7, negated; DAPO Sec. 3.1).
 
     ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_clip, 1 + eps_clip_high))``, ``r_t = exp(log_probs -
-    old_log_probs)``.  All inputs one shape (log-probs in nats); float32 (float64 kept) outputs.
+    old_log_probs)``; with ``sequence_level`` (GSPO), ``r_t`` is its sample's geometric mean of the token ratios
+    (:func:`slime.grpo.correction.gspo_log_ratio`, layout ``cu_seqlens``).  All inputs one shape (log-probs in
+    nats); float32 (float64 kept) outputs.
 
     Raises:
-        ValueError: shapes differ.
+        ValueError: shapes differ, or a malformed layout.
     """
     _check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, loss_mask=loss_mask)
     mask = loss_mask.bool()
-    log_ratio = torch.where(mask, _float(log_probs) - _float(old_log_probs), 0.0)
+    if sequence_level:
+        log_ratio = gspo_log_ratio(log_probs, old_log_probs, mask, cu_seqlens)
+    else:
+        log_ratio = torch.where(mask, _float(log_probs) - _float(old_log_probs), 0.0)
     adv = torch.where(mask, _float(advantages), 0.0)
     ratio = log_ratio.exp()
     unclipped_loss = -adv * ratio
@@ -127,50 +129,6 @@ def compute_approx_kl(
 # --- aggregation ----------------------------------------------------------------------
 
 
-def _check_layout(per_token: Tensor, cu_seqlens: Tensor | Sequence[int] | None) -> Tensor | None:
-    """``cu_seqlens`` as a tensor on ``per_token``'s device (None if padded or one sample), the layout checked.
-
-    Raises:
-        ValueError: not ``[T]`` / ``[B, T]``, ``cu_seqlens`` with padded tensors, or a malformed ``cu_seqlens``.
-    """
-    if per_token.dim() == 2:
-        if cu_seqlens is not None:
-            raise ValueError(
-                f"cu_seqlens is for packed 1-D tensors, got padded tensors of shape {tuple(per_token.shape)}"
-            )
-        return None
-    if per_token.dim() != 1:
-        raise ValueError(f"per-token tensors must be [T] or [B, T], got shape {tuple(per_token.shape)}")
-    if cu_seqlens is None:
-        return None
-    cu = torch.as_tensor(cu_seqlens, device=per_token.device)
-    bounds = cu.tolist() if cu.dim() == 1 else None
-    if bounds is None or len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must be 1-D [S + 1], start at 0 and be non-decreasing, got {cu.tolist()}")
-    if bounds[-1] > per_token.numel():
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed tensors have {per_token.numel()} tokens")
-    return cu
-
-
-def _per_sample_sums(masked: Tensor, mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None) -> tuple[Tensor, Tensor]:
-    cu = _check_layout(masked, cu_seqlens)
-    if masked.dim() == 2:
-        return masked.sum(dim=-1), mask.sum(dim=-1)
-    if cu is None:
-        return masked.sum().view(1), mask.sum().view(1)
-    bounds = cu.tolist()
-    num_tokens = masked.numel()
-    if mask[bounds[-1] :].any():
-        raise ValueError(
-            f"tokens {bounds[-1]}..{num_tokens - 1} lie after cu_seqlens[-1] (trailing padding) but have loss_mask 1"
-        )
-    sample_ids = torch.bucketize(torch.arange(bounds[-1], device=masked.device), cu[1:], right=True)
-    num_samples = len(bounds) - 1
-    sums = masked.new_zeros(num_samples).index_add(0, sample_ids, masked[: bounds[-1]])
-    counts = mask.new_zeros(num_samples, dtype=torch.int64).index_add(0, sample_ids, mask[: bounds[-1]].long())
-    return sums, counts
-
-
 def aggregate_loss(
     values: Tensor,
     loss_mask: Tensor,
@@ -200,7 +158,7 @@ def aggregate_loss(
     masked = torch.where(mask, _float(values), 0.0)
     if per_token:
         return masked.sum() / (global_normalizer or mask.sum().clamp(min=1))
-    sums, counts = _per_sample_sums(masked, mask, cu_seqlens)
+    sums, counts = per_sample_sums(masked, mask, cu_seqlens)
     if sample_token_counts is not None:
         if tuple(sample_token_counts.shape) != tuple(sums.shape):
             raise ValueError(
@@ -223,6 +181,7 @@ def grpo_loss(
     cfg: GRPOConfig,
     *,
     ref_log_probs: Tensor | None = None,
+    rollout_log_probs: Tensor | None = None,
     entropy: Tensor | None = None,
     cu_seqlens: Tensor | Sequence[int] | None = None,
     global_normalizer: float | None = None,
@@ -230,19 +189,28 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``pg_loss + kl_loss_coef * kl_loss - entropy_coef * entropy``, each term :func:`aggregate_loss`-reduced.
 
-    ``kl_loss`` when ``cfg.use_kl_loss`` and ``ref_log_probs`` is given; ``entropy`` when given.
+    The per-token policy loss (GSPO's sequence ratio with ``--advantage-estimator gspo``) is multiplied by the IS
+    weight (``--use-tis``, :func:`slime.grpo.correction.importance_weights`) and by OPSM's mask (``--use-opsm``,
+    :func:`slime.grpo.correction.opsm_keep`), both from ``rollout_log_probs`` (the engine's); weighted or masked
+    tokens still count in the normaliser (as upstream).  ``kl_loss`` when ``cfg.use_kl_loss`` and ``ref_log_probs``
+    is given; ``entropy`` when given.
 
     Returns:
-        ``(loss, metrics)``: a differentiable 0-d tensor, and detached 0-d tensors ``pg_loss``,
-        ``pg_clipfrac``, ``ppo_kl`` (k1 of KL(pi_old || pi)), plus ``kl_loss`` and ``entropy`` when computed.
+        ``(loss, metrics)``: a differentiable 0-d tensor, and detached 0-d tensors ``pg_loss``, ``pg_clipfrac``,
+        ``ppo_kl`` (k1 of KL(pi_old || pi)), plus ``kl_loss`` and ``entropy`` when computed; with ``--use-tis``
+        ``tis_weight_mean``, ``tis_clipfrac`` (aggregated like the loss) and ``tis_weight_min`` / ``_max`` (over
+        this call's masked tokens; ``inf`` / ``-inf`` without any); with ``--use-opsm`` ``opsm_masked_frac``.
 
     Raises:
-        ValueError: ``ref_log_probs`` or ``entropy`` missing where ``cfg`` needs it; errors of :func:`aggregate_loss`.
+        ValueError: ``ref_log_probs``, ``rollout_log_probs`` or ``entropy`` missing where ``cfg`` needs it; errors
+            of :func:`aggregate_loss` and :func:`slime.grpo.correction.importance_weights`.
     """
     if cfg.use_kl_loss and cfg.kl_loss_coef > 0 and ref_log_probs is None:
         raise ValueError(f"--use-kl-loss with --kl-loss-coef {cfg.kl_loss_coef} needs ref_log_probs, got None")
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError(f"--entropy-coef {cfg.entropy_coef} needs the per-token entropy, got None")
+    if cfg.needs_rollout_log_probs and rollout_log_probs is None:
+        raise ValueError("--use-tis / --use-opsm need rollout_log_probs (the rollout engine's), got None")
 
     def aggregate(values: Tensor) -> Tensor:
         return aggregate_loss(
@@ -254,11 +222,23 @@ def grpo_loss(
             sample_token_counts=sample_token_counts,
         )
 
-    terms = compute_policy_loss(log_probs, old_log_probs, advantages, loss_mask, cfg.eps_clip, cfg.eps_clip_high)
-    loss = pg_loss = aggregate(terms.loss)
+    terms = compute_policy_loss(log_probs, old_log_probs, advantages, loss_mask, cfg.eps_clip, cfg.eps_clip_high,
+                                sequence_level=cfg.gspo, cu_seqlens=cu_seqlens)
+    pg_per_token = terms.loss
+    metrics: dict[str, Tensor] = {}
+    if cfg.use_tis:  # weights and masks are detached: no gradient flows through them
+        tis = importance_weights(old_log_probs, rollout_log_probs, loss_mask, cfg, cu_seqlens)
+        pg_per_token = pg_per_token * tis.weights
+        metrics["tis_weight_mean"] = aggregate(tis.weights)
+        metrics["tis_weight_min"], metrics["tis_weight_max"] = masked_extrema(tis.weights, loss_mask)
+        metrics["tis_clipfrac"] = aggregate(tis.changed)
+    if cfg.use_opsm:
+        keep = opsm_keep(log_probs, rollout_log_probs, advantages, loss_mask, cfg.opsm_delta, cu_seqlens)
+        pg_per_token = pg_per_token * keep
+        metrics["opsm_masked_frac"] = aggregate(1.0 - keep)
+    loss = pg_loss = aggregate(pg_per_token)
     with torch.no_grad():
-        metrics = {"pg_loss": pg_loss.detach(), "pg_clipfrac": aggregate(terms.clipped)}
-        metrics["ppo_kl"] = aggregate(-terms.log_ratio)
+        metrics.update(pg_loss=pg_loss.detach(), pg_clipfrac=aggregate(terms.clipped), ppo_kl=aggregate(-terms.log_ratio))
     if cfg.use_kl_loss and ref_log_probs is not None:
         kl_loss = aggregate(compute_approx_kl(log_probs, ref_log_probs, cfg.kl_loss_type, loss_mask))
         loss = loss + cfg.kl_loss_coef * kl_loss
@@ -278,22 +258,10 @@ def per_token_advantages(
     Raises:
         ValueError: ``advantages`` is not ``[S]``, or a malformed layout / ``cu_seqlens``.
     """
-    cu = _check_layout(loss_mask, cu_seqlens)
-    if loss_mask.dim() == 2:
-        num_samples = loss_mask.shape[0]
-    else:
-        num_samples = 1 if cu is None else cu.numel() - 1
-    adv = _float(advantages).to(loss_mask.device)
-    if tuple(adv.shape) != (num_samples,):
-        raise ValueError(
-            f"advantages must hold one value per sample, shape ({num_samples},), got {tuple(adv.shape)}"
-        )
-    if loss_mask.dim() == 2:
-        return adv[:, None].expand(loss_mask.shape)
-    if cu is None:
-        return adv.expand(loss_mask.shape)
-    sample_ids = torch.bucketize(torch.arange(loss_mask.numel(), device=adv.device), cu[1:], right=True)
-    return torch.cat([adv, adv.new_zeros(1)])[sample_ids]  # index S: after the last sample
+    try:
+        return spread_per_sample(advantages, loss_mask, cu_seqlens)
+    except ValueError as e:
+        raise ValueError(f"advantages: {e}") from None
 
 
 def grpo_micro_batch_loss(
@@ -305,6 +273,7 @@ def grpo_micro_batch_loss(
     *,
     global_normalizer: float | None,
     ref_log_probs: Tensor | None = None,
+    rollout_log_probs: Tensor | None = None,
     entropy: Tensor | None = None,
     cu_seqlens: Tensor | Sequence[int] | None = None,
     sample_token_counts: Tensor | None = None,
@@ -336,6 +305,7 @@ def grpo_micro_batch_loss(
         loss_mask,
         cfg,
         ref_log_probs=ref_log_probs,
+        rollout_log_probs=rollout_log_probs,
         entropy=entropy,
         cu_seqlens=cu_seqlens,
         global_normalizer=global_normalizer,

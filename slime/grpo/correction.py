@@ -1,0 +1,151 @@
+"""Off-policy corrections of the GRPO policy loss: importance-sampling weights, OPSM, GSPO's sequence ratio.
+
+Pure torch, layouts of :mod:`slime.grpo.loss` (padded ``[B, T]``, or packed ``[T]`` with ``cu_seqlens``); log-probs
+in nats; float32 (float64 kept).  The weighting functions of ``--tis-mode`` are registered in
+:data:`slime.grpo.config.TIS_FUNCTIONS`.  Sources, upstream names and departures: ``docs/design/grpo.md``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from slime.grpo.config import TIS_LEVELS, GRPOConfig, TISFunction, TIS_FUNCTIONS
+from slime.grpo.layout import as_float, check_same_shape, sequence_sums
+
+SAFETY_BOUND = 20.0
+"""The level's log-ratio is clamped to ``[-SAFETY_BOUND, SAFETY_BOUND]`` before ``exp`` (upstream ``mis.py``)."""
+
+
+# --- the weighting functions of --tis-mode: (ratio, cfg) -> weights, elementwise -------------------
+
+
+def truncate(ratio: Tensor, cfg: GRPOConfig) -> Tensor:
+    """Truncated IS (Yao et al. 2025, https://fengyao.notion.site/off-policy-rl): ``clamp(ratio, low, high)``."""
+    return ratio.clamp(cfg.tis_clip_low, cfg.tis_clip)
+
+
+def icepop(ratio: Tensor, cfg: GRPOConfig) -> Tensor:
+    """IcePop / masked IS (Ling team 2025, Ring-1T; upstream ``icepop_function``): the ratio inside ``[low, high]``,
+    0 outside."""
+    return torch.where((ratio >= cfg.tis_clip_low) & (ratio <= cfg.tis_clip), ratio, 0.0)
+
+
+def reject(ratio: Tensor, cfg: GRPOConfig) -> Tensor:
+    """Rejection sampling (verl's ``rollout_rs``): 1 inside ``[low, high]``, 0 outside; no reweighting."""
+    return ((ratio >= cfg.tis_clip_low) & (ratio <= cfg.tis_clip)).to(ratio.dtype)
+
+
+def tis_function(cfg: GRPOConfig) -> TISFunction:
+    """The weighting function of ``cfg``: ``--custom-tis-function-path`` if set, else ``--tis-mode``.
+
+    Raises:
+        ConfigError: naming the flag, when the entry cannot be imported (:meth:`Registry.resolve`).
+    """
+    if cfg.custom_tis_function_path:
+        return TIS_FUNCTIONS.resolve(cfg.custom_tis_function_path, "--custom-tis-function-path")
+    return TIS_FUNCTIONS.resolve(cfg.tis_mode)
+
+
+# --- IS weights ------------------------------------------------------------------------------------
+
+
+class ISWeights(NamedTuple):
+    """Per-token outputs of :func:`importance_weights`, detached, 0 at masked-out tokens."""
+
+    weights: Tensor
+    """The factor on each token's policy loss (>= 0)."""
+    changed: Tensor
+    """1.0 where the weight differs from the level's ratio (clipped, zeroed or rejected), else 0.0."""
+
+
+def level_log_ratio(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, level: str,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> Tensor:
+    """``log pi_old(y_t) - log pi_rollout(y_t)`` at ``level``: ``token`` (each token's), ``sequence`` (its sample's
+    sum over masked tokens), ``geometric`` (that sum / the sample's masked tokens); clamped to
+    ``[-SAFETY_BOUND, SAFETY_BOUND]``, 0 at masked-out tokens.
+
+    Raises:
+        ValueError: unknown ``level``, shapes differ, or a malformed layout.
+    """
+    if level not in TIS_LEVELS:
+        raise ValueError(f"unknown IS level {level!r} (--tis-level); valid: {', '.join(TIS_LEVELS)}")
+    check_same_shape(old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs, loss_mask=loss_mask)
+    mask = loss_mask.bool()
+    diff = torch.where(mask, as_float(old_log_probs) - as_float(rollout_log_probs), 0.0)
+    if level != "token":
+        diff = sequence_sums(diff, mask, cu_seqlens, mean=level == "geometric")
+    return torch.where(mask, diff.clamp(-SAFETY_BOUND, SAFETY_BOUND), 0.0)
+
+
+def importance_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, cfg: GRPOConfig,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> ISWeights:
+    """The IS weight of each token, ``f(exp(level_log_ratio))`` with ``f`` :func:`tis_function` (``--tis-mode`` or
+    ``--custom-tis-function-path``) at ``--tis-level`` (:func:`level_log_ratio`); no gradient.
+
+    Raises:
+        ValueError: shapes differ, a malformed layout, or ``f`` returns another shape or a negative / NaN weight.
+    """
+    mask = loss_mask.bool()
+    with torch.no_grad():
+        ratio = level_log_ratio(old_log_probs.detach(), rollout_log_probs, mask, cfg.tis_level, cu_seqlens).exp()
+        weights = as_float(torch.as_tensor(tis_function(cfg)(ratio, cfg)))
+        if weights.shape != ratio.shape:
+            raise ValueError(f"the IS weighting function returned shape {tuple(weights.shape)} for ratios of shape "
+                             f"{tuple(ratio.shape)}; it must be elementwise")
+        weights = torch.where(mask, weights, 0.0)
+        if not bool((weights >= 0).all()):  # False for NaN too
+            raise ValueError("the IS weighting function returned a negative or NaN weight; weights must be >= 0")
+        changed = (mask & (weights != ratio)).to(weights.dtype)
+    return ISWeights(weights, changed)
+
+
+def masked_extrema(values: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Detached 0-d ``(min, max)`` of ``values`` over masked tokens; ``(inf, -inf)`` when there are none (the
+    neutral elements of the reduction over micro-batches and ranks)."""
+    v = values.detach()
+    if v.numel() == 0:
+        return v.new_tensor(torch.inf), v.new_tensor(-torch.inf)
+    mask = loss_mask.bool()
+    return torch.where(mask, v, torch.inf).amin(), torch.where(mask, v, -torch.inf).amax()
+
+
+# --- OPSM and GSPO ---------------------------------------------------------------------------------
+
+
+def opsm_keep(
+    log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, delta: float,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556; upstream ``compute_opsm_mask``): 0.0 on every
+    token of a sample whose mean advantage is negative and whose ``KL(pi_rollout || pi)``, estimated as the mean of
+    ``log pi_rollout - log pi`` over its masked tokens, exceeds ``delta`` (``--opsm-delta``); 1.0 elsewhere.  No
+    gradient; ``advantages`` per token (all of a sample's equal unless ``--kl-coef`` shaped them).
+
+    Raises:
+        ValueError: shapes differ, or a malformed layout.
+    """
+    check_same_shape(log_probs=log_probs, rollout_log_probs=rollout_log_probs, advantages=advantages,
+                     loss_mask=loss_mask)
+    mask = loss_mask.bool()
+    with torch.no_grad():
+        kl = sequence_sums(as_float(rollout_log_probs) - as_float(log_probs.detach()), mask, cu_seqlens, mean=True)
+        adv = sequence_sums(advantages.detach(), mask, cu_seqlens, mean=True)
+        return (~((adv < 0) & (kl > delta))).to(kl.dtype)
+
+
+def gspo_log_ratio(
+    log_probs: Tensor, old_log_probs: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None = None
+) -> Tensor:
+    """GSPO's sequence ratio in log space (Zheng et al. 2025, arXiv:2507.18071, eq. 7): each sample's mean of
+    ``log pi(y_t) - log pi_old(y_t)`` over its masked tokens, on each of them (0 elsewhere); differentiable, so
+    ``exp`` of it is the geometric mean of the token ratios with the paper's gradient."""
+    mask = loss_mask.bool()
+    diff = torch.where(mask, as_float(log_probs) - as_float(old_log_probs), 0.0)
+    return torch.where(mask, sequence_sums(diff, mask, cu_seqlens, mean=True), 0.0)
