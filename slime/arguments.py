@@ -253,6 +253,7 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)
+    _check_off_policy(cfg.grpo, cfg.train)
     _check_runs_here(cfg)
     if num_gpus_available is not None:
         check_resources(cfg.cluster, num_gpus_available)
@@ -361,6 +362,22 @@ def _check_group_size(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
             "advantage is 0 and the policy-gradient term vanishes; use --n-samples-per-prompt >= 2 (e.g. 8)",
             name,
         )
+
+
+def _check_off_policy(grpo: GRPOConfig, train: TrainConfig) -> None:
+    """``--use-tis`` compares the trainer's old log-probs with the engine's: with ``--use-rollout-logprobs`` they are
+    the same and every weight is 1 (upstream refuses the pair too).  Warns about a PPO clip range that GSPO's
+    sequence ratios (geometric means, near 1) never reach."""
+    if grpo.use_tis and train.use_rollout_logprobs:
+        raise ConfigError(
+            "--use-tis with --use-rollout-logprobs: the IS weight compares the trainer's old log-probs with the "
+            "rollout's, which --use-rollout-logprobs makes the same (every weight 1); drop one of them"
+        )
+    if grpo.gspo and max(grpo.eps_clip, grpo.eps_clip_high) >= 0.01:
+        logger.warning(
+            "--advantage-estimator gspo clips a sequence ratio (a geometric mean of token ratios, close to 1) at "
+            "--eps-clip %g / --eps-clip-high %g, which it seldom reaches; the GSPO paper uses 3e-4 / 4e-4",
+            grpo.eps_clip, grpo.eps_clip_high)
 
 
 def _check_kl(grpo: GRPOConfig, checkpoint: CheckpointConfig) -> None:

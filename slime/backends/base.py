@@ -24,7 +24,16 @@ from torch import Tensor
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rounding import rounding_step_noise
 from slime.backends.steps import check_train_samples, loss_normalizer, plan_micro_batches, split_into_steps
-from slime.backends.train_metrics import all_reduce_sums, logprob_gap_metrics, logprob_gap_sums
+from slime.backends.train_metrics import (
+    EXTREMA,
+    all_reduce_extrema,
+    all_reduce_sums,
+    extrema_over_steps,
+    fold_extremum,
+    logprob_gap_metrics,
+    neutral_extremum,
+    logprob_gap_sums,
+)
 from slime.data.routes import RouteShape
 from slime.data.sample import Sample
 
@@ -58,14 +67,16 @@ class RankInfo:
 class MicroBatch:
     """One micro-batch as the skeleton hands it to the hooks: the ``indices`` of its ``samples`` in the list given to
     :meth:`TrainerBackend.train` (or ``compute_log_probs``), ``packed`` (what :meth:`~TrainerBackend._pack` made of
-    them), and per sample the float32 ``[R_s]`` CPU ``old_log_probs`` and ``ref_log_probs``, set before the first
-    update (None before, without a KL term, and on ranks that compute no loss)."""
+    them), and per sample the float32 ``[R_s]`` CPU ``old_log_probs``, ``ref_log_probs`` and ``rollout_log_probs``,
+    set before the first update (None before, without a KL term, without ``--use-tis`` / ``--use-opsm``, and on
+    ranks that compute no loss)."""
 
     indices: list[int]
     samples: list[Sample]
     packed: Any = None
     old_log_probs: list[Tensor] | None = None
     ref_log_probs: list[Tensor] | None = None
+    rollout_log_probs: list[Tensor] | None = None
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:
@@ -135,20 +146,22 @@ class TrainerBackend(abc.ABC):
 
         Returns:
             Metrics averaged over the steps, the same on every rank: ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
-            entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, the backend's :meth:`_step_metrics`,
+            entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, with ``--use-tis``
+            ``train/tis_weight_{mean, min, max}`` and ``train/tis_clipfrac``, with ``--use-opsm``
+            ``train/opsm_masked_frac`` (the ``_min`` / ``_max`` over all steps), the backend's :meth:`_step_metrics`,
             the log-prob gap (:mod:`slime.backends.train_metrics`; not with ``--use-rollout-logprobs``) and on a
-                colocated
-            GPU the free-memory figures of :meth:`memory_metrics`.
+            colocated GPU the free-memory figures of :meth:`memory_metrics`.
 
         Raises:
-            SampleError: a malformed sample on any rank, or no ``rollout_log_probs`` with ``--use-rollout-logprobs``.
+            SampleError: a malformed sample on any rank, or no ``rollout_log_probs`` with ``--use-rollout-logprobs``,
+                ``--use-tis`` or ``--use-opsm``.
             ValueError: ``len(samples)`` is not a positive multiple of ``num_steps``.
             NonFiniteGradNorm: the gradient norm is not finite (no update applied).
             RuntimeError: before :meth:`init`, or the optimizer state is offloaded (no :meth:`onload`).
         """
         self._require_init()
         self._require_on_device("train()", training=True)
-        check_train_samples(samples, need_rollout_log_probs=self.train_cfg.use_rollout_logprobs)
+        check_train_samples(samples, need_rollout_log_probs=self._rollout_log_prob_flags())
         steps = [self._micro_batches(samples, indices, self._dp_group())
                  for indices in split_into_steps(range(len(samples)), num_steps)]
         everything = [batch for batches in steps for batch in batches]
@@ -164,13 +177,21 @@ class TrainerBackend(abc.ABC):
         for batch in everything:
             batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
             batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
+            if self.grpo.needs_rollout_log_probs and old is not None:
+                batch.rollout_log_probs = [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+                                           for s in batch.samples]
 
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
+        extremes: dict[str, list[float]] = defaultdict(list)
         for batches in steps:
             for name, value in self._optimizer_step(rollout_id, batches).items():
-                totals[name] += value
+                if name.endswith(EXTREMA):
+                    extremes[name].append(value)
+                else:
+                    totals[name] += value
         metrics = {name: value / num_steps for name, value in totals.items()}
+        metrics.update(extrema_over_steps(extremes))
         metrics.update(gap)
         metrics.update(self.memory_metrics())
         return metrics
@@ -180,13 +201,16 @@ class TrainerBackend(abc.ABC):
         step_samples = [sample for batch in batches for sample in batch.samples]
         normalizer = loss_normalizer(step_samples, self.grpo.calculate_per_token_loss, group=self._dp_group())
         lr = self.lr_schedule(self.optimizer_steps)
-        terms = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy"]
+        terms = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", *self.grpo.correction_metrics()[0]]
         if self.grpo.use_kl_loss and self.ref_model is not None:
             terms.append("kl_loss")
         sums = {f"train/{name}": 0.0 for name in terms}
+        extremes = {f"train/{name}": neutral_extremum(name) for name in self.grpo.correction_metrics()[1]}
         for values in self._forward_backward(batches, normalizer):
             for name in terms:
                 sums[f"train/{name}"] += float(values[name].double().cpu())
+            for name in extremes:
+                extremes[name] = fold_extremum(name, extremes[name], float(values[name.removeprefix("train/")]))
         grad_norm = self._grad_norm()
         if not math.isfinite(grad_norm):
             raise NonFiniteGradNorm(
@@ -195,7 +219,8 @@ class TrainerBackend(abc.ABC):
             )
         self._apply_update(lr, clip_coefficient(grad_norm, self.optim_cfg.clip_grad))
         self.optimizer_steps += 1
-        return {**self._metric_sum(sums), "train/grad_norm": grad_norm, "train/lr": lr, **self._step_metrics(batches)}
+        return {**self._metric_sum(sums), **all_reduce_extrema(extremes), "train/grad_norm": grad_norm, "train/lr": lr,
+                **self._step_metrics(batches)}
 
     def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False,
                           replay_routes: bool = False) -> list[list[float]] | None:
@@ -219,6 +244,12 @@ class TrainerBackend(abc.ABC):
         with rounding_step_noise(self._input_embedding() if rounding_noise else None):
             log_probs = self._log_probs_by_sample(self.model, batches, len(samples), replay_routes=replay_routes)
         return None if log_probs is None else [lp.tolist() for lp in log_probs]
+
+    def _rollout_log_prob_flags(self) -> str:
+        """The flags that need every sample's ``rollout_log_probs`` (for :func:`check_train_samples`; "" if none)."""
+        flags = [name for name, on in (("--use-rollout-logprobs", self.train_cfg.use_rollout_logprobs),
+                                       ("--use-tis", self.grpo.use_tis), ("--use-opsm", self.grpo.use_opsm)) if on]
+        return " / ".join(flags)
 
     def _micro_batches(self, samples: Sequence[Sample], indices: Sequence[int], dp_group) -> list[MicroBatch]:
         """``samples[indices]`` planned into micro-batches (:func:`slime.backends.steps.plan_micro_batches`:

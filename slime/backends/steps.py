@@ -32,9 +32,10 @@ class SampleError(ValueError):
     """A sample handed to a trainer is malformed; the message names its index and the field."""
 
 
-def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False, routes: RouteShape | None = None) -> None:
-    """Check one sample's per-token fields before a forward pass (with ``need_rollout_log_probs`` also its
-    ``rollout_log_probs``; with ``routes`` its ``rollout_routed_experts`` of that shape, :func:`check_routes`).
+def check_train_sample(sample: Sample, need_rollout_log_probs: bool | str = False,
+                       routes: RouteShape | None = None) -> None:
+    """Check one sample's per-token fields before a forward pass (with ``need_rollout_log_probs``, True or the flags
+    that need them, also its ``rollout_log_probs``; with ``routes`` its ``rollout_routed_experts`` of that shape, :func:`check_routes`).
 
     Raises:
         SampleError: no prompt or response tokens; a ``loss_mask``, or non-empty ``rollout_log_probs``, not of the
@@ -57,7 +58,8 @@ def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False, rou
         )
     if need_rollout_log_probs and not sample.rollout_log_probs:
         raise SampleError(
-            f"{where} has no rollout_log_probs, which --use-rollout-logprobs needs; "
+            f"{where} has no rollout_log_probs, which "
+            f"{'--use-rollout-logprobs' if need_rollout_log_probs is True else need_rollout_log_probs} needs; "
             "check that the rollout engine returns log-probs"
         )
     if routes is not None:
@@ -71,7 +73,7 @@ def check_train_sample(sample: Sample, need_rollout_log_probs: bool = False, rou
 
 
 def check_train_samples(
-    samples: Sequence[Sample], need_rollout_log_probs: bool = False, group: dist.ProcessGroup | None = None,
+    samples: Sequence[Sample], need_rollout_log_probs: bool | str = False, group: dist.ProcessGroup | None = None,
     routes: RouteShape | None = None,
 ) -> None:
     """:func:`check_train_sample` on every sample, agreed over the ranks of ``group`` (collective), so that no rank

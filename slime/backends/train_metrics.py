@@ -5,12 +5,14 @@ micro-batches and ranks (:func:`all_reduce_sums`).  The gap ``train/logprob_abs_
 ``|log p_train(y_t) - log p_rollout(y_t)|`` over loss-masked response tokens of all samples of all ranks (upstream's
 ``train_rollout_logprob_abs_diff``), also split by prompt kind (``_image``, ``_text``: a vision-tower mismatch shows
 only in the first); tokens after a generated image / video placeholder are left out and counted in
-``train/logprob_gap_altered_tokens`` (``docs/design/training_step.md``).
+``train/logprob_gap_altered_tokens`` (``docs/design/training_step.md``).  Metrics named ``*_min`` / ``*_max`` (the IS
+weight's) are extremes, reduced by min / max over micro-batches, ranks and steps instead (:func:`all_reduce_extrema`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Collection, Mapping, Sequence
 
 import torch
@@ -36,6 +38,41 @@ def all_reduce_sums(values: Mapping[str, float | Tensor], group: dist.ProcessGro
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(local, group=group)
     return dict(zip(keys, local.tolist()))
+
+
+EXTREMA = ("_min", "_max")
+"""Suffixes of the metrics reduced as extremes rather than summed and averaged."""
+
+
+def neutral_extremum(name: str) -> float:
+    """``inf`` for a ``*_min`` metric, ``-inf`` for a ``*_max`` one: what a micro-batch or rank without tokens gives."""
+    return math.inf if name.endswith("_min") else -math.inf
+
+
+def fold_extremum(name: str, current: float, value: float) -> float:
+    """``min`` or ``max`` (by ``name``'s suffix) of two values of one extreme metric."""
+    return min(current, value) if name.endswith("_min") else max(current, value)
+
+
+def all_reduce_extrema(values: Mapping[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Per-rank extremes (``*_min`` / ``*_max`` floats) reduced over the ranks of ``group`` (collective, float64 on CPU;
+    every rank passes the same keys); ``inf`` / ``-inf`` where no rank had a token."""
+    keys = sorted(values)
+    signs = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in keys], dtype=torch.float64)
+    local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64) * signs
+    if keys and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(keys, (local * signs).tolist()))
+
+
+def extrema_over_steps(per_step: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Each extreme metric's min / max over the optimizer steps, over its finite values (omitted without any)."""
+    out = {}
+    for name, values in per_step.items():
+        finite = [v for v in values if math.isfinite(v)]
+        if finite:
+            out[name] = min(finite) if name.endswith("_min") else max(finite)
+    return out
 
 
 def logprob_gap_sums(

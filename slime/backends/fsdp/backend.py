@@ -199,6 +199,8 @@ class FSDPBackend(TrainerBackend):
                 global_normalizer=normalizer,
                 ref_log_probs=None if batch.ref_log_probs is None else pad_per_token(
                     batch.ref_log_probs, torch.float32, self.device),
+                rollout_log_probs=None if batch.rollout_log_probs is None else pad_per_token(
+                    batch.rollout_log_probs, torch.float32, self.device),
                 entropy=entropy,
             )
             (loss * self.rank_info.world_size).backward()

@@ -171,6 +171,8 @@ class MegatronBackend(TrainerBackend):
                 batch.packed.old_log_probs = packed_per_token(batch.old_log_probs, "cpu")
             if batch.ref_log_probs is not None:
                 batch.packed.ref_log_probs = packed_per_token(batch.ref_log_probs, "cpu")
+            if batch.rollout_log_probs is not None:
+                batch.packed.rollout_log_probs = packed_per_token(batch.rollout_log_probs, "cpu")
         ctx = self._context(grpo=self.grpo, normalizer=normalizer, num_microbatches=len(batches),
                             dp_size=self.groups.dp_size)
         self.optimizer.zero_grad()

@@ -28,7 +28,7 @@ class PackedBatch:
     """One packed micro-batch and its loss tensors (module docstring): ``indices`` of its samples in the planned list,
     ``inputs`` (``logit_index`` set), int64 ``targets`` ``[K]``, float32 ``loss_mask`` ``[K]``, int64 ``cu_seqlens``
     ``[S + 1]``, float32 ``advantages`` ``[S]``, ``response_lengths`` (``R_s``), and float32 ``old_log_probs`` /
-    ``ref_log_probs`` ``[K]``, filled before the update."""
+    ``ref_log_probs`` / ``rollout_log_probs`` ``[K]``, filled before the update."""
 
     indices: list[int]
     inputs: Qwen35Inputs
@@ -39,6 +39,7 @@ class PackedBatch:
     response_lengths: list[int]
     old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    rollout_log_probs: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +53,7 @@ class PackedBatch:
             self, inputs=self.inputs.to(device), targets=move(self.targets), loss_mask=move(self.loss_mask),
             cu_seqlens=move(self.cu_seqlens), advantages=move(self.advantages),
             old_log_probs=move(self.old_log_probs), ref_log_probs=move(self.ref_log_probs),
+            rollout_log_probs=move(self.rollout_log_probs),
         )
 
     def split(self, per_token: Tensor) -> list[Tensor]:

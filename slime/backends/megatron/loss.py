@@ -48,13 +48,14 @@ def _log_probs(ctx: LossContext, batch: PackedBatch, logits: Tensor, with_entrop
 def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     """megatron-core loss function of one training micro-batch (module docstring): ``(scaled loss, ones(int),
     metrics)``, the metrics this micro-batch's detached 0-d shares of ``loss``, ``pg_loss``, ``pg_clipfrac``,
-    ``ppo_kl``, ``entropy`` (and ``kl_loss``)."""
+    ``ppo_kl``, ``entropy`` (and ``kl_loss``, and the IS / OPSM metrics of :func:`grpo_micro_batch_loss`)."""
     log_probs, entropy = _log_probs(ctx, batch, logits, with_entropy=True)
     if ctx.grpo.entropy_coef == 0:
         entropy = entropy.detach()  # a metric only: spare its backward
     loss, metrics = grpo_micro_batch_loss(
         log_probs, batch.old_log_probs, batch.advantages, batch.loss_mask, ctx.grpo,
-        global_normalizer=ctx.normalizer, ref_log_probs=batch.ref_log_probs, entropy=entropy,
+        global_normalizer=ctx.normalizer, ref_log_probs=batch.ref_log_probs,
+        rollout_log_probs=batch.rollout_log_probs, entropy=entropy,
         cu_seqlens=batch.cu_seqlens,
     )
     scale = ctx.num_microbatches * ctx.dp_size
