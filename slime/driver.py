@@ -34,6 +34,7 @@ from slime.checkpoints.hf import weights_bytes
 from slime.data.processor import load_processor
 from slime.data.sources import load_table
 from slime.grpo.advantages import resolve_advantage_estimator
+from slime.grpo.correction import tis_function
 from slime.ray.colocate import ColocatedMemory
 from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, check_cpu_memory, cluster_num_gpus, create_placement_groups, init_ray
@@ -182,7 +183,10 @@ def resolve_components(cfg: SlimeConfig) -> Components:
             found.append(registry.resolve(name))
         except ConfigError as e:
             problems.append(str(e))
-    for resolve, group in ((resolve_advantage_estimator, cfg.grpo), (resolve_reward_function, cfg.reward)):
+    resolvers = [(resolve_advantage_estimator, cfg.grpo), (resolve_reward_function, cfg.reward)]
+    if cfg.grpo.use_tis:
+        resolvers.append((tis_function, cfg.grpo))
+    for resolve, group in resolvers:
         try:
             resolve(group)
         except ConfigError as e:

@@ -1041,3 +1041,11 @@ def test_an_empty_path_is_refused_not_read_as_not_given(flags, message, capsys):
     """``--save ''`` used to read as "no --save" downstream: nothing saved, --save-hf silently dropped, and the
     launcher pointing its resume line at checkpoints that were never written."""
     assert message in parse_error(with_flags("--rollout-backend", "transformers", *flags), capsys)
+
+
+def test_use_tis_with_use_rollout_logprobs_is_refused(capsys):
+    err = parse_error(with_flags("--use-tis", "--use-rollout-logprobs"), capsys)
+    assert "--use-tis with --use-rollout-logprobs" in err
+    cfg = parse_args(with_flags("--use-tis", "--tis-mode", "icepop", "--tis-clip-low", "0.5", "--use-opsm"))
+    assert (cfg.grpo.use_tis, cfg.grpo.tis_mode, cfg.grpo.tis_clip_low, cfg.grpo.use_opsm) == (True, "icepop", 0.5, True)
+    assert "--tis-clip-low 3.0 must be below --tis-clip 2.0" in parse_error(with_flags("--tis-clip-low", "3"), capsys)

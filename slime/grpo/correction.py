@@ -7,6 +7,7 @@ in nats; float32 (float64 kept).  The weighting functions of ``--tis-mode`` are 
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple, Sequence
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from slime.grpo.config import TIS_LEVELS, GRPOConfig, TISFunction, TIS_FUNCTIONS
 from slime.grpo.layout import as_float, check_same_shape, sequence_sums
+from slime.utils.config import ConfigError
 
 SAFETY_BOUND = 20.0
 """The level's log-ratio is clamped to ``[-SAFETY_BOUND, SAFETY_BOUND]`` before ``exp`` (upstream ``mis.py``)."""
@@ -39,14 +41,24 @@ def reject(ratio: Tensor, cfg: GRPOConfig) -> Tensor:
 
 
 def tis_function(cfg: GRPOConfig) -> TISFunction:
-    """The weighting function of ``cfg``: ``--custom-tis-function-path`` if set, else ``--tis-mode``.
+    """The weighting function of ``cfg``: ``--custom-tis-function-path`` if set, else ``--tis-mode`` (the driver
+    calls it before Ray starts).
 
     Raises:
-        ConfigError: naming the flag, when the entry cannot be imported (:meth:`Registry.resolve`).
+        ConfigError: naming the flag: the entry cannot be imported (:meth:`Registry.resolve`) or is not a function of
+            ``(ratio, cfg)``.
     """
-    if cfg.custom_tis_function_path:
-        return TIS_FUNCTIONS.resolve(cfg.custom_tis_function_path, "--custom-tis-function-path")
-    return TIS_FUNCTIONS.resolve(cfg.tis_mode)
+    flag, name = (("--custom-tis-function-path", cfg.custom_tis_function_path) if cfg.custom_tis_function_path
+                  else ("--tis-mode", cfg.tis_mode))
+    fn = TIS_FUNCTIONS.resolve(name, flag)
+    try:
+        inspect.signature(fn).bind(torch.ones(1), cfg)
+    except TypeError:
+        raise ConfigError(f"{flag} {name} has the signature {inspect.signature(fn)}; an IS weighting function must "
+                          "accept (ratio: Tensor, cfg: GRPOConfig) and return weights of ratio's shape") from None
+    except ValueError:  # no signature available (some builtins): calls will tell
+        pass
+    return fn
 
 
 # --- IS weights ------------------------------------------------------------------------------------
