@@ -421,3 +421,52 @@ def test_checkpoint_resumes_at_another_data_parallel_size(save_resume, tiny_ckpt
     assert result["loaded"].keys() == saved.keys()
     for name, tensor in saved.items():
         assert torch.equal(result["loaded"][name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------
+# --use-tis: one step of each backend
+# ---------------------------------------------------------------------------------------
+
+
+def _job_tis(rank_info, ckpt_dir, samples, out):
+    grpo = GRPOConfig(use_tis=True)
+    result = {}
+    for name, make in (("fsdp", make_backend), ("megatron", make_megatron)):
+        backend = make(rank_info, ckpt_dir, grpo=grpo)
+        backend.init()
+        result[name] = backend.train(0, rank_share(samples, rank_info.rank, 1), num_steps=1)
+        del backend
+    torch.save(result, out / f"rank{rank_info.rank}.pt")
+
+
+def test_both_backends_run_a_step_with_tis(tiny_ckpt, tmp_path):
+    # The engine's log-probs are the policy's plus a known gap g_t, so the first step's IS weight is
+    # clamp(exp(-g_t), 0, 2) (the trainer's old log-probs are the policy's) and, with the PPO ratio 1, the
+    # loss is the sample mean of sum_t m_t w_t (-A_s) / n_s.
+    from tests.test_fsdp_backend import hf_model, reference_log_probs
+
+    samples = make_samples(tiny_ckpt, [5, 3, 4, 6], images=[True, False, False, True], seed=3)
+    gen = torch.Generator().manual_seed(0)
+    model = hf_model(tiny_ckpt)
+    weights = []
+    with torch.no_grad():
+        for s in samples:
+            gap = torch.empty(s.response_length, dtype=torch.float64).uniform_(-1.2, 1.2, generator=gen)
+            s.rollout_log_probs = (reference_log_probs(model, s) + gap).tolist()
+            weights.append((-gap).exp().clamp(0, 2))
+    masks = [torch.tensor(s.loss_mask, dtype=torch.float64) for s in samples]
+    on = torch.cat([w[m.bool()] for w, m in zip(weights, masks)])
+    expected = {
+        "train/loss": sum(-s.advantage * (w * m).sum() / m.sum() for s, w, m in zip(samples, weights, masks)) / 4,
+        "train/tis_weight_mean": sum((w * m).sum() / m.sum() for w, m in zip(weights, masks)) / 4,
+        "train/tis_weight_min": on.min(),
+        "train/tis_weight_max": on.max(),
+        "train/tis_clipfrac": sum(((w == 2) * m).sum() / m.sum() for w, m in zip(weights, masks)) / 4,
+    }
+    assert 0 < expected["train/tis_clipfrac"] < 1  # some weights truncated, not all
+    spawn(_job_tis, tiny_ckpt, samples, tmp_path)
+    for rank in range(WORLD):
+        metrics = torch.load(tmp_path / f"rank{rank}.pt")
+        for backend in ("fsdp", "megatron"):
+            for key, value in expected.items():
+                assert metrics[backend][key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (backend, key)
