@@ -92,6 +92,9 @@ class EngineActor:
     def continue_generation(self) -> None:
         self.engine.continue_generation()
 
+    def abort_requests(self) -> None:  # the default group: runs while generate calls run
+        self.engine.abort_requests()
+
     @ray.method(concurrency_group="control")
     def health(self) -> bool:
         return self.engine.health()

@@ -41,6 +41,7 @@ from slime.rollout.scheduler import (
     EngineDown,
     EngineError,
     EngineState,
+    OutputsCallback,
     RequestScheduler,
     error_tail,
 )
@@ -218,17 +219,20 @@ class RolloutEngineGroup:
             raise RuntimeError("the rollout engines have not been checked yet; call wait_until_healthy() first")
         return self._limits
 
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Complete ``requests`` on the serving engines (:meth:`RequestScheduler.generate`).
+    def generate(self, requests: list[GenerateRequest],
+                 on_outputs: OutputsCallback | None = None) -> list[GenerateOutput | None]:
+        """Complete ``requests`` on the serving engines (:meth:`RequestScheduler.generate`; ``on_outputs``
+        streams each call's outputs and may add requests or stop the step, aborting the calls in flight).
 
         Returns:
-            One output per request, in request order; ``engine_index`` says which engine served it.
+            One output per request, in request order; ``engine_index`` says which engine served it (None: not
+            sent before a stop).
 
         Raises:
             EngineError: see :meth:`RequestScheduler.generate`; also a failed engine that could not be
                 restarted (:meth:`wait_for_restarts`).
         """
-        return self.scheduler.generate(requests, self._checked_limits())
+        return self.scheduler.generate(requests, self._checked_limits(), on_outputs)
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -340,6 +344,10 @@ class RolloutEngineGroup:
         """Every engine admits requests again (SGLang ``/continue_generation``)."""
         ray.get([a.continue_generation.remote() for a in self.actors])
 
+    def abort_requests(self, engines: set[int]) -> None:
+        """:meth:`RolloutEngine.abort_requests` on ``engines`` (a stopped dynamic-sampling step)."""
+        ray.get([self.actors[e].abort_requests.remote() for e in sorted(engines)])
+
     # -- shutdown -----------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -412,3 +420,6 @@ class _RayEnginePool:
 
     def wait_for_restarts(self) -> None:
         self.group.wait_for_restarts()
+
+    def abort(self, engines: set[int]) -> None:
+        self.group.abort_requests(engines)

@@ -80,6 +80,30 @@ class RolloutConfig:
         "health check passes; an engine that is not healthy by then stops the run with its index, node and bundles.",
     )
 
+    over_sampling_batch_size: int | None = flag(
+        None,
+        help="Prompts drawn per sampling round (upstream slime's flag). A step draws rounds of this many prompts "
+        "until --rollout-batch-size groups pass --dynamic-sampling-filter-path (every group without a filter), "
+        "keeps the first of them in draw order and aborts the groups still in flight. Unset = --rollout-batch-size; "
+        "must be >= it. The data cursor counts every prompt drawn.",
+    )
+    dynamic_sampling_filter_path: str | None = flag(
+        None,
+        help="DAPO dynamic sampling: the filter that decides whether a group of scored samples may train: "
+        "nonzero_std (its rewards vary), nonzero_std_with_fallback (the same; once --dynamic-sampling-max-rounds "
+        "are spent, the best rejected groups fill the batch instead of stopping the run), upstream's "
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std[_with_fallback] (the same "
+        "two), or a 'package.module:function' taking the group's list of samples and returning a "
+        "slime.rollout.filters.GroupVerdict or a bool. Unset = no filter. Eval is never filtered.",
+    )
+    dynamic_sampling_max_rounds: int = flag(
+        10,
+        help="Most sampling rounds of --over-sampling-batch-size prompts per rollout step (not in upstream slime, "
+        "which samples until the batch is full; NeMo-RL's dynamic_sampling_max_gen_batches). When they give fewer "
+        "than --rollout-batch-size passing groups the step stops with an error, or, with a fallback filter, fills "
+        "the batch with the best rejected groups.",
+    )
+
     max_prompt_length_mismatch_fraction: float = flag(
         0.1,
         help="Largest fraction of a rollout's (or an eval set's) samples whose prompt length in the engine may differ "
@@ -111,6 +135,7 @@ class RolloutConfig:
                 "--max-prompt-length-mismatch-fraction must be in [0, 1], got "
                 f"{self.max_prompt_length_mismatch_fraction}; e.g. 0.1, or 0 to stop at the first mismatch"
             )
+        self._check_dynamic_sampling()
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
         negative = [token_id for token_id in self.rollout_stop_token_ids or [] if token_id < 0]
@@ -119,6 +144,35 @@ class RolloutConfig:
                 f"--rollout-stop-token-ids must be token ids >= 0, got {' '.join(map(str, negative))} in "
                 f"{' '.join(map(str, self.rollout_stop_token_ids))}; use the tokenizer's id of the stop token"
             )
+
+    def _check_dynamic_sampling(self) -> None:
+        from slime.rollout.filters import FILTERS, check_filter_path
+
+        if self.over_sampling_batch_size is None:
+            self.over_sampling_batch_size = self.rollout_batch_size
+        if self.over_sampling_batch_size < self.rollout_batch_size:
+            raise ConfigError(
+                f"--over-sampling-batch-size {self.over_sampling_batch_size} must be >= --rollout-batch-size "
+                f"{self.rollout_batch_size} (prompts drawn per round, at least one batch); leave it unset for "
+                "--rollout-batch-size"
+            )
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ConfigError(f"--dynamic-sampling-max-rounds must be >= 1, got {self.dynamic_sampling_max_rounds}")
+        if self.dynamic_sampling_filter_path is None:
+            return
+        name = check_filter_path(self.dynamic_sampling_filter_path)
+        if name in FILTERS.builtins and self.n_samples_per_prompt < 2:
+            raise ConfigError(
+                f"--dynamic-sampling-filter-path {self.dynamic_sampling_filter_path} keeps groups whose rewards vary, "
+                f"and --n-samples-per-prompt {self.n_samples_per_prompt} makes groups of one sample, which never "
+                "vary; use --n-samples-per-prompt >= 2 or drop the filter"
+            )
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """Whether a step samples in rounds (:mod:`slime.rollout.dynamic_sampling`): a filter, or more prompts
+        drawn per round than trained on."""
+        return self.dynamic_sampling_filter_path is not None or self.over_sampling_batch_size != self.rollout_batch_size
 
     @property
     def samples_per_rollout(self) -> int:

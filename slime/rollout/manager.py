@@ -25,6 +25,7 @@ from slime.errors import SlimeError
 from slime.grpo.advantages import compute_advantages
 from slime.grpo.config import GRPOConfig
 from slime.rollout.config import EvalConfig, RolloutConfig
+from slime.rollout.dynamic_sampling import DynamicSampler
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.rm_hub.scorer import RewardScorer
@@ -112,6 +113,7 @@ class RolloutManager:
             name: load_eval_samples(data, processor, path) for name, path in evaluation.eval_prompt_pairs
         }
         self.scorer = RewardScorer(reward)
+        self.sampler = DynamicSampler(self) if rollout.dynamic_sampling else None
         video_pad = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
         self.vision_token_ids = {processor.image_token_id} | ({video_pad} if isinstance(video_pad, int) else set())
 
@@ -134,19 +136,26 @@ class RolloutManager:
         Sample ``i = group_index * n + j`` of the step is drawn with
         ``sampling_seed(--rollout-seed, rollout_id, i)``, so the step's responses depend neither
         on the engines' history nor on which engine serves which request (exact resume).
+        With ``--dynamic-sampling-filter-path`` or an ``--over-sampling-batch-size`` above the batch, the groups
+        come from :class:`~slime.rollout.dynamic_sampling.DynamicSampler` (``i`` counts every group drawn).
 
         Raises:
             PromptMismatchError: too many prompt length mismatches (:func:`check_prompt_lengths`), or one
                 in every group.
             RolloutAbortedError: every group holds an aborted or failed sample, not all of them a failed one.
+            DynamicSamplingError: too few groups passed the filter in ``--dynamic-sampling-max-rounds``.
         """
         n = self.cfg.n_samples_per_prompt
-        prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
-        samples = []
-        for group_index, prompt in enumerate(prompts):
-            prompt.group_index = group_index
-            samples.extend(prompt.clone_prompt() for _ in range(n))
-        self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
+        if self.sampler is not None:  # rounds of over-sampled prompts, only passing groups kept
+            samples, sampling_metrics = self.sampler.sample(rollout_id)
+        else:
+            prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
+            samples = []
+            for group_index, prompt in enumerate(prompts):
+                prompt.group_index = group_index
+                samples.extend(prompt.clone_prompt() for _ in range(n))
+            self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
+            sampling_metrics = {}
         kept, _ = _drop_unusable_groups(samples, n)
         usable = [s for s in samples if s.status not in UNUSABLE]
         metrics = _sample_metrics("rollout", usable)
@@ -154,6 +163,7 @@ class RolloutManager:
         metrics["rollout/prompt_length_mismatch_groups"] = float(_groups_holding(samples, n, SampleStatus.FAILED))
         metrics["rollout/aborted_samples"] = float(sum(s.status == SampleStatus.ABORTED for s in samples))
         metrics["rollout/aborted_groups"] = float(_groups_holding(samples, n, SampleStatus.ABORTED))
+        metrics.update(sampling_metrics)  # with dynamic sampling: the faults of every generated group
         # The reward function's verdicts above are before shaping; shaping and advantages see the kept groups only.
         metrics.update(_apply_truncation_options(kept, self.grpo))
         rewards = torch.tensor([s.reward for s in kept], dtype=torch.float64)
@@ -234,27 +244,11 @@ class RolloutManager:
         ``reward`` None: only the other samples are scored."""
         if self.engines is None:
             raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
-        requests = [
-            GenerateRequest(
-                text=s.prompt,
-                image_data=s.images,
-                sampling_params=dataclasses.replace(params, sampling_seed=self._seed(rollout_id, i, stream)),
-                rid=f"{s.index}:{i}",
-            )
-            for i, s in enumerate(samples)
-        ]
+        requests = self.requests(samples, params, rollout_id, stream)
         outputs = self.engines.generate(requests)
         mismatched = check_prompt_lengths(samples, requests, outputs, self.cfg.max_prompt_length_mismatch_fraction)
         for sample, out in zip(samples, outputs):
-            sample.response = out.text
-            sample.response_token_ids = list(out.output_ids)
-            sample.rollout_log_probs = list(out.output_log_probs)
-            sample.loss_mask = [1] * len(out.output_ids)
-            sample.status = {
-                "stop": SampleStatus.COMPLETED,
-                "length": SampleStatus.TRUNCATED,
-                "abort": SampleStatus.ABORTED,
-            }[out.finish_reason]
+            record_output(sample, out)
         for i in mismatched:
             samples[i].status = SampleStatus.FAILED  # also when aborted: its prompt is the first thing wrong
         warn_aborted(samples, requests, outputs, stream)
@@ -265,6 +259,19 @@ class RolloutManager:
         rewards = self.scorer.score([s.response for s in scored], [s.label for s in scored])
         for sample, reward in zip(scored, rewards):
             sample.reward = float(reward)
+
+    def requests(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str,
+                 first: int = 0) -> list[GenerateRequest]:
+        """One request per sample; sample ``k`` is position ``first + k`` of the step (its seed and rid)."""
+        return [
+            GenerateRequest(
+                text=s.prompt,
+                image_data=s.images,
+                sampling_params=dataclasses.replace(params, sampling_seed=self._seed(rollout_id, i, stream)),
+                rid=f"{s.index}:{i}",
+            )
+            for i, s in enumerate(samples, start=first)
+        ]
 
     def _seed(self, rollout_id: int, sample_index: int, stream: str) -> int:
         return sampling_seed(self.seed, rollout_id, sample_index, stream)
@@ -292,6 +299,20 @@ class RolloutManager:
 
     def close(self) -> None:
         self.scorer.close()
+
+
+def record_output(sample: Sample, out: GenerateOutput) -> None:
+    """Put an engine's output on its sample: response, token ids, log-probs, full loss mask, and the status
+    its ``finish_reason`` gives (stop: completed, length: truncated, abort: aborted)."""
+    sample.response = out.text
+    sample.response_token_ids = list(out.output_ids)
+    sample.rollout_log_probs = list(out.output_log_probs)
+    sample.loss_mask = [1] * len(out.output_ids)
+    sample.status = {
+        "stop": SampleStatus.COMPLETED,
+        "length": SampleStatus.TRUNCATED,
+        "abort": SampleStatus.ABORTED,
+    }[out.finish_reason]
 
 
 PROMPT_LENGTH_CAUSES = (

@@ -13,6 +13,10 @@ abandoned call are never read) and sent at most ``max_attempts`` times.  When re
 serves, the scheduler waits for the restarts and calls the re-sync hook (:attr:`RequestScheduler.resync`),
 which must leave an engine serving.  ``generate`` returns once no engine is being restarted.
 
+Streaming (dynamic sampling): an ``on_outputs`` callback sees each call's outputs as they arrive and may
+add requests to the step or stop it; a stopped step drops its queue, aborts the calls in flight
+(:meth:`EnginePool.abort`) and returns once they are back, without waiting for them to finish generating.
+
 No Ray here: the engine group of :mod:`slime.ray.engine_group` is one :class:`EnginePool`, the tests use
 plain Python stand-ins.  Rationale: ``docs/design/engine_group.md``.
 """
@@ -23,6 +27,7 @@ import collections
 import enum
 import logging
 import math
+import time
 from typing import Callable, Hashable, Protocol
 
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest
@@ -92,6 +97,16 @@ class EnginePool(Protocol):
     def wait_for_restarts(self) -> None:
         """Block until no engine is ``RESTARTING``; raises :class:`EngineError` when a restart fails."""
 
+    def abort(self, engines: set[int]) -> None:
+        """Make the calls in flight at ``engines`` return now: what an engine cut off comes back with
+        ``finish_reason "abort"``; an engine that cannot abort finishes its calls (only a stopped step asks)."""
+
+
+OutputsCallback = Callable[["_Step", list[int], list[GenerateOutput], float], None]
+"""``on_outputs(step, indices, outputs, seconds)``: one finished call's request indices (into the step's requests,
+which :meth:`_Step.add` extends), their outputs, and the call's seconds from send to read; it may call
+``step.add(requests)`` or ``step.stop()``."""
+
 
 class RequestScheduler:
     """Completes each step's requests on the serving engines of ``pool`` (see the module docstring).
@@ -102,11 +117,13 @@ class RequestScheduler:
             down) and ``mid_rollout_resyncs``; the pool counts the rest.  Default: a new counter.
         max_attempts: sends of one request before its engines' failures stop the step.
         monitor_s: seconds without an answer after which the engines with requests in flight are checked.
+        clock: seconds, for the calls' durations handed to ``on_outputs``.
     """
 
     def __init__(self, pool: EnginePool, fault_counts: collections.Counter | None = None, *,
-                 max_attempts: int = MAX_ATTEMPTS, monitor_s: float = HEALTH_MONITOR_S):
-        self.pool = pool
+                 max_attempts: int = MAX_ATTEMPTS, monitor_s: float = HEALTH_MONITOR_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.pool, self.clock = pool, clock
         self.fault_counts = fault_counts if fault_counts is not None else collections.Counter()
         self.max_attempts, self.monitor_s = max_attempts, monitor_s
         self.resync: Callable[[], None] | None = None
@@ -114,15 +131,20 @@ class RequestScheduler:
         waits for the weights, once the restarts are done; it must leave an engine ``SERVING``.  None: such a
         step fails."""
 
-    def generate(self, requests: list[GenerateRequest], limits: list[tuple[int, int]]) -> list[GenerateOutput]:
+    def generate(self, requests: list[GenerateRequest], limits: list[tuple[int, int]],
+                 on_outputs: OutputsCallback | None = None) -> list[GenerateOutput | None]:
         """Complete ``requests``.
 
         Args:
             requests: the step's requests.
             limits: per engine, ``(capacity, max_requests_per_call)``, ints >= 1.
+            on_outputs: called after each call's outputs are read (:data:`OutputsCallback`), also for the calls
+                drained after a stop (``step.stopped``).
 
         Returns:
-            One output per request, in request order; ``engine_index`` says which engine served it.
+            One output per request (with those added by ``on_outputs``), in request order; ``engine_index``
+            says which engine served it.  None only after a stop: for a request never sent, or whose engine
+            went down after the stop (it is not sent again).
 
         Raises:
             EngineError: a call raised another error than :class:`EngineDown`, returned a wrong number of
@@ -130,7 +152,7 @@ class RequestScheduler:
                 left to serve and none could be re-synced; a restart failed; the re-sync hook raised or left
                 no engine serving.  The message names the engine and the first requests concerned.
         """
-        step = _Step(self, requests, limits)
+        step = _Step(self, requests, limits, on_outputs)
         step.run()
         self.pool.wait_for_restarts()
         return step.outputs
@@ -139,8 +161,10 @@ class RequestScheduler:
 class _Step:
     """One :meth:`RequestScheduler.generate` call: its queue, windows, calls in flight and outputs."""
 
-    def __init__(self, scheduler: RequestScheduler, requests: list[GenerateRequest], limits: list[tuple[int, int]]):
-        self.scheduler, self.pool, self.requests = scheduler, scheduler.pool, requests
+    def __init__(self, scheduler: RequestScheduler, requests: list[GenerateRequest], limits: list[tuple[int, int]],
+                 on_outputs: OutputsCallback | None = None):
+        self.scheduler, self.pool, self.requests = scheduler, scheduler.pool, list(requests)
+        self.on_outputs, self.stopped = on_outputs, False
         self.per_call = [per_call for _, per_call in limits]
         self.windows = balance_windows(len(requests), [capacity for capacity, _ in limits])
         self.outputs: list[GenerateOutput | None] = [None] * len(requests)
@@ -148,6 +172,26 @@ class _Step:
         self.queue = collections.deque(range(len(requests)))
         self.in_flight = [0] * len(limits)  # requests sent to each engine and not yet back
         self.running: dict[Hashable, tuple[int, list[int]]] = {}  # call -> (engine, request indices)
+        self.sent_at: dict[Hashable, float] = {}
+
+    def add(self, requests: list[GenerateRequest]) -> int:
+        """Queue more requests in this step (after those queued); returns the index of the first one."""
+        first = len(self.requests)
+        self.requests.extend(requests)
+        self.outputs.extend([None] * len(requests))
+        self.attempts.extend([0] * len(requests))
+        self.queue.extend(range(first, len(self.requests)))
+        return first
+
+    def stop(self) -> None:
+        """Send nothing more, abort the calls in flight and return once they are back (their outputs kept)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.queue.clear()
+        busy = {engine for engine, _ in self.running.values()}
+        if busy:
+            self.pool.abort(busy)
 
     def run(self) -> None:
         while self.queue or self.running:
@@ -173,12 +217,14 @@ class _Step:
                 batch = [self.queue.popleft() for _ in range(min(share, self.per_call[engine]))]
                 call = self.pool.submit(engine, [self.requests[i] for i in batch])
                 self.running[call] = (engine, batch)
+                self.sent_at[call] = self.scheduler.clock()
                 self.in_flight[engine] += len(batch)
                 share -= len(batch)
 
     def _collect(self, call: Hashable) -> None:
         """Read a finished call: its outputs, or its engine's failure."""
         engine, batch = self.running.pop(call)
+        seconds = self.scheduler.clock() - self.sent_at.pop(call)
         self.in_flight[engine] -= len(batch)
         what = f"rollout {self.pool.describe(engine)}"
         try:
@@ -197,9 +243,13 @@ class _Step:
                 raise EngineError(f"{what} answered request {self.requests[i].rid!r} with the output of {out.rid!r}")
             out.engine_index = engine
             self.outputs[i] = out
+        if self.on_outputs is not None:
+            self.on_outputs(self, batch, results, seconds)
 
     def _requeue(self, engine: int, batch: list[int], why: str) -> None:
-        """Put ``batch`` back at the front of the queue, one more attempt each."""
+        """Put ``batch`` back at the front of the queue, one more attempt each (after a stop: drop it)."""
+        if self.stopped:
+            return
         for i in batch:
             self.attempts[i] += 1
         exhausted = [i for i in batch if self.attempts[i] >= self.scheduler.max_attempts]
@@ -213,6 +263,7 @@ class _Step:
     def _fail(self, engine: int, why: str, cause: BaseException | None) -> None:
         """Take ``engine`` out: requeue everything it holds, then the pool restarts it."""
         for call in [c for c, (e, _) in self.running.items() if e == engine]:
+            self.sent_at.pop(call)
             self._requeue(engine, self.running.pop(call)[1], why)
         self.in_flight[engine] = 0
         self.pool.fail(engine, why, cause)

@@ -340,6 +340,10 @@ class RolloutEngine(abc.ABC):
     def continue_generation(self) -> None:
         """Undo :meth:`pause_generation`."""
 
+    def abort_requests(self) -> None:
+        """Make the :meth:`generate` calls in flight return now, what is cut off with ``finish_reason "abort"``,
+        and keep serving (a dynamic-sampling step that has its groups).  Default: nothing, the calls finish."""
+
     def health(self) -> bool:
         """Whether the engine can serve (SGLang ``GET /health``); polled during start-up, so it never blocks."""
         return True

@@ -387,6 +387,12 @@ class SGLangEngine(RolloutEngine):
     def continue_generation(self) -> None:
         self._call(self.client.continue_generation)
 
+    def abort_requests(self) -> None:
+        """``/pause_generation`` in ``abort`` mode (the requests in flight return cut off), then
+        ``/continue_generation``."""
+        self.pause_generation("abort")
+        self.continue_generation()
+
     def memory_info(self) -> dict[str, float]:
         """Free and total memory of the engine's GPUs (``nvidia-smi``), GiB; empty when it cannot tell."""
         return gpu_memory(self.gpu_ids)

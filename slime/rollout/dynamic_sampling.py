@@ -1,0 +1,219 @@
+"""DAPO dynamic sampling with over-sampling: one training step's groups, drawn in rounds until enough pass.
+
+A round draws ``--over-sampling-batch-size`` prompts (the data cursor counts each) and queues their
+``n`` requests each; groups are scored and judged by the filter (:mod:`slime.rollout.filters`) as they
+complete.  The step keeps the first ``--rollout-batch-size`` passing groups *in draw order* and stops, aborting
+the groups still in flight, as soon as every group before the last of them is complete; a new round is drawn as
+soon as the groups drawn could not fill the batch even if every pending one passed.  So the kept groups,
+their order and the rounds depend only on each group's outcome (seeded by its position), never on which call
+returns first: a resumed run draws the same.  After ``--dynamic-sampling-max-rounds`` the best rejected
+groups whose verdict allows it (``fallback``) fill the batch, else the step stops with
+:class:`DynamicSamplingError`.  Rationale and metrics: ``docs/design/dynamic_sampling.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+from slime.data.sample import Sample
+from slime.errors import SlimeError
+from slime.rollout.filters import GroupVerdict, resolve_filter, verdict_of
+
+if TYPE_CHECKING:
+    from slime.rollout.engines.base import GenerateOutput
+    from slime.rollout.manager import RolloutManager
+    from slime.rollout.scheduler import _Step
+
+PREFIX = "rollout/dynamic_sampling/"
+
+
+class DynamicSamplingError(SlimeError, RuntimeError):
+    """The rounds ran out before ``--rollout-batch-size`` groups passed the filter (and no fallback filled it)."""
+
+
+PENDING, PASSED, REJECTED, UNUSABLE = "pending", "passed", "rejected", "unusable"
+
+
+class DynamicSampler:
+    """Samples one step's groups for ``manager`` (its dataset, engines, scorer and flags).
+
+    :meth:`sample` returns the ``rollout_batch_size * n`` samples of the kept groups, ``group_index``
+    ``0 .. rollout_batch_size - 1`` in draw order, scored (rewards before shaping), plus the step's metrics.
+    """
+
+    def __init__(self, manager: RolloutManager):
+        self.m, self.cfg = manager, manager.cfg
+        path = self.cfg.dynamic_sampling_filter_path
+        self.filter = resolve_filter(path) if path is not None else None
+
+    def sample(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """Run the step's rounds (see the module docstring).
+
+        Raises:
+            DynamicSamplingError: the rounds ran out short of passing (or fallback) groups.
+            PromptMismatchError: too many prompt length mismatches among the generated samples.
+            EngineError: see :meth:`RequestScheduler.generate`.
+        """
+        from slime.rollout.manager import check_prompt_lengths, warn_aborted
+
+        if self.m.engines is None:
+            raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
+        self.rollout_id, self.n, self.target = rollout_id, self.cfg.n_samples_per_prompt, self.cfg.rollout_batch_size
+        self.params = self.m._train_sampling_params()
+        self.samples: list[Sample] = []
+        self.outputs: list[GenerateOutput | None] = []
+        self.seconds: list[float] = []  # per request: its call's seconds split evenly over the call's requests
+        self.state: list[str] = []
+        self.verdicts: list[GroupVerdict | None] = []
+        self.rounds, self.decided = 0, False
+        start = time.monotonic()
+        first = self._draw_round()
+        self.m.engines.generate(first, on_outputs=self._on_outputs)  # the outputs of done groups are recorded
+        seconds = time.monotonic() - start
+        done = [g for g, state in enumerate(self.state) if state != PENDING]
+        idx = [g * self.n + j for g in done for j in range(self.n)]
+        if idx:
+            reqs = self.m.requests([self.samples[i] for i in idx], self.params, rollout_id, "train")
+            check_prompt_lengths([self.samples[i] for i in idx], reqs, [self.outputs[i] for i in idx],
+                                 self.cfg.max_prompt_length_mismatch_fraction)
+            warn_aborted([self.samples[i] for i in idx], reqs, [self.outputs[i] for i in idx], "train")
+        kept, fallback = self._kept()
+        metrics = self._metrics(kept, fallback, seconds)
+        batch = []
+        for position, g in enumerate(kept):
+            for sample in self.samples[g * self.n : (g + 1) * self.n]:
+                sample.group_index = position
+                batch.append(sample)
+        return batch, metrics
+
+    # -- rounds ------------------------------------------------------------------------
+
+    def _draw_round(self) -> list:
+        """Draw the next round's prompts; returns their requests (positions continue the step's)."""
+        self.rounds += 1
+        prompts = self.m.dataset.next_batch(self.cfg.over_sampling_batch_size)
+        new = [p.clone_prompt() for p in prompts for _ in range(self.n)]
+        first = len(self.samples)
+        for k, sample in enumerate(new):
+            sample.group_index = (first + k) // self.n  # the group's draw position until it is kept
+        self.samples += new
+        self.outputs += [None] * len(new)
+        self.seconds += [0.0] * len(new)
+        self.state += [PENDING] * len(prompts)
+        self.verdicts += [None] * len(prompts)
+        return self.m.requests(new, self.params, self.rollout_id, "train", first=first)
+
+    def _on_outputs(self, step: _Step, indices: list[int], outputs: list[GenerateOutput], seconds: float) -> None:
+        from slime.rollout.manager import UNUSABLE, prompt_length_mismatches, record_output
+        from slime.data.sample import SampleStatus
+
+        for i in indices:
+            self.seconds[i] += seconds / len(indices)
+        if step.stopped:  # a call drained after the stop: its time counts, its groups are cancelled
+            return
+        for i, out in zip(indices, outputs):
+            self.outputs[i] = out
+            record_output(self.samples[i], out)
+            if prompt_length_mismatches([self.samples[i]], [out]):
+                self.samples[i].status = SampleStatus.FAILED
+        complete = sorted({i // self.n for i in indices if all(
+            self.outputs[k] is not None for k in range((i // self.n) * self.n, (i // self.n + 1) * self.n))})
+        complete = [g for g in complete if self.state[g] == PENDING]
+        groups = {g: self.samples[g * self.n : (g + 1) * self.n] for g in complete}
+        scored = [s for g in complete for s in groups[g] if s.status not in UNUSABLE]
+        for sample, reward in zip(scored, self.m.scorer.score([s.response for s in scored],
+                                                              [s.label for s in scored])):
+            sample.reward = float(reward)
+        for g in complete:
+            if any(s.status in UNUSABLE for s in groups[g]):
+                self.state[g] = UNUSABLE
+                continue
+            verdict = verdict_of(self.filter, groups[g]) if self.filter is not None else GroupVerdict(True)
+            self.verdicts[g], self.state[g] = verdict, PASSED if verdict.keep else REJECTED
+        self._advance(step)
+
+    def _advance(self, step: _Step) -> None:
+        """Stop once the kept groups are known; draw a round once the groups drawn cannot fill the batch."""
+        passed = 0
+        for state in self.state:
+            if state == PENDING:
+                break
+            passed += state == PASSED
+            if passed == self.target:
+                self.decided = True
+                step.stop()
+                return
+        counts = collections.Counter(self.state)
+        if counts[PASSED] + counts[PENDING] < self.target and self.rounds < self.cfg.dynamic_sampling_max_rounds:
+            step.add(self._draw_round())
+
+    def _kept(self) -> tuple[list[int], list[int]]:
+        """(kept groups in draw order, the fallback groups among them)."""
+        passed = [g for g, state in enumerate(self.state) if state == PASSED]
+        if self.decided:
+            return passed[: self.target], []
+        spare = sorted((g for g, state in enumerate(self.state) if state == REJECTED and self.verdicts[g].fallback),
+                       key=lambda g: (-self.verdicts[g].score, g))
+        if len(passed) + len(spare) < self.target:
+            reasons = dict(self._dropped_reasons(set(passed)))
+            raise DynamicSamplingError(
+                f"rollout {self.rollout_id}: {self.rounds} sampling round(s) of {self.cfg.over_sampling_batch_size} "
+                f"prompts gave {len(passed)} groups that pass --dynamic-sampling-filter-path "
+                f"{self.cfg.dynamic_sampling_filter_path} (dropped: {reasons or 'none'}), short of --rollout-batch-size "
+                f"{self.target}. Raise --dynamic-sampling-max-rounds (now {self.cfg.dynamic_sampling_max_rounds}) or "
+                "--over-sampling-batch-size, or use a fallback filter (nonzero_std_with_fallback) that fills the "
+                "batch with the best rejected groups"
+            )
+        fallback = spare[: self.target - len(passed)]
+        return sorted(passed + fallback), fallback
+
+    # -- metrics -----------------------------------------------------------------------
+
+    def _dropped_reasons(self, kept: set[int]) -> collections.Counter:
+        reasons: collections.Counter = collections.Counter()
+        for g, state in enumerate(self.state):
+            if g in kept:
+                continue
+            if state == REJECTED:
+                reasons[_metric_name(self.verdicts[g].reason or "filtered")] += 1
+            else:  # passed beyond the batch, cut off by the stop, or holding an aborted / mismatching sample
+                reasons[{PASSED: "surplus", PENDING: "cancelled", UNUSABLE: "unusable"}[state]] += 1
+        return reasons
+
+    def _metrics(self, kept: list[int], fallback: list[int], seconds: float) -> dict[str, float]:
+        """The ``rollout/dynamic_sampling/*`` metrics; see ``docs/design/dynamic_sampling.md``."""
+        from slime.rollout.manager import UNUSABLE, _groups_holding
+        from slime.data.sample import SampleStatus
+
+        generated = [g for g, state in enumerate(self.state) if state != PENDING]
+        done = [s for g in generated for s in self.samples[g * self.n : (g + 1) * self.n]]
+        rewards = [s.reward for s in done if s.status not in UNUSABLE]
+        total = sum(self.seconds)
+        kept_s = sum(self.seconds[g * self.n + j] for g in kept for j in range(self.n))
+        metrics = {
+            "rounds": self.rounds,
+            "groups_drawn": len(self.state),
+            "groups_generated": len(generated),
+            "groups_passed": sum(state == PASSED for state in self.state),
+            "groups_kept": len(kept),
+            "groups_fallback": len(fallback),
+            "dropped_generation_time_frac": (total - kept_s) / total if total > 0 else 0.0,
+            "generate_time_s": seconds,
+            "generated_reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        }
+        metrics.update({f"dropped_{reason}": n for reason, n in self._dropped_reasons(set(kept)).items()})
+        out = {PREFIX + k: float(v) for k, v in metrics.items()}
+        # The engine-side faults of every generated group (the kept ones have none).
+        out["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in done))
+        out["rollout/prompt_length_mismatch_groups"] = float(_groups_holding(done, self.n, SampleStatus.FAILED))
+        out["rollout/aborted_samples"] = float(sum(s.status == SampleStatus.ABORTED for s in done))
+        out["rollout/aborted_groups"] = float(_groups_holding(done, self.n, SampleStatus.ABORTED))
+        return out
+
+
+def _metric_name(reason: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", reason)

@@ -1,0 +1,139 @@
+"""Dynamic-sampling group filters, ``fn(group: list[Sample]) -> GroupVerdict | bool``, registered in :data:`FILTERS`.
+
+Built-ins: ``nonzero_std`` (DAPO: keep a group whose rewards vary) and ``nonzero_std_with_fallback`` (the same,
+but its rejected groups may fill the batch once ``--dynamic-sampling-max-rounds`` is spent).  Upstream slime's
+dotted paths resolve to them (:data:`UPSTREAM_PATHS`).  Light: importable by the flag modules.  How the rollout
+manager uses them: :mod:`slime.rollout.dynamic_sampling`, ``docs/design/dynamic_sampling.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import TYPE_CHECKING, Callable
+
+from slime.utils.config import ConfigError
+from slime.utils.registry import Builtin, Registry
+
+if TYPE_CHECKING:
+    from slime.data.sample import Sample
+
+STD_EPS = 1e-6
+"""A group whose reward std (unbiased, float64) is at most this is constant (upstream's threshold)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupVerdict:
+    """A filter's verdict on one group of ``--n-samples-per-prompt`` scored samples.
+
+    Attributes:
+        keep: the group may train.
+        reason: why it is rejected; names the metric ``rollout/dynamic_sampling/dropped_<reason>`` (letters,
+            digits, ``_`` ``.`` ``-``); None: ``filtered``.
+        fallback: a rejected group that may fill the batch when the rounds run out (else the step stops).
+        score: rank of a rejected group for that fill, higher first (ties: draw order).
+    """
+
+    keep: bool
+    reason: str | None = None
+    fallback: bool = False
+    score: float = 0.0
+
+
+GroupFilter = Callable[["list[Sample]"], "GroupVerdict | bool"]
+
+
+def nonzero_std(group: list[Sample]) -> GroupVerdict:
+    """Keep the group when the unbiased std of its rewards (float64) exceeds :data:`STD_EPS`; the reason of a
+    rejected group is ``zero_std_<reward>`` (its one reward, rounded to 0.1, as upstream's
+    ``check_reward_nonzero_std`` names it).  Its score is the std (0 for a rejected group)."""
+    rewards = [float(s.reward) for s in group]
+    std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+    if std > STD_EPS:
+        return GroupVerdict(True, score=std)
+    return GroupVerdict(False, reason=f"zero_std_{round(rewards[0], 1):g}", score=std)
+
+
+def nonzero_std_with_fallback(group: list[Sample]) -> GroupVerdict:
+    """:func:`nonzero_std`, its rejected groups marked ``fallback``."""
+    return dataclasses.replace(nonzero_std(group), fallback=True)
+
+
+FILTERS: Registry[GroupFilter] = Registry(
+    "dynamic sampling filter",
+    "--dynamic-sampling-filter-path",
+    builtins={
+        "nonzero_std": Builtin(target="slime.rollout.filters:nonzero_std"),
+        "nonzero_std_with_fallback": Builtin(target="slime.rollout.filters:nonzero_std_with_fallback"),
+    },
+)
+
+UPSTREAM_PATHS = {
+    "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": "nonzero_std",
+    "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback":
+        "nonzero_std_with_fallback",
+}
+"""Upstream slime's filter paths -> the built-in that does the same (upstream command lines keep working)."""
+
+
+def filter_name(value: str) -> str:
+    """``--dynamic-sampling-filter-path`` as a registry name: an upstream path becomes its built-in, a dotted
+    ``package.module.function`` (upstream's form) becomes ``package.module:function``; anything else as is."""
+    if value in UPSTREAM_PATHS:
+        return UPSTREAM_PATHS[value]
+    if value not in FILTERS.builtins and ":" not in value and "." in value:
+        module, _, attr = value.rpartition(".")
+        return f"{module}:{attr}"
+    return value
+
+
+def check_filter_path(value: str) -> str:
+    """Parse-time check of ``--dynamic-sampling-filter-path`` without importing a user's module.
+
+    Returns:
+        The registry name (:func:`filter_name`).
+
+    Raises:
+        ConfigError: neither a built-in nor an import path, or a module that cannot be found.
+    """
+    name = filter_name(value)
+    if name not in FILTERS:
+        raise ConfigError(
+            f"--dynamic-sampling-filter-path {value!r} is not a filter; use one of {', '.join(FILTERS.names())}, "
+            "upstream's slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std[_with_fallback], "
+            "or a 'package.module:function' path"
+        )
+    problem = FILTERS.problem(name)
+    if problem is not None:
+        raise ConfigError(problem)
+    return name
+
+
+def resolve_filter(value: str) -> GroupFilter:
+    """The filter ``value`` names, imported here.
+
+    Raises:
+        ConfigError: it cannot be imported or is not callable; the message names the flag.
+    """
+    name = check_filter_path(value)
+    fn = FILTERS.resolve(name)
+    if not callable(fn):
+        raise ConfigError(f"--dynamic-sampling-filter-path {value!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def verdict_of(fn: GroupFilter, group: list[Sample]) -> GroupVerdict:
+    """``fn(group)`` as a :class:`GroupVerdict` (a bool, numpy or torch 0-d bool is ``keep``: upstream's legacy form).
+
+    Raises:
+        TypeError: ``fn`` returned something else; the message names the group's dataset index.
+    """
+    out = fn(group)
+    if isinstance(out, GroupVerdict):
+        return out
+    if isinstance(out, bool) or (str(getattr(out, "dtype", "")) in ("bool", "torch.bool") and out.ndim == 0):
+        return GroupVerdict(bool(out))  # also a numpy or torch 0-d bool
+    raise TypeError(
+        f"the dynamic sampling filter {getattr(fn, '__qualname__', fn)!r} returned {out!r} for the group of dataset "
+        f"index {group[0].index}; a filter returns a GroupVerdict or a bool"
+    )
