@@ -215,6 +215,18 @@ def _curve(rewards: list[float]) -> str:
     return " ".join(f"{r:.2f}" for r in rewards)
 
 
+MAIN_RUNS: dict[str, tuple[list[float], list[dict]]] = {}
+"""(rewards per rollout, metrics records) of the CPU main runs of this session, by backend (the dynamic-sampling test's baseline)."""
+DYNAMIC_SAMPLING_FLAGS = ["--dynamic-sampling-filter-path", "nonzero_std_with_fallback",
+                          "--dynamic-sampling-max-rounds", "3"]
+"""DAPO dynamic sampling: rounds of 6 prompts until 6 groups whose rewards vary, at most 3 rounds, then the
+first constant groups fill the batch (once the policy is right on every colour, every group is constant)."""
+
+
+def _generation_s(records: list[dict]) -> float:
+    return sum(r.get("perf/rollout_time_s", 0.0) for r in records)
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_path):
     """Two trainer ranks on CPU per trainer (``--train-backend``); ``SLIME_TEST_ARTIFACTS=DIR`` keeps each
@@ -223,7 +235,8 @@ def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_pa
     run_dir = Path(artifacts) / f"colour-cpu-{backend}" if artifacts else tmp_path / "main"
     shutil.rmtree(run_dir, ignore_errors=True)
     rewards, records = run_training(colour_prior_checkpoint, run_dir, ["--train-backend", backend])
-    print(f"main run ({backend}) rewards per rollout: {_curve(rewards)}")
+    print(f"main run ({backend}) rewards per rollout: {_curve(rewards)}; generation {_generation_s(records):.1f} s")
+    MAIN_RUNS[backend] = (rewards, records)
     assert rewards[0] < START_MAX, f"the policy starts too good: {_curve(rewards)}"
     end = first_window_reaching(rewards)
     assert end is not None, (
@@ -235,6 +248,32 @@ def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_pa
         f"rollout and trainer log-probs differ (mean |diff| per rollout: {gaps}): the engine and the trainer "
         "do not see the same weights or the same pixels"
     )
+
+
+def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, tmp_path):
+    """The FSDP main run with DAPO dynamic sampling reaches the criterion in no more rollout steps than without.
+
+    The baseline is the FSDP main run of this session when it ran first (no second run), else it runs here.
+    Dynamic sampling trains only on groups whose rewards vary, so its ``rollout/reward_mean`` (of the kept
+    groups) is not the policy's accuracy; the criterion reads ``rollout/dynamic_sampling/generated_reward_mean``,
+    the reward of every group generated in the step (the rounds hold every colour equally often).
+    """
+    if "fsdp" in MAIN_RUNS:
+        rewards, records = MAIN_RUNS["fsdp"]
+    else:
+        rewards, records = run_training(colour_prior_checkpoint, tmp_path / "main", ["--train-backend", "fsdp"])
+    _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling", DYNAMIC_SAMPLING_FLAGS)
+    generated = {r["step"]: r["rollout/dynamic_sampling/generated_reward_mean"] for r in ds_records
+                 if "rollout/dynamic_sampling/generated_reward_mean" in r}
+    ds_rewards = [generated[step] for step in range(NUM_ROLLOUT)]
+    rounds = [r["rollout/dynamic_sampling/rounds"] for r in ds_records if "rollout/dynamic_sampling/rounds" in r]
+    base_end, ds_end = first_window_reaching(rewards), first_window_reaching(ds_rewards)
+    print(f"without dynamic sampling: criterion at rollout {base_end}, generation {_generation_s(records):.1f} s, "
+          f"rewards {_curve(rewards)}")
+    print(f"with dynamic sampling: criterion at rollout {ds_end}, generation {_generation_s(ds_records):.1f} s, "
+          f"rewards of all generated groups {_curve(ds_rewards)}, rounds per step {rounds}")
+    assert ds_rewards[0] < START_MAX, f"the policy starts too good: {_curve(ds_rewards)}"
+    assert base_end is not None and ds_end is not None and ds_end <= base_end, (base_end, ds_end)
 
 
 GPU_FLAGS = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate", "--bf16"]
