@@ -170,6 +170,24 @@ class ConcurrentEchoEngine(EchoEngine):
                 self.running -= 1
 
 
+class AbortableEchoEngine(ConcurrentEchoEngine):
+    """Request ``r0`` is answered at once; every other call waits (up to 60 s) until :meth:`abort_requests`,
+    then returns ``finish_reason "abort"``."""
+
+    def __init__(self, resources: EngineResources):
+        super().__init__(resources)
+        self.aborted = threading.Event()
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        if requests[0].rid == "r0":
+            return EchoEngine.generate(self, requests)
+        reason = "abort" if self.aborted.wait(60) else "stop"
+        return [GenerateOutput(r.rid, [1], [0.0], reason, prompt_tokens=len(r.text)) for r in requests]
+
+    def abort_requests(self) -> None:
+        self.aborted.set()
+
+
 class NeverHealthyEngine(EchoEngine):
     """Engine 1's ``health()`` is always False, and its log says why."""
 

@@ -173,6 +173,27 @@ def test_one_engine_gets_full_batches_in_order_and_pause_reaches_it(local_ray, t
         placement.remove()
 
 
+def test_a_stopped_step_aborts_the_calls_in_flight_through_the_actor(local_ray, tmp_path):
+    """Dynamic sampling's stop: the callback stops the step at the first output; the three calls still in flight
+    reach the engine's abort_requests (through its actor) and come back cut off, not after the engine's wait."""
+    cfg = _cfg(tmp_path, "AbortableEchoEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    placement, engines = _start(cfg)
+    seen = []
+
+    def on_outputs(step, indices, outputs, seconds):
+        seen.append((indices, step.stopped))
+        step.stop()
+
+    try:
+        outputs = engines.generate(_requests(4), on_outputs=on_outputs)
+        assert [o.finish_reason for o in outputs] == ["stop", "abort", "abort", "abort"]
+        assert seen[0] == ([0], False) and sorted(i for i, _ in seen[1:]) == [[1], [2], [3]]
+        assert all(stopped for _, stopped in seen[1:])
+    finally:
+        engines.shutdown()
+        placement.remove()
+
+
 def test_a_continuous_batching_engine_gets_requests_one_per_call_up_to_its_capacity(local_ray, tmp_path):
     from tests.stub_engines import ConcurrentEchoEngine
 

@@ -185,8 +185,10 @@ def colour_prior_checkpoint(tmp_path_factory) -> Path:
     return dst
 
 
-def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = ()) -> tuple[list[float], list[dict]]:
-    """Run ``python -m slime.train`` on the colour task; returns (reward per rollout, all metrics records).
+def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = (),
+                 num_rollout: int = NUM_ROLLOUT) -> tuple[list[float], list[dict]]:
+    """Run ``python -m slime.train`` on the colour task for ``num_rollout`` rollouts; returns (reward per rollout,
+    all metrics records).
 
     Fails the test (with the end of the driver's output) if the driver fails or does not
     log a reward for every rollout, so that an ablation can never pass by crashing.
@@ -198,7 +200,7 @@ def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = ()) -
     argv = [
         sys.executable, "-m", "slime.train",
         "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data), "--output-dir", str(output_dir),
-        *TRAIN_FLAGS, *extra_flags,
+        *TRAIN_FLAGS, *extra_flags, "--num-rollout", str(num_rollout),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -207,8 +209,8 @@ def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = ()) -
     assert proc.returncode == 0, f"slime.train exited with {proc.returncode}:\n{log[-4000:]}"
     records = read_metrics(output_dir / "metrics.jsonl")
     rewards = {r["step"]: r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r}
-    assert sorted(rewards) == list(range(NUM_ROLLOUT)), f"rewards logged for steps {sorted(rewards)}:\n{log[-4000:]}"
-    return [rewards[step] for step in range(NUM_ROLLOUT)], records
+    assert sorted(rewards) == list(range(num_rollout)), f"rewards logged for steps {sorted(rewards)}:\n{log[-4000:]}"
+    return [rewards[step] for step in range(num_rollout)], records
 
 
 def _curve(rewards: list[float]) -> str:
@@ -216,7 +218,8 @@ def _curve(rewards: list[float]) -> str:
 
 
 MAIN_RUNS: dict[str, tuple[list[float], list[dict]]] = {}
-"""(rewards per rollout, metrics records) of the CPU main runs of this session, by backend (the dynamic-sampling test's baseline)."""
+"""(rewards per rollout, metrics records) of this session's CPU main runs, by backend (the baseline of
+:func:`test_dynamic_sampling_learns_in_no_more_rollouts`)."""
 DYNAMIC_SAMPLING_FLAGS = ["--dynamic-sampling-filter-path", "nonzero_std_with_fallback",
                           "--dynamic-sampling-max-rounds", "3"]
 """DAPO dynamic sampling: rounds of 6 prompts until 6 groups whose rewards vary, at most 3 rounds, then the
@@ -253,7 +256,8 @@ def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_pa
 def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, tmp_path):
     """The FSDP main run with DAPO dynamic sampling reaches the criterion in no more rollout steps than without.
 
-    The baseline is the FSDP main run of this session when it ran first (no second run), else it runs here.
+    The baseline is the FSDP main run of this session when it ran first (no second run), else it runs here; the
+    dynamic-sampling run stops at the rollout where the baseline met the criterion (it has to meet it by then).
     Dynamic sampling trains only on groups whose rewards vary, so its ``rollout/reward_mean`` (of the kept
     groups) is not the policy's accuracy; the criterion reads ``rollout/dynamic_sampling/generated_reward_mean``,
     the reward of every group generated in the step (the rounds hold every colour equally often).
@@ -262,18 +266,22 @@ def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, tm
         rewards, records = MAIN_RUNS["fsdp"]
     else:
         rewards, records = run_training(colour_prior_checkpoint, tmp_path / "main", ["--train-backend", "fsdp"])
-    _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling", DYNAMIC_SAMPLING_FLAGS)
+    base_end = first_window_reaching(rewards)
+    assert base_end is not None, f"the baseline did not learn: {_curve(rewards)}"
+    _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling", DYNAMIC_SAMPLING_FLAGS,
+                                 num_rollout=base_end + 1)
     generated = {r["step"]: r["rollout/dynamic_sampling/generated_reward_mean"] for r in ds_records
                  if "rollout/dynamic_sampling/generated_reward_mean" in r}
-    ds_rewards = [generated[step] for step in range(NUM_ROLLOUT)]
+    ds_rewards = [generated[step] for step in range(base_end + 1)]
     rounds = [r["rollout/dynamic_sampling/rounds"] for r in ds_records if "rollout/dynamic_sampling/rounds" in r]
-    base_end, ds_end = first_window_reaching(rewards), first_window_reaching(ds_rewards)
-    print(f"without dynamic sampling: criterion at rollout {base_end}, generation {_generation_s(records):.1f} s, "
+    ds_end = first_window_reaching(ds_rewards)
+    base_s = sum(r.get("perf/rollout_time_s", 0.0) for r in records if r.get("step", NUM_ROLLOUT) <= base_end)
+    print(f"without dynamic sampling: criterion at rollout {base_end}, generation {base_s:.1f} s to there, "
           f"rewards {_curve(rewards)}")
-    print(f"with dynamic sampling: criterion at rollout {ds_end}, generation {_generation_s(ds_records):.1f} s, "
-          f"rewards of all generated groups {_curve(ds_rewards)}, rounds per step {rounds}")
+    print(f"with dynamic sampling: criterion at rollout {ds_end}, generation {_generation_s(ds_records):.1f} s to "
+          f"rollout {base_end}, rewards of all generated groups {_curve(ds_rewards)}, rounds per step {rounds}")
     assert ds_rewards[0] < START_MAX, f"the policy starts too good: {_curve(ds_rewards)}"
-    assert base_end is not None and ds_end is not None and ds_end <= base_end, (base_end, ds_end)
+    assert ds_end is not None and ds_end <= base_end, (base_end, ds_end)
 
 
 GPU_FLAGS = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate", "--bf16"]

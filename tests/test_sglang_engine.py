@@ -812,6 +812,19 @@ def test_pause_abort_ends_requests_in_flight_and_flush_waits_for_them(engine_fac
         engine.pause_generation("later")
 
 
+def test_abort_requests_cuts_the_calls_in_flight_and_keeps_serving(engine_factory):
+    """Dynamic sampling's abort path: /pause_generation mode=abort, then /continue_generation."""
+    import concurrent.futures
+
+    engine = engine_factory("--fake-delay-s", "2")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(engine.generate, [GenerateRequest("a b c", [], _params())])
+        time.sleep(0.5)
+        engine.abort_requests()
+        assert running.result(timeout=60)[0].finish_reason == "abort"
+    assert engine.generate([GenerateRequest("a b c", [], _params())])[0].finish_reason == "stop"  # not paused
+
+
 # ----------------------------------------------------------------------------- death, restart, shutdown
 
 

@@ -163,8 +163,8 @@ class DynamicSampler:
             raise DynamicSamplingError(
                 f"rollout {self.rollout_id}: {self.rounds} sampling round(s) of {self.cfg.over_sampling_batch_size} "
                 f"prompts gave {len(passed)} groups that pass --dynamic-sampling-filter-path "
-                f"{self.cfg.dynamic_sampling_filter_path} (dropped: {reasons or 'none'}), short of --rollout-batch-size "
-                f"{self.target}. Raise --dynamic-sampling-max-rounds (now {self.cfg.dynamic_sampling_max_rounds}) or "
+                f"{self.cfg.dynamic_sampling_filter_path} (dropped: {reasons or 'none'}), short of "
+                f"--rollout-batch-size {self.target}. Raise --dynamic-sampling-max-rounds (now {self.cfg.dynamic_sampling_max_rounds}) or "
                 "--over-sampling-batch-size, or use a fallback filter (nonzero_std_with_fallback) that fills the "
                 "batch with the best rejected groups"
             )
