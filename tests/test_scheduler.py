@@ -134,6 +134,9 @@ class FakePool:
                 self.states[engine] = EngineState.RESTARTED
                 self.events.append(f"engine {engine} restarted")
 
+    def abort(self, engines: set[int]) -> None:
+        self.events.append(f"abort {sorted(engines)} at {self.now:g}")
+
     def weights_updated(self) -> None:
         self.states = [EngineState.SERVING if s is EngineState.RESTARTED else s for s in self.states]
         self.events.append("weights updated")
@@ -373,3 +376,25 @@ def test_any_other_engine_error_stops_the_step_and_takes_no_engine_out(answers, 
 def test_an_empty_step_sends_nothing():
     pool = FakePool([StandIn(), StandIn()])
     assert RequestScheduler(pool).generate([], pool.limits) == [] and pool.calls == []
+
+
+def test_a_callback_adds_requests_and_a_stop_drops_the_queue_and_aborts_what_is_in_flight():
+    """One engine, window 2, one request per call of 1 s.  t=0: r0, r1 sent.  t=1: r0 back -> the callback adds r4
+    (queue r2 r3 r4), r2 is sent; r1 back (same time, sent before r2 ends) -> stop: r3 and r4 are dropped, engine 0
+    (r2 in flight) is aborted; r2 is drained and handed to the callback with ``stopped`` set."""
+    pool = FakePool([StandIn(capacity=2, per_call=1)])
+    scheduler = RequestScheduler(pool, clock=lambda: pool.now)
+    seen = []
+
+    def on_outputs(step, indices, outputs, seconds):
+        seen.append((indices, [o.rid for o in outputs], seconds, step.stopped))
+        if indices == [0]:
+            assert step.add(_requests(5)[4:]) == 4
+        elif indices == [1]:
+            step.stop()
+
+    outputs = scheduler.generate(_requests(4), pool.limits, on_outputs)
+    assert [o.rid if o is not None else None for o in outputs] == ["r0", "r1", "r2", None, None]
+    assert seen == [([0], ["r0"], 1.0, False), ([1], ["r1"], 1.0, False), ([2], ["r2"], 1.0, True)]
+    assert pool.sends() == [(0.0, 0, ["r0"]), (0.0, 0, ["r1"]), (1.0, 0, ["r2"])]
+    assert pool.events == ["abort [0] at 1"]
