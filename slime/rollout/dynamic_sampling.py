@@ -24,9 +24,9 @@ from slime.errors import SlimeError
 from slime.rollout.filters import GroupVerdict, resolve_filter, verdict_of
 
 if TYPE_CHECKING:
-    from slime.rollout.engines.base import GenerateOutput
+    from slime.rollout.engines.base import GenerateOutput, GenerateRequest
     from slime.rollout.manager import RolloutManager
-    from slime.rollout.scheduler import _Step
+    from slime.rollout.scheduler import Step
 
 PREFIX = "rollout/dynamic_sampling/"
 
@@ -66,6 +66,7 @@ class DynamicSampler:
         self.params = self.m._train_sampling_params()
         self.samples: list[Sample] = []
         self.outputs: list[GenerateOutput | None] = []
+        self.requests: list[GenerateRequest] = []
         self.seconds: list[float] = []  # per request: its call's seconds split evenly over the call's requests
         self.state: list[str] = []
         self.verdicts: list[GroupVerdict | None] = []
@@ -76,11 +77,10 @@ class DynamicSampler:
         seconds = time.monotonic() - start
         done = [g for g, state in enumerate(self.state) if state != PENDING]
         idx = [g * self.n + j for g in done for j in range(self.n)]
-        if idx:
-            reqs = self.m.requests([self.samples[i] for i in idx], self.params, rollout_id, "train")
-            check_prompt_lengths([self.samples[i] for i in idx], reqs, [self.outputs[i] for i in idx],
-                                 self.cfg.max_prompt_length_mismatch_fraction)
-            warn_aborted([self.samples[i] for i in idx], reqs, [self.outputs[i] for i in idx], "train")
+        if idx:  # the messages name each sample's request (rid, engine) as sent
+            samples, reqs, outs = ([xs[i] for i in idx] for xs in (self.samples, self.requests, self.outputs))
+            check_prompt_lengths(samples, reqs, outs, self.cfg.max_prompt_length_mismatch_fraction)
+            warn_aborted(samples, reqs, outs, "train")
         kept, fallback = self._kept()
         metrics = self._metrics(kept, fallback, seconds)
         batch = []
@@ -92,7 +92,7 @@ class DynamicSampler:
 
     # -- rounds ------------------------------------------------------------------------
 
-    def _draw_round(self) -> list:
+    def _draw_round(self) -> list[GenerateRequest]:
         """Draw the next round's prompts; returns their requests (positions continue the step's)."""
         self.rounds += 1
         prompts = self.m.dataset.next_batch(self.cfg.over_sampling_batch_size)
@@ -105,9 +105,11 @@ class DynamicSampler:
         self.seconds += [0.0] * len(new)
         self.state += [PENDING] * len(prompts)
         self.verdicts += [None] * len(prompts)
-        return self.m.requests(new, self.params, self.rollout_id, "train", first=first)
+        requests = self.m.requests(new, self.params, self.rollout_id, "train", first=first)
+        self.requests += requests
+        return requests
 
-    def _on_outputs(self, step: _Step, indices: list[int], outputs: list[GenerateOutput], seconds: float) -> None:
+    def _on_outputs(self, step: Step, indices: list[int], outputs: list[GenerateOutput], seconds: float) -> None:
         from slime.rollout.manager import UNUSABLE, prompt_length_mismatches, record_output
         from slime.data.sample import SampleStatus
 
@@ -136,7 +138,7 @@ class DynamicSampler:
             self.verdicts[g], self.state[g] = verdict, PASSED if verdict.keep else REJECTED
         self._advance(step)
 
-    def _advance(self, step: _Step) -> None:
+    def _advance(self, step: Step) -> None:
         """Stop once the kept groups are known; draw a round once the groups drawn cannot fill the batch."""
         passed = 0
         for state in self.state:

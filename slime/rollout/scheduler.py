@@ -102,9 +102,9 @@ class EnginePool(Protocol):
         ``finish_reason "abort"``; an engine that cannot abort finishes its calls (only a stopped step asks)."""
 
 
-OutputsCallback = Callable[["_Step", list[int], list[GenerateOutput], float], None]
+OutputsCallback = Callable[["Step", list[int], list[GenerateOutput], float], None]
 """``on_outputs(step, indices, outputs, seconds)``: one finished call's request indices (into the step's requests,
-which :meth:`_Step.add` extends), their outputs, and the call's seconds from send to read; it may call
+which :meth:`Step.add` extends), their outputs, and the call's seconds from send to read; it may call
 ``step.add(requests)`` or ``step.stop()``."""
 
 
@@ -152,14 +152,15 @@ class RequestScheduler:
                 left to serve and none could be re-synced; a restart failed; the re-sync hook raised or left
                 no engine serving.  The message names the engine and the first requests concerned.
         """
-        step = _Step(self, requests, limits, on_outputs)
+        step = Step(self, requests, limits, on_outputs)
         step.run()
         self.pool.wait_for_restarts()
         return step.outputs
 
 
-class _Step:
-    """One :meth:`RequestScheduler.generate` call: its queue, windows, calls in flight and outputs."""
+class Step:
+    """One :meth:`RequestScheduler.generate` call: its queue, windows, calls in flight and outputs; an ``on_outputs``
+    callback gets it to :meth:`add` requests or :meth:`stop`."""
 
     def __init__(self, scheduler: RequestScheduler, requests: list[GenerateRequest], limits: list[tuple[int, int]],
                  on_outputs: OutputsCallback | None = None):
