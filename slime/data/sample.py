@@ -32,7 +32,7 @@ class SampleStatus(str, enum.Enum):
     left out of the loss (:func:`slime.rollout.manager._drop_unusable_groups`)."""
     FAILED = "failed"
     """The engine's response is unusable: it reported another prompt length than the data pipeline
-    computed (:func:`slime.rollout.manager.check_prompt_lengths`), so it conditioned on other tokens
+    computed (:func:`slime.rollout.outputs.check_prompt_lengths`), so it conditioned on other tokens
     than the trainer would feed (also when the engine aborted it).  Not scored, left out of the step's
     metrics; its whole group is left out of the loss."""
 

@@ -19,13 +19,23 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from slime.data.sample import Sample
+from slime.data.sample import Sample, SampleStatus
 from slime.errors import SlimeError
 from slime.rollout.filters import GroupVerdict, resolve_filter, verdict_of
+from slime.rollout.outputs import (
+    UNUSABLE,
+    check_prompt_lengths,
+    groups_holding,
+    prompt_length_mismatches,
+    record_output,
+    warn_aborted,
+)
 
 if TYPE_CHECKING:
-    from slime.rollout.engines.base import GenerateOutput, GenerateRequest
-    from slime.rollout.manager import RolloutManager
+    from slime.data.dataset import PromptDataset
+    from slime.rollout.config import RolloutConfig
+    from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
+    from slime.rollout.rm_hub.scorer import RewardScorer
     from slime.rollout.scheduler import Step
 
 PREFIX = "rollout/dynamic_sampling/"
@@ -39,31 +49,37 @@ PENDING, PASSED, REJECTED, UNUSABLE = "pending", "passed", "rejected", "unusable
 
 
 class DynamicSampler:
-    """Samples one step's groups for ``manager`` (its dataset, engines, scorer and flags).
+    """Samples one step's groups from the rollout manager's ``dataset`` (its cursor), scored by its ``scorer``.
 
-    :meth:`sample` returns the ``rollout_batch_size * n`` samples of the kept groups, ``group_index``
-    ``0 .. rollout_batch_size - 1`` in draw order, scored (rewards before shaping), plus the step's metrics.
+    Args:
+        cfg, dataset, scorer: the manager's flags, prompt stream and reward scorer.
+        make_requests: ``(samples, params, rollout_id, stream, first) -> requests`` (the manager's
+            :meth:`~slime.rollout.manager.RolloutManager.requests`: sample ``k`` is the step's position ``first + k``).
+
+    Raises:
+        ConfigError: ``--dynamic-sampling-filter-path`` does not import.
     """
 
-    def __init__(self, manager: RolloutManager):
-        self.m, self.cfg = manager, manager.cfg
-        path = self.cfg.dynamic_sampling_filter_path
+    def __init__(self, cfg: RolloutConfig, dataset: PromptDataset, scorer: RewardScorer, make_requests):
+        self.cfg, self.dataset, self.scorer, self.make_requests = cfg, dataset, scorer, make_requests
+        path = cfg.dynamic_sampling_filter_path
         self.filter = resolve_filter(path) if path is not None else None
 
-    def sample(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
-        """Run the step's rounds (see the module docstring).
+    def sample(self, rollout_id: int, engines, params: SamplingParams) -> tuple[list[Sample], dict[str, float]]:
+        """Run the step's rounds (see the module docstring) on ``engines`` (a
+        :class:`~slime.ray.engine_group.RolloutEngineGroup`, ``generate(requests, on_outputs)``).
+
+        Returns:
+            The ``rollout_batch_size * n`` samples of the kept groups, ``group_index`` ``0 .. rollout_batch_size - 1``
+            in draw order, scored (rewards before shaping), and the step's metrics.
 
         Raises:
             DynamicSamplingError: the rounds ran out short of passing (or fallback) groups.
             PromptMismatchError: too many prompt length mismatches among the generated samples.
             EngineError: see :meth:`RequestScheduler.generate`.
         """
-        from slime.rollout.manager import check_prompt_lengths, warn_aborted
-
-        if self.m.engines is None:
-            raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         self.rollout_id, self.n, self.target = rollout_id, self.cfg.n_samples_per_prompt, self.cfg.rollout_batch_size
-        self.params = self.m._train_sampling_params()
+        self.params = params
         self.samples: list[Sample] = []
         self.outputs: list[GenerateOutput | None] = []
         self.requests: list[GenerateRequest] = []
@@ -73,7 +89,7 @@ class DynamicSampler:
         self.rounds, self.decided = 0, False
         start = time.monotonic()
         first = self._draw_round()
-        self.m.engines.generate(first, on_outputs=self._on_outputs)  # the outputs of done groups are recorded
+        engines.generate(first, on_outputs=self._on_outputs)  # the outputs of done groups are recorded
         seconds = time.monotonic() - start
         done = [g for g, state in enumerate(self.state) if state != PENDING]
         idx = [g * self.n + j for g in done for j in range(self.n)]
@@ -95,7 +111,7 @@ class DynamicSampler:
     def _draw_round(self) -> list[GenerateRequest]:
         """Draw the next round's prompts; returns their requests (positions continue the step's)."""
         self.rounds += 1
-        prompts = self.m.dataset.next_batch(self.cfg.over_sampling_batch_size)
+        prompts = self.dataset.next_batch(self.cfg.over_sampling_batch_size)
         new = [p.clone_prompt() for p in prompts for _ in range(self.n)]
         first = len(self.samples)
         for k, sample in enumerate(new):
@@ -105,14 +121,11 @@ class DynamicSampler:
         self.seconds += [0.0] * len(new)
         self.state += [PENDING] * len(prompts)
         self.verdicts += [None] * len(prompts)
-        requests = self.m.requests(new, self.params, self.rollout_id, "train", first=first)
+        requests = self.make_requests(new, self.params, self.rollout_id, "train", first)
         self.requests += requests
         return requests
 
     def _on_outputs(self, step: Step, indices: list[int], outputs: list[GenerateOutput], seconds: float) -> None:
-        from slime.rollout.manager import UNUSABLE, prompt_length_mismatches, record_output
-        from slime.data.sample import SampleStatus
-
         for i in indices:
             self.seconds[i] += seconds / len(indices)
         if step.stopped:  # a call drained after the stop: its time counts, its groups are cancelled
@@ -127,7 +140,7 @@ class DynamicSampler:
         complete = [g for g in complete if self.state[g] == PENDING]
         groups = {g: self.samples[g * self.n : (g + 1) * self.n] for g in complete}
         scored = [s for g in complete for s in groups[g] if s.status not in UNUSABLE]
-        for sample, reward in zip(scored, self.m.scorer.score([s.response for s in scored],
+        for sample, reward in zip(scored, self.scorer.score([s.response for s in scored],
                                                               [s.label for s in scored])):
             sample.reward = float(reward)
         for g in complete:
@@ -188,9 +201,6 @@ class DynamicSampler:
 
     def _metrics(self, kept: list[int], fallback: list[int], seconds: float) -> dict[str, float]:
         """The ``rollout/dynamic_sampling/*`` metrics; see ``docs/design/dynamic_sampling.md``."""
-        from slime.rollout.manager import UNUSABLE, _groups_holding
-        from slime.data.sample import SampleStatus
-
         generated = [g for g, state in enumerate(self.state) if state != PENDING]
         done = [s for g in generated for s in self.samples[g * self.n : (g + 1) * self.n]]
         rewards = [s.reward for s in done if s.status not in UNUSABLE]
@@ -211,9 +221,9 @@ class DynamicSampler:
         out = {PREFIX + k: float(v) for k, v in metrics.items()}
         # The engine-side faults of every generated group (the kept ones have none).
         out["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in done))
-        out["rollout/prompt_length_mismatch_groups"] = float(_groups_holding(done, self.n, SampleStatus.FAILED))
+        out["rollout/prompt_length_mismatch_groups"] = float(groups_holding(done, self.n, SampleStatus.FAILED))
         out["rollout/aborted_samples"] = float(sum(s.status == SampleStatus.ABORTED for s in done))
-        out["rollout/aborted_groups"] = float(_groups_holding(done, self.n, SampleStatus.ABORTED))
+        out["rollout/aborted_groups"] = float(groups_holding(done, self.n, SampleStatus.ABORTED))
         return out
 
 

@@ -25,8 +25,18 @@ from slime.errors import SlimeError
 from slime.grpo.advantages import compute_advantages
 from slime.grpo.config import GRPOConfig
 from slime.rollout.config import EvalConfig, RolloutConfig
+from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError, prompt_length_mismatches: re-exported
+    ABORT_CAUSES,
+    UNUSABLE,
+    PromptMismatchError,
+    check_prompt_lengths,
+    groups_holding,
+    prompt_length_mismatches,
+    record_output,
+    warn_aborted,
+)
 from slime.rollout.dynamic_sampling import DynamicSampler
-from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
+from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.seeds import sampling_seed
@@ -53,20 +63,9 @@ class RolloutBatch:
     metrics: dict[str, float]
 
 
-class PromptMismatchError(SlimeError, RuntimeError):
-    """A rollout engine saw a prompt of another length than the data pipeline computed, so the
-    trainer would train on tokens the engine never conditioned on."""
-
-
 class RolloutAbortedError(SlimeError, RuntimeError):
     """Every group of a training rollout (or every sample of an eval set) was left out for an aborted
     sample (with or without prompt length mismatches), so nothing is left to train on or to measure."""
-
-
-UNUSABLE = (SampleStatus.FAILED, SampleStatus.ABORTED)
-"""Statuses of a sample that is neither scored nor in the metrics, and whose whole group leaves the loss."""
-_LOGGED_SAMPLES = 3
-"""Samples named in a mismatch or abort warning."""
 
 
 class RolloutManager:
@@ -113,7 +112,9 @@ class RolloutManager:
             name: load_eval_samples(data, processor, path) for name, path in evaluation.eval_prompt_pairs
         }
         self.scorer = RewardScorer(reward)
-        self.sampler = DynamicSampler(self) if rollout.dynamic_sampling else None
+        self.sampler = (
+            DynamicSampler(rollout, self.dataset, self.scorer, self.requests) if rollout.dynamic_sampling else None
+        )
         video_pad = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
         self.vision_token_ids = {processor.image_token_id} | ({video_pad} if isinstance(video_pad, int) else set())
 
@@ -147,7 +148,9 @@ class RolloutManager:
         """
         n = self.cfg.n_samples_per_prompt
         if self.sampler is not None:  # rounds of over-sampled prompts, only passing groups kept
-            samples, sampling_metrics = self.sampler.sample(rollout_id)
+            if self.engines is None:
+                raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
+            samples, sampling_metrics = self.sampler.sample(rollout_id, self.engines, self._train_sampling_params())
         else:
             prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
             samples = []
@@ -160,9 +163,9 @@ class RolloutManager:
         usable = [s for s in samples if s.status not in UNUSABLE]
         metrics = _sample_metrics("rollout", usable)
         metrics["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in samples))
-        metrics["rollout/prompt_length_mismatch_groups"] = float(_groups_holding(samples, n, SampleStatus.FAILED))
+        metrics["rollout/prompt_length_mismatch_groups"] = float(groups_holding(samples, n, SampleStatus.FAILED))
         metrics["rollout/aborted_samples"] = float(sum(s.status == SampleStatus.ABORTED for s in samples))
-        metrics["rollout/aborted_groups"] = float(_groups_holding(samples, n, SampleStatus.ABORTED))
+        metrics["rollout/aborted_groups"] = float(groups_holding(samples, n, SampleStatus.ABORTED))
         metrics.update(sampling_metrics)  # with dynamic sampling: the faults of every generated group
         # The reward function's verdicts above are before shaping; shaping and advantages see the kept groups only.
         metrics.update(_apply_truncation_options(kept, self.grpo))
@@ -301,126 +304,6 @@ class RolloutManager:
         self.scorer.close()
 
 
-def record_output(sample: Sample, out: GenerateOutput) -> None:
-    """Put an engine's output on its sample: response, token ids, log-probs, full loss mask, and the status
-    its ``finish_reason`` gives (stop: completed, length: truncated, abort: aborted)."""
-    sample.response = out.text
-    sample.response_token_ids = list(out.output_ids)
-    sample.rollout_log_probs = list(out.output_log_probs)
-    sample.loss_mask = [1] * len(out.output_ids)
-    sample.status = {
-        "stop": SampleStatus.COMPLETED,
-        "length": SampleStatus.TRUNCATED,
-        "abort": SampleStatus.ABORTED,
-    }[out.finish_reason]
-
-
-PROMPT_LENGTH_CAUSES = (
-    "Likely cause: the engine loads another processor or chat template than --hf-checkpoint, or resizes images "
-    "with other pixel bounds than --image-min-pixels / --image-max-pixels (the number of image tokens follows "
-    "the resized size)"
-)
-"""The likely causes of a prompt length mismatch, shown in its warnings and errors."""
-
-
-def prompt_length_mismatches(samples: list[Sample], outputs: list[GenerateOutput]) -> list[int]:
-    """Positions (ascending) where the engine's prompt length (``outputs[i].prompt_tokens``) differs from the
-    locally processed ``len(samples[i].prompt_token_ids)``; ``samples`` and ``outputs`` pair up by position.
-
-    Raises:
-        ValueError: ``samples`` and ``outputs`` differ in length.
-    """
-    return [i for i, (sample, out) in enumerate(zip(samples, outputs, strict=True))
-            if out.prompt_tokens != len(sample.prompt_token_ids)]
-
-
-def check_prompt_lengths(
-    samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput], max_fraction: float
-) -> list[int]:
-    """Compare each engine's prompt length (``GenerateOutput.prompt_tokens``) with the data pipeline's
-    ``len(sample.prompt_token_ids)`` (:func:`prompt_length_mismatches`), for whatever engine served the request.
-
-    A mismatching sample is an error of that sample: its position is returned (the caller marks it
-    :attr:`SampleStatus.FAILED`) and a warning names the first few.  Many mismatches are a
-    misconfiguration, not a per-sample fault, and stop the run.
-
-    Args:
-        samples, requests, outputs: position ``i`` of each is one request (same length).
-        max_fraction: ``--max-prompt-length-mismatch-fraction``, in [0, 1].
-
-    Returns:
-        Positions (ascending) of the samples whose lengths differ; empty when all agree.
-
-    Raises:
-        PromptMismatchError: every sample mismatches, or more than ``max_fraction * len(samples)``
-            do; the message names the count of mismatching samples and, for the first few, the
-            sample (position in the batch, dataset index, request id), the engine and both lengths,
-            with the likely cause.
-    """
-    bad = [(i, samples[i], requests[i], outputs[i]) for i in prompt_length_mismatches(samples, outputs)]
-    if not bad:
-        return []
-    first = "; ".join(
-        f"sample {i} (dataset index {sample.index}, rid {req.rid}): engine "
-        f"{'?' if out.engine_index is None else out.engine_index} saw {out.prompt_tokens} prompt tokens, "
-        f"the data pipeline computed {len(sample.prompt_token_ids)}"
-        for i, sample, req, out in bad[:_LOGGED_SAMPLES]
-    )
-    cause = PROMPT_LENGTH_CAUSES
-    summary = (
-        f"{len(bad)} of {len(samples)} prompts have another length in the rollout engine than in the data pipeline"
-    )
-    if len(bad) == len(samples) or len(bad) / len(samples) > max_fraction:
-        raise PromptMismatchError(
-            f"{summary} ({first}). The trainer would train on other tokens than the engine generated from. {cause}. "
-            f"(More than --max-prompt-length-mismatch-fraction {max_fraction:g} of the samples, or all of them, "
-            "stop the run; fewer are counted and left out per sample.)"
-        )
-    logger.warning(
-        "%s (%s): each is an error of that sample (status failed, counted in prompt_length_mismatches); a training "
-        "rollout leaves each one's whole group out of the loss, an eval leaves the sample out of its metrics. %s",
-        summary, first, cause,
-    )  # fmt: skip
-    return [i for i, _, _, _ in bad]
-
-
-ABORT_CAUSES = (
-    "Likely cause: generation paused in abort mode or the request aborted while it ran (SGLang's "
-    "/pause_generation defaults to mode=abort; a weight sync or memory release during generation), or the engine's "
-    "scheduler aborted the request itself (e.g. one it cannot admit); the engine's log names the reason of each"
-)
-"""The likely causes of ``finish_reason "abort"``, shown in the abort warning and errors."""
-
-
-def warn_aborted(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput],
-                 stream: str) -> int:
-    """Warn about the samples of one ``generate`` call that have status ``ABORTED`` (the engine answered
-    ``finish_reason "abort"``: the response is cut off wherever the engine stopped), naming the first few.
-
-    Args:
-        samples, requests, outputs: position ``i`` of each is one request (same length).
-        stream: ``"train"`` or ``"eval/<name>"``, named in the warning.
-
-    Returns:
-        The number of aborted samples (0: no warning).
-    """
-    bad = [(i, s, req, out) for i, (s, req, out) in enumerate(zip(samples, requests, outputs))
-           if s.status == SampleStatus.ABORTED]  # fmt: skip
-    if bad:
-        first = "; ".join(
-            f"sample {i} (dataset index {s.index}, rid {req.rid}, engine "
-            f"{'?' if out.engine_index is None else out.engine_index}, response length {len(out.output_ids)})"
-            for i, s, req, out in bad[:_LOGGED_SAMPLES]
-        )
-        logger.warning(
-            "%d of %d %s samples were aborted by the rollout engine (%s%s): each is left unscored and out of the "
-            "metrics (counted in aborted_samples); a training rollout leaves each one's whole group out of the "
-            "loss. %s",
-            len(bad), len(samples), stream, first, ", ..." if len(bad) > _LOGGED_SAMPLES else "", ABORT_CAUSES,
-        )  # fmt: skip
-    return len(bad)
-
-
 def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
     """Reward, accuracy (fraction of samples with reward >= 1, i.e. correct under a binary
     reward), response length (tokens) and truncation statistics of ``samples``."""
@@ -478,11 +361,6 @@ def _apply_truncation_options(samples: list[Sample], grpo: GRPOConfig) -> dict[s
     return metrics
 
 
-def _groups_holding(samples: list[Sample], n: int, status: SampleStatus) -> int:
-    """Number of the groups (``n`` contiguous samples each) that hold at least one sample of ``status``."""
-    return sum(any(s.status == status for s in samples[start : start + n]) for start in range(0, len(samples), n))
-
-
 def _drop_unusable_groups(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
     """Leave every group that holds a ``FAILED`` sample (its engine saw another prompt) or an ``ABORTED`` one
     (its engine cut the response off) out of the loss.
@@ -531,7 +409,7 @@ def _drop_unusable_groups(samples: list[Sample], n: int) -> tuple[list[Sample], 
         return kept, dropped
     groups = len(samples) // n
     failed, aborted = (sum(s.status == status for s in samples) for status in UNUSABLE)
-    failed_groups, aborted_groups = (_groups_holding(samples, n, status) for status in UNUSABLE)
+    failed_groups, aborted_groups = (groups_holding(samples, n, status) for status in UNUSABLE)
     if failed_groups == groups:
         raise PromptMismatchError(
             f"every one of the {groups} groups of this rollout holds a sample whose prompt has another "

@@ -33,7 +33,7 @@ from slime.data.sample import Sample
 from slime.errors import SlimeError
 from slime.rollout.config import ParityConfig
 from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
-from slime.rollout.manager import PROMPT_LENGTH_CAUSES, prompt_length_mismatches
+from slime.rollout.outputs import PROMPT_LENGTH_CAUSES, prompt_length_mismatches
 from slime.rollout.seeds import sampling_seed
 
 if TYPE_CHECKING:
@@ -298,7 +298,7 @@ class EngineParityCheck:
 def check_probe_prompt_lengths(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput],
                                num_image: int, when: str) -> None:
     """Refuse the check's answers when the engine saw another prompt length than the trainer's processor computed
-    (:func:`slime.rollout.manager.prompt_length_mismatches`) for any of its prompts.
+    (:func:`slime.rollout.outputs.prompt_length_mismatches`) for any of its prompts.
 
     The engine's log-probs would then be of other prompts than the trainer scores, so the gaps would not measure
     the engine: an image-token count that differs shows as an image gap far above the text gap, which
