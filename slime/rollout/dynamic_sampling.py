@@ -179,9 +179,9 @@ class DynamicSampler:
                 f"rollout {self.rollout_id}: {self.rounds} sampling round(s) of {self.cfg.over_sampling_batch_size} "
                 f"prompts gave {len(passed)} groups that pass --dynamic-sampling-filter-path "
                 f"{self.cfg.dynamic_sampling_filter_path} (dropped: {reasons or 'none'}), short of "
-                f"--rollout-batch-size {self.target}. Raise --dynamic-sampling-max-rounds (now {self.cfg.dynamic_sampling_max_rounds}) or "
-                "--over-sampling-batch-size, or use a fallback filter (nonzero_std_with_fallback) that fills the "
-                "batch with the best rejected groups"
+                f"--rollout-batch-size {self.target}. Raise --dynamic-sampling-max-rounds (now "
+                f"{self.cfg.dynamic_sampling_max_rounds}) or --over-sampling-batch-size, or use a fallback filter "
+                "(nonzero_std_with_fallback) that fills the batch with the best rejected groups"
             )
         fallback = spare[: self.target - len(passed)]
         return sorted(passed + fallback), fallback
