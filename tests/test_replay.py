@@ -97,3 +97,56 @@ def test_debug_flags_are_checked_at_parse_time():
         LoggingConfig(load_debug_rollout_data="/d", debug_rollout_only=True)
     with pytest.raises(ConfigError, match="--save-debug-rollout-data .*JSONL"):
         LoggingConfig(save_debug_rollout_data="/d/r_{rollout_id}.pt")
+
+
+@pytest.mark.slow
+def test_the_driver_replays_a_saved_rollout_without_engines(tiny_ckpt, tmp_path, monkeypatch):
+    """One rollout through the driver (transformers engine, 2 FSDP ranks) saved; the same flags with
+    --load-debug-rollout-data start no engine and reach the same loss, gradient norm and saved weights; with
+    --debug-rollout-only no trainer starts and the same rollout is generated and saved again."""
+    from safetensors.torch import load_file
+
+    from slime import driver
+    from slime.arguments import parse_args
+    from slime.utils.metrics import read_metrics
+    from tests.test_resume import DATA_DIR
+
+    def run(name, *extra):
+        cfg = parse_args([
+            "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR), "--input-key", "problem",
+            "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template",
+            "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "6", "--micro-batch-size", "1", "--skip-eval-before-train",
+            "--custom-rm-path", "tests.rewards:odd_length_reward", "--lr", "1e-4", "--train-backend", "fsdp",
+            "--rollout-backend", "transformers", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1",
+            "--save", str(tmp_path / name / "ckpt"), "--output-dir", str(tmp_path / name / "run"),
+            "--no-progress-bar", *extra])  # fmt: skip
+        return read_metrics(driver.train(cfg) / "metrics.jsonl")
+
+    original = run("original", "--save-debug-rollout-data", str(tmp_path / "dumps" / "rollout_{rollout_id}.jsonl"))
+    class NoEngines:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a replay started a rollout engine")
+
+    monkeypatch.setattr(driver, "RolloutEngineGroup", NoEngines)
+    replayed = run("replayed", "--load-debug-rollout-data", str(tmp_path / "dumps"))
+    monkeypatch.undo()
+
+    class NoTrainers:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("--debug-rollout-only started a trainer")
+
+    monkeypatch.setattr(driver, "TrainerGroup", NoTrainers)
+    rollout_only = run("rollout_only", "--debug-rollout-only",
+                       "--save-debug-rollout-data", str(tmp_path / "dumps2" / "rollout_{rollout_id}.jsonl"))
+    assert not any(k.startswith("train/") for k in rollout_only[-1])
+    assert not list((tmp_path / "rollout_only" / "ckpt").glob("iter_*"))
+    assert (tmp_path / "dumps" / "rollout_0.jsonl").read_text() == (tmp_path / "dumps2" / "rollout_0.jsonl").read_text()
+    step_a, step_b = original[-1], replayed[-1]
+    assert step_b["rollout/replayed"] == 1.0 and "perf/sync_time_s" not in step_b
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+        assert step_a[key] == step_b[key], key
+    weights = [load_file(next((tmp_path / name / "ckpt").glob("iter_*/model/*.safetensors")))
+               for name in ("original", "replayed")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
