@@ -263,7 +263,8 @@ class FSDPBackend(TrainerBackend):
           ``--hf-checkpoint`` (``config.json`` keeps the source's ``dtype``);
         - ``trainer/optimizer/``: AdamW's state, a ``torch.distributed.checkpoint`` (reloadable at another world size;
           not with ``--no-save-optim``); ``trainer/scheduler.pt``: ``{"optimizer_steps": n}``;
-          ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states.
+          ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states;
+          ``trainer/frozen_params.json``: the frozen checkpoint names (:mod:`slime.backends.freeze`).
         """
         self._require_init()
         path = Path(path)

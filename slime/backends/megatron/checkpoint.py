@@ -6,6 +6,7 @@ names, scheduler and RNG; and the ``--save-hf`` export.  ``<iteration folder>/tr
     scheduler.pt      {"optimizer_steps": n}
     rng_rank<r>.pt    rank r's torch / CUDA / Python / NumPy / megatron-core RNG states
     layout.json       the parallel sizes and dtype it was saved with (for people; nothing reads it)
+    frozen_params.json  the frozen checkpoint names (no moments saved for them; :mod:`slime.backends.freeze`)
 
 Each tensor is saved whole by its one source rank, in the Hugging Face layout, and a resume slices out its own
 shards, so a checkpoint resumes at any TP / PP / EP / DP layout.  ``--save-hf DIR``: the ``param`` tensors as
