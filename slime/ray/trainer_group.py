@@ -51,7 +51,7 @@ class TrainerActor:
         checkpoint names of every rank)."""
         start = self.backend.init()
         dp_rank, dp_size = self.backend.data_parallel_rank_and_size()
-        return start, dp_rank, dp_size, sorted(self.backend.frozen_hf_names)
+        return start, dp_rank, dp_size, sorted(getattr(self.backend, "frozen_hf_names", ()))
 
     def train(self, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
         return self.backend.train(rollout_id, samples, num_steps)
@@ -75,8 +75,9 @@ class TrainerActor:
         """
         if self.transport is None:
             raise RuntimeError("send_weights before connect_weights: the trainer group connects the transport first")
+        extra = {"skip_frozen": True} if skip_frozen else {}  # a backend that freezes nothing need not take it
         buckets = self.backend.iter_weight_buckets(self.transport.bucket_bytes, device=self.transport.tensor_device,
-                                                   skip_frozen=skip_frozen)
+                                                   **extra)
         try:
             return self.transport.send(buckets, self.rank_info, self.engines)
         except BaseException:
