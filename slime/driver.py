@@ -30,7 +30,7 @@ from slime.arguments import SlimeConfig, check_resources, config_to_argv
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.backends.weight_sources import resolve_weights
 from slime.checkpoints import layout as ckpt
-from slime.checkpoints.hf import weights_bytes
+from slime.checkpoints.hf import read_config, weights_bytes
 from slime.data.processor import load_processor
 from slime.data.sources import load_table
 from slime.grpo.advantages import resolve_advantage_estimator
@@ -42,6 +42,7 @@ from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engines import ENGINES
 from slime.rollout.manager import RolloutManager
 from slime.rollout.parity import EngineParityCheck
+from slime.rollout.replay import model_fingerprint
 from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
@@ -102,7 +103,7 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
     eval after it sees the policy after ``k + 1`` updates and is logged at step ``k + 1``.
     """
     rollout_manager, trainers, engines, memory = run.rollout_manager, run.trainers, run.engines, run.memory
-    if run.start == 0 and cfg.eval.eval_prompt_pairs and not cfg.eval.skip_eval_before_train:
+    if run.start == 0 and engines is not None and cfg.eval.eval_prompt_pairs and not cfg.eval.skip_eval_before_train:
         metrics_log.log(0, rollout_manager.evaluate(0))
     bar = progress(total=run.num_rollout, initial=run.start, disable=cfg.logging.no_progress_bar)
     for rollout_id in range(run.start, run.num_rollout):
@@ -111,21 +112,26 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
             # The first two steps only; first, so that an engine the probe refuses costs no rollout.
             parity_probe = run.parity.generate(engines, rollout_id)
             batch = rollout_manager.generate(rollout_id)
-        with timed("train", times), memory.train_phase():
-            parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
-            train_metrics = trainers.train(rollout_id, batch.samples)
-        with timed("sync", times), memory.sync_phase():
-            trainers.update_weights(engines)
+        parity_metrics, train_metrics = {}, {}
+        if trainers is not None:  # None: --debug-rollout-only
+            with timed("train", times), memory.train_phase():
+                parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
+                train_metrics = trainers.train(rollout_id, batch.samples)
+        if trainers is not None and engines is not None:  # engines None: --load-debug-rollout-data
+            with timed("sync", times), memory.sync_phase():
+                trainers.update_weights(engines)
         eval_metrics = {}
-        if cfg.eval.eval_prompt_pairs and _due(rollout_id, cfg.eval.eval_interval, run.num_rollout):
+        if (engines is not None and cfg.eval.eval_prompt_pairs
+                and _due(rollout_id, cfg.eval.eval_interval, run.num_rollout)):
             with timed("eval", times):
                 eval_metrics = rollout_manager.evaluate(rollout_id + 1)
-        saving = cfg.checkpoint.save and _due(rollout_id, cfg.checkpoint.save_interval, run.num_rollout)
+        saving = (trainers is not None and cfg.checkpoint.save
+                  and _due(rollout_id, cfg.checkpoint.save_interval, run.num_rollout))
         if saving:
             with timed("save", times):
                 save(cfg, rollout_id, trainers, rollout_manager)
         step_metrics = {**batch.metrics, **parity_metrics, **train_metrics, **memory.metrics(), **run.engine_metrics(),
-                        **times}
+                        **run.sync_metrics(), **times}
         metrics_log.log(rollout_id, step_metrics)
         if eval_metrics:
             metrics_log.log(rollout_id + 1, eval_metrics)
@@ -139,8 +145,8 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
 class Run:
     """Everything :func:`loop` drives, built by :func:`setup`."""
 
-    engines: RolloutEngineGroup
-    trainers: TrainerGroup
+    engines: RolloutEngineGroup | None  # None: --load-debug-rollout-data (train-only replay)
+    trainers: TrainerGroup | None  # None: --debug-rollout-only
     rollout_manager: RolloutManager
     memory: ColocatedMemory
     start: int
@@ -154,6 +160,10 @@ class Run:
             return {}
         return {f"rollout/{name}": float(self.engines.fault_counts[name])
                 for name in ("engine_failures", "requests_retried", "engines_restarted", "mid_rollout_resyncs")}
+
+    def sync_metrics(self) -> dict[str, float]:
+        """The weight sync's counts since the last step (:meth:`TrainerGroup.sync_metrics`)."""
+        return self.trainers.sync_metrics() if isinstance(self.trainers, TrainerGroup) else {}
 
 
 @dataclasses.dataclass
@@ -214,10 +224,14 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     _resolve_num_rollout(cfg)
     processor = load_processor(cfg.checkpoint.hf_checkpoint,
                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
+    fingerprint = None
+    if cfg.logging.save_debug_rollout_data or cfg.logging.load_debug_rollout_data:
+        fingerprint = model_fingerprint(processor.tokenizer, read_config(cfg.checkpoint.hf_checkpoint) or {})
     return RolloutManager(
         rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
         processor=processor, engines=None, seed=cfg.rollout.rollout_seed,
-        debug_dump=cfg.logging.save_debug_rollout_data,
+        debug_dump=cfg.logging.save_debug_rollout_data, replay_from=cfg.logging.load_debug_rollout_data,
+        fingerprint=fingerprint,
     )
 
 
@@ -239,6 +253,10 @@ def setup(
     cleanup.callback(placement.remove)
     engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
+    if trainers is None or engines is None:  # --debug-rollout-only / --load-debug-rollout-data
+        logger.info("%s: %s", "--debug-rollout-only" if trainers is None else "--load-debug-rollout-data",
+                    "no trainer starts" if trainers is None else "no rollout engine starts, no weight sync, no eval")
+        return setup_debug(cfg, rollout_manager, engines, trainers)
     memory = ColocatedMemory(trainers, engines, enabled=placement.colocate and placement.use_gpu,
                              measure=placement.use_gpu)
     with memory.startup_phase():
@@ -255,6 +273,19 @@ def setup(
     parity = EngineParityCheck(cfg.parity, rollout_manager.dataset, cfg.rollout.rollout_temperature,
                                enabled=components.engine_cls.parity_check, start=start, seed=cfg.rollout.rollout_seed)
     return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout, parity)
+
+
+def setup_debug(cfg: SlimeConfig, rollout_manager: RolloutManager,
+                engines: RolloutEngineGroup | None, trainers: TrainerGroup | None) -> Run:
+    """:func:`setup` with one side missing: trainers alone (a replay resumes from ``--load`` as usual; the prompt
+    cursor is not needed) or engines alone (from ``--hf-checkpoint``, rollout 0 on; no checkpoint is written)."""
+    start = 0
+    if trainers is not None:
+        start = trainers.init()
+        if start > 0:
+            truncate_metrics(make_run_dir(cfg) / METRICS_FILE, keep=lambda r: _logged_before(r, start))
+    memory = ColocatedMemory(trainers, engines, enabled=False)
+    return Run(engines, trainers, rollout_manager, memory, start, cfg.rollout.num_rollout, EngineParityCheck.off())
 
 
 def resync_engines(memory: ColocatedMemory, trainers: TrainerGroup, engines: RolloutEngineGroup) -> None:
@@ -285,17 +316,21 @@ def start_workers(
         EngineStartError: an engine failed to start or was not healthy in time (named in the message).
     """
     engine_cls = components.engine_cls
-    engine_factory = functools.partial(engine_cls.from_config, cfg)
-    engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
-    cleanup.callback(engines.shutdown)
-    backend_factory = functools.partial(components.backend_cls.from_config, cfg)
-    transport = make_transport(
-        engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate,
-        num_experts=checkpoint_num_experts(cfg.checkpoint.hf_checkpoint),
-    )
-    trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size, transport)
-    cleanup.callback(trainers.shutdown)
-    engines.wait_until_healthy(cfg.rollout.rollout_engine_start_timeout)
+    engines = trainers = None
+    if not cfg.logging.debug_train_only:
+        engine_factory = functools.partial(engine_cls.from_config, cfg)
+        engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
+        cleanup.callback(engines.shutdown)
+    if not cfg.logging.debug_rollout_only:
+        backend_factory = functools.partial(components.backend_cls.from_config, cfg)
+        transport = make_transport(
+            engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate,
+            num_experts=checkpoint_num_experts(cfg.checkpoint.hf_checkpoint),
+        )
+        trainers = TrainerGroup(placement, backend_factory, cfg.train.global_batch_size, transport)
+        cleanup.callback(trainers.shutdown)
+    if engines is not None:
+        engines.wait_until_healthy(cfg.rollout.rollout_engine_start_timeout)
     return engines, trainers
 
 

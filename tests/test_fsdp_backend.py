@@ -474,6 +474,7 @@ def test_save_then_load_restores_params_optimizer_and_lr(tiny_ckpt, tmp_path):
                 reference_log_probs(loaded, sample), torch.tensor(got, dtype=torch.float64), rtol=0, atol=2e-5
             )
     assert sorted(p.name for p in ckpt.trainer_dir(tmp_path, 0).iterdir()) == [
+        "frozen_params.json",  # [] here: nothing frozen (tests/test_freeze.py)
         "optimizer",
         "rng_rank00000.pt",
         "rng_rank00001.pt",

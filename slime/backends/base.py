@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime.backends.freeze import freeze, gather_names, select_frozen
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rounding import rounding_step_noise
 from slime.backends.steps import check_train_samples, loss_normalizer, plan_micro_batches, split_into_steps
@@ -334,11 +335,11 @@ class TrainerBackend(abc.ABC):
 
     @abc.abstractmethod
     def iter_weight_buckets(
-        self, bucket_bytes: int, device: str | torch.device | None = None
+        self, bucket_bytes: int, device: str | torch.device | None = None, skip_frozen: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """This rank's share of the full weights by Hugging Face checkpoint name for the weight sync: the tensors it is
         the source of, whole, each name once over all ranks, whole layers per bucket of about ``bucket_bytes`` (> 0), in
-        the compute dtype on ``device`` (None: this rank's).  Collective and in lockstep: every rank exhausts the
+        the compute dtype on ``device`` (None: this rank's); ``skip_frozen``: without the :attr:`frozen` parameters.  Collective and in lockstep: every rank exhausts the
         iterator and yields the same number of buckets (``[]`` where it sources nothing).  ``ValueError`` when
         ``bucket_bytes <= 0``."""
 
@@ -350,6 +351,38 @@ class TrainerBackend(abc.ABC):
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
         """This rank's (data-parallel rank, size); default: every rank is its own (FSDP)."""
         return dist.get_rank(), dist.get_world_size()
+
+    # ------------------------------------------------------------------------------------
+    # freezing by name (--freeze-params-name-list / --only-train-params-name-list)
+    # ------------------------------------------------------------------------------------
+
+    frozen: frozenset[str] = frozenset()
+    """This rank's frozen policy parameters, by the backend's own names (set by :meth:`_freeze_policy`)."""
+    frozen_hf_names: frozenset[str] = frozenset()
+    """The checkpoint names of every frozen tensor, over all ranks (what the weight sync sends once)."""
+
+    def _freeze_policy(self) -> None:
+        """Freeze the policy's parameters the flags name (:mod:`slime.backends.freeze`); the backend calls it in
+        :meth:`init` after building the policy and before building the optimizer. Collective when a flag is given.
+
+        Raises:
+            ConfigError: a pattern matches nothing, matches part of a fused tensor, or freezes everything.
+        """
+        cfg = self.train_cfg
+        if not (cfg.freeze_params_name_list or cfg.only_train_params_name_list):
+            return
+        names = self._hf_names_by_param()
+        chosen = select_frozen(names, freeze=cfg.freeze_params_name_list,
+                               only_train=cfg.only_train_params_name_list, device=self.device)
+        count = freeze(self.model, chosen)
+        self.frozen = frozenset(chosen)
+        self.frozen_hf_names = frozenset(gather_names({hf for name in chosen for hf in names[name]}))
+        logger.info("frozen: %d parameters on this rank (%d elements), %d checkpoint tensors in all",
+                    len(chosen), count, len(self.frozen_hf_names))
+
+    def _hf_names_by_param(self) -> dict[str, list[str]]:
+        """This rank's policy parameters as ``{backend name: its Hugging Face checkpoint names}``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot freeze parameters by name")
 
     def _require_init(self) -> None:
         """Raises ``RuntimeError`` before :meth:`init` built the model."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from slime.backends.registry import TRAIN_BACKENDS
@@ -59,12 +60,39 @@ class TrainConfig:
         "before the update (saves one forward pass; exact only when rollout and training numerics agree).",
     )
     bf16: bool = flag(False, help="Train in bfloat16 mixed precision (fp32 master weights); default: fp32.")
+    freeze_params_name_list: list[str] | None = flag(
+        None, nargs="*", metavar="REGEX",
+        help="Freeze the parameters whose Hugging Face checkpoint names (e.g. model.visual.blocks.0.attn.qkv.weight, "
+        "under both backends) a pattern finds (Python re.search); the others train. Frozen parameters get no "
+        "gradient and no optimizer state, and cross the weight sync once per engine start. E.g. 'model\\.visual\\.' "
+        "freezes the vision tower. A pattern that matches nothing is an error.",
+    )
+    only_train_params_name_list: list[str] | None = flag(
+        None, nargs="*", metavar="REGEX",
+        help="Train only the parameters whose Hugging Face checkpoint names a pattern finds (Python re.search); "
+        "freeze the others (see --freeze-params-name-list). E.g. 'layers\\.2[0-3]\\.'.",
+    )
 
     def __post_init__(self):
         check_name_or_import_path("--train-backend", self.train_backend, TRAIN_BACKENDS.names())
+        if self.freeze_params_name_list and self.only_train_params_name_list:
+            raise ConfigError("give one of --freeze-params-name-list and --only-train-params-name-list, not both")
+        compile_patterns("--freeze-params-name-list", self.freeze_params_name_list)
+        compile_patterns("--only-train-params-name-list", self.only_train_params_name_list)
         check_at_least_one(self, "global_batch_size", "micro_batch_size", "max_tokens_per_gpu")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (tokens per packed micro-batch)")
+
+
+def compile_patterns(flag: str, patterns: list[str] | None) -> list[re.Pattern]:
+    """``patterns`` compiled; ``ConfigError`` naming ``flag`` and the pattern when one is not a regular expression."""
+    compiled = []
+    for pattern in patterns or ():
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as e:
+            raise ConfigError(f"{flag} {pattern!r} is not a Python regular expression: {e}") from None
+    return compiled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,11 +46,12 @@ class TrainerActor:
         self.transport: WeightTransport | None = None
         self.engines: Sequence = ()
 
-    def init(self) -> tuple[int, int, int]:
-        """Build the backend. Returns (next rollout id, data-parallel rank, data-parallel size)."""
+    def init(self) -> tuple[int, int, int, list[str]]:
+        """Build the backend. Returns (next rollout id, data-parallel rank, data-parallel size, the frozen
+        checkpoint names of every rank)."""
         start = self.backend.init()
         dp_rank, dp_size = self.backend.data_parallel_rank_and_size()
-        return start, dp_rank, dp_size
+        return start, dp_rank, dp_size, sorted(getattr(self.backend, "frozen_hf_names", ()))
 
     def train(self, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
         return self.backend.train(rollout_id, samples, num_steps)
@@ -64,8 +65,9 @@ class TrainerActor:
         self.transport, self.engines = transport, list(engines)
         transport.connect_rank(self.rank_info, self.engines)
 
-    def send_weights(self) -> list[str]:
-        """Send the weights this rank is the source of into every engine; returns their names.
+    def send_weights(self, skip_frozen: bool = False) -> list[str]:
+        """Send the weights this rank is the source of into every engine (``skip_frozen``: not the frozen ones);
+        returns their names.
 
         If the transport fails part-way, the rest of the buckets are still drawn, so that this
         rank keeps taking part in the other ranks' gathers and they fail or finish instead of
@@ -73,7 +75,9 @@ class TrainerActor:
         """
         if self.transport is None:
             raise RuntimeError("send_weights before connect_weights: the trainer group connects the transport first")
-        buckets = self.backend.iter_weight_buckets(self.transport.bucket_bytes, device=self.transport.tensor_device)
+        extra = {"skip_frozen": True} if skip_frozen else {}  # a backend that freezes nothing need not take it
+        buckets = self.backend.iter_weight_buckets(self.transport.bucket_bytes, device=self.transport.tensor_device,
+                                                   **extra)
         try:
             return self.transport.send(buckets, self.rank_info, self.engines)
         except BaseException:
@@ -106,7 +110,10 @@ class TrainerGroup:
         self.global_batch_size = global_batch_size
         self.transport = transport
         self._connected_engines: tuple[RolloutEngineGroup, int] | None = None
-        self._weight_names: set[str] | None = None
+        self._frozen_sent: tuple[RolloutEngineGroup, int] | None = None  # the engine start that has the frozen tensors
+        self._weight_names: set[str] | None = None  # what the first (full) sync sent
+        self.frozen_names: frozenset[str] = frozenset()
+        self._sync_counts: collections.Counter = collections.Counter()
         device = "cuda" if placement.use_gpu else "cpu"
         n = placement.num_trainers
         threads = cpu_threads_per_actor(n + (0 if placement.colocate else placement.num_engines))
@@ -123,11 +130,12 @@ class TrainerGroup:
     def init(self) -> int:
         """Build every rank; returns the first rollout id to run (after ``--load``)."""
         results = ray.get([a.init.remote() for a in self.actors])
-        starts = {start for start, _, _ in results}
+        starts = {start for start, _, _, _ in results}
         if len(starts) != 1:
             raise RuntimeError(f"trainer ranks disagree on the resume point: {sorted(starts)}")
-        self.dp_ranks = [dp_rank for _, dp_rank, _ in results]
+        self.dp_ranks = [dp_rank for _, dp_rank, _, _ in results]
         self.dp_size = results[0][2]
+        self.frozen_names = frozenset(results[0][3])
         return starts.pop()
 
     def split_by_rank(self, samples: list[Sample]) -> tuple[list[list[Sample]], int]:
@@ -176,7 +184,9 @@ class TrainerGroup:
         The first call connects the transport (:meth:`WeightTransport.connect`, once per run, and again
         after an engine was restarted); every call then runs ``begin_sync``, every rank's ``send``,
         and ``end_sync`` (which, for the object store, flushes the engines' caches), and tells the engine
-        group that every engine has the current weights (restarted engines serve again).
+        group that every engine has the current weights (restarted engines serve again).  Frozen parameters
+        (``--freeze-params-name-list``) are sent by the first sync after each engine start (the run's first, and the
+        first after a restart) and left out of the others; :meth:`sync_metrics` counts what was sent.
 
         Returns:
             ``{checkpoint name: trainer rank that sent it}``.
@@ -188,19 +198,35 @@ class TrainerGroup:
         if self._connected_engines != (engines, engines.epoch):  # first sync, or an engine was restarted
             self.transport.connect(self, engines)
             self._connected_engines = (engines, engines.epoch)
+        full = not self.frozen_names or self._frozen_sent != (engines, engines.epoch)
         self.transport.begin_sync(engines)
-        sources = check_weight_sources(ray.get([a.send_weights.remote() for a in self.actors]))
+        sources = check_weight_sources(ray.get([a.send_weights.remote(not full) for a in self.actors]))
         self.transport.end_sync(engines)
         engines.weights_updated()  # restarted engines have the current weights now
+        if full:
+            self._frozen_sent = (engines, engines.epoch)
         names = set(sources)
-        if self._weight_names is not None and names != self._weight_names:
-            missing, extra = sorted(self._weight_names - names), sorted(names - self._weight_names)
+        first = self._weight_names  # the run's first sync is a full one
+        expected = None if first is None else (first if full else first - self.frozen_names)
+        if expected is not None and names != expected:
+            missing, extra = sorted(expected - names), sorted(names - expected)
             raise RuntimeError(
                 f"weight sync sent other tensors than the first sync: missing {missing[:5]} ({len(missing)}), "
                 f"extra {extra[:5]} ({len(extra)})"
             )
-        self._weight_names = names
+        if first is None:
+            self._weight_names = names
+        frozen_sent = len(names & self.frozen_names)
+        self._sync_counts.update({"weight_sync/syncs": 1, "weight_sync/full_syncs": int(full),
+                                  "weight_sync/tensors_sent": len(names), "weight_sync/frozen_tensors_sent": frozen_sent})
         return sources
+
+    def sync_metrics(self) -> dict[str, float]:
+        """``weight_sync/{syncs, full_syncs, tensors_sent, frozen_tensors_sent}`` since the last call (then reset):
+        syncs run, those that sent the frozen tensors too, checkpoint tensors sent, frozen ones among them."""
+        counts, self._sync_counts = self._sync_counts, collections.Counter()
+        return {key: float(counts[key]) for key in ("weight_sync/syncs", "weight_sync/full_syncs",
+                                                     "weight_sync/tensors_sent", "weight_sync/frozen_tensors_sent")}
 
     def save(self, rollout_id: int, path: str | os.PathLike) -> None:
         ray.get([a.save.remote(rollout_id, str(path)) for a in self.actors])

@@ -38,6 +38,7 @@ from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError, prompt_
 from slime.rollout.dynamic_sampling import DynamicSampler
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
+from slime.rollout.replay import load_rollout, replay_path, save_rollout
 from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.seeds import sampling_seed
 
@@ -79,7 +80,12 @@ class RolloutManager:
         seed: ``--rollout-seed``; fixes the prompt order (with the epoch) and, with the rollout
             id and each request's position, the request's sampling seed (:mod:`slime.rollout.seeds`).
         debug_dump: optional path template (``--save-debug-rollout-data``) for per-sample
-            JSONL dumps; ``{rollout_id}`` is substituted.
+            JSONL dumps; ``{rollout_id}`` is substituted; a replayable record goes beside each
+            (:mod:`slime.rollout.replay`).
+        replay_from: ``--load-debug-rollout-data``: :meth:`generate` reads the saved rollouts instead of
+            generating (no engines; the prompt cursor does not move).
+        fingerprint: the model's (:func:`slime.rollout.replay.model_fingerprint`), written into and checked
+            against the saved rollouts.
     """
 
     def __init__(
@@ -94,6 +100,8 @@ class RolloutManager:
         engines: RolloutEngineGroup | None,
         seed: int,
         debug_dump: str | None = None,
+        replay_from: str | None = None,
+        fingerprint: dict | None = None,
     ):
         self.cfg, self.grpo, self.eval_cfg = rollout, grpo, evaluation
         if grpo.overlong_filter and grpo.stop_properly_penalty_coef is not None:
@@ -106,7 +114,7 @@ class RolloutManager:
             )  # fmt: skip
         self.seed = seed
         self.engines = engines
-        self.debug_dump = debug_dump
+        self.debug_dump, self.replay_from, self.fingerprint = debug_dump, replay_from, fingerprint or {}
         self.dataset = PromptDataset(data, processor, seed=seed)
         self.eval_sets = {
             name: load_eval_samples(data, processor, path) for name, path in evaluation.eval_prompt_pairs
@@ -147,6 +155,8 @@ class RolloutManager:
             DynamicSamplingError: too few groups passed the filter in ``--dynamic-sampling-max-rounds``.
         """
         n = self.cfg.n_samples_per_prompt
+        if self.replay_from is not None:
+            return self._replay(rollout_id)
         if self.sampler is not None:  # rounds of over-sampled prompts, only passing groups kept
             if self.engines is None:
                 raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
@@ -181,8 +191,17 @@ class RolloutManager:
         metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
         # The scorer's counts (responses, timeouts, errors, ...): only the usable samples were scored.
         metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
-        self._dump(rollout_id, samples)
+        self._dump(rollout_id, samples, metrics)
         return RolloutBatch(samples, metrics)
+
+    def _replay(self, rollout_id: int) -> RolloutBatch:
+        """The saved rollout ``rollout_id`` (``--load-debug-rollout-data``) with its saved metrics, and
+        ``rollout/replayed`` 1; ``ReplayError`` (naming the file) when it is missing or does not fit."""
+        samples, metrics, path = load_rollout(
+            self.replay_from, rollout_id, fingerprint=self.fingerprint, n_samples_per_prompt=self.cfg.n_samples_per_prompt,
+            num_samples=self.cfg.samples_per_rollout)
+        logger.info("rollout %d: replaying %d saved samples from %s", rollout_id, len(samples), path)
+        return RolloutBatch(samples, {**metrics, "rollout/replayed": 1.0})
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Accuracy and response statistics on every ``--eval-prompt-data`` set (no training).
@@ -279,10 +298,11 @@ class RolloutManager:
     def _seed(self, rollout_id: int, sample_index: int, stream: str) -> int:
         return sampling_seed(self.seed, rollout_id, sample_index, stream)
 
-    def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
+    def _dump(self, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> None:
         if not self.debug_dump:
             return
         path = Path(self.debug_dump.format(rollout_id=rollout_id))
+        save_rollout(replay_path(path), rollout_id, samples, metrics, self.fingerprint, self.cfg.n_samples_per_prompt)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
             for s in samples:  # reward None: a failed or aborted sample, not scored

@@ -56,7 +56,24 @@ class LoggingConfig:
     save_debug_rollout_data: str | None = flag(
         None,
         help="Write every rollout's samples (prompt index, response, reward, advantage, status, whether it is in "
-        "the loss, ...) to this path; it may contain '{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl.",
+        "the loss, ...) to this path; it may contain '{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl. Beside "
+        "it goes the same path with the suffix .pt: every field the trainers read, for --load-debug-rollout-data.",
+    )
+    load_debug_rollout_data: str | None = flag(
+        None, metavar="DIR_OR_PATH",
+        help="Train on rollouts saved by --save-debug-rollout-data instead of generating: no rollout engine starts "
+        "(also on CPU), no weight sync, no eval; implies --debug-train-only. Give the folder of the saved files "
+        "(rollout k is <DIR>/rollout_{k}.pt) or the --save-debug-rollout-data path itself. A missing file, or one "
+        "saved from another model, tokenizer or batch shape, is an error naming it.",
+    )
+    debug_train_only: bool = flag(
+        False, help="Run the trainers only, on --load-debug-rollout-data (which it needs; upstream slime's flag)."
+    )
+    debug_rollout_only: bool = flag(
+        False,
+        help="Run rollouts, rewards and eval only: no trainer starts, no training step, no weight sync, no "
+        "checkpoint (the engines keep --hf-checkpoint's weights). With --save-debug-rollout-data the rollouts are "
+        "saved for a later --load-debug-rollout-data.",
     )
     no_progress_bar: bool = flag(False, help="Disable the progress bar over rollout steps (e.g. for log files).")
     check_only: bool = flag(
@@ -84,9 +101,23 @@ class LoggingConfig:
             raise ConfigError("--output-dir must be a folder, got an empty string; give one, or drop --output-dir")
         if self.parent_pid is not None and self.parent_pid < 1:
             raise ConfigError(f"--parent-pid must be a process id >= 1, got {self.parent_pid}")
+        if self.load_debug_rollout_data is not None:
+            if not self.load_debug_rollout_data.strip():
+                raise ConfigError("--load-debug-rollout-data must be a folder or a path, got an empty string")
+            self.debug_train_only = True  # as upstream slime
+        if self.debug_train_only and self.load_debug_rollout_data is None:
+            raise ConfigError("--debug-train-only needs --load-debug-rollout-data (the saved rollouts to train on); "
+                              "save them first with --save-debug-rollout-data")
+        if self.debug_train_only and self.debug_rollout_only:
+            raise ConfigError("--debug-rollout-only cannot go with --debug-train-only / --load-debug-rollout-data: "
+                              "give one of them")
         if self.save_debug_rollout_data is not None:
             if not self.save_debug_rollout_data.strip():
                 raise ConfigError("--save-debug-rollout-data must be a non-empty path")
+            if self.save_debug_rollout_data.endswith(".pt"):
+                raise ConfigError(f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: give the JSONL "
+                                  "summary's path (e.g. .../rollout_{rollout_id}.jsonl); the replayable .pt record "
+                                  "goes beside it")
             try:
                 self.save_debug_rollout_data.format(rollout_id=0)
             except (KeyError, IndexError, ValueError) as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -22,12 +23,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
 
 from slime.backends.base import WEIGHTS, MicroBatch, RankInfo, TrainerBackend
 from slime.backends.fsdp.config import FSDPConfig, check_train
+from slime.backends.freeze import frozen_change, write_frozen
 from slime.backends.fsdp.hf_io import iter_hf_weight_buckets, iter_hf_weight_groups, load_sharded_model, save_hf_folder
 from slime.backends.fsdp.inputs import build_model_inputs, pad_per_token, response_log_probs, vision_placeholder_ids
 from slime.backends.rng import rng_state, set_rng_state
@@ -89,6 +93,7 @@ class FSDPBackend(TrainerBackend):
             gradient_checkpointing=self.fsdp_cfg.gradient_checkpointing,
             param_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype,
         )
+        self._freeze_policy()
         self.optimizer = self._build_optimizer()
         if start.reference is not None:
             self.ref_model = load_sharded_model(
@@ -236,14 +241,20 @@ class FSDPBackend(TrainerBackend):
     # ------------------------------------------------------------------------------------
 
     def iter_weight_buckets(
-        self, bucket_bytes: int, device: str | torch.device | None = None
+        self, bucket_bytes: int, device: str | torch.device | None = None, skip_frozen: bool = False
     ) -> Iterator[list[tuple[str, Tensor]]]:
         """This rank's share of the weights by checkpoint name in the compute dtype on ``device``
         (:func:`slime.backends.fsdp.hf_io.iter_hf_weight_buckets`: whole FSDP units, round ``k`` from rank ``k %
-        world``)."""
+        world``); ``skip_frozen``: the frozen parameters are neither gathered nor sent."""
         self._require_init()
         self._require_on_device("iter_weight_buckets()", training=False)
-        yield from iter_hf_weight_buckets(self.model, self.compute_dtype, bucket_bytes, device=device or self.device)
+        yield from iter_hf_weight_buckets(self.model, self.compute_dtype, bucket_bytes, device=device or self.device,
+                                          skip=self.frozen if skip_frozen else frozenset())
+
+    def _hf_names_by_param(self) -> dict[str, list[str]]:
+        """Each parameter's checkpoint names: ``revert_weight_conversion`` of a meta tensor of its global shape."""
+        return {name: list(revert_weight_conversion(self.model, {name: torch.empty(p.shape, device="meta")}))
+                for name, p in self.model.named_parameters()}
 
     def save(self, rollout_id: int, path: Path) -> None:
         """Write ``path/model`` and ``path/trainer``, replacing them. Collective.
@@ -252,7 +263,8 @@ class FSDPBackend(TrainerBackend):
           ``--hf-checkpoint`` (``config.json`` keeps the source's ``dtype``);
         - ``trainer/optimizer/``: AdamW's state, a ``torch.distributed.checkpoint`` (reloadable at another world size;
           not with ``--no-save-optim``); ``trainer/scheduler.pt``: ``{"optimizer_steps": n}``;
-          ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states.
+          ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states;
+          ``trainer/frozen_params.json``: the frozen checkpoint names (:mod:`slime.backends.freeze`).
         """
         self._require_init()
         path = Path(path)
@@ -276,6 +288,7 @@ class FSDPBackend(TrainerBackend):
                 raise ckpt.explain_write_failure(trainer_out, state_bytes(optimizer_state), err)
         if rank == 0:
             torch.save({"optimizer_steps": self.optimizer_steps}, trainer_out / "scheduler.pt")
+            write_frozen(trainer_out, set(self.frozen_hf_names))
         torch.save(rng_state(), trainer_out / f"rng_rank{rank:05d}.pt")
         dist.barrier()
 
@@ -293,9 +306,22 @@ class FSDPBackend(TrainerBackend):
                         f"{needed} is missing (saved with --no-save-optim?); resume with --no-load-optim "
                         "to start AdamW and the LR schedule afresh"
                     )
+            newly_frozen, newly_trained = frozen_change(trainer_dir, set(self.frozen_hf_names))
             state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.load(state, checkpoint_id=optim_dir)
+            if newly_trained or newly_frozen:
+                # frozen then, trained now: not in the checkpoint (partial load), state reset below; trained then,
+                # frozen now: in the checkpoint, not asked for.  This run's param groups replace the saved ones.
+                groups = copy.deepcopy(state["optimizer"]["param_groups"])
+                dcp.load(state, checkpoint_id=optim_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
+                state["optimizer"]["param_groups"] = groups
+            else:
+                dcp.load(state, checkpoint_id=optim_dir)
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            if newly_trained:
+                names = self._hf_names_by_param()
+                for name, param in self.model.named_parameters():
+                    if param.requires_grad and newly_trained.intersection(names[name]):
+                        self.optimizer.state.pop(param, None)  # AdamW starts it at its first step: zeros, step 0
             self.optimizer_steps = int(torch.load(sched_file)["optimizer_steps"])
         rng_file = trainer_dir / f"rng_rank{dist.get_rank():05d}.pt"
         if rng_file.exists():

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Collection, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -158,12 +158,14 @@ def iter_hf_weight_groups(
 
 
 def iter_hf_weight_buckets(
-    model: nn.Module, dtype: torch.dtype, bucket_bytes: int, device: torch.device | str = "cpu"
+    model: nn.Module, dtype: torch.dtype, bucket_bytes: int, device: torch.device | str = "cpu",
+    skip: Collection[str] = frozenset(),
 ) -> Iterator[WeightGroup]:
     """This rank's share of the full weights by checkpoint name, in lockstep buckets for the weight sync: the FSDP units
     packed into rounds of about ``bucket_bytes`` (:func:`slime.weight_sync.buckets.weight_rounds`, sizes from the global
     shapes in ``dtype``, the same on every rank), round ``k`` yielded by rank ``k % world_size`` (converted as
-    :func:`iter_hf_weight_groups` does) and ``[]`` by the others.  Every rank takes part in every gather.
+    :func:`iter_hf_weight_groups` does) and ``[]`` by the others.  Every rank takes part in every gather.  The
+    state-dict names in ``skip`` (the same on every rank) are left out, gathers included.
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.
@@ -172,7 +174,7 @@ def iter_hf_weight_buckets(
         model.reshard()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     state = model.state_dict()
-    groups = fsdp_unit_groups(model)
+    groups = [kept for kept in ([n for n in names if n not in skip] for names in fsdp_unit_groups(model)) if kept]
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [sum(state[name].numel() * itemsize for name in names) for names in groups]
     for k, members in enumerate(weight_rounds(sizes, bucket_bytes)):

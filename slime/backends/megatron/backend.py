@@ -84,6 +84,7 @@ class MegatronBackend(TrainerBackend):
 
         start = resolve_weights(self.ckpt_cfg, need_reference=self.grpo.needs_ref_model)
         self.model = self._build(start.policy, frozen=False)
+        self._freeze_policy()
         if self.device.type == "cuda":
             self.optimizer = DistributedAdam(self.model, self.megatron, self.optim_cfg,
                                              bf16=self.dtype != torch.float32)
@@ -102,7 +103,7 @@ class MegatronBackend(TrainerBackend):
             return 0
         self.optimizer_steps = mckpt.load_trainer_state(
             ckpt.trainer_dir(start.policy.path, resume_id), self.model, self.optimizer,
-            load_optim=not self.ckpt_cfg.no_load_optim,
+            load_optim=not self.ckpt_cfg.no_load_optim, frozen_hf=set(self.frozen_hf_names),
         )
         logger.info("resumed from %s (%d optimizer steps)", start.policy, self.optimizer_steps)
         return start.next_rollout_id
@@ -229,13 +230,21 @@ class MegatronBackend(TrainerBackend):
     # ------------------------------------------------------------------------------------
 
     def iter_weight_buckets(
-        self, bucket_bytes: int, device: str | torch.device | None = None
+        self, bucket_bytes: int, device: str | torch.device | None = None, skip_frozen: bool = False
     ) -> Iterator[list[tuple[str, Tensor]]]:
         """This rank's share of the weights by Hugging Face name in lockstep buckets of whole layers
-        (:func:`.weight_export.iter_buckets`), in the parameters' dtype, on ``device`` (default: this rank's)."""
+        (:func:`.weight_export.iter_buckets`), in the parameters' dtype, on ``device`` (default: this rank's);
+        ``skip_frozen``: the frozen parameters are neither gathered nor sent."""
         self._require_init()
         self._require_on_device("iter_weight_buckets()", training=False)
-        yield from iter_buckets(self.model, bucket_bytes, device=device or self.device)
+        yield from iter_buckets(self.model, bucket_bytes, device=device or self.device,
+                                skip=self.frozen if skip_frozen else frozenset())
+
+    def _hf_names_by_param(self) -> dict[str, list[str]]:
+        """Each native parameter's Hugging Face names (its export rule, :func:`slime.models.qwen3_5.weights.model_rules`)."""
+        from slime.models.qwen3_5.weights import model_rules
+
+        return {name: list(rule.hf_names) for name, rule in model_rules(self.model).items()}
 
     def save(self, rollout_id: int, path: Path) -> None:
         """Write ``path/trainer`` (:mod:`slime.backends.megatron.checkpoint`) and, with ``--save-hf``, the
@@ -249,7 +258,7 @@ class MegatronBackend(TrainerBackend):
                   "data_parallel_size": self.groups.dp_size, "dtype": str(self.dtype)}
         mckpt.save_trainer_state(Path(path) / "trainer", self.model, self.optimizer, steps=self.optimizer_steps,
                                  save_optim=not self.ckpt_cfg.no_save_optim, layout=layout, save_hf=save_hf,
-                                 hf_checkpoint=self.ckpt_cfg.hf_checkpoint)
+                                 hf_checkpoint=self.ckpt_cfg.hf_checkpoint, frozen_hf=set(self.frozen_hf_names))
 
     # ------------------------------------------------------------------------------------
     # colocated memory

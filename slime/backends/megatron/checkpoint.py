@@ -6,6 +6,7 @@ names, scheduler and RNG; and the ``--save-hf`` export.  ``<iteration folder>/tr
     scheduler.pt      {"optimizer_steps": n}
     rng_rank<r>.pt    rank r's torch / CUDA / Python / NumPy / megatron-core RNG states
     layout.json       the parallel sizes and dtype it was saved with (for people; nothing reads it)
+    frozen_params.json  the frozen checkpoint names (no moments saved for them; :mod:`slime.backends.freeze`)
 
 Each tensor is saved whole by its one source rank, in the Hugging Face layout, and a resume slices out its own
 shards, so a checkpoint resumes at any TP / PP / EP / DP layout.  ``--save-hf DIR``: the ``param`` tensors as
@@ -28,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import Tensor
 
+from slime.backends.freeze import frozen_change, write_frozen
 from slime.backends.megatron.optimizer import STATE_KEYS
 from slime.backends.megatron.weight_export import ordered_rules
 from slime.backends.rng import rng_state, set_rng_state
@@ -46,10 +48,13 @@ MAX_SHARD_BYTES = 5 << 30
 def save_trainer_state(
     trainer_dir: Path, model, optimizer, *, steps: int, save_optim: bool, layout: dict,
     save_hf: str | os.PathLike | None = None, hf_checkpoint: str | os.PathLike | None = None,
+    frozen_hf: set[str] | None = None,
 ) -> None:
     """Write ``trainer_dir`` (replaced; module docstring) and, with ``save_hf``, the Hugging Face folder with
     ``hf_checkpoint``'s side files. Collective.  ``optimizer``: :class:`~.optimizer.DistributedAdam` or ``LocalAdam``;
-    ``steps``: optimizer steps taken; ``save_optim``: also the moments; ``layout``: written to ``layout.json``."""
+    ``steps``: optimizer steps taken; ``save_optim``: also the moments; ``layout``: written to ``layout.json``;
+    ``frozen_hf``: the frozen checkpoint names (their weights only; :data:`slime.backends.freeze.FROZEN_FILE`)."""
+    frozen_hf = frozen_hf or set()
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(trainer_dir, ignore_errors=True)
@@ -60,8 +65,11 @@ def save_trainer_state(
     state: dict[str, Tensor] = {}
     params = dict(model.named_parameters())
     for _, name, rule in ordered_rules(model, groups):
-        tensors = optimizer.param_state(params[name])  # collective over the parameter's optimizer DP group
-        for kind in kinds:
+        if params[name].requires_grad:
+            tensors = optimizer.param_state(params[name])  # collective over the parameter's optimizer DP group
+        else:  # frozen: no optimizer state, its weight is the model's
+            tensors = {"param": params[name].detach().float()}
+        for kind in kinds if params[name].requires_grad else ("param",):
             for hf_name, value in (export_rule(rule, tensors[kind], groups) or {}).items():
                 state[f"{kind}/{hf_name}"] = value.detach().to("cpu", torch.float32)
     try:
@@ -70,6 +78,7 @@ def save_trainer_state(
         raise explain_write_failure(trainer_dir, sum(v.numel() * v.element_size() for v in state.values()), err)
     if rank == 0:
         torch.save({"optimizer_steps": steps}, trainer_dir / SCHEDULER_FILE)
+        write_frozen(trainer_dir, frozen_hf)
         (trainer_dir / "layout.json").write_text(json.dumps(layout, indent=2) + "\n")
     torch.save(rng_state(), trainer_dir / f"rng_rank{rank:05d}.pt")
     if save_hf is not None:
@@ -136,9 +145,11 @@ def _by_group(model, groups: ExportGroups):
         yield members
 
 
-def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool) -> int:
+def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool, frozen_hf: set[str] | None = None) -> int:
     """Restore weights (and the fp32 main weights), Adam's moments and step count, and RNG; returns the optimizer steps
-    taken, or 0 with ``load_optim`` False (``--no-load-optim``: Adam and the LR schedule start afresh).
+    taken, or 0 with ``load_optim`` False (``--no-load-optim``: Adam and the LR schedule start afresh).  ``frozen_hf``:
+    this run's frozen checkpoint names; a frozen parameter loads its weight only, and one frozen when saved but
+    trained now starts Adam afresh (:func:`slime.backends.freeze.frozen_change` logs both kinds of change).
 
     Raises:
         CheckpointError: ``state/`` or ``scheduler.pt`` missing or malformed, a tensor the model needs missing, or no
@@ -154,25 +165,33 @@ def load_trainer_state(trainer_dir: Path, model, optimizer, *, load_optim: bool)
     if load_optim and not any(k.startswith("exp_avg/") for k in sizes):
         raise CheckpointError(f"{state_dir} holds no optimizer state (saved with --no-save-optim?); resume with "
                               "--no-load-optim to start AdamW afresh")
+    no_moments = set()
     if load_optim:
         optimizer.ensure_state()
+        frozen_now = set(frozen_hf or ())
+        no_moments = frozen_now | frozen_change(trainer_dir, frozen_now)[1]  # frozen now, or frozen when saved
     groups = ExportGroups.current()
     params = dict(model.named_parameters())
     for members in _by_group(model, groups):
         rules = {name: rule for name, rule in members}
-        wanted = [f"{kind}/{hf}" for kind in kinds for rule in rules.values() for hf in rule.hf_names]
+        wanted = [f"{kind}/{hf}" for rule in rules.values() for hf in rule.hf_names
+                  for kind in (("param",) if no_moments.intersection(rule.hf_names) else kinds)]
         missing = [k for k in wanted if k not in sizes]
         if missing:
             raise CheckpointError(f"{state_dir} has no tensor {missing[0]!r} (and {len(missing) - 1} more) that the "
                                   "model needs; was it saved from another model?")
         tensors = _read(state_dir, wanted, sizes)
         local = {kind: read_rank_state(StateDictReader({k[len(kind) + 1:]: v for k, v in tensors.items()
-                                                        if k.startswith(kind + "/")}), rules)
+                                                        if k.startswith(kind + "/")}),
+                                       {n: r for n, r in rules.items()
+                                        if kind == "param" or not no_moments.intersection(r.hf_names)})
                  for kind in kinds}
         with torch.no_grad():
             for name in rules:  # the weights, and the fp32 main weights (with the moments when loaded)
                 params[name].copy_(local["param"][name].to(params[name].dtype))
-                optimizer.set_param_state(params[name], {k: local[k][name] for k in kinds}, steps)
+                if params[name].requires_grad:
+                    optimizer.set_param_state(params[name], {k: local[k][name] for k in kinds if name in local[k]},
+                                              steps)
     rng_file = trainer_dir / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -57,6 +57,7 @@ class DistributedAdam:
         )
         self.optimizer = get_megatron_optimizer(mcore, [self.ddp])
         self.parts = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]  # in no DDP buffer: moved by hand
 
     @property
     def model(self) -> torch.nn.Module:
@@ -162,6 +163,9 @@ class DistributedAdam:
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
             else:
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
+        device = torch.device("cuda", torch.cuda.current_device()) if onto_device else torch.device("cpu")
+        for param in self.frozen:  # frozen parameters (--freeze-params-name-list): their own storage, moved once
+            param.data = param.data.to(device, non_blocking=True)
 
     def move_training_state(self, onto_device: bool) -> None:
         """Free the gradient buffers and move the optimizer state (fp32 main weights, moments) to CPU, or restore both

@@ -12,7 +12,7 @@ source of (``[]`` if none), so pipeline stages, expert ranks and data-parallel r
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -62,16 +62,18 @@ def _export_bytes(rule: ParamRule, groups: ExportGroups, element_size: int) -> i
     return numel * size * element_size
 
 
-def ordered_rules(model, groups: ExportGroups) -> list[tuple[int, str, ParamRule]]:
-    """``(group index, native name, rule)`` of this rank's parameters in the global export order."""
+def ordered_rules(model, groups: ExportGroups, skip: Collection[str] = ()) -> list[tuple[int, str, ParamRule]]:
+    """``(group index, native name, rule)`` of this rank's parameters in the global export order, those named in
+    ``skip`` left out."""
     arch = model.qwen_config.arch
     rules = model_rules(model, groups.ranks)
     keyed = [(group_index(rule.hf_names[0], arch), order, name, rule)
-             for order, (name, rule) in enumerate(rules.items())]
+             for order, (name, rule) in enumerate(rules.items()) if name not in skip]
     return [(g, name, rule) for g, _, name, rule in sorted(keyed)]
 
 
-def bucket_plan(model, groups: ExportGroups, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[int]:
+def bucket_plan(model, groups: ExportGroups, bucket_bytes: int, dtype: torch.dtype | None = None,
+                skip: Collection[str] = ()) -> list[int]:
     """The export-group index that closes each bucket, identical on every rank (collective over the world).
 
     Sizes count the tensors in ``dtype`` (default: each parameter's own).
@@ -84,7 +86,7 @@ def bucket_plan(model, groups: ExportGroups, bucket_bytes: int, dtype: torch.dty
     arch = model.qwen_config.arch
     params = dict(model.named_parameters())
     sizes = torch.zeros(num_groups(arch), dtype=torch.float64)
-    for g, name, rule in ordered_rules(model, groups):
+    for g, name, rule in ordered_rules(model, groups, skip):
         sizes[g] += _export_bytes(rule, groups, (dtype or params[name].dtype).itemsize)
     if dist.is_initialized():
         dist.all_reduce(sizes)
@@ -100,19 +102,21 @@ def iter_buckets(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     groups: ExportGroups | None = None,
+    skip: Collection[str] = (),
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """This rank's share of the model as lockstep buckets of ``(Hugging Face name, tensor)`` (module docstring), the
     same number on every rank (collective: exhaust it everywhere).  ``tensor_of(native name, parameter)``: a tensor of
     the parameter's local shape to export instead (e.g. an optimizer moment; may be collective); ``device``, ``dtype``:
-    move and cast (default: as they are; ``A_log`` stays fp32); ``groups``: default megatron-core's state.
+    move and cast (default: as they are; ``A_log`` stays fp32); ``groups``: default megatron-core's state; ``skip``:
+    native names left out (the same parameters on every rank of their TP / ETP group).
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.
     """
     groups = groups or ExportGroups.current()
     params: Mapping[str, Tensor] = dict(model.named_parameters())
-    closes = bucket_plan(model, groups, bucket_bytes, dtype)
-    rules = ordered_rules(model, groups)
+    closes = bucket_plan(model, groups, bucket_bytes, dtype, skip)
+    rules = ordered_rules(model, groups, skip)
     position = 0
     for close in closes:
         bucket: list[tuple[str, Tensor]] = []
