@@ -250,6 +250,7 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
                   other_flags=_other_backend_flags(cfg))
     cfg.engine_config.check(cfg.rollout, cfg.sglang, cfg.checkpoint.hf_checkpoint)
     _resolve_route_replay(cfg)
+    _check_routing_replay(cfg)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)
@@ -284,6 +285,33 @@ def _resolve_route_replay(cfg: SlimeConfig) -> None:
             "log-probs without replaying its routes, which at real width (random routers) cannot tell the "
             "multimodal-RoPE bug from routing flips (docs/design/parity_gate.md); --no-engine-parity-replay-routes "
             "silences this", problem)
+
+
+def _check_routing_replay(cfg: SlimeConfig) -> None:
+    """Refuse ``--use-routing-replay`` / ``--use-rollout-routing-replay`` where they cannot run: a dense or
+    unreadable ``--hf-checkpoint``, more experts than uint8 routes name, a backend layout where replay is unproven
+    (:meth:`BackendConfig.train_replay_problem`), and R2 alone with ``--use-rollout-logprobs`` (no old-log-prob pass
+    to record).  ConfigError naming the flag and the reason (``docs/design/routing_replay.md``)."""
+    train = cfg.train
+    if not train.use_routing_replay:
+        return
+    name = "--use-rollout-routing-replay" if train.use_rollout_routing_replay else "--use-routing-replay"
+    config = read_config(cfg.checkpoint.hf_checkpoint)
+    try:
+        shape = None if config is None else RouteShape.from_hf_config(config, f"--hf-checkpoint "
+                                                                               f"{cfg.checkpoint.hf_checkpoint}")
+    except RouteError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    if shape is None:
+        raise ConfigError(f"{name} replays the routed experts of an MoE model, but --hf-checkpoint "
+                          f"{cfg.checkpoint.hf_checkpoint} has no MoE layers (or no config.json); drop the flag")
+    problem = cfg.train_backend_config.train_replay_problem()
+    if problem:
+        raise ConfigError(f"{name}: {problem}")
+    if train.use_rollout_logprobs and not train.use_rollout_routing_replay:
+        raise ConfigError("--use-routing-replay records the routes of the trainer's old-log-prob pass, which "
+                          "--use-rollout-logprobs skips; use --use-rollout-routing-replay (the engine's routes) "
+                          "or drop --use-rollout-logprobs")
 
 
 def _other_backend_flags(cfg: SlimeConfig) -> list[OtherBackendFlag]:

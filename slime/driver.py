@@ -40,6 +40,7 @@ from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, check_cpu_memory, cluster_num_gpus, create_placement_groups, init_ray
 from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engines import ENGINES
+from slime.rollout.engines.config import rollout_routes_wanted
 from slime.rollout.manager import RolloutManager
 from slime.rollout.parity import EngineParityCheck
 from slime.rollout.replay import model_fingerprint
@@ -232,6 +233,7 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
         processor=processor, engines=None, seed=cfg.rollout.rollout_seed,
         debug_dump=cfg.logging.save_debug_rollout_data, replay_from=cfg.logging.load_debug_rollout_data,
         fingerprint=fingerprint,
+        return_routed_experts=rollout_routes_wanted(cfg, parity_check=cfg.engine_config.parity_check),
     )
 
 

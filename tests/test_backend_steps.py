@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -95,16 +96,26 @@ def test_logprob_gap_is_token_weighted_per_prompt_kind_and_omits_empty_splits():
     train = [torch.tensor([-1.5, -2.0]), torch.tensor([-1.25, -9.0, -0.5]), torch.tensor([-3.0])]
     sums = all_reduce_sums(logprob_gap_sums(samples, train))
     metrics = logprob_gap_metrics(sums)
-    # image: |0.5| + |0| over 2 tokens; text: |0.25| + |0.5| over 2 masked tokens.
+    # d = train - rollout; image: -0.5, 0 over 2 tokens; text: -0.25, +0.5 over 2 masked tokens.
+    # k3 = e^d - 1 - d; off: |e^d - 1| > 0.2 (e^-0.5 - 1 = -0.39, e^-0.25 - 1 = -0.22, e^0.5 - 1 = 0.65).
+    k3 = {d: math.exp(d) - 1 - d for d in (-0.5, 0.0, -0.25, 0.5)}
     assert metrics == {
         "train/logprob_abs_diff_image": pytest.approx(0.25),
         "train/logprob_abs_diff_text": pytest.approx(0.375),
         "train/logprob_abs_diff": pytest.approx(1.25 / 4),
+        "train/logprob_k3_kl_image": pytest.approx((k3[-0.5] + k3[0.0]) / 2),
+        "train/logprob_k3_kl_text": pytest.approx((k3[-0.25] + k3[0.5]) / 2),
+        "train/logprob_k3_kl": pytest.approx(sum(k3.values()) / 4),
+        "train/logprob_ratio_off_frac_image": pytest.approx(0.5),
+        "train/logprob_ratio_off_frac_text": pytest.approx(1.0),
+        "train/logprob_ratio_off_frac": pytest.approx(0.75),
         "train/logprob_gap_altered_tokens": 0.0,
     }
     text_only = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[1:2], train[1:2])))
     assert set(text_only) == {
-        "train/logprob_abs_diff_text", "train/logprob_abs_diff", "train/logprob_gap_altered_tokens"
+        "train/logprob_abs_diff_text", "train/logprob_abs_diff", "train/logprob_gap_altered_tokens",
+        "train/logprob_k3_kl_text", "train/logprob_k3_kl", "train/logprob_ratio_off_frac_text",
+        "train/logprob_ratio_off_frac",
     }
     assert logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples[2:], train[2:]))) == {
         "train/logprob_gap_altered_tokens": 0.0
@@ -119,7 +130,7 @@ def test_logprob_gap_leaves_out_the_tokens_after_a_generated_placeholder():
     metrics = logprob_gap_metrics(all_reduce_sums(logprob_gap_sums(samples, train, placeholder_ids={9})))
     # Kept: token 0 (|0.5|) and the placeholder itself (|0.25|, its context is unchanged); left out:
     # token 2 (masked in) and token 3 (masked out, so not counted).
-    assert metrics == {
+    assert {k: v for k, v in metrics.items() if "k3" not in k and "ratio" not in k} == {
         "train/logprob_abs_diff_image": pytest.approx(0.375),
         "train/logprob_abs_diff": pytest.approx(0.375),
         "train/logprob_gap_altered_tokens": 1.0,

@@ -67,7 +67,7 @@ class StandIn(TrainerBackend):
         self.ref_model = Linear(W_REF) if self.grpo.needs_ref_model else None
         return 0
 
-    def _forward_log_probs(self, model, batches, *, replay_routes=False):
+    def _forward_log_probs(self, model, batches, *, replay_routes=False, capture_routes=False):
         self.forward_passes.append(("ref" if model is self.ref_model else "policy", [b.indices for b in batches]))
         with torch.no_grad():
             return [torch.nn.functional.logsigmoid(model.logits(s.response_token_ids)) for b in batches
@@ -215,19 +215,27 @@ def test_two_optimizer_steps_match_the_loss_lr_clipping_and_metrics_by_hand(per_
         expected = (want[0][name] + want[1][name]) / 2
         assert metrics[f"train/{name}"] == pytest.approx(expected, rel=1e-6, abs=1e-12), name
 
-    # The gap: |old - rollout| over loss-masked tokens, by prompt kind, token-weighted.
+    # The monitor over loss-masked tokens, by prompt kind, token-weighted, with d = old - rollout:
+    # mean |d|, mean k3 = e^d - 1 - d, share of |e^d - 1| > 0.2 (math.exp on Python floats).
     gaps = {"image": [], "text": []}
     for sample, old_lp in zip(samples, old):
-        diff = (old_lp - torch.tensor(sample.rollout_log_probs, dtype=torch.float64)).abs()
+        diff = old_lp - torch.tensor(sample.rollout_log_probs, dtype=torch.float64)
         gaps["image" if sample.images else "text"] += [float(d) for d, m in zip(diff, sample.loss_mask) if m]
-    assert metrics["train/logprob_abs_diff_image"] == pytest.approx(sum(gaps["image"]) / len(gaps["image"]))
-    assert metrics["train/logprob_abs_diff_text"] == pytest.approx(sum(gaps["text"]) / len(gaps["text"]))
-    everything = gaps["image"] + gaps["text"]
-    assert metrics["train/logprob_abs_diff"] == pytest.approx(sum(everything) / len(everything))
+    gaps["all"] = gaps["image"] + gaps["text"]
+    for kind, ds in gaps.items():
+        suffix = "" if kind == "all" else f"_{kind}"
+        assert metrics[f"train/logprob_abs_diff{suffix}"] == pytest.approx(sum(abs(d) for d in ds) / len(ds))
+        k3 = sum(math.exp(d) - 1 - d for d in ds) / len(ds)
+        assert metrics[f"train/logprob_k3_kl{suffix}"] == pytest.approx(k3, rel=1e-9)
+        off = sum(abs(math.exp(d) - 1) > 0.2 for d in ds) / len(ds)
+        assert metrics[f"train/logprob_ratio_off_frac{suffix}"] == pytest.approx(off)
+    assert 0 < metrics["train/logprob_ratio_off_frac"] < 1, "the samples should have tokens on both sides of 0.2"
     assert metrics["train/logprob_gap_altered_tokens"] == 0.0
+    monitor = [f"{name}{suffix}" for name in ("logprob_abs_diff", "logprob_k3_kl", "logprob_ratio_off_frac")
+               for suffix in ("", "_image", "_text")]
     assert set(metrics) == {f"train/{name}" for name in (
-        "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "grad_norm", "lr", "logprob_abs_diff",
-        "logprob_abs_diff_image", "logprob_abs_diff_text", "logprob_gap_altered_tokens")}
+        "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "grad_norm", "lr",
+        "logprob_gap_altered_tokens", *monitor)}  # no router agreement: the stand-in has no MoE routes
 
 
 def test_no_clipping_below_the_threshold_or_with_clip_grad_zero():

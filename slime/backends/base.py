@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -29,13 +30,15 @@ from slime.backends.train_metrics import (
     EXTREMA,
     all_reduce_extrema,
     all_reduce_sums,
+    check_gap_threshold,
     extrema_over_steps,
     fold_extremum,
     logprob_gap_metrics,
     neutral_extremum,
     logprob_gap_sums,
+    route_agreement_sums,
 )
-from slime.data.routes import RouteShape
+from slime.data.routes import RouteError, RouteShape, check_routes
 from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,11 @@ class MicroBatch:
     old_log_probs: list[Tensor] | None = None
     ref_log_probs: list[Tensor] | None = None
     rollout_log_probs: list[Tensor] | None = None
+    routes: list[np.ndarray] | None = None
+    """Per sample the uint8 ``[P + R - 1, layers, top_k]`` experts a forward with ``replay_routes`` (and every
+    training forward, when set) takes: the engine's (R3) or the old-log-prob pass's (R2); None: the router's own."""
+    trainer_routes: list[np.ndarray] | None = None
+    """Per sample the experts the policy's routers chose in a ``capture_routes`` pass, same layout."""
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:
@@ -150,31 +158,49 @@ class TrainerBackend(abc.ABC):
             entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, with ``--use-tis``
             ``train/tis_weight_{mean, min, max}`` and ``train/tis_clipfrac``, with ``--use-opsm``
             ``train/opsm_masked_frac`` (the ``_min`` / ``_max`` over all steps), the backend's :meth:`_step_metrics`,
-            the log-prob gap (:mod:`slime.backends.train_metrics`; not with ``--use-rollout-logprobs``) and on a
-            colocated GPU the free-memory figures of :meth:`memory_metrics`.
+            the mismatch monitor (:mod:`slime.backends.train_metrics`; not with ``--use-rollout-logprobs``) and on a
+            colocated GPU the free-memory figures of :meth:`memory_metrics`.  Routing replay (R3 / R2) and the
+            monitor's router agreement: ``docs/design/routing_replay.md``.
 
         Raises:
-            SampleError: a malformed sample on any rank, or no ``rollout_log_probs`` with ``--use-rollout-logprobs``,
-                ``--use-tis`` or ``--use-opsm``.
+            SampleError: a malformed sample on any rank, no ``rollout_log_probs`` with ``--use-rollout-logprobs``,
+                ``--use-tis`` or ``--use-opsm``, or with ``--use-rollout-routing-replay`` routes missing or malformed
+                (before any forward).
+            LogprobGapError: the gap passes ``--ci-train-rollout-logprob-abs-diff-threshold`` (no update applied).
             ValueError: ``len(samples)`` is not a positive multiple of ``num_steps``.
             NonFiniteGradNorm: the gradient norm is not finite (no update applied).
             RuntimeError: before :meth:`init`, or the optimizer state is offloaded (no :meth:`onload`).
         """
         self._require_init()
         self._require_on_device("train()", training=True)
-        check_train_samples(samples, need_rollout_log_probs=self._rollout_log_prob_flags())
+        r3, r2 = self.train_cfg.use_rollout_routing_replay, self.train_cfg.use_routing_replay
+        shape = self._route_shape() if r2 else self._monitored_route_shape()
+        check_train_samples(samples, need_rollout_log_probs=self._rollout_log_prob_flags(),
+                            routes=shape if r3 else None)
         steps = [self._micro_batches(samples, indices, self._dp_group())
                  for indices in split_into_steps(range(len(samples)), num_steps)]
         everything = [batch for batches in steps for batch in batches]
+        for batch in everything if r3 else ():
+            batch.routes = [s.rollout_routed_experts for s in batch.samples]
         gap: dict[str, float] = {}
         if self.train_cfg.use_rollout_logprobs:
             old = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
         else:
-            old = self._log_probs_by_sample(self.model, everything, len(samples))
+            # R2's record, or the monitor's router agreement where engine routes exist
+            capture = shape is not None and not r3 and (r2 or any(s.rollout_routed_experts is not None
+                                                                  for s in samples))
+            old = self._log_probs_by_sample(self.model, everything, len(samples), replay_routes=r3,
+                                            capture_routes=capture)
             found = [] if old is None else samples  # ranks that compute no loss add zeros
             sums = logprob_gap_sums(found, old or [], self._placeholder_ids())
+            if shape is not None:
+                sums.update(self._agreement_sums(everything if capture else [], shape))
             gap = logprob_gap_metrics(self._metric_sum(sums))
-        ref = None if self.ref_model is None else self._log_probs_by_sample(self.ref_model, everything, len(samples))
+            check_gap_threshold(gap, self.train_cfg.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
+        for batch in everything if r2 and not r3 else ():
+            batch.routes = batch.trainer_routes  # R2: the old-log-prob pass's routes, in every optimizer step
+        ref = None if self.ref_model is None else self._log_probs_by_sample(self.ref_model, everything, len(samples),
+                                                                             replay_routes=r3)
         for batch in everything:
             batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
             batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
@@ -223,6 +249,34 @@ class TrainerBackend(abc.ABC):
         return {**self._metric_sum(sums), **all_reduce_extrema(extremes), "train/grad_norm": grad_norm, "train/lr": lr,
                 **self._step_metrics(batches)}
 
+    def _monitored_route_shape(self) -> RouteShape | None:
+        """The policy's route shape where the monitor can measure router agreement (an MoE policy in a layout that
+        replays routes), else None."""
+        try:
+            return self._route_shape()
+        except NotImplementedError:
+            return None
+
+    def _agreement_sums(self, batches: list[MicroBatch], shape: RouteShape) -> dict[str, float]:
+        """:func:`route_agreement_sums` of the captured routes against the engine's, for the samples that carry
+        well-formed engine routes (the others are counted in ``routes/skipped`` and logged)."""
+        pairs, skipped = [], []
+        for batch in batches:
+            for sample, mine in zip(batch.samples, batch.trainer_routes or [], strict=False):
+                if sample.rollout_routed_experts is None:
+                    continue
+                try:
+                    check_routes(sample.rollout_routed_experts, len(sample.prompt_token_ids), sample.response_length,
+                                 shape, f"sample {sample.index}")
+                except RouteError as e:
+                    skipped.append(str(e))
+                    continue
+                pairs.append((sample, mine))
+        if skipped:
+            logger.warning("%d sample(s) with malformed engine routes are left out of train/router_agreement "
+                           "(first: %s)", len(skipped), skipped[0])
+        return {**route_agreement_sums(pairs), "routes/skipped": float(len(skipped))}
+
     def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False,
                           replay_routes: bool = False) -> list[list[float]] | None:
         """Per-token log-probs (nats) of each sample's response under the current policy at ``logits / temperature``, no
@@ -242,6 +296,8 @@ class TrainerBackend(abc.ABC):
         self._require_on_device("compute_log_probs()", training=False)
         check_train_samples(samples, routes=self._route_shape() if replay_routes else None)
         batches = self._micro_batches(samples, range(len(samples)), None)
+        for batch in batches if replay_routes else ():
+            batch.routes = [s.rollout_routed_experts for s in batch.samples]
         with rounding_step_noise(self._input_embedding() if rounding_noise else None):
             log_probs = self._log_probs_by_sample(self.model, batches, len(samples), replay_routes=replay_routes)
         return None if log_probs is None else [lp.tolist() for lp in log_probs]
@@ -265,10 +321,10 @@ class TrainerBackend(abc.ABC):
             batches.append(MicroBatch([indices[j] for j in part], members, self._pack(members)))
         return batches
 
-    def _log_probs_by_sample(self, model, batches: list[MicroBatch], count: int, *,
-                             replay_routes: bool = False) -> list[Tensor] | None:
+    def _log_probs_by_sample(self, model, batches: list[MicroBatch], count: int, *, replay_routes: bool = False,
+                             capture_routes: bool = False) -> list[Tensor] | None:
         """:meth:`_forward_log_probs` of ``batches``, as one tensor per sample position ``0 .. count - 1``."""
-        found = self._forward_log_probs(model, batches, replay_routes=replay_routes)
+        found = self._forward_log_probs(model, batches, replay_routes=replay_routes, capture_routes=capture_routes)
         if found is None:
             return None
         out: list[Tensor] = [None] * count  # type: ignore[list-item]
@@ -284,16 +340,19 @@ class TrainerBackend(abc.ABC):
         """The backend's form of one micro-batch (kept on :attr:`MicroBatch.packed`); None by default."""
         return None
 
-    def _forward_log_probs(self, model: torch.nn.Module, batches: list[MicroBatch], *,
-                           replay_routes: bool = False) -> list[Tensor] | None:
-        """No-grad log-probs of ``model`` (policy or reference), replaying routes with ``replay_routes``: one float32
-        ``[R_s]`` CPU tensor per sample, in order; None on a rank that computes no loss."""
+    def _forward_log_probs(self, model: torch.nn.Module, batches: list[MicroBatch], *, replay_routes: bool = False,
+                           capture_routes: bool = False) -> list[Tensor] | None:
+        """No-grad log-probs of ``model`` (policy or reference): one float32 ``[R_s]`` CPU tensor per sample, in
+        order; None on a rank that computes no loss.  ``replay_routes``: every MoE layer takes each batch's
+        :attr:`MicroBatch.routes`; ``capture_routes``: the routers' own choices go to
+        :attr:`MicroBatch.trainer_routes`."""
         raise NotImplementedError
 
     def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         """Forward and backward of one step's micro-batches with :func:`slime.grpo.loss.grpo_micro_batch_loss` at
         ``global_normalizer=normalizer``, leaving the gradient of the step's mean loss; per micro-batch its 0-d shares
-        of the loss terms of :meth:`train` (``[]`` on a rank that computes no loss)."""
+        of the loss terms of :meth:`train` (``[]`` on a rank that computes no loss).  A batch whose
+        :attr:`MicroBatch.routes` is set replays them (R2 / R3), backward included."""
         raise NotImplementedError
 
     def _grad_norm(self) -> float:

@@ -72,6 +72,22 @@ class TrainConfig:
         help="Train only the parameters whose Hugging Face checkpoint names a pattern finds (Python re.search); "
         "freeze the others (see --freeze-params-name-list). E.g. 'layers\\.2[0-3]\\.'.",
     )
+    use_routing_replay: bool = flag(
+        False, help="R2 routing replay (arXiv 2507.18071), MoE models: record the experts every MoE layer of the "
+        "trainer chose in the old-log-prob pass and take exactly those in every training forward of that rollout's "
+        "optimizer steps (gate weights from the router's own logits, so the router still learns)."
+    )
+    use_rollout_routing_replay: bool = flag(
+        False, help="R3 rollout routing replay (arXiv 2510.11370), MoE models: the rollout engine returns the experts "
+        "it routed each token to (SGLang servers start with --enable-return-routed-experts), and every trainer "
+        "forward of the step (old and reference log-probs, training) takes them, gate weights from the trainer's "
+        "router logits. Implies --use-routing-replay (upstream slime's rule)."
+    )
+    ci_train_rollout_logprob_abs_diff_threshold: float | None = flag(
+        None, help="Stop the run with an error when a step's mean |trainer - rollout log-prob| (nats; "
+        "train/logprob_abs_diff, image or text prompts) passes this bound. Default: no bound (upstream applies 0.1 "
+        "under --ci-test, which slime has not)."
+    )
 
     def __post_init__(self):
         check_name_or_import_path("--train-backend", self.train_backend, TRAIN_BACKENDS.names())
@@ -82,6 +98,11 @@ class TrainConfig:
         check_at_least_one(self, "global_batch_size", "micro_batch_size", "max_tokens_per_gpu")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (tokens per packed micro-batch)")
+        if self.use_rollout_routing_replay:
+            self.use_routing_replay = True  # R3 is R2 with the engine's routes (upstream's rule)
+        threshold = self.ci_train_rollout_logprob_abs_diff_threshold
+        if threshold is not None and not threshold > 0:
+            raise ConfigError(f"--ci-train-rollout-logprob-abs-diff-threshold must be > 0 nats, got {threshold}")
 
 
 def compile_patterns(flag: str, patterns: list[str] | None) -> list[re.Pattern]:
@@ -172,6 +193,11 @@ class BackendConfig:
     def replay_routes_problem(self) -> str | None:
         """Why this backend cannot replay routed experts in its layout (the parser then turns replay off), or None."""
         return None
+
+    def train_replay_problem(self) -> str | None:
+        """Why this backend cannot replay routed experts in its training forwards (``--use-routing-replay``,
+        refused at parse time for this reason), or None; default: :meth:`replay_routes_problem`."""
+        return self.replay_routes_problem()
 
 
 def gdn_batching_problem(

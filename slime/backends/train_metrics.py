@@ -1,12 +1,16 @@
-"""Backend-neutral training metrics: cross-rank sums, and the train-vs-rollout log-prob gap.
+"""Backend-neutral training metrics: cross-rank sums, and the train-vs-rollout mismatch monitor.
 
 Loss terms computed with the step's global normaliser are each rank's share, so a step's value is a sum over
-micro-batches and ranks (:func:`all_reduce_sums`).  The gap ``train/logprob_abs_diff`` is the mean
-``|log p_train(y_t) - log p_rollout(y_t)|`` over loss-masked response tokens of all samples of all ranks (upstream's
-``train_rollout_logprob_abs_diff``), also split by prompt kind (``_image``, ``_text``: a vision-tower mismatch shows
-only in the first); tokens after a generated image / video placeholder are left out and counted in
-``train/logprob_gap_altered_tokens`` (``docs/design/training_step.md``).  Metrics named ``*_min`` / ``*_max`` (the IS
-weight's) are extremes, reduced by min / max over micro-batches, ranks and steps instead (:func:`all_reduce_extrema`).
+micro-batches and ranks (:func:`all_reduce_sums`).  The monitor, over loss-masked response tokens of all ranks, with
+``d = log p_train(y_t) - log p_rollout(y_t)``: ``train/logprob_abs_diff`` the mean ``|d|`` (upstream's
+``train_rollout_logprob_abs_diff``), ``train/logprob_k3_kl`` the mean ``exp(d) - 1 - d`` (Schulman's k3 estimator of
+KL(rollout || trainer), "Approximating KL divergence", 2020), ``train/logprob_ratio_off_frac`` the share with
+``|exp(d) - 1| > 0.2``; each also by prompt kind (``_image``, ``_text``: a vision-tower mismatch shows only in the
+first).  Tokens after a generated image / video placeholder are left out and counted in
+``train/logprob_gap_altered_tokens`` (``docs/design/training_step.md``).  ``train/router_agreement`` is the share of
+(position, MoE layer) pairs whose trainer top-k set equals the engine's (``docs/design/routing_replay.md``).  Metrics
+named ``*_min`` / ``*_max`` (the IS weight's) are extremes, reduced by min / max over micro-batches, ranks and steps
+instead (:func:`all_reduce_extrema`).
 """
 
 from __future__ import annotations
@@ -15,15 +19,25 @@ import logging
 import math
 from typing import Collection, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from slime.data.sample import Sample
+from slime.errors import SlimeError
 
 logger = logging.getLogger(__name__)
 
 _GAP_KINDS = ("image", "text")
+RATIO_OFF = 0.2
+"""``train/logprob_ratio_off_frac`` counts tokens whose ratio ``exp(d)`` is outside ``[1 - RATIO_OFF, 1 + RATIO_OFF]``
+(PPO's usual clip range)."""
+_GAP_SUMS = ("abs_diff", "k3", "ratio_off", "tokens")
+
+
+class LogprobGapError(SlimeError, RuntimeError):
+    """A step's trainer-vs-rollout log-prob gap passed ``--ci-train-rollout-logprob-abs-diff-threshold``."""
 
 
 def all_reduce_sums(values: Mapping[str, float | Tensor], group: dist.ProcessGroup | None = None) -> dict[str, float]:
@@ -88,7 +102,7 @@ def logprob_gap_sums(
     """
     if len(samples) != len(train_log_probs):
         raise ValueError(f"{len(samples)} samples but {len(train_log_probs)} log-prob tensors")
-    sums = {f"gap/{kind}/{what}": 0.0 for kind in _GAP_KINDS for what in ("abs_diff", "tokens")}
+    sums = {f"gap/{kind}/{what}": 0.0 for kind in _GAP_KINDS for what in _GAP_SUMS}
     sums["gap/altered/tokens"] = 0.0
     missing = [s.index for s in samples if not s.rollout_log_probs]
     if missing:
@@ -111,24 +125,83 @@ def logprob_gap_sums(
         if first is not None:
             sums["gap/altered/tokens"] += float(mask[first + 1 :].sum())
             mask[first + 1 :] = False
-        diff = (train_lp.detach().double().cpu() - torch.as_tensor(sample.rollout_log_probs, dtype=torch.float64)).abs()
+        d = (train_lp.detach().double().cpu() - torch.as_tensor(sample.rollout_log_probs, dtype=torch.float64))[mask]
         kind = "image" if sample.has_images else "text"
-        sums[f"gap/{kind}/abs_diff"] += float(diff[mask].sum())
+        sums[f"gap/{kind}/abs_diff"] += float(d.abs().sum())
+        sums[f"gap/{kind}/k3"] += float((torch.expm1(d) - d).sum())
+        sums[f"gap/{kind}/ratio_off"] += float((torch.expm1(d).abs() > RATIO_OFF).sum())
         sums[f"gap/{kind}/tokens"] += float(mask.sum())
     return sums
 
 
+def route_agreement_sums(pairs: Sequence[tuple[Sample, np.ndarray]]) -> dict[str, float]:
+    """This rank's sums for ``train/router_agreement``: per kind ``routes/<kind>/agree`` and ``routes/<kind>/pairs``,
+    always all present.  ``pairs``: (sample, the trainer's routes), both uint8 ``[P + R - 1, layers, top_k]`` (the
+    engine's on ``sample.rollout_routed_experts``, checked); a (position, layer) pair agrees when the two top-k
+    *sets* are equal (the order of the k ids is not compared).
+
+    Raises:
+        ValueError: the two arrays of a sample differ in shape.
+    """
+    sums = {f"routes/{kind}/{what}": 0.0 for kind in _GAP_KINDS for what in ("agree", "pairs")}
+    for sample, trainer in pairs:
+        engine = sample.rollout_routed_experts
+        if engine.shape != trainer.shape:
+            raise ValueError(f"sample {sample.index}: engine routes {list(engine.shape)}, trainer routes "
+                             f"{list(trainer.shape)}")
+        same = (np.sort(engine, axis=-1) == np.sort(trainer, axis=-1)).all(axis=-1)
+        kind = "image" if sample.has_images else "text"
+        sums[f"routes/{kind}/agree"] += float(same.sum())
+        sums[f"routes/{kind}/pairs"] += float(same.size)
+    return sums
+
+
 def logprob_gap_metrics(summed: Mapping[str, float]) -> dict[str, float]:
-    """All-reduced :func:`logprob_gap_sums` -> ``train/logprob_abs_diff[_image|_text]`` and
-    ``train/logprob_gap_altered_tokens``; a split without tokens is omitted (so is the overall value without any)."""
+    """All-reduced :func:`logprob_gap_sums` (and :func:`route_agreement_sums`, when given) ->
+    ``train/logprob_{abs_diff,k3_kl,ratio_off_frac}[_image|_text]``, ``train/router_agreement[_image|_text]`` and
+    ``train/logprob_gap_altered_tokens``; a split without tokens (pairs) is omitted, so is the overall value without
+    any; ``train/router_agreement_skipped`` (samples with malformed engine routes) with agreement sums."""
     metrics = {"train/logprob_gap_altered_tokens": summed.get("gap/altered/tokens", 0.0)}
-    total_diff = total_tokens = 0.0
-    for kind in _GAP_KINDS:
-        diff, tokens = summed[f"gap/{kind}/abs_diff"], summed[f"gap/{kind}/tokens"]
-        if tokens > 0:
-            metrics[f"train/logprob_abs_diff_{kind}"] = diff / tokens
-        total_diff += diff
-        total_tokens += tokens
-    if total_tokens > 0:
-        metrics["train/logprob_abs_diff"] = total_diff / total_tokens
+    names = {"abs_diff": "logprob_abs_diff", "k3": "logprob_k3_kl", "ratio_off": "logprob_ratio_off_frac"}
+    _split_means(metrics, summed, "gap", "tokens", names)
+    if "routes/text/pairs" in summed:
+        _split_means(metrics, summed, "routes", "pairs", {"agree": "router_agreement"})
+        metrics["train/router_agreement_skipped"] = summed.get("routes/skipped", 0.0)
     return metrics
+
+
+def _split_means(metrics: dict[str, float], summed: Mapping[str, float], prefix: str, count: str,
+                 names: Mapping[str, str]) -> None:
+    """``train/<name>_<kind>`` = ``<prefix>/<kind>/<sum> / <prefix>/<kind>/<count>`` and the overall
+    ``train/<name>``, into ``metrics``; kinds (and the overall value) without a count are omitted."""
+    totals = {what: 0.0 for what in [*names, count]}
+    for kind in _GAP_KINDS:
+        n = summed[f"{prefix}/{kind}/{count}"]
+        for what, name in names.items():
+            if n > 0:
+                metrics[f"train/{name}_{kind}"] = summed[f"{prefix}/{kind}/{what}"] / n
+            totals[what] += summed[f"{prefix}/{kind}/{what}"]
+        totals[count] += n
+    if totals[count] > 0:
+        for what, name in names.items():
+            metrics[f"train/{name}"] = totals[what] / totals[count]
+
+
+def check_gap_threshold(metrics: Mapping[str, float], threshold: float | None, rollout_id: int) -> None:
+    """Stop the run when a prompt kind's mean gap passes ``threshold``
+    (``--ci-train-rollout-logprob-abs-diff-threshold``; None: no bound).
+
+    Raises:
+        LogprobGapError: naming the rollout step, the split(s), the gaps and the bound.
+    """
+    if threshold is None:
+        return
+    over = [f"{kind} prompts {metrics[f'train/logprob_abs_diff_{kind}']:.4g}" for kind in _GAP_KINDS
+            if metrics.get(f"train/logprob_abs_diff_{kind}", 0.0) > threshold]
+    if over:
+        raise LogprobGapError(
+            f"rollout step {rollout_id}: the mean |trainer - rollout log-prob| passed "
+            f"--ci-train-rollout-logprob-abs-diff-threshold {threshold:g} nats ({', '.join(over)}); no update was "
+            "applied. A large gap from step 0 on points at the weight sync or the engine (another dtype, weights or "
+            "temperature); one that creeps up over a run at MoE routing drift (--use-rollout-routing-replay)"
+        )

@@ -113,3 +113,15 @@ def token_routes(routes: Sequence[np.ndarray], starts: Sequence[int], total: int
     for sample_routes, start in zip(routes, starts, strict=True):
         out[start: start + len(sample_routes)] = sample_routes
     return out
+
+
+def sample_routes(token_axis: np.ndarray, starts: Sequence[int], lengths: Sequence[int],
+                  shape: RouteShape) -> list[np.ndarray]:
+    """The inverse of :func:`token_routes`: from a micro-batch's ``[total, num_layers, top_k]`` ids on its token axis
+    (a router's own choices), sample ``i``'s rows ``starts[i] .. starts[i] + lengths[i]`` as :data:`ROUTE_DTYPE`.
+
+    Raises:
+        RouteError: ids of another shape or outside ``[0, num_experts)``.
+    """
+    return [compact_routes(token_axis[start: start + n], shape, f"the trainer's routes of sample {i}")
+            for i, (start, n) in enumerate(zip(starts, lengths, strict=True))]

@@ -86,6 +86,8 @@ class RolloutManager:
             generating (no engines; the prompt cursor does not move).
         fingerprint: the model's (:func:`slime.rollout.replay.model_fingerprint`), written into and checked
             against the saved rollouts.
+        return_routed_experts: ask the engines for each training sample's routed experts
+            (:func:`slime.rollout.engines.config.rollout_routes_wanted`), kept on ``rollout_routed_experts``.
     """
 
     def __init__(
@@ -102,8 +104,10 @@ class RolloutManager:
         debug_dump: str | None = None,
         replay_from: str | None = None,
         fingerprint: dict | None = None,
+        return_routed_experts: bool = False,
     ):
         self.cfg, self.grpo, self.eval_cfg = rollout, grpo, evaluation
+        self.return_routed_experts = return_routed_experts
         if grpo.overlong_filter and grpo.stop_properly_penalty_coef is not None:
             logger.warning(
                 "--overlong-filter and --stop-properly-penalty-coef %g are both set, and both apply to truncated "
@@ -284,13 +288,15 @@ class RolloutManager:
 
     def requests(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str,
                  first: int = 0) -> list[GenerateRequest]:
-        """One request per sample; sample ``k`` is position ``first + k`` of the step (its seed and rid)."""
+        """One request per sample; sample ``k`` is position ``first + k`` of the step (its seed and rid); training
+        requests ask for routed experts where :attr:`return_routed_experts` says so."""
         return [
             GenerateRequest(
                 text=s.prompt,
                 image_data=s.images,
                 sampling_params=dataclasses.replace(params, sampling_seed=self._seed(rollout_id, i, stream)),
                 rid=f"{s.index}:{i}",
+                return_routed_experts=self.return_routed_experts and stream == "train",
             )
             for i, s in enumerate(samples, start=first)
         ]

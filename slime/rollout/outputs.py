@@ -27,12 +27,13 @@ _LOGGED_SAMPLES = 3
 
 
 def record_output(sample: Sample, out: GenerateOutput) -> None:
-    """Put an engine's output on its sample: response, token ids, log-probs, full loss mask, and the status
-    its ``finish_reason`` gives (stop: completed, length: truncated, abort: aborted)."""
+    """Put an engine's output on its sample: response, token ids, log-probs, full loss mask, routed experts (None
+    unless asked), and the status its ``finish_reason`` gives (stop: completed, length: truncated, abort: aborted)."""
     sample.response = out.text
     sample.response_token_ids = list(out.output_ids)
     sample.rollout_log_probs = list(out.output_log_probs)
     sample.loss_mask = [1] * len(out.output_ids)
+    sample.rollout_routed_experts = out.routed_experts  # uint8 [P + R - 1, layers, top_k] when asked, else None
     sample.status = {
         "stop": SampleStatus.COMPLETED,
         "length": SampleStatus.TRUNCATED,

@@ -37,9 +37,9 @@ from slime.backends.fsdp.inputs import build_model_inputs, pad_per_token, respon
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
-from slime.data.routes import RouteShape, token_routes
+from slime.data.routes import RouteShape, sample_routes, token_routes
 from slime.grpo.loss import grpo_micro_batch_loss
-from slime.models.routes import force_hf_routes
+from slime.models.routes import capture_hf_routes, force_hf_routes
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +153,11 @@ class FSDPBackend(TrainerBackend):
     # the training step's hooks (TrainerBackend.train)
     # ------------------------------------------------------------------------------------
 
-    def _forward_log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False) -> list[Tensor]:
+    def _forward_log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False,
+                           capture_routes: bool = False) -> list[Tensor]:
         """No-grad log-probs of each sample's response, float32 ``[R]`` on CPU, one padded micro-batch at a time;
-        with ``replay_routes`` the HF routers take the samples' routes (:func:`slime.models.routes.force_hf_routes`)."""
+        with ``replay_routes`` the HF routers take ``batch.routes`` (:func:`slime.models.routes.force_hf_routes`),
+        with ``capture_routes`` their choices go to ``batch.trainer_routes``."""
         was_training = model.training
         model.eval()
         out = []
@@ -163,8 +165,11 @@ class FSDPBackend(TrainerBackend):
             for batch in batches:
                 inputs = build_model_inputs(batch.samples, model.config, self.device)
                 replay = self._replayed(model, batch, inputs) if replay_routes else contextlib.nullcontext()
-                with replay:
+                capture = capture_hf_routes(model) if capture_routes else contextlib.nullcontext()
+                with replay, capture as calls:
                     log_probs, _ = response_log_probs(model, inputs, self.temperature)
+                if calls is not None:
+                    batch.trainer_routes = self._captured(calls, batch, inputs)
                 out.extend(log_probs[b, : s.response_length].float().cpu() for b, s in enumerate(batch.samples))
         # FSDP2 keeps the root's parameters gathered after a forward, expecting a backward;
         # free them (and put the sharded master weights back in place for save / weight sync).
@@ -173,11 +178,18 @@ class FSDPBackend(TrainerBackend):
         return out
 
     def _replayed(self, model, batch: MicroBatch, inputs):
-        """:func:`~slime.models.routes.force_hf_routes` with ``batch``'s routes on the padded rows of ``inputs``."""
+        """:func:`~slime.models.routes.force_hf_routes` with ``batch.routes`` on the padded rows of ``inputs``."""
         rows, width = inputs.model_kwargs["input_ids"].shape
-        routes = token_routes([s.rollout_routed_experts for s in batch.samples], [b * width for b in range(rows)],
-                              rows * width, self._route_shape())
+        routes = token_routes(batch.routes, [b * width for b in range(rows)], rows * width, self._route_shape())
         return force_hf_routes(model, torch.from_numpy(routes).to(self.device))
+
+    def _captured(self, calls: list[list[Tensor]], batch: MicroBatch, inputs) -> list:
+        """Each sample's own routes of one forward (:func:`~slime.models.routes.capture_hf_routes`), uint8
+        ``[P + R - 1, layers, top_k]`` from its padded row."""
+        width = inputs.model_kwargs["input_ids"].shape[1]
+        token_axis = torch.stack([layer[-1] for layer in calls], dim=1).numpy()
+        lengths = [len(s.prompt_token_ids) + s.response_length - 1 for s in batch.samples]
+        return sample_routes(token_axis, [b * width for b in range(len(lengths))], lengths, self._route_shape())
 
     def _route_shape(self) -> RouteShape:
         shape = RouteShape.from_hf_config(self.model.config.to_dict(), "the policy's config")
@@ -192,23 +204,25 @@ class FSDPBackend(TrainerBackend):
         for batch in batches:
             samples = batch.samples
             inputs = build_model_inputs(samples, self.model.config, self.device)
-            log_probs, entropy = response_log_probs(
-                self.model, inputs, self.temperature, with_entropy=True, entropy_grad=self.grpo.entropy_coef != 0
-            )
-            loss, terms = grpo_micro_batch_loss(
-                log_probs,
-                pad_per_token(batch.old_log_probs, torch.float32, self.device),
-                torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
-                pad_per_token([s.loss_mask for s in samples], torch.float32, self.device),
-                self.grpo,
-                global_normalizer=normalizer,
-                ref_log_probs=None if batch.ref_log_probs is None else pad_per_token(
-                    batch.ref_log_probs, torch.float32, self.device),
-                rollout_log_probs=None if batch.rollout_log_probs is None else pad_per_token(
-                    batch.rollout_log_probs, torch.float32, self.device),
-                entropy=entropy,
-            )
-            (loss * self.rank_info.world_size).backward()
+            # the backward inside too: activation checkpointing reruns the routers there
+            with self._replayed(self.model, batch, inputs) if batch.routes is not None else contextlib.nullcontext():
+                log_probs, entropy = response_log_probs(
+                    self.model, inputs, self.temperature, with_entropy=True, entropy_grad=self.grpo.entropy_coef != 0
+                )
+                loss, terms = grpo_micro_batch_loss(
+                    log_probs,
+                    pad_per_token(batch.old_log_probs, torch.float32, self.device),
+                    torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
+                    pad_per_token([s.loss_mask for s in samples], torch.float32, self.device),
+                    self.grpo,
+                    global_normalizer=normalizer,
+                    ref_log_probs=None if batch.ref_log_probs is None else pad_per_token(
+                        batch.ref_log_probs, torch.float32, self.device),
+                    rollout_log_probs=None if batch.rollout_log_probs is None else pad_per_token(
+                        batch.rollout_log_probs, torch.float32, self.device),
+                    entropy=entropy,
+                )
+                (loss * self.rank_info.world_size).backward()
             out.append({"loss": loss.detach(), **terms})
         return out
 

@@ -11,6 +11,7 @@ parallelism runs; log-probs and losses are fp32.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -21,7 +22,9 @@ from torch import Tensor
 
 from slime.backends.base import WEIGHTS, MicroBatch, RankInfo, TrainerBackend
 from slime.backends.megatron import checkpoint as mckpt
-from slime.backends.megatron.batches import PackedBatch, pack_micro_batch, packed_per_token, with_routes
+from slime.backends.megatron.batches import (
+    PackedBatch, pack_micro_batch, packed_per_token, split_routes, with_routes,
+)
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.megatron.loss import LossContext, grpo_loss_func, log_prob_func, make_forward_step
 from slime.backends.megatron.model import build_stage
@@ -145,28 +148,40 @@ class MegatronBackend(TrainerBackend):
         return LossContext(temperature=self.temperature, vocab_size=self.model.qwen_config.arch.vocab_size,
                            tp_group=ps.get_tensor_model_parallel_group(), device=self.device, **kw)
 
-    def _forward_log_probs(self, model, batches: list[MicroBatch], *,
-                           replay_routes: bool = False) -> list[Tensor] | None:
+    def _forward_log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False,
+                           capture_routes: bool = False) -> list[Tensor] | None:
         """Forward-only pass of the schedule; per sample ``[R]`` (CPU, fp32); None off the last pipeline stage.
-        With ``replay_routes`` each micro-batch carries its samples' routes (:func:`.batches.with_routes`)."""
-        packed = [b.packed for b in batches]
-        if replay_routes:
-            shape = self._route_shape()
-            packed = [with_routes(b.packed, b.samples, shape) for b in batches]
+        With ``replay_routes`` each micro-batch carries ``batch.routes`` (:func:`.batches.with_routes`); with
+        ``capture_routes`` the routers' choices go to ``batch.trainer_routes`` (:func:`captured_routes`)."""
+        from slime.models.qwen3_5.router import captured_routes
+
+        packed = self._with_routes(batches) if replay_routes else [b.packed for b in batches]
         was_training = model.training
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), (captured_routes(model) if capture_routes else contextlib.nullcontext()) as routers:
             store = run_micro_batches(model, packed,
                                       make_forward_step(self._context(), log_prob_func),
                                       forward_only=True, device=self.device)
         model.train(was_training)
+        if routers is not None:
+            shape = self._route_shape()
+            layers = sorted((r for r in routers if r.layer_number <= shape.num_layers), key=lambda r: r.layer_number)
+            for i, batch in enumerate(batches):
+                token_axis = torch.stack([r.captured[i] for r in layers], dim=1)
+                batch.trainer_routes = split_routes(batch.packed, token_axis.numpy(), shape)
         if not self.groups.is_last_stage:
             return None
         return [lp for batch, out in zip(batches, store, strict=True)
                 for lp in batch.packed.split(out["log_probs"].float().cpu())]
 
+    def _with_routes(self, batches: list[MicroBatch]) -> list[PackedBatch]:
+        """Each batch's packed form with ``batch.routes`` on its token axis (as it is where they are None)."""
+        shape = self._route_shape() if any(b.routes is not None for b in batches) else None
+        return [b.packed if b.routes is None else with_routes(b.packed, b.routes, shape) for b in batches]
+
     def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
-        """Every micro-batch of the step through megatron-core's schedule with :func:`.loss.grpo_loss_func`."""
+        """Every micro-batch of the step through megatron-core's schedule with :func:`.loss.grpo_loss_func` (with
+        ``batch.routes`` replayed where set)."""
         for batch in batches:
             if batch.old_log_probs is not None:
                 batch.packed.old_log_probs = packed_per_token(batch.old_log_probs, "cpu")
@@ -177,7 +192,7 @@ class MegatronBackend(TrainerBackend):
         ctx = self._context(grpo=self.grpo, normalizer=normalizer, num_microbatches=len(batches),
                             dp_size=self.groups.dp_size)
         self.optimizer.zero_grad()
-        return run_micro_batches(self.optimizer.model, [b.packed for b in batches],
+        return run_micro_batches(self.optimizer.model, self._with_routes(batches),
                                  make_forward_step(ctx, grpo_loss_func), forward_only=False, device=self.device)
 
     def _grad_norm(self) -> float:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from slime.backends.steps import check_image_inputs, response_input_ids
-from slime.data.routes import RouteShape, token_routes
+from slime.data.routes import RouteShape, sample_routes, token_routes
 from slime.data.sample import Sample
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
@@ -103,14 +104,24 @@ def pack_micro_batch(
     )
 
 
-def with_routes(batch: PackedBatch, samples: Sequence[Sample], shape: RouteShape) -> PackedBatch:
-    """``batch`` with its samples' routed experts on its token axis (:func:`slime.data.routes.token_routes`: from each
-    sample's first token; the model's own choice at its last token and on the padding)."""
-    starts = batch.inputs.cu_seqlens[: len(samples)].tolist()
-    routes = token_routes([s.rollout_routed_experts for s in samples], starts, batch.num_tokens, shape)
+def with_routes(batch: PackedBatch, routes: Sequence[np.ndarray], shape: RouteShape) -> PackedBatch:
+    """``batch`` with its samples' routed experts (``routes``, uint8 ``[P + R - 1, layers, top_k]`` per sample) on
+    its token axis (:func:`slime.data.routes.token_routes`: from each sample's first token; the model's own choice
+    at its last token and on the padding)."""
+    starts = batch.inputs.cu_seqlens[: len(routes)].tolist()
+    token_axis = token_routes(routes, starts, batch.num_tokens, shape)
     device = batch.inputs.input_ids.device
-    inputs = dataclasses.replace(batch.inputs, routed_experts=torch.from_numpy(routes).to(device))
+    inputs = dataclasses.replace(batch.inputs, routed_experts=torch.from_numpy(token_axis).to(device))
     return dataclasses.replace(batch, inputs=inputs)
+
+
+def split_routes(batch: PackedBatch, token_axis: np.ndarray, shape: RouteShape) -> list[np.ndarray]:
+    """The inverse of :func:`with_routes`: per sample uint8 ``[P + R - 1, layers, top_k]`` from ``token_axis``
+    ``[T, layers, top_k]`` (:func:`slime.data.routes.sample_routes`)."""
+    bounds = batch.inputs.cu_seqlens.tolist()
+    starts = bounds[: len(batch.response_lengths)]
+    lengths = [end - start - 1 for start, end in zip(starts, bounds[1:])]
+    return sample_routes(token_axis, starts, lengths, shape)
 
 
 def packed_per_token(rows: Sequence[Tensor], device: torch.device) -> Tensor:

@@ -253,6 +253,16 @@ class MegatronConfig(BackendConfig):
         return (f"routing replay in the Megatron trainer is proven only at TP = PP = CP = EP = 1 (no multi-GPU "
                 f"test yet), not at {' '.join(parallel)}")
 
+    def train_replay_problem(self) -> str | None:
+        """:meth:`replay_routes_problem`, and full recompute: megatron-core recomputes a layer block in the
+        backward pass, outside the forward that sets the replayed routes, so the recomputed routers would choose
+        their own experts."""
+        problem = self.replay_routes_problem()
+        if problem is None and self.recompute_granularity == "full":
+            problem = ("--recompute-granularity full recomputes layer blocks in the backward pass, where replayed "
+                       "routes are not set (use --recompute-granularity selective, or none)")
+        return problem
+
     def _not_implemented(self) -> list[str]:
         """This backend's own flags set to something the native model does not do, each with the reason
         (context parallelism is the model's layout rule, :meth:`check_model_layout`)."""

@@ -40,6 +40,8 @@ class Qwen35Router(_router_class()):
     forced_experts: torch.Tensor | None = None
     """int ``[N, top_k]`` experts for the next forward's ``N`` tokens (rows of ``-1``: the router's own choice),
     or None: megatron-core's routing."""
+    captured: list[torch.Tensor] | None = None
+    """While a list (:func:`captured_routes`): each forward appends the int64 ``[N, top_k]`` CPU experts taken."""
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         from megatron.core.transformer.moe.moe_utils import router_gating_linear
@@ -59,7 +61,11 @@ class Qwen35Router(_router_class()):
             ValueError: forced experts for another number of tokens or top-k.
         """
         if self.forced_experts is None:
-            return super().routing(logits, padding_mask)
+            probs, routing_map = super().routing(logits, padding_mask)
+            if self.captured is not None:
+                taken = routing_map.view(-1, routing_map.shape[-1]).to(torch.int8).topk(self.topk, dim=-1).indices
+                self.captured.append(taken.to("cpu", torch.int64))
+            return probs, routing_map
         self._check_replayable()
         logits = logits.view(-1, self.config.num_moe_experts)
         own = torch.topk(logits, k=self.topk, dim=-1).indices
@@ -67,6 +73,8 @@ class Qwen35Router(_router_class()):
         weights = forced_gate_weights(logits, experts).type_as(logits)
         probs = torch.zeros_like(logits).scatter(1, experts, weights)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, experts, True)
+        if self.captured is not None:
+            self.captured.append(experts.detach().to("cpu", torch.int64))
         return probs, routing_map
 
     def _check_replayable(self) -> None:
@@ -126,3 +134,18 @@ def replayed_routes(model: torch.nn.Module, routes: torch.Tensor | None, *, sp_r
     finally:
         for router in routers:
             router.forced_experts = None
+
+
+@contextlib.contextmanager
+def captured_routes(model: torch.nn.Module) -> Iterator[list[Qwen35Router]]:
+    """Inside the block every router of ``model`` records the experts it takes, one int64 ``[N_f, top_k]`` CPU
+    tensor per forward ``f`` on :attr:`Qwen35Router.captured`; yields the routers (their ``layer_number`` is
+    the global, 1-based layer)."""
+    routers = moe_routers(model)
+    for router in routers:
+        router.captured = []
+    try:
+        yield routers
+    finally:
+        for router in routers:
+            router.captured = None

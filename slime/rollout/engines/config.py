@@ -29,3 +29,16 @@ class EngineConfig:
         Raises:
             ConfigError: naming the flags, their values and the fix.
         """
+
+
+def rollout_routes_wanted(cfg, *, parity_check: bool) -> bool:
+    """Whether a run's engines capture routed experts and its training rollouts ask for them: an MoE
+    ``--hf-checkpoint`` with ``--use-rollout-routing-replay`` (the trainer replays them), or with the engine parity
+    check replaying them (``parity_check``: the engine kind runs it; then the engine captures every forward's routes
+    anyway, and the trainer's router agreement is measured at no extra cost).  ``cfg``: the run's SlimeConfig."""
+    from slime.data.routes import RouteShape
+
+    parity = cfg.parity
+    replayed_by_parity = parity_check and parity.engine_parity_replay_routes and not parity.skip_engine_parity_check
+    wanted = cfg.train.use_rollout_routing_replay or replayed_by_parity
+    return wanted and RouteShape.from_checkpoint(cfg.checkpoint.hf_checkpoint) is not None

@@ -34,6 +34,7 @@ from slime.rollout.engines.base import (
     RolloutEngine,
     memory_tags,
 )
+from slime.rollout.engines.config import rollout_routes_wanted
 from slime.rollout.engines.sglang import generation
 from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
 from slime.rollout.engines.sglang.config import (
@@ -151,10 +152,9 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def captures_routes(cls, cfg) -> bool:
         """Whether the run's servers capture routed experts (``--enable-return-routed-experts``): an MoE
-        ``--hf-checkpoint`` whose engine parity check replays them (``--engine-parity-replay-routes``, not skipped)."""
-        parity = cfg.parity
-        return (cls.parity_check and parity.engine_parity_replay_routes and not parity.skip_engine_parity_check
-                and RouteShape.from_checkpoint(cfg.checkpoint.hf_checkpoint) is not None)
+        ``--hf-checkpoint`` with ``--use-rollout-routing-replay``, or whose engine parity check replays them
+        (:func:`slime.rollout.engines.config.rollout_routes_wanted`)."""
+        return rollout_routes_wanted(cfg, parity_check=cls.parity_check)
 
     @classmethod
     def check_resources(cls, resources: EngineResources) -> None:
