@@ -160,13 +160,15 @@ def logprob_gap_metrics(summed: Mapping[str, float]) -> dict[str, float]:
     """All-reduced :func:`logprob_gap_sums` (and :func:`route_agreement_sums`, when given) ->
     ``train/logprob_{abs_diff,k3_kl,ratio_off_frac}[_image|_text]``, ``train/router_agreement[_image|_text]`` and
     ``train/logprob_gap_altered_tokens``; a split without tokens (pairs) is omitted, so is the overall value without
-    any; ``train/router_agreement_skipped`` (samples with malformed engine routes) with agreement sums."""
+    any; ``train/router_agreement_skipped`` (samples with malformed engine routes) where routes were compared or
+    skipped."""
     metrics = {"train/logprob_gap_altered_tokens": summed.get("gap/altered/tokens", 0.0)}
     names = {"abs_diff": "logprob_abs_diff", "k3": "logprob_k3_kl", "ratio_off": "logprob_ratio_off_frac"}
     _split_means(metrics, summed, "gap", "tokens", names)
     if "routes/text/pairs" in summed:
         _split_means(metrics, summed, "routes", "pairs", {"agree": "router_agreement"})
-        metrics["train/router_agreement_skipped"] = summed.get("routes/skipped", 0.0)
+        if "train/router_agreement" in metrics or summed.get("routes/skipped", 0.0) > 0:
+            metrics["train/router_agreement_skipped"] = summed.get("routes/skipped", 0.0)
     return metrics
 
 

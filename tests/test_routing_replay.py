@@ -1,0 +1,186 @@
+"""Routing replay in training (R3 ``--use-rollout-routing-replay``, R2 ``--use-routing-replay``) and the mismatch
+monitor's router agreement and gate (``docs/design/routing_replay.md``).
+
+The skeleton's part runs with the stand-in backend of ``tests/test_train_step.py`` given a route shape: which routes
+each forward of the step replays, what R2 records, and that a bad route stops the step before any forward.  The
+backends' part (FSDP padded, Megatron packed THD, both on the tiny Qwen3.5-MoE checkpoint in one spawned process)
+checks the replayed experts token by token, a training step with forced routes against one whose routers chose
+them, R2's replay in both optimizer steps and the agreement figure against numpy.  The router gradient is checked
+against the MoE block written out in float64 (``tests/qwen35_helpers.moe_block_f64``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from slime.backends.steps import SampleError
+from slime.backends.train_metrics import (
+    LogprobGapError, check_gap_threshold, logprob_gap_metrics, route_agreement_sums,
+)
+from slime.data.routes import RouteShape
+from slime.data.sample import Sample
+from slime.grpo.config import GRPOConfig
+from tests.test_train_step import GRPO, StandIn, make_samples
+
+SHAPE = RouteShape(num_layers=2, top_k=2, num_experts=4)
+
+
+def _routes(sample: Sample, seed: int) -> np.ndarray:
+    """Random distinct top-2 ids of 4 experts, uint8 [P + R - 1, 2, 2]."""
+    rng = np.random.default_rng(seed)
+    n = len(sample.prompt_token_ids) + sample.response_length - 1
+    return np.stack([rng.permutation(4)[:2] for _ in range(n * 2)]).reshape(n, 2, 2).astype(np.uint8)
+
+
+class RoutedStandIn(StandIn):
+    """The stand-in with an MoE route shape: records each forward's replayed routes, and "captures" as its own
+    routes a fixed table per sample (``own``)."""
+
+    def __init__(self, grpo, *, r3=False, r2=False, **kw):
+        super().__init__(grpo, **kw)
+        self.train_cfg = dataclasses.replace(self.train_cfg, use_rollout_routing_replay=r3, use_routing_replay=r2)
+        self.replayed: list[tuple[str, list]] = []  # (pass, per sample the routes replayed or None)
+        self.own: dict[int, np.ndarray] = {}
+
+    def _route_shape(self):
+        return SHAPE
+
+    def _forward_log_probs(self, model, batches, *, replay_routes=False, capture_routes=False):
+        name = "ref" if model is self.ref_model else "policy"
+        for batch in batches:
+            self.replayed.append((name, batch.routes if replay_routes else None))
+            if capture_routes:
+                batch.trainer_routes = [self.own[s.index] for s in batch.samples]
+        return super()._forward_log_probs(model, batches)
+
+    def _forward_backward(self, batches, normalizer):
+        self.replayed.extend(("train", b.routes) for b in batches)
+        return super()._forward_backward(batches, normalizer)
+
+
+def _routed_samples():
+    samples = make_samples()
+    for s in samples:
+        s.rollout_routed_experts = _routes(s, 100 + s.index)
+    return samples
+
+
+def test_r3_replays_the_engines_routes_in_the_old_ref_and_training_forwards():
+    samples = _routed_samples()
+    backend = RoutedStandIn(GRPOConfig(**GRPO), r3=True)
+    backend.init()
+    backend.train(0, samples, num_steps=2)
+    passes = [name for name, _ in backend.replayed]
+    assert passes == ["policy"] * 4 + ["ref"] * 4 + ["train"] * 4  # micro-batches [0, 1], [2], [3, 4], [5]
+    seen = [r for _, routes in backend.replayed for r in routes]
+    expected = [samples[i].rollout_routed_experts for i in (0, 1, 2, 3, 4, 5)] * 3
+    assert len(seen) == len(expected) and all(a is b for a, b in zip(seen, expected))
+
+
+def test_r2_records_the_old_pass_and_replays_it_in_every_optimizer_step():
+    samples = _routed_samples()
+    backend = RoutedStandIn(GRPOConfig(**GRPO), r2=True)
+    backend.own = {s.index: _routes(s, 200 + s.index) for s in samples}
+    backend.init()
+    metrics = backend.train(0, samples, num_steps=2)
+    assert backend.optimizer_steps == 2
+    by_pass = {}
+    for name, routes in backend.replayed:
+        by_pass.setdefault(name, []).append(routes)
+    assert by_pass["policy"] == [None] * 4 and by_pass["ref"] == [None] * 4  # the routers' own choice there
+    seen = [r for routes in by_pass["train"] for r in routes]  # both steps' micro-batches
+    assert all(a is backend.own[i] for a, i in zip(seen, range(6), strict=True))
+    # the monitor compared the recorded routes with the engine's (random tables: agreement by numpy)
+    same = [(np.sort(s.rollout_routed_experts, -1) == np.sort(backend.own[s.index], -1)).all(-1) for s in samples]
+    assert metrics["train/router_agreement"] == pytest.approx(np.concatenate([m.ravel() for m in same]).mean())
+
+
+def test_router_agreement_only_where_engine_routes_exist_and_malformed_ones_are_counted():
+    samples = _routed_samples()
+    samples[2].rollout_routed_experts = None  # no routes: not compared
+    samples[3].rollout_routed_experts = samples[3].rollout_routed_experts[:-1]  # malformed: counted
+    backend = RoutedStandIn(GRPOConfig(**GRPO))
+    backend.own = {s.index: _routes(s, 100 + s.index) for s in samples}  # the engine's routes, where they exist
+    backend.own[4] = backend.own[4][:, :, ::-1].copy()  # the same sets in another order agree
+    backend.init()
+    metrics = backend.train(0, samples, num_steps=2)
+    assert metrics["train/router_agreement"] == 1.0 and metrics["train/router_agreement_skipped"] == 1.0
+    assert metrics["train/router_agreement_image"] == 1.0  # samples 1 and 4 have images
+
+
+def test_without_engine_routes_nothing_is_captured_or_reported():
+    backend = RoutedStandIn(GRPOConfig(**GRPO))
+    backend.init()
+    metrics = backend.train(0, make_samples(), num_steps=2)  # own is empty: a capture would raise KeyError
+    assert not any("router_agreement" in k for k in metrics)
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("missing", r"sample 3 \(group 1\) has no rollout_routed_experts to replay"),
+    ("tokens", r"sample 3 \(group 1\): routed experts are uint8 \[2, 2, 2\], expected uint8 \[3, 2, 2\]"),
+    ("layers", r"sample 3 \(group 1\): routed experts are uint8 \[3, 1, 2\], expected uint8 \[3, 2, 2\]"),
+    ("top_k", r"sample 3 \(group 1\): routed experts are uint8 \[3, 2, 1\], expected uint8 \[3, 2, 2\]"),
+    ("range", "sample 3 \\(group 1\\): routed expert id 4 >= the model's 4 experts"),
+])
+def test_r3_stops_the_step_naming_the_sample_before_any_forward(fault, message):
+    samples = _routed_samples()
+    good = samples[3].rollout_routed_experts
+    samples[3].rollout_routed_experts = {
+        "missing": None, "tokens": good[:-1], "layers": good[:, :1], "top_k": good[:, :, :1],
+        "range": np.where(good == good.max(), 4, good).astype(np.uint8),
+    }[fault]
+    backend = RoutedStandIn(GRPOConfig(**GRPO), r3=True)
+    backend.init()
+    with pytest.raises(SampleError, match=message):
+        backend.train(0, samples, num_steps=2)
+    assert backend.replayed == [] and backend.forward_passes == [] and backend.optimizer_steps == 0
+
+
+# ----------------------------------------------------------------------------- the monitor's figures, the gate
+
+
+def test_route_agreement_sums_compare_top_k_sets_per_token_and_layer():
+    image = Sample(index=0, prompt="p", label="1", prompt_token_ids=[1, 2], response_token_ids=[3, 4], images=["i"])
+    text = Sample(index=1, prompt="p", label="1", prompt_token_ids=[1], response_token_ids=[3, 4])
+    image.rollout_routed_experts = np.array([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[1, 2], [0, 3]]], np.uint8)
+    trainer_image = np.array([[[1, 0], [2, 3]], [[0, 2], [2, 3]], [[1, 2], [3, 1]]], np.uint8)
+    text.rollout_routed_experts = np.array([[[0, 1], [2, 3]], [[0, 1], [2, 3]]], np.uint8)
+    trainer_text = np.array([[[3, 2], [2, 3]], [[0, 1], [3, 2]]], np.uint8)
+    # image pairs: (0,0) same set, (0,1) same, (1,0) {0,2} != {0,1}, (1,1) same, (2,0) same, (2,1) {1,3} != {0,3}
+    # text pairs: (0,0) {2,3} != {0,1}, (0,1) same, (1,0) same, (1,1) same
+    sums = route_agreement_sums([(image, trainer_image), (text, trainer_text)])
+    assert sums == {"routes/image/agree": 4.0, "routes/image/pairs": 6.0, "routes/text/agree": 3.0,
+                    "routes/text/pairs": 4.0}
+    gap = {f"gap/{k}/{w}": 0.0 for k in ("image", "text") for w in ("abs_diff", "k3", "ratio_off", "tokens")}
+    metrics = logprob_gap_metrics({**gap, **sums, "routes/skipped": 2.0})
+    assert metrics["train/router_agreement_image"] == pytest.approx(4 / 6)
+    assert metrics["train/router_agreement_text"] == pytest.approx(3 / 4)
+    assert metrics["train/router_agreement"] == pytest.approx(7 / 10)
+    assert metrics["train/router_agreement_skipped"] == 2.0
+    with pytest.raises(ValueError, match=r"sample 1: engine routes \[2, 2, 2\], trainer routes \[1, 2, 2\]"):
+        route_agreement_sums([(text, trainer_text[:1])])
+
+
+def test_the_gap_gate_names_the_step_and_the_split():
+    metrics = {"train/logprob_abs_diff_image": 0.3, "train/logprob_abs_diff_text": 0.05, "train/logprob_abs_diff": 0.2}
+    check_gap_threshold(metrics, None, 3)  # no bound
+    check_gap_threshold(metrics, 0.3, 3)  # at the bound: passes
+    with pytest.raises(LogprobGapError, match=r"rollout step 3: .* passed --ci-train-rollout-logprob-abs-diff-"
+                                              r"threshold 0.1 nats \(image prompts 0.3\); no update was applied"):
+        check_gap_threshold(metrics, 0.1, 3)
+    with pytest.raises(LogprobGapError, match=r"\(image prompts 0.3, text prompts 0.05\)"):
+        check_gap_threshold(metrics, 0.01, 3)
+
+
+def test_the_gate_stops_the_step_before_any_update():
+    backend = StandIn(GRPOConfig(**GRPO))
+    backend.train_cfg = dataclasses.replace(backend.train_cfg, ci_train_rollout_logprob_abs_diff_threshold=1e-3)
+    backend.init()
+    w0 = backend.model.w.detach().clone()
+    with pytest.raises(LogprobGapError, match="rollout step 7"):
+        backend.train(7, make_samples(), num_steps=2)
+    assert backend.optimizer_steps == 0 and torch.equal(backend.model.w.detach(), w0)
