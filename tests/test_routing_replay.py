@@ -184,3 +184,160 @@ def test_the_gate_stops_the_step_before_any_update():
     with pytest.raises(LogprobGapError, match="rollout step 7"):
         backend.train(7, make_samples(), num_steps=2)
     assert backend.optimizer_steps == 0 and torch.equal(backend.model.w.detach(), w0)
+
+
+# ----------------------------------------------------------------------------- both backends on the tiny MoE model
+
+
+def _job_backends(rank_info, ckpt_dir, samples, own, other, out):
+    from tests.test_fsdp_backend import make_backend
+    from tests.test_megatron_backend import exported, make_megatron
+
+    def routed(routes):
+        return [dataclasses.replace(s, rollout_routed_experts=r) for s, r in zip(samples, routes)]
+
+    # AdamW's first step moves a weight by about lr * g / (|g| + eps): with eps = 1 >> |g| and no decay that is
+    # lr * g, so the weights after a step compare the gradients (eps ~ 0 would move every weight by +-lr)
+    optimizer = {"lr": 1.0, "adam_eps": 1.0, "weight_decay": 0.0}
+    builders = {
+        "fsdp": lambda train: make_backend(rank_info, ckpt_dir, train={"micro_batch_size": 2, **train},
+                                           optimizer=optimizer),
+        "megatron": lambda train: make_megatron(rank_info, ckpt_dir, train={
+            "use_dynamic_batch_size": True, "max_tokens_per_gpu": 200, **train}, optimizer=optimizer),
+    }
+    result = {}
+    for name, build in builders.items():
+        r = result[name] = {}
+        backend = build({})
+        backend.init()
+        r["initial_weights"] = exported(backend)[1]
+        batches = backend._micro_batches(samples, range(len(samples)), None)
+        r["micro_batches"] = len(batches)
+        backend._forward_log_probs(backend.model, batches, capture_routes=True)
+        r["captured_own"] = [t for b in batches for t in b.trainer_routes]
+        for batch in batches:
+            batch.routes = [other[i] for i in batch.indices]
+        backend._forward_log_probs(backend.model, batches, replay_routes=True, capture_routes=True)
+        r["captured_replayed"] = [t for b in batches for t in b.trainer_routes]
+        # one optimizer step: after an update a near-tie may flip, and the routers would then choose others
+        r["plain"] = backend.train(0, routed(other), num_steps=1)  # engine routes != own: agreement < 1
+        r["plain_weights"] = exported(backend)[1]
+        del backend
+        backend = build({"use_rollout_routing_replay": True})
+        backend.init()
+        r["r3"] = backend.train(0, routed(own), num_steps=1)
+        r["r3_weights"] = exported(backend)[1]
+        del backend
+        backend = build({"use_routing_replay": True})
+        backend.init()
+        r["r2"] = backend.train(0, routed(own), num_steps=2)
+        del backend
+    torch.save(result, out / "result.pt")
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_ckpt, tmp_path_factory):
+    """Own routes (the HF model's choice, every choice > 1e-4 from a tie, so both backends choose them too) and
+    random other routes of the tiny model (4 layers, top-2 of 8), run through both backends."""
+    from qwen35_helpers import hf_forward_routes
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from tests.test_fsdp_backend import make_samples as real_samples
+    from tests.test_megatron_backend import IMAGES, LENS, spawn
+
+    out = tmp_path_factory.mktemp("routing_replay")
+    samples = real_samples(tiny_ckpt, LENS[:4], images=IMAGES[:4])
+    hf = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    own, other, margins = [], [], []
+    rng = np.random.default_rng(1)
+    for s in samples:
+        mm = s.multimodal_inputs
+        routes, margin = hf_forward_routes(hf, s.prompt_token_ids + s.response_token_ids, mm.get("pixel_values"),
+                                           mm.get("image_grid_thw"))
+        own.append(routes[:-1].numpy().astype(np.uint8))
+        margins.append(float(margin[:-1].min()))
+        n, layers, top_k = own[-1].shape
+        other.append(np.stack([rng.permutation(8)[:top_k] for _ in range(n * layers)]).reshape(n, layers, top_k)
+                     .astype(np.uint8))
+    assert min(margins) > 1e-4, margins
+    initial = {name: p.detach().clone() for name, p in hf.named_parameters() if name.endswith("mlp.gate.weight")}
+    spawn(_job_backends, tiny_ckpt, samples, own, other, out, world=1)
+    return samples, own, other, initial, torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron"])
+def test_replayed_routes_are_the_engines_token_by_token_after_padding_or_packing(backends, name):
+    samples, own, other, _, result = backends
+    r = result[name]
+    assert r["micro_batches"] < len(samples)  # several samples per padded / packed micro-batch
+    for got, want in zip(r["captured_replayed"], other, strict=True):
+        assert got.dtype == np.uint8 and np.array_equal(got, want)  # the forced experts, in their order
+    for got, want in zip(r["captured_own"], own, strict=True):  # without replay: the routers' own top-k sets
+        assert np.array_equal(np.sort(got, -1), np.sort(want, -1))
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron"])
+def test_a_training_step_with_forced_routes_equals_one_whose_routers_chose_them(backends, name):
+    _, own, other, initial, result = backends
+    r = result[name]
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/logprob_abs_diff", "train/entropy"):
+        assert r["r3"][key] == pytest.approx(r["plain"][key], rel=1e-5, abs=1e-7), key
+    assert r["plain_weights"].keys() == r["r3_weights"].keys()
+    deltas = {key: (r["plain_weights"][key] - w0, r["r3_weights"][key] - w0) for key, w0 in r["initial_weights"].items()}
+    scale = max(float(plain.abs().max()) for plain, _ in deltas.values())
+    for key, (plain, forced) in deltas.items():  # the step's update, i.e. lr * gradient, of every weight
+        if name == "fsdp":  # the HF router's own arithmetic: forcing its own choice changes no bit of the forward
+            torch.testing.assert_close(forced, plain, rtol=1e-4, atol=1e-4 * float(plain.abs().max()) + 1e-12,
+                                       msg=key)
+        else:  # forced gate weights round unlike megatron-core's top-k softmax (float32, ~1e-7), which the tiny
+            # random model's Gated-DeltaNet backward amplifies to a few % of its smallest gradients; a wrong expert
+            # would change an expert's whole update (scale: the largest)
+            assert float((forced - plain).abs().max()) < 0.05 * scale, key
+    gates = [k for k in r["r3_weights"] if k.endswith("mlp.gate.weight")]
+    assert len(gates) == 4  # the routers learn under R3: their gradients are not zero
+    assert all(float((r["r3_weights"][k] - r["initial_weights"][k]).abs().max()) > 1e-6 for k in gates)
+    assert all(torch.equal(r["initial_weights"][k], initial[k]) for k in gates)
+    # the monitor: R3 off, engine routes = the random ones -> the share of equal top-k sets, by numpy
+    agree = np.concatenate([(np.sort(a, -1) == np.sort(b, -1)).all(-1).ravel() for a, b in zip(own, other)])
+    assert r["plain"]["train/router_agreement"] == pytest.approx(agree.mean())
+    assert 0 < agree.mean() < 0.5
+    assert "train/router_agreement" not in r["r3"]  # R3 replays: nothing to compare
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron"])
+def test_r2_trains_on_the_recorded_routes_of_the_old_pass(backends, name):
+    r = backends[-1][name]
+    assert r["r2"]["train/router_agreement"] == 1.0  # recorded at the initial weights: the engine's (own) routes
+    # the old-log-prob pass is the same forward with or without recording
+    assert r["r2"]["train/logprob_abs_diff"] == pytest.approx(r["plain"]["train/logprob_abs_diff"], rel=1e-5)
+
+
+def test_router_gradients_under_forced_routes_equal_the_float64_block(tiny_ckpt):
+    """The gradient of the router weight through an MoE block whose routes are forced equals the one of the block
+    written out in float64 (``moe_block_f64``: softmax over all logits at the forced experts, renormalised), and is
+    not zero: the router keeps learning under replay."""
+    from qwen35_helpers import moe_block_f64
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from slime.models.routes import force_hf_routes, hf_moe_routers
+
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    layers = len(hf_moe_routers(model))
+    block = model.model.language_model.layers[2].mlp
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 10, block.gate.hidden_dim, generator=gen)
+    weight = torch.randn(10, block.gate.hidden_dim, generator=gen)  # d loss / d output
+    e, k = block.gate.num_experts, block.gate.top_k
+    routes = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(10 * layers)]).view(10, layers, k)
+    with force_hf_routes(model, routes):
+        (block(x)[0].reshape(10, -1) * weight).sum().backward()
+    got = block.gate.weight.grad.clone()
+
+    reference = type("Block", (), {})()  # the block's tensors in float64, the gate weight a leaf
+    gate = block.gate.weight.detach().double().requires_grad_()
+    reference.gate = type("Gate", (), {"weight": gate})()
+    reference.experts, reference.shared_expert = block.experts, block.shared_expert
+    reference.shared_expert_gate = block.shared_expert_gate
+    (moe_block_f64(reference, x[0], routes[:, 2]) * weight.double()).sum().backward()
+    assert float(gate.grad.abs().max()) > 1e-3  # not zero
+    torch.testing.assert_close(got.double(), gate.grad, rtol=1e-4, atol=1e-6)

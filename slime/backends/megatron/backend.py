@@ -158,16 +158,15 @@ class MegatronBackend(TrainerBackend):
         packed = self._with_routes(batches) if replay_routes else [b.packed for b in batches]
         was_training = model.training
         model.eval()
-        with torch.no_grad(), (captured_routes(model) if capture_routes else contextlib.nullcontext()) as routers:
+        with torch.no_grad(), (captured_routes(model) if capture_routes else contextlib.nullcontext()) as calls:
             store = run_micro_batches(model, packed,
                                       make_forward_step(self._context(), log_prob_func),
                                       forward_only=True, device=self.device)
         model.train(was_training)
-        if routers is not None:
+        if calls is not None:
             shape = self._route_shape()
-            layers = sorted((r for r in routers if r.layer_number <= shape.num_layers), key=lambda r: r.layer_number)
             for i, batch in enumerate(batches):
-                token_axis = torch.stack([r.captured[i] for r in layers], dim=1)
+                token_axis = torch.stack([calls[layer][i] for layer in range(1, shape.num_layers + 1)], dim=1)
                 batch.trainer_routes = split_routes(batch.packed, token_axis.numpy(), shape)
         if not self.groups.is_last_stage:
             return None

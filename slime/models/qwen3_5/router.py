@@ -137,15 +137,19 @@ def replayed_routes(model: torch.nn.Module, routes: torch.Tensor | None, *, sp_r
 
 
 @contextlib.contextmanager
-def captured_routes(model: torch.nn.Module) -> Iterator[list[Qwen35Router]]:
-    """Inside the block every router of ``model`` records the experts it takes, one int64 ``[N_f, top_k]`` CPU
-    tensor per forward ``f`` on :attr:`Qwen35Router.captured`; yields the routers (their ``layer_number`` is
-    the global, 1-based layer)."""
+def captured_routes(model: torch.nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Inside the block every router of ``model`` records the experts it takes (:attr:`Qwen35Router.captured`).
+
+    Yields:
+        Global 1-based layer number -> the list of that router's int64 ``[N_f, top_k]`` CPU tensors, one per
+        forward ``f``, filled as the forwards run (and kept after the block).
+    """
     routers = moe_routers(model)
+    found = {}
     for router in routers:
-        router.captured = []
+        router.captured = found[router.layer_number] = []
     try:
-        yield routers
+        yield found
     finally:
         for router in routers:
             router.captured = None
