@@ -341,3 +341,63 @@ def test_router_gradients_under_forced_routes_equal_the_float64_block(tiny_ckpt)
     (moe_block_f64(reference, x[0], routes[:, 2]) * weight.double()).sum().backward()
     assert float(gate.grad.abs().max()) > 1e-3  # not zero
     torch.testing.assert_close(got.double(), gate.grad, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def _parse(ckpt, *extra):
+    from slime.arguments import parse_args
+
+    return parse_args(["--hf-checkpoint", str(ckpt), "--prompt-data", "y", "--num-rollout", "1",
+                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                       "--rollout-backend", "transformers", "--colocate", *extra])
+
+
+def _refusal(ckpt, capsys, *extra) -> str:
+    with pytest.raises(SystemExit) as excinfo:
+        _parse(ckpt, *extra)
+    assert excinfo.value.code == 2
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_r3_implies_r2_and_asks_the_rollout_for_routes(tiny_ckpt):
+    from slime.rollout.engines.config import rollout_routes_wanted
+
+    cfg = _parse(tiny_ckpt, "--train-backend", "fsdp", "--use-rollout-routing-replay")
+    assert cfg.train.use_routing_replay and cfg.train.use_rollout_routing_replay
+    assert rollout_routes_wanted(cfg, parity_check=False)
+    plain = _parse(tiny_ckpt, "--train-backend", "fsdp")
+    assert not plain.train.use_routing_replay and not rollout_routes_wanted(plain, parity_check=False)
+    assert not rollout_routes_wanted(_parse(tiny_ckpt, "--train-backend", "fsdp", "--use-routing-replay"),
+                                     parity_check=False)  # R2 records the trainer's own routes
+    assert _parse(tiny_ckpt, "--ci-train-rollout-logprob-abs-diff-threshold", "0.5").train \
+        .ci_train_rollout_logprob_abs_diff_threshold == 0.5
+
+
+def test_routing_replay_is_refused_where_it_cannot_run(tiny_ckpt, tmp_path, capsys):
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text('{"text_config": {"num_hidden_layers": 2}}')
+    assert ("--use-rollout-routing-replay replays the routed experts of an MoE model, but --hf-checkpoint "
+            f"{dense} has no MoE layers") in _refusal(dense, capsys, "--train-backend", "fsdp",
+                                                      "--use-rollout-routing-replay")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text('{"text_config": {"num_hidden_layers": 2, "num_experts_per_tok": 8, '
+                                      '"num_experts": 512}}')
+    assert "--use-routing-replay: --hf-checkpoint" in _refusal(wide, capsys, "--train-backend", "fsdp",
+                                                                "--use-routing-replay")
+    err = _refusal(tiny_ckpt, capsys, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
+                   "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-rollout-routing-replay")
+    assert ("--use-rollout-routing-replay: routing replay in the Megatron trainer is proven only at TP = PP = CP = "
+            "EP = 1 (no multi-GPU test yet), not at --tensor-model-parallel-size 2") in err
+    err = _refusal(tiny_ckpt, capsys, "--train-backend", "megatron", "--recompute-granularity", "full",
+                   "--recompute-method", "uniform", "--recompute-num-layers", "1", "--use-routing-replay")
+    assert "--use-routing-replay: --recompute-granularity full recomputes layer blocks in the backward pass" in err
+    err = _refusal(tiny_ckpt, capsys, "--train-backend", "fsdp", "--use-routing-replay", "--use-rollout-logprobs")
+    assert "--use-routing-replay records the routes of the trainer's old-log-prob pass, which --use-rollout-" \
+           "logprobs skips" in err
+    _parse(tiny_ckpt, "--train-backend", "fsdp", "--use-rollout-routing-replay", "--use-rollout-logprobs")  # fine
+    err = _refusal(tiny_ckpt, capsys, "--ci-train-rollout-logprob-abs-diff-threshold", "0")
+    assert "--ci-train-rollout-logprob-abs-diff-threshold must be > 0 nats, got 0.0" in err

@@ -649,6 +649,9 @@ def test_servers_capture_routes_for_an_moe_checkpoint_whose_parity_check_replays
     assert FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt))
     assert not FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--no-engine-parity-replay-routes"))
     assert not FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--skip-engine-parity-check"))
+    # R3: the trainer replays the engine's routes, so the servers capture them whatever the parity check does
+    assert FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--skip-engine-parity-check",
+                                                     "--use-rollout-routing-replay"))
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 2}}))
