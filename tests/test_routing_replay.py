@@ -401,3 +401,31 @@ def test_routing_replay_is_refused_where_it_cannot_run(tiny_ckpt, tmp_path, caps
     _parse(tiny_ckpt, "--train-backend", "fsdp", "--use-rollout-routing-replay", "--use-rollout-logprobs")  # fine
     err = _refusal(tiny_ckpt, capsys, "--ci-train-rollout-logprob-abs-diff-threshold", "0")
     assert "--ci-train-rollout-logprob-abs-diff-threshold must be > 0 nats, got 0.0" in err
+
+
+# ----------------------------------------------------------------------------- through the driver
+
+
+@pytest.mark.slow
+def test_the_driver_runs_r3_from_the_engines_routes_and_the_gate_stops_the_run(tiny_ckpt, tmp_path):
+    """The transformers engine captures its routers' choices for every training sample (R3 asks for them), the FSDP
+    trainer checks them and replays them in the old-log-prob pass (a missing or malformed route would stop the step
+    with a SampleError first); the engine's KV-cached forward is not the trainer's, so the gap is above 1e-12 nats
+    and the gate stops the run at step 0 naming the split (the first two geo3k rows have images)."""
+    from slime import driver
+    from slime.arguments import parse_args
+    from tests.test_parity import DATA
+
+    cfg = parse_args([
+        "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--input-key", "problem",
+        "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template",
+        "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "6", "--global-batch-size", "4", "--train-backend", "fsdp",
+        "--rollout-backend", "transformers", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--rollout-num-gpus", "1", "--skip-eval-before-train", "--output-dir", str(tmp_path / "run"),
+        "--no-progress-bar", "--use-rollout-routing-replay", "--ci-train-rollout-logprob-abs-diff-threshold", "1e-12",
+    ])  # fmt: skip
+    with pytest.raises(LogprobGapError, match=r"rollout step 0: the mean \|trainer - rollout log-prob\| passed "
+                                              r"--ci-train-rollout-logprob-abs-diff-threshold 1e-12 nats \(image "
+                                              r"prompts [0-9.e-]+\); no update was applied"):
+        driver.train(cfg)
