@@ -72,8 +72,10 @@ def _routed_samples():
 def test_r3_replays_the_engines_routes_in_the_old_ref_and_training_forwards():
     samples = _routed_samples()
     backend = RoutedStandIn(GRPOConfig(**GRPO), r3=True)
+    backend.own = {s.index: s.rollout_routed_experts for s in samples}  # what a replaying router takes
     backend.init()
-    backend.train(0, samples, num_steps=2)
+    metrics = backend.train(0, samples, num_steps=2)
+    assert metrics["train/router_agreement"] == 1.0  # with R3: the experts taken against the engine's
     passes = [name for name, _ in backend.replayed]
     assert passes == ["policy"] * 4 + ["ref"] * 4 + ["train"] * 4  # micro-batches [0, 1], [2], [3, 4], [5]
     seen = [r for _, routes in backend.replayed for r in routes]
@@ -301,7 +303,7 @@ def test_a_training_step_with_forced_routes_equals_one_whose_routers_chose_them(
     agree = np.concatenate([(np.sort(a, -1) == np.sort(b, -1)).all(-1).ravel() for a, b in zip(own, other)])
     assert r["plain"]["train/router_agreement"] == pytest.approx(agree.mean())
     assert 0 < agree.mean() < 0.5
-    assert "train/router_agreement" not in r["r3"]  # R3 replays: nothing to compare
+    assert r["r3"]["train/router_agreement"] == 1.0  # R3: the experts the trainer took are the engine's
 
 
 @pytest.mark.parametrize("name", ["fsdp", "megatron"])

@@ -186,9 +186,8 @@ class TrainerBackend(abc.ABC):
         if self.train_cfg.use_rollout_logprobs:
             old = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
         else:
-            # R2's record, or the monitor's router agreement where engine routes exist
-            capture = shape is not None and not r3 and (r2 or any(s.rollout_routed_experts is not None
-                                                                  for s in samples))
+            # R2's record; the monitor's router agreement where engine routes exist (with R3: the experts taken)
+            capture = shape is not None and (r2 or any(s.rollout_routed_experts is not None for s in samples))
             old = self._log_probs_by_sample(self.model, everything, len(samples), replay_routes=r3,
                                             capture_routes=capture)
             found = [] if old is None else samples  # ranks that compute no loss add zeros

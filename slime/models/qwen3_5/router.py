@@ -41,7 +41,7 @@ class Qwen35Router(_router_class()):
     """int ``[N, top_k]`` experts for the next forward's ``N`` tokens (rows of ``-1``: the router's own choice),
     or None: megatron-core's routing."""
     captured: list[torch.Tensor] | None = None
-    """While a list (:func:`captured_routes`): each forward appends the int64 ``[N, top_k]`` CPU experts taken."""
+    """While a list (:func:`captured_routes`): each forward appends the uint8 ``[N, top_k]`` CPU experts taken."""
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         from megatron.core.transformer.moe.moe_utils import router_gating_linear
@@ -64,7 +64,7 @@ class Qwen35Router(_router_class()):
             probs, routing_map = super().routing(logits, padding_mask)
             if self.captured is not None:
                 taken = routing_map.view(-1, routing_map.shape[-1]).to(torch.int8).topk(self.topk, dim=-1).indices
-                self.captured.append(taken.to("cpu", torch.int64))
+                self.captured.append(taken.to(torch.uint8).cpu())  # ids < 256 (RouteShape refuses wider models)
             return probs, routing_map
         self._check_replayable()
         logits = logits.view(-1, self.config.num_moe_experts)
@@ -74,7 +74,7 @@ class Qwen35Router(_router_class()):
         probs = torch.zeros_like(logits).scatter(1, experts, weights)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, experts, True)
         if self.captured is not None:
-            self.captured.append(experts.detach().to("cpu", torch.int64))
+            self.captured.append(experts.detach().to(torch.uint8).cpu())
         return probs, routing_map
 
     def _check_replayable(self) -> None:
@@ -141,7 +141,7 @@ def captured_routes(model: torch.nn.Module) -> Iterator[dict[int, list[torch.Ten
     """Inside the block every router of ``model`` records the experts it takes (:attr:`Qwen35Router.captured`).
 
     Yields:
-        Global 1-based layer number -> the list of that router's int64 ``[N_f, top_k]`` CPU tensors, one per
+        Global 1-based layer number -> the list of that router's uint8 ``[N_f, top_k]`` CPU tensors, one per
         forward ``f``, filled as the forwards run (and kept after the block).
     """
     routers = moe_routers(model)
