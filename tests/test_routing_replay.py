@@ -285,7 +285,8 @@ def test_a_training_step_with_forced_routes_equals_one_whose_routers_chose_them(
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/logprob_abs_diff", "train/entropy"):
         assert r["r3"][key] == pytest.approx(r["plain"][key], rel=1e-5, abs=1e-7), key
     assert r["plain_weights"].keys() == r["r3_weights"].keys()
-    deltas = {key: (r["plain_weights"][key] - w0, r["r3_weights"][key] - w0) for key, w0 in r["initial_weights"].items()}
+    deltas = {key: (r["plain_weights"][key] - w0, r["r3_weights"][key] - w0)
+              for key, w0 in r["initial_weights"].items()}
     scale = max(float(plain.abs().max()) for plain, _ in deltas.values())
     for key, (plain, forced) in deltas.items():  # the step's update, i.e. lr * gradient, of every weight
         if name == "fsdp":  # the HF router's own arithmetic: forcing its own choice changes no bit of the forward
