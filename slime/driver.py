@@ -233,7 +233,6 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
         processor=processor, engines=None, seed=cfg.rollout.rollout_seed,
         debug_dump=cfg.logging.save_debug_rollout_data, replay_from=cfg.logging.load_debug_rollout_data,
         fingerprint=fingerprint,
-        return_routed_experts=rollout_routes_wanted(cfg, parity_check=cfg.engine_config.parity_check),
     )
 
 
@@ -255,6 +254,8 @@ def setup(
     cleanup.callback(placement.remove)
     engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
+    # as the engines decide whether to capture routes (SGLangEngine.captures_routes)
+    rollout_manager.return_routed_experts = rollout_routes_wanted(cfg, parity_check=components.engine_cls.parity_check)
     if trainers is None or engines is None:  # --debug-rollout-only / --load-debug-rollout-data
         logger.info("%s: %s", "--debug-rollout-only" if trainers is None else "--load-debug-rollout-data",
                     "no trainer starts" if trainers is None else "no rollout engine starts, no weight sync, no eval")

@@ -421,6 +421,9 @@ def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ck
         # one fp32 rounding step on the embeddings moves an fp32 trainer's log-probs by rounding only
         assert 0 <= record["parity/trainer_floor_image"] < 1e-4 and 0 <= record["parity/trainer_floor_text"] < 1e-4
         assert record["rollout/engine_failures"] == 0.0
+        # the servers capture routes for the check, so training samples carry them too: the monitor compares the
+        # trainer's own top-k sets with the fake's (the same HF model in float32: all but near-ties agree)
+        assert 0.95 <= record["train/router_agreement"] <= 1.0 and record["train/router_agreement_skipped"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
