@@ -289,8 +289,10 @@ def test_bad_weighting_function_output_raises():
     cfg = GRPOConfig(use_tis=True, custom_tis_function_path="tests.test_grpo_correction:negative_weight")
     with pytest.raises(ValueError, match="negative or NaN"):
         importance_weights(torch.zeros(2), torch.zeros(2), torch.ones(2), cfg)
-    with pytest.raises(ConfigError, match=r"--custom-tis-function-path tests.test_grpo_correction:one_argument has"):
+    with pytest.raises(ConfigError, match=r"--custom-tis-function-path 'tests.test_grpo_correction:one_argument' has"):
         tis_function(GRPOConfig(use_tis=True, custom_tis_function_path="tests.test_grpo_correction:one_argument"))
+    with pytest.raises(ConfigError, match=r"--custom-tis-function-path 'os:sep' is a str, not a function"):
+        tis_function(GRPOConfig(use_tis=True, custom_tis_function_path="os:sep"))  # once a TypeError traceback
     with pytest.raises(ConfigError, match="--custom-tis-function-path"):
         importance_weights(torch.zeros(2), torch.zeros(2), torch.ones(2),
                            GRPOConfig(use_tis=True, custom_tis_function_path="no_such_module_xyz:f"))

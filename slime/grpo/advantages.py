@@ -9,13 +9,11 @@ Departures from upstream (unbiased std, exact 0 for equal groups, a partial grou
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor
 
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, AdvantageEstimator, GRPOConfig, group_relative
-from slime.utils.config import ConfigError
+from slime.utils.registry import check_function
 
 
 def compute_group_advantages(
@@ -92,17 +90,8 @@ def resolve_advantage_estimator(cfg: GRPOConfig) -> AdvantageEstimator:
     """
     name = cfg.advantage_estimator
     estimator = ADVANTAGE_ESTIMATORS.resolve(name)
-    if not callable(estimator):
-        raise ConfigError(f"--advantage-estimator {name!r} is a {type(estimator).__name__}, not a function")
-    try:
-        inspect.signature(estimator).bind(torch.zeros(1), 1, cfg)
-    except TypeError:
-        raise ConfigError(
-            f"--advantage-estimator {name!r} has the signature {inspect.signature(estimator)}; an advantage "
-            "estimator must accept (rewards: Tensor, group_size: int, cfg: GRPOConfig) and return advantages"
-        ) from None
-    except ValueError:  # no signature available (some builtins): accept it and let calls fail
-        pass
+    check_function(estimator, "--advantage-estimator", name, (torch.zeros(1), 1, cfg), "an advantage estimator must "
+                   "accept (rewards: Tensor, group_size: int, cfg: GRPOConfig) and return advantages")
     return estimator
 
 

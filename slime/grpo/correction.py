@@ -7,7 +7,6 @@ in nats; float32 (float64 kept).  The weighting functions of ``--tis-mode`` are 
 
 from __future__ import annotations
 
-import inspect
 from typing import NamedTuple, Sequence
 
 import torch
@@ -15,7 +14,7 @@ from torch import Tensor
 
 from slime.grpo.config import TIS_LEVELS, GRPOConfig, TISFunction, TIS_FUNCTIONS
 from slime.grpo.layout import as_float, check_same_shape, sequence_sums
-from slime.utils.config import ConfigError
+from slime.utils.registry import check_function
 
 SAFETY_BOUND = 20.0
 """The level's log-ratio is clamped to ``[-SAFETY_BOUND, SAFETY_BOUND]`` before ``exp`` (upstream ``mis.py``)."""
@@ -46,18 +45,13 @@ def tis_function(cfg: GRPOConfig) -> TISFunction:
 
     Raises:
         ConfigError: naming the flag: the entry cannot be imported (:meth:`Registry.resolve`) or is not a function of
-            ``(ratio, cfg)``.
+            ``(ratio, cfg)`` (:func:`~slime.utils.registry.check_function`).
     """
     flag, name = (("--custom-tis-function-path", cfg.custom_tis_function_path) if cfg.custom_tis_function_path
                   else ("--tis-mode", cfg.tis_mode))
     fn = TIS_FUNCTIONS.resolve(name, flag)
-    try:
-        inspect.signature(fn).bind(torch.ones(1), cfg)
-    except TypeError:
-        raise ConfigError(f"{flag} {name} has the signature {inspect.signature(fn)}; an IS weighting function must "
-                          "accept (ratio: Tensor, cfg: GRPOConfig) and return weights of ratio's shape") from None
-    except ValueError:  # no signature available (some builtins): calls will tell
-        pass
+    check_function(fn, flag, name, (torch.ones(1), cfg), "an IS weighting function must accept (ratio: Tensor, "
+                   "cfg: GRPOConfig) and return weights of ratio's shape")
     return fn
 
 

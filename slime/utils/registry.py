@@ -14,6 +14,7 @@ import importlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import inspect
 import sys
 from typing import Callable, Generic, Mapping, TypeVar
 
@@ -190,6 +191,27 @@ def find_module_problem(module: str) -> str | None:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a parent package's own code failed on import
         return f"importing its parent packages raised {type(e).__name__}: {e}"
+
+
+def check_function(obj, flag: str, name: str, args: tuple, contract: str) -> None:
+    """Check that ``obj`` (what ``flag name`` resolved to) is callable with ``args``, a sample of its arguments.
+
+    An object without an inspectable signature (some builtins) passes: calls will tell.
+
+    Raises:
+        ConfigError: naming ``flag`` and ``name``: ``obj`` is not callable, or its signature does not accept
+            ``args`` (``contract`` says what it should accept and return).
+    """
+    if not callable(obj):
+        raise ConfigError(f"{flag} {name!r} is a {type(obj).__name__}, not a function")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args)
+    except TypeError:
+        raise ConfigError(f"{flag} {name!r} has the signature {signature}; {contract}") from None
 
 
 def _installed(requirement: str) -> tuple[bool, str]:

@@ -7,12 +7,11 @@ path and imported on their first lookup (:func:`resolve_reward_function`).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from typing import Protocol
 
 from slime.utils.config import ConfigError, flag
-from slime.utils.registry import Builtin, Registry
+from slime.utils.registry import Builtin, Registry, check_function
 
 
 class RewardFunction(Protocol):
@@ -104,15 +103,6 @@ def resolve_reward_function(cfg: RewardConfig) -> RewardFunction:
         raise ConfigError(
             f"{flag_name} {name!r} cannot be imported ({error}); check the module path and the function name"
         ) from None
-    if not callable(function):
-        raise ConfigError(f"{flag_name} {name!r} is a {type(function).__name__}, not a function")
-    try:
-        inspect.signature(function).bind("response", "label", cfg)
-    except TypeError:
-        raise ConfigError(
-            f"{flag_name} {name!r} has the signature {inspect.signature(function)}; a reward function must "
-            f"accept (response: str, label: str, cfg: RewardConfig) and return a float"
-        ) from None
-    except ValueError:  # no signature available (some builtins): accept it and let calls fail
-        pass
+    check_function(function, flag_name, name, ("response", "label", cfg), "a reward function must accept "
+                   "(response: str, label: str, cfg: RewardConfig) and return a float")
     return function
