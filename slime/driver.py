@@ -41,6 +41,7 @@ from slime.ray.placement import Placement, check_cpu_memory, cluster_num_gpus, c
 from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engines import ENGINES
 from slime.rollout.engines.config import rollout_routes_wanted
+from slime.rollout.filters import resolve_filter
 from slime.rollout.manager import RolloutManager
 from slime.rollout.parity import EngineParityCheck
 from slime.rollout.replay import model_fingerprint
@@ -178,12 +179,12 @@ class Components:
 def resolve_components(cfg: SlimeConfig) -> Components:
     """Look up (and import) the rollout engine and training backend classes, and check the plug-ins.
 
-    Called before Ray starts (by :func:`train`, and by ``--check-only``), so that an engine,
-    backend, ``--advantage-estimator`` or reward function (``--rm-type`` / ``--custom-rm-path``)
-    that is unknown or cannot be imported on this machine (megatron-core missing, a typo in a
-    ``package.module:function`` path) fails at once, not after start-up.  Each goes through its
-    registry (:meth:`slime.utils.registry.Registry.resolve`); the estimator and the reward
-    function are also checked for their signatures.
+    Called before Ray starts (by :func:`train`, and by ``--check-only``), so that an engine, backend,
+    ``--advantage-estimator``, reward function (``--rm-type`` / ``--custom-rm-path``), IS weighting function
+    (``--use-tis``) or ``--dynamic-sampling-filter-path`` that is unknown or cannot be imported on this machine
+    (megatron-core missing, a typo in a ``package.module:function`` path) fails at once, not after start-up.
+    Each goes through its registry (:meth:`slime.utils.registry.Registry.resolve`); the functions are also
+    checked for their signatures.
 
     Raises:
         ConfigError: naming each bad flag, its value and the import error (all of them in one message).
@@ -197,6 +198,8 @@ def resolve_components(cfg: SlimeConfig) -> Components:
     resolvers = [(resolve_advantage_estimator, cfg.grpo), (resolve_reward_function, cfg.reward)]
     if cfg.grpo.use_tis:
         resolvers.append((tis_function, cfg.grpo))
+    if cfg.rollout.dynamic_sampling_filter_path is not None:
+        resolvers.append((resolve_filter, cfg.rollout.dynamic_sampling_filter_path))
     for resolve, group in resolvers:
         try:
             resolve(group)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +28,7 @@ from slime.rollout.engines.base import GenerateOutput
 from slime.rollout.filters import GroupVerdict, filter_name, nonzero_std, verdict_of
 from slime.rollout.manager import RolloutManager
 from slime.rollout.scheduler import EngineState, RequestScheduler
+from slime.utils.config import ConfigError
 
 N = 4
 P = "rollout/dynamic_sampling/"
@@ -277,3 +279,19 @@ def test_bad_flags_are_refused_naming_the_flag(tiny_ckpt, flags, message, capsys
                     "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "3",
                     *flags])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path, message", [
+    ("os:sep", "--dynamic-sampling-filter-path 'os:sep' is a str, not a function"),
+    ("operator:add", "--dynamic-sampling-filter-path 'operator:add' has the signature (a, b, /)"),
+])
+def test_check_only_refuses_a_filter_that_cannot_take_a_group(tiny_ckpt, path, message):
+    # --check-only (resolve_components) imports the filter: once it passed these and the run failed mid-step.
+    from slime.driver import resolve_components
+
+    cfg = parse_args(["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", "x.parquet", "--num-rollout", "1",
+                      "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "3",
+                      "--rollout-num-gpus", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp",
+                      "--dynamic-sampling-filter-path", path])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_components(cfg)

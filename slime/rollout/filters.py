@@ -13,7 +13,7 @@ import statistics
 from typing import TYPE_CHECKING, Callable
 
 from slime.utils.config import ConfigError
-from slime.utils.registry import Builtin, Registry
+from slime.utils.registry import Builtin, Registry, check_function
 
 if TYPE_CHECKING:
     from slime.data.sample import Sample
@@ -113,12 +113,13 @@ def resolve_filter(value: str) -> GroupFilter:
     """The filter ``value`` names, imported here.
 
     Raises:
-        ConfigError: it cannot be imported or is not callable; the message names the flag.
+        ConfigError: it cannot be imported, is not callable or does not take one argument; the message names
+            the flag.
     """
     name = check_filter_path(value)
     fn = FILTERS.resolve(name)
-    if not callable(fn):
-        raise ConfigError(f"--dynamic-sampling-filter-path {value!r} is a {type(fn).__name__}, not a function")
+    check_function(fn, "--dynamic-sampling-filter-path", value, ([],), "a filter must accept (group: list[Sample]) "
+                   "and return a GroupVerdict or a bool")
     return fn
 
 
