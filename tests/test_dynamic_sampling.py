@@ -214,11 +214,14 @@ def test_the_cap_on_rounds_stops_with_a_clear_message(make):
         manager.generate(0)
 
 
-def test_the_fallback_fills_the_batch_with_the_first_rejected_groups(make):
+def test_the_fallback_fills_the_batch_with_the_first_rejected_groups(make, caplog):
     upstream = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
     manager, pool = make("RMWRRWRWMMMM", [1] * 12, "--dynamic-sampling-filter-path", upstream,
                          "--dynamic-sampling-max-rounds", "2")
-    batch = manager.generate(0)
+    with caplog.at_level("WARNING", logger="slime.rollout.dynamic_sampling"):
+        batch = manager.generate(0)
+    assert "rollout 0: 2 sampling round(s) gave 1 of --rollout-batch-size 2 groups" in caplog.text
+    assert "filled with 1 rejected group(s) (fallback" in caplog.text  # once only a metric said so
     # 1 passing group (row 1); every rejected group has std 0, so the first rejected in draw order (row 0) fills.
     assert _rows(batch) == [0, 1]
     assert [s.reward for s in batch.samples] == [1.0] * 4 + [1.0, 0.0, 1.0, 0.0]

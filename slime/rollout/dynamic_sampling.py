@@ -14,6 +14,7 @@ groups whose verdict allows it (``fallback``) fill the batch, else the step stop
 from __future__ import annotations
 
 import collections
+import logging
 import re
 import statistics
 import time
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
     from slime.rollout.rm_hub.scorer import RewardScorer
     from slime.rollout.scheduler import Step
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "rollout/dynamic_sampling/"
 
@@ -184,6 +187,12 @@ class DynamicSampler:
                 "(nonzero_std_with_fallback) that fills the batch with the best rejected groups"
             )
         fallback = spare[: self.target - len(passed)]
+        if fallback:
+            logger.warning(
+                "rollout %d: %d sampling round(s) gave %d of --rollout-batch-size %d groups that pass "
+                "--dynamic-sampling-filter-path %s; the batch is filled with %d rejected group(s) (fallback; "
+                "rollout/dynamic_sampling/groups_fallback)", self.rollout_id, self.rounds, len(passed), self.target,
+                self.cfg.dynamic_sampling_filter_path, len(fallback))
         return sorted(passed + fallback), fallback
 
     # -- metrics -----------------------------------------------------------------------
