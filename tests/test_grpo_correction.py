@@ -304,7 +304,11 @@ def test_bad_weighting_function_output_raises():
     (dict(tis_clip=0.0), r"--tis-clip must be > 0"),
     (dict(tis_clip_low=-0.1), r"--tis-clip-low must be >= 0"),
     (dict(opsm_delta=-1e-4), r"--opsm-delta must be >= 0"),
-    (dict(custom_tis_function_path="a.b:c"), r"without --use-tis"),
+    (dict(custom_tis_function_path="a.b:c"), r"--custom-tis-function-path a.b:c has no effect without --use-tis"),
+    # once silently ignored: a correction that never ran
+    (dict(tis_mode="icepop"), r"^--tis-mode icepop has no effect without --use-tis; add --use-tis or drop it$"),
+    (dict(tis_clip=5.0, tis_level="sequence"), r"^--tis-clip 5.0, --tis-level sequence have no effect without --use-tis"),
+    (dict(opsm_delta=0.5), r"^--opsm-delta 0.5 has no effect without --use-opsm; add --use-opsm or drop it$"),
     (dict(use_tis=True, tis_mode="icepop", custom_tis_function_path="a.b:c"), r"drop --tis-mode icepop"),
     (dict(use_tis=True, custom_tis_function_path="nodots"), r"--custom-tis-function-path 'nodots' is not a path"),
     (dict(advantage_estimator="gspo", calculate_per_token_loss=True), r"gspo with --calculate-per-token-loss"),

@@ -142,11 +142,17 @@ class GRPOConfig:
             )
         if not self.opsm_delta >= 0:
             raise ConfigError(f"--opsm-delta must be >= 0 (a KL threshold in nats), got {self.opsm_delta}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for switch, names in (("use_tis", ("tis_clip", "tis_clip_low", "tis_mode", "tis_level",
+                                           "custom_tis_function_path")), ("use_opsm", ("opsm_delta",))):
+            given = [f"--{n.replace('_', '-')} {getattr(self, n)}" for n in names if getattr(self, n) != defaults[n]]
+            if given and not getattr(self, switch):
+                flag_name = f"--{switch.replace('_', '-')}"
+                raise ConfigError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
+                                  f"{flag_name}; add {flag_name} or drop {'it' if len(given) == 1 else 'them'}")
         path = self.custom_tis_function_path
         if path is None:
             return
-        if not self.use_tis:
-            raise ConfigError(f"--custom-tis-function-path {path} has no effect without --use-tis; add --use-tis")
         if self.tis_mode != "truncate":
             raise ConfigError(
                 f"--custom-tis-function-path {path} replaces --tis-mode; drop --tis-mode {self.tis_mode}"
