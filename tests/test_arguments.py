@@ -21,6 +21,7 @@ import pytest
 
 from slime.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
 from slime.backends.registry import TRAIN_BACKENDS
+from slime.grpo.config import ADVANTAGE_ESTIMATORS
 from slime.rollout.config import SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
 from slime.utils.config import ConfigError, flag_name
@@ -1016,6 +1017,8 @@ def test_real_help_shows_defaults(monkeypatch):
     assert lines["--apply-chat-template-kwargs"].endswith("(default: {})")
     assert "math (default)" in lines["--rm-type"] and "(default: math)" not in lines["--rm-type"]
     assert "(default" not in lines["--num-layers"]  # None: taken from the checkpoint
+    estimators = lines["--advantage-estimator"]  # once "(registered name)", naming none of them
+    assert all(f"{name} (" in estimators for name in ADVANTAGE_ESTIMATORS.names()) and "(default: grpo)" in estimators
     assert f"Default: 512 MiB ({512 * 2**20} bytes" in lines["--update-weight-buffer-size"]
 
 

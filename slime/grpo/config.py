@@ -28,7 +28,12 @@ TIS_MODES = ("truncate", "icepop", "reject")
 class GRPOConfig:
     """GRPO (GRPO_ARGS): advantages, clipped policy loss, KL and entropy terms."""
 
-    advantage_estimator: str = flag("grpo", help="Advantage estimator (registered name).")
+    advantage_estimator: str = flag(
+        "grpo",
+        help="Advantage estimator: grpo (group-normalised rewards, DeepSeekMath), dr_grpo (group-centred, never divided "
+        "by the std), gspo (GRPO's advantages with GSPO's per-sample sequence ratio in the policy loss; give it "
+        "--eps-clip 3e-4 --eps-clip-high 4e-4), or a 'package.module:function' taking (rewards, group_size, cfg).",
+    )
     disable_grpo_std_normalization: bool = flag(
         False, help="Do not divide group-centred rewards by the group std (Dr.GRPO, Liu et al. 2025)."
     )
