@@ -272,6 +272,10 @@ def negative_weight(ratio, cfg):
     return -ratio
 
 
+def first_only(ratio, cfg):
+    return ratio[:1]
+
+
 def one_argument(ratio):
     return ratio
 
@@ -287,8 +291,14 @@ def test_custom_weighting_function_by_path_and_upstream_dotted_form():
 
 def test_bad_weighting_function_output_raises():
     cfg = GRPOConfig(use_tis=True, custom_tis_function_path="tests.test_grpo_correction:negative_weight")
-    with pytest.raises(ValueError, match="negative or NaN"):
+    # A ConfigError (a SlimeError: a message, not a traceback) naming the flag and the function.
+    with pytest.raises(ConfigError, match=r"^--custom-tis-function-path tests.test_grpo_correction:negative_weight "
+                       r"returned a negative or NaN weight"):
         importance_weights(torch.zeros(2), torch.zeros(2), torch.ones(2), cfg)
+    with pytest.raises(ConfigError, match=r"^--custom-tis-function-path tests.test_grpo_correction:first_only returned "
+                       r"shape \(1,\) for ratios of shape \(2,\)"):
+        importance_weights(torch.zeros(2), torch.zeros(2), torch.ones(2),
+                           GRPOConfig(use_tis=True, custom_tis_function_path="tests.test_grpo_correction:first_only"))
     with pytest.raises(ConfigError, match=r"--custom-tis-function-path 'tests.test_grpo_correction:one_argument' has"):
         tis_function(GRPOConfig(use_tis=True, custom_tis_function_path="tests.test_grpo_correction:one_argument"))
     with pytest.raises(ConfigError, match=r"--custom-tis-function-path 'os:sep' is a str, not a function"):

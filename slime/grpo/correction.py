@@ -14,6 +14,7 @@ from torch import Tensor
 
 from slime.grpo.config import TIS_LEVELS, GRPOConfig, TISFunction, TIS_FUNCTIONS
 from slime.grpo.layout import as_float, check_same_shape, sequence_sums
+from slime.utils.config import ConfigError
 from slime.utils.registry import check_function
 
 SAFETY_BOUND = 20.0
@@ -47,12 +48,18 @@ def tis_function(cfg: GRPOConfig) -> TISFunction:
         ConfigError: naming the flag: the entry cannot be imported (:meth:`Registry.resolve`) or is not a function of
             ``(ratio, cfg)`` (:func:`~slime.utils.registry.check_function`).
     """
-    flag, name = (("--custom-tis-function-path", cfg.custom_tis_function_path) if cfg.custom_tis_function_path
-                  else ("--tis-mode", cfg.tis_mode))
+    flag, name = _tis_flag(cfg)
     fn = TIS_FUNCTIONS.resolve(name, flag)
     check_function(fn, flag, name, (torch.ones(1), cfg), "an IS weighting function must accept (ratio: Tensor, "
                    "cfg: GRPOConfig) and return weights of ratio's shape")
     return fn
+
+
+def _tis_flag(cfg: GRPOConfig) -> tuple[str, str]:
+    """``(flag, value)`` that chose the weighting function, for messages."""
+    if cfg.custom_tis_function_path:
+        return "--custom-tis-function-path", cfg.custom_tis_function_path
+    return "--tis-mode", cfg.tis_mode
 
 
 # --- IS weights ------------------------------------------------------------------------------------
@@ -96,18 +103,20 @@ def importance_weights(
     ``--custom-tis-function-path``) at ``--tis-level`` (:func:`level_log_ratio`); no gradient.
 
     Raises:
-        ValueError: shapes differ, a malformed layout, or ``f`` returns another shape or a negative / NaN weight.
+        ValueError: shapes differ, or a malformed layout.
+        ConfigError: naming the flag of ``f``: it returned another shape or a negative / NaN weight.
     """
     mask = loss_mask.bool()
     with torch.no_grad():
         ratio = level_log_ratio(old_log_probs.detach(), rollout_log_probs, mask, cfg.tis_level, cu_seqlens).exp()
         weights = as_float(torch.as_tensor(tis_function(cfg)(ratio, cfg)))
+        flag, name = _tis_flag(cfg)
         if weights.shape != ratio.shape:
-            raise ValueError(f"the IS weighting function returned shape {tuple(weights.shape)} for ratios of shape "
-                             f"{tuple(ratio.shape)}; it must be elementwise")
+            raise ConfigError(f"{flag} {name} returned shape {tuple(weights.shape)} for ratios of shape "
+                              f"{tuple(ratio.shape)}; an IS weighting function must be elementwise")
         weights = torch.where(mask, weights, 0.0)
         if not bool((weights >= 0).all()):  # False for NaN too
-            raise ValueError("the IS weighting function returned a negative or NaN weight; weights must be >= 0")
+            raise ConfigError(f"{flag} {name} returned a negative or NaN weight; IS weights must be >= 0")
         changed = (mask & (weights != ratio)).to(weights.dtype)
     return ISWeights(weights, changed)
 
