@@ -59,7 +59,14 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
               + ("; resume it with --load" if started else ""), started=bool(started))
     except SlimeError as e:  # every user-facing error (slime.errors); anything else keeps its traceback
-        _fail(str(e), started=bool(started))
+        _fail(_message(e), started=bool(started))
+
+
+def _message(error: SlimeError) -> str:
+    """``error``'s message; for one raised in a Ray actor (``ray.get`` raises a ``RayTaskError`` that subclasses the
+    original's class, whose text is Ray's header and the remote traceback) the original's message."""
+    cause = getattr(error, "cause", None)
+    return str(cause if isinstance(cause, SlimeError) else error)
 
 
 def _fail(message: str, *, started: bool) -> None:

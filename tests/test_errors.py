@@ -63,6 +63,28 @@ def test_main_turns_a_slime_error_into_exit_status_2_with_its_message(module, na
     assert capsys.readouterr().err == f"slime: error: --hf-checkpoint {tmp_path}: what {name} says\n"
 
 
+def test_main_prints_a_slime_error_raised_in_a_ray_actor_without_rays_traceback(tmp_path, monkeypatch, capsys):
+    # ray.get re-raises an actor's error as RayTaskError(<its class>), whose text is Ray's header and the remote
+    # traceback: once printed whole after "slime: error:".
+    from ray.exceptions import RayTaskError
+
+    from slime import driver
+    from slime.train import main
+    from slime.utils.config import ConfigError
+
+    def resolve_components(cfg):
+        raise RayTaskError("TrainerActor.train", "Traceback (most recent call last):\n  File x\nConfigError: boom",
+                           ConfigError("--flag 3: boom")).as_instanceof_cause()
+
+    monkeypatch.setattr(driver, "resolve_components", resolve_components)
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "4", "--num-rollout", "1", "--rollout-num-gpus", "1",
+            "--train-backend", "fsdp", "--rollout-backend", "transformers", "--check-only"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert capsys.readouterr().err == "slime: error: --flag 3: boom\n"
+
+
 def test_main_leaves_other_errors_their_traceback(tmp_path, monkeypatch):
     from slime import driver
     from slime.train import main
