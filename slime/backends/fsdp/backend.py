@@ -30,6 +30,7 @@ from slime.backends.base import WEIGHTS, MicroBatch, RankInfo, TrainerBackend
 from slime.backends.fsdp.config import FSDPConfig, check_train
 from slime.backends.fsdp.hf_io import iter_hf_weight_buckets, iter_hf_weight_groups, load_sharded_model, save_hf_folder
 from slime.backends.fsdp.inputs import build_model_inputs, pad_per_token, response_log_probs, vision_placeholder_ids
+from slime.backends.fsdp.parallelize import reshard_all
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
@@ -161,9 +162,9 @@ class FSDPBackend(TrainerBackend):
                 with replay:
                     log_probs, _ = response_log_probs(model, inputs, self.temperature)
                 out.extend(log_probs[b, : s.response_length].float().cpu() for b, s in enumerate(batch.samples))
-        # FSDP2 keeps the root's parameters gathered after a forward, expecting a backward;
+        # FSDP2 keeps the root's parameters (on CPU every unit's) gathered after a forward, expecting a backward;
         # free them (and put the sharded master weights back in place for save / weight sync).
-        model.reshard()
+        reshard_all(model)
         model.train(was_training)
         return out
 
