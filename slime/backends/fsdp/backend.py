@@ -183,9 +183,22 @@ class FSDPBackend(TrainerBackend):
 
     def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         """Each micro-batch's share of the step's GRPO loss, times the world size before its backward (FSDP
-        averages the gradients over the ranks)."""
+        averages the gradients over the ranks).  On CPU the gradients add up unsharded on each rank and are
+        reduce-scattered once, in the step's last backward (on GPU after every micro-batch, keeping one shard's
+        memory): the same sum in another rounding order, one collective per unit and step instead of per micro-batch."""
+        try:
+            return self._micro_batch_backwards(batches, normalizer)
+        finally:
+            self.model.set_requires_gradient_sync(True)
+            self.model.set_reshard_after_backward(True)
+
+    def _micro_batch_backwards(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         out = []
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if self.device.type == "cpu":
+                last = i == len(batches) - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
             samples = batch.samples
             inputs = build_model_inputs(samples, self.model.config, self.device)
             log_probs, entropy = response_log_probs(

@@ -2,7 +2,7 @@
 checkpointing (``--gradient-checkpointing``) on every transformer block, FSDP2 (``fully_shard``) on every block (the
 classes of ``_no_split_modules``: decoder layers, vision blocks), then FSDP2 on the root, which holds the rest.  On
 GPU a rank holds its shard plus about one gathered block; on CPU (gloo) the blocks stay gathered from forward to
-backward (see :func:`apply_fsdp`).  ``--bf16`` on GPU gathers and computes in bfloat16 and reduces gradients in float32
+backward (see :func:`apply_fsdp`; the backend also reduces gradients once per step there).  ``--bf16`` on GPU gathers and computes in bfloat16 and reduces gradients in float32
 onto float32 master shards (``MixedPrecisionPolicy``).
 """
 
