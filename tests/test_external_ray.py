@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,15 +24,8 @@ from pathlib import Path
 import pytest
 
 from slime.utils.metrics import read_metrics
-from tests.process_tree import (
-    all_processes,
-    is_alive,
-    kill_session,
-    read_proc,
-    session_members,
-    wait_for,
-    wait_session_gone,
-)
+from tests.process_tree import all_processes, is_alive, read_proc, session_members, wait_for, wait_session_gone
+from tests.ray_head import ray_env, ray_head, ray_status
 
 pytestmark = pytest.mark.slow
 
@@ -41,35 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO / "examples" / "geo3k_vlm" / "data"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ray_cli() -> str:
-    return shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-
-
-def _start_head(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """A ``ray start --head --block`` in a session of its own, once ``ray status`` answers."""
-    port = _free_port()
-    head = subprocess.Popen(
-        [_ray_cli(), "start", "--head", "--block", "--port", str(port), "--num-cpus", "4",
-         "--include-dashboard", "false", "--node-ip-address", "127.0.0.1"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    status = None
-    for _ in range(120):  # the head takes seconds to come up on a busy machine
-        status = subprocess.run([_ray_cli(), "status", "--address", address], env=env, capture_output=True, text=True)
-        if status.returncode == 0:
-            return head, address
-        time.sleep(1)
-    kill_session(head.pid)
-    raise AssertionError(f"ray head did not start:\n{status.stdout}{status.stderr}")
+@pytest.fixture(scope="module")
+def cluster():
+    """One Ray head for both tests, each of which checks that it survives its run (a head's start costs ~10 s):
+    ``(head, address, env, pids)``, ``pids`` the processes of the head's session right after it came up."""
+    env = ray_env()
+    with ray_head(env) as (head, address):
+        yield head, address, env, {p.pid for p in session_members(head.pid)}
 
 
 def _run_flags(tiny_ckpt: Path, out: Path, address: str, num_rollout: int) -> list[str]:
@@ -89,13 +59,12 @@ def _run_actors(sid: int) -> list:
     return [p for p in session_members(sid) if p.comm.startswith(("ray::TrainerAct", "ray::EngineAct"))]
 
 
-def test_sigkill_of_the_launcher_stops_the_run_on_an_external_cluster_and_leaves_the_cluster(tmp_path, tiny_ckpt):
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
-           "RAY_AUTH_MODE": "disabled"}
-    head, address = _start_head(env)
+def test_sigkill_of_the_launcher_stops_the_run_on_an_external_cluster_and_leaves_the_cluster(
+    tmp_path, tiny_ckpt, cluster
+):
+    head, address, env, cluster_before = cluster
     launcher = None
     try:
-        cluster_before = {p.pid for p in session_members(head.pid)}
         out = tmp_path / "run"
         # What the geo3k launcher does: the driver in a session of its own, watching the launcher's PID.
         script = 'setsid "$0" -m slime.train "$@" --parent-pid $$ & wait'
@@ -113,77 +82,65 @@ def test_sigkill_of_the_launcher_stops_the_run_on_an_external_cluster_and_leaves
         assert not wait_session_gone(driver.sid, 60), "the driver outlived its launcher"
         wait_for(lambda: not _run_actors(head.pid), 60, "the run's actors to be stopped by the cluster")
 
-        status = subprocess.run([_ray_cli(), "status", "--address", address], env=env, capture_output=True, text=True)
+        status = ray_status(address, env)
         assert status.returncode == 0, status.stderr
         assert head.poll() is None and cluster_before <= {p.pid for p in session_members(head.pid)}
         assert "the launcher (pid" in (tmp_path / "driver.log").read_text()
     finally:
         if launcher is not None and launcher.poll() is None:
             launcher.kill()
-        kill_session(head.pid)
-        wait_session_gone(head.pid, timeout_s=60)
 
 
-def test_driver_joins_an_external_cluster_and_leaves_it_running(tmp_path, tiny_ckpt):
-    # One authentication mode for the head, `ray status` and the driver (Ray 2.60 defaults differ
-    # between `ray start` and clients).
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
-           "RAY_AUTH_MODE": "disabled"}
-    head, address = _start_head(env)
-    try:
-        cluster_before = {p.pid for p in session_members(head.pid)}
+def test_driver_joins_an_external_cluster_and_leaves_it_running(tmp_path, tiny_ckpt, cluster):
+    head, address, env, cluster_before = cluster
+    out = tmp_path / "run"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "slime.train",
+         "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR),
+         "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
+         "--apply-chat-template", "--num-rollout", "1", "--rollout-batch-size", "2",
+         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
+         "--skip-eval-before-train", "--train-backend", "fsdp",
+         "--rollout-backend", "tests.stub_engines:ServerEngine",
+         "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--no-progress-bar",
+         "--ray-address", address, "--output-dir", str(out)],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    # While the run goes on, note its processes: the actors (Ray names them "ray::<class>..."), and
+    # the engine's server once the engine has written its pid.
+    seen: dict[int, object] = {}
+    record = out / "engine-0.json"
 
-        out = tmp_path / "run"
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "slime.train",
-             "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR),
-             "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
-             "--apply-chat-template", "--num-rollout", "1", "--rollout-batch-size", "2",
-             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
-             "--skip-eval-before-train", "--train-backend", "fsdp",
-             "--rollout-backend", "tests.stub_engines:ServerEngine",
-             "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--no-progress-bar",
-             "--ray-address", address, "--output-dir", str(out)],
-            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        # While the run goes on, note its processes: the actors (Ray names them "ray::<class>..."), and
-        # the engine's server once the engine has written its pid.
-        seen: dict[int, object] = {}
-        record = out / "engine-0.json"
+    def note_run_processes():
+        seen.update({p.pid: p for p in session_members(head.pid)  # the cluster's workers, not other tests'
+                     if p.cmdline.startswith(("ray::TrainerActor", "ray::EngineActor"))})
+        if record.exists() and record.stat().st_size:
+            server = read_proc(json.loads(record.read_text())["server_pid"])
+            if server is not None:
+                seen[server.pid] = server
 
-        def note_run_processes():
-            seen.update({p.pid: p for p in session_members(head.pid)  # the cluster's workers, not other tests'
-                         if p.cmdline.startswith(("ray::TrainerActor", "ray::EngineActor"))})
-            if record.exists() and record.stat().st_size:
-                server = read_proc(json.loads(record.read_text())["server_pid"])
-                if server is not None:
-                    seen[server.pid] = server
+    stderr = _collect_while_running(driver, note_run_processes, timeout_s=900)
+    assert driver.returncode == 0, stderr[-4000:]
+    assert "joined Ray cluster" in stderr
+    assert "Started a local Ray instance" not in stderr  # it never starts one of its own
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "rollout/reward_mean" in r] == [0]
 
-        stderr = _collect_while_running(driver, note_run_processes, timeout_s=900)
-        assert driver.returncode == 0, stderr[-4000:]
-        assert "joined Ray cluster" in stderr
-        assert "Started a local Ray instance" not in stderr  # it never starts one of its own
-        assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "rollout/reward_mean" in r] == [0]
+    # No process of the run is left: the 2 trainer ranks, the engine and its server (which would
+    # outlive an actor that Ray kills at the end of the job).
+    pids = json.loads(record.read_text())
+    trainers = [p for p in seen.values() if p.cmdline.startswith("ray::TrainerActor")]
+    assert len(trainers) == 2 and pids["actor_pid"] in seen and pids["server_pid"] in seen, seen
+    deadline = time.monotonic() + 60  # Ray reaps a finished job's workers asynchronously
+    while any(is_alive(p) for p in seen.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(is_alive(p) for p in seen.values()), [str(p) for p in seen.values() if is_alive(p)]
 
-        # No process of the run is left: the 2 trainer ranks, the engine and its server (which would
-        # outlive an actor that Ray kills at the end of the job).
-        pids = json.loads(record.read_text())
-        trainers = [p for p in seen.values() if p.cmdline.startswith("ray::TrainerActor")]
-        assert len(trainers) == 2 and pids["actor_pid"] in seen and pids["server_pid"] in seen, seen
-        deadline = time.monotonic() + 60  # Ray reaps a finished job's workers asynchronously
-        while any(is_alive(p) for p in seen.values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(is_alive(p) for p in seen.values()), [str(p) for p in seen.values() if is_alive(p)]
-
-        # The cluster survived the driver: the head process group answers, and every process
-        # it had before the run still runs.
-        status = subprocess.run([_ray_cli(), "status", "--address", address], env=env, capture_output=True, text=True)
-        assert status.returncode == 0, status.stderr
-        assert head.poll() is None
-        assert cluster_before <= {p.pid for p in session_members(head.pid)}
-    finally:
-        kill_session(head.pid)
-        wait_session_gone(head.pid, timeout_s=60)
+    # The cluster survived the driver: the head process group answers, and every process
+    # it had before the run still runs.
+    status = ray_status(address, env)
+    assert status.returncode == 0, status.stderr
+    assert head.poll() is None
+    assert cluster_before <= {p.pid for p in session_members(head.pid)}
 
 
 def _collect_while_running(process: subprocess.Popen, sample, timeout_s: float, interval_s: float = 0.5) -> str:

@@ -49,6 +49,12 @@ Hyper-parameters, and why (see :data:`TRAIN_FLAGS`):
   reward, which halves the steps to 0.9; lower temperatures made runs unstable.
 - ``--eps-clip 0.5 --eps-clip-high 1.0``: the second step of a rollout is slightly
   off-policy; the wider range lets it use its samples instead of clipping them.
+
+Cost: about 30 s a run on an idle 2-core machine (five runs), each a real driver starting its own engine
+and trainer processes for 12 rollouts.  The runs share the colour-prior checkpoint and one Ray head
+(:func:`ray_address`).  The ablations keep the main runs' full budget: they must show that the main
+criterion cannot be met without their link, and a shorter budget would let through a leak that learns
+as slowly as the real loop does (the main runs first reach the window at rollout 8 of 0..11).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ import torch
 from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 from slime.utils.metrics import read_metrics
 from tests.learning_task import COLOURS, VOCAB_WORDS, write_colour_dataset
+from tests.ray_head import ray_env, ray_head
 
 pytestmark = pytest.mark.slow
 
@@ -185,10 +192,18 @@ def colour_prior_checkpoint(tmp_path_factory) -> Path:
     return dst
 
 
-def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = (),
-                 num_rollout: int = NUM_ROLLOUT) -> tuple[list[float], list[dict]]:
-    """Run ``python -m slime.train`` on the colour task for ``num_rollout`` rollouts; returns (reward per rollout,
-    all metrics records).
+@pytest.fixture(scope="module")
+def ray_address() -> str:
+    """One Ray head that the CPU runs of this module join (``--ray-address``, as ``SLIME_SCRIPT_EXTERNAL_RAY=1``
+    does): each run is spared a local Ray instance's start and stop."""
+    with ray_head(ray_env()) as (_, address):
+        yield address
+
+
+def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = (), num_rollout: int = NUM_ROLLOUT,
+                 ray_address: str | None = None) -> tuple[list[float], list[dict]]:
+    """Run ``python -m slime.train`` on the colour task for ``num_rollout`` rollouts, joining the Ray cluster at
+    ``ray_address`` (None: the driver starts a local one); returns (reward per rollout, all metrics records).
 
     Fails the test (with the end of the driver's output) if the driver fails or does not
     log a reward for every rollout, so that an ablation can never pass by crashing.
@@ -201,8 +216,9 @@ def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = (),
         sys.executable, "-m", "slime.train",
         "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data), "--output-dir", str(output_dir),
         *TRAIN_FLAGS, *extra_flags, "--num-rollout", str(num_rollout),
+        *(["--ray-address", ray_address] if ray_address else []),
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**ray_env(), "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     (run_dir / "driver.log").write_text(log)
@@ -231,13 +247,14 @@ def _generation_s(records: list[dict]) -> float:
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_path):
+def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, ray_address, tmp_path):
     """Two trainer ranks on CPU per trainer (``--train-backend``); ``SLIME_TEST_ARTIFACTS=DIR`` keeps each
     run in ``DIR/colour-cpu-<backend>`` (for ``python -m slime.utils.plot_runs``)."""
     artifacts = os.environ.get("SLIME_TEST_ARTIFACTS")
     run_dir = Path(artifacts) / f"colour-cpu-{backend}" if artifacts else tmp_path / "main"
     shutil.rmtree(run_dir, ignore_errors=True)
-    rewards, records = run_training(colour_prior_checkpoint, run_dir, ["--train-backend", backend])
+    rewards, records = run_training(colour_prior_checkpoint, run_dir, ["--train-backend", backend],
+                                    ray_address=ray_address)
     print(f"main run ({backend}) rewards per rollout: {_curve(rewards)}; generation {_generation_s(records):.1f} s")
     MAIN_RUNS[backend] = (rewards, records)
     assert rewards[0] < START_MAX, f"the policy starts too good: {_curve(rewards)}"
@@ -253,7 +270,7 @@ def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, tmp_pa
     )
 
 
-def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, tmp_path):
+def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, ray_address, tmp_path):
     """The FSDP main run with DAPO dynamic sampling reaches the criterion in no more rollout steps than without.
 
     The baseline is the FSDP main run of this session when it ran first (no second run), else it runs here; the
@@ -265,11 +282,12 @@ def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, tm
     if "fsdp" in MAIN_RUNS:
         rewards, records = MAIN_RUNS["fsdp"]
     else:
-        rewards, records = run_training(colour_prior_checkpoint, tmp_path / "main", ["--train-backend", "fsdp"])
+        rewards, records = run_training(colour_prior_checkpoint, tmp_path / "main", ["--train-backend", "fsdp"],
+                                        ray_address=ray_address)
     base_end = first_window_reaching(rewards)
     assert base_end is not None, f"the baseline did not learn: {_curve(rewards)}"
     _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling", DYNAMIC_SAMPLING_FLAGS,
-                                 num_rollout=base_end + 1)
+                                 num_rollout=base_end + 1, ray_address=ray_address)
     generated = {r["step"]: r["rollout/dynamic_sampling/generated_reward_mean"] for r in ds_records
                  if "rollout/dynamic_sampling/generated_reward_mean" in r}
     ds_rewards = [generated[step] for step in range(base_end + 1)]
@@ -313,8 +331,9 @@ def test_grpo_learns_colour_from_pixels_on_one_gpu(backend, colour_prior_checkpo
 
 
 @pytest.mark.parametrize("ablation", sorted(ABLATIONS))
-def test_ablation_does_not_learn(ablation, colour_prior_checkpoint, tmp_path):
-    rewards, _ = run_training(colour_prior_checkpoint, tmp_path / ablation, ABLATIONS[ablation])
+def test_ablation_does_not_learn(ablation, colour_prior_checkpoint, ray_address, tmp_path):
+    rewards, _ = run_training(colour_prior_checkpoint, tmp_path / ablation, ABLATIONS[ablation],
+                              ray_address=ray_address)
     print(f"{ablation} rewards per rollout: {_curve(rewards)}")
     assert first_window_reaching(rewards) is None, (
         f"{ablation}: reached a {WINDOW}-rollout mean reward of {TARGET} without pixels or weight sync, so "

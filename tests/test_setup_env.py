@@ -226,7 +226,9 @@ def test_gpu_profile_resolves_for_cp312_manylinux(tmp_path):
     """pip's resolver accepts the GPU lock (torch + base + megatron) for CPython 3.12 on manylinux
     x86-64 and picks exactly its versions; every pin, the no-deps SGLang section included, has a
     wheel there and meets the others' declared requirements except the lock's '#! allow' lines.
-    Metadata only (pip's fast-deps range requests): torch's 530 MB wheel is never downloaded."""
+    Metadata only (pip's fast-deps range requests): torch's 530 MB wheel is never downloaded.  Slow (about 30 s,
+    the index's latency): pip reads the metadata of the lock's 215 wheels one request at a time; the no-deps pins
+    are fetched while the resolver runs."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "tools" / "profile_lock.py"), "check",
                            str(ROOT / "requirements" / "gpu.txt"), "--resolve"],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, PIP_NO_CACHE_DIR="1"))

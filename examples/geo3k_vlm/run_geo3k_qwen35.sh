@@ -136,7 +136,8 @@ else
    TRAIN_DATA="$DATASET_NAME@train"; EVAL_DATA="$DATASET_NAME@test"
 fi
 
-GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+GPUS_SEEN=0  # not asked when SLIME_SCRIPT_FORCE_CPU=1 (importing torch takes seconds)
+[ "$FORCE_CPU" = "1" ] || GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 NEED_DOWNLOAD=0
 if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    # -------------------------------------------------------------------------------

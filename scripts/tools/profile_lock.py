@@ -28,6 +28,7 @@ Stdlib only, except ``check`` and ``torch-build`` (use ``packaging``, which pip 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -334,11 +335,20 @@ def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_vers
             raise RuntimeError("--resolve needs a package index; drop --offline")
         metadata.update(installed_metadata(all_pins))
     else:
-        if resolve:
-            resolved, problems = resolve_with_pip(lock, pyproject, python_version, platform, pip_args)
-            metadata.update(resolved)
+        # The pins outside the resolver's sections are fetched while it runs (both wait on the index), then any pin
+        # it did not resolve at the pinned version.
+        covered = lock.pins(resolver_sections(lock)) if resolve else {}
+        outside = {n: v for n, v in all_pins.items() if n not in covered}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            fetching = pool.submit(fetch_metadata, outside, python_version, platform, pip_args) if outside else None
+            if resolve:
+                resolved, problems = resolve_with_pip(lock, pyproject, python_version, platform, pip_args)
+                metadata.update(resolved)
+            if fetching is not None:
+                metadata.update(fetching.result())
         rest = {n: v for n, v in all_pins.items() if metadata.get(n, {}).get("version") != v}
-        metadata.update(fetch_metadata(rest, python_version, platform, pip_args))
+        if rest:
+            metadata.update(fetch_metadata(rest, python_version, platform, pip_args))
     unchecked = sorted(f"{pkg}=={ver}" for pkg, ver in all_pins.items() if pkg not in metadata) if offline else []
     from_spec = _packaging_specifier()
     for pkg, ver in all_pins.items():
@@ -381,14 +391,25 @@ def check(lock: Lock, pyproject: Path, extras_sets: list[list[str]], python_vers
     return problems, unchecked
 
 
+def _resolver_extras(lock: Lock) -> list[str]:
+    """The extras whose sections are installed with dependencies (not ``no-deps``)."""
+    return [e for e in lock.sections if e not in ALWAYS_SECTIONS and not lock.sections[e].no_deps]
+
+
+def resolver_sections(lock: Lock) -> list[str]:
+    """The sections :func:`resolve_with_pip` resolves: slime with ``test`` and every extra installed with
+    dependencies, the build section left out."""
+    return [n for n in sections_for(lock, _resolver_extras(lock) + ["test"]) if n != "build"]
+
+
 def resolve_with_pip(lock: Lock, pyproject: Path, python_version: str, platform: str, pip_args: list[str]
                      ) -> tuple[dict[str, dict], list[str]]:
     """Run pip's resolver (``pip install --dry-run --ignore-installed``, metadata only) on slime's
     requirements with ``test`` and every extra whose section is not no-deps, under ``-c lock``.
     Returns the resolved packages' metadata and the problems: a package the selected sections do
     not pin, or a version other than the pin."""
-    extras = [e for e in lock.sections if e not in ALWAYS_SECTIONS and not lock.sections[e].no_deps]
-    names = [n for n in sections_for(lock, extras + ["test"]) if n != "build"]
+    extras = _resolver_extras(lock)
+    names = resolver_sections(lock)
     pins = lock.pins(names)
     with tempfile.TemporaryDirectory() as tmp:
         req = Path(tmp, "req.txt")

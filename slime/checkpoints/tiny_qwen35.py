@@ -19,7 +19,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE, WordLevel
 from tokenizers.trainers import BpeTrainer
@@ -393,6 +392,7 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, options: TinyQwen35Options
     Raises:
         FileExistsError: ``out_dir`` exists and is not empty.
     """
+    import torch  # here, not at the top: the launcher asks ensure_tiny_checkpoint for the cached folder without torch
     from transformers import GenerationConfig, Qwen3_5MoeForConditionalGeneration
 
     options = options or TinyQwen35Options()

@@ -34,6 +34,7 @@ from slime.backends.fsdp.config import FSDPConfig, check_train
 from slime.backends.freeze import frozen_change, write_frozen
 from slime.backends.fsdp.hf_io import iter_hf_weight_buckets, iter_hf_weight_groups, load_sharded_model, save_hf_folder
 from slime.backends.fsdp.inputs import build_model_inputs, pad_per_token, response_log_probs, vision_placeholder_ids
+from slime.backends.fsdp.parallelize import reshard_all
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
@@ -171,9 +172,9 @@ class FSDPBackend(TrainerBackend):
                 if calls is not None:
                     batch.trainer_routes = self._captured(calls, batch, inputs)
                 out.extend(log_probs[b, : s.response_length].float().cpu() for b, s in enumerate(batch.samples))
-        # FSDP2 keeps the root's parameters gathered after a forward, expecting a backward;
+        # FSDP2 keeps the root's parameters (on CPU every unit's) gathered after a forward, expecting a backward;
         # free them (and put the sharded master weights back in place for save / weight sync).
-        model.reshard()
+        reshard_all(model)
         model.train(was_training)
         return out
 
@@ -199,9 +200,22 @@ class FSDPBackend(TrainerBackend):
 
     def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         """Each micro-batch's share of the step's GRPO loss, times the world size before its backward (FSDP
-        averages the gradients over the ranks)."""
+        averages the gradients over the ranks).  On CPU the gradients add up unsharded on each rank and are
+        reduce-scattered once, in the step's last backward (on GPU after every micro-batch, keeping one shard's
+        memory): the same sum in another rounding order, one collective per unit and step instead of per micro-batch."""
+        try:
+            return self._micro_batch_backwards(batches, normalizer)
+        finally:
+            self.model.set_requires_gradient_sync(True)
+            self.model.set_reshard_after_backward(True)
+
+    def _micro_batch_backwards(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         out = []
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if self.device.type == "cpu":
+                last = i == len(batches) - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
             samples = batch.samples
             inputs = build_model_inputs(samples, self.model.config, self.device)
             # the backward inside too: activation checkpointing reruns the routers there

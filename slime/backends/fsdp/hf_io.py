@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from slime.backends.fsdp.parallelize import parallelize_model
+from slime.backends.fsdp.parallelize import parallelize_model, reshard_all
 from slime.weight_sync.buckets import bucket_by_bytes, weight_rounds
 
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth")
@@ -94,7 +94,10 @@ def load_sharded_model(
             f"{path}: tied input/output embeddings (tie_word_embeddings) are not supported by the FSDP backend"
         )
     model.requires_grad_(trainable)
-    parallelize_model(model, mesh, gradient_checkpointing=gradient_checkpointing and trainable, param_dtype=param_dtype)
+    # On CPU (gloo, the tiny test models) a second all-gather per block and micro-batch costs far more than holding
+    # the gathered model; on GPU the blocks are resharded after each forward to keep the memory of one block.
+    parallelize_model(model, mesh, gradient_checkpointing=gradient_checkpointing and trainable, param_dtype=param_dtype,
+                      reshard_after_forward=torch.device(device).type != "cpu")
     model.to_empty(device=device)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
@@ -147,8 +150,7 @@ def iter_hf_weight_groups(
     """Full weights by checkpoint name, one FSDP unit (whole layers) at a time in :func:`fsdp_unit_groups` order, as
     lists of ``(name, contiguous tensor)`` in ``dtype`` on ``device``, for saving.  Collective: every rank exhausts the
     iterator (each group is all-gathered), but only rank 0 (or a lone process) yields."""
-    if isinstance(model, FSDPModule):
-        model.reshard()  # a root gathered by a forward without backward would expose unsharded (compute-dtype) tensors
+    reshard_all(model)  # units gathered by a forward without backward would expose unsharded (compute-dtype) tensors
     receiver = not dist.is_initialized() or dist.get_rank() == 0
     state = model.state_dict()
     for names in fsdp_unit_groups(model):
@@ -170,8 +172,7 @@ def iter_hf_weight_buckets(
     Raises:
         ValueError: ``bucket_bytes <= 0``.
     """
-    if isinstance(model, FSDPModule):
-        model.reshard()
+    reshard_all(model)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     state = model.state_dict()
     groups = [kept for kept in ([n for n in names if n not in skip] for names in fsdp_unit_groups(model)) if kept]
