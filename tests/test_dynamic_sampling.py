@@ -271,7 +271,12 @@ def test_nonzero_std_verdicts_by_hand():
 
 @pytest.mark.parametrize("flags, message", [
     (["--over-sampling-batch-size", "1"], "--over-sampling-batch-size 1 must be >= --rollout-batch-size 2"),
-    (["--dynamic-sampling-max-rounds", "0"], "--dynamic-sampling-max-rounds must be >= 1"),
+    (["--dynamic-sampling-filter-path", "nonzero_std", "--dynamic-sampling-max-rounds", "0"],
+     "--dynamic-sampling-max-rounds must be >= 1"),
+    (["--dynamic-sampling-max-rounds", "3"], "--dynamic-sampling-max-rounds 3 caps the sampling rounds of "
+     "dynamic sampling, which is off"),
+    (["--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero"],
+     "is not one of upstream's filters that this project has"),
     (["--dynamic-sampling-filter-path", "std"], "'std' is not a filter; use one of nonzero_std"),
     (["--dynamic-sampling-filter-path", "no_such_pkg.filters.keep"], "no_such_pkg.filters:keep cannot be imported"),
     (["--dynamic-sampling-filter-path", "nonzero_std", "--n-samples-per-prompt", "1"], "groups of one sample"),

@@ -16,6 +16,9 @@ import re
 from slime.rollout.engines import ENGINES
 from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
 
+DEFAULT_MAX_ROUNDS = 10
+"""``--dynamic-sampling-max-rounds`` when a filter is set and the flag is not."""
+
 
 def _check_sampling(prefix: str, temperature: float | None, top_p: float | None, *, greedy_ok: bool) -> None:
     """Shared sampling-parameter checks for the rollout and eval groups.
@@ -96,12 +99,13 @@ class RolloutConfig:
         "two), or a 'package.module:function' taking the group's list of samples and returning a "
         "slime.rollout.filters.GroupVerdict or a bool. Unset = no filter. Eval is never filtered.",
     )
-    dynamic_sampling_max_rounds: int = flag(
-        10,
+    dynamic_sampling_max_rounds: int | None = flag(
+        None,
         help="Most sampling rounds of --over-sampling-batch-size prompts per rollout step (not in upstream slime, "
         "which samples until the batch is full; NeMo-RL's dynamic_sampling_max_gen_batches). When they give fewer "
         "than --rollout-batch-size passing groups the step stops with an error, or, with a fallback filter, fills "
-        "the batch with the best rejected groups.",
+        f"the batch with the best rejected groups. Only with dynamic sampling (a filter, or over-sampling); unset = "
+        f"{DEFAULT_MAX_ROUNDS}.",
     )
 
     max_prompt_length_mismatch_fraction: float = flag(
@@ -156,6 +160,16 @@ class RolloutConfig:
                 f"{self.rollout_batch_size} (prompts drawn per round, at least one batch); leave it unset for "
                 "--rollout-batch-size"
             )
+        if not self.dynamic_sampling:
+            if self.dynamic_sampling_max_rounds is not None:
+                raise ConfigError(
+                    f"--dynamic-sampling-max-rounds {self.dynamic_sampling_max_rounds} caps the sampling rounds of "
+                    "dynamic sampling, which is off: set --dynamic-sampling-filter-path (or an "
+                    "--over-sampling-batch-size above --rollout-batch-size), or drop the flag"
+                )
+            return
+        if self.dynamic_sampling_max_rounds is None:
+            self.dynamic_sampling_max_rounds = DEFAULT_MAX_ROUNDS
         if self.dynamic_sampling_max_rounds < 1:
             raise ConfigError(f"--dynamic-sampling-max-rounds must be >= 1, got {self.dynamic_sampling_max_rounds}")
         if self.dynamic_sampling_filter_path is None:

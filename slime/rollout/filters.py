@@ -75,6 +75,9 @@ UPSTREAM_PATHS = {
 }
 """Upstream slime's filter paths -> the built-in that does the same (upstream command lines keep working)."""
 
+UPSTREAM_PACKAGE = "slime.rollout.filter_hub."
+"""Upstream's filter package, which this project does not have: a path into it is one of :data:`UPSTREAM_PATHS`."""
+
 
 def filter_name(value: str) -> str:
     """``--dynamic-sampling-filter-path`` as a registry name: an upstream path becomes its built-in, a dotted
@@ -96,6 +99,11 @@ def check_filter_path(value: str) -> str:
     Raises:
         ConfigError: neither a built-in nor an import path, or a module that cannot be found.
     """
+    if value.startswith(UPSTREAM_PACKAGE) and value not in UPSTREAM_PATHS:
+        raise ConfigError(
+            f"--dynamic-sampling-filter-path {value!r} is not one of upstream's filters that this project has: "
+            f"{', '.join(UPSTREAM_PATHS)} (or the built-ins {', '.join(FILTERS.names())})"
+        )
     name = filter_name(value)
     if name not in FILTERS:
         raise ConfigError(
