@@ -112,6 +112,28 @@ def hf_forward_routes(model, input_ids, pixel_values=None, image_grid_thw=None) 
     return ranked.indices[..., :top_k], margin
 
 
+def own_and_random_routes(model, samples, seed: int) -> tuple[list, list]:
+    """Each sample's own routes (:func:`hf_forward_routes` over prompt + response, positions ``0 .. P + R - 2`` as
+    an engine reports them) and random other routes of the same shape, both uint8 numpy ``[P + R - 1, layers,
+    top_k]``.  Asserts every own choice is more than 1e-4 from a tie, so another implementation chooses the same."""
+    import numpy as np
+
+    num_experts = model.config.get_text_config().num_experts
+    own, other, margins = [], [], []
+    rng = np.random.default_rng(seed)
+    for s in samples:
+        mm = s.multimodal_inputs
+        routes, margin = hf_forward_routes(model, s.prompt_token_ids + s.response_token_ids,
+                                           mm.get("pixel_values"), mm.get("image_grid_thw"))
+        own.append(routes[:-1].numpy().astype(np.uint8))
+        margins.append(float(margin[:-1].min()))
+        n, layers, top_k = own[-1].shape
+        other.append(np.stack([rng.permutation(num_experts)[:top_k] for _ in range(n * layers)])
+                     .reshape(n, layers, top_k).astype(np.uint8))
+    assert min(margins) > 1e-4, margins
+    return own, other
+
+
 def moe_block_f64(block, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Qwen3.5's MoE block by hand in float64: ``sum_j w_j E_j(x) + sigmoid(x g_s) S(x)``, ``w`` the softmax over
     all router logits taken at ``experts`` and renormalised, ``E_j(x) = W_down (silu(W_gate x) * W_up x)``."""

@@ -231,25 +231,13 @@ def _job_replay(rank_info, ckpt_dir, samples, own, other, out):
 def replay(tiny_ckpt, tmp_path_factory):
     """The samples' own routes (the HF model's choice over prompt + response, every choice at least 1e-4 away from
     a tie, so the native model chooses the same) and random other routes, replayed by both backends."""
-    import numpy as np
-    from qwen35_helpers import hf_forward_routes
+    from qwen35_helpers import own_and_random_routes
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     out = tmp_path_factory.mktemp("replay")
     samples = make_samples(tiny_ckpt, LENS, images=IMAGES)
     hf = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
-    own, other, margins = [], [], []
-    rng = np.random.default_rng(0)
-    for s in samples:
-        mm = s.multimodal_inputs
-        routes, margin = hf_forward_routes(hf, s.prompt_token_ids + s.response_token_ids, mm.get("pixel_values"),
-                                           mm.get("image_grid_thw"))
-        own.append(routes[:-1].numpy().astype(np.uint8))  # positions 0 .. P + R - 2, as an engine reports them
-        margins.append(float(margin[:-1].min()))
-        n, layers, top_k = own[-1].shape
-        other.append(np.stack([rng.permutation(8)[:top_k] for _ in range(n * layers)]).reshape(n, layers, top_k)
-                     .astype(np.uint8))
-    assert min(margins) > 1e-4, margins
+    own, other = own_and_random_routes(hf, samples, seed=0)
     spawn(_job_replay, tiny_ckpt, samples, own, other, out, world=1)
     return samples, torch.load(out / "rank0.pt")
 

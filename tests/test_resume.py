@@ -276,8 +276,8 @@ def test_step_records_are_logged_before_its_checkpoint_is_marked(tiny_ckpt, tmp_
 
     ckpt_mark_latest = ckpt.mark_latest
     monkeypatch.setattr(ckpt, "mark_latest", mark_latest)
-    run = driver.Run(
-        engines=None, trainers=_Trainers(), rollout_manager=_Manager(),
+    run = driver.Run(  # engines: a stand-in (None is a train-only replay, which runs no eval)
+        engines=object(), trainers=_Trainers(), rollout_manager=_Manager(),
         memory=driver.ColocatedMemory(None, None, enabled=False), start=0, num_rollout=3,
     )  # fmt: skip
     with MetricsLogger(tmp_path, cfg.wandb, run_name="order") as metrics_log:

@@ -241,7 +241,7 @@ def _job_backends(rank_info, ckpt_dir, samples, own, other, out):
 def backends(tiny_ckpt, tmp_path_factory):
     """Own routes (the HF model's choice, every choice > 1e-4 from a tie, so both backends choose them too) and
     random other routes of the tiny model (4 layers, top-2 of 8), run through both backends."""
-    from qwen35_helpers import hf_forward_routes
+    from qwen35_helpers import own_and_random_routes
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     from tests.test_fsdp_backend import make_samples as real_samples
@@ -250,18 +250,7 @@ def backends(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("routing_replay")
     samples = real_samples(tiny_ckpt, LENS[:4], images=IMAGES[:4])
     hf = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
-    own, other, margins = [], [], []
-    rng = np.random.default_rng(1)
-    for s in samples:
-        mm = s.multimodal_inputs
-        routes, margin = hf_forward_routes(hf, s.prompt_token_ids + s.response_token_ids, mm.get("pixel_values"),
-                                           mm.get("image_grid_thw"))
-        own.append(routes[:-1].numpy().astype(np.uint8))
-        margins.append(float(margin[:-1].min()))
-        n, layers, top_k = own[-1].shape
-        other.append(np.stack([rng.permutation(8)[:top_k] for _ in range(n * layers)]).reshape(n, layers, top_k)
-                     .astype(np.uint8))
-    assert min(margins) > 1e-4, margins
+    own, other = own_and_random_routes(hf, samples, seed=1)
     initial = {name: p.detach().clone() for name, p in hf.named_parameters() if name.endswith("mlp.gate.weight")}
     spawn(_job_backends, tiny_ckpt, samples, own, other, out, world=1)
     return samples, own, other, initial, torch.load(out / "result.pt", weights_only=False)
