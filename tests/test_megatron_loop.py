@@ -67,6 +67,8 @@ def _run(tiny_ckpt: Path, root: Path, num_rollout: int, log: Path) -> subprocess
 
 
 def test_three_rollouts_save_then_resume_one_more(tiny_ckpt, tmp_path):
+    """Slow (about 60 s on 2 cores): two ``python -m slime.train`` processes, each starting Ray, two Megatron
+    ranks (megatron-core and the native model built in each) and an engine, with a checkpoint write and read."""
     first = _run(tiny_ckpt, tmp_path, 3, tmp_path / "first.log")
     assert first.returncode == 0, first.stderr[-4000:]
     assert ckpt.latest_iteration(tmp_path / "ckpt") == 2

@@ -103,7 +103,8 @@ def test_debug_flags_are_checked_at_parse_time():
 def test_the_driver_replays_a_saved_rollout_without_engines(tiny_ckpt, tmp_path, monkeypatch):
     """One rollout through the driver (transformers engine, 2 FSDP ranks) saved; the same flags with
     --load-debug-rollout-data start no engine and reach the same loss, gradient norm and saved weights; with
-    --debug-rollout-only no trainer starts and the same rollout is generated and saved again."""
+    --debug-rollout-only no trainer starts and the same rollout is generated and saved again.  Slow (about 40 s on
+    2 cores): three driver runs, each starting Ray and its actors."""
     from safetensors.torch import load_file
 
     from slime import driver

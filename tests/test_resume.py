@@ -128,6 +128,8 @@ def _expected_indices(rollout_id: int, num_rows: int) -> list[int]:
 
 @pytest.mark.slow
 def test_sigkill_then_resume(tiny_ckpt, tmp_path):
+    """Slow (about 65 s on 2 cores): three driver processes (killed, resumed, reference), each with a Ray
+    instance of its own, since the test checks that exactly the killed run's Ray processes die."""
     num_rows = pq.read_metadata(DATA_DIR / "train.parquet").num_rows
     assert NUM_ROLLOUT * PROMPTS <= num_rows  # one epoch: the order below is the first permutation
     killed_dumps, resumed_dumps = tmp_path / "dumps_killed", tmp_path / "dumps_resumed"
