@@ -255,6 +255,7 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)
     _check_off_policy(cfg.grpo, cfg.train)
+    _check_rollout_only(cfg)
     _check_runs_here(cfg)
     if num_gpus_available is not None:
         check_resources(cfg.cluster, num_gpus_available)
@@ -390,6 +391,29 @@ def _check_group_size(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
             "advantage is 0 and the policy-gradient term vanishes; use --n-samples-per-prompt >= 2 (e.g. 8)",
             name,
         )
+
+
+def _check_rollout_only(cfg: SlimeConfig) -> None:
+    """``--debug-rollout-only`` starts no trainer: refuse the flags that act only in a training step (ConfigError
+    naming them); warn that ``--save`` writes no checkpoint (the launcher always passes one)."""
+    if not cfg.logging.debug_rollout_only:
+        return
+    train, grpo = cfg.train, cfg.grpo
+    trainer_only = {
+        "--use-tis": grpo.use_tis,
+        "--use-opsm": grpo.use_opsm,
+        "--freeze-params-name-list": bool(train.freeze_params_name_list),
+        "--only-train-params-name-list": bool(train.only_train_params_name_list),
+        "--use-routing-replay": train.use_routing_replay and not train.use_rollout_routing_replay,
+        "--ci-train-rollout-logprob-abs-diff-threshold": train.ci_train_rollout_logprob_abs_diff_threshold is not None,
+    }
+    given = [name for name, on in trainer_only.items() if on]
+    if given:
+        raise ConfigError(f"--debug-rollout-only runs no training step, so {', '.join(given)} would do nothing; drop "
+                          "them (--use-rollout-routing-replay stays: the engines return routes for a later replay)")
+    if cfg.checkpoint.save:
+        logger.warning("--debug-rollout-only: no checkpoint is written to --save %s (no trainer runs)",
+                       cfg.checkpoint.save)
 
 
 def _check_off_policy(grpo: GRPOConfig, train: TrainConfig) -> None:

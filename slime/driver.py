@@ -44,7 +44,7 @@ from slime.rollout.engines.config import rollout_routes_wanted
 from slime.rollout.filters import resolve_filter
 from slime.rollout.manager import RolloutManager
 from slime.rollout.parity import EngineParityCheck
-from slime.rollout.replay import model_fingerprint
+from slime.rollout.replay import check_saved_rollouts, model_fingerprint
 from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
@@ -220,6 +220,7 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
 
     Raises:
         CheckpointError, ConfigError, DatasetError: naming the flag / file / row.
+        ReplayError: ``--load-debug-rollout-data`` lacks a rollout this run replays.
     """
     start = resolve_weights(cfg.checkpoint, need_reference=cfg.grpo.needs_ref_model,
                             backend_parts=cfg.train_backend_config.checkpoint_parts())
@@ -228,6 +229,8 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     _resolve_num_rollout(cfg)
     processor = load_processor(cfg.checkpoint.hf_checkpoint,
                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
+    if cfg.logging.load_debug_rollout_data:
+        check_saved_rollouts(cfg.logging.load_debug_rollout_data, range(start.next_rollout_id, cfg.rollout.num_rollout))
     fingerprint = None
     if cfg.logging.save_debug_rollout_data or cfg.logging.load_debug_rollout_data:
         fingerprint = model_fingerprint(processor.tokenizer, read_config(cfg.checkpoint.hf_checkpoint) or {})
@@ -235,7 +238,7 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
         rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
         processor=processor, engines=None, seed=cfg.rollout.rollout_seed,
         debug_dump=cfg.logging.save_debug_rollout_data, replay_from=cfg.logging.load_debug_rollout_data,
-        fingerprint=fingerprint,
+        fingerprint=fingerprint, replay_needs_routes=cfg.train.use_rollout_routing_replay,
     )
 
 

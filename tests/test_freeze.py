@@ -56,6 +56,9 @@ def test_both_flags_and_a_bad_regex_are_refused_at_parse_time():
 
     with pytest.raises(ConfigError, match="not both"):
         TrainConfig(freeze_params_name_list=["a"], only_train_params_name_list=["b"])
+    for name in ("freeze_params_name_list", "only_train_params_name_list"):  # the flag given without a pattern
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} was given no pattern"):
+            TrainConfig(**{name: []})
     with pytest.raises(ConfigError, match=r"--only-train-params-name-list '\(\[' is not a Python regular expression"):
         TrainConfig(only_train_params_name_list=["(["])
 

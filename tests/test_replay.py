@@ -151,3 +151,47 @@ def test_the_driver_replays_a_saved_rollout_without_engines(tiny_ckpt, tmp_path,
                for name in ("original", "replayed")]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
+
+def test_flags_that_would_do_nothing_in_a_replay_or_a_save_are_refused(caplog):
+    with pytest.raises(ConfigError, match="--debug-rollout-only cannot go with --debug-train-only"):
+        LoggingConfig(debug_train_only=True, debug_rollout_only=True)
+    with pytest.raises(ConfigError, match="--load-debug-rollout-data generates none .*drop --save-debug-rollout-data"):
+        LoggingConfig(load_debug_rollout_data="/d", save_debug_rollout_data="/e/r_{rollout_id}.jsonl")
+    with pytest.raises(ConfigError, match=r"\{rollout_id\} is in the file's suffix"):
+        LoggingConfig(save_debug_rollout_data="/d/run.{rollout_id}")
+    with caplog.at_level("WARNING"):
+        LoggingConfig(save_debug_rollout_data="/d/r.jsonl")
+    assert "has no {rollout_id}: every rollout overwrites" in caplog.text
+
+
+def test_missing_saved_rollouts_are_named_before_anything_starts(tiny_ckpt, tmp_path):
+    from slime.rollout.replay import check_saved_rollouts
+
+    samples = make_samples(tiny_ckpt, [3, 2], images=[False] * 2)
+    for k in (0, 1, 2):
+        save_rollout(tmp_path / f"rollout_{k}.pt", k, samples, {}, FINGERPRINT, 2)
+    check_saved_rollouts(str(tmp_path), range(0, 3))
+    check_saved_rollouts(str(tmp_path / "rollout_{rollout_id}.jsonl"), range(1, 3))
+    with pytest.raises(ReplayError, match=r"replays rollouts 1 to 4, and 2 are not saved \(3, 4: .*rollout_3\.pt does "
+                                          r"not exist\); saved rollout ids there: \[0, 1, 2\]"):
+        check_saved_rollouts(str(tmp_path), range(1, 5))
+    with pytest.raises(ReplayError, match="/no/such/dir: no such folder"):
+        check_saved_rollouts("/no/such/dir", range(0, 1))
+
+
+def test_a_replay_with_r3_refuses_rollouts_saved_without_routes(tiny_ckpt, tmp_path):
+    from types import SimpleNamespace
+
+    from slime.rollout.manager import RolloutManager
+
+    samples = make_samples(tiny_ckpt, [3, 2], images=[False] * 2)
+    save_rollout(tmp_path / "rollout_0.pt", 0, samples, {}, FINGERPRINT, 2)
+    manager = RolloutManager.__new__(RolloutManager)  # only what _replay reads
+    manager.replay_from, manager.fingerprint, manager.replay_needs_routes = str(tmp_path), FINGERPRINT, True
+    manager.cfg = SimpleNamespace(n_samples_per_prompt=2, samples_per_rollout=2)
+    with pytest.raises(ReplayError, match=r"rollout_0\.pt was saved without the engine's routed experts \(2 of 2 "
+                                          r"samples, first: dataset index"):
+        manager.generate(0)
+    manager.replay_needs_routes = False
+    assert manager.generate(0).metrics["rollout/replayed"] == 1.0

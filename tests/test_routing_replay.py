@@ -393,6 +393,17 @@ def test_routing_replay_is_refused_where_it_cannot_run(tiny_ckpt, tmp_path, caps
     _parse(tiny_ckpt, "--train-backend", "fsdp", "--use-rollout-routing-replay", "--use-rollout-logprobs")  # fine
     err = _refusal(tiny_ckpt, capsys, "--ci-train-rollout-logprob-abs-diff-threshold", "0")
     assert "--ci-train-rollout-logprob-abs-diff-threshold must be > 0 nats, got 0.0" in err
+    err = _refusal(tiny_ckpt, capsys, "--ci-train-rollout-logprob-abs-diff-threshold", "0.1", "--use-rollout-logprobs")
+    assert "--use-rollout-logprobs skips that trainer pass" in err  # the gate would never run
+
+
+def test_rollout_only_refuses_flags_of_the_training_step(tiny_ckpt, capsys, caplog):
+    err = _refusal(tiny_ckpt, capsys, "--debug-rollout-only", "--use-tis", "--freeze-params-name-list", "visual")
+    assert "--debug-rollout-only runs no training step, so --use-tis, --freeze-params-name-list would do nothing" in err
+    with caplog.at_level("WARNING"):
+        cfg = _parse(tiny_ckpt, "--debug-rollout-only", "--use-rollout-routing-replay", "--train-backend", "fsdp",
+                     "--save", "/tmp/never-written")
+    assert cfg.logging.debug_rollout_only and "no checkpoint is written to --save /tmp/never-written" in caplog.text
 
 
 # ----------------------------------------------------------------------------- through the driver

@@ -91,8 +91,18 @@ class TrainConfig:
 
     def __post_init__(self):
         check_name_or_import_path("--train-backend", self.train_backend, TRAIN_BACKENDS.names())
+        for name, patterns in (("--freeze-params-name-list", self.freeze_params_name_list),
+                               ("--only-train-params-name-list", self.only_train_params_name_list)):
+            if patterns == []:
+                raise ConfigError(f"{name} was given no pattern; give at least one REGEX, or drop the flag")
         if self.freeze_params_name_list and self.only_train_params_name_list:
             raise ConfigError("give one of --freeze-params-name-list and --only-train-params-name-list, not both")
+        if self.use_rollout_logprobs and self.ci_train_rollout_logprob_abs_diff_threshold is not None:
+            raise ConfigError(
+                "--ci-train-rollout-logprob-abs-diff-threshold bounds the gap between the trainer's old log-probs and "
+                "the rollout's, and --use-rollout-logprobs skips that trainer pass (the old log-probs are the "
+                "rollout's): drop one of them"
+            )
         compile_patterns("--freeze-params-name-list", self.freeze_params_name_list)
         compile_patterns("--only-train-params-name-list", self.only_train_params_name_list)
         check_at_least_one(self, "global_batch_size", "micro_batch_size", "max_tokens_per_gpu")

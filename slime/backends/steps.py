@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from slime.data.routes import RouteError, RouteShape, check_routes
 from slime.data.sample import Sample
+from slime.errors import SlimeError
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,9 @@ image / video placeholder ids that a response generated (:func:`response_input_i
 # ---------------------------------------------------------------------------------------- checks
 
 
-class SampleError(ValueError):
-    """A sample handed to a trainer is malformed; the message names its index and the field."""
+class SampleError(SlimeError, ValueError):
+    """A sample handed to a trainer is malformed (a custom rollout function's or a saved rollout's); the message
+    names its index and the field."""
 
 
 def check_train_sample(sample: Sample, need_rollout_log_probs: bool | str = False,

@@ -38,7 +38,7 @@ from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError, prompt_
 from slime.rollout.dynamic_sampling import DynamicSampler
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
-from slime.rollout.replay import load_rollout, replay_path, save_rollout
+from slime.rollout.replay import ReplayError, load_rollout, replay_path, save_rollout
 from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.seeds import sampling_seed
 
@@ -88,6 +88,8 @@ class RolloutManager:
             against the saved rollouts.
         return_routed_experts: ask the engines for each training sample's routed experts
             (:func:`slime.rollout.engines.config.rollout_routes_wanted`), kept on ``rollout_routed_experts``.
+        replay_needs_routes: ``--use-rollout-routing-replay`` with ``replay_from``: a saved rollout without
+            routes is a ``ReplayError`` naming the file.
     """
 
     def __init__(
@@ -105,9 +107,10 @@ class RolloutManager:
         replay_from: str | None = None,
         fingerprint: dict | None = None,
         return_routed_experts: bool = False,
+        replay_needs_routes: bool = False,
     ):
         self.cfg, self.grpo, self.eval_cfg = rollout, grpo, evaluation
-        self.return_routed_experts = return_routed_experts
+        self.return_routed_experts, self.replay_needs_routes = return_routed_experts, replay_needs_routes
         if grpo.overlong_filter and grpo.stop_properly_penalty_coef is not None:
             logger.warning(
                 "--overlong-filter and --stop-properly-penalty-coef %g are both set, and both apply to truncated "
@@ -204,6 +207,13 @@ class RolloutManager:
         samples, metrics, path = load_rollout(
             self.replay_from, rollout_id, fingerprint=self.fingerprint, n_samples_per_prompt=self.cfg.n_samples_per_prompt,
             num_samples=self.cfg.samples_per_rollout)
+        if self.replay_needs_routes:
+            unrouted = [s.index for s in samples if s.rollout_routed_experts is None]
+            if unrouted:
+                raise ReplayError(f"--load-debug-rollout-data: {path} was saved without the engine's routed experts "
+                                  f"({len(unrouted)} of {len(samples)} samples, first: dataset index {unrouted[0]}), "
+                                  "which --use-rollout-routing-replay replays; save the rollouts again with it, or "
+                                  "replay them without it")
         logger.info("rollout %d: replaying %d saved samples from %s", rollout_id, len(samples), path)
         return RolloutBatch(samples, {**metrics, "rollout/replayed": 1.0})
 

@@ -57,6 +57,33 @@ def save_rollout(path: Path, rollout_id: int, samples: list[Sample], metrics: di
     tmp.replace(path)
 
 
+def replay_template(source: str) -> str:
+    """The record path of rollout ``{rollout_id}`` that ``--load-debug-rollout-data`` ``source`` names: a folder's
+    ``rollout_{rollout_id}.pt``, else the path given to ``--save-debug-rollout-data`` with the suffix ``.pt``."""
+    return str(Path(source) / DIR_TEMPLATE) if Path(source).is_dir() else str(replay_path(source))
+
+
+def check_saved_rollouts(source: str, rollout_ids: range) -> None:
+    """Before anything starts: every record a replay of ``rollout_ids`` reads exists (contents are checked as each
+    is loaded, :func:`load_rollout`).
+
+    Raises:
+        ReplayError: ``source`` is neither a folder nor a saved path, or some records are missing (named, with the
+            saved ids found).
+    """
+    template = replay_template(source)
+    if not Path(source).is_dir() and not Path(template).parent.is_dir():
+        raise ReplayError(f"--load-debug-rollout-data {source}: no such folder (give the folder of the saved rollouts "
+                          "or the --save-debug-rollout-data path)")
+    missing = [k for k in rollout_ids if not Path(template.format(rollout_id=k)).is_file()]
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        raise ReplayError(f"--load-debug-rollout-data {source}: this run replays rollouts {rollout_ids.start} to "
+                          f"{rollout_ids.stop - 1}, and {len(missing)} are not saved ({shown}: "
+                          f"{template.format(rollout_id=missing[0])} does not exist); saved rollout ids there: "
+                          f"{saved_ids(template) or 'none'}. Lower --num-rollout, or save more rollouts")
+
+
 def load_rollout(source: str, rollout_id: int, *, fingerprint: dict, n_samples_per_prompt: int,
                  num_samples: int) -> tuple[list[Sample], dict[str, float], Path]:
     """Rollout ``rollout_id``'s samples and metrics from ``--load-debug-rollout-data`` ``source``: a folder
@@ -68,7 +95,7 @@ def load_rollout(source: str, rollout_id: int, *, fingerprint: dict, n_samples_p
             rollout id, was saved from another model or tokenizer, or holds another batch shape than
             ``num_samples`` samples in groups of ``n_samples_per_prompt``.
     """
-    template = str(Path(source) / DIR_TEMPLATE) if Path(source).is_dir() else str(replay_path(source))
+    template = replay_template(source)
     path = Path(template.format(rollout_id=rollout_id))
     if not path.is_file():
         raise ReplayError(f"--load-debug-rollout-data: no saved rollout {rollout_id}: {path} does not exist "
@@ -76,7 +103,9 @@ def load_rollout(source: str, rollout_id: int, *, fingerprint: dict, n_samples_p
     try:
         record = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
-        raise ReplayError(f"--load-debug-rollout-data: {path} is not a saved rollout ({type(e).__name__}: {e})") from e
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ReplayError(f"--load-debug-rollout-data: {path} is not a saved rollout ({type(e).__name__}: "
+                          f"{first_line})") from e
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise ReplayError(f"--load-debug-rollout-data: {path} is not a saved rollout of format {FORMAT!r}")
     if "{rollout_id}" in template and record["rollout_id"] != rollout_id:

@@ -6,8 +6,12 @@ Read by :mod:`slime.utils.metrics` and the driver; importable without tqdm, wand
 from __future__ import annotations
 
 import dataclasses
+import logging
+from pathlib import Path
 
 from slime.utils.config import ConfigError, flag
+
+logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled")
 """The values of ``--wandb-mode`` and ``$WANDB_MODE``."""
@@ -105,12 +109,12 @@ class LoggingConfig:
             if not self.load_debug_rollout_data.strip():
                 raise ConfigError("--load-debug-rollout-data must be a folder or a path, got an empty string")
             self.debug_train_only = True  # as upstream slime
-        if self.debug_train_only and self.load_debug_rollout_data is None:
-            raise ConfigError("--debug-train-only needs --load-debug-rollout-data (the saved rollouts to train on); "
-                              "save them first with --save-debug-rollout-data")
         if self.debug_train_only and self.debug_rollout_only:
             raise ConfigError("--debug-rollout-only cannot go with --debug-train-only / --load-debug-rollout-data: "
                               "give one of them")
+        if self.debug_train_only and self.load_debug_rollout_data is None:
+            raise ConfigError("--debug-train-only needs --load-debug-rollout-data (the saved rollouts to train on); "
+                              "save them first with --save-debug-rollout-data")
         if self.save_debug_rollout_data is not None:
             if not self.save_debug_rollout_data.strip():
                 raise ConfigError("--save-debug-rollout-data must be a non-empty path")
@@ -125,3 +129,16 @@ class LoggingConfig:
                     f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: the only placeholder allowed is "
                     f"{{rollout_id}} ({type(e).__name__}: {e}); double other braces"
                 ) from None
+            if "{rollout_id}" in Path(self.save_debug_rollout_data).suffix:
+                raise ConfigError(
+                    f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: {{rollout_id}} is in the file's "
+                    "suffix, which the replayable record beside it replaces with .pt (every rollout would write the "
+                    "same record); put it before the suffix, e.g. rollout_{rollout_id}.jsonl"
+                )
+            if "{rollout_id}" not in self.save_debug_rollout_data:
+                logger.warning("--save-debug-rollout-data %s has no {rollout_id}: every rollout overwrites the "
+                               "previous one's files (as upstream); only the last is kept",
+                               self.save_debug_rollout_data)
+            if self.load_debug_rollout_data is not None:
+                raise ConfigError("--save-debug-rollout-data writes generated rollouts, and --load-debug-rollout-data "
+                                  "generates none (it trains on saved ones): drop --save-debug-rollout-data")
