@@ -29,7 +29,7 @@ class GRPOConfig:
     """GRPO (GRPO_ARGS): advantages, clipped policy loss, KL and entropy terms."""
 
     advantage_estimator: str = flag(
-        "grpo",
+        "grpo", metavar="NAME",
         help="Advantage estimator: grpo (group-normalised rewards, DeepSeekMath), dr_grpo (group-centred, never divided "
         "by the std), gspo (GRPO's advantages with GSPO's per-sample sequence ratio in the policy loss; give it "
         "--eps-clip 3e-4 --eps-clip-high 4e-4), or a 'package.module:function' taking (rewards, group_size, cfg).",
@@ -90,7 +90,7 @@ class GRPOConfig:
         "or geometric weight applies to all of its sample's tokens.",
     )
     custom_tis_function_path: str | None = flag(
-        None,
+        None, metavar="MODULE:FUNCTION",
         help="Your own IS weighting function instead of --tis-mode (--use-tis), as package.module:function (or "
         "upstream's package.module.function): (ratio: Tensor, cfg: GRPOConfig) -> weights >= 0 of the same shape, "
         "elementwise on the --tis-level ratios. Upstream's flag, but not upstream's signature.",

@@ -91,7 +91,7 @@ class RolloutConfig:
         "must be >= it. The data cursor counts every prompt drawn.",
     )
     dynamic_sampling_filter_path: str | None = flag(
-        None,
+        None, metavar="NAME_OR_PATH",
         help="DAPO dynamic sampling: the filter that decides whether a group of scored samples may train: "
         "nonzero_std (its rewards vary), nonzero_std_with_fallback (the same; once --dynamic-sampling-max-rounds "
         "are spent, the best rejected groups fill the batch instead of stopping the run), upstream's "

@@ -58,7 +58,7 @@ class LoggingConfig:
     )
     run_name: str | None = flag(None, help="Name of the run (default: slime-<timestamp>).")
     save_debug_rollout_data: str | None = flag(
-        None,
+        None, metavar="PATH",
         help="Write every rollout's samples (prompt index, response, reward, advantage, status, whether it is in "
         "the loss, ...) to this path; it may contain '{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl. Beside "
         "it goes the same path with the suffix .pt: every field the trainers read, for --load-debug-rollout-data.",
