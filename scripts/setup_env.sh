@@ -31,14 +31,16 @@
 #                     find-links hold no CPU build of the pin (default: PyTorch's,
 #                     https://download.pytorch.org/whl/cpu; a mirror of it where that is not reachable).
 #   SLIME_SKIP_SETUP  1: install nothing; use the current python as it is (an offline, prepared
-#                     image: put the repo on PYTHONPATH yourself).
+#                     image: put the repo on PYTHONPATH yourself). 0 or empty: set up; else refused.
 #
 # Run it directly to see the plan without installing anything:  bash scripts/setup_env.sh --dry-run
 set -euo pipefail
 
-if [ "${SLIME_SKIP_SETUP:-0}" = "1" ]; then
-  return 0 2>/dev/null || exit 0
-fi
+case "${SLIME_SKIP_SETUP:-}" in  # a switch: 0, 1 or empty/unset (0); true, yes... are refused
+  ""|0) ;;
+  1) return 0 2>/dev/null || exit 0 ;;
+  *) echo "[setup] SLIME_SKIP_SETUP=$SLIME_SKIP_SETUP: expected 0 or 1 (or empty/unset, meaning 0)" >&2; exit 2 ;;
+esac
 
 SLIME_ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
 _slime_dry_run=0

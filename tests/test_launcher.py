@@ -9,8 +9,11 @@
   before the launcher exits, and nothing else (decoys named like Ray's processes survive).
 - SIGKILL of the launcher (which it cannot trap) stops the run too, within seconds, through the
   driver's ``--parent-pid`` watch; the checkpoint folder is not written after the kill.
-- The resume line it prints reproduces the run's folders, a custom ``--save`` included; a
-  used or live run directory is refused before anything is written.
+- The resume line it prints once a run started (never before: none for a run that did not start)
+  reproduces the run's folders, a custom ``--save`` included, and repeats no flag; a used or live
+  run directory is refused before anything is written.
+- ``--check-only`` prints the check's result only; a switch (``SLIME_SCRIPT_DRY_RUN`` ...) other
+  than 0 / 1 / empty is refused; relative path flags are taken from where the launcher is run.
 
 The launcher runs with ``SLIME_SKIP_SETUP=1`` and this interpreter first on ``PATH`` (no
 install, no download), ``SLIME_SCRIPT_FORCE_CPU=1`` and ``SLIME_SCRIPT_OUTPUT_DIR`` in tmp.
@@ -325,15 +328,13 @@ def test_sigkill_of_the_launcher_stops_the_run_and_its_checkpoint_writes(tmp_pat
 
 
 def test_printed_resume_line_reproduces_the_folders_with_a_custom_save(tiny_ckpt, tmp_path):
-    out, save, log = tmp_path / "run", tmp_path / "my ckpts", tmp_path / "launcher.log"
-    # --num-rollout 0 makes the driver stop at once (a parse error): only the printed lines matter here.
-    launcher = _start(["--save", str(save), "--lr", "2e-6", "--num-rollout", "0"], _env(out), log)
-    assert launcher.wait(timeout=RUN_TIMEOUT_S) == 2, _tail(log)
-    text = log.read_text()
-    (resume,) = re.findall(r"^\[geo3k\] resume this run after a crash or a kill \(same folders\): (.*)$", text, re.M)
-    # The driver stopped before its first step (exit 2): no resume line at the end, nothing to resume.
-    assert "[geo3k] the run did not start (exit 2; the error is above): nothing to resume" in text
-    assert "resume it with" not in text
+    out, save = tmp_path / "run", tmp_path / "my ckpts"
+    # A stand-in driver that stops with status 1 (after its first step): only the printed lines matter here.
+    result = subprocess.run(["bash", str(LAUNCHER), "--save", str(save), "--lr", "2e-6", "--num-rollout", "1"],
+                            cwd=REPO, env=_fake_driver_env(tmp_path, out, 1), capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    (resume,) = re.findall(r"^\[geo3k\] the run stopped \(exit 1\); resume it with: (.*)$", result.stdout, re.M)
     words = shlex.split(resume)
     assert words[-2:] == ["--load", str(save)] and "--overwrite-output-dir" not in words
     # Run the printed line as a user would (dry run: print the command), from another folder.
@@ -342,16 +343,10 @@ def test_printed_resume_line_reproduces_the_folders_with_a_custom_save(tiny_ckpt
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout.strip().splitlines()[-1])
-    cfg = parse_args(_with_num_rollout(argv[3:]))
+    cfg = parse_args(argv[3:])
     assert Path(cfg.logging.output_dir) == out
     assert cfg.checkpoint.save == str(save) and cfg.checkpoint.load == str(save)
-    assert cfg.optimizer.lr == 2e-6
-
-
-def _with_num_rollout(argv: list[str]) -> list[str]:
-    """The command with its last --num-rollout set to 1 (the test's 0 made the first run stop)."""
-    i = len(argv) - 1 - argv[::-1].index("--num-rollout")
-    return argv[:i + 1] + ["1"] + argv[i + 2:]
+    assert cfg.optimizer.lr == 2e-6 and cfg.rollout.num_rollout == 1
 
 
 def test_a_used_run_directory_is_refused_before_anything_is_written(tiny_ckpt, tmp_path):
@@ -434,3 +429,118 @@ def test_relative_paths_are_taken_from_where_the_launcher_is_run(tiny_ckpt, tmp_
     assert argv[i + 1] == str(data)
     assert ["--eval-prompt-data", "geo3k", str(data / "test.parquet")] == argv[argv.index("geo3k") - 1:][:3]
     assert not (tmp_path / "envout").exists() and not (tmp_path / "ck").exists()
+
+
+def test_relative_debug_rollout_and_save_hf_paths_are_taken_from_where_the_launcher_is_run(tiny_ckpt, tmp_path):
+    """--load-debug-rollout-data and --save-hf name files or folders too (both forms); import paths
+    (--custom-rm-path) stay as given."""
+    for form in ("separate", "equals"):
+        pairs = [("--load-debug-rollout-data", "dumps"), ("--save-hf", "hf/{rollout_id}"),
+                 ("--custom-rm-path", "mypkg.rm:score")]  # fmt: skip
+        flags = [w for f, v in pairs for w in ((f, v) if form == "separate" else (f"{f}={v}",))]
+        result = subprocess.run(["bash", str(LAUNCHER), *flags], cwd=tmp_path, capture_output=True, text=True,
+                                env=_env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1"), timeout=300)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        argv = shlex.split(result.stdout.strip().splitlines()[-1])
+        tail = argv[-len(flags):]
+        if form == "separate":
+            assert tail == ["--load-debug-rollout-data", str(tmp_path / "dumps"), "--save-hf",
+                            str(tmp_path / "hf" / "{rollout_id}"), "--custom-rm-path", "mypkg.rm:score"]  # fmt: skip
+        else:
+            assert tail == [f"--load-debug-rollout-data={tmp_path / 'dumps'}",
+                            f"--save-hf={tmp_path / 'hf' / '{rollout_id}'}", "--custom-rm-path=mypkg.rm:score"]  # fmt: skip
+
+
+@pytest.mark.parametrize("var", ["SLIME_SCRIPT_DRY_RUN", "SLIME_SCRIPT_EXTERNAL_RAY", "SLIME_SCRIPT_FORCE_CPU",
+                                 "SLIME_SKIP_SETUP"])  # fmt: skip
+@pytest.mark.parametrize("value", ["true", "false", "yes", "2"])
+def test_a_switch_other_than_0_or_1_is_refused(tmp_path, var, value):
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1")
+    env[var] = value
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.endswith(f"{var}={value}: expected 0 or 1 (or empty/unset, meaning 0)"), line
+    assert "slime.train" not in result.stdout  # not run, not even printed
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["", "0", "1"])
+def test_switches_accept_0_1_and_empty(tiny_ckpt, tmp_path, value):
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_EXTERNAL_RAY=value)
+    env["SLIME_SCRIPT_FORCE_CPU"] = value  # "" and 0 ask torch for GPUs: none here, the CPU default all the same
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert argv[:3] == ["python", "-m", "slime.train"]
+    assert ("--ray-address" in argv) == (value == "1")
+
+
+def test_check_only_prints_the_checks_result_only(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # a used folder: the check claims none, so not refused
+    result = subprocess.run(["bash", str(LAUNCHER), "--num-rollout", "2", "--check-only"], cwd=REPO, env=_env(out),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(result.stdout.strip().splitlines()) == 1, result.stdout
+    assert result.stdout.startswith("slime: flags OK"), result.stdout  # the check's result, and only that
+    for absent in ("resume", "done. Output", "metrics:", "reward curve:", "checkpoints:", "--load"):
+        assert absent not in result.stdout + result.stderr, absent
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # nothing written
+    bad = subprocess.run(["bash", str(LAUNCHER), "--num-rollout", "0", "--check-only"], cwd=REPO, env=_env(out),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "slime: error:" in bad.stderr
+    assert "resume" not in bad.stdout + bad.stderr
+
+
+FAKE_DRIVER = """#!/usr/bin/env bash
+# python, except that the driver (python -m slime.train, not --check-only) only exits with $FAKE_STATUS.
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "slime.train" ]; then
+   case " $* " in *" --check-only "*) ;; *) exit "$FAKE_STATUS" ;; esac
+fi
+exec %s "$@"
+"""
+
+
+def _fake_driver_env(tmp_path: Path, out: Path, status: int) -> dict[str, str]:
+    shim = tmp_path / "shim"
+    shim.mkdir(exist_ok=True)
+    (shim / "python").write_text(FAKE_DRIVER % shlex.quote(sys.executable))
+    (shim / "python").chmod(0o755)
+    env = _env(out, FAKE_STATUS=str(status))
+    env["PATH"] = os.pathsep.join([str(shim), env["PATH"]])
+    return env
+
+
+def test_no_resume_line_for_a_run_that_did_not_start(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(["bash", str(LAUNCHER), "--num-rollout", "3"], cwd=REPO, capture_output=True, text=True,
+                            env=_fake_driver_env(tmp_path, out, 2), timeout=300)  # fmt: skip
+    assert result.returncode == 2
+    assert "nothing to resume" in result.stdout
+    assert "--load" not in result.stdout and "resume it with" not in result.stdout
+    assert "resume this run" not in result.stdout
+
+
+def test_resume_lines_after_a_started_run_do_not_repeat_a_flag(tiny_ckpt, tmp_path):
+    out, save = tmp_path / "run", tmp_path / "ck"
+    args = ["--num-rollout", "3", "--save", str(save), "--lr", "2e-6", "--num-rollout=4"]
+    stopped = subprocess.run(["bash", str(LAUNCHER), *args], cwd=REPO, capture_output=True, text=True,
+                             env=_fake_driver_env(tmp_path, out, 1), timeout=300)  # fmt: skip
+    assert stopped.returncode == 1
+    (resume,) = re.findall(r"^\[geo3k\] the run stopped \(exit 1\); resume it with: (.*)$", stopped.stdout, re.M)
+    words = shlex.split(resume)
+    assert words[-2:] == ["--load", str(save)] and words.count("--load") == 1
+    assert "--num-rollout" in words and "--num-rollout=4" in words  # the run's own length, to resume it
+    done = subprocess.run(["bash", str(LAUNCHER), *args], cwd=REPO, capture_output=True, text=True,
+                          env=_fake_driver_env(tmp_path, out, 0), timeout=300)  # fmt: skip
+    assert done.returncode == 0
+    assert f"[geo3k] done. Output: {out}" in done.stdout
+    (extend,) = re.findall(r"^\[geo3k\] resume or extend \(same metrics file\): (.*)$", done.stdout, re.M)
+    words = shlex.split(extend)
+    assert words[-4:] == ["--load", str(save), "--num-rollout", "N"]
+    assert sum(w == "--num-rollout" or w.startswith("--num-rollout=") for w in words) == 1
+    assert words.count("--lr") == 1 and words.count("--save") == 1
+    for text in (stopped.stdout, done.stdout):  # one resume line each: none before the run
+        assert len(re.findall(r"^\[geo3k\] (?:resume|the run stopped)", text, re.M)) == 1, text

@@ -29,14 +29,28 @@
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
 #   WANDB_API_KEY               set -> --use-wandb (project slime-geo3k-vlm)
+# The switches (SLIME_SCRIPT_EXTERNAL_RAY, _FORCE_CPU, _DRY_RUN) take 0, 1 or empty/unset (0);
+# any other value (true, yes, ...) stops the script with exit 2.
 #
 # Relative paths (in the variables above and in the path flags: --output-dir, --save, --load,
-# --ref-load, --hf-checkpoint, --save-debug-rollout-data, --prompt-data, --eval-prompt-data) are
-# taken from the directory the script is run from, not from the repository it changes to.
+# --ref-load, --hf-checkpoint, --save-hf, --save-debug-rollout-data, --load-debug-rollout-data,
+# --prompt-data, --eval-prompt-data) are taken from the directory the script is run from, not
+# from the repository it changes to.
+#
+# With --check-only among the extra arguments the script only checks the flags (the driver's
+# "slime: flags OK ..." or its error): no folder probe, no download, no run, no resume line.
 
 set -euo pipefail
 
 SLIME_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)"
+# The switches: 0, 1 or empty/unset (0); anything else (true, yes, false...) is refused rather than
+# read as one or the other.
+for var in SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_FORCE_CPU SLIME_SCRIPT_DRY_RUN; do
+   case "${!var:-}" in
+      ""|0|1) ;;
+      *) echo "[geo3k] $var=${!var}: expected 0 or 1 (or empty/unset, meaning 0)" >&2; exit 2 ;;
+   esac
+done
 USER_DIR=$PWD
 
 # A path given relative to the directory the user ran the script from, made absolute.
@@ -75,10 +89,11 @@ for arg in "$@"; do
          PENDING="" ;;
    esac
    case "$arg" in
-      --output-dir|--save|--load|--ref-load|--hf-checkpoint|--save-debug-rollout-data) PENDING=path ;;
+      --output-dir|--save|--load|--ref-load|--hf-checkpoint|--save-hf|--save-debug-rollout-data|--load-debug-rollout-data)
+         PENDING=path ;;
       --prompt-data) PENDING=data ;;
       --eval-prompt-data) PENDING=eval; EVAL_INDEX=0 ;;
-      --output-dir=*|--save=*|--load=*|--ref-load=*|--hf-checkpoint=*|--save-debug-rollout-data=*)
+      --output-dir=*|--save=*|--load=*|--ref-load=*|--hf-checkpoint=*|--save-hf=*|--save-debug-rollout-data=*|--load-debug-rollout-data=*)
          RESOLVED+=("${arg%%=*}=$(abs_path "${arg#*=}")"); continue ;;
       --prompt-data=*) RESOLVED+=("--prompt-data=$(abs_data "${arg#*=}")"); continue ;;
    esac
@@ -86,6 +101,8 @@ for arg in "$@"; do
 done
 set -- ${RESOLVED[@]+"${RESOLVED[@]}"}
 cd "$SLIME_DIR"
+CHECK_ONLY=0  # --check-only among the extra arguments: the driver's check and nothing else (below)
+for arg in "$@"; do [ "$arg" != "--check-only" ] || CHECK_ONLY=1; done
 
 DATASET_NAME=${SLIME_SCRIPT_DATASET_NAME:-"chenhegu/geo3k_imgurl"}
 NUM_GPUS=${SLIME_SCRIPT_NUM_GPUS:-8}
@@ -166,7 +183,7 @@ if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    if [ -n "${SLIME_SCRIPT_ROLLOUT_BACKEND+x}" ]; then  # set explicitly: honoured (the driver says if it cannot run)
       CPU_ENGINE=$ROLLOUT_BACKEND
    fi
-   echo "[geo3k] no GPU found: running the embedded CPU default ($([ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ] && echo "tiny random Qwen3.5-MoE checkpoint" || echo "$HF_CHECKPOINT"), data $TRAIN_DATA, $CPU_ENGINE engine, $NUM_RANKS $CPU_TRAINER trainer ranks over gloo)."
+   [ "$CHECK_ONLY" = "1" ] || echo "[geo3k] no GPU found: running the embedded CPU default ($([ -z "${SLIME_SCRIPT_HF_CHECKPOINT+x}" ] && echo "tiny random Qwen3.5-MoE checkpoint" || echo "$HF_CHECKPOINT"), data $TRAIN_DATA, $CPU_ENGINE engine, $NUM_RANKS $CPU_TRAINER trainer ranks over gloo)."
    ROLLOUT_ARGS=(--num-rollout 10 --rollout-batch-size 4 --n-samples-per-prompt 4
                  --rollout-max-response-len 32 --rollout-temperature 1.0 --global-batch-size 8)
    EVAL_SETTINGS=(--eval-interval 5 --eval-max-response-len 32)
@@ -266,13 +283,18 @@ ARGS=(
    "${MISC_ARGS[@]}"
    --output-dir "$OUTPUT_DIR"
 )
-if [ "$EXTERNAL_RAY" != "0" ]; then
+if [ "$EXTERNAL_RAY" = "1" ]; then
    ARGS+=(--ray-address "${RAY_ADDRESS:-auto}")
 fi
 
 if [ "$DRY_RUN" = "1" ]; then
    printf '%q ' python -m slime.train "${ARGS[@]}" "$@"; echo
    exit 0
+fi
+if [ "$CHECK_ONLY" = "1" ]; then
+   # Only the check: it reads no data or checkpoint and claims no folder, so no folder probe, no
+   # download, no run and nothing to resume; its result ("slime: flags OK ..." or the error) is all.
+   exec python -m slime.train "${ARGS[@]}" "$@"
 fi
 # Refuse, before downloading or starting anything, a run directory or checkpoint folder that a live
 # run holds, or that holds a run's results this one neither resumes nor overwrites.  The driver
@@ -288,9 +310,11 @@ fi
 
 # The command that resumes this run into the same folders: the SLIME_SCRIPT_* variables that were
 # set, this script, the extra arguments as given (so a custom --save or --output-dir stays) minus
-# --load and --overwrite-output-dir, then --load of the checkpoint folder.
+# --load, --overwrite-output-dir and flag $1 (when not empty: the one the caller appends), then
+# --load of the checkpoint folder.
 resume_command() {
-   local words=("SLIME_SCRIPT_OUTPUT_DIR=$OUTPUT_DIR") var skip=0 arg
+   local words=("SLIME_SCRIPT_OUTPUT_DIR=$OUTPUT_DIR") var skip=0 arg drop=$1
+   shift
    for var in SLIME_SCRIPT_DATASET_NAME SLIME_SCRIPT_NUM_GPUS SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_MODEL_NAME \
               SLIME_SCRIPT_HF_CHECKPOINT SLIME_SCRIPT_TRAIN_BACKEND SLIME_SCRIPT_ROLLOUT_BACKEND SLIME_SCRIPT_FORCE_CPU \
               SLIME_SCRIPT_SPECULATIVE; do
@@ -302,16 +326,22 @@ resume_command() {
       case "$arg" in
          --load) skip=1 ;;
          --load=*|--overwrite-output-dir|--no-overwrite-output-dir) ;;
-         *) words+=("$arg") ;;
+         *)
+            if [ -n "$drop" ] && [ "$arg" = "$drop" ]; then skip=1
+            elif [ -n "$drop" ] && [ "${arg#"$drop"=}" != "$arg" ]; then :
+            else words+=("$arg"); fi ;;
       esac
    done
    words+=(--load "$SAVE_DIR")
    printf '%q ' "${words[@]}"
 }
-RESUME=$(resume_command "$@")
+# Printed only once the run has started (never before the driver validated the flags): when it
+# stops after its first rollout step began, and at the end (to extend it, without the user's own
+# value of the flag it sets again).
+RESUME=$(resume_command "" "$@")
 EXTEND_FLAG=--num-rollout
 if [ -n "$(arg_value --num-epoch "$@")" ]; then EXTEND_FLAG=--num-epoch; fi
-echo "[geo3k] resume this run after a crash or a kill (same folders): $RESUME"
+EXTEND=$(resume_command "$EXTEND_FLAG" "$@")
 
 # Run the driver in its own session and, on any exit or signal, stop only that session: the
 # driver, the Ray instance it started and its actors, then wait until they are gone. The
@@ -363,6 +393,6 @@ if [ "$STATUS" = "0" ]; then
    echo "[geo3k]   metrics:      $OUTPUT_DIR/metrics.jsonl"
    echo "[geo3k]   reward curve: $OUTPUT_DIR/reward_curve.png"
    echo "[geo3k]   checkpoints:  $SAVE_DIR"
-   echo "[geo3k] resume or extend (same metrics file): $RESUME$EXTEND_FLAG N"
+   echo "[geo3k] resume or extend (same metrics file): $EXTEND$EXTEND_FLAG N"
 fi
 exit "$STATUS"
