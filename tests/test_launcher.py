@@ -461,6 +461,14 @@ def test_a_switch_other_than_0_or_1_is_refused(tmp_path, var, value):
     assert result.returncode == 2, result.stdout + result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.endswith(f"{var}={value}: expected 0 or 1 (or empty/unset, meaning 0)"), line
+
+
+def test_a_misspelt_variable_is_refused_naming_the_known_ones(tmp_path):
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUMGPUS="4")
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "SLIME_SCRIPT_NUMGPUS is not a variable of this script; it reads SLIME_SCRIPT_{DATASET_NAME,NUM_GPUS," in line
     assert "slime.train" not in result.stdout  # not run, not even printed
     assert not (tmp_path / "run").exists()
 

@@ -51,6 +51,14 @@ for var in SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_FORCE_CPU SLIME_SCRIPT_DRY_RUN
       *) echo "[geo3k] $var=${!var}: expected 0 or 1 (or empty/unset, meaning 0)" >&2; exit 2 ;;
    esac
 done
+# A SLIME_SCRIPT_* variable this script does not read is a typo (SLIME_SCRIPT_NUMGPUS): refused, not ignored.
+KNOWN_VARS=" DATASET_NAME NUM_GPUS EXTERNAL_RAY MODEL_NAME HF_CHECKPOINT TRAIN_BACKEND ROLLOUT_BACKEND SPECULATIVE OUTPUT_DIR FORCE_CPU DRY_RUN "
+for var in $(compgen -e | grep '^SLIME_SCRIPT_' || true); do
+   if [[ "$KNOWN_VARS" != *" ${var#SLIME_SCRIPT_} "* ]]; then
+      echo "[geo3k] $var is not a variable of this script; it reads SLIME_SCRIPT_{$(echo $KNOWN_VARS | tr ' ' ',')}" >&2
+      exit 2
+   fi
+done
 USER_DIR=$PWD
 
 # A path given relative to the directory the user ran the script from, made absolute.
