@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from slime.utils.config import ConfigError, flag
+from slime.utils.config import ConfigError, flag, flag_name
 from slime.utils.registry import Builtin, Registry
 
 if TYPE_CHECKING:
@@ -147,14 +147,15 @@ class GRPOConfig:
             )
         if not self.opsm_delta >= 0:
             raise ConfigError(f"--opsm-delta must be >= 0 (a KL threshold in nats), got {self.opsm_delta}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        fields = {f.name: f for f in dataclasses.fields(self)}
         for switch, names in (("use_tis", ("tis_clip", "tis_clip_low", "tis_mode", "tis_level",
                                            "custom_tis_function_path")), ("use_opsm", ("opsm_delta",))):
-            given = [f"--{n.replace('_', '-')} {getattr(self, n)}" for n in names if getattr(self, n) != defaults[n]]
+            given = [f"{flag_name(fields[n])} {getattr(self, n)}" for n in names
+                     if getattr(self, n) != fields[n].default]
             if given and not getattr(self, switch):
-                flag_name = f"--{switch.replace('_', '-')}"
+                switch_flag = flag_name(fields[switch])
                 raise ConfigError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
-                                  f"{flag_name}; add {flag_name} or drop {'it' if len(given) == 1 else 'them'}")
+                                  f"{switch_flag}; add {switch_flag} or drop {'it' if len(given) == 1 else 'them'}")
         path = self.custom_tis_function_path
         if path is None:
             return

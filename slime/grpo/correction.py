@@ -7,6 +7,7 @@ in nats; float32 (float64 kept).  The weighting functions of ``--tis-mode`` are 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import torch
@@ -48,9 +49,15 @@ def tis_function(cfg: GRPOConfig) -> TISFunction:
         ConfigError: naming the flag: the entry cannot be imported (:meth:`Registry.resolve`) or is not a function of
             ``(ratio, cfg)`` (:func:`~slime.utils.registry.check_function`).
     """
-    flag, name = _tis_flag(cfg)
+    return _checked_tis_function(*_tis_flag(cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_tis_function(flag: str, name: str) -> TISFunction:
+    """:func:`tis_function`'s lookup and signature check, once per ``(flag, name)`` (the loss asks every micro-batch;
+    a failure is not cached)."""
     fn = TIS_FUNCTIONS.resolve(name, flag)
-    check_function(fn, flag, name, (torch.ones(1), cfg), "an IS weighting function must accept (ratio: Tensor, "
+    check_function(fn, flag, name, (torch.ones(1), None), "an IS weighting function must accept (ratio: Tensor, "
                    "cfg: GRPOConfig) and return weights of ratio's shape")
     return fn
 

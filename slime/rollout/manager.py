@@ -38,7 +38,7 @@ from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError, prompt_
 from slime.rollout.dynamic_sampling import DynamicSampler
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
-from slime.rollout.replay import ReplayError, load_rollout, replay_path, save_rollout
+from slime.rollout.replay import load_rollout, replay_path, save_rollout
 from slime.rollout.rm_hub.scorer import RewardScorer
 from slime.rollout.seeds import sampling_seed
 
@@ -206,14 +206,7 @@ class RolloutManager:
         ``rollout/replayed`` 1; ``ReplayError`` (naming the file) when it is missing or does not fit."""
         samples, metrics, path = load_rollout(
             self.replay_from, rollout_id, fingerprint=self.fingerprint, n_samples_per_prompt=self.cfg.n_samples_per_prompt,
-            num_samples=self.cfg.samples_per_rollout)
-        if self.replay_needs_routes:
-            unrouted = [s.index for s in samples if s.rollout_routed_experts is None]
-            if unrouted:
-                raise ReplayError(f"--load-debug-rollout-data: {path} was saved without the engine's routed experts "
-                                  f"({len(unrouted)} of {len(samples)} samples, first: dataset index {unrouted[0]}), "
-                                  "which --use-rollout-routing-replay replays; save the rollouts again with it, or "
-                                  "replay them without it")
+            num_samples=self.cfg.samples_per_rollout, need_routes=self.replay_needs_routes)
         logger.info("rollout %d: replaying %d saved samples from %s", rollout_id, len(samples), path)
         return RolloutBatch(samples, {**metrics, "rollout/replayed": 1.0})
 

@@ -85,7 +85,7 @@ def check_saved_rollouts(source: str, rollout_ids: range) -> None:
 
 
 def load_rollout(source: str, rollout_id: int, *, fingerprint: dict, n_samples_per_prompt: int,
-                 num_samples: int) -> tuple[list[Sample], dict[str, float], Path]:
+                 num_samples: int, need_routes: bool = False) -> tuple[list[Sample], dict[str, float], Path]:
     """Rollout ``rollout_id``'s samples and metrics from ``--load-debug-rollout-data`` ``source``: a folder
     (``<folder>/rollout_{rollout_id}.pt``), or a path template as given to ``--save-debug-rollout-data`` (its suffix
     read as ``.pt``; one without ``{rollout_id}`` is the same file for every step, as upstream).
@@ -93,7 +93,8 @@ def load_rollout(source: str, rollout_id: int, *, fingerprint: dict, n_samples_p
     Raises:
         ReplayError: the file is missing (the saved ids beside it listed), is not such a record, holds another
             rollout id, was saved from another model or tokenizer, or holds another batch shape than
-            ``num_samples`` samples in groups of ``n_samples_per_prompt``.
+            ``num_samples`` samples in groups of ``n_samples_per_prompt``, or (``need_routes``:
+            ``--use-rollout-routing-replay``) holds samples without the engine's routed experts.
     """
     template = replay_template(source)
     path = Path(template.format(rollout_id=rollout_id))
@@ -119,6 +120,12 @@ def load_rollout(source: str, rollout_id: int, *, fingerprint: dict, n_samples_p
         raise ReplayError(f"--load-debug-rollout-data: {path} holds {shape[0]} samples in groups of {shape[1]}; this "
                           f"run's --rollout-batch-size x --n-samples-per-prompt is {num_samples // n_samples_per_prompt}"
                           f" x {n_samples_per_prompt}")
+    unrouted = [r["index"] for r in record["samples"] if r.get("rollout_routed_experts") is None]
+    if need_routes and unrouted:
+        raise ReplayError(f"--load-debug-rollout-data: {path} was saved without the engine's routed experts "
+                          f"({len(unrouted)} of {shape[0]} samples, first: dataset index {unrouted[0]}), which "
+                          "--use-rollout-routing-replay replays; save the rollouts again with it, or replay them "
+                          "without it")
     return [_from_record(r) for r in record["samples"]], record["metrics"], path
 
 

@@ -118,6 +118,9 @@ class LoggingConfig:
         if self.save_debug_rollout_data is not None:
             if not self.save_debug_rollout_data.strip():
                 raise ConfigError("--save-debug-rollout-data must be a non-empty path")
+            if self.load_debug_rollout_data is not None:
+                raise ConfigError("--save-debug-rollout-data writes generated rollouts, and --load-debug-rollout-data "
+                                  "generates none (it trains on saved ones): drop --save-debug-rollout-data")
             if self.save_debug_rollout_data.endswith(".pt"):
                 raise ConfigError(f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: give the JSONL "
                                   "summary's path (e.g. .../rollout_{rollout_id}.jsonl); the replayable .pt record "
@@ -139,6 +142,3 @@ class LoggingConfig:
                 logger.warning("--save-debug-rollout-data %s has no {rollout_id}: every rollout overwrites the "
                                "previous one's files (as upstream); only the last is kept",
                                self.save_debug_rollout_data)
-            if self.load_debug_rollout_data is not None:
-                raise ConfigError("--save-debug-rollout-data writes generated rollouts, and --load-debug-rollout-data "
-                                  "generates none (it trains on saved ones): drop --save-debug-rollout-data")
