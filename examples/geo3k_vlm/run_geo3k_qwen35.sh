@@ -51,11 +51,13 @@ for var in SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_FORCE_CPU SLIME_SCRIPT_DRY_RUN
       *) echo "[geo3k] $var=${!var}: expected 0 or 1 (or empty/unset, meaning 0)" >&2; exit 2 ;;
    esac
 done
-# A SLIME_SCRIPT_* variable this script does not read is a typo (SLIME_SCRIPT_NUMGPUS): refused, not ignored.
-KNOWN_VARS=" DATASET_NAME NUM_GPUS EXTERNAL_RAY MODEL_NAME HF_CHECKPOINT TRAIN_BACKEND ROLLOUT_BACKEND SPECULATIVE OUTPUT_DIR FORCE_CPU DRY_RUN "
+# The variables this script reads (after SLIME_SCRIPT_); any other SLIME_SCRIPT_* is a typo
+# (SLIME_SCRIPT_NUMGPUS): refused, not ignored.
+KNOWN_VARS=(DATASET_NAME NUM_GPUS EXTERNAL_RAY MODEL_NAME HF_CHECKPOINT TRAIN_BACKEND ROLLOUT_BACKEND SPECULATIVE
+            FORCE_CPU OUTPUT_DIR DRY_RUN)
 for var in $(compgen -e | grep '^SLIME_SCRIPT_' || true); do
-   if [[ "$KNOWN_VARS" != *" ${var#SLIME_SCRIPT_} "* ]]; then
-      echo "[geo3k] $var is not a variable of this script; it reads SLIME_SCRIPT_{$(echo $KNOWN_VARS | tr ' ' ',')}" >&2
+   if [[ " ${KNOWN_VARS[*]} " != *" ${var#SLIME_SCRIPT_} "* ]]; then
+      echo "[geo3k] $var is not a variable of this script; it reads SLIME_SCRIPT_{$(IFS=,; echo "${KNOWN_VARS[*]}")}" >&2
       exit 2
    fi
 done
@@ -317,15 +319,14 @@ if [ "$NEED_DOWNLOAD" = "1" ]; then
 fi
 
 # The command that resumes this run into the same folders: the SLIME_SCRIPT_* variables that were
-# set, this script, the extra arguments as given (so a custom --save or --output-dir stays) minus
+# set (but OUTPUT_DIR, given resolved, and DRY_RUN), this script, the extra arguments as given (so a custom --save or --output-dir stays) minus
 # --load, --overwrite-output-dir and flag $1 (when not empty: the one the caller appends), then
 # --load of the checkpoint folder.
 resume_command() {
    local words=("SLIME_SCRIPT_OUTPUT_DIR=$OUTPUT_DIR") var skip=0 arg drop=$1
    shift
-   for var in SLIME_SCRIPT_DATASET_NAME SLIME_SCRIPT_NUM_GPUS SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_MODEL_NAME \
-              SLIME_SCRIPT_HF_CHECKPOINT SLIME_SCRIPT_TRAIN_BACKEND SLIME_SCRIPT_ROLLOUT_BACKEND SLIME_SCRIPT_FORCE_CPU \
-              SLIME_SCRIPT_SPECULATIVE; do
+   for var in "${KNOWN_VARS[@]/#/SLIME_SCRIPT_}"; do
+      case "$var" in SLIME_SCRIPT_OUTPUT_DIR|SLIME_SCRIPT_DRY_RUN) continue ;; esac
       if [ -n "${!var+x}" ]; then words+=("$var=${!var}"); fi
    done
    words+=(bash "$SLIME_DIR/examples/geo3k_vlm/run_geo3k_qwen35.sh")
