@@ -218,7 +218,8 @@ def test_speculative_mtp_adds_upstreams_four_flags_which_the_parser_checks(tiny_
     assert bad.returncode == 2 and "SLIME_SCRIPT_SPECULATIVE=eagle: expected off or mtp" in bad.stderr
 
 
-def _gpu_dry_run(tmp_path: Path, gpus: int, tiny_ckpt, **extra: str) -> subprocess.CompletedProcess:
+def _gpu_dry_run(tmp_path: Path, gpus: int, tiny_ckpt, args: tuple[str, ...] = (), **extra: str
+                 ) -> subprocess.CompletedProcess:
     """The launcher's GPU branch, dry-run on this CPU machine with ``gpus`` GPUs faked
     (``tests/fixtures/fake_gpus/sitecustomize.py``), the tiny checkpoint's model file and the transformers engine
     (sglang is not installed here)."""
@@ -227,7 +228,8 @@ def _gpu_dry_run(tmp_path: Path, gpus: int, tiny_ckpt, **extra: str) -> subproce
                SLIME_SCRIPT_HF_CHECKPOINT=str(tiny_ckpt), SLIME_SCRIPT_ROLLOUT_BACKEND="transformers", **extra)
     env["SLIME_SCRIPT_FORCE_CPU"] = "0"  # sglang is not installed here: the transformers engine
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "fixtures" / "fake_gpus"), env["PYTHONPATH"]])
-    return subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(["bash", str(LAUNCHER), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.mark.slow
@@ -237,9 +239,9 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
     --max-tokens-per-gpu 8192`` by default, N with SLIME_SCRIPT_MAX_TOKENS_PER_GPU=N, none with 0; more GPUs: upstream's
     one sample per micro-batch, and asking for packing there is refused by the parser (EP > 1); a value that is not a
     count stops the launcher.  The parser takes the GPU branch's whole command (it refused upstream's
-    ``--attention-softmax-in-fp32`` there once, unseen by any CPU test)."""
-    def argv(gpus: int, **extra: str) -> list[str]:
-        result = _gpu_dry_run(tmp_path, gpus, tiny_ckpt, **extra)
+    ``--attention-softmax-in-fp32`` there once, unseen by any CPU test), with R3 too (selective recompute)."""
+    def argv(gpus: int, *args: str, **extra: str) -> list[str]:
+        result = _gpu_dry_run(tmp_path, gpus, tiny_ckpt, args, **extra)
         assert result.returncode == 0, result.stderr
         return shlex.split(result.stdout.strip().splitlines()[-1])
 
@@ -259,6 +261,19 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
     assert "Gated-DeltaNet" in capsys.readouterr().err
     bad = _gpu_dry_run(tmp_path, 1, tiny_ckpt, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8k")
     assert bad.returncode == 2 and "SLIME_SCRIPT_MAX_TOKENS_PER_GPU=8k: expected a token count" in bad.stderr
+
+    # recompute: upstream's full by default; selective with R3 (whose routes a backward's recompute would miss,
+    # which the parser refuses); the user's own choice alone when the extra arguments make one
+    def recompute(args: list[str]) -> list[str]:
+        return [a for a in args if a.startswith("--recompute")]
+
+    assert recompute(one) == ["--recompute-granularity", "--recompute-method", "--recompute-num-layers"]
+    r3 = argv(1, "--use-rollout-routing-replay")
+    assert recompute(r3) == ["--recompute-granularity"] and r3[r3.index("--recompute-granularity") + 1] == "selective"
+    assert parse_args(r3[3:]).train.use_rollout_routing_replay
+    mine = argv(1, "--recompute-granularity", "selective")
+    assert recompute(mine) == ["--recompute-granularity"]
+    parse_args(mine[3:])
 
 
 @pytest.mark.parametrize("form", ["separate", "equals"])

@@ -167,6 +167,21 @@ else
    TRAIN_DATA="$DATASET_NAME@train"; EVAL_DATA="$DATASET_NAME@test"
 fi
 
+arg_value() {  # the last value of flag $1 in the remaining arguments, or nothing
+   local flag=$1 prev="" value="" arg; shift
+   for arg in "$@"; do
+      [ "$prev" = "$flag" ] && value=$arg
+      case "$arg" in "$flag"=*) value=${arg#"$flag"=} ;; esac
+      prev=$arg
+   done
+   printf '%s' "$value"
+}
+has_flag() {  # whether switch $1 is among the remaining arguments
+   local flag=$1 arg; shift
+   for arg in "$@"; do [ "$arg" != "$flag" ] || return 0; done
+   return 1
+}
+
 GPUS_SEEN=0  # not asked when SLIME_SCRIPT_FORCE_CPU=1 (importing torch takes seconds)
 [ "$FORCE_CPU" = "1" ] || GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 NEED_DOWNLOAD=0
@@ -228,11 +243,16 @@ else
          ''|*[!0-9]*) echo "[geo3k] SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$MAX_TOKENS: expected a token count (0: one sample per micro-batch)" >&2; exit 2 ;;
       esac
       [ "$MAX_TOKENS" = 0 ] || BACKEND_ARGS+=(--use-dynamic-batch-size --max-tokens-per-gpu "$MAX_TOKENS")
+      # Upstream's full recompute, unless the extra arguments choose (then theirs alone) or ask for R3, whose
+      # replayed routes reach the forward passes but not a backward's recompute: selective there.
+      RECOMPUTE_ARGS=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+      if [ -n "$(arg_value --recompute-granularity "$@")" ]; then RECOMPUTE_ARGS=()
+      elif has_flag --use-rollout-routing-replay "$@"; then RECOMPUTE_ARGS=(--recompute-granularity selective); fi
       BACKEND_ARGS+=(
          "${TP_ARGS[@]}"
          --pipeline-model-parallel-size 1 --context-parallel-size 1
          --expert-model-parallel-size "$NUM_GPUS" --expert-tensor-parallel-size 1
-         --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+         "${RECOMPUTE_ARGS[@]}"
          --attention-dropout 0.0 --hidden-dropout 0.0
          --accumulate-allreduce-grads-in-fp32 --attention-backend flash
       )  # upstream's --attention-softmax-in-fp32 is refused here: no kernel reads it (docs/design/model_args.md)
@@ -254,15 +274,6 @@ fi
 # Extra arguments override the script's (argparse keeps the last value), with three that need
 # help: --num-epoch excludes the script's --num-rollout, --output-dir moves the run (metrics, plot,
 # command.sh, default checkpoints) and --save the checkpoints.
-arg_value() {  # the last value of flag $1 in the remaining arguments, or nothing
-   local flag=$1 prev="" value="" arg; shift
-   for arg in "$@"; do
-      [ "$prev" = "$flag" ] && value=$arg
-      case "$arg" in "$flag"=*) value=${arg#"$flag"=} ;; esac
-      prev=$arg
-   done
-   printf '%s' "$value"
-}
 OUTPUT_DIR=$(arg_value --output-dir "$@"); OUTPUT_DIR=${OUTPUT_DIR:-$DEFAULT_OUTPUT_DIR}
 SAVE_DIR=$(arg_value --save "$@"); SAVE_DIR=${SAVE_DIR:-$OUTPUT_DIR/checkpoints}
 if [ -n "$(arg_value --num-epoch "$@")" ] && [ "${ROLLOUT_ARGS[0]}" = "--num-rollout" ]; then
