@@ -105,8 +105,8 @@ set +e
 for phase in $PHASES; do
   case $phase in
   build)
-    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED" --layers 4 --experts 128
-    # a checkpoint built before the MTP layer existed gets one (seed 0, as build-scaled's)
+    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/tools/make_scaled_qwen35.py "$SCALED" --force --layers 4 --experts 128
+    # a checkpoint built before the MTP layer existed gets one (seed 0, as make_scaled_qwen35.py's)
     [ -f "$SCALED/mtp.safetensors" ] || timed add_mtp python3 -c "from slime.checkpoints.mtp import write_mtp_layer; \
 write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
   floor)

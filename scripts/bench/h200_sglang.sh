@@ -116,7 +116,7 @@ for line in open(sys.argv[1]):
 EOF
     ;;
   throughput)
-    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
+    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/tools/make_scaled_qwen35.py "$SCALED" --force
     timed throughput timeout 480 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_THROUGHPUT_ARGS---official-cli}
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
@@ -124,7 +124,7 @@ EOF
   sync)
     # the fast expert load against SGLang's real FusedMoE loader and Qwen3.5 load_weights (seconds; skipped on CPU)
     timed pytest_expert_load timeout 180 python3 -m pytest -q -rA -p no:cacheprovider tests/test_sglang_expert_load.py || true
-    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/bench/sglang_rollout_bench.py build-scaled "$SCALED"
+    [ -f "$SCALED/config.json" ] || timed build_scaled python3 scripts/tools/make_scaled_qwen35.py "$SCALED" --force
     timed weight_sync timeout 420 python3 scripts/bench/sglang_rollout_bench.py weight-sync --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS" ${SLIME_SYNC_ARGS:-}
     grep -h '"weight_sync"' "$LOGS/bench.jsonl" 2>/dev/null | tee -a "$LOGS/summary.txt"
