@@ -126,7 +126,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # default packing (after); 2 and 3 rollouts, the final save without optimizer state (deleted after).
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
     SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
-      --num-rollout "$([ "$phase" = before ] && echo 2 || echo 3)" --no-save-optim
+      --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim
     summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints" ;;
   r3)
     # The after command with R3 (the engine's routes replayed in every training forward) and TIS: router agreement
