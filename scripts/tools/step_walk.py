@@ -233,7 +233,6 @@ class Walk:
 
     def expr_type(self, fn: Function, env: dict[str, Type], expr: ast.expr) -> Type | None:
         """What the walk knows of an expression's type inside ``fn``."""
-        module = fn.module
         if isinstance(expr, ast.Name):
             if expr.id in ("self", "cls") and fn.owner is not None:
                 return Type(fn.owner.qualname)
