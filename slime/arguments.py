@@ -6,7 +6,7 @@ explains how); this module only
 1. assembles them into one ``argparse`` parser, one argument group per dataclass, titled after
    the arrays of the upstream launcher scripts (``MODEL_ARGS``, ``ROLLOUT_ARGS``, ...);
 2. builds each dataclass from the parsed flags (its ``__post_init__`` checks its own fields) and
-   collects every ``--sglang-*`` flag into :class:`~slime.rollout.config.SGLangConfig`;
+   collects every ``--sglang-*`` flag into :class:`~slime.rollout.engines.sglang.flags.SGLangConfig`;
 3. runs the checks that span several groups (:func:`validate`): MODEL_ARGS against the
    checkpoint's ``config.json`` and the model built from it, refusing those nothing reads
    (:mod:`slime.checkpoints.model_args`), the selected training backend's and rollout engine's own
@@ -34,24 +34,24 @@ import sys
 from slime.backends.config import (
     BackendConfig,
     CheckpointConfig,
-    ModelConfig,
     OptimizerConfig,
     OtherBackendFlag,
     TrainConfig,
+    TrainerSpec,
 )
 from slime.backends.fsdp.config import FSDPConfig
 from slime.backends.megatron.config import MegatronConfig
 from slime.backends.registry import TRAIN_BACKENDS
-from slime.checkpoints.hf import read_config
-from slime.checkpoints.model_args import check_model_args
+from slime.checkpoints.model_args import ModelConfig, check_model_args
 from slime.data.config import DataConfig
-from slime.data.routes import RouteError, RouteShape
+from slime.routing_replay import check_routing_replay, resolve_parity_replay, rollout_routes_wanted
 from slime.errors import SlimeError
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
-from slime.ray.config import ClusterConfig
-from slime.rollout.config import EvalConfig, ParityConfig, RolloutConfig, SGLangConfig, extract_sglang_args
+from slime.ray.config import ClusterConfig, RunModeConfig
+from slime.rollout.config import EvalConfig, ParityConfig, RolloutConfig
 from slime.rollout.engines import ENGINES
-from slime.rollout.engines.config import EngineConfig
+from slime.rollout.engines.config import EngineConfig, EngineSpec
+from slime.rollout.engines.sglang.flags import SGLANG_HELP, SGLangConfig, extract_sglang_args
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.utils.config import ConfigError, add_group, build_group, flag_name, to_argv
 from slime.utils.metrics_config import LoggingConfig, WandbConfig
@@ -77,18 +77,8 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
     ("fsdp", FSDPConfig, "BACKEND_ARGS (fsdp)"),
     ("weight_sync", WeightSyncConfig, "BACKEND_ARGS (weight sync)"),
     ("cluster", ClusterConfig, "MISC_ARGS (cluster)"),
+    ("run_mode", RunModeConfig, "MISC_ARGS (run mode)"),
     ("logging", LoggingConfig, "MISC_ARGS (logging)"),
-)
-
-SGLANG_HELP = (
-    "SGLang server arguments, passed through. Any SGLang server argument, written --sglang-<name> [VALUE ...], "
-    "is passed to every SGLang engine as --<name> [VALUE ...]; e.g. --sglang-mem-fraction-static 0.7 "
-    "--sglang-cuda-graph-bs 1 2 4 --sglang-disable-custom-all-reduce. slime sets the model path "
-    "(--hf-checkpoint), the tensor-parallel size (--rollout-num-gpus-per-engine), the seed (--rollout-seed), "
-    "host and port itself, and --dtype bfloat16 unless --sglang-dtype is given. Each server gets a per-run key "
-    "of its own (--sglang-api-key / --sglang-admin-api-key are refused). --sglang-server-concurrency N "
-    "(default 512) and --sglang-requests-per-call N (default 32) are slime's, not the server's: the requests "
-    "kept in flight at each engine, and how many of them go in one batched /generate call."
 )
 
 SECRET_FLAGS = ("--wandb-key",)
@@ -116,6 +106,7 @@ class SlimeConfig:
     wandb: WandbConfig
     logging: LoggingConfig
     cluster: ClusterConfig
+    run_mode: RunModeConfig
     train: TrainConfig
     megatron: MegatronConfig
     fsdp: FSDPConfig
@@ -142,6 +133,32 @@ class SlimeConfig:
         cls = TRAIN_BACKENDS.config_class(self.train.train_backend)
         return next((group for group in self.backend_configs() if type(group) is cls), BackendConfig())
 
+    def trainer_spec(self) -> TrainerSpec:
+        """What every trainer rank is handed besides its backend's own group (:class:`TrainerSpec`).
+
+        Raises:
+            ConfigError: an inconsistent LR schedule.
+        """
+        return TrainerSpec(train=self.train, optimizer=self.optimizer, grpo=self.grpo, checkpoint=self.checkpoint,
+                           rollout_temperature=self.rollout.rollout_temperature, num_rollout=self.rollout.num_rollout,
+                           steps_per_rollout=self.steps_per_rollout, seed=self.cluster.seed)
+
+    def engine_spec(self, parity_check: bool) -> EngineSpec:
+        """What every rollout engine is handed (:class:`EngineSpec`); ``parity_check``: the engine kind runs the
+        engine parity check (whether it captures routes for it, :func:`slime.routing_replay.rollout_routes_wanted`)."""
+        return EngineSpec(
+            hf_checkpoint=self.checkpoint.hf_checkpoint, rollout_seed=self.rollout.rollout_seed,
+            image_min_pixels=self.data.image_min_pixels, image_max_pixels=self.data.image_max_pixels,
+            sglang=self.sglang, output_dir=self.logging.output_dir,
+            return_routed_experts=rollout_routes_wanted(self.train, self.parity, self.checkpoint.hf_checkpoint,
+                                                        parity_check=parity_check),
+        )
+
+    def backend_config(self, backend_cls: type) -> BackendConfig:
+        """The flag group a ``--train-backend`` class is handed: the group its ``flag_group`` names (a built-in's, and
+        a subclass's given as ``package.module:Class``), else :attr:`train_backend_config`."""
+        return getattr(self, getattr(backend_cls, "flag_group", ""), None) or self.train_backend_config
+
     @property
     def engine_config(self) -> type[EngineConfig]:
         """The ``--rollout-backend``'s checks (its config in :data:`slime.rollout.engines.ENGINES`)."""
@@ -152,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``slime`` argument parser, one argument group per config dataclass (so ``--help`` is grouped).
 
     ``--sglang-*`` flags are not argparse options: :func:`parse_args` takes them out first
-    (see :func:`slime.rollout.config.extract_sglang_args`); their group only documents them.
+    (see :func:`slime.rollout.engines.sglang.flags.extract_sglang_args`); their group only documents them.
     Abbreviated flags are refused (``allow_abbrev=False``) so that logged command lines are exact.
     """
     parser = argparse.ArgumentParser(
@@ -237,7 +254,7 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
             when given, the run must fit in them. :func:`parse_args` leaves it out.
 
     Also turns the engine parity check's routing replay off, with a warning, where it cannot run
-    (:func:`_resolve_route_replay`).
+    (:func:`slime.routing_replay.resolve_parity_replay`).
 
     Raises:
         ConfigError: the message names the flags, their values and a fix.
@@ -245,12 +262,14 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     """
     backend = cfg.train_backend_config
     check_model_args(cfg.model, cfg.checkpoint.hf_checkpoint,
-                     megatron=backend if isinstance(backend, MegatronConfig) else None)
+                     attention_softmax_in_fp32=isinstance(backend, MegatronConfig)
+                     and backend.attention_softmax_in_fp32)
     backend.check(train=cfg.train, model=cfg.model, checkpoint=cfg.checkpoint, cluster=cfg.cluster,
                   other_flags=_other_backend_flags(cfg))
     cfg.engine_config.check(cfg.rollout, cfg.sglang, cfg.checkpoint.hf_checkpoint)
-    _resolve_route_replay(cfg)
-    _check_routing_replay(cfg)
+    resolve_parity_replay(cfg.parity, cfg.checkpoint.hf_checkpoint, backend,
+                          parity_check=cfg.engine_config.parity_check)
+    check_routing_replay(cfg.train, cfg.checkpoint, backend)
     _check_batch_sizes(cfg.rollout, cfg.train, cfg.cluster, backend)
     _check_group_size(cfg.rollout, cfg.grpo)
     _check_kl(cfg.grpo, cfg.checkpoint)
@@ -259,60 +278,6 @@ def validate(cfg: SlimeConfig, *, num_gpus_available: int | None = None) -> None
     _check_runs_here(cfg)
     if num_gpus_available is not None:
         check_resources(cfg.cluster, num_gpus_available)
-
-
-def _resolve_route_replay(cfg: SlimeConfig) -> None:
-    """Turn ``--engine-parity-replay-routes`` off, with a warning giving the reason, where it cannot run: an MoE
-    ``--hf-checkpoint`` with more experts than routes stored as uint8 name, or a training backend that does not
-    replay routes in its layout (:meth:`BackendConfig.replay_routes_problem`).  Only where the parity check runs
-    (:attr:`EngineConfig.parity_check`, not skipped) and the flag is on; a dense checkpoint keeps it (nothing to
-    replay).  The parity check then compares unreplayed routes, as with the flag off."""
-    parity = cfg.parity
-    if parity.skip_engine_parity_check or not parity.engine_parity_replay_routes or not cfg.engine_config.parity_check:
-        return
-    problem = None
-    config = read_config(cfg.checkpoint.hf_checkpoint)
-    if config is not None:
-        try:
-            if RouteShape.from_hf_config(config, f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}") is None:
-                return  # a dense model: nothing to replay
-        except RouteError as e:
-            problem = str(e)
-    problem = problem or cfg.train_backend_config.replay_routes_problem()
-    if problem:
-        parity.engine_parity_replay_routes = False
-        logger.warning(
-            "--engine-parity-replay-routes is off for this run: %s. The engine parity check compares the engine's "
-            "log-probs without replaying its routes, which at real width (random routers) cannot tell the "
-            "multimodal-RoPE bug from routing flips (docs/design/parity_gate.md); --no-engine-parity-replay-routes "
-            "silences this", problem)
-
-
-def _check_routing_replay(cfg: SlimeConfig) -> None:
-    """Refuse ``--use-routing-replay`` / ``--use-rollout-routing-replay`` where they cannot run: a dense or
-    unreadable ``--hf-checkpoint``, more experts than uint8 routes name, a backend layout where replay is unproven
-    (:meth:`BackendConfig.train_replay_problem`), and R2 alone with ``--use-rollout-logprobs`` (no old-log-prob pass
-    to record).  ConfigError naming the flag and the reason (``docs/design/routing_replay.md``)."""
-    train = cfg.train
-    if not train.use_routing_replay:
-        return
-    name = "--use-rollout-routing-replay" if train.use_rollout_routing_replay else "--use-routing-replay"
-    config = read_config(cfg.checkpoint.hf_checkpoint)
-    try:
-        shape = None if config is None else RouteShape.from_hf_config(config, f"--hf-checkpoint "
-                                                                               f"{cfg.checkpoint.hf_checkpoint}")
-    except RouteError as e:
-        raise ConfigError(f"{name}: {e}") from None
-    if shape is None:
-        raise ConfigError(f"{name} replays the routed experts of an MoE model, but --hf-checkpoint "
-                          f"{cfg.checkpoint.hf_checkpoint} has no MoE layers (or no config.json); drop the flag")
-    problem = cfg.train_backend_config.train_replay_problem()
-    if problem:
-        raise ConfigError(f"{name}: {problem}")
-    if train.use_rollout_logprobs and not train.use_rollout_routing_replay:
-        raise ConfigError("--use-routing-replay records the routes of the trainer's old-log-prob pass, which "
-                          "--use-rollout-logprobs skips; use --use-rollout-routing-replay (the engine's routes) "
-                          "or drop --use-rollout-logprobs")
 
 
 def _other_backend_flags(cfg: SlimeConfig) -> list[OtherBackendFlag]:
@@ -396,7 +361,7 @@ def _check_group_size(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
 def _check_rollout_only(cfg: SlimeConfig) -> None:
     """``--debug-rollout-only`` starts no trainer: refuse the flags that act only in a training step (ConfigError
     naming them); warn that ``--save`` writes no checkpoint (the launcher always passes one)."""
-    if not cfg.logging.debug_rollout_only:
+    if not cfg.run_mode.debug_rollout_only:
         return
     train, grpo = cfg.train, cfg.grpo
     trainer_only = {

@@ -40,7 +40,6 @@ from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, check_cpu_memory, cluster_num_gpus, create_placement_groups, init_ray
 from slime.ray.trainer_group import TrainerGroup
 from slime.rollout.engines import ENGINES
-from slime.rollout.engines.config import rollout_routes_wanted
 from slime.rollout.filters import resolve_filter
 from slime.rollout.manager import RolloutManager
 from slime.rollout.parity import EngineParityCheck
@@ -238,15 +237,16 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     _resolve_num_rollout(cfg)
     processor = load_processor(cfg.checkpoint.hf_checkpoint,
                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
-    if cfg.logging.load_debug_rollout_data:
-        check_saved_rollouts(cfg.logging.load_debug_rollout_data, range(start.next_rollout_id, cfg.rollout.num_rollout))
+    if cfg.run_mode.load_debug_rollout_data:
+        check_saved_rollouts(cfg.run_mode.load_debug_rollout_data,
+                             range(start.next_rollout_id, cfg.rollout.num_rollout))
     fingerprint = None
-    if cfg.logging.save_debug_rollout_data or cfg.logging.load_debug_rollout_data:
+    if cfg.run_mode.save_debug_rollout_data or cfg.run_mode.load_debug_rollout_data:
         fingerprint = model_fingerprint(processor.tokenizer, read_config(cfg.checkpoint.hf_checkpoint) or {})
     return RolloutManager(
         rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
         processor=processor, engines=None, seed=cfg.rollout.rollout_seed,
-        debug_dump=cfg.logging.save_debug_rollout_data, replay_from=cfg.logging.load_debug_rollout_data,
+        debug_dump=cfg.run_mode.save_debug_rollout_data, replay_from=cfg.run_mode.load_debug_rollout_data,
         fingerprint=fingerprint, replay_needs_routes=cfg.train.use_rollout_routing_replay,
     )
 
@@ -269,8 +269,8 @@ def setup(
     cleanup.callback(placement.remove)
     engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
-    # as the engines decide whether to capture routes (SGLangEngine.captures_routes)
-    rollout_manager.return_routed_experts = rollout_routes_wanted(cfg, parity_check=components.engine_cls.parity_check)
+    # as the engines capture routes (EngineSpec.return_routed_experts)
+    rollout_manager.return_routed_experts = cfg.engine_spec(components.engine_cls.parity_check).return_routed_experts
     if trainers is None or engines is None:  # --debug-rollout-only / --load-debug-rollout-data
         logger.info("%s: %s", "--debug-rollout-only" if trainers is None else "--load-debug-rollout-data",
                     "no trainer starts" if trainers is None else "no rollout engine starts, no weight sync, no eval")
@@ -335,12 +335,14 @@ def start_workers(
     """
     engine_cls = components.engine_cls
     engines = trainers = None
-    if not cfg.logging.debug_train_only:
-        engine_factory = functools.partial(engine_cls.from_config, cfg)
+    if not cfg.run_mode.debug_train_only:
+        engine_factory = functools.partial(engine_cls.from_spec, cfg.engine_spec(engine_cls.parity_check))
         engines = RolloutEngineGroup(placement, engine_factory, engine_cls.max_concurrent_calls)
         cleanup.callback(engines.shutdown)
-    if not cfg.logging.debug_rollout_only:
-        backend_factory = functools.partial(components.backend_cls.from_config, cfg)
+    if not cfg.run_mode.debug_rollout_only:
+        backend_cls = components.backend_cls
+        backend_factory = functools.partial(backend_cls, spec=cfg.trainer_spec(),
+                                            config=cfg.backend_config(backend_cls))
         transport = make_transport(
             engine_cls.weight_transports, cfg.weight_sync, use_gpu=placement.use_gpu, colocate=placement.colocate,
             num_experts=checkpoint_num_experts(cfg.checkpoint.hf_checkpoint),

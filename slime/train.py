@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     started = []  # [True] once the first rollout step begins
 
     try:
-        if cfg.logging.check_only:
+        if cfg.run_mode.check_only:
             components = driver.resolve_components(cfg)
             print(f"slime: flags OK (engine {components.engine_cls.__name__}, trainer {components.backend_cls.__name__})")
             return

@@ -28,3 +28,36 @@ def scaled_ckpt() -> Path:
     from slime.checkpoints.scaled_qwen35 import ensure_scaled_checkpoint
 
     return ensure_scaled_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def realgeo() -> Path:
+    """Folder of the tiny Qwen3.5-MoE checkpoint with the real model's geometry (head dims, vision patching), image
+    bounds ``tests.helpers.REALGEO_PIXELS``; built once like :func:`tiny_ckpt`.  Read-only."""
+    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
+    from tests.helpers import REALGEO_PIXELS
+
+    return ensure_tiny_checkpoint(real_geometry=True, min_pixels=REALGEO_PIXELS[0], max_pixels=REALGEO_PIXELS[1])
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_ckpt):
+    """The tiny checkpoint's processor (:func:`slime.data.processor.load_processor`), one per test module."""
+    from slime.data.processor import load_processor
+
+    return load_processor(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray started as the driver starts it (:func:`slime.ray.placement.init_ray`) for one module's tests, with
+    logical CPUs for 1 trainer and 4 engine bundles and one to spare; stopped after them (kept if it was running)."""
+    import ray
+
+    from slime.ray.config import ClusterConfig
+    from slime.ray.placement import init_ray
+
+    started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=4))
+    yield
+    if started:
+        ray.shutdown()

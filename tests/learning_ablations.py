@@ -43,12 +43,13 @@ class BlindTrainer(FSDPBackend):
     image after the processor's ``(x - 0.5) / 0.5`` normalisation (same patch grid), for the
     old log-probs and for every optimizer step."""
 
-    def train(self, rollout_id, samples, num_steps):
+    def pack(self, samples):
+        """Every micro-batch is packed before the step's first forward (:func:`slime.backends.step.train_step`)."""
         for sample in samples:
             pixels = sample.multimodal_inputs.get("pixel_values")
             if pixels is not None:
                 sample.multimodal_inputs = {**sample.multimodal_inputs, "pixel_values": torch.zeros_like(pixels)}
-        return super().train(rollout_id, samples, num_steps)
+        return super().pack(samples)
 
 
 class FrozenEngine(TransformersEngine):

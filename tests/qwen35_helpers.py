@@ -89,7 +89,7 @@ def hf_forward_routes(model, input_ids, pixel_values=None, image_grid_thw=None) 
         ``(routes int64 [T, layers, top_k], margin float32 [T, layers])``.
     """
     from slime.data.processor import mm_token_type_ids
-    from slime.models.routes import hf_moe_routers
+    from slime.routing_replay import hf_moe_routers
 
     routers = hf_moe_routers(model)
     logits = []

@@ -26,7 +26,7 @@ class ReceiverEngine(RolloutEngine):
         self.calls: list[tuple[str, str]] = []
 
     @classmethod
-    def from_config(cls, cfg, resources: EngineResources) -> ReceiverEngine:
+    def from_spec(cls, spec, resources: EngineResources) -> ReceiverEngine:
         return cls(resources)
 
     def generate(self, requests):

@@ -32,39 +32,6 @@ from slime.rollout.engines.base import (
 from slime.rollout.engines.hf_engine import TransformersEngine
 
 
-def build_engines(cfg):
-    """``(placement, engines)`` for ``cfg``'s ``--rollout-backend``, built as the driver builds them (the engine class
-    through the registry, CPU placement groups); the actors are starting and nobody has polled their health yet.
-    The caller shuts the engines down and removes the placement (done here when the group cannot be built)."""
-    import functools
-
-    from slime.driver import resolve_components
-    from slime.ray.engine_group import RolloutEngineGroup
-    from slime.ray.placement import create_placement_groups
-
-    engine_cls = resolve_components(cfg).engine_cls
-    placement = create_placement_groups(cfg.cluster, use_gpu=False)
-    try:
-        engines = RolloutEngineGroup(placement, functools.partial(engine_cls.from_config, cfg),
-                                     engine_cls.max_concurrent_calls)
-    except BaseException:
-        placement.remove()
-        raise
-    return placement, engines
-
-
-def start_engines(cfg, timeout_s: float):
-    """:func:`build_engines`, healthy (``wait_until_healthy(timeout_s)``); the caller removes the placement.  If
-    the engines do not start, the placement is removed and the error raised."""
-    placement, engines = build_engines(cfg)
-    try:
-        engines.wait_until_healthy(timeout_s)
-    except BaseException:
-        placement.remove()
-        raise
-    return placement, engines
-
-
 class EchoEngine(RolloutEngine):
     """Answers every request at once with ``{"engine", "call", "rid", "threads", "bundles", "node_ips", "cpus"}``
     (``call``: 1 for the engine's first generate call, 2 for its second, ...); ``prompt_tokens`` is the
@@ -79,7 +46,7 @@ class EchoEngine(RolloutEngine):
         self.calls = 0
 
     @classmethod
-    def from_config(cls, cfg, resources: EngineResources) -> EchoEngine:
+    def from_spec(cls, spec, resources: EngineResources) -> EchoEngine:
         return cls(resources)
 
     @property
@@ -245,9 +212,9 @@ class CrashingWithASurvivorEngine(CrashingEngine):
     """How long engine 1 waits for engine 0's crash before it raises."""
 
     @classmethod
-    def from_config(cls, cfg, resources: EngineResources) -> CrashingWithASurvivorEngine:
+    def from_spec(cls, spec, resources: EngineResources) -> CrashingWithASurvivorEngine:
         engine = cls(resources)
-        engine.crashed = Path(cfg.logging.output_dir, "engine-0-crashed")
+        engine.crashed = Path(spec.output_dir, "engine-0-crashed")
         return engine
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
@@ -294,8 +261,8 @@ class ServerEngine(TransformersEngine):
     """
 
     @classmethod
-    def from_config(cls, cfg, resources: EngineResources) -> ServerEngine:
-        engine = super().from_config(cfg, resources)
+    def from_spec(cls, spec, resources: EngineResources) -> ServerEngine:
+        engine = super().from_spec(spec, resources)
         server = "import time\nwhile True: time.sleep(1)"
         launcher = (
             "import subprocess, sys, time\n"
@@ -308,7 +275,7 @@ class ServerEngine(TransformersEngine):
         )
         server_pid = int(engine.launcher.stdout.readline())
         record = {"actor_pid": os.getpid(), "launcher_pid": engine.launcher.pid, "server_pid": server_pid}
-        Path(cfg.logging.output_dir, f"engine-{resources.index}.json").write_text(json.dumps(record))
+        Path(spec.output_dir, f"engine-{resources.index}.json").write_text(json.dumps(record))
         return engine
 
     def shutdown(self) -> None:

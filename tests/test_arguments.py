@@ -22,7 +22,7 @@ import pytest
 from slime.arguments import GROUPS, build_parser, config_to_argv, parse_args, validate
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.grpo.config import ADVANTAGE_ESTIMATORS
-from slime.rollout.config import SGLangConfig, extract_sglang_args
+from slime.rollout.engines.sglang.flags import SGLangConfig, extract_sglang_args
 from slime.rollout.engines import ENGINES
 from slime.utils.config import ConfigError, flag_name
 

@@ -1,4 +1,5 @@
-"""Backend-neutral trainer helpers: slime.backends.steps and slime.backends.train_metrics (single process)."""
+"""Backend-neutral trainer helpers: the sample checks (slime.backends.samples), the step's plan and normaliser
+(slime.backends.step) and slime.backends.train_metrics (single process)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ import math
 import pytest
 import torch
 
-from slime.backends.steps import (
-    SampleError,
+from slime.backends.samples import SampleError, check_train_sample, check_train_samples
+from slime.backends.step import (
     balanced_bins,
     bins_for_budget,
-    check_train_sample,
-    check_train_samples,
     loss_normalizer,
     plan_micro_batches,
     sample_tokens,

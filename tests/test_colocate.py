@@ -18,14 +18,17 @@ from safetensors import safe_open
 
 from slime import driver
 from slime.arguments import parse_args
-from slime.backends.base import TRAINING_STATE, WEIGHTS, RankInfo, TrainerBackend
+from slime.backends.config import RankInfo
+from slime.backends.handover import TRAINING_STATE, WEIGHTS, HandOver
+from slime.backends.step import train_step
 from slime.grpo.config import GRPOConfig
 from slime.ray.colocate import ColocatedMemory
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutBatch
 from slime.utils.metrics import MetricsLogger, read_metrics
 from slime.utils.timer import SYNC_SUB_PHASES, TRAIN_SUB_PHASES
-from tests.spawn_ranks import spawn_ranks
+from scripts.harness.spawn_ranks import spawn_ranks
+from tests.helpers import make_backend, make_megatron, make_samples
 
 CUDA = pytest.param(
     "cuda",
@@ -391,14 +394,13 @@ def test_engine_unknown_tag_raises_and_changes_nothing(method, tiny_ckpt):
 def _offload_job(rank: int, device: str, ckpt_dir: Path, samples, out: Path) -> None:
     """One FSDP rank (world size 1) with a reference model: train, offload(keep_weights=True),
     sync, offload(), onload(), train; records where each kind of tensor is after each step."""
-    from tests.test_fsdp_backend import make_backend
 
     # The process group exists (spawn_ranks), so the rendezvous address is never used.
     backend = make_backend(
         RankInfo(rank, 1, "127.0.0.1", 0, device), ckpt_dir, grpo=GRPOConfig(use_kl_loss=True, kl_loss_coef=0.1)
     )
     backend.init()
-    backend.train(0, samples, num_steps=1)  # creates the AdamW moments
+    train_step(backend, 0, samples, num_steps=1)  # creates the AdamW moments
 
     def moments():
         return [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
@@ -422,15 +424,15 @@ def _offload_job(rank: int, device: str, ckpt_dir: Path, samples, out: Path) -> 
 
     weights = sync()
     placements, memory = {"trained": where()}, {"trained": allocated()}
-    backend.offload(keep_weights=True)
+    backend.memory.offload(keep_weights=True)
     placements["kept"], memory["kept"] = where(), allocated()
     synced = sync()
     same_weights = weights.keys() == synced.keys() and all(torch.equal(synced[n], w) for n, w in weights.items())
-    backend.offload()
+    backend.memory.offload()
     placements["offloaded"], memory["offloaded"] = where(), allocated()
-    backend.onload()
+    backend.memory.onload()
     placements["onloaded"] = where()
-    metrics = backend.train(1, samples, num_steps=1)
+    metrics = train_step(backend, 1, samples, num_steps=1)
     torch.save(
         dict(
             placements=placements,
@@ -450,7 +452,6 @@ def _offload_job(rank: int, device: str, ckpt_dir: Path, samples, out: Path) -> 
 def test_fsdp_offload_keep_weights_moves_all_but_the_policy(device, tiny_ckpt, tmp_path):
     """On CPU offload is a no-op, so only the contract shows (sync and training work throughout);
     on CUDA the optimizer state and reference model leave the GPU first and the policy after the sync."""
-    from tests.test_fsdp_backend import make_samples
 
     samples = make_samples(tiny_ckpt, [5, 3, 6, 4], images=[True, False, True, False])
     spawn_ranks(_offload_job, device, tiny_ckpt, samples, tmp_path, world_size=1, device=device)
@@ -472,14 +473,15 @@ def test_fsdp_offload_keep_weights_moves_all_but_the_policy(device, tiny_ckpt, t
 
 
 # ---------------------------------------------------------------------------------------
-# trainer half: the shared hand-over (TrainerBackend.offload / onload), weights-only onload
+# trainer half: the shared hand-over (slime.backends.handover.HandOver), weights-only onload
 # ---------------------------------------------------------------------------------------
 
 
-class _CountedGpu(TrainerBackend):
+class _CountedGpu:
     """A backend whose "GPU" is a counter of GiB: 80 in all, the policy weights take 2, the training state
     (fp32 main weights, Adam moments, gradients) 6; ``engines`` holds the engine side's share.  Only the
-    shared hand-over of :class:`TrainerBackend` runs; ``_move_part`` records every move."""
+    shared hand-over (:class:`HandOver`) runs; ``move_part`` records every move.  It stands in for the trainer group
+    too (``offload`` / ``onload`` / ``train``, as :class:`ColocatedMemory` calls them)."""
 
     TOTAL, SIZES = 80.0, {WEIGHTS: 2.0, TRAINING_STATE: 6.0}
 
@@ -489,29 +491,24 @@ class _CountedGpu(TrainerBackend):
         self.resident = {WEIGHTS, TRAINING_STATE}  # where the stand-in says the parts are
         self.moves: list[tuple[str, bool]] = []
         self.engines: _CountedEngines | None = None
+        self.memory = HandOver(self)
 
     def free_gib(self) -> float:
         return self.TOTAL - self.engines.held() - sum(self.SIZES[part] for part in self.resident)
 
-    def _move_part(self, part, onto_device):
+    def move_part(self, part, onto_device):
         assert (part in self.resident) != onto_device, f"{part} moved twice the same way"
         self.resident ^= {part}
         self.moves.append((part, onto_device))
 
-    def init(self):
-        return 0
+    def offload(self, keep_weights=False):
+        self.memory.offload(keep_weights)
+
+    def onload(self, weights_only=False):
+        self.memory.onload(weights_only)
 
     def train(self, rollout_id, samples, num_steps):
-        return self.memory_metrics()
-
-    def compute_log_probs(self, samples, *, rounding_noise=False, replay_routes=False):
-        return []
-
-    def iter_weight_buckets(self, bucket_bytes, device=None):
-        yield from ()
-
-    def save(self, rollout_id, path):
-        pass
+        return self.memory.metrics()
 
 
 class _CountedEngines:
@@ -537,11 +534,11 @@ def test_a_resync_onloads_only_the_weights_and_records_its_figures_apart(monkeyp
     """Start-up, step 0, a mid-rollout re-sync in step 1, step 2, through ColocatedMemory onto the shared
     hand-over: the re-sync never moves the training state, and each step's metrics hold the figures since
     the previous step's training, the re-sync's under ``perf/resync_*`` (the training phase's survive)."""
-    import slime.backends.base as base
+    import slime.backends.handover as handover
 
     trainer, engines = _CountedGpu(), _CountedEngines()
     trainer.engines = engines
-    monkeypatch.setattr(base, "_free_gib", lambda device: trainer.free_gib())
+    monkeypatch.setattr(handover, "free_gib", lambda device: trainer.free_gib())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     memory = ColocatedMemory(trainer, engines, enabled=True)
@@ -593,20 +590,21 @@ def test_training_or_pushing_offloaded_parts_is_refused():
     train() needs a full onload, the weight push and log-probs the weights."""
     trainer = _CountedGpu()
     trainer.device = torch.device("cpu")
-    trainer.offload(keep_weights=True)
-    trainer._require_on_device("iter_weight_buckets()", training=False)  # the weights stayed
+    memory = trainer.memory
+    memory.offload(keep_weights=True)
+    memory.require("iter_weight_buckets()", training=False)  # the weights stayed
     with pytest.raises(RuntimeError, match=r"train\(\) needs this rank's training_state on the device.*onload\(\)"):
-        trainer._require_on_device("train()", training=True)
-    trainer.offload()
+        memory.require("train()", training=True)
+    memory.offload()
     with pytest.raises(RuntimeError, match=r"iter_weight_buckets\(\) needs this rank's weights"):
-        trainer._require_on_device("iter_weight_buckets()", training=False)
-    trainer.onload(weights_only=True)
-    trainer._require_on_device("iter_weight_buckets()", training=False)
+        memory.require("iter_weight_buckets()", training=False)
+    memory.onload(weights_only=True)
+    memory.require("iter_weight_buckets()", training=False)
     with pytest.raises(RuntimeError, match="training_state"):
-        trainer._require_on_device("train()", training=True)
-    trainer.onload()
-    trainer._require_on_device("train()", training=True)
-    assert trainer.moves == [] and trainer.memory_metrics() == {}  # CPU: nothing moved, nothing measured
+        memory.require("train()", training=True)
+    memory.onload()
+    memory.require("train()", training=True)
+    assert trainer.moves == [] and memory.metrics() == {}  # CPU: nothing moved, nothing measured
 
 
 def _resync_job(rank: int, device: str, backend_name: str, ckpt_dir: Path, samples, resync: bool, out: Path) -> None:
@@ -614,11 +612,7 @@ def _resync_job(rank: int, device: str, backend_name: str, ckpt_dir: Path, sampl
     the mid-rollout re-sync's trainer half (onload(weights_only=True), push, offload()), then step 1 (onload(),
     train); writes the weights after step 1, by Hugging Face name, and what the re-sync saw."""
     info = RankInfo(rank, 1, "127.0.0.1", 0, device)
-    if backend_name == "fsdp":
-        from tests.test_fsdp_backend import make_backend
-    else:
-        from tests.test_megatron_backend import make_megatron as make_backend
-    backend = make_backend(info, ckpt_dir)
+    backend = (make_backend if backend_name == "fsdp" else make_megatron)(info, ckpt_dir)
     backend.init()
 
     def push() -> dict[str, torch.Tensor]:
@@ -627,28 +621,28 @@ def _resync_job(rank: int, device: str, backend_name: str, ckpt_dir: Path, sampl
     def allocated() -> int:
         return torch.cuda.memory_allocated() if device == "cuda" else 0
 
-    backend.train(0, samples, num_steps=1)  # creates the Adam moments
-    backend.offload(keep_weights=True)
+    train_step(backend, 0, samples, num_steps=1)  # creates the Adam moments
+    backend.memory.offload(keep_weights=True)
     trained = push()
-    backend.offload()
+    backend.memory.offload()
     seen: dict = {"allocated": {"offloaded": allocated()}, "refused": {}}
     try:
         push()
     except RuntimeError as e:
         seen["refused"]["push"] = str(e)
     if resync:
-        backend.onload(weights_only=True)
+        backend.memory.onload(weights_only=True)
         seen["allocated"]["weights_only"] = allocated()
         seen["same_push"] = push().keys() == trained.keys() and all(
             torch.equal(t, trained[n]) for n, t in push().items())
         try:
-            backend.train(1, samples, num_steps=1)
+            train_step(backend, 1, samples, num_steps=1)
         except RuntimeError as e:
             seen["refused"]["train"] = str(e)
-        backend.offload()
-    backend.onload()
+        backend.memory.offload()
+    backend.memory.onload()
     seen["allocated"]["onloaded"] = allocated()
-    metrics = backend.train(1, samples, num_steps=1)
+    metrics = train_step(backend, 1, samples, num_steps=1)
     torch.save(dict(weights=push(), seen=seen, metrics=metrics), out / f"resync_{resync}.pt")
 
 
@@ -663,7 +657,6 @@ def test_a_resync_leaves_the_next_training_step_unchanged(backend_name, device, 
     ``tests/test_megatron_gpu.py``.)"""
     if backend_name == "megatron":
         pytest.importorskip("megatron.core")
-    from tests.test_fsdp_backend import make_samples
 
     samples = make_samples(tiny_ckpt, [5, 3, 6, 4], images=[True, False, True, False])
     for resync in (False, True):

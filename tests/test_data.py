@@ -38,11 +38,6 @@ TEST = os.path.join(SAMPLE_DIR, "test.parquet")
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module")
-def processor(tiny_ckpt):
-    return load_processor(tiny_ckpt)
-
-
 def geo3k_config(**overrides) -> DataConfig:
     """The geo3k recipe's data flags."""
     values = dict(

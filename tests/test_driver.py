@@ -7,24 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from slime.arguments import parse_args
 from slime.data.sample import Sample
 from slime.driver import _due, _logged_before, _resolve_num_rollout, resolve_components
 from slime.ray.trainer_group import TrainerGroup
 from slime.train import EXIT_NOT_STARTED, main
 from slime.utils.config import ConfigError
-
-DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
-
-
-def _cfg(tiny_ckpt, *extra):
-    return parse_args(
-        [
-            "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--rollout-batch-size", "5",
-            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--rollout-num-gpus", "1", *extra,
-        ]
-    )
-
+from tests.helpers import GEO3K_DATA, geo3k_cfg
 
 @pytest.mark.parametrize(
     "rollout_id, interval, num_rollout, due",
@@ -44,7 +32,7 @@ def test_resume_keeps_rollout_records_before_start_and_eval_records_up_to_it():
 
 
 def test_num_epoch_becomes_num_rollout_from_the_row_count(tiny_ckpt):
-    cfg = _cfg(tiny_ckpt, "--num-epoch", "2", "--rollout-backend", "transformers", "--train-backend", "fsdp")
+    cfg = geo3k_cfg(tiny_ckpt, "--num-epoch", "2", "--rollout-backend", "transformers", "--train-backend", "fsdp")
     _resolve_num_rollout(cfg)
     assert cfg.rollout.num_rollout == 2 * 64 // 5  # the bundled sample has 64 train rows
 
@@ -52,7 +40,7 @@ def test_num_epoch_becomes_num_rollout_from_the_row_count(tiny_ckpt):
 def test_unimportable_backend_names_the_flag(tiny_ckpt):
     # The module exists (so parsing accepts it), the class does not: found when the driver imports it,
     # before anything starts.
-    cfg = _cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers",
+    cfg = geo3k_cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers",
                "--train-backend", "slime.backends.fsdp.backend:NoSuchTrainer")
     message = "--train-backend slime.backends.fsdp.backend:NoSuchTrainer: cannot be imported"
     with pytest.raises(ConfigError, match=message):
@@ -151,7 +139,7 @@ def test_hf_checkpoint_without_weights_fails_before_ray(tmp_path, tiny_ckpt):
     folder = tmp_path / "no_weights"
     folder.mkdir()
     (folder / "config.json").write_text((Path(tiny_ckpt) / "config.json").read_text())
-    cfg = _cfg(folder, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp")
+    cfg = geo3k_cfg(folder, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp")
     with pytest.raises(CheckpointError, match=r"--hf-checkpoint .*no_weights: no weights"):
         prepare(cfg)
 
@@ -163,7 +151,7 @@ def test_load_folder_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_ckpt):
     load = tmp_path / "garbage"
     (load / "iter_0000001").mkdir(parents=True)
     (load / "latest_checkpointed_iteration.txt").write_text("1\n")
-    cfg = _cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp",
+    cfg = geo3k_cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp",
                "--load", str(load))
     with pytest.raises(CheckpointError, match=r"--load .*garbage: the latest checkpoint \(rollout 1\) lacks .*model"):
         prepare(cfg)
@@ -171,7 +159,7 @@ def test_load_folder_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_ckpt):
 
 def test_debug_dump_template_with_unknown_placeholder_is_refused_at_parse_time(tiny_ckpt):
     with pytest.raises(SystemExit):
-        _cfg(tiny_ckpt, "--num-rollout", "1", "--save-debug-rollout-data", "/tmp/x_{bogus}.jsonl")
+        geo3k_cfg(tiny_ckpt, "--num-rollout", "1", "--save-debug-rollout-data", "/tmp/x_{bogus}.jsonl")
 
 
 def test_clean_up_runs_on_error_and_keeps_the_original_error(tiny_ckpt, tmp_path, monkeypatch, caplog):
@@ -200,7 +188,7 @@ def test_clean_up_runs_on_error_and_keeps_the_original_error(tiny_ckpt, tmp_path
     monkeypatch.setattr(driver, "init_ray", lambda cluster: True)
     monkeypatch.setattr(driver.ray, "shutdown", lambda: calls.append("ray"))
     monkeypatch.setattr(driver, "setup", setup)
-    cfg = _cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp")
+    cfg = geo3k_cfg(tiny_ckpt, "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp")
     cfg.logging.output_dir = str(tmp_path / "run")
     with caplog.at_level(logging.WARNING, logger="slime"), pytest.raises(ValueError, match="trainer rank 1 died"):
         driver.train(cfg)
@@ -248,7 +236,7 @@ def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the
 
     monkeypatch.setattr(driver, "train", train)
     run = tmp_path / "run"
-    argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--rollout-batch-size", "5",
+    argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(GEO3K_DATA), "--rollout-batch-size", "5",
             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--rollout-num-gpus", "1",
             "--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp",
             "--output-dir", str(run), "--parent-pid", str(os.getpid()), "--lr", "2e-6"]  # fmt: skip

@@ -4,7 +4,7 @@ pause/continue and shutdown.
 
 The engines are the stubs of :mod:`tests.stub_engines`, selected with ``--rollout-backend
 tests.stub_engines:<Class>`` and started the way the driver starts them
-(``RolloutEngineGroup(placement, partial(engine_cls.from_config, cfg))``).  Expected bundles,
+(``RolloutEngineGroup(placement, partial(engine_cls.from_spec, spec))``).  Expected bundles,
 thread counts and schedules are worked out by hand from the flags.  The scheduler's logic without Ray
 and without real time: :mod:`tests.test_scheduler`.
 """
@@ -21,26 +21,16 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from slime.arguments import parse_args
-from slime.ray.config import ClusterConfig
 from slime.ray.engine_group import EngineStartError
-from slime.ray.placement import init_ray, node_ip
+from slime.ray.placement import node_ip
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.scheduler import MAX_ATTEMPTS, EngineError
 from tests.process_tree import read_proc, wait_for
-from tests.stub_engines import build_engines, start_engines
+from scripts.harness.engine_group import build_engines, start_engines
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
 START_TIMEOUT_S = 300.0
 """Start-up limit for engines that do start: each is a new Python process importing torch (slow under load)."""
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    # 6 logical CPUs: 1 trainer bundle + 4 engine bundles, and one CPU outside the run.
-    started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=4))
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _cfg(tmp_path, engine: str, *cluster: str):

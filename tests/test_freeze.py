@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from slime.backends.freeze import select_frozen
+from slime.backends.step import train_step
 from slime.checkpoints import layout as ckpt
 from slime.utils.config import ConfigError
-from tests.spawn_ranks import spawn_ranks
-from tests.test_fsdp_backend import full_params, make_backend, make_samples, rank_share
+from scripts.harness.spawn_ranks import spawn_ranks
+from tests.helpers import full_params, make_backend, make_megatron, make_samples, rank_share
 
 VISUAL = r"model\.visual\."
 NAMES = {  # backend name -> checkpoint names (one fused tensor)
@@ -80,7 +81,6 @@ class _Records(logging.Handler):
 def _make(kind, rank_info, ckpt_dir, **kw):
     if kind == "fsdp":
         return make_backend(rank_info, ckpt_dir, **kw)
-    from tests.test_megatron_backend import make_megatron
 
     return make_megatron(rank_info, ckpt_dir, **kw)
 
@@ -108,7 +108,7 @@ def _job(rank_info, kind, ckpt_dir, samples, root):
     out["frozen"], out["frozen_hf"] = sorted(first.frozen), sorted(first.frozen_hf_names)
     out["all_names"] = sorted(names)
     before = _weights(kind, first)
-    first.train(0, step0, num_steps=1)
+    train_step(first, 0, step0, num_steps=1)
     after = _weights(kind, first)
     out["unchanged"] = {n: torch.equal(before[n], after[n]) for n in before}
     out["grads_none"] = all(p.grad is None for p in _frozen_params(first))
@@ -123,12 +123,12 @@ def _job(rank_info, kind, ckpt_dir, samples, root):
         torch.save({"rollout_id": 0}, ckpt.rollout_state_path(save, 0))
         ckpt.mark_latest(save, 0)
     torch.distributed.barrier()
-    out["metrics_a"] = first.train(1, step1, num_steps=1)
+    out["metrics_a"] = train_step(first, 1, step1, num_steps=1)
     out["after_a"] = _weights(kind, first)
     del first
     second = _make(kind, rank_info, ckpt_dir, train=frozen, checkpoint={"load": str(save)})
     assert second.init() == 1
-    out["metrics_b"] = second.train(1, step1, num_steps=1)
+    out["metrics_b"] = train_step(second, 1, step1, num_steps=1)
     out["after_b"] = _weights(kind, second)
     out["warnings_same_set"] = list(records.messages)
     del second
@@ -143,7 +143,7 @@ def _job(rank_info, kind, ckpt_dir, samples, root):
 
 
 def _entry(rank, kind, world, args):
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
 
     _job(RankInfo(rank, world, "127.0.0.1", 0, "cpu"), kind, *args)
 

@@ -10,7 +10,7 @@ import torch
 
 from slime.weight_sync.flattened import flatten, unflatten
 from slime.weight_sync.fused_experts import checkpoint_num_experts, fused_layout
-from tests.sglang_gpu_helpers import load_checkpoint_tensors
+from scripts.harness.sglang_gpu import load_checkpoint_tensors
 
 
 def _read(bucket, num_experts, align=16):

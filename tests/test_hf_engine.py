@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from slime.data.image import decode_image, encode_image_base64
-from slime.data.processor import load_processor, mm_token_type_ids
+from slime.data.processor import mm_token_type_ids
 from slime.rollout.engines.base import BundleResources, EngineResources, GenerateRequest, SamplingParams
 from slime.rollout.engines.hf_engine import TransformersEngine
 from slime.rollout.engines.hf_sampling import sample_next_tokens
@@ -70,11 +70,6 @@ def _reference_log_probs(model, processor, request: GenerateRequest, output_ids:
     scores = logits[prompt_len - 1 : -1].double() / (temperature or 1.0)
     log_probs = torch.log_softmax(scores, dim=-1).gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1)
     return log_probs, scores.argmax(-1), prompt_len
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_ckpt):
-    return load_processor(tiny_ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -615,7 +610,7 @@ def test_cuda_bf16_release_frees_memory_and_resume_restores_it(tiny_ckpt, proces
         np.testing.assert_allclose(out.output_log_probs, ref.numpy(), atol=0.1, rtol=0)
 
 
-def test_from_config_reads_the_run_flags(tiny_ckpt, processor):
+def test_from_spec_reads_the_run_flags(tiny_ckpt, processor):
     from slime.arguments import parse_args
 
     cfg = parse_args(
@@ -623,7 +618,7 @@ def test_from_config_reads_the_run_flags(tiny_ckpt, processor):
         "--rollout-seed 40 --image-max-pixels 4096 --colocate "
         "--train-backend fsdp --rollout-backend transformers".split()
     )
-    engine = TransformersEngine.from_config(cfg, _resources(index=2))
+    engine = TransformersEngine.from_spec(cfg.engine_spec(TransformersEngine.parity_check), _resources(index=2))
     assert engine.device == torch.device("cpu") and engine.model.dtype == torch.float32
     assert engine.processor.max_pixels == 4096
     requests = _mixed_requests(processor, max_new_tokens=4, temperature=1.0)
@@ -637,13 +632,14 @@ def _resources(index: int, gpu_ids: tuple[str, ...] = ()) -> EngineResources:
     return EngineResources(index, (bundle, *more), use_gpu=bool(gpu_ids))
 
 
-def test_from_config_refuses_more_than_one_gpu(tiny_ckpt):
+def test_from_spec_refuses_more_than_one_gpu(tiny_ckpt):
     from slime.arguments import parse_args
 
     cfg = parse_args(f"--hf-checkpoint {tiny_ckpt} --num-rollout 1 --rollout-batch-size 2 --rollout-max-response-len 8 "
                      "--colocate --train-backend fsdp --rollout-backend transformers".split())
     with pytest.raises(ValueError, match="--rollout-num-gpus-per-engine 2: the transformers engine runs on one GPU"):
-        TransformersEngine.from_config(cfg, _resources(0, gpu_ids=("0", "1")))
+        TransformersEngine.from_spec(cfg.engine_spec(TransformersEngine.parity_check),
+                                     _resources(0, gpu_ids=("0", "1")))
 
 
 def test_registry_and_import_do_not_pull_sglang():

@@ -482,7 +482,7 @@ def test_relative_paths_are_taken_from_where_the_launcher_is_run(tiny_ckpt, tmp_
     assert Path(cfg.checkpoint.hf_checkpoint).is_absolute()
     assert cfg.data.prompt_data == f"{data}@train"
     assert cfg.eval.eval_prompt_data == ["a", str(data / "test.parquet"), "b", "hub/name"]  # a hub name stays
-    assert cfg.logging.save_debug_rollout_data == str(tmp_path / "dumps" / "r_{rollout_id}.jsonl")
+    assert cfg.run_mode.save_debug_rollout_data == str(tmp_path / "dumps" / "r_{rollout_id}.jsonl")
     i = argv.index("--prompt-data")  # the script's own data flags, from SLIME_SCRIPT_DATASET_NAME
     assert argv[i + 1] == str(data)
     assert ["--eval-prompt-data", "geo3k", str(data / "test.parquet")] == argv[argv.index("geo3k") - 1:][:3]

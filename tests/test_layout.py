@@ -179,34 +179,3 @@ def test_the_cycle_finder_counts_type_only_function_local_relative_and_submodule
     assert sorted(find_cycles(graph)) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub", "pkg.sub.d", "pkg.sub"]]
     _write(tmp_path, {"pkg/c.py": "", "pkg/sub/d.py": "x = 1\n"})
     assert find_cycles(import_graph(tmp_path, "pkg")) == []
-
-
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
-
-
-def test_the_readme_core_path_names_at_most_8_files_that_exist_and_the_driver_calls_them():
-    """README "What happens in one rollout step": its numbered core path has at most 8 entries, every path it or the
-    package table names exists, and each core module (a file) is imported by another core module or, for the loss, by
-    the backends' hooks (``slime/backends/``, entry 5)."""
-    import re
-
-    section = _readme_section("What happens in one rollout step")
-    core = re.findall(r"^\d+\. `(slime/[\w/.]+)`", section, flags=re.M)
-    assert 1 <= len(core) <= 8, core
-    named = set(re.findall(r"`(slime/[\w/.]+?)`", section)) | set(re.findall(r"`(scripts/[\w/.]+?)`", section))
-    missing = sorted(path for path in named if not (ROOT / path).exists())
-    assert not missing, f"README names paths that do not exist: {missing}"
-    modules = {path[:-3].replace("/", "."): path for path in core if path.endswith(".py")}
-    imported: set[str] = set()
-    importers = [path for path in core if path.endswith(".py")] + [
-        str(p.relative_to(ROOT)) for p in (ROOT / "slime" / "backends").rglob("*.py")]
-    for path in importers:
-        for node in ast.walk(ast.parse((ROOT / path).read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                imported.add(node.module)
-    unreached = sorted(m for m in modules if m != "slime.driver" and m not in imported)
-    assert not unreached, f"core modules no other core module imports: {unreached}"

@@ -2,7 +2,7 @@
 
 References are computed here independently: float64 ``torch.log_softmax`` over the real
 vocabulary (gradients by float64 autograd through it), or ``math`` loops.  The vocab-parallel
-version runs on 2 gloo ranks (:func:`tests.spawn_ranks.spawn_ranks`), each holding half of the
+version runs on 2 gloo ranks (:func:`scripts.harness.spawn_ranks.spawn_ranks`), each holding half of the
 (padded) vocabulary as Megatron's column-parallel LM head does; its log-probs, entropies and
 gradients w.r.t. the logit shards must equal the float64 full-vocabulary reference.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from slime.grpo.log_probs import entropy_from_logits, gather_log_probs, vocab_parallel_log_probs
-from tests.spawn_ranks import spawn_ranks
+from scripts.harness.spawn_ranks import spawn_ranks
 
 TP = 2
 

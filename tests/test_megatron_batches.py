@@ -15,7 +15,7 @@ from slime.backends.megatron.batches import pack_micro_batch  # noqa: E402
 from slime.backends.megatron.weight_export import group_index, num_groups  # noqa: E402
 from slime.data.sample import Sample  # noqa: E402
 from slime.models.qwen3_5.config import arch_from_hf_config  # noqa: E402
-from tests.test_fsdp_backend import make_samples  # noqa: E402
+from tests.helpers import make_samples  # noqa: E402
 
 
 @pytest.fixture(scope="module")

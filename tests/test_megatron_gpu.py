@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,18 +37,15 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("megatron.core")
 
-from slime.backends.base import RankInfo  # noqa: E402
-from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from slime.backends.megatron.config import MegatronConfig  # noqa: E402
+from slime.backends.step import train_step  # noqa: E402
 from slime.checkpoints import layout as ckpt  # noqa: E402
 from slime.data.sample import Sample  # noqa: E402
-from slime.grpo.config import GRPOConfig  # noqa: E402
-from tests.spawn_ranks import spawn_ranks  # noqa: E402
+from tests import helpers  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "examples" / "geo3k_vlm" / "data"
+DATA = helpers.GEO3K_DATA
 FIGURES = os.environ.get("SLIME_GPU_FIGURES")
-MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32
+MIN_PIXELS, MAX_PIXELS = helpers.REALGEO_PIXELS
 TEMPERATURE = 1.0
 GAP_BOUND = 1e-2
 """Mean |trainer - engine| log-prob on step 1, per prompt kind (issue 9, acceptance 1)."""
@@ -62,32 +58,20 @@ def record(name: str, value) -> None:
             f.write(json.dumps({"name": name, "value": value}) + "\n")
 
 
-@pytest.fixture(scope="module")
-def realgeo():
-    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(real_geometry=True, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-
-
-def _entry(rank: int, fn, world: int, args: tuple) -> None:
-    fn(RankInfo(rank, world, "127.0.0.1", 0, "cuda"), *args)
-
-
 def spawn(fn, *args, world: int = 1) -> None:
-    spawn_ranks(_entry, fn, world, args, world_size=world, device="cuda")
+    helpers.spawn(fn, *args, world=world, device="cuda")
 
 
-def make_megatron(rank_info, ckpt_dir, *, train=None, megatron=None, optimizer=None, checkpoint=None, **kwargs):
+def make_megatron(rank_info, ckpt_dir, *, train=None, megatron=None, optimizer=None, **spec):
+    """A MegatronBackend in bf16 with fp32 gradient accumulation, 40 rollouts of one optimizer step."""
     from slime.backends.megatron.backend import MegatronBackend
 
-    args = dict(grpo=GRPOConfig(), rollout_temperature=TEMPERATURE, num_rollout=40, num_steps_per_rollout=1)
+    fields = {"rollout_temperature": TEMPERATURE, "num_rollout": 40, "steps_per_rollout": 1, **spec}
     return MegatronBackend(
         rank_info,
-        train=TrainConfig(**{"train_backend": "megatron", "micro_batch_size": 1, "bf16": True, **(train or {})}),
-        megatron=MegatronConfig(**{"accumulate_allreduce_grads_in_fp32": True, **(megatron or {})}),
-        optimizer=OptimizerConfig(**{"lr": 1e-4, "weight_decay": 0.0, "clip_grad": 1.0, **(optimizer or {})}),
-        checkpoint=CheckpointConfig(**{"hf_checkpoint": str(ckpt_dir), **(checkpoint or {})}),
-        **{**args, **kwargs},
+        helpers.trainer_spec(ckpt_dir, backend="megatron", train={"bf16": True, **(train or {})},
+                             optimizer={"lr": 1e-4, "weight_decay": 0.0, **(optimizer or {})}, **fields),
+        MegatronConfig(**{"accumulate_allreduce_grads_in_fp32": True, **(megatron or {})}),
     )
 
 
@@ -143,13 +127,13 @@ def fixed_batch(realgeo) -> list[Sample]:
 def _job_fixed_batch(rank_info, ckpt_dir, samples, out):
     first = make_megatron(rank_info, ckpt_dir)
     first.init()
-    step1 = first.train(0, samples, num_steps=1)
+    step1 = train_step(first, 0, samples, num_steps=1)
     del first
     torch.cuda.empty_cache()
     fixed = make_megatron(rank_info, ckpt_dir, train={"use_rollout_logprobs": True, "use_dynamic_batch_size": True,
                                                       "max_tokens_per_gpu": 4096})
     fixed.init()
-    losses = [fixed.train(k, samples, num_steps=1)["train/loss"] for k in range(20)]
+    losses = [train_step(fixed, k, samples, num_steps=1)["train/loss"] for k in range(20)]
     torch.save({"step1": step1, "losses": losses}, out / "fixed.pt")
 
 
@@ -170,20 +154,20 @@ def test_fixed_batch_first_step_matches_the_engine_and_the_loss_goes_down(realge
 
 def _job_resume(rank_info, ckpt_dir, samples, root):
     save = root / "ckpt"
-    a = make_megatron(rank_info, ckpt_dir, checkpoint={"save": str(save)}, num_steps_per_rollout=1)
+    a = make_megatron(rank_info, ckpt_dir, checkpoint={"save": str(save)}, steps_per_rollout=1)
     a.init()
-    a.train(0, samples[: len(samples) // 2], num_steps=1)
+    train_step(a, 0, samples[: len(samples) // 2], num_steps=1)
     a.save(0, ckpt.iteration_dir(save, 0))
     if rank_info.rank == 0:
         torch.save({"rollout_id": 0}, ckpt.rollout_state_path(save, 0))
         ckpt.mark_latest(save, 0)
     torch.distributed.barrier()
-    metrics_a = a.train(1, samples[len(samples) // 2:], num_steps=1)
+    metrics_a = train_step(a, 1, samples[len(samples) // 2:], num_steps=1)
     after_a = exported(a)
     del a
     b = make_megatron(rank_info, ckpt_dir, checkpoint={"load": str(save)})
     assert b.init() == 1
-    metrics_b = b.train(1, samples[len(samples) // 2:], num_steps=1)
+    metrics_b = train_step(b, 1, samples[len(samples) // 2:], num_steps=1)
     after_b = exported(b)
     torch.save({"a": after_a, "b": after_b, "ma": metrics_a, "mb": metrics_b}, root / f"resume{rank_info.rank}.pt")
 
@@ -205,25 +189,25 @@ def test_checkpoint_resume_with_the_distributed_optimizer_is_exact(realgeo, fixe
 def _job_offload(rank_info, ckpt_dir, samples, out):
     backend = make_megatron(rank_info, ckpt_dir)
     backend.init()
-    backend.train(0, samples, num_steps=1)
+    train_step(backend, 0, samples, num_steps=1)
     params = dict(backend.model.named_parameters())
     before = {n: {k: v.clone() for k, v in backend.optimizer.param_state(p).items()} for n, p in params.items()}
     names_before = sorted(exported(backend))
     allocated = [torch.cuda.memory_allocated()]
-    backend.offload(keep_weights=True)
+    backend.memory.offload(keep_weights=True)
     allocated.append(torch.cuda.memory_allocated())
     names_kept = sorted(exported(backend))  # the weight sync reads the weights that stayed
-    backend.offload()
+    backend.memory.offload()
     allocated.append(torch.cuda.memory_allocated())
-    backend.onload(weights_only=True)  # a mid-rollout re-sync: the weights alone come back for the push
+    backend.memory.onload(weights_only=True)  # a mid-rollout re-sync: the weights alone come back for the push
     allocated.append(torch.cuda.memory_allocated())
     names_resync = sorted(exported(backend))
-    backend.offload()
-    backend.onload()
+    backend.memory.offload()
+    backend.memory.onload()
     allocated.append(torch.cuda.memory_allocated())
     after = {n: backend.optimizer.param_state(p) for n, p in params.items()}
     same = all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
-    metrics = backend.train(1, samples, num_steps=1)
+    metrics = train_step(backend, 1, samples, num_steps=1)
     torch.save({"allocated": allocated, "same": same, "names": (names_before, names_kept, names_resync),
                 "metrics": metrics, "numel": sum(p.numel() for p in params.values())}, out / "offload.pt")
 
@@ -256,7 +240,7 @@ def _job_recompute(rank_info, ckpt_dir, samples, out):
         backend = make_megatron(rank_info, ckpt_dir, megatron=megatron)
         backend.init()
         torch.cuda.reset_peak_memory_stats()
-        metrics = backend.train(0, samples, num_steps=1)
+        metrics = train_step(backend, 0, samples, num_steps=1)
         results[name] = {**metrics, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
         del backend
         torch.cuda.empty_cache()

@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.spawn_ranks import spawn_ranks  # noqa: E402
-from tests.test_fsdp_backend import make_samples  # noqa: E402
+from scripts.harness.spawn_ranks import spawn_ranks  # noqa: E402
+from tests.helpers import make_samples  # noqa: E402
 
 TEMPERATURE = 0.8
 

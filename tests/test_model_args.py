@@ -226,7 +226,7 @@ def wrong_values(text: dict) -> dict[str, tuple[str | list[str] | None, str]]:
 
 def model_flags() -> list[str]:
     """Every flag of the MODEL_ARGS group (``--help``'s), by its dataclass."""
-    from slime.backends.config import ModelConfig
+    from slime.checkpoints.model_args import ModelConfig
     from slime.utils.config import flag_name
 
     return sorted(flag_name(field) for field in dataclasses.fields(ModelConfig))
@@ -280,9 +280,9 @@ def test_attention_softmax_in_fp32_is_refused_with_what_decides_it(tiny_ckpt):
 
     model = parse_args(sourced_model_args(MODELS / "qwen3.5-tiny.sh") + ["--hf-checkpoint", str(tiny_ckpt)]
                        + RUN_FLAGS).model
-    check_model_args(model, str(tiny_ckpt), megatron=MegatronConfig())
+    check_model_args(model, str(tiny_ckpt), attention_softmax_in_fp32=MegatronConfig().attention_softmax_in_fp32)
     with pytest.raises(ConfigError, match=r"--attention-softmax-in-fp32 \(the attention kernels of --attention-"):
-        check_model_args(model, str(tiny_ckpt), megatron=MegatronConfig(attention_softmax_in_fp32=True))
+        check_model_args(model, str(tiny_ckpt), attention_softmax_in_fp32=True)
 
 
 def qwen35_35b_config() -> dict:

@@ -223,7 +223,7 @@ def _fsdp_rank(rank: int, mtp_ckpt: str, tiny_ckpt: str) -> None:
 
 
 def test_the_fsdp_loader_and_its_weight_sync_leave_the_mtp_layer_out(tiny_ckpt, mtp_ckpt):
-    from tests.spawn_ranks import spawn_ranks
+    from scripts.harness.spawn_ranks import spawn_ranks
 
     spawn_ranks(_fsdp_rank, str(mtp_ckpt), str(tiny_ckpt), world_size=1)
 
@@ -259,7 +259,7 @@ def test_speculative_decoding_on_a_checkpoint_without_its_mtp_layer_is_refused_n
 
 
 def test_the_sglang_engine_takes_speculative_flags_with_the_mtp_layer(tiny_ckpt, mtp_ckpt):
-    from slime.rollout.config import extract_sglang_args
+    from slime.rollout.engines.sglang.flags import extract_sglang_args
     from slime.rollout.engines.sglang.config import SGLangEngineConfig
 
     sglang, _ = extract_sglang_args(SPECULATIVE)

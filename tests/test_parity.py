@@ -363,7 +363,7 @@ def _driver_cfg(tiny_ckpt, tmp_path, *extra):
         "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "8", "--global-batch-size", "4", "--train-backend", "fsdp",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--rollout-backend", "tests.fake_sglang:FakeSGLangEngine", "--sglang-fake-model", "hf",
+        "--rollout-backend", "scripts.harness.fake_sglang:FakeSGLangEngine", "--sglang-fake-model", "hf",
         "--engine-parity-prompts", "2", "--engine-parity-response-len", "8",
         "--output-dir", str(tmp_path / "run"), "--no-progress-bar", *extra,
     ])  # fmt: skip

@@ -15,7 +15,8 @@ from slime.ray.placement import PlacementError, create_placement_groups
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def four_cpu_ray():
+    """Exactly 4 logical CPUs whatever the machine (the CPU-count checks below count on it), unlike ``local_ray``."""
     ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=100 << 20)
     yield
     ray.shutdown()
@@ -26,7 +27,7 @@ def _bundles(pg) -> list[dict]:
     return [table["bundles"][i] for i in sorted(table["bundles"])]
 
 
-def test_disaggregated_gets_separate_bundles(local_ray):
+def test_disaggregated_gets_separate_bundles(four_cpu_ray):
     # 1 node x 2 trainer ranks; 2 rollout "GPUs", 1 per engine -> 2 engines on their own group.
     cluster = ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=2)
     placement = create_placement_groups(cluster, use_gpu=False)
@@ -48,7 +49,7 @@ def test_disaggregated_gets_separate_bundles(local_ray):
         assert {pg["state"] for pg in placement_group_table().values()} == {"REMOVED"}
 
 
-def test_colocated_engines_share_the_trainer_bundles(local_ray):
+def test_colocated_engines_share_the_trainer_bundles(four_cpu_ray):
     # 4 trainer ranks, engines of 2 "GPUs" each on the same 4 bundles -> engines start at bundles 0 and 2.
     cluster = ClusterConfig(actor_num_gpus_per_node=4, rollout_num_gpus_per_engine=2, colocate=True)
     placement = create_placement_groups(cluster, use_gpu=False)
@@ -65,7 +66,7 @@ def test_colocated_engines_share_the_trainer_bundles(local_ray):
         placement.remove()
 
 
-def test_too_small_cluster_fails_at_once_naming_the_flags(local_ray):
+def test_too_small_cluster_fails_at_once_naming_the_flags(four_cpu_ray):
     # 3 trainer + 2 engine bundles = 5 CPUs > 4: refused before any placement group is made.
     cluster = ClusterConfig(actor_num_gpus_per_node=3, rollout_num_gpus=2)
     with pytest.raises(PlacementError) as info:
@@ -78,7 +79,7 @@ def test_too_small_cluster_fails_at_once_naming_the_flags(local_ray):
     )
 
 
-def test_bundles_held_by_another_job_time_out_with_placement_error(local_ray):
+def test_bundles_held_by_another_job_time_out_with_placement_error(four_cpu_ray):
     from ray.util.placement_group import placement_group
 
     other_job = placement_group([{"CPU": 1}] * 4)

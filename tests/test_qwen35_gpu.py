@@ -43,9 +43,10 @@ from slime.models.qwen3_5.config import Qwen35Kernels  # noqa: E402
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs  # noqa: E402
 from slime.models.qwen3_5.hf_mapping import Ranks  # noqa: E402
 from slime.models.qwen3_5.weights import StateDictReader, model_rules, read_rank_state  # noqa: E402
+from tests.helpers import REALGEO_PIXELS  # noqa: E402
 
 FIGURES = os.environ.get("SLIME_GPU_FIGURES")  # a .jsonl file the figures are appended to
-MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32
+MIN_PIXELS, MAX_PIXELS = REALGEO_PIXELS
 
 
 def record(name: str, value) -> None:
@@ -61,13 +62,6 @@ def megatron_gpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     yield
-
-
-@pytest.fixture(scope="module")
-def realgeo():
-    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(real_geometry=True, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
 def _documents(processor, vocab: int, image_token_id: int | None = None, text_lengths=(97, 5), response=40,

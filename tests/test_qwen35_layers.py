@@ -50,13 +50,6 @@ def test_packing_rejects_bad_lengths():
 # ---------------------------------------------------------------------------------------------- MRoPE
 
 
-@pytest.fixture(scope="module")
-def realgeo():
-    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(real_geometry=True, min_pixels=256 * 1024, max_pixels=400 * 1024)
-
-
 def test_positions_match_transformers_get_rope_index(realgeo):
     from transformers import AutoConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel

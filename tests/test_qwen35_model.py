@@ -25,39 +25,33 @@ from slime.models.qwen3_5.weights import (  # noqa: E402
     model_rules,
     read_rank_state,
 )
+from tests.helpers import REALGEO_PIXELS  # noqa: E402
 
-MIN_PIXELS, MAX_PIXELS = 256 * 32 * 32, 400 * 32 * 32  # 256..400 merged image tokens per image
-
-
-@pytest.fixture(scope="module")
-def realgeo_ckpt():
-    from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(real_geometry=True, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+MIN_PIXELS, MAX_PIXELS = REALGEO_PIXELS  # 256..400 merged image tokens per image
 
 
 @pytest.fixture(scope="module")
-def models(realgeo_ckpt):
+def models(realgeo):
     """(native, hf, load report); megatron-core's CPU state stays up for the module's tests."""
     from transformers import AutoModelForImageTextToText
 
     with megatron_on_cpu():
         config = qwen35_config_from_hf(
-            realgeo_ckpt, params_dtype=torch.float32, kernels=Qwen35Kernels(gdn="torch", attention="sdpa"),
+            realgeo, params_dtype=torch.float32, kernels=Qwen35Kernels(gdn="torch", attention="sdpa"),
             moe_token_dispatcher_type="allgather", use_cpu_initialization=True, perform_initialization=False,
         )
         native = Qwen35Model(config)
-        report = load_hf_checkpoint(native, realgeo_ckpt, Ranks())
-        hf = AutoModelForImageTextToText.from_pretrained(realgeo_ckpt, dtype=torch.float32, attn_implementation="sdpa")
+        report = load_hf_checkpoint(native, realgeo, Ranks())
+        hf = AutoModelForImageTextToText.from_pretrained(realgeo, dtype=torch.float32, attn_implementation="sdpa")
         yield native, hf, report
 
 
 @pytest.fixture(scope="module")
-def documents(realgeo_ckpt, models):
+def documents(realgeo, models):
     """One geo3k image prompt with a 24-token response and two text sequences."""
     from slime.data.processor import load_processor
 
-    processor = load_processor(realgeo_ckpt)
+    processor = load_processor(realgeo)
     gen = torch.Generator().manual_seed(1)
     vocab = models[0].qwen_config.arch.vocab_size
     docs = []
@@ -194,7 +188,7 @@ def test_native_and_hf_agree_under_the_same_replayed_routes_and_so_do_router_gra
     import dataclasses
 
     from slime.models.qwen3_5.router import moe_routers
-    from slime.models.routes import force_hf_routes, hf_moe_routers
+    from slime.routing_replay import force_hf_routes, hf_moe_routers
 
     native, hf, _ = models
     arch = native.qwen_config.arch

@@ -11,24 +11,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slime.backends.step import train_step
 from slime.rollout.replay import ReplayError, load_rollout, model_fingerprint, replay_path, save_rollout
 from slime.utils.config import ConfigError
-from slime.utils.metrics_config import LoggingConfig
-from tests.spawn_ranks import spawn_ranks
-from tests.test_fsdp_backend import full_params, make_backend, make_samples, rank_share
+from slime.ray.config import RunModeConfig
+from scripts.harness.spawn_ranks import spawn_ranks
+from tests.helpers import GEO3K_DATA, full_params, make_backend, make_samples, rank_share
 
 FINGERPRINT = {"model_type": "qwen3_5_moe", "vocab_size": 100, "vocab_sha256": "ab", "image_token_id": 7}
 
 
 def _job(rank, ckpt_dir, original, replayed, out):
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
 
     info = RankInfo(rank, 2, "127.0.0.1", 0, "cpu")
     result = {}
     for key, samples in (("original", original), ("replayed", replayed)):
         backend = make_backend(info, ckpt_dir)
         backend.init()
-        metrics = backend.train(0, rank_share(samples, rank, 2), num_steps=2)
+        metrics = train_step(backend, 0, rank_share(samples, rank, 2), num_steps=2)
         result[key] = (metrics, full_params(backend.model))
         del backend
     torch.save(result, out / f"rank{rank}.pt")
@@ -90,13 +91,13 @@ def test_the_fingerprint_tells_tokenizers_apart(tiny_ckpt):
 
 
 def test_debug_flags_are_checked_at_parse_time():
-    assert LoggingConfig(load_debug_rollout_data="/d").debug_train_only  # implied, as upstream
+    assert RunModeConfig(load_debug_rollout_data="/d").debug_train_only  # implied, as upstream
     with pytest.raises(ConfigError, match="--debug-train-only needs --load-debug-rollout-data"):
-        LoggingConfig(debug_train_only=True)
+        RunModeConfig(debug_train_only=True)
     with pytest.raises(ConfigError, match="--debug-rollout-only cannot go with"):
-        LoggingConfig(load_debug_rollout_data="/d", debug_rollout_only=True)
+        RunModeConfig(load_debug_rollout_data="/d", debug_rollout_only=True)
     with pytest.raises(ConfigError, match="--save-debug-rollout-data .*JSONL"):
-        LoggingConfig(save_debug_rollout_data="/d/r_{rollout_id}.pt")
+        RunModeConfig(save_debug_rollout_data="/d/r_{rollout_id}.pt")
 
 
 @pytest.mark.slow
@@ -110,11 +111,10 @@ def test_the_driver_replays_a_saved_rollout_without_engines(tiny_ckpt, tmp_path,
     from slime import driver
     from slime.arguments import parse_args
     from slime.utils.metrics import read_metrics
-    from tests.test_resume import DATA_DIR
 
     def run(name, *extra):
         cfg = parse_args([
-            "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR), "--input-key", "problem",
+            "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(GEO3K_DATA), "--input-key", "problem",
             "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template",
             "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--rollout-max-response-len", "6", "--micro-batch-size", "1", "--skip-eval-before-train",
@@ -155,13 +155,13 @@ def test_the_driver_replays_a_saved_rollout_without_engines(tiny_ckpt, tmp_path,
 
 def test_flags_that_would_do_nothing_in_a_replay_or_a_save_are_refused(caplog):
     with pytest.raises(ConfigError, match="--debug-rollout-only cannot go with --debug-train-only"):
-        LoggingConfig(debug_train_only=True, debug_rollout_only=True)
+        RunModeConfig(debug_train_only=True, debug_rollout_only=True)
     with pytest.raises(ConfigError, match="--load-debug-rollout-data generates none .*drop --save-debug-rollout-data"):
-        LoggingConfig(load_debug_rollout_data="/d", save_debug_rollout_data="/e/r_{rollout_id}.jsonl")
+        RunModeConfig(load_debug_rollout_data="/d", save_debug_rollout_data="/e/r_{rollout_id}.jsonl")
     with pytest.raises(ConfigError, match=r"\{rollout_id\} is in the file's suffix"):
-        LoggingConfig(save_debug_rollout_data="/d/run.{rollout_id}")
+        RunModeConfig(save_debug_rollout_data="/d/run.{rollout_id}")
     with caplog.at_level("WARNING"):
-        LoggingConfig(save_debug_rollout_data="/d/r.jsonl")
+        RunModeConfig(save_debug_rollout_data="/d/r.jsonl")
     assert "has no {rollout_id}: every rollout overwrites" in caplog.text
 
 

@@ -81,11 +81,10 @@ PROCESSOR = None
 
 
 @pytest.fixture(autouse=True)
-def processor(tiny_ckpt):
+def _module_processor(processor):
+    """The module's helpers read the shared processor (conftest's ``processor``) as ``PROCESSOR``."""
     global PROCESSOR
-    from slime.data.processor import load_processor
-
-    PROCESSOR = load_processor(tiny_ckpt)
+    PROCESSOR = processor
     return PROCESSOR
 
 
@@ -126,7 +125,7 @@ def _manager(tmp_path, tiny_ckpt, engines, extra=(), eval_labels=None):
     return RolloutManager(
         rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, grpo=cfg.grpo, evaluation=cfg.eval,
         processor=load_processor(tiny_ckpt), engines=engines, seed=cfg.rollout.rollout_seed,
-        debug_dump=cfg.logging.save_debug_rollout_data,  # as slime/driver.py passes it
+        debug_dump=cfg.run_mode.save_debug_rollout_data,  # as slime/driver.py passes it
     )
 
 

@@ -1,6 +1,6 @@
-"""Routed experts: the sample's compact form and its checks (:mod:`slime.data.routes`), SGLang's base64 answer
+"""Routed experts: the sample's compact form and its checks (:mod:`slime.routing_replay`), SGLang's base64 answer
 (:func:`slime.rollout.engines.sglang.generation.decode_routed_experts`), and replay in the transformers model
-(:mod:`slime.models.routes`): its own routes change nothing, other routes give a float64 hand computation of an
+(:mod:`slime.routing_replay`): its own routes change nothing, other routes give a float64 hand computation of an
 MoE block.  The native model's replay is in ``tests/test_qwen35_model.py``, the backends' in
 ``tests/test_megatron_backend.py``, the engines' capture in ``tests/test_hf_engine.py`` and
 ``tests/test_sglang_engine.py``, the parity check's in ``tests/test_parity.py``.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from slime.data.routes import OWN_ROUTE, RouteError, RouteShape, check_routes, compact_routes, token_routes
+from slime.routing_replay import OWN_ROUTE, RouteError, RouteShape, check_routes, compact_routes, token_routes
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.engines.sglang.client import SGLangRequestError
 from slime.rollout.engines.sglang.generation import (
@@ -127,7 +127,7 @@ def hf_model(tiny_ckpt):
 def test_replaying_the_models_own_routes_changes_nothing(hf_model):
     from qwen35_helpers import hf_forward_routes
 
-    from slime.models.routes import force_hf_routes
+    from slime.routing_replay import force_hf_routes
 
     ids = torch.randint(0, 1000, (2, 23), generator=torch.Generator().manual_seed(0))
     own = torch.stack([hf_forward_routes(hf_model, row)[0] for row in ids])  # [2, 23, L, k]
@@ -145,7 +145,7 @@ def test_replaying_the_models_own_routes_changes_nothing(hf_model):
 def test_replaying_other_routes_is_the_moe_block_by_hand(hf_model):
     from qwen35_helpers import moe_block_f64
 
-    from slime.models.routes import force_hf_routes, hf_moe_routers
+    from slime.routing_replay import force_hf_routes, hf_moe_routers
 
     layers = len(hf_moe_routers(hf_model))
     block = hf_model.model.language_model.layers[1].mlp
@@ -163,7 +163,7 @@ def test_replaying_other_routes_is_the_moe_block_by_hand(hf_model):
 
 
 def test_forced_gate_weights_are_differentiable_in_the_router_logits():
-    from slime.models.routes import forced_gate_weights
+    from slime.routing_replay import forced_gate_weights
 
     logits = torch.tensor([[1.0, 2.0, 0.5, -1.0]], dtype=torch.float64, requires_grad=True)
     experts = torch.tensor([[0, 3]])
@@ -178,7 +178,7 @@ def test_forced_gate_weights_are_differentiable_in_the_router_logits():
 
 
 def test_a_route_table_of_another_size_is_refused(hf_model):
-    from slime.models.routes import force_hf_routes
+    from slime.routing_replay import force_hf_routes
 
     ids = torch.arange(5).view(1, 5)
     with pytest.raises(ValueError, match="routes for 3 layers, the model has 4 MoE routers"):

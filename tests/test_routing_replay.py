@@ -1,7 +1,7 @@
 """Routing replay in training (R3 ``--use-rollout-routing-replay``, R2 ``--use-routing-replay``) and the mismatch
 monitor's router agreement and gate (``docs/design/routing_replay.md``).
 
-The skeleton's part runs with the stand-in backend of ``tests/test_train_step.py`` given a route shape: which routes
+The step's part runs with the stand-in backend of ``tests/standin_backend.py`` given a route shape: which routes
 each forward of the step replays, what R2 records, and that a bad route stops the step before any forward.  The
 backends' part (FSDP padded, Megatron packed THD, both on the tiny Qwen3.5-MoE checkpoint in one spawned process)
 checks the replayed experts token by token, a training step with forced routes against one whose routers chose
@@ -17,14 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from slime.backends.steps import SampleError
-from slime.backends.train_metrics import (
-    LogprobGapError, check_gap_threshold, logprob_gap_metrics, route_agreement_sums,
-)
-from slime.data.routes import RouteShape
+from slime.backends.samples import SampleError
+from slime.backends.step import micro_batches, train_step
+from slime.backends.train_metrics import LogprobGapError, check_gap_threshold, logprob_gap_metrics
 from slime.data.sample import Sample
 from slime.grpo.config import GRPOConfig
-from tests.test_train_step import GRPO, StandIn, make_samples
+from slime.routing_replay import RouteShape, route_agreement_sums
+from tests.standin_backend import GRPO, StandIn, hand_samples
+from tests.helpers import (
+    GEO3K_DATA, IMAGES, LENS, exported, make_backend, make_megatron, make_samples, spawn,
+)
 
 SHAPE = RouteShape(num_layers=2, top_k=2, num_experts=4)
 
@@ -42,28 +44,28 @@ class RoutedStandIn(StandIn):
 
     def __init__(self, grpo, *, r3=False, r2=False, **kw):
         super().__init__(grpo, **kw)
-        self.train_cfg = dataclasses.replace(self.train_cfg, use_rollout_routing_replay=r3, use_routing_replay=r2)
+        self.spec.train = dataclasses.replace(self.spec.train, use_rollout_routing_replay=r3, use_routing_replay=r2)
         self.replayed: list[tuple[str, list]] = []  # (pass, per sample the routes replayed or None)
         self.own: dict[int, np.ndarray] = {}
 
-    def _route_shape(self):
+    def route_shape(self):
         return SHAPE
 
-    def _forward_log_probs(self, model, batches, *, replay_routes=False, capture_routes=False):
+    def log_probs(self, model, batches, *, replay_routes=False, capture_routes=False):
         name = "ref" if model is self.ref_model else "policy"
         for batch in batches:
             self.replayed.append((name, batch.routes if replay_routes else None))
             if capture_routes:
                 batch.trainer_routes = [self.own[s.index] for s in batch.samples]
-        return super()._forward_log_probs(model, batches)
+        return super().log_probs(model, batches)
 
-    def _forward_backward(self, batches, normalizer):
+    def forward_backward(self, batches, normalizer):
         self.replayed.extend(("train", b.routes) for b in batches)
-        return super()._forward_backward(batches, normalizer)
+        return super().forward_backward(batches, normalizer)
 
 
 def _routed_samples():
-    samples = make_samples()
+    samples = hand_samples()
     for s in samples:
         s.rollout_routed_experts = _routes(s, 100 + s.index)
     return samples
@@ -74,7 +76,7 @@ def test_r3_replays_the_engines_routes_in_the_old_ref_and_training_forwards():
     backend = RoutedStandIn(GRPOConfig(**GRPO), r3=True)
     backend.own = {s.index: s.rollout_routed_experts for s in samples}  # what a replaying router takes
     backend.init()
-    metrics = backend.train(0, samples, num_steps=2)
+    metrics = train_step(backend, 0, samples, num_steps=2)
     assert metrics["train/router_agreement"] == 1.0  # with R3: the experts taken against the engine's
     passes = [name for name, _ in backend.replayed]
     assert passes == ["policy"] * 4 + ["ref"] * 4 + ["train"] * 4  # micro-batches [0, 1], [2], [3, 4], [5]
@@ -88,7 +90,7 @@ def test_r2_records_the_old_pass_and_replays_it_in_every_optimizer_step():
     backend = RoutedStandIn(GRPOConfig(**GRPO), r2=True)
     backend.own = {s.index: _routes(s, 200 + s.index) for s in samples}
     backend.init()
-    metrics = backend.train(0, samples, num_steps=2)
+    metrics = train_step(backend, 0, samples, num_steps=2)
     assert backend.optimizer_steps == 2
     by_pass = {}
     for name, routes in backend.replayed:
@@ -109,7 +111,7 @@ def test_router_agreement_only_where_engine_routes_exist_and_malformed_ones_are_
     backend.own = {s.index: _routes(s, 100 + s.index) for s in samples}  # the engine's routes, where they exist
     backend.own[4] = backend.own[4][:, :, ::-1].copy()  # the same sets in another order agree
     backend.init()
-    metrics = backend.train(0, samples, num_steps=2)
+    metrics = train_step(backend, 0, samples, num_steps=2)
     assert metrics["train/router_agreement"] == 1.0 and metrics["train/router_agreement_skipped"] == 1.0
     assert metrics["train/router_agreement_image"] == 1.0  # samples 1 and 4 have images
 
@@ -117,7 +119,7 @@ def test_router_agreement_only_where_engine_routes_exist_and_malformed_ones_are_
 def test_without_engine_routes_nothing_is_captured_or_reported():
     backend = RoutedStandIn(GRPOConfig(**GRPO))
     backend.init()
-    metrics = backend.train(0, make_samples(), num_steps=2)  # own is empty: a capture would raise KeyError
+    metrics = train_step(backend, 0, hand_samples(), num_steps=2)  # own is empty: a capture would raise KeyError
     assert not any("router_agreement" in k for k in metrics)
 
 
@@ -138,7 +140,7 @@ def test_r3_stops_the_step_naming_the_sample_before_any_forward(fault, message):
     backend = RoutedStandIn(GRPOConfig(**GRPO), r3=True)
     backend.init()
     with pytest.raises(SampleError, match=message):
-        backend.train(0, samples, num_steps=2)
+        train_step(backend, 0, samples, num_steps=2)
     assert backend.replayed == [] and backend.forward_passes == [] and backend.optimizer_steps == 0
 
 
@@ -180,11 +182,11 @@ def test_the_gap_gate_names_the_step_and_the_split():
 
 def test_the_gate_stops_the_step_before_any_update():
     backend = StandIn(GRPOConfig(**GRPO))
-    backend.train_cfg = dataclasses.replace(backend.train_cfg, ci_train_rollout_logprob_abs_diff_threshold=1e-3)
+    backend.spec.train = dataclasses.replace(backend.spec.train, ci_train_rollout_logprob_abs_diff_threshold=1e-3)
     backend.init()
     w0 = backend.model.w.detach().clone()
     with pytest.raises(LogprobGapError, match="rollout step 7"):
-        backend.train(7, make_samples(), num_steps=2)
+        train_step(backend, 7, hand_samples(), num_steps=2)
     assert backend.optimizer_steps == 0 and torch.equal(backend.model.w.detach(), w0)
 
 
@@ -192,8 +194,6 @@ def test_the_gate_stops_the_step_before_any_update():
 
 
 def _job_backends(rank_info, ckpt_dir, samples, own, other, out):
-    from tests.test_fsdp_backend import make_backend
-    from tests.test_megatron_backend import exported, make_megatron
 
     def routed(routes):
         return [dataclasses.replace(s, rollout_routed_experts=r) for s, r in zip(samples, routes)]
@@ -213,26 +213,26 @@ def _job_backends(rank_info, ckpt_dir, samples, own, other, out):
         backend = build({})
         backend.init()
         r["initial_weights"] = exported(backend)[1]
-        batches = backend._micro_batches(samples, range(len(samples)), None)
+        batches = micro_batches(backend, samples, range(len(samples)), engine_routes=False, dp_group=None)
         r["micro_batches"] = len(batches)
-        backend._forward_log_probs(backend.model, batches, capture_routes=True)
+        backend.log_probs(backend.model, batches, capture_routes=True)
         r["captured_own"] = [t for b in batches for t in b.trainer_routes]
         for batch in batches:
             batch.routes = [other[i] for i in batch.indices]
-        backend._forward_log_probs(backend.model, batches, replay_routes=True, capture_routes=True)
+        backend.log_probs(backend.model, batches, replay_routes=True, capture_routes=True)
         r["captured_replayed"] = [t for b in batches for t in b.trainer_routes]
         # one optimizer step: after an update a near-tie may flip, and the routers would then choose others
-        r["plain"] = backend.train(0, routed(other), num_steps=1)  # engine routes != own: agreement < 1
+        r["plain"] = train_step(backend, 0, routed(other), num_steps=1)  # engine routes != own: agreement < 1
         r["plain_weights"] = exported(backend)[1]
         del backend
         backend = build({"use_rollout_routing_replay": True})
         backend.init()
-        r["r3"] = backend.train(0, routed(own), num_steps=1)
+        r["r3"] = train_step(backend, 0, routed(own), num_steps=1)
         r["r3_weights"] = exported(backend)[1]
         del backend
         backend = build({"use_routing_replay": True})
         backend.init()
-        r["r2"] = backend.train(0, routed(own), num_steps=2)
+        r["r2"] = train_step(backend, 0, routed(own), num_steps=2)
         del backend
     torch.save(result, out / "result.pt")
 
@@ -244,11 +244,9 @@ def backends(tiny_ckpt, tmp_path_factory):
     from qwen35_helpers import own_and_random_routes
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from tests.test_fsdp_backend import make_samples as real_samples
-    from tests.test_megatron_backend import IMAGES, LENS, spawn
 
     out = tmp_path_factory.mktemp("routing_replay")
-    samples = real_samples(tiny_ckpt, LENS[:4], images=IMAGES[:4])
+    samples = make_samples(tiny_ckpt, LENS[:4], images=IMAGES[:4])
     hf = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     own, other = own_and_random_routes(hf, samples, seed=1)
     initial = {name: p.detach().clone() for name, p in hf.named_parameters() if name.endswith("mlp.gate.weight")}
@@ -311,7 +309,7 @@ def test_router_gradients_under_forced_routes_equal_the_float64_block(tiny_ckpt)
     from qwen35_helpers import moe_block_f64
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from slime.models.routes import force_hf_routes, hf_moe_routers
+    from slime.routing_replay import force_hf_routes, hf_moe_routers
 
     model = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32)
     layers = len(hf_moe_routers(model))
@@ -354,15 +352,17 @@ def _refusal(ckpt, capsys, *extra) -> str:
 
 
 def test_r3_implies_r2_and_asks_the_rollout_for_routes(tiny_ckpt):
-    from slime.rollout.engines.config import rollout_routes_wanted
+    from slime.routing_replay import rollout_routes_wanted
+
+    def wanted(cfg):
+        return rollout_routes_wanted(cfg.train, cfg.parity, cfg.checkpoint.hf_checkpoint, parity_check=False)
 
     cfg = _parse(tiny_ckpt, "--train-backend", "fsdp", "--use-rollout-routing-replay")
     assert cfg.train.use_routing_replay and cfg.train.use_rollout_routing_replay
-    assert rollout_routes_wanted(cfg, parity_check=False)
+    assert wanted(cfg)
     plain = _parse(tiny_ckpt, "--train-backend", "fsdp")
-    assert not plain.train.use_routing_replay and not rollout_routes_wanted(plain, parity_check=False)
-    assert not rollout_routes_wanted(_parse(tiny_ckpt, "--train-backend", "fsdp", "--use-routing-replay"),
-                                     parity_check=False)  # R2 records the trainer's own routes
+    assert not plain.train.use_routing_replay and not wanted(plain)
+    assert not wanted(_parse(tiny_ckpt, "--train-backend", "fsdp", "--use-routing-replay"))  # R2: the trainer's own
     assert _parse(tiny_ckpt, "--ci-train-rollout-logprob-abs-diff-threshold", "0.5").train \
         .ci_train_rollout_logprob_abs_diff_threshold == 0.5
 
@@ -403,7 +403,7 @@ def test_rollout_only_refuses_flags_of_the_training_step(tiny_ckpt, capsys, capl
     with caplog.at_level("WARNING"):
         cfg = _parse(tiny_ckpt, "--debug-rollout-only", "--use-rollout-routing-replay", "--train-backend", "fsdp",
                      "--save", "/tmp/never-written")
-    assert cfg.logging.debug_rollout_only and "no checkpoint is written to --save /tmp/never-written" in caplog.text
+    assert cfg.run_mode.debug_rollout_only and "no checkpoint is written to --save /tmp/never-written" in caplog.text
 
 
 # ----------------------------------------------------------------------------- through the driver
@@ -417,10 +417,9 @@ def test_the_driver_runs_r3_from_the_engines_routes_and_the_gate_stops_the_run(t
     and the gate stops the run at step 0 naming the split (the first two geo3k rows have images)."""
     from slime import driver
     from slime.arguments import parse_args
-    from tests.test_parity import DATA
 
     cfg = parse_args([
-        "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA), "--input-key", "problem",
+        "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(GEO3K_DATA), "--input-key", "problem",
         "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--apply-chat-template",
         "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "6", "--global-batch-size", "4", "--train-backend", "fsdp",

@@ -38,7 +38,7 @@ def _model_args(script: Path) -> list[str]:
 
 def _mismatches(config: dict) -> list[str]:
     """The model-flag checker's findings for the scaled model file's MODEL_ARGS against ``config`` (a config.json)."""
-    from slime.backends.config import ModelConfig
+    from slime.checkpoints.model_args import ModelConfig
     from slime.checkpoints.model_args import model_args_mismatches
     from slime.utils.config import add_group, build_group
 

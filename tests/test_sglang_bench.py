@@ -1,5 +1,5 @@
 """CPU checks of the pieces of ``scripts/bench/sglang_rollout_bench.py`` that decide what the H200 measures (the
-in-actor calls of N requests against the fake SGLang server of :mod:`tests.fake_sglang_server`, in Ray)."""
+in-actor calls of N requests against the fake SGLang server of :mod:`scripts.harness.fake_sglang_server`, in Ray)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def fake_engines(tmp_path_factory):
     """One fake SGLang engine (capacity 8) in the real engine group, each request taking 0.05 s."""
     from slime.ray.config import ClusterConfig
     from slime.ray.placement import init_ray
-    from tests.fake_sglang import start_engine_group
+    from scripts.harness.fake_sglang import start_engine_group
 
     started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))
     placement, engines = start_engine_group(tmp_path_factory.mktemp("bench"), "--sglang-fake-delay-s", "0.05",

@@ -1,5 +1,5 @@
 """The SGLang engine on CPU: command line, environment, plugin discovery, the HTTP client against a fake
-SGLang 0.5.17 server (:mod:`tests.fake_sglang_server`), the per-run key, memory tags, pause/flush, a server
+SGLang 0.5.17 server (:mod:`scripts.harness.fake_sglang_server`), the per-run key, memory tags, pause/flush, a server
 that dies and restarts, recording and replay, and the version gate of the multimodal-RoPE fix.
 
 Expected outputs of the fake's ``echo`` model are worked out by hand from its rules (its module docstring):
@@ -38,7 +38,7 @@ from slime.rollout.engines.sglang.launch import (
 )
 from slime.rollout.engines.sglang.versions import memory_tags_supported, needs_mrope_fix, release_tuple
 from slime.utils.config import ConfigError
-from tests.fake_sglang import FakeSGLangEngine
+from scripts.harness.fake_sglang import FakeSGLangEngine
 from tests.process_tree import all_processes, is_alive, read_proc, wait_for, wait_session_gone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -632,7 +632,7 @@ def test_the_secret_is_in_no_command_log_recording_or_printed_config(engine_fact
     assert "<redacted>" in places["recording"]
     cfg = parse_args(["--hf-checkpoint", "x", "--prompt-data", "y", "--num-rollout", "1", "--rollout-batch-size",
                       "1", "--rollout-max-response-len", "4", "--train-backend", "fsdp", "--rollout-backend",
-                      "tests.fake_sglang:FakeSGLangEngine", "--colocate", "--wandb-key", "wk-123"])
+                      "scripts.harness.fake_sglang:FakeSGLangEngine", "--colocate", "--wandb-key", "wk-123"])
     argv = config_to_argv(cfg, redact=True)
     assert "wk-123" not in argv and not any("api-key" in a for a in argv)  # the engine's key is never a flag
 
@@ -642,20 +642,22 @@ def _run_cfg(ckpt, *extra):
 
     return parse_args(["--hf-checkpoint", str(ckpt), "--prompt-data", "y", "--num-rollout", "1",
                        "--rollout-batch-size", "1", "--rollout-max-response-len", "4", "--train-backend", "fsdp",
-                       "--rollout-backend", "tests.fake_sglang:FakeSGLangEngine", "--colocate", *extra])
+                       "--rollout-backend", "scripts.harness.fake_sglang:FakeSGLangEngine", "--colocate", *extra])
 
 
 def test_servers_capture_routes_for_an_moe_checkpoint_whose_parity_check_replays_them(tiny_ckpt, tmp_path):
-    assert FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt))
-    assert not FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--no-engine-parity-replay-routes"))
-    assert not FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--skip-engine-parity-check"))
+    def captures_routes(cfg) -> bool:  # what the engines are handed (SlimeConfig.engine_spec)
+        return cfg.engine_spec(FakeSGLangEngine.parity_check).return_routed_experts
+
+    assert captures_routes(_run_cfg(tiny_ckpt))
+    assert not captures_routes(_run_cfg(tiny_ckpt, "--no-engine-parity-replay-routes"))
+    assert not captures_routes(_run_cfg(tiny_ckpt, "--skip-engine-parity-check"))
     # R3: the trainer replays the engine's routes, so the servers capture them whatever the parity check does
-    assert FakeSGLangEngine.captures_routes(_run_cfg(tiny_ckpt, "--skip-engine-parity-check",
-                                                     "--use-rollout-routing-replay"))
+    assert captures_routes(_run_cfg(tiny_ckpt, "--skip-engine-parity-check", "--use-rollout-routing-replay"))
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 2}}))
-    assert not FakeSGLangEngine.captures_routes(_run_cfg(dense))
+    assert not captures_routes(_run_cfg(dense))
     spec = ServerSpec(model_path="/ckpt", tp_size=1, host="127.0.0.1", port=1, seed=0, colocated=False,
                       return_routed_experts=True)
     assert server_command(spec, python="/py")[-3:] == ["--enable-return-routed-experts", "--dtype", "bfloat16"]
@@ -663,7 +665,7 @@ def test_servers_capture_routes_for_an_moe_checkpoint_whose_parity_check_replays
     assert server_command(given, python="/py").count("--enable-return-routed-experts") == 1
 
 
-def test_the_fake_server_returns_its_models_routes_as_sglang_encodes_them(tiny_ckpt, tmp_path, processor_tiny):
+def test_the_fake_server_returns_its_models_routes_as_sglang_encodes_them(tiny_ckpt, tmp_path, processor):
     """``--fake-model hf`` with ``--enable-return-routed-experts``: a request that asks gets, through the engine's
     decoding of SGLang's base64 int32 answer, the experts a plain forward of its model chooses (away from ties)."""
     from qwen35_helpers import hf_forward_routes
@@ -678,7 +680,7 @@ def test_the_fake_server_returns_its_models_routes_as_sglang_encodes_them(tiny_c
         _wait_healthy(engine)
         assert engine.route_shape.num_layers == 4 and engine.route_shape.top_k == 2
         content = [{"type": "image"}, {"type": "text", "text": "Find x."}]
-        prompt = processor_tiny.apply_chat_template([{"role": "user", "content": content}])
+        prompt = processor.apply_chat_template([{"role": "user", "content": content}])
         params = SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=3)
         asks = GenerateRequest(prompt, [IMAGE], params, rid="a", return_routed_experts=True)
         out, plain = engine.generate([asks, dataclasses.replace(asks, rid="b", return_routed_experts=False)])
@@ -686,7 +688,7 @@ def test_the_fake_server_returns_its_models_routes_as_sglang_encodes_them(tiny_c
         engine.shutdown()
     assert plain.routed_experts is None
     model = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
-    processed = processor_tiny(prompt, [decode_image(IMAGE)])
+    processed = processor(prompt, [decode_image(IMAGE)])
     routes, margin = hf_forward_routes(model, processed.input_ids + out.output_ids, processed.pixel_values,
                                        processed.image_grid_thw)
     n = out.prompt_tokens + len(out.output_ids) - 1
@@ -696,17 +698,10 @@ def test_the_fake_server_returns_its_models_routes_as_sglang_encodes_them(tiny_c
     assert (out.routed_experts[clear] == routes[:n].numpy()[clear]).all()
 
 
-@pytest.fixture
-def processor_tiny(tiny_ckpt):
-    from slime.data.processor import load_processor
-
-    return load_processor(tiny_ckpt)
-
-
 @pytest.mark.parametrize("flag", ["--sglang-api-key", "--sglang-admin-api-key"])
 def test_the_key_flags_are_refused(flag):
-    from slime.rollout.config import extract_sglang_args
     from slime.rollout.engines.sglang.config import SGLangEngineConfig
+    from slime.rollout.engines.sglang.flags import extract_sglang_args
 
     sglang, _ = extract_sglang_args([flag, "mine"])
     with pytest.raises(ConfigError, match="per-run secret"):
@@ -742,9 +737,9 @@ def test_the_key_flags_are_refused(flag):
     (["--sglang-enable-tokenizer-batch", "--sglang-requests-per-call", "1"], "abbreviates"),
 ])  # fmt: skip
 def test_sglang_flags_the_engine_cannot_honour_are_refused(flags, message):
-    from slime.rollout.config import extract_sglang_args
-    from slime.rollout.engines.sglang.config import (
-        SGLangEngineConfig,
+    from slime.rollout.engines.sglang.config import SGLangEngineConfig
+    from slime.rollout.engines.sglang.flags import (
+        extract_sglang_args,
         requests_per_call,
         server_concurrency,
         slime_owned_args,
@@ -804,7 +799,7 @@ def test_pause_abort_ends_requests_in_flight_and_flush_waits_for_them(engine_fac
     engine = engine_factory("--fake-delay-s", "2")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = pool.submit(engine.generate, [GenerateRequest("a b c", [], _params())])
-        time.sleep(0.5)
+        wait_for(lambda: engine.client.server_info()["running"] == 1, 30, "the request to run at the server")
         flushing = pool.submit(engine.flush_cache)  # 400 while the request runs: retried until it is done
         engine.pause_generation("abort")
         assert running.result(timeout=60)[0].finish_reason == "abort"
@@ -822,7 +817,7 @@ def test_abort_requests_cuts_the_calls_in_flight_and_keeps_serving(engine_factor
     engine = engine_factory("--fake-delay-s", "2")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(engine.generate, [GenerateRequest("a b c", [], _params())])
-        time.sleep(0.5)
+        wait_for(lambda: engine.client.server_info()["running"] == 1, 30, "the request to run at the server")
         engine.abort_requests()
         assert running.result(timeout=60)[0].finish_reason == "abort"
     assert engine.generate([GenerateRequest("a b c", [], _params())])[0].finish_reason == "stop"  # not paused

@@ -1,5 +1,5 @@
-"""SGLang engines in the real engine group (Ray, CPU bundles, the fake server of :mod:`tests.fake_sglang_server`):
-per-request balancing under the engines' capacity, a prompt the servers refuse, and an engine that dies
+"""SGLang engines in the real engine group (Ray, CPU bundles, the fake server of
+:mod:`scripts.harness.fake_sglang_server`): per-request balancing under the engines' capacity, a prompt the servers refuse, and an engine that dies
 mid-rollout.
 
 A killed server (or a killed engine actor) must cost nothing: every request is answered exactly once
@@ -13,31 +13,21 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections import Counter
 
 import pytest
 import ray
 
-from slime.ray.config import ClusterConfig
-from slime.ray.placement import init_ray
 from slime.rollout.scheduler import EngineError
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
-from tests.fake_sglang import start_engine_group
+from scripts.harness.fake_sglang import start_engine_group
 from tests.process_tree import is_alive, read_proc, wait_for, wait_session_gone
 
 START_TIMEOUT_S = 300.0
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=2))
-    yield
-    if started:
-        ray.shutdown()
-
-
-def _start(tmp_path, *sglang_flags: str, capacity: int = 4, engine: str = "tests.fake_sglang:FakeSGLangEngine"):
+def _start(tmp_path, *sglang_flags: str, capacity: int = 4,
+           engine: str = "scripts.harness.fake_sglang:FakeSGLangEngine"):
     return start_engine_group(tmp_path, *sglang_flags, num_engines=2, capacity=capacity, engine=engine,
                               timeout_s=START_TIMEOUT_S)
 
@@ -110,7 +100,8 @@ def _kill_later(delay_s: float, action) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("engine", ["tests.fake_sglang:FakeSGLangEngine", "tests.fake_sglang:SharedGpuFakeSGLangEngine"],
+@pytest.mark.parametrize("engine", ["scripts.harness.fake_sglang:FakeSGLangEngine",
+                                    "scripts.harness.fake_sglang:SharedGpuFakeSGLangEngine"],
                          ids=["own-gpus", "one-shared-gpu"])
 def test_a_server_killed_mid_rollout_loses_and_duplicates_no_sample(local_ray, tmp_path, engine):
     """Also with both engines on one GPU, where starts (the first one and the restart) take the GPU's start lock."""

@@ -30,7 +30,7 @@ import torch
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.parity import GAP_FLOOR, EngineParityError, ParityGaps, verdict
 from slime.weight_sync.fused_experts import checkpoint_num_experts
-from tests.sglang_gpu_helpers import (
+from scripts.harness.sglang_gpu import (
     HAVE_SGLANG,
     LAUNCHER_FLAGS,
     figure,
@@ -111,7 +111,7 @@ def hf(scaled_ckpt):
 
 class _HfTrainer:
     """The gate's trainer side in this process: :meth:`slime.ray.trainer_group.TrainerGroup.compute_log_probs`'s
-    signature over :func:`~tests.sglang_gpu_helpers.hf_log_probs` of one HF model."""
+    signature over :func:`~scripts.harness.sglang_gpu.hf_log_probs` of one HF model."""
 
     def __init__(self, model):
         self.model = model

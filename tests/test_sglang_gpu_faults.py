@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.sglang_gpu_helpers import HAVE_SGLANG, START_TIMEOUT_S, SharedGpuPlacement, figure, sglang_argv
+from scripts.harness.sglang_gpu import HAVE_SGLANG, START_TIMEOUT_S, SharedGpuPlacement, figure, sglang_argv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +52,8 @@ def test_killing_one_of_two_engines_mid_rollout_loses_and_duplicates_nothing(sca
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False)
-    engines = RolloutEngineGroup(SharedGpuPlacement([["0"], ["0"]]), functools.partial(SGLangEngine.from_config, cfg),
+    engines = RolloutEngineGroup(SharedGpuPlacement([["0"], ["0"]]), functools.partial(SGLangEngine.from_spec,
+                                                               cfg.engine_spec(SGLangEngine.parity_check)),
                                  SGLangEngine.max_concurrent_calls)
     try:
         t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""CPU checks of the pieces of ``tests/sglang_gpu_helpers.py`` that the GPU tests' parity gate rests on: the HF
+"""CPU checks of the pieces of ``scripts/harness/sglang_gpu.py`` that the GPU tests' parity gate rests on: the HF
 scorer's routing replay and rounding noise (on the tiny checkpoint), the route agreement, and the
 server flags against the launcher's."""
 
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.sglang_gpu_helpers import EAGER_FLAGS, LAUNCHER_FLAGS, hf_log_probs, route_agreement, server_flags, sglang_argv
+from scripts.harness.sglang_gpu import (
+    EAGER_FLAGS, LAUNCHER_FLAGS, hf_log_probs, route_agreement, server_flags, sglang_argv,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "geo3k_vlm" / "data"

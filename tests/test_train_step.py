@@ -1,9 +1,9 @@
-"""The training step written once (:meth:`slime.backends.base.TrainerBackend.train`), with a stand-in backend.
+"""The training step of every backend (:func:`slime.backends.step.train_step`), with a stand-in backend.
 
-The stand-in implements only the hooks: a float64 "policy" on the CPU whose log-probability of token ``y`` is
-``log sigmoid(F[y] . w)`` (``F`` a fixed feature table, ``w`` the 3 weights), plain SGD as its update, and
-a record of what the skeleton asked of it.  Every expected value is computed here independently in float64:
-the clipped GRPO loss with a k3 KL term and an entropy bonus written out by hand, its gradient by autograd
+The stand-in (``tests/standin_backend.py``) implements only the step's protocol: a float64 "policy" on the CPU whose
+log-probability of token ``y`` is ``log sigmoid(F[y] . w)`` (``F`` a fixed feature table, ``w`` the 3 weights), plain
+SGD as its update, and a record of what the step asked of it.  Every expected value is computed here independently in
+float64: the clipped GRPO loss with a k3 KL term and an entropy bonus written out by hand, its gradient by autograd
 of that hand-written loss, the learning rate of the warm-up, ``--clip-grad``'s factor, the averages over
 optimizer steps and the train-vs-rollout log-prob gap.
 """
@@ -16,113 +16,13 @@ import time
 import pytest
 import torch
 
-from slime.backends.base import TRAINER_TOTAL_KEY, NonFiniteGradNorm, RankInfo, TrainerBackend
-from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
-from slime.backends.steps import SampleError
+from slime.backends.samples import SampleError
+from slime.backends.step import TRAINER_TOTAL_KEY, NonFiniteGradNorm, train_step
 from slime.data.sample import Sample
 from slime.grpo.config import GRPOConfig
-from slime.grpo.loss import grpo_micro_batch_loss
-
-FEATURES = torch.tensor(
-    [[0.5, -1.0, 0.25], [1.5, 0.5, -0.5], [-0.75, 1.0, 2.0], [0.1, 0.2, 0.3], [2.0, -1.5, 0.5], [-1.0, -0.5, 1.25]],
-    dtype=torch.float64,
+from tests.standin_backend import (
+    ENTROPY_COEF, EPS, EPS_HIGH, FEATURES, GRPO, KL_COEF, LR, W0, W_REF, WARMUP, StandIn, hand_samples,
 )
-W0 = [0.3, -0.2, 0.4]
-W_REF = [0.1, 0.1, 0.2]
-LR, WARMUP, EPS, EPS_HIGH, KL_COEF, ENTROPY_COEF = 0.5, 2, 0.2, 0.28, 0.1, 0.01
-
-
-class Linear(torch.nn.Module):
-    def __init__(self, weights):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(weights, dtype=torch.float64))
-
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        return FEATURES[tokens] @ self.w
-
-
-def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.float64)
-    for b, row in enumerate(rows):
-        out[b, : len(row)] = row
-    return out
-
-
-class StandIn(TrainerBackend):
-    """Only the hooks (and the abstract interface methods the step never calls)."""
-
-    def __init__(self, grpo: GRPOConfig, *, micro_batch_size=2, clip_grad=1.0, use_rollout_logprobs=False):
-        super().__init__(
-            RankInfo(0, 1, "127.0.0.1", 0, "cpu"),
-            train=TrainConfig(train_backend="fsdp", micro_batch_size=micro_batch_size,
-                              use_rollout_logprobs=use_rollout_logprobs),
-            optimizer=OptimizerConfig(lr=LR, lr_warmup_iters=WARMUP, clip_grad=clip_grad),
-            grpo=grpo, checkpoint=CheckpointConfig(hf_checkpoint="unused"), rollout_temperature=1.0,
-            num_rollout=None, num_steps_per_rollout=2,
-        )
-        self.forward_passes: list[tuple[str, list[list[int]]]] = []  # (model, micro-batches' indices)
-        self.steps: list[dict] = []  # per optimizer step: micro-batch sizes, normaliser, lr, grad scale
-
-    def init(self) -> int:
-        self.model = Linear(W0)
-        self.ref_model = Linear(W_REF) if self.grpo.needs_ref_model else None
-        return 0
-
-    def _forward_log_probs(self, model, batches, *, replay_routes=False, capture_routes=False):
-        self.forward_passes.append(("ref" if model is self.ref_model else "policy", [b.indices for b in batches]))
-        with torch.no_grad():
-            return [torch.nn.functional.logsigmoid(model.logits(s.response_token_ids)) for b in batches
-                    for s in b.samples]
-
-    def _forward_backward(self, batches, normalizer):
-        self.steps.append({"micro_batches": [len(b.samples) for b in batches], "normalizer": normalizer})
-        out = []
-        for batch in batches:
-            logits = [self.model.logits(s.response_token_ids) for s in batch.samples]
-            log_p = [torch.nn.functional.logsigmoid(z) for z in logits]
-            entropy = [-(torch.sigmoid(z) * lp + torch.sigmoid(-z) * torch.nn.functional.logsigmoid(-z))
-                       for z, lp in zip(logits, log_p)]
-            loss, terms = grpo_micro_batch_loss(
-                _padded(log_p), _padded(batch.old_log_probs),
-                torch.tensor([s.advantage for s in batch.samples], dtype=torch.float64),
-                _padded([torch.tensor(s.loss_mask, dtype=torch.float64) for s in batch.samples]), self.grpo,
-                global_normalizer=normalizer, entropy=_padded(entropy),
-                ref_log_probs=None if batch.ref_log_probs is None else _padded(batch.ref_log_probs),
-            )
-            loss.backward()
-            out.append({"loss": loss.detach(), **terms})
-        return out
-
-    def _grad_norm(self) -> float:
-        return float(self.model.w.grad.norm())
-
-    def _apply_update(self, lr, grad_scale):
-        self.steps[-1].update(lr=lr, grad_scale=grad_scale)
-        with torch.no_grad():
-            self.model.w -= lr * grad_scale * self.model.w.grad
-        self.model.w.grad = None
-
-    def iter_weight_buckets(self, bucket_bytes, device=None):
-        raise NotImplementedError
-
-    def save(self, rollout_id, path):
-        raise NotImplementedError
-
-
-def make_samples() -> list[Sample]:
-    """6 samples = 2 optimizer steps of 3; response tokens, loss masks, advantages and rollout log-probs
-    chosen by hand; samples 1 and 4 have an image prompt."""
-    rows = [  # (response tokens, loss mask, advantage, image prompt)
-        ([0, 1, 2], [1, 1, 0], 1.0, False), ([3, 4], [1, 1], -0.5, True), ([5, 0, 2, 1], [1, 0, 1, 1], 0.8, False),
-        ([1, 1], [1, 1], -1.2, False), ([2, 3, 4], [0, 1, 1], 0.6, True), ([4, 5, 0], [1, 1, 1], -0.3, False),
-    ]  # fmt: skip
-    return [
-        Sample(index=i, group_index=i // 2, prompt="p", label="1", images=["img"] if image else [],
-               prompt_token_ids=[7, 8], response_token_ids=tokens, loss_mask=mask, advantage=advantage,
-               rollout_log_probs=[-0.6 - 0.1 * t - 0.05 * i for t in range(len(tokens))])
-        for i, (tokens, mask, advantage, image) in enumerate(rows)
-    ]
-
 
 # ---------------------------------------------------------------------------------------
 # the independent reference: the loss by hand, autograd of it, SGD
@@ -183,16 +83,14 @@ def hand_run(samples, per_token, clip_grad, steps=2):
     return record, w, old
 
 
-GRPO = dict(eps_clip=EPS, eps_clip_high=EPS_HIGH, use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="k3",
-            entropy_coef=ENTROPY_COEF)
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
 def test_two_optimizer_steps_match_the_loss_lr_clipping_and_metrics_by_hand(per_token):
-    samples = make_samples()
+    samples = hand_samples()
     backend = StandIn(GRPOConfig(calculate_per_token_loss=per_token, **GRPO), clip_grad=0.05)
     assert backend.init() == 0
-    metrics = backend.train(0, samples, num_steps=2)
+    metrics = train_step(backend, 0, samples, num_steps=2)
     want, w_after, old = hand_run(samples, per_token, clip_grad=0.05)
 
     # What the skeleton asked of the backend: one policy and one reference pass over every micro-batch
@@ -243,21 +141,21 @@ def test_two_optimizer_steps_match_the_loss_lr_clipping_and_metrics_by_hand(per_
 
 
 def test_no_clipping_below_the_threshold_or_with_clip_grad_zero():
-    samples = make_samples()
+    samples = hand_samples()
     for clip_grad in (1e6, 0.0):
         backend = StandIn(GRPOConfig(**GRPO), clip_grad=clip_grad)
         backend.init()
-        backend.train(0, samples, num_steps=2)
+        train_step(backend, 0, samples, num_steps=2)
         assert [step["grad_scale"] for step in backend.steps] == [1.0, 1.0]
         _, w_after, _ = hand_run(samples, per_token=False, clip_grad=clip_grad)
         torch.testing.assert_close(backend.model.w.detach(), w_after, rtol=1e-12, atol=1e-15)
 
 
 def test_rollout_log_probs_as_old_log_probs_and_no_reference_without_a_kl_term():
-    samples = make_samples()
+    samples = hand_samples()
     backend = StandIn(GRPOConfig(eps_clip=EPS, eps_clip_high=EPS_HIGH), use_rollout_logprobs=True)
     backend.init()
-    metrics = backend.train(3, samples, num_steps=1)
+    metrics = train_step(backend, 3, samples, num_steps=1)
     assert backend.forward_passes == []  # neither an old-log-prob nor a reference pass
     assert backend.steps[0]["micro_batches"] == [2, 2, 2] and backend.steps[0]["normalizer"] == 6
     assert not any(name.startswith("train/logprob") for name in metrics) and "train/kl_loss" not in metrics
@@ -272,12 +170,12 @@ def test_rollout_log_probs_as_old_log_probs_and_no_reference_without_a_kl_term()
 
 
 def test_a_non_finite_gradient_norm_stops_before_any_update():
-    samples = make_samples()
+    samples = hand_samples()
     samples[4].advantage = math.nan
     backend = StandIn(GRPOConfig(**GRPO))
     backend.init()
     with pytest.raises(NonFiniteGradNorm, match=r"rollout 5, optimizer step 1: gradient norm is nan"):
-        backend.train(5, samples, num_steps=2)
+        train_step(backend, 5, samples, num_steps=2)
     assert backend.optimizer_steps == 1 and "lr" not in backend.steps[1]  # step 0 ran, step 1 did not update
     assert isinstance(NonFiniteGradNorm("x"), FloatingPointError)
 
@@ -285,14 +183,14 @@ def test_a_non_finite_gradient_norm_stops_before_any_update():
 def test_bad_input_is_refused_before_any_forward_pass():
     backend = StandIn(GRPOConfig(**GRPO))
     with pytest.raises(RuntimeError, match=r"StandIn.init\(\) must run before train"):
-        backend.train(0, make_samples(), num_steps=2)
+        train_step(backend, 0, hand_samples(), num_steps=2)
     backend.init()
     with pytest.raises(ValueError, match="cannot be cut into 4 equal optimizer steps"):
-        backend.train(0, make_samples(), num_steps=4)
-    bad = make_samples()
+        train_step(backend, 0, hand_samples(), num_steps=4)
+    bad = hand_samples()
     bad[2].loss_mask = [1]
     with pytest.raises(SampleError, match="sample 2"):
-        backend.train(0, bad, num_steps=2)
+        train_step(backend, 0, bad, num_steps=2)
     assert backend.forward_passes == [] and backend.steps == []
 
 
@@ -300,17 +198,17 @@ class Sleepy(StandIn):
     """The stand-in with known waits in its hooks: 0.04 s per log-prob pass, 0.05 s per forward-backward, 0.03 s per
     gradient norm."""
 
-    def _forward_log_probs(self, model, batches, **kw):
+    def log_probs(self, model, batches, **kw):
         time.sleep(0.04)
-        return super()._forward_log_probs(model, batches, **kw)
+        return super().log_probs(model, batches, **kw)
 
-    def _forward_backward(self, batches, normalizer):
+    def forward_backward(self, batches, normalizer):
         time.sleep(0.05)
-        return super()._forward_backward(batches, normalizer)
+        return super().forward_backward(batches, normalizer)
 
-    def _grad_norm(self):
+    def grad_norm(self):
         time.sleep(0.03)
-        return super()._grad_norm()
+        return super().grad_norm()
 
 
 def test_the_trainer_sub_phases_add_up_to_its_time_and_hold_each_hook():
@@ -319,7 +217,7 @@ def test_the_trainer_sub_phases_add_up_to_its_time_and_hold_each_hook():
     backend = Sleepy(GRPOConfig(**GRPO))
     backend.init()
     start = time.perf_counter()
-    metrics = backend.train(0, make_samples(), num_steps=2)
+    metrics = train_step(backend, 0, hand_samples(), num_steps=2)
     wall = time.perf_counter() - start
     sub = {k.removeprefix("perf/train_").removesuffix("_s"): v for k, v in metrics.items()
            if k.startswith("perf/train_") and k != TRAINER_TOTAL_KEY}

@@ -22,7 +22,7 @@ from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
 from slime.checkpoints.layout import CheckpointError
 from slime.grpo.config import GRPOConfig
-from tests.test_fsdp_backend import make_backend, spawn
+from tests.helpers import geo3k_cfg, make_backend, make_megatron, spawn
 
 KL = GRPOConfig(use_kl_loss=True, kl_loss_coef=0.1)
 
@@ -113,7 +113,6 @@ def test_each_bad_folder_is_refused_naming_its_flag(tmp_path):
 
 def test_the_driver_logs_where_the_run_really_starts(tmp_path, tiny_ckpt, caplog):
     from slime.driver import prepare
-    from tests.test_driver import _cfg
 
     flags = ("--num-rollout", "1", "--rollout-backend", "transformers", "--train-backend", "fsdp",
              "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}')
@@ -130,7 +129,7 @@ def test_the_driver_logs_where_the_run_really_starts(tmp_path, tiny_ckpt, caplog
     for extra, level, line in cases:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="slime"):
-            prepare(_cfg(tiny_ckpt, *flags, *extra))
+            prepare(geo3k_cfg(tiny_ckpt, *flags, *extra))
         found = [r for r in caplog.records if "the policy" in r.getMessage()]
         assert len(found) == 1 and line in found[0].getMessage() and found[0].levelno == level, found
 
@@ -207,7 +206,6 @@ def test_fsdp_follows_the_rule(folders, tiny_ckpt, tmp_path):
 
 def _job_megatron(rank_info, ckpt_dir, other, out):
     from slime.backends.megatron.weight_export import iter_buckets
-    from tests.test_megatron_backend import make_megatron
 
     backend = make_megatron(rank_info, ckpt_dir, checkpoint={"load": str(out / "missing")})
     found = {"load_missing": (backend.init(), _policy(backend))}
@@ -222,10 +220,9 @@ def test_megatron_follows_the_rule(folders, tiny_ckpt, tmp_path):
     """Its --load of a Hugging Face folder and of a checkpoint, and --ref-load of a checkpoint, are in
     tests/test_megatron_backend.py (save_resume)."""
     pytest.importorskip("megatron.core")
-    from tests.test_megatron_backend import spawn as spawn_megatron
 
     other, _, perturbed, original = folders
-    spawn_megatron(_job_megatron, tiny_ckpt, other, tmp_path)
+    spawn(_job_megatron, tiny_ckpt, other, tmp_path)
     ranks = [torch.load(tmp_path / f"megatron{r}.pt") for r in range(2)]
     assert ranks[0]["load_missing"][0] == 0
     _assert_weights(_merged(ranks, "load_missing"), original, "--load <missing>")

@@ -87,7 +87,7 @@ def test_cuda_ipc_send_makes_the_next_bucket_while_the_engine_loads_one(monkeypa
     still holds its bucket's bytes when the engine's answer is awaited (no buffer freed or reused early)."""
     import torch.distributed as dist
 
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
     from slime.weight_sync import cuda_ipc
     from slime.weight_sync.cuda_ipc import CudaIpcTransport
 

@@ -4,7 +4,7 @@
   python scripts/bench/engine_group_overhead.py [--requests 64 --delay-s 2 --image-kb 150 --rounds 2]
 
 One :class:`slime.rollout.engines.sglang.engine.SGLangEngine` in the real engine group (Ray, a CPU bundle)
-drives the fake SGLang 0.5.17 server of ``tests/fake_sglang_server.py``, which answers every ``/generate``
+drives the fake SGLang 0.5.17 server of ``scripts/harness/fake_sglang_server.py``, which answers every ``/generate``
 after ``--delay-s`` seconds (a stand-in for a generation; requests overlap, as in a continuous-batching
 server).  ``--requests`` requests, each carrying one ``--image-kb`` KB base64 image as geo3k prompts do, are
 sent two ways side by side:
@@ -48,8 +48,8 @@ def main(argv=None) -> None:
     from slime.ray.config import ClusterConfig
     from slime.ray.placement import init_ray
     from slime.rollout.engines.base import GenerateRequest, SamplingParams
-    from tests.fake_sglang import start_engine_group
-    from tests.sglang_gpu_helpers import generate_in_actor
+    from scripts.harness.fake_sglang import start_engine_group
+    from scripts.harness.sglang_gpu import generate_in_actor
 
     work = Path(tempfile.mkdtemp(prefix="slime-group-overhead-"))
     started = init_ray(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen35_shapes import flops_per_step  # noqa: E402
 
+from slime.backends.step import train_step  # noqa: E402
 from slime.checkpoints.scaled_qwen35 import scaled_config  # noqa: E402
 
 
@@ -92,30 +93,31 @@ def make_samples(config, args) -> list:
 
 
 def build_backend(name: str, rank_info, ckpt: Path, args):
-    from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
+    from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig, TrainerSpec
     from slime.grpo.config import GRPOConfig
 
-    common = dict(optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0), grpo=GRPOConfig(),
-                  checkpoint=CheckpointConfig(hf_checkpoint=str(ckpt)), rollout_temperature=1.0, num_rollout=100,
-                  num_steps_per_rollout=1)
+    def spec(train: TrainConfig) -> TrainerSpec:
+        return TrainerSpec(train=train, optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0),
+                           grpo=GRPOConfig(), checkpoint=CheckpointConfig(hf_checkpoint=str(ckpt)),
+                           rollout_temperature=1.0, num_rollout=100, steps_per_rollout=1)
+
     if name == "megatron":
         from slime.backends.megatron.backend import MegatronBackend
         from slime.backends.megatron.config import MegatronConfig
 
         train = TrainConfig(train_backend="megatron", bf16=True, use_rollout_logprobs=True,
                             use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
-        return MegatronBackend(rank_info, train=train, megatron=MegatronConfig(accumulate_allreduce_grads_in_fp32=True),
-                               **common)
+        return MegatronBackend(rank_info, spec(train), MegatronConfig(accumulate_allreduce_grads_in_fp32=True))
     from slime.backends.fsdp.backend import FSDPBackend
     from slime.backends.fsdp.config import FSDPConfig
 
     train = TrainConfig(train_backend="fsdp", bf16=True, use_rollout_logprobs=True, micro_batch_size=1)
-    return FSDPBackend(rank_info, train=train, fsdp=FSDPConfig(attn_implementation="sdpa"), **common)
+    return FSDPBackend(rank_info, spec(train), FSDPConfig(attn_implementation="sdpa"))
 
 
 def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) -> None:
     """One backend in its own process: build, warm up, time ``--steps`` steps, optionally profile one."""
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
 
     backend = build_backend(name, RankInfo(0, 1, "127.0.0.1", 0, args.device), Path(ckpt), args)
     start = time.perf_counter()
@@ -125,7 +127,7 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
     cuda = args.device == "cuda"
     for k in range(args.warmup):
         start = time.perf_counter()
-        backend.train(k, samples, num_steps=1)
+        train_step(backend, k, samples, num_steps=1)
         if cuda:
             torch.cuda.synchronize()
         print(f"{name}: warm-up step {k + 1}/{args.warmup} in {time.perf_counter() - start:.1f} s", flush=True)
@@ -134,7 +136,7 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
     times, metrics = [], {}
     for k in range(args.steps):
         start = time.perf_counter()
-        metrics = backend.train(args.warmup + k, samples, num_steps=1)
+        metrics = train_step(backend, args.warmup + k, samples, num_steps=1)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -147,7 +149,7 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch_profile(activities=activities) as prof:
-            backend.train(args.warmup + args.steps, samples, num_steps=1)
+            train_step(backend, args.warmup + args.steps, samples, num_steps=1)
             if cuda:
                 torch.cuda.synchronize()
         profile = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30)
@@ -185,7 +187,7 @@ def main() -> None:
     from transformers import AutoConfig
 
     from slime.models.qwen3_5.config import arch_from_hf_config
-    from tests.spawn_ranks import spawn_ranks
+    from scripts.harness.spawn_ranks import spawn_ranks
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="slime-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -336,7 +336,7 @@ def hf_phase(model_path: Path, engines: dict, num_image: int) -> dict:
 
 def native_phase(hf: dict, engines: dict, num_image: int) -> None:
     from slime.backends.megatron.batches import pack_micro_batch, with_routes
-    from slime.data.routes import RouteShape
+    from slime.routing_replay import RouteShape
     from slime.models.qwen3_5.build import initialize_single_process, native_from_hf_model
     from slime.models.qwen3_5.config import Qwen35Kernels
 

@@ -74,9 +74,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from slime.backends.base import TrainerBackend  # noqa: E402
+from slime.backends.train_metrics import DataParallel  # noqa: E402
 from slime.rollout.engines.base import GenerateRequest, SamplingParams  # noqa: E402
-from tests.sglang_gpu_helpers import (  # noqa: E402
+from scripts.harness.sglang_gpu import (  # noqa: E402
     START_TIMEOUT_S,
     SharedGpuPlacement,
     figure,
@@ -147,7 +147,7 @@ ONE_CALL_PER_REQUEST = "same_server_one_http_call_per_request"
 def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
                       group_tokens_per_s: float | None = None) -> dict:
     """On the warm server of ``engines``' engine 0, for each ``N`` of ``sizes``: ``repeats`` timed passes of the
-    requests in calls of ``N`` from inside the engine's actor (:func:`tests.sglang_gpu_helpers.generate_in_actor`:
+    requests in calls of ``N`` from inside the engine's actor (:func:`scripts.harness.sglang_gpu.generate_in_actor`:
     all calls of a pass in flight at once, at most the engine's capacity of requests; one Ray call per pass), the
     prefix cache flushed before each.  No untimed pass per ``N``: the server is warm from the group's passes, and
     the median absorbs a first pass that meets new batch shapes.
@@ -192,8 +192,8 @@ def same_server_sweep(engines, requests, sizes: list[int], repeats: int,
 
 
 SERVER_CONFIG = "eager"
-"""``--server-config``: ``defaults`` (SGLang's defaults, :data:`~tests.sglang_gpu_helpers.LAUNCHER_FLAGS`) or
-``eager`` (:data:`~tests.sglang_gpu_helpers.EAGER_FLAGS`: triton, no CUDA graph; the benchmarks' configuration
+"""``--server-config``: ``defaults`` (SGLang's defaults, :data:`~scripts.harness.sglang_gpu.LAUNCHER_FLAGS`) or
+``eager`` (:data:`~scripts.harness.sglang_gpu.EAGER_FLAGS`: triton, no CUDA graph; the benchmarks' configuration
 before issue 24)."""
 SPECULATIVE = "none"
 """``--speculative``: ``none``, or ``mtp``: upstream's speculative decoding with the checkpoint's MTP layer
@@ -276,7 +276,8 @@ def ours(model: str, requests, mem_fraction: float, capacity: int, requests_per_
                       str(capacity), "--sglang-requests-per-call", str(requests_per_call), "--output-dir",
                       str(out / "ours"), *("--sglang-" + f[2:] if f.startswith("--") else f
                                            for f in bench_flags(mem_fraction))])  # the server's log there
-    engines = RolloutEngineGroup(SharedGpuPlacement([["0"]]), functools.partial(SGLangEngine.from_config, cfg),
+    engines = RolloutEngineGroup(SharedGpuPlacement([["0"]]), functools.partial(SGLangEngine.from_spec,
+                                                               cfg.engine_spec(SGLangEngine.parity_check)),
                                  SGLangEngine.max_concurrent_calls)
     try:
         t0 = time.monotonic()
@@ -420,7 +421,7 @@ def throughput(args) -> None:
 # ----------------------------------------------------------------------------- weight sync
 
 
-class BenchWeightsBackend(TrainerBackend):
+class BenchWeightsBackend:
     """A trainer rank that holds the checkpoint's tensors in bf16 on its GPU and yields them in buckets of about
     ``bucket_bytes`` (checkpoint order); nothing to train.  For the weight-sync benchmark only."""
 
@@ -441,6 +442,7 @@ class BenchWeightsBackend(TrainerBackend):
         dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://{info.master_addr}:{info.master_port}",
                                 rank=info.rank, world_size=info.world_size)
         self.tensors = load_checkpoint_tensors(self.model_path)
+        self.dp = DataParallel(info.rank, info.world_size)  # what the trainer group reads after init
         # where a sync's time goes, on this rank: the transport's own steps, timed in place (this process only)
         for name in ("flatten", "serialize_ipc_bucket"):
             setattr(cuda_ipc, name, self._timed(name, getattr(cuda_ipc, name)))
@@ -542,7 +544,7 @@ def weight_sync(args) -> None:
     from slime.rollout.engines.sglang.server_plugin import FAST_EXPERT_LOAD_ENV
     from slime.weight_sync.cuda_ipc import CudaIpcTransport
     from slime.weight_sync.fused_experts import checkpoint_num_experts
-    from tests.sglang_gpu_helpers import sglang_argv
+    from scripts.harness.sglang_gpu import sglang_argv
 
     _start_ray()
     cfg = parse_args(["--hf-checkpoint", args.model, "--prompt-data", str(DATA), "--num-rollout", "1",
@@ -550,7 +552,8 @@ def weight_sync(args) -> None:
                       "--rollout-backend", "sglang", "--colocate", "--output-dir", str(Path(args.out) / "weight-sync"),
                       *sglang_argv(args.mem_fraction, eager=True)])  # the server's log there
     placement = _BenchPlacement()
-    engines = RolloutEngineGroup(placement, functools.partial(SGLangEngine.from_config, cfg),
+    engines = RolloutEngineGroup(placement, functools.partial(SGLangEngine.from_spec,
+                                                               cfg.engine_spec(SGLangEngine.parity_check)),
                                  SGLangEngine.max_concurrent_calls)
     transport = CudaIpcTransport(args.bucket_mb[0] << 20, num_experts=checkpoint_num_experts(args.model))
     trainers = TrainerGroup(placement, functools.partial(BenchWeightsBackend, model=args.model), 1, transport)

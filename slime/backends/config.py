@@ -1,11 +1,10 @@
 """Trainer flags shared by every backend: batch sizes and precision (BACKEND_ARGS), optimizer
-(OPTIMIZER_ARGS), checkpoints (CKPT_ARGS), the model architecture in Megatron's names (MODEL_ARGS),
-and :class:`BackendConfig`, the base of each backend's own flag group.
+(OPTIMIZER_ARGS), checkpoints (CKPT_ARGS); :class:`BackendConfig`, the base of each backend's own flag group;
+and what a trainer rank is handed: where it sits (:class:`RankInfo`) and its groups (:class:`TrainerSpec`).
 
 Flag names and meanings follow Megatron-LM (``megatron/training/arguments.py``) and upstream
-slime, so the ``MODEL_ARGS`` arrays of ``scripts/models/*.sh`` parse unchanged.  Every
-MODEL_ARGS flag is optional: the FSDP backend reads the architecture from ``--hf-checkpoint``;
-the values that are given must agree with it (:mod:`slime.checkpoints.model_args`, at parse time).
+slime.  The model architecture in Megatron's names (MODEL_ARGS) sits with its checker
+(:class:`slime.checkpoints.model_args.ModelConfig`).
 
 Each backend owns a flag group next to its code (``slime/backends/<name>/config.py``, importable
 without the backend's packages): :class:`slime.backends.fsdp.config.FSDPConfig` and
@@ -19,16 +18,18 @@ shared code has: the data-parallel size (batch-size checks) and what a complete 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import re
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
+from slime.backends.lr_schedule import LRSchedule
 from slime.backends.registry import TRAIN_BACKENDS
 from slime.checkpoints.hf import lookup, read_config
 from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag, flag_name
 
 if TYPE_CHECKING:
+    from slime.checkpoints.model_args import ModelConfig
+    from slime.grpo.config import GRPOConfig
     from slime.ray.config import ClusterConfig
 
 
@@ -349,183 +350,47 @@ class CheckpointConfig:
                 raise ConfigError(f"--save-interval {self.save_interval} needs a folder to save to: add --save DIR")
 
 
-def _layer_pattern(flag_name: str, text: str | None, num_layers: int | None) -> int | list[int] | None:
-    """Parse a Megatron per-layer frequency flag: an int N, or a literal 0/1 list with one entry per layer.
+@dataclasses.dataclass
+class RankInfo:
+    """Where a trainer rank sits in the trainer world: ``rank`` in ``0 .. world_size - 1``, the rendezvous
+    ``master_addr`` / ``master_port`` of rank 0, and ``device``, ``"cuda"`` (NCCL process group) or ``"cpu"``
+    (gloo)."""
 
-    Megatron also evaluates Python expressions such as ``([1]*3+[0])*10``; slime accepts only
-    literals (``ast.literal_eval``), so a launcher must expand them, as scripts/models/*.sh do.
-    """
-    if text is None:
-        return None
-    try:
-        value = ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        value = None
-    if isinstance(value, bool) or not isinstance(value, (int, list)):
-        raise ConfigError(f"{flag_name} must be an integer or a list like '[1, 0, 1]', got {text!r}")
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(f"{flag_name} must be >= 1, got {value}")
-        return value
-    if not value or any(type(entry) is not int or entry not in (0, 1) for entry in value):
-        raise ConfigError(f"{flag_name} list must hold one 0 or 1 per layer, got {text!r}")
-    if num_layers is not None and len(value) != num_layers:
-        raise ConfigError(
-            f"{flag_name} lists {len(value)} layers but --num-layers is {num_layers}; give one entry per layer"
-        )
-    return value
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    device: str
 
 
-@dataclasses.dataclass(kw_only=True)
-class ModelConfig:
-    """Model architecture (MODEL_ARGS), Megatron names; unset ones come from --hf-checkpoint, given ones must match it.
+@dataclasses.dataclass
+class TrainerSpec:
+    """What every trainer rank is handed besides its backend's own group: the shared flag groups and the run's numbers.
 
-    The comparison with ``<hf_checkpoint>/config.json`` is :func:`slime.checkpoints.model_args.check_model_args`.
+    Attributes:
+        train, optimizer, grpo, checkpoint: BACKEND_ARGS, OPTIMIZER_ARGS, GRPO_ARGS, CKPT_ARGS.
+        rollout_temperature: ``--rollout-temperature`` (> 0); log-probs are of ``softmax(logits / temperature)``.
+        num_rollout: rollout steps of the run, or None (a decaying LR schedule then needs ``--lr-decay-iters``).
+        steps_per_rollout: optimizer steps per rollout.  seed: rank ``r`` seeds torch with ``seed + r``.
+        lr_schedule: the learning rate of each optimizer step, from ``optimizer`` and the run's length.
+
+    Raises:
+        ValueError: ``steps_per_rollout < 1``.
+        ConfigError: an inconsistent LR schedule (:class:`LRSchedule`).
     """
 
-    spec: list[str] | None = flag(
-        None, nargs=2, metavar=("MODULE", "FUNC"), help="Megatron layer-spec provider: module and function name."
-    )
-    num_layers: int | None = flag(None, help="Transformer layers.")
-    hidden_size: int | None = flag(None, help="Hidden size (model width).")
-    ffn_hidden_size: int | None = flag(None, help="Dense MLP intermediate size.")
-    num_attention_heads: int | None = flag(None, help="Query heads of the full-attention layers.")
-    group_query_attention: bool = flag(False, help="Use grouped-query attention (--num-query-groups KV heads).")
-    num_query_groups: int | None = flag(None, help="Key/value heads with --group-query-attention.")
-    kv_channels: int | None = flag(None, help="Head dimension of the full-attention layers.")
-    use_gated_attention: bool = flag(
-        False, help="Gate the attention output (upstream slime's alias of --attention-output-gate)."
-    )
-    normalization: str | None = flag(None, choices=["LayerNorm", "RMSNorm"], help="Normalization layer.")
-    apply_layernorm_1p: bool = flag(False, help="Zero-centred norm weight: the norm scales by (1 + weight).")
-    position_embedding_type: str | None = flag(
-        None, choices=["learned_absolute", "rope", "mrope", "relative", "none"], help="Position embedding."
-    )
-    norm_epsilon: float | None = flag(None, help="Epsilon of the normalization layers.")
-    rotary_percent: float | None = flag(
-        None, help="Fraction of each head dimension that is rotated by RoPE, in (0, 1]."
-    )
-    rotary_base: int | None = flag(None, help="RoPE base (theta).")
-    max_position_embeddings: int | None = flag(None, help="Longest sequence the position embedding covers, tokens.")
-    swiglu: bool = flag(False, help="SwiGLU MLP activation.")
-    untie_embeddings_and_output_weights: bool = flag(False, help="Separate input-embedding and output-layer weights.")
-    vocab_size: int | None = flag(
-        None,
-        help="Vocabulary size, tokens: the embedding rows, i.e. the vocab_size of --hf-checkpoint's config, which "
-        "counts the checkpoint's padding rows beyond the tokenizer's ids (248320 for Qwen3.5-35B-A3B); must equal it.",
-    )
-    disable_bias_linear: bool = flag(False, help="No bias in the linear layers.")
-    qk_layernorm: bool = flag(False, help="Normalize queries and keys per head before attention.")
-    moe_ffn_hidden_size: int | None = flag(None, help="Intermediate size of each routed expert.")
-    moe_shared_expert_intermediate_size: int | None = flag(None, help="Intermediate size of the shared expert.")
-    moe_shared_expert_gate: bool = flag(False, help="Gate the shared expert's output with a sigmoid.")
-    moe_router_score_function: str | None = flag(None, choices=["softmax", "sigmoid"], help="Router score function.")
-    moe_token_dispatcher_type: str | None = flag(
-        None, choices=["allgather", "alltoall", "flex"], help="How tokens reach their experts across EP ranks."
-    )
-    moe_router_topk: int | None = flag(None, help="Experts each token is routed to.")
-    moe_layer_freq: str | None = flag(
-        None,
-        help="Which layers are MoE: an integer N (every N-th layer, Megatron) or a 0/1 list with one entry per layer, "
-        "e.g. '[1, 1, 1]'.",
-    )
-    num_experts: int | None = flag(None, help="Routed experts per MoE layer.")
-    moe_grouped_gemm: bool = flag(False, help="Run the local experts as one grouped GEMM.")
-    moe_token_drop_policy: str | None = flag(
-        None, choices=["probs", "position"], help="Which tokens an over-capacity expert drops."
-    )
-    moe_router_dtype: str | None = flag(None, choices=["fp32", "fp64"], help="Precision of the router computation.")
-    moe_permute_fusion: bool = flag(False, help="Fused token permutation kernels.")
-    moe_aux_loss_coeff: float | None = flag(None, help="Weight of the MoE load-balancing loss; 0 = off.")
-    attention_output_gate: bool = flag(False, help="Gate the attention output with a sigmoid of the input (Qwen3.5).")
-    linear_attention_freq: str | None = flag(
-        None,
-        help="Hybrid linear attention (Gated DeltaNet): an integer N puts N-1 linear-attention layers before each "
-        "full-attention layer (Megatron), or a 0/1 list with 1 = linear attention, one entry per layer.",
-    )
-    linear_conv_kernel_dim: int | None = flag(
-        None, help="Short-convolution kernel size of the linear-attention layers, tokens."
-    )
-    linear_key_head_dim: int | None = flag(None, help="Key head dimension of the linear-attention layers.")
-    linear_value_head_dim: int | None = flag(None, help="Value head dimension of the linear-attention layers.")
-    linear_num_key_heads: int | None = flag(None, help="Key heads of the linear-attention layers.")
-    linear_num_value_heads: int | None = flag(None, help="Value heads of the linear-attention layers.")
+    train: TrainConfig
+    optimizer: OptimizerConfig
+    grpo: GRPOConfig
+    checkpoint: CheckpointConfig
+    rollout_temperature: float
+    num_rollout: int | None
+    steps_per_rollout: int
+    seed: int = 0
+    lr_schedule: LRSchedule = dataclasses.field(init=False)
 
     def __post_init__(self):
-        check_at_least_one(
-            self,
-            "num_layers",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "kv_channels",
-            "max_position_embeddings",
-            "vocab_size",
-            "moe_ffn_hidden_size",
-            "moe_shared_expert_intermediate_size",
-            "moe_router_topk",
-            "num_experts",
-            "linear_conv_kernel_dim",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-        )
-        if self.num_query_groups is not None and self.num_attention_heads is not None:
-            if self.num_attention_heads % self.num_query_groups:
-                raise ConfigError(
-                    f"--num-attention-heads {self.num_attention_heads} is not a multiple of --num-query-groups "
-                    f"{self.num_query_groups}; each KV head must serve the same number of query heads"
-                )
-        topk, experts = self.moe_router_topk, self.num_experts
-        if topk is not None and experts is not None and topk > experts:
-            raise ConfigError(f"--moe-router-topk {topk} exceeds --num-experts {experts}; use <= {experts}")
-        if self.rotary_percent is not None and not 0 < self.rotary_percent <= 1:
-            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
-        if self.norm_epsilon is not None and self.norm_epsilon <= 0:
-            raise ConfigError(f"--norm-epsilon must be > 0, got {self.norm_epsilon}")
-        if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
-            raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
-        _layer_pattern("--moe-layer-freq", self.moe_layer_freq, self.num_layers)
-        _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
-
-    @property
-    def moe_layer_pattern(self) -> list[int] | None:
-        """1 for each MoE layer, 0 for each dense one (needs --num-layers for the integer form); None if unknown.
-
-        Integer N follows Megatron: layer ``i`` (from 0) is MoE when ``i % N == 0``.
-        """
-        return self.moe_layers(self.num_layers)
-
-    def moe_layers(self, num_layers: int | None) -> list[int] | None:
-        """:attr:`moe_layer_pattern` with the integer form expanded over ``num_layers`` layers (e.g. the
-        checkpoint's count when --num-layers is unset); None if unknown."""
-        value = _layer_pattern("--moe-layer-freq", self.moe_layer_freq, self.num_layers)
-        if isinstance(value, int):
-            return None if num_layers is None else [int(i % value == 0) for i in range(num_layers)]
-        return value
-
-    @property
-    def linear_attention_pattern(self) -> list[int] | None:
-        """1 for each linear-attention (Gated DeltaNet) layer, 0 for each full-attention one; None if unknown.
-
-        Integer N follows Megatron: layer ``i`` (from 0) is full attention when ``(i + 1) % N == 0``.
-        """
-        return self.linear_attention_layers(self.num_layers)
-
-    def linear_attention_layers(self, num_layers: int | None) -> list[int] | None:
-        """:attr:`linear_attention_pattern` with the integer form expanded over ``num_layers`` layers
-        (e.g. the checkpoint's count when --num-layers is unset); None if unknown."""
-        value = _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
-        if isinstance(value, int):
-            return None if num_layers is None else [int((i + 1) % value != 0) for i in range(num_layers)]
-        return value
-
-    @property
-    def is_hybrid_gdn(self) -> bool:
-        """Whether MODEL_ARGS describe a hybrid model with Gated DeltaNet (linear-attention) layers."""
-        value = _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
-        if isinstance(value, int):
-            return value > 1
-        return bool(value) and 1 in value
+        if self.steps_per_rollout < 1:
+            raise ValueError(f"num_steps_per_rollout must be >= 1, got {self.steps_per_rollout}")
+        total = None if self.num_rollout is None else self.num_rollout * self.steps_per_rollout
+        self.lr_schedule = LRSchedule.from_config(self.optimizer, total)

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from slime.backends.config import compile_patterns
 from slime.utils.config import ConfigError
+
+if TYPE_CHECKING:
+    from slime.backends.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,33 @@ def select_frozen(hf_names: Mapping[str, Sequence[str]], *, freeze: Sequence[str
     if hits[-1] == 0:
         raise ConfigError(f"{flag} {patterns} freezes every parameter of the policy: nothing is left to train")
     return frozen
+
+
+def freeze_policy(model: torch.nn.Module, train: TrainConfig,
+                  hf_names_by_param: Callable[[], Mapping[str, Sequence[str]]],
+                  device: torch.device | str = "cpu") -> tuple[frozenset[str], frozenset[str]]:
+    """Freeze the policy's parameters ``--freeze-params-name-list`` / ``--only-train-params-name-list`` name (in
+    ``train``); a backend calls it in ``init`` after building the policy and before building the optimizer.
+    ``hf_names_by_param()``: this rank's ``{backend name: its checkpoint names}``, asked only when a flag is given.
+    Collective when a flag is given.
+
+    Returns:
+        ``(frozen, frozen_hf_names)``: this rank's frozen parameters by backend name, and the checkpoint names of
+        every frozen tensor over all ranks (what the weight sync sends once); both empty without a flag.
+
+    Raises:
+        ConfigError: a pattern matches nothing, matches part of a fused tensor, or freezes everything.
+    """
+    if not (train.freeze_params_name_list or train.only_train_params_name_list):
+        return frozenset(), frozenset()
+    names = hf_names_by_param()
+    chosen = select_frozen(names, freeze=train.freeze_params_name_list,
+                           only_train=train.only_train_params_name_list, device=device)
+    count = freeze(model, chosen)
+    frozen_hf = frozenset(gather_names({hf for name in chosen for hf in names[name]}))
+    logger.info("frozen: %d parameters on this rank (%d elements), %d checkpoint tensors in all",
+                len(chosen), count, len(frozen_hf))
+    return frozenset(chosen), frozen_hf
 
 
 def freeze(model: torch.nn.Module, names: set[str]) -> int:

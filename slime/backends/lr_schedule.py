@@ -57,7 +57,7 @@ class LRSchedule:
                 )
 
     @classmethod
-    def from_config(cls, cfg, total_steps: int | None) -> "LRSchedule":
+    def from_config(cls, cfg, total_steps: int | None) -> LRSchedule:
         """From an :class:`slime.backends.config.OptimizerConfig`; ``total_steps`` (the run's optimizer steps, None when
         unknown) is the decay length without ``--lr-decay-iters``.  ``ConfigError``: see the class docstring."""
         return cls(

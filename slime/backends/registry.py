@@ -1,6 +1,7 @@
-"""``--train-backend`` name -> training-backend class (:class:`slime.backends.base.TrainerBackend` subclasses).
+"""``--train-backend`` name -> training-backend class (each a :class:`slime.backends.step.StepBackend`).
 
-The trainer group builds each rank with ``cls.from_config(cfg, rank_info)``; a ``package.module:Class`` name is
+The trainer group builds each rank with ``cls(rank_info, spec, config)`` (:class:`slime.backends.config.TrainerSpec`,
+the backend's own flag group); a ``package.module:Class`` name is
 imported on lookup, so users plug in their own backend.  Built-ins are declared by import path and imported on first
 lookup (this module imports no backend, megatron-core least of all); each names its
 :class:`slime.backends.config.BackendConfig` (flags, checks, data-parallel size, checkpoint layout).
@@ -30,6 +31,6 @@ TRAIN_BACKENDS: Registry[type] = Registry(
         ),
     },
 )
-"""Training backends (:class:`slime.backends.base.TrainerBackend` subclasses) by ``--train-backend`` name (built-ins
-and ``register``-ed ones).  The base class is named here only: the registry imports no backend module, not even
-for typing (the parser imports the registry; a backend may refer to the run config)."""
+"""Training backends (each a :class:`slime.backends.step.StepBackend`) by ``--train-backend`` name (built-ins and
+``register``-ed ones).  The protocol is named here only: the registry imports no backend module, not even for typing
+(the parser imports the registry)."""

@@ -1,25 +1,25 @@
-"""Backend-neutral training metrics: cross-rank sums, and the train-vs-rollout mismatch monitor.
+"""The training step's metrics: how a backend's ranks reduce (:class:`DataParallel`), the loss terms of an optimizer
+step and their mean over the step's optimizer steps, and the train-vs-rollout mismatch monitor.
 
 Loss terms computed with the step's global normaliser are each rank's share, so a step's value is a sum over
-micro-batches and ranks (:func:`all_reduce_sums`).  The monitor, over loss-masked response tokens of all ranks, with
-``d = log p_train(y_t) - log p_rollout(y_t)``: ``train/logprob_abs_diff`` the mean ``|d|`` (upstream's
-``train_rollout_logprob_abs_diff``), ``train/logprob_k3_kl`` the mean ``exp(d) - 1 - d`` (Schulman's k3 estimator of
-KL(rollout || trainer), "Approximating KL divergence", 2020), ``train/logprob_ratio_off_frac`` the share with
-``|exp(d) - 1| > 0.2``; each also by prompt kind (``_image``, ``_text``: a vision-tower mismatch shows only in the
-first).  Tokens after a generated image / video placeholder are left out and counted in
-``train/logprob_gap_altered_tokens`` (``docs/design/training_step.md``).  ``train/router_agreement`` is the share of
-(position, MoE layer) pairs whose trainer top-k set equals the engine's (``docs/design/routing_replay.md``).  Metrics
-named ``*_min`` / ``*_max`` (the IS weight's) are extremes, reduced by min / max over micro-batches, ranks and steps
-instead (:func:`all_reduce_extrema`).
+micro-batches and ranks (:meth:`DataParallel.sum`).  Metrics named ``*_min`` / ``*_max`` (the IS weight's) are
+extremes, reduced by min / max over micro-batches, ranks and steps instead.  The monitor (:func:`mismatch_monitor`),
+over loss-masked response tokens of all ranks, with ``d = log p_train(y_t) - log p_rollout(y_t)``:
+``train/logprob_abs_diff`` the mean ``|d|`` (upstream's ``train_rollout_logprob_abs_diff``), ``train/logprob_k3_kl``
+the mean ``exp(d) - 1 - d`` (Schulman's k3 estimator of KL(rollout || trainer), "Approximating KL divergence", 2020),
+``train/logprob_ratio_off_frac`` the share with ``|exp(d) - 1| > 0.2``; each also by prompt kind (``_image``,
+``_text``: a vision-tower mismatch shows only in the first).  Tokens after a generated image / video placeholder are
+left out and counted in ``train/logprob_gap_altered_tokens`` (``docs/design/training_step.md``).
+``train/router_agreement`` is the share of (position, MoE layer) pairs whose trainer top-k set equals the engine's
+(:mod:`slime.routing_replay`, ``docs/design/routing_replay.md``).
 """
-
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Collection, Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -38,6 +38,25 @@ _GAP_SUMS = ("abs_diff", "k3", "ratio_off", "tokens")
 
 class LogprobGapError(SlimeError, RuntimeError):
     """A step's trainer-vs-rollout log-prob gap passed ``--ci-train-rollout-logprob-abs-diff-threshold``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """How a backend's ranks reduce, as one value: this rank's data-parallel ``rank`` of ``size``, the data-parallel
+    ``group`` for CPU tensors (micro-batch counts, loss normalisers; None: the whole world), and ``copies``, how many
+    ranks of the world hold each loss term (Megatron: the TP size, whose ranks of the last pipeline stage compute the
+    same loss; 1 for FSDP)."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+    copies: int = 1
+
+    def sum(self, values: Mapping[str, float | Tensor]) -> dict[str, float]:
+        """Per-rank loss terms or metric sums (the same keys on every rank; zeros where a rank computes no loss)
+        summed over the world and divided by :attr:`copies`. Collective."""
+        summed = all_reduce_sums(values)
+        return summed if self.copies == 1 else {k: v / self.copies for k, v in summed.items()}
 
 
 def all_reduce_sums(values: Mapping[str, float | Tensor], group: dist.ProcessGroup | None = None) -> dict[str, float]:
@@ -134,28 +153,6 @@ def logprob_gap_sums(
     return sums
 
 
-def route_agreement_sums(pairs: Sequence[tuple[Sample, np.ndarray]]) -> dict[str, float]:
-    """This rank's sums for ``train/router_agreement``: per kind ``routes/<kind>/agree`` and ``routes/<kind>/pairs``,
-    always all present.  ``pairs``: (sample, the trainer's routes), both uint8 ``[P + R - 1, layers, top_k]`` (the
-    engine's on ``sample.rollout_routed_experts``, checked); a (position, layer) pair agrees when the two top-k
-    *sets* are equal (the order of the k ids is not compared).
-
-    Raises:
-        ValueError: the two arrays of a sample differ in shape.
-    """
-    sums = {f"routes/{kind}/{what}": 0.0 for kind in _GAP_KINDS for what in ("agree", "pairs")}
-    for sample, trainer in pairs:
-        engine = sample.rollout_routed_experts
-        if engine.shape != trainer.shape:
-            raise ValueError(f"sample {sample.index}: engine routes {list(engine.shape)}, trainer routes "
-                             f"{list(trainer.shape)}")
-        same = (np.sort(engine, axis=-1) == np.sort(trainer, axis=-1)).all(axis=-1)
-        kind = "image" if sample.has_images else "text"
-        sums[f"routes/{kind}/agree"] += float(same.sum())
-        sums[f"routes/{kind}/pairs"] += float(same.size)
-    return sums
-
-
 def logprob_gap_metrics(summed: Mapping[str, float]) -> dict[str, float]:
     """All-reduced :func:`logprob_gap_sums` (and :func:`route_agreement_sums`, when given) ->
     ``train/logprob_{abs_diff,k3_kl,ratio_off_frac}[_image|_text]``, ``train/router_agreement[_image|_text]`` and
@@ -207,3 +204,64 @@ def check_gap_threshold(metrics: Mapping[str, float], threshold: float | None, r
             "applied. A large gap from step 0 on points at the weight sync or the engine (another dtype, weights or "
             "temperature); one that creeps up over a run at MoE routing drift (--use-rollout-routing-replay)"
         )
+
+
+def step_loss_metrics(values: Sequence[Mapping[str, Tensor]], terms: Sequence[str], extremes: Sequence[str],
+                      dp: DataParallel) -> dict[str, float]:
+    """One optimizer step's ``train/<term>`` (summed over micro-batches and ranks) and ``train/<extreme>`` (min / max
+    over them) from this rank's per-micro-batch 0-d shares ``values`` (``[]`` on a rank that computes no loss: zeros
+    and neutral extremes).  One device-to-host copy for the whole step. Collective."""
+    sums = {f"train/{name}": 0.0 for name in terms}
+    folded = {f"train/{name}": neutral_extremum(name) for name in extremes}
+    if values:
+        table = _to_host_table([[v[name] for name in terms] for v in values])
+        for j, name in enumerate(terms):
+            sums[f"train/{name}"] = float(table[:, j].sum())
+    for v in values:
+        for name in folded:
+            folded[name] = fold_extremum(name, folded[name], float(v[name.removeprefix("train/")]))
+    return {**dp.sum(sums), **all_reduce_extrema(folded)}
+
+
+def mean_over_steps(per_step: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The mean of each metric over the optimizer steps, the extremes' min / max over their finite values instead
+    (omitted without any)."""
+    totals: dict[str, float] = {}
+    extremes: dict[str, list[float]] = {}
+    for metrics in per_step:
+        for name, value in metrics.items():
+            if name.endswith(EXTREMA):
+                extremes.setdefault(name, []).append(value)
+            else:
+                totals[name] = totals.get(name, 0.0) + value
+    return {**{name: value / len(per_step) for name, value in totals.items()}, **extrema_over_steps(extremes)}
+
+
+def mismatch_monitor(samples: Sequence[Sample], train_log_probs: Sequence[Tensor] | None,
+                     placeholder_ids: Collection[int], route_sums: Mapping[str, float], dp: DataParallel,
+                     threshold: float | None, rollout_id: int) -> dict[str, float]:
+    """The monitor's metrics (module docstring) of a step's old-log-prob pass, the same on every rank, then the gate.
+
+    Args:
+        samples, train_log_probs: this rank's samples and their trainer log-probs (None on a rank that computes no
+            loss: it adds zeros).
+        placeholder_ids: the response ids the trainer does not feed as the engine did.
+        route_sums: this rank's router agreement sums (:meth:`slime.routing_replay.StepRoutes.after_old_pass`).
+        dp: the reduction over ranks.  threshold, rollout_id: the gate's bound and the step it names.
+
+    Raises:
+        LogprobGapError: a prompt kind's mean gap passes ``threshold`` (:func:`check_gap_threshold`).
+    """
+    sums = logprob_gap_sums(samples if train_log_probs is not None else [], train_log_probs or [], placeholder_ids)
+    metrics = logprob_gap_metrics(dp.sum({**sums, **route_sums}))
+    check_gap_threshold(metrics, threshold, rollout_id)
+    return metrics
+
+
+def _to_host_table(rows: list[list[Tensor | float]]) -> Tensor:
+    """Scalars (0-d tensors on one device, or numbers) as one float64 ``[len(rows), len(rows[0])]`` CPU tensor, copied
+    to the host at once."""
+    flat = [torch.as_tensor(x).detach() for row in rows for x in row]
+    device = next((x.device for x in flat if x.device.type != "cpu"), torch.device("cpu"))
+    table = torch.stack([x.to(device=device, dtype=torch.float64).reshape(()) for x in flat])
+    return table.cpu().view(len(rows), -1)

@@ -1,4 +1,5 @@
-"""MODEL_ARGS (Megatron's names) against the checkpoint they describe and the model slime builds from it.
+"""MODEL_ARGS (Megatron's names): their flag group (:class:`ModelConfig`) and its check against the checkpoint they
+describe and the model slime builds from it.
 
 No backend builds the model from MODEL_ARGS: the Megatron backend builds the native Qwen3.5-MoE model
 from ``--hf-checkpoint``'s ``config.json`` (:mod:`slime.models.qwen3_5`), the FSDP backend the
@@ -23,15 +24,196 @@ the reasons: ``docs/design/model_args.md``.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from slime.backends.config import ModelConfig
 from slime.checkpoints.hf import MISSING, lookup, read_config
-from slime.utils.config import ConfigError
+from slime.utils.config import ConfigError, check_at_least_one, flag
 
-if TYPE_CHECKING:
-    from slime.backends.megatron.config import MegatronConfig
+
+def _layer_pattern(flag_name: str, text: str | None, num_layers: int | None) -> int | list[int] | None:
+    """Parse a Megatron per-layer frequency flag: an int N, or a literal 0/1 list with one entry per layer.
+
+    Megatron also evaluates Python expressions such as ``([1]*3+[0])*10``; slime accepts only
+    literals (``ast.literal_eval``), so a launcher must expand them, as scripts/models/*.sh do.
+    """
+    if text is None:
+        return None
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        value = None
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise ConfigError(f"{flag_name} must be an integer or a list like '[1, 0, 1]', got {text!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"{flag_name} must be >= 1, got {value}")
+        return value
+    if not value or any(type(entry) is not int or entry not in (0, 1) for entry in value):
+        raise ConfigError(f"{flag_name} list must hold one 0 or 1 per layer, got {text!r}")
+    if num_layers is not None and len(value) != num_layers:
+        raise ConfigError(
+            f"{flag_name} lists {len(value)} layers but --num-layers is {num_layers}; give one entry per layer"
+        )
+    return value
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """Model architecture (MODEL_ARGS), Megatron names; unset ones come from --hf-checkpoint, given ones must match it.
+
+    The comparison with ``<hf_checkpoint>/config.json`` is :func:`slime.checkpoints.model_args.check_model_args`.
+    """
+
+    spec: list[str] | None = flag(
+        None, nargs=2, metavar=("MODULE", "FUNC"), help="Megatron layer-spec provider: module and function name."
+    )
+    num_layers: int | None = flag(None, help="Transformer layers.")
+    hidden_size: int | None = flag(None, help="Hidden size (model width).")
+    ffn_hidden_size: int | None = flag(None, help="Dense MLP intermediate size.")
+    num_attention_heads: int | None = flag(None, help="Query heads of the full-attention layers.")
+    group_query_attention: bool = flag(False, help="Use grouped-query attention (--num-query-groups KV heads).")
+    num_query_groups: int | None = flag(None, help="Key/value heads with --group-query-attention.")
+    kv_channels: int | None = flag(None, help="Head dimension of the full-attention layers.")
+    use_gated_attention: bool = flag(
+        False, help="Gate the attention output (upstream slime's alias of --attention-output-gate)."
+    )
+    normalization: str | None = flag(None, choices=["LayerNorm", "RMSNorm"], help="Normalization layer.")
+    apply_layernorm_1p: bool = flag(False, help="Zero-centred norm weight: the norm scales by (1 + weight).")
+    position_embedding_type: str | None = flag(
+        None, choices=["learned_absolute", "rope", "mrope", "relative", "none"], help="Position embedding."
+    )
+    norm_epsilon: float | None = flag(None, help="Epsilon of the normalization layers.")
+    rotary_percent: float | None = flag(
+        None, help="Fraction of each head dimension that is rotated by RoPE, in (0, 1]."
+    )
+    rotary_base: int | None = flag(None, help="RoPE base (theta).")
+    max_position_embeddings: int | None = flag(None, help="Longest sequence the position embedding covers, tokens.")
+    swiglu: bool = flag(False, help="SwiGLU MLP activation.")
+    untie_embeddings_and_output_weights: bool = flag(False, help="Separate input-embedding and output-layer weights.")
+    vocab_size: int | None = flag(
+        None,
+        help="Vocabulary size, tokens: the embedding rows, i.e. the vocab_size of --hf-checkpoint's config, which "
+        "counts the checkpoint's padding rows beyond the tokenizer's ids (248320 for Qwen3.5-35B-A3B); must equal it.",
+    )
+    disable_bias_linear: bool = flag(False, help="No bias in the linear layers.")
+    qk_layernorm: bool = flag(False, help="Normalize queries and keys per head before attention.")
+    moe_ffn_hidden_size: int | None = flag(None, help="Intermediate size of each routed expert.")
+    moe_shared_expert_intermediate_size: int | None = flag(None, help="Intermediate size of the shared expert.")
+    moe_shared_expert_gate: bool = flag(False, help="Gate the shared expert's output with a sigmoid.")
+    moe_router_score_function: str | None = flag(None, choices=["softmax", "sigmoid"], help="Router score function.")
+    moe_token_dispatcher_type: str | None = flag(
+        None, choices=["allgather", "alltoall", "flex"], help="How tokens reach their experts across EP ranks."
+    )
+    moe_router_topk: int | None = flag(None, help="Experts each token is routed to.")
+    moe_layer_freq: str | None = flag(
+        None,
+        help="Which layers are MoE: an integer N (every N-th layer, Megatron) or a 0/1 list with one entry per layer, "
+        "e.g. '[1, 1, 1]'.",
+    )
+    num_experts: int | None = flag(None, help="Routed experts per MoE layer.")
+    moe_grouped_gemm: bool = flag(False, help="Run the local experts as one grouped GEMM.")
+    moe_token_drop_policy: str | None = flag(
+        None, choices=["probs", "position"], help="Which tokens an over-capacity expert drops."
+    )
+    moe_router_dtype: str | None = flag(None, choices=["fp32", "fp64"], help="Precision of the router computation.")
+    moe_permute_fusion: bool = flag(False, help="Fused token permutation kernels.")
+    moe_aux_loss_coeff: float | None = flag(None, help="Weight of the MoE load-balancing loss; 0 = off.")
+    attention_output_gate: bool = flag(False, help="Gate the attention output with a sigmoid of the input (Qwen3.5).")
+    linear_attention_freq: str | None = flag(
+        None,
+        help="Hybrid linear attention (Gated DeltaNet): an integer N puts N-1 linear-attention layers before each "
+        "full-attention layer (Megatron), or a 0/1 list with 1 = linear attention, one entry per layer.",
+    )
+    linear_conv_kernel_dim: int | None = flag(
+        None, help="Short-convolution kernel size of the linear-attention layers, tokens."
+    )
+    linear_key_head_dim: int | None = flag(None, help="Key head dimension of the linear-attention layers.")
+    linear_value_head_dim: int | None = flag(None, help="Value head dimension of the linear-attention layers.")
+    linear_num_key_heads: int | None = flag(None, help="Key heads of the linear-attention layers.")
+    linear_num_value_heads: int | None = flag(None, help="Value heads of the linear-attention layers.")
+
+    def __post_init__(self):
+        check_at_least_one(
+            self,
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "max_position_embeddings",
+            "vocab_size",
+            "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+            "moe_router_topk",
+            "num_experts",
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        )
+        if self.num_query_groups is not None and self.num_attention_heads is not None:
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError(
+                    f"--num-attention-heads {self.num_attention_heads} is not a multiple of --num-query-groups "
+                    f"{self.num_query_groups}; each KV head must serve the same number of query heads"
+                )
+        topk, experts = self.moe_router_topk, self.num_experts
+        if topk is not None and experts is not None and topk > experts:
+            raise ConfigError(f"--moe-router-topk {topk} exceeds --num-experts {experts}; use <= {experts}")
+        if self.rotary_percent is not None and not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.norm_epsilon is not None and self.norm_epsilon <= 0:
+            raise ConfigError(f"--norm-epsilon must be > 0, got {self.norm_epsilon}")
+        if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        _layer_pattern("--moe-layer-freq", self.moe_layer_freq, self.num_layers)
+        _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
+
+    @property
+    def moe_layer_pattern(self) -> list[int] | None:
+        """1 for each MoE layer, 0 for each dense one (needs --num-layers for the integer form); None if unknown.
+
+        Integer N follows Megatron: layer ``i`` (from 0) is MoE when ``i % N == 0``.
+        """
+        return self.moe_layers(self.num_layers)
+
+    def moe_layers(self, num_layers: int | None) -> list[int] | None:
+        """:attr:`moe_layer_pattern` with the integer form expanded over ``num_layers`` layers (e.g. the
+        checkpoint's count when --num-layers is unset); None if unknown."""
+        value = _layer_pattern("--moe-layer-freq", self.moe_layer_freq, self.num_layers)
+        if isinstance(value, int):
+            return None if num_layers is None else [int(i % value == 0) for i in range(num_layers)]
+        return value
+
+    @property
+    def linear_attention_pattern(self) -> list[int] | None:
+        """1 for each linear-attention (Gated DeltaNet) layer, 0 for each full-attention one; None if unknown.
+
+        Integer N follows Megatron: layer ``i`` (from 0) is full attention when ``(i + 1) % N == 0``.
+        """
+        return self.linear_attention_layers(self.num_layers)
+
+    def linear_attention_layers(self, num_layers: int | None) -> list[int] | None:
+        """:attr:`linear_attention_pattern` with the integer form expanded over ``num_layers`` layers
+        (e.g. the checkpoint's count when --num-layers is unset); None if unknown."""
+        value = _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
+        if isinstance(value, int):
+            return None if num_layers is None else [int((i + 1) % value != 0) for i in range(num_layers)]
+        return value
+
+    @property
+    def is_hybrid_gdn(self) -> bool:
+        """Whether MODEL_ARGS describe a hybrid model with Gated DeltaNet (linear-attention) layers."""
+        value = _layer_pattern("--linear-attention-freq", self.linear_attention_freq, self.num_layers)
+        if isinstance(value, int):
+            return value > 1
+        return bool(value) and 1 in value
+
 
 MODEL_ARGS_TO_HF: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (ModelConfig field, Hugging Face field paths tried in order; dots go into nested dicts)
@@ -251,29 +433,29 @@ def model_args_mismatches(model: ModelConfig, config: Mapping) -> list[str]:
             + _compare_switches(model, config, qwen35, arch, describes))
 
 
-def refused_flags(model: ModelConfig, megatron: MegatronConfig | None = None) -> list[str]:
-    """The given flags of :data:`REFUSED` (and ``--attention-softmax-in-fp32`` of ``megatron``), each as
-    ``"--flag VALUE (what decides it)"``."""
+def refused_flags(model: ModelConfig, attention_softmax_in_fp32: bool = False) -> list[str]:
+    """The given flags of :data:`REFUSED` (and the Megatron backend's ``--attention-softmax-in-fp32`` when set), each
+    as ``"--flag VALUE (what decides it)"``."""
     refused = []
     for attr, instead in REFUSED.items():
         value = getattr(model, attr)
         if value not in (None, False):
             shown = "" if value is True else " " + " ".join(value) if isinstance(value, list) else f" {value}"
             refused.append(f"{_flag(attr)}{shown} ({instead})")
-    if megatron is not None and megatron.attention_softmax_in_fp32:
+    if attention_softmax_in_fp32:
         refused.append(f"{SOFTMAX_IN_FP32[0]} ({SOFTMAX_IN_FP32[1]})")
     return refused
 
 
-def check_model_args(model: ModelConfig, hf_checkpoint: str, *, megatron: MegatronConfig | None = None) -> None:
+def check_model_args(model: ModelConfig, hf_checkpoint: str, *, attention_softmax_in_fp32: bool = False) -> None:
     """Refuse MODEL_ARGS that disagree with ``<hf_checkpoint>/config.json`` or the model built from it, and
     those that nothing reads (module docstring).
 
     Args:
         model: the parsed MODEL_ARGS.
         hf_checkpoint: ``--hf-checkpoint``; nothing is checked when it has no ``config.json``.
-        megatron: the Megatron backend's flags when it is the selected backend
-            (its ``--attention-softmax-in-fp32`` is refused with the MODEL_ARGS).
+        attention_softmax_in_fp32: the selected Megatron backend's ``--attention-softmax-in-fp32``, refused with the
+            MODEL_ARGS.
 
     Raises:
         ConfigError: listing each mismatch (flag, value, checkpoint field or fixed behaviour and its value)
@@ -291,7 +473,7 @@ def check_model_args(model: ModelConfig, hf_checkpoint: str, *, megatron: Megatr
             "Fix these flags (e.g. source the scripts/models/*.sh file of this checkpoint) or drop them: "
             "unset MODEL_ARGS are taken from the checkpoint"
         )
-    refused = refused_flags(model, megatron)
+    refused = refused_flags(model, attention_softmax_in_fp32)
     if refused:
         problems.append(f"these flags are read by nothing, so they could only say something false; drop them: "
                         f"{'; '.join(refused)}")

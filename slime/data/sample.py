@@ -61,7 +61,7 @@ class Sample:
         rollout_log_probs: the engine's per-token log-probs of ``response_token_ids``
             under the sampling distribution (logits / temperature), ``list[float]`` of length R, nats.
         rollout_routed_experts: the engine's routed experts of an MoE model, uint8 ``[P + R - 1, layers, top_k]``
-            (:mod:`slime.data.routes`): position ``t``'s top-k experts in each layer, for every position the
+            (:mod:`slime.routing_replay`): position ``t``'s top-k experts in each layer, for every position the
             engine ran a forward for; None when the engine was not asked for them.
         loss_mask: 1 for response tokens that enter the loss, ``list[int]`` of length R.
         reward: scalar reward (binary 0/1 for the math reward model).

@@ -176,12 +176,6 @@ class GRPOConfig:
         """Whether the loss reads every sample's rollout log-probs (``--use-tis``, ``--use-opsm``)."""
         return self.use_tis or self.use_opsm
 
-    def correction_metrics(self) -> tuple[list[str], list[str]]:
-        """The loss metrics of ``--use-tis`` / ``--use-opsm``: ``(averaged like the loss terms, extremes)``."""
-        averaged = (["tis_weight_mean", "tis_clipfrac"] if self.use_tis else []) + (
-            ["opsm_masked_frac"] if self.use_opsm else [])
-        return averaged, ["tis_weight_min", "tis_weight_max"] if self.use_tis else []
-
     @property
     def gspo(self) -> bool:
         """GSPO's sequence-level ratio in the policy loss (``--advantage-estimator gspo``)."""

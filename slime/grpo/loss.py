@@ -264,6 +264,18 @@ def per_token_advantages(
         raise ValueError(f"advantages: {e}") from None
 
 
+def loss_metric_names(cfg: GRPOConfig, with_kl_loss: bool) -> tuple[list[str], list[str]]:
+    """The metrics :func:`grpo_micro_batch_loss` reports, as ``(summed over micro-batches and ranks, extremes)``:
+    ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``entropy``, with ``--use-tis`` ``tis_weight_mean`` and
+    ``tis_clipfrac`` (extremes ``tis_weight_min`` / ``_max``), with ``--use-opsm`` ``opsm_masked_frac``, and
+    ``kl_loss`` with ``--use-kl-loss`` when ``with_kl_loss`` (a reference model exists)."""
+    terms = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy"]
+    terms += ["tis_weight_mean", "tis_clipfrac"] if cfg.use_tis else []
+    terms += ["opsm_masked_frac"] if cfg.use_opsm else []
+    terms += ["kl_loss"] if cfg.use_kl_loss and with_kl_loss else []
+    return terms, ["tis_weight_min", "tis_weight_max"] if cfg.use_tis else []
+
+
 def grpo_micro_batch_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,

@@ -1,4 +1,5 @@
-"""Cluster flags (MISC_ARGS): how many GPUs train, how many generate, and whether they are shared.
+"""Cluster flags (MISC_ARGS): how many GPUs train, how many generate, and whether they are shared; and the run mode:
+which workers a run starts (both, engines alone, trainers alone on saved rollouts) or whether it only checks its flags.
 
 On a machine without GPUs the same numbers size CPU bundles: ``--actor-num-gpus-per-node 2``
 means two trainer ranks (processes), and ``--rollout-num-gpus 1`` one rollout engine process.
@@ -7,8 +8,12 @@ means two trainer ranks (processes), and ``--rollout-num-gpus 1`` one rollout en
 from __future__ import annotations
 
 import dataclasses
+import logging
+from pathlib import Path
 
 from slime.utils.config import ConfigError, check_at_least_one, flag
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -77,3 +82,76 @@ class ClusterConfig:
     def num_gpus_needed(self) -> int:
         """GPUs (or CPU bundles) the run occupies: the trainer's, plus the engines' unless colocated."""
         return self.actor_num_gpus + (0 if self.colocate else self.rollout_num_gpus)
+
+
+@dataclasses.dataclass
+class RunModeConfig:
+    """The run mode (MISC_ARGS (run mode)): engines and trainers (the default), rollouts only, training on saved
+    rollouts only, or a check of the flags; and where rollouts are saved for a later train-only replay."""
+
+    save_debug_rollout_data: str | None = flag(
+        None, metavar="PATH",
+        help="Write every rollout's samples (prompt index, response, reward, advantage, status, whether it is in "
+        "the loss, ...) to this path; it may contain '{rollout_id}', e.g. /tmp/rollout_{rollout_id}.jsonl. Beside "
+        "it goes the same path with the suffix .pt: every field the trainers read, for --load-debug-rollout-data.",
+    )
+    load_debug_rollout_data: str | None = flag(
+        None, metavar="DIR_OR_PATH",
+        help="Train on rollouts saved by --save-debug-rollout-data instead of generating: no rollout engine starts "
+        "(also on CPU), no weight sync, no eval; implies --debug-train-only. Give the folder of the saved files "
+        "(rollout k is <DIR>/rollout_{k}.pt) or the --save-debug-rollout-data path itself. A missing file, or one "
+        "saved from another model, tokenizer or batch shape, is an error naming it.",
+    )
+    debug_train_only: bool = flag(
+        False, help="Run the trainers only, on --load-debug-rollout-data (which it needs; upstream slime's flag)."
+    )
+    debug_rollout_only: bool = flag(
+        False,
+        help="Run rollouts, rewards and eval only: no trainer starts, no training step, no weight sync, no "
+        "checkpoint (the engines keep --hf-checkpoint's weights). With --save-debug-rollout-data the rollouts are "
+        "saved for a later --load-debug-rollout-data.",
+    )
+    check_only: bool = flag(
+        False,
+        help="Parse and validate the flags and check that --rollout-backend and --train-backend can be imported "
+        "here, then exit (0 = OK); reads no data or checkpoint, so it can run before a model is downloaded.",
+    )
+
+    def __post_init__(self):
+        if self.load_debug_rollout_data is not None:
+            if not self.load_debug_rollout_data.strip():
+                raise ConfigError("--load-debug-rollout-data must be a folder or a path, got an empty string")
+            self.debug_train_only = True  # as upstream slime
+        if self.debug_train_only and self.debug_rollout_only:
+            raise ConfigError("--debug-rollout-only cannot go with --debug-train-only / --load-debug-rollout-data: "
+                              "give one of them")
+        if self.debug_train_only and self.load_debug_rollout_data is None:
+            raise ConfigError("--debug-train-only needs --load-debug-rollout-data (the saved rollouts to train on); "
+                              "save them first with --save-debug-rollout-data")
+        if self.save_debug_rollout_data is not None:
+            if not self.save_debug_rollout_data.strip():
+                raise ConfigError("--save-debug-rollout-data must be a non-empty path")
+            if self.load_debug_rollout_data is not None:
+                raise ConfigError("--save-debug-rollout-data writes generated rollouts, and --load-debug-rollout-data "
+                                  "generates none (it trains on saved ones): drop --save-debug-rollout-data")
+            if self.save_debug_rollout_data.endswith(".pt"):
+                raise ConfigError(f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: give the JSONL "
+                                  "summary's path (e.g. .../rollout_{rollout_id}.jsonl); the replayable .pt record "
+                                  "goes beside it")
+            try:
+                self.save_debug_rollout_data.format(rollout_id=0)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(
+                    f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: the only placeholder allowed is "
+                    f"{{rollout_id}} ({type(e).__name__}: {e}); double other braces"
+                ) from None
+            if "{rollout_id}" in Path(self.save_debug_rollout_data).suffix:
+                raise ConfigError(
+                    f"--save-debug-rollout-data {self.save_debug_rollout_data!r}: {{rollout_id}} is in the file's "
+                    "suffix, which the replayable record beside it replaces with .pt (every rollout would write the "
+                    "same record); put it before the suffix, e.g. rollout_{rollout_id}.jsonl"
+                )
+            if "{rollout_id}" not in self.save_debug_rollout_data:
+                logger.warning("--save-debug-rollout-data %s has no {rollout_id}: every rollout overwrites the "
+                               "previous one's files (as upstream); only the last is kept",
+                               self.save_debug_rollout_data)

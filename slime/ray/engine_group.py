@@ -70,7 +70,7 @@ class RolloutEngineGroup:
     Args:
         placement: where the engines go (:attr:`Placement.engine_resources`, :meth:`Placement.engine_options`).
         engine_factory: picklable ``(EngineResources) -> RolloutEngine``, run inside each actor,
-            e.g. ``functools.partial(engine_cls.from_config, cfg)``.
+            e.g. ``functools.partial(engine_cls.from_spec, cfg.engine_spec(engine_cls.parity_check))``.
         max_concurrent_calls: the engine class's :attr:`RolloutEngine.max_concurrent_calls`.
 
     Raises:

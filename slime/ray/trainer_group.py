@@ -1,8 +1,8 @@
 """The trainer ranks as one object: the driver calls methods, the group hides the ranks.
 
-Each rank is a Ray actor (:class:`TrainerActor`) holding one
-:class:`slime.backends.base.TrainerBackend`. Every group method states how its input is
-split across ranks and how results are gathered:
+Each rank is a Ray actor (:class:`TrainerActor`) holding one backend
+(:class:`slime.backends.step.StepBackend`), whose step is :func:`slime.backends.step.train_step`. Every group
+method states how its input is split across ranks and how results are gathered:
 
 - :meth:`TrainerGroup.train`: the rollout's samples are cut into optimizer steps of
   ``--global-batch-size`` samples, each step is split evenly over data-parallel ranks,
@@ -25,7 +25,8 @@ from typing import Sequence
 import ray
 import torch
 
-from slime.backends.base import TRAINER_TOTAL_KEY, RankInfo, TrainerBackend
+from slime.backends.config import RankInfo
+from slime.backends.step import TRAINER_TOTAL_KEY, StepBackend, train_step
 from slime.data.sample import Sample
 from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
@@ -37,14 +38,15 @@ logger = logging.getLogger(__name__)
 
 @ray.remote
 class TrainerActor:
-    """Ray actor around one backend rank. Methods mirror :class:`TrainerBackend`."""
+    """Ray actor around one backend rank: the training step, the parity check's log-probs, the weight push,
+    checkpoints and the colocated memory hand-over (``backend.memory``)."""
 
     def __init__(self, backend_factory, rank_info: RankInfo, cpu_threads: int):
         if rank_info.device == "cpu":
             torch.set_num_threads(cpu_threads)
         logging.basicConfig(level=logging.INFO, format=f"[trainer {rank_info.rank}] %(levelname)s %(name)s: %(message)s")
         self.rank_info = rank_info
-        self.backend: TrainerBackend = backend_factory(rank_info)
+        self.backend: StepBackend = backend_factory(rank_info)
         self.transport: WeightTransport | None = None
         self.engines: Sequence = ()
 
@@ -52,11 +54,11 @@ class TrainerActor:
         """Build the backend. Returns (next rollout id, data-parallel rank, data-parallel size, the frozen
         checkpoint names of every rank)."""
         start = self.backend.init()
-        dp_rank, dp_size = self.backend.data_parallel_rank_and_size()
-        return start, dp_rank, dp_size, sorted(getattr(self.backend, "frozen_hf_names", ()))
+        return start, self.backend.dp.rank, self.backend.dp.size, sorted(getattr(self.backend, "frozen_hf_names", ()))
 
     def train(self, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
-        return self.backend.train(rollout_id, samples, num_steps)
+        """:func:`slime.backends.step.train_step` on this rank's samples."""
+        return train_step(self.backend, rollout_id, samples, num_steps)
 
     def compute_log_probs(self, samples: list[Sample], rounding_noise: bool = False,
                           replay_routes: bool = False) -> list[list[float]]:
@@ -90,10 +92,10 @@ class TrainerActor:
         self.backend.save(rollout_id, Path(path))
 
     def offload(self, keep_weights: bool = False) -> None:
-        self.backend.offload(keep_weights)
+        self.backend.memory.offload(keep_weights)
 
     def onload(self, weights_only: bool = False) -> None:
-        self.backend.onload(weights_only)
+        self.backend.memory.onload(weights_only)
 
 
 class TrainerGroup:
@@ -101,8 +103,9 @@ class TrainerGroup:
 
     Args:
         placement: where the ranks go (one bundle each).
-        backend_factory: picklable callable ``RankInfo -> TrainerBackend`` (the backend
-            class's ``from_config`` with the run's config bound, as :func:`slime.driver.start_workers` makes it).
+        backend_factory: picklable callable ``RankInfo -> StepBackend`` (the backend class with its
+            :class:`~slime.backends.config.TrainerSpec` and own flag group bound, as
+            :func:`slime.driver.start_workers` makes it).
         global_batch_size: samples per optimizer step (``--global-batch-size``).
         transport: how weights reach the engines, chosen once per run
             (:func:`slime.weight_sync.make_transport`).
@@ -166,7 +169,8 @@ class TrainerGroup:
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         """One rollout's optimizer steps on every rank; returns the reduced metrics (rank 0's), with the trainer's
         sub-phase times and ``perf/train_transfer_s``: the seconds of this call spent outside
-        :meth:`TrainerBackend.train` (shipping the samples to the ranks and the metrics back, Ray's scheduling)."""
+        :func:`~slime.backends.step.train_step` (shipping the samples to the ranks and the metrics back, Ray's
+        scheduling)."""
         started = time.perf_counter()
         shards, num_steps = self.split_by_rank(samples)
         results = ray.get([a.train.remote(rollout_id, shard, num_steps) for a, shard in zip(self.actors, shards)])
@@ -179,7 +183,7 @@ class TrainerGroup:
     def compute_log_probs(self, samples: list[Sample], rounding_noise: bool = False,
                           replay_routes: bool = False) -> list[list[float]]:
         """Current-policy log-probs of every sample's response (all ranks run the same samples):
-        the engine parity check's trainer side (:meth:`TrainerBackend.compute_log_probs`)."""
+        the engine parity check's trainer side (:func:`slime.backends.step.compute_log_probs`)."""
         return ray.get([a.compute_log_probs.remote(samples, rounding_noise, replay_routes) for a in self.actors])[0]
 
     def connect_ranks(self, transport: WeightTransport, engines: RolloutEngineGroup) -> list[ray.ObjectRef]:
@@ -242,12 +246,12 @@ class TrainerGroup:
 
     def offload(self, keep_weights: bool = False) -> None:
         """Every rank moves its training memory off the GPU; with ``keep_weights`` the policy
-        weights stay for the weight sync (see :meth:`TrainerBackend.offload`)."""
+        weights stay for the weight sync (see :meth:`slime.backends.handover.HandOver.offload`)."""
         ray.get([a.offload.remote(keep_weights) for a in self.actors])
 
     def onload(self, weights_only: bool = False) -> None:
         """Every rank moves everything :meth:`offload` moved back to the GPU; with ``weights_only`` the policy
-        weights alone, for a weight push (see :meth:`TrainerBackend.onload`)."""
+        weights alone, for a weight push (see :meth:`slime.backends.handover.HandOver.onload`)."""
         ray.get([a.onload.remote(weights_only) for a in self.actors])
 
     def shutdown(self) -> None:

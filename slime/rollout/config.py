@@ -1,17 +1,11 @@
-"""Rollout flags: generation (ROLLOUT_ARGS), evaluation (EVAL_ARGS), SGLang pass-through (SGLANG_ARGS) and the
-engine parity check (:mod:`slime.rollout.parity`).
-
-``RolloutConfig``, ``EvalConfig`` and ``ParityConfig`` are ordinary flag groups (see :mod:`slime.utils.config`).
-``SGLangConfig`` is different: SGLang has a few hundred server arguments and slime does not
-re-declare them.  Every ``--sglang-<name>`` flag on the command line is collected as is by
-:func:`extract_sglang_args` and handed to SGLang as ``--<name>`` (upstream slime's convention),
-so any SGLang server argument can be set without a change here.
+"""Rollout flags: generation (ROLLOUT_ARGS), evaluation (EVAL_ARGS) and the engine parity check
+(:mod:`slime.rollout.parity`), ordinary flag groups (see :mod:`slime.utils.config`).  The SGLang pass-through
+(SGLANG_ARGS) is the SGLang engine's: :class:`slime.rollout.engines.sglang.flags.SGLangConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from slime.rollout.engines import ENGINES
 from slime.utils.config import ConfigError, check_at_least_one, check_name_or_import_path, flag
@@ -246,122 +240,6 @@ class EvalConfig:
         """``--eval-prompt-data`` as ``[(name, path), ...]`` in command-line order (empty when unset)."""
         values = self.eval_prompt_data or []
         return list(zip(values[::2], values[1::2]))
-
-
-SGLANG_PREFIX = "--sglang-"
-
-SGLANG_ARGS_SET_BY_SLIME = {
-    "model_path": "--hf-checkpoint",
-    "tp_size": "--rollout-num-gpus-per-engine",
-    "tensor_parallel_size": "--rollout-num-gpus-per-engine",  # SGLang's other name of --tp-size
-    "random_seed": "--rollout-seed",
-    "port": "(slime assigns a free port to each engine)",
-    "host": "(slime assigns each engine its node's address)",
-}
-"""SGLang server arguments that slime derives from its own flags; ``--sglang-<name>`` for them is refused."""
-
-_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
-_SGLANG_NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
-
-SGLangValue = str | list[str] | bool
-
-
-@dataclasses.dataclass
-class SGLangConfig:
-    """SGLang server arguments (SGLANG_ARGS), passed through: --sglang-<name> [VALUE ...] becomes SGLang's --<name>.
-
-    ``server_args`` maps the SGLang argument name (underscores) to its value as typed: a switch
-    with no value is ``True``, one value is a ``str``, several are a ``list[str]``; SGLang's own
-    parser converts the types.  E.g. ``--sglang-mem-fraction-static 0.7`` ->
-    ``{"mem_fraction_static": "0.7"}``, ``--sglang-cuda-graph-bs 1 2 4`` -> ``["1", "2", "4"]``,
-    ``--sglang-disable-custom-all-reduce`` -> ``True``.
-    """
-
-    server_args: dict[str, SGLangValue] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        for name in self.server_args:
-            # SGLang's argparse expands a unique prefix (allow_abbrev): --sglang-tp 2 would be its --tp-size 2
-            full = name if name in SGLANG_ARGS_SET_BY_SLIME else next(
-                (n for n in SGLANG_ARGS_SET_BY_SLIME if n.startswith(name)), None)
-            if full is not None:
-                source = SGLANG_ARGS_SET_BY_SLIME[full]
-                fix = f"use {source}" if source.startswith("--") else source.strip("()")
-                what = "" if full == name else f" (SGLang's parser reads it as --{full.replace('_', '-')})"
-                raise ConfigError(f"--sglang-{name.replace('_', '-')}{what} is set by slime, not passed through: {fix}")
-
-    def server_argv(self) -> list[str]:
-        """The SGLang server flags, e.g. ``["--mem-fraction-static", "0.7", "--cuda-graph-bs", "1", "2"]``."""
-        return _render(self.server_args, "--")
-
-    def to_argv(self) -> list[str]:
-        """The slime flags that reproduce this config, e.g. ``["--sglang-mem-fraction-static", "0.7"]``."""
-        return _render(self.server_args, SGLANG_PREFIX)
-
-
-def _render(server_args: dict[str, SGLangValue], prefix: str) -> list[str]:
-    """Flags for ``server_args``: ``[--name, value]``, or ``--name=value`` for one value that starts with
-    ``-`` (``--sglang-chat-template=-x``, ``-1e-3``): argparse would read ``-x`` as the next flag, both in
-    SGLang's parser and in :func:`extract_sglang_args` reading ``command.sh`` back."""
-    argv: list[str] = []
-    for name, value in server_args.items():
-        flag = prefix + name.replace("_", "-")
-        if isinstance(value, list):
-            argv += [flag, *value]
-        elif value is True:
-            argv.append(flag)
-        elif value.startswith("-"):
-            argv.append(f"{flag}={value}")
-        else:
-            argv += [flag, value]
-    return argv
-
-
-def _is_value(token: str) -> bool:
-    """A token that is a flag's value rather than the next flag (negative numbers are values)."""
-    return not token.startswith("-") or bool(_NEGATIVE_NUMBER.match(token))
-
-
-def extract_sglang_args(argv: list[str]) -> tuple[SGLangConfig, list[str]]:
-    """Split ``--sglang-*`` flags, with their values, out of a command line.
-
-    A flag's values are the tokens up to the next one that starts with ``-`` (negative numbers
-    such as ``-1`` count as values); ``--sglang-name=value`` is one value.
-
-    Args:
-        argv: the full command line (without the program name).
-
-    Returns:
-        ``(SGLangConfig, remaining argv)``; the remaining tokens keep their order.
-
-    Raises:
-        ConfigError: a malformed name (``--sglang-`` alone, capitals, underscores), a flag given
-            twice, or a flag that slime sets itself (see ``SGLANG_ARGS_SET_BY_SLIME``).
-    """
-    server_args: dict[str, SGLangValue] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        i += 1
-        if not token.startswith(SGLANG_PREFIX):
-            rest.append(token)
-            continue
-        name, has_inline_value, inline_value = token[len(SGLANG_PREFIX) :].partition("=")
-        if not _SGLANG_NAME.match(name):
-            raise ConfigError(
-                f"{token!r} is not a valid SGLang flag; write --sglang-<server-arg> with the SGLang name in "
-                "lower-case words joined by '-', e.g. --sglang-mem-fraction-static 0.7"
-            )
-        values = [inline_value] if has_inline_value else []
-        while not has_inline_value and i < len(argv) and _is_value(argv[i]):
-            values.append(argv[i])
-            i += 1
-        key = name.replace("-", "_")
-        if key in server_args:
-            raise ConfigError(f"{SGLANG_PREFIX}{name} is given twice; keep one")
-        server_args[key] = True if not values else values[0] if len(values) == 1 else values
-    return SGLangConfig(server_args), rest
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -25,15 +25,12 @@ from slime.errors import SlimeError
 from slime.grpo.advantages import compute_advantages
 from slime.grpo.config import GRPOConfig
 from slime.rollout.config import EvalConfig, RolloutConfig
-from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError, prompt_length_mismatches: re-exported
+from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError: re-exported
     ABORT_CAUSES,
     UNUSABLE,
     PromptMismatchError,
-    check_prompt_lengths,
     groups_holding,
-    prompt_length_mismatches,
-    record_output,
-    warn_aborted,
+    record_outputs,
 )
 from slime.rollout.dynamic_sampling import DynamicSampler
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
@@ -87,7 +84,7 @@ class RolloutManager:
         fingerprint: the model's (:func:`slime.rollout.replay.model_fingerprint`), written into and checked
             against the saved rollouts.
         return_routed_experts: ask the engines for each training sample's routed experts
-            (:func:`slime.rollout.engines.config.rollout_routes_wanted`), kept on ``rollout_routed_experts``.
+            (:func:`slime.routing_replay.rollout_routes_wanted`), kept on ``rollout_routed_experts``.
         replay_needs_routes: ``--use-rollout-routing-replay`` with ``replay_from``: a saved rollout without
             routes is a ``ReplayError`` naming the file.
     """
@@ -156,7 +153,7 @@ class RolloutManager:
         come from :class:`~slime.rollout.dynamic_sampling.DynamicSampler` (``i`` counts every group drawn).
 
         Raises:
-            PromptMismatchError: too many prompt length mismatches (:func:`check_prompt_lengths`), or one
+            PromptMismatchError: too many prompt length mismatches (:func:`.outputs.check_prompt_lengths`), or one
                 in every group.
             RolloutAbortedError: every group holds an aborted or failed sample, not all of them a failed one.
             DynamicSamplingError: too few groups passed the filter in ``--dynamic-sampling-max-rounds``.
@@ -219,7 +216,7 @@ class RolloutManager:
         ``eval/<name>/prompt_length_mismatches`` or ``eval/<name>/aborted_samples``.
 
         Raises:
-            PromptMismatchError: too many prompt length mismatches in a set (:func:`check_prompt_lengths`).
+            PromptMismatchError: too many prompt length mismatches in a set (:func:`.outputs.check_prompt_lengths`).
             RolloutAbortedError: every sample of a set was aborted or failed (no accuracy to report).
         """
         e = self.eval_cfg
@@ -267,20 +264,15 @@ class RolloutManager:
     def _generate_and_score(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str) -> None:
         """Generate one response per sample (request ``i`` seeded by :func:`sampling_seed` of its
         position ``i``), record it on the sample and score it.  A sample whose engine saw another
-        prompt length gets status ``FAILED`` (:func:`check_prompt_lengths`, which raises
+        prompt length gets status ``FAILED`` (:func:`slime.rollout.outputs.check_prompt_lengths`, which raises
         :class:`PromptMismatchError` when too many do); one whose engine answered ``finish_reason
-        "abort"`` gets ``ABORTED`` (a warning names the first few, :func:`warn_aborted`).  Those two keep
+        "abort"`` gets ``ABORTED`` (a warning names the first few, :func:`.outputs.warn_aborted`).  Those two keep
         ``reward`` None: only the other samples are scored."""
         if self.engines is None:
             raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         requests = self.requests(samples, params, rollout_id, stream)
         outputs = self.engines.generate(requests)
-        mismatched = check_prompt_lengths(samples, requests, outputs, self.cfg.max_prompt_length_mismatch_fraction)
-        for sample, out in zip(samples, outputs):
-            record_output(sample, out)
-        for i in mismatched:
-            samples[i].status = SampleStatus.FAILED  # also when aborted: its prompt is the first thing wrong
-        warn_aborted(samples, requests, outputs, stream)
+        record_outputs(samples, requests, outputs, self.cfg.max_prompt_length_mismatch_fraction, stream)
         # Neither a failed nor an aborted sample is scored: its reward would be a verdict on a response the
         # trainer cannot use (another prompt, or a cut-off one), and it would enter the scorer's counts.
         # Upstream slime does not score an aborted sample either (its generate_and_rm returns it unscored).

@@ -147,6 +147,23 @@ def warn_aborted(samples: list[Sample], requests: list[GenerateRequest], outputs
     return len(bad)
 
 
+def record_outputs(samples: list[Sample], requests: list[GenerateRequest], outputs: list[GenerateOutput],
+                   max_fraction: float, stream: str) -> None:
+    """One ``generate`` call's outputs onto its samples (:func:`record_output`), a sample whose engine saw another
+    prompt length marked ``FAILED`` (:func:`check_prompt_lengths`; also when aborted: its prompt is the first thing
+    wrong), the aborted ones warned about (:func:`warn_aborted`).
+
+    Raises:
+        PromptMismatchError: too many prompt length mismatches (:func:`check_prompt_lengths`).
+    """
+    mismatched = check_prompt_lengths(samples, requests, outputs, max_fraction)
+    for sample, out in zip(samples, outputs):
+        record_output(sample, out)
+    for i in mismatched:
+        samples[i].status = SampleStatus.FAILED
+    warn_aborted(samples, requests, outputs, stream)
+
+
 def groups_holding(samples: list[Sample], n: int, status: SampleStatus) -> int:
     """Number of the groups (``n`` contiguous samples each) that hold at least one sample of ``status``."""
     return sum(any(s.status == status for s in samples[start : start + n]) for start in range(0, len(samples), n))

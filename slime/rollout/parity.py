@@ -9,7 +9,7 @@ For the first two rollout steps of a run (start-up weights, then after the first
    (:func:`check_probe_prompt_lengths`).
 2. :meth:`EngineParityCheck.compare` (the trainer on the GPU): the trainer's log-probs of the same responses,
    plain and with one rounding step of noise on its token embeddings, both replaying the engine's routes when
-   it returned them (:meth:`slime.backends.base.TrainerBackend.compute_log_probs`).  Per kind (image / text):
+   it returned them (:func:`slime.backends.step.compute_log_probs`).  Per kind (image / text):
    the gap is the mean ``|engine - trainer|`` over response tokens (nats), the trainer's floor the mean
    ``|noisy - plain|``.  Responses that sampled an image/video placeholder are left out.
 

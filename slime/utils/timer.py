@@ -129,7 +129,7 @@ Driver side (:func:`slime.driver.loop`, :class:`slime.ray.colocate.ColocatedMemo
 engines free their GPU memory), ``onload`` (trainers bring parameters, gradient buffers and optimizer state back),
 ``parity`` (the engine parity check of the first steps), ``transfer`` (the trainer call's time outside the backend:
 the samples to the ranks, the metrics back), ``offload`` (optimizer state and gradients leave the GPU).  Trainer
-side (:meth:`slime.backends.base.TrainerBackend.train`, rank 0): ``checks``, ``pack`` (micro-batch planning and
+side (:func:`slime.backends.step.train_step`, rank 0): ``checks``, ``pack`` (micro-batch planning and
 packing), ``old_log_probs`` (with the mismatch monitor), ``ref_log_probs``, ``forward_backward``, ``optimizer``
 (gradient norm, clipping, the update) and ``metrics`` (reductions over ranks)."""
 SYNC_SUB_PHASES = ("engine_resume", "push", "offload")

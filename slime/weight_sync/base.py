@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
 
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
     from slime.ray.engine_group import RolloutEngineGroup
 
 WeightBucket = list[tuple[str, torch.Tensor]]

@@ -22,7 +22,7 @@ from slime.weight_sync.fused_experts import fused_layout
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
     from slime.ray.engine_group import RolloutEngineGroup
     from slime.rollout.engines.base import EngineResources
 

@@ -21,7 +21,7 @@ from slime.weight_sync.flattened import dtype_name, flatten
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
     from slime.ray.engine_group import RolloutEngineGroup
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)

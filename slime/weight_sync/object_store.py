@@ -18,7 +18,7 @@ from slime.weight_sync.base import TrainerRanks, WeightBucket, WeightTransport
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from slime.backends.base import RankInfo
+    from slime.backends.config import RankInfo
     from slime.ray.engine_group import RolloutEngineGroup
 
 logger = logging.getLogger(__name__)

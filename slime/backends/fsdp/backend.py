@@ -1,9 +1,9 @@
 """``--train-backend fsdp``: the Hugging Face model trained with GRPO under torch FSDP2.
 
 One :class:`FSDPBackend` per rank, all ranks one data-parallel group (gloo on CPU; NCCL plus gloo for CPU tensors on
-GPU machines).  It supplies the shared step's hooks (:meth:`slime.backends.base.TrainerBackend.train`): padded
-micro-batches (:mod:`.inputs`), each micro-batch's loss times the data-parallel size before its backward (FSDP
-averages gradients over ranks), the global norm of the sharded gradients, AdamW (decay on matrices only).  Precision:
+GPU machines).  It is the training step's backend (:class:`slime.backends.step.StepBackend`): padded micro-batches
+(:mod:`.inputs`), each micro-batch's loss times the data-parallel size before its backward (FSDP averages gradients
+over ranks), the global norm of the sharded gradients, AdamW (decay on matrices only).  Precision:
 float32 master weights and optimizer state; ``--bf16`` on GPU computes the blocks in bfloat16 and reduces gradients
 in float32 (ignored on CPU); log-probs and losses in float32.
 """
@@ -11,13 +11,12 @@ in float32 (ignored on CPU); log-probs and losses in float32.
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,18 +28,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from slime.backends.base import WEIGHTS, MicroBatch, RankInfo, TrainerBackend
+from slime.backends.config import RankInfo, TrainerSpec
+from slime.backends.freeze import freeze_policy, frozen_change, write_frozen
 from slime.backends.fsdp.config import FSDPConfig, check_train
-from slime.backends.freeze import frozen_change, write_frozen
 from slime.backends.fsdp.hf_io import iter_hf_weight_buckets, iter_hf_weight_groups, load_sharded_model, save_hf_folder
 from slime.backends.fsdp.inputs import build_model_inputs, pad_per_token, response_log_probs, vision_placeholder_ids
 from slime.backends.fsdp.parallelize import reshard_all
+from slime.backends.handover import WEIGHTS, HandOver
 from slime.backends.rng import rng_state, set_rng_state
+from slime.backends.step import MicroBatch, compute_log_probs
+from slime.backends.train_metrics import DataParallel
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
-from slime.data.routes import RouteShape, sample_routes, token_routes
+from slime.data.sample import Sample
 from slime.grpo.loss import grpo_micro_batch_loss
-from slime.models.routes import capture_hf_routes, force_hf_routes
+from slime.routing_replay import RouteError, RouteShape, hf_padded_routes
 
 logger = logging.getLogger(__name__)
 
@@ -48,24 +50,30 @@ MAX_SHARD_BYTES = 5 << 30
 """Target size of one safetensors file of a saved ``model/`` folder (5 GiB, as ``save_pretrained``)."""
 
 
-class FSDPBackend(TrainerBackend):
-    """One rank of the FSDP2 trainer (module docstring); every public method is collective.  ``fsdp``: its BACKEND_ARGS
-    (``attn_implementation``, ``gradient_checkpointing``); ``kwargs``: :class:`~slime.backends.base.TrainerBackend`'s.
+class FSDPBackend:
+    """One rank of the FSDP2 trainer (module docstring); every public method is collective.  ``spec``: the flag groups
+    every rank gets; ``config``: its BACKEND_ARGS (``attn_implementation``, ``gradient_checkpointing``).
+
+    Attributes (besides :class:`~slime.backends.step.StepBackend`'s, set by :meth:`init`):
+        frozen: this rank's frozen policy parameters, by in-memory name (``--freeze-params-name-list``).
+        frozen_hf_names: the checkpoint names of every frozen tensor over all ranks (the weight sync sends them once).
 
     Raises:
-        ConfigError: ``--use-dynamic-batch-size`` (:func:`slime.backends.fsdp.config.check_train`), or an inconsistent
-            LR schedule.
-        ValueError: ``num_steps_per_rollout < 1``.
+        ConfigError: ``--use-dynamic-batch-size`` (:func:`slime.backends.fsdp.config.check_train`).
     """
 
-    config_group = "fsdp"
+    flag_group: ClassVar[str] = "fsdp"
+    """Its own flag group in the run's config (:meth:`slime.arguments.SlimeConfig.backend_config`)."""
 
-    def __init__(self, rank_info: RankInfo, *, fsdp: FSDPConfig, **kwargs):
-        super().__init__(rank_info, **kwargs)
-        check_train(self.train_cfg)  # also run at parse time (FSDPConfig.check)
-        self.fsdp_cfg = fsdp
+    def __init__(self, rank_info: RankInfo, spec: TrainerSpec, config: FSDPConfig):
+        check_train(spec.train)  # also run at parse time (FSDPConfig.check)
+        self.rank_info, self.spec, self.fsdp_cfg = rank_info, spec, config
         self.compute_dtype = torch.float32
         self.mesh = None
+        self.device = torch.device("cpu")
+        self.model = self.ref_model = self.optimizer = None  # the rest of the step's attributes: init()
+        self.memory = HandOver(self)
+        self.frozen = self.frozen_hf_names = frozenset()
 
     # ------------------------------------------------------------------------------------
     # init
@@ -80,11 +88,13 @@ class FSDPBackend(TrainerBackend):
             CheckpointError: a weight flag's folder is not what it must be, or the optimizer state to load is missing.
             RuntimeError: a process group of another size or rank is already initialised.
         """
+        self.optimizer_steps = 0
         self._init_process_group()
         self.mesh = init_device_mesh(self.device.type, (self.rank_info.world_size,), mesh_dim_names=("dp",))
-        torch.manual_seed(self.seed + self.rank_info.rank)
+        self.dp = DataParallel(dist.get_rank(), dist.get_world_size())
+        torch.manual_seed(self.spec.seed + self.rank_info.rank)
 
-        start = resolve_weights(self.ckpt_cfg, need_reference=self.grpo.needs_ref_model)
+        start = resolve_weights(self.spec.checkpoint, need_reference=self.spec.grpo.needs_ref_model)
         self.model = load_sharded_model(
             _hf_folder(start.policy),
             mesh=self.mesh,
@@ -94,7 +104,14 @@ class FSDPBackend(TrainerBackend):
             gradient_checkpointing=self.fsdp_cfg.gradient_checkpointing,
             param_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype,
         )
-        self._freeze_policy()
+        self.placeholder_ids = vision_placeholder_ids(self.model.config)
+        try:  # the policy's routed experts (raised by route_shape() where it cannot replay them)
+            self._route_shape = RouteShape.from_hf_config(self.model.config.to_dict(), "the policy's config") or \
+                NotImplementedError("the policy has no MoE layers: there are no routed experts to replay")
+        except RouteError as e:
+            self._route_shape = e
+        self.frozen, self.frozen_hf_names = freeze_policy(self.model, self.spec.train, self._hf_names_by_param,
+                                                          self.device)
         self.optimizer = self._build_optimizer()
         if start.reference is not None:
             self.ref_model = load_sharded_model(
@@ -119,8 +136,8 @@ class FSDPBackend(TrainerBackend):
             local_rank = int(os.environ.get("LOCAL_RANK", info.rank % torch.cuda.device_count()))
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-            self.compute_dtype = torch.bfloat16 if self.train_cfg.bf16 else torch.float32
-        elif self.train_cfg.bf16:
+            self.compute_dtype = torch.bfloat16 if self.spec.train.bf16 else torch.float32
+        elif self.spec.train.bf16:
             logger.info("--bf16 applies to GPU runs only; training on CPU in float32")
         if dist.is_initialized():
             if (dist.get_rank(), dist.get_world_size()) != (info.rank, info.world_size):
@@ -139,38 +156,41 @@ class FSDPBackend(TrainerBackend):
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW over the policy's parameters: weight decay on tensors of >= 2 dims only (Megatron's rule)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        cfg = self.optim_cfg
+        cfg = self.spec.optimizer
         return torch.optim.AdamW(
             [
                 {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
             ],
-            lr=self.lr_schedule(self.optimizer_steps),
+            lr=self.spec.lr_schedule(self.optimizer_steps),
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
         )
 
     # ------------------------------------------------------------------------------------
-    # the training step's hooks (TrainerBackend.train)
+    # the training step's backend (slime.backends.step.StepBackend)
     # ------------------------------------------------------------------------------------
 
-    def _forward_log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False,
-                           capture_routes: bool = False) -> list[Tensor]:
+    def pack(self, samples: list[Sample]) -> None:
+        """Nothing: the padded layout is built from the samples in each forward (:func:`.inputs.build_model_inputs`)."""
+        return None
+
+    def log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False,
+                  capture_routes: bool = False) -> list[Tensor]:
         """No-grad log-probs of each sample's response, float32 ``[R]`` on CPU, one padded micro-batch at a time;
-        with ``replay_routes`` the HF routers take ``batch.routes`` (:func:`slime.models.routes.force_hf_routes`),
-        with ``capture_routes`` their choices go to ``batch.trainer_routes``."""
+        with ``replay_routes`` the HF routers take ``batch.routes``, with ``capture_routes`` their choices go to
+        ``batch.trainer_routes`` (:func:`slime.routing_replay.hf_padded_routes`)."""
         was_training = model.training
         model.eval()
         out = []
+        shape = self.route_shape() if replay_routes or capture_routes else None
         with torch.no_grad():
             for batch in batches:
                 inputs = build_model_inputs(batch.samples, model.config, self.device)
-                replay = self._replayed(model, batch, inputs) if replay_routes else contextlib.nullcontext()
-                capture = capture_hf_routes(model) if capture_routes else contextlib.nullcontext()
-                with replay, capture as calls:
-                    log_probs, _ = response_log_probs(model, inputs, self.temperature)
-                if calls is not None:
-                    batch.trainer_routes = self._captured(calls, batch, inputs)
+                width = inputs.model_kwargs["input_ids"].shape[1]
+                with hf_padded_routes(model, batch, width, shape, replay=replay_routes, capture=capture_routes,
+                                      device=self.device):
+                    log_probs, _ = response_log_probs(model, inputs, self.spec.rollout_temperature)
                 out.extend(log_probs[b, : s.response_length].float().cpu() for b, s in enumerate(batch.samples))
         # FSDP2 keeps the root's parameters (on CPU every unit's) gathered after a forward, expecting a backward;
         # free them (and put the sharded master weights back in place for save / weight sync).
@@ -178,27 +198,14 @@ class FSDPBackend(TrainerBackend):
         model.train(was_training)
         return out
 
-    def _replayed(self, model, batch: MicroBatch, inputs):
-        """:func:`~slime.models.routes.force_hf_routes` with ``batch.routes`` on the padded rows of ``inputs``."""
-        rows, width = inputs.model_kwargs["input_ids"].shape
-        routes = token_routes(batch.routes, [b * width for b in range(rows)], rows * width, self._route_shape())
-        return force_hf_routes(model, torch.from_numpy(routes).to(self.device))
+    def route_shape(self) -> RouteShape:
+        """The policy's routed experts per position (its config's, read in ``init``); NotImplementedError for a dense
+        policy, RouteError for one with more experts than uint8 routes name."""
+        if isinstance(self._route_shape, Exception):
+            raise self._route_shape
+        return self._route_shape
 
-    def _captured(self, calls: list[list[Tensor]], batch: MicroBatch, inputs) -> list:
-        """Each sample's own routes of one forward (:func:`~slime.models.routes.capture_hf_routes`), uint8
-        ``[P + R - 1, layers, top_k]`` from its padded row."""
-        width = inputs.model_kwargs["input_ids"].shape[1]
-        token_axis = torch.stack([layer[-1] for layer in calls], dim=1).numpy()
-        lengths = [len(s.prompt_token_ids) + s.response_length - 1 for s in batch.samples]
-        return sample_routes(token_axis, [b * width for b in range(len(lengths))], lengths, self._route_shape())
-
-    def _route_shape(self) -> RouteShape:
-        shape = RouteShape.from_hf_config(self.model.config.to_dict(), "the policy's config")
-        if shape is None:
-            raise NotImplementedError("the policy has no MoE layers: there are no routed experts to replay")
-        return shape
-
-    def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
+    def forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         """Each micro-batch's share of the step's GRPO loss, times the world size before its backward (FSDP
         averages the gradients over the ranks).  On CPU the gradients add up unsharded on each rank and are
         reduce-scattered once, in the step's last backward (on GPU after every micro-batch, keeping one shard's
@@ -211,6 +218,7 @@ class FSDPBackend(TrainerBackend):
 
     def _micro_batch_backwards(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         out = []
+        grpo = self.spec.grpo
         for i, batch in enumerate(batches):
             if self.device.type == "cpu":
                 last = i == len(batches) - 1
@@ -219,16 +227,19 @@ class FSDPBackend(TrainerBackend):
             samples = batch.samples
             inputs = build_model_inputs(samples, self.model.config, self.device)
             # the backward inside too: activation checkpointing reruns the routers there
-            with self._replayed(self.model, batch, inputs) if batch.routes is not None else contextlib.nullcontext():
+            replay = batch.routes is not None
+            shape = self.route_shape() if replay else None
+            with hf_padded_routes(self.model, batch, inputs.model_kwargs["input_ids"].shape[1], shape, replay=replay,
+                                  capture=False, device=self.device):
                 log_probs, entropy = response_log_probs(
-                    self.model, inputs, self.temperature, with_entropy=True, entropy_grad=self.grpo.entropy_coef != 0
-                )
+                    self.model, inputs, self.spec.rollout_temperature, with_entropy=True,
+                    entropy_grad=grpo.entropy_coef != 0)
                 loss, terms = grpo_micro_batch_loss(
                     log_probs,
                     pad_per_token(batch.old_log_probs, torch.float32, self.device),
                     torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
                     pad_per_token([s.loss_mask for s in samples], torch.float32, self.device),
-                    self.grpo,
+                    grpo,
                     global_normalizer=normalizer,
                     ref_log_probs=None if batch.ref_log_probs is None else pad_per_token(
                         batch.ref_log_probs, torch.float32, self.device),
@@ -240,14 +251,14 @@ class FSDPBackend(TrainerBackend):
             out.append({"loss": loss.detach(), **terms})
         return out
 
-    def _grad_norm(self) -> float:
+    def grad_norm(self) -> float:
         """Global L2 norm of all gradients (the shards' norms combined over the ranks)."""
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
 
-    def _apply_update(self, lr: float, grad_scale: float) -> None:
+    def apply_update(self, lr: float, grad_scale: float) -> None:
         """Scale the gradients, AdamW at ``lr``, then free the gradients (``zero_grad(set_to_none=True)``)."""
         if grad_scale < 1.0:
             for p in self.model.parameters():
@@ -258,11 +269,18 @@ class FSDPBackend(TrainerBackend):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _placeholder_ids(self) -> set[int]:
-        return vision_placeholder_ids(self.model.config)
+    def step_metrics(self, batches: list[MicroBatch]) -> dict[str, float]:
+        """None of its own."""
+        return {}
 
-    def _input_embedding(self) -> torch.nn.Module:
+    def input_embedding(self) -> torch.nn.Module:
+        """The policy's token embedding (every rank holds its shard)."""
         return self.model.get_input_embeddings()
+
+    def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False,
+                          replay_routes: bool = False) -> list[list[float]]:
+        """:func:`slime.backends.step.compute_log_probs` (every rank computes every sample's)."""
+        return compute_log_probs(self, samples, rounding_noise=rounding_noise, replay_routes=replay_routes)
 
     # ------------------------------------------------------------------------------------
     # weights out, checkpoints
@@ -274,8 +292,7 @@ class FSDPBackend(TrainerBackend):
         """This rank's share of the weights by checkpoint name in the compute dtype on ``device``
         (:func:`slime.backends.fsdp.hf_io.iter_hf_weight_buckets`: whole FSDP units, round ``k`` from rank ``k %
         world``); ``skip_frozen``: the frozen parameters are neither gathered nor sent."""
-        self._require_init()
-        self._require_on_device("iter_weight_buckets()", training=False)
+        self.memory.require("iter_weight_buckets()", training=False)
         yield from iter_hf_weight_buckets(self.model, self.compute_dtype, bucket_bytes, device=device or self.device,
                                           skip=self.frozen if skip_frozen else frozenset())
 
@@ -294,7 +311,7 @@ class FSDPBackend(TrainerBackend):
           ``trainer/rng_rank<r>.pt``: rank ``r``'s torch / CUDA / Python / NumPy RNG states;
           ``trainer/frozen_params.json``: the frozen checkpoint names (:mod:`slime.backends.freeze`).
         """
-        self._require_init()
+        self.memory.require_init()
         path = Path(path)
         model_out, trainer_out = path / "model", path / "trainer"
         rank = dist.get_rank()
@@ -305,10 +322,10 @@ class FSDPBackend(TrainerBackend):
 
         groups = iter_hf_weight_groups(self.model, torch.float32)
         if rank == 0:
-            save_hf_folder(groups, model_out, self.ckpt_cfg.hf_checkpoint, MAX_SHARD_BYTES)
+            save_hf_folder(groups, model_out, self.spec.checkpoint.hf_checkpoint, MAX_SHARD_BYTES)
         else:
             collections.deque(groups, maxlen=0)  # take part in the gathers; only rank 0 receives groups
-        if not self.ckpt_cfg.no_save_optim:
+        if not self.spec.checkpoint.no_save_optim:
             optimizer_state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             try:
                 dcp.save(optimizer_state, checkpoint_id=trainer_out / "optimizer")
@@ -326,7 +343,7 @@ class FSDPBackend(TrainerBackend):
         Raises:
             CheckpointError: the optimizer state or scheduler file is missing (the message says ``--no-load-optim``).
         """
-        if not self.ckpt_cfg.no_load_optim:
+        if not self.spec.checkpoint.no_load_optim:
             optim_dir, sched_file = trainer_dir / "optimizer", trainer_dir / "scheduler.pt"
             for needed in (optim_dir, sched_file):
                 if not needed.exists():
@@ -361,7 +378,7 @@ class FSDPBackend(TrainerBackend):
     # colocated memory
     # ------------------------------------------------------------------------------------
 
-    def _move_part(self, part: str, onto_device: bool) -> None:
+    def move_part(self, part: str, onto_device: bool) -> None:
         """:data:`WEIGHTS`: the policy's shards (``model.to``, so the optimizer keeps its parameter objects);
         :data:`TRAINING_STATE`: AdamW's state and the reference model (gradients are freed after every step)."""
         device = self.device if onto_device else torch.device("cpu")

@@ -1,8 +1,7 @@
 """``--train-backend fsdp``'s own flags (BACKEND_ARGS (fsdp)), checks, data-parallel size and checkpoint layout.
 
 Importable without the backend's module :mod:`slime.backends.fsdp.backend` (no model code, no
-FSDP wrapping, no process group); it does import torch, through the trainer interface
-(:mod:`slime.backends.base`, which the registry imports). The parser builds :class:`FSDPConfig`
+FSDP wrapping, no process group, no torch). The parser builds :class:`FSDPConfig`
 for every run, and :func:`slime.arguments.validate` runs its hooks when ``--train-backend
 fsdp`` is selected.
 
@@ -21,7 +20,8 @@ from slime.backends.config import BackendConfig, OtherBackendFlag, gdn_batching_
 from slime.utils.config import ConfigError, flag
 
 if TYPE_CHECKING:
-    from slime.backends.config import CheckpointConfig, ModelConfig, TrainConfig
+    from slime.backends.config import CheckpointConfig, TrainConfig
+    from slime.checkpoints.model_args import ModelConfig
     from slime.ray.config import ClusterConfig
 
 _SHARDED = "FSDP shards every parameter over all ranks"

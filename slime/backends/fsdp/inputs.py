@@ -5,7 +5,7 @@ Right-padded ``[B, T]`` rows, row ``b`` = ``prompt_token_ids + response_token_id
 positions from the first sample's ``P-1`` to the last response token reach the LM head (``logits_to_keep``).  Images
 are concatenated in sample order and ``mm_token_type_ids`` marks image tokens; a micro-batch without images gets one
 blank image after row 0 (why: ``docs/design/training_step.md``); generated placeholders are fed as
-:data:`~slime.backends.steps.PAD_TOKEN_ID`.
+:data:`~slime.backends.samples.PAD_TOKEN_ID`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from slime.backends.steps import PAD_TOKEN_ID, check_image_inputs, response_input_ids
+from slime.backends.samples import PAD_TOKEN_ID, check_image_inputs, response_input_ids
 from slime.data.processor import mm_token_type_ids
 from slime.data.sample import Sample
 from slime.grpo.log_probs import entropy_from_logits, gather_log_probs

@@ -1,9 +1,9 @@
 """``--train-backend megatron``: GRPO on the native Megatron Qwen3.5 model (:mod:`slime.models.qwen3_5`).
 
 One :class:`MegatronBackend` per rank.  ``init`` builds megatron-core's parallel state (:mod:`.parallel`), this rank's
-pipeline stage (:mod:`.model`), DDP and AdamW (:mod:`.optimizer`) and, with a KL term, a reference model.  It
-supplies the shared step's hooks: packed THD micro-batches (:mod:`.batches`) through megatron-core's forward-backward
-schedule (:mod:`.schedule`) with the shared GRPO loss over vocab-parallel log-probs (:mod:`.loss`).  Weights leave by
+pipeline stage (:mod:`.model`), DDP and AdamW (:mod:`.optimizer`) and, with a KL term, a reference model.  It is the
+training step's backend (:class:`slime.backends.step.StepBackend`): packed THD micro-batches through megatron-core's
+forward-backward schedule with the shared GRPO loss over vocab-parallel log-probs (:mod:`.batches`).  Weights leave by
 Hugging Face name (:mod:`.weight_export`); checkpoints: :mod:`.checkpoint`.  Precision: ``--bf16`` on GPU trains bf16
 parameters with fp32 main weights and moments (``A_log`` stays fp32); on CPU everything is fp32 and only data
 parallelism runs; log-probs and losses are fp32.
@@ -14,42 +14,54 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime.backends.base import WEIGHTS, MicroBatch, RankInfo, TrainerBackend
+from slime.backends.config import RankInfo, TrainerSpec
+from slime.backends.freeze import freeze_policy
+from slime.backends.handover import WEIGHTS, HandOver
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron.batches import (
-    PackedBatch, pack_micro_batch, packed_per_token, split_routes, with_routes,
+    LossContext, PackedBatch, grpo_loss_func, log_prob_func, make_forward_step, pack_micro_batch, packed_per_token,
+    run_micro_batches, split_routes, with_routes,
 )
 from slime.backends.megatron.config import MegatronConfig
-from slime.backends.megatron.loss import LossContext, grpo_loss_func, log_prob_func, make_forward_step
 from slime.backends.megatron.model import build_stage
 from slime.backends.megatron.parallel import Groups, init_model_parallel, init_world
-from slime.backends.megatron.schedule import run_micro_batches
 from slime.backends.megatron.weight_export import iter_buckets
+from slime.backends.step import MicroBatch, compute_log_probs
+from slime.backends.train_metrics import DataParallel
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
-from slime.data.routes import RouteShape
 from slime.data.sample import Sample
+from slime.routing_replay import RouteError, RouteShape
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronBackend(TrainerBackend):
-    """One rank of the Megatron trainer (module docstring); every public method is collective.  ``megatron``: its
-    BACKEND_ARGS; ``kwargs``: :class:`~slime.backends.base.TrainerBackend`'s (whose errors it raises)."""
+class MegatronBackend:
+    """One rank of the Megatron trainer (module docstring); every public method is collective.  ``spec``: the flag
+    groups every rank gets; ``config``: its BACKEND_ARGS.
 
-    config_group = "megatron"
+    Attributes (besides :class:`~slime.backends.step.StepBackend`'s, set by :meth:`init`):
+        frozen: this rank's frozen policy parameters, by native name (``--freeze-params-name-list``).
+        frozen_hf_names: the checkpoint names of every frozen tensor over all ranks (the weight sync sends them once).
+    """
 
-    def __init__(self, rank_info: RankInfo, *, megatron: MegatronConfig, **kwargs):
-        super().__init__(rank_info, **kwargs)
-        self.megatron = megatron
+    flag_group: ClassVar[str] = "megatron"
+    """Its own flag group in the run's config (:meth:`slime.arguments.SlimeConfig.backend_config`)."""
+
+    def __init__(self, rank_info: RankInfo, spec: TrainerSpec, config: MegatronConfig):
+        self.rank_info, self.spec, self.megatron = rank_info, spec, config
         self.dtype = torch.float32
         self.groups: Groups | None = None
+        self.device = torch.device("cpu")
+        self.model = self.ref_model = self.optimizer = None  # the rest of the step's attributes: init()
+        self.memory = HandOver(self)
+        self.frozen = self.frozen_hf_names = frozenset()
 
     # ------------------------------------------------------------------------------------
     # init
@@ -69,10 +81,12 @@ class MegatronBackend(TrainerBackend):
 
         from slime.backends.megatron.optimizer import DistributedAdam, LocalAdam
 
+        self.optimizer_steps = 0
         self.device = init_world(self.rank_info)
-        torch.manual_seed(self.seed + self.rank_info.rank)
-        init_model_parallel(self.megatron, self.device, self.seed)
+        torch.manual_seed(self.spec.seed + self.rank_info.rank)
+        init_model_parallel(self.megatron, self.device, self.spec.seed)
         self.groups = Groups.current()
+        self.dp = DataParallel(self.groups.dp_rank, self.groups.dp_size, self.groups.dp_gloo, self.groups.tp_size)
         layout = self.megatron.model_parallel_size * self.megatron.expert_model_parallel_size
         if self.device.type == "cpu" and layout > 1:
             raise NotImplementedError(
@@ -80,21 +94,25 @@ class MegatronBackend(TrainerBackend):
                 "token all-to-all, its sequence-parallel gathers (which MoE training with TP > 1 requires) and its "
                 "CUDA RNG tracker need CUDA; use TP = PP = EP = 1 on CPU, or a GPU"
             )
-        if self.device.type == "cuda" and self.train_cfg.bf16:
+        if self.device.type == "cuda" and self.spec.train.bf16:
             self.dtype = torch.bfloat16
-        elif self.train_cfg.bf16:
+        elif self.spec.train.bf16:
             logger.info("--bf16 applies to GPU runs only; training on CPU in float32")
 
-        start = resolve_weights(self.ckpt_cfg, need_reference=self.grpo.needs_ref_model)
+        start = resolve_weights(self.spec.checkpoint, need_reference=self.spec.grpo.needs_ref_model)
         self.model = self._build(start.policy, frozen=False)
-        self._freeze_policy()
+        arch = self.model.qwen_config.arch
+        self.placeholder_ids = {arch.image_token_id, arch.video_token_id} - {None}  # fed as a pad token (batches.py)
+        self._route_shape = self._find_route_shape()
+        self.frozen, self.frozen_hf_names = freeze_policy(self.model, self.spec.train, self._hf_names_by_param,
+                                                          self.device)
         if self.device.type == "cuda":
-            self.optimizer = DistributedAdam(self.model, self.megatron, self.optim_cfg,
+            self.optimizer = DistributedAdam(self.model, self.megatron, self.spec.optimizer,
                                              bf16=self.dtype != torch.float32)
         else:
             from megatron.core import parallel_state as ps
 
-            self.optimizer = LocalAdam(self.model, self.optim_cfg, ps.get_data_parallel_group(),
+            self.optimizer = LocalAdam(self.model, self.spec.optimizer, ps.get_data_parallel_group(),
                                        ps.get_tensor_model_parallel_group())
         config = self.model.config
         config.no_sync_func = self.optimizer.model.no_sync
@@ -106,7 +124,7 @@ class MegatronBackend(TrainerBackend):
             return 0
         self.optimizer_steps = mckpt.load_trainer_state(
             ckpt.trainer_dir(start.policy.path, resume_id), self.model, self.optimizer,
-            load_optim=not self.ckpt_cfg.no_load_optim, frozen_hf=set(self.frozen_hf_names),
+            load_optim=not self.spec.checkpoint.no_load_optim, frozen_hf=set(self.frozen_hf_names),
         )
         logger.info("resumed from %s (%d optimizer steps)", start.policy, self.optimizer_steps)
         return start.next_rollout_id
@@ -118,7 +136,7 @@ class MegatronBackend(TrainerBackend):
         if source.rollout_id is None:
             model = build_stage(source.path, self.megatron, dtype=self.dtype, device=self.device)
         else:
-            model = build_stage(self.ckpt_cfg.hf_checkpoint, self.megatron, dtype=self.dtype, device=self.device,
+            model = build_stage(self.spec.checkpoint.hf_checkpoint, self.megatron, dtype=self.dtype, device=self.device,
                                 load=False)
             if frozen:
                 mckpt.load_weights(model, ckpt.trainer_dir(source.path, source.rollout_id) / mckpt.STATE_DIR)
@@ -126,16 +144,11 @@ class MegatronBackend(TrainerBackend):
             model.requires_grad_(False)
         return model
 
-    def data_parallel_rank_and_size(self) -> tuple[int, int]:
-        """megatron-core's data-parallel rank and size: TP / PP peers of one replica get the same samples."""
-        self._require_init()
-        return self.groups.dp_rank, self.groups.dp_size
-
     # ------------------------------------------------------------------------------------
-    # the training step's hooks (TrainerBackend.train)
+    # the training step's backend (slime.backends.step.StepBackend); TP / PP peers get the same samples (dp)
     # ------------------------------------------------------------------------------------
 
-    def _pack(self, samples: list[Sample]) -> PackedBatch:
+    def pack(self, samples: list[Sample]) -> PackedBatch:
         """One THD micro-batch on the CPU (moved to the device by the forward step), padded to a multiple of
         TP under sequence parallelism."""
         pad = self.megatron.tensor_model_parallel_size if self.megatron.sequence_parallel else 1
@@ -145,11 +158,11 @@ class MegatronBackend(TrainerBackend):
     def _context(self, **kw) -> LossContext:
         from megatron.core import parallel_state as ps
 
-        return LossContext(temperature=self.temperature, vocab_size=self.model.qwen_config.arch.vocab_size,
+        return LossContext(temperature=self.spec.rollout_temperature, vocab_size=self.model.qwen_config.arch.vocab_size,
                            tp_group=ps.get_tensor_model_parallel_group(), device=self.device, **kw)
 
-    def _forward_log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False,
-                           capture_routes: bool = False) -> list[Tensor] | None:
+    def log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False,
+                  capture_routes: bool = False) -> list[Tensor] | None:
         """Forward-only pass of the schedule; per sample ``[R]`` (CPU, fp32); None off the last pipeline stage.
         With ``replay_routes`` each micro-batch carries ``batch.routes`` (:func:`.batches.with_routes`); with
         ``capture_routes`` the routers' choices go to ``batch.trainer_routes`` (:func:`captured_routes`)."""
@@ -164,7 +177,7 @@ class MegatronBackend(TrainerBackend):
                                       forward_only=True, device=self.device)
         model.train(was_training)
         if calls is not None:
-            shape = self._route_shape()
+            shape = self.route_shape()
             for i, batch in enumerate(batches):
                 token_axis = torch.stack([calls[layer][i] for layer in range(1, shape.num_layers + 1)], dim=1)
                 batch.trainer_routes = split_routes(batch.packed, token_axis.numpy(), shape)
@@ -175,11 +188,11 @@ class MegatronBackend(TrainerBackend):
 
     def _with_routes(self, batches: list[MicroBatch]) -> list[PackedBatch]:
         """Each batch's packed form with ``batch.routes`` on its token axis (as it is where they are None)."""
-        shape = self._route_shape() if any(b.routes is not None for b in batches) else None
+        shape = self.route_shape() if any(b.routes is not None for b in batches) else None
         return [b.packed if b.routes is None else with_routes(b.packed, b.routes, shape) for b in batches]
 
-    def _forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
-        """Every micro-batch of the step through megatron-core's schedule with :func:`.loss.grpo_loss_func` (with
+    def forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
+        """Every micro-batch of the step through megatron-core's schedule with :func:`.batches.grpo_loss_func` (with
         ``batch.routes`` replayed where set)."""
         for batch in batches:
             if batch.old_log_probs is not None:
@@ -188,48 +201,49 @@ class MegatronBackend(TrainerBackend):
                 batch.packed.ref_log_probs = packed_per_token(batch.ref_log_probs, "cpu")
             if batch.rollout_log_probs is not None:
                 batch.packed.rollout_log_probs = packed_per_token(batch.rollout_log_probs, "cpu")
-        ctx = self._context(grpo=self.grpo, normalizer=normalizer, num_microbatches=len(batches),
+        ctx = self._context(grpo=self.spec.grpo, normalizer=normalizer, num_microbatches=len(batches),
                             dp_size=self.groups.dp_size)
         self.optimizer.zero_grad()
         return run_micro_batches(self.optimizer.model, self._with_routes(batches),
                                  make_forward_step(ctx, grpo_loss_func), forward_only=False, device=self.device)
 
-    def _grad_norm(self) -> float:
+    def grad_norm(self) -> float:
+        """The global gradient norm (megatron-core's distributed optimizer, or the CPU stand-in's)."""
         return self.optimizer.grad_norm()
 
-    def _apply_update(self, lr: float, grad_scale: float) -> None:
+    def apply_update(self, lr: float, grad_scale: float) -> None:
+        """The optimizer's step at ``lr`` with the gradients scaled by ``grad_scale``."""
         self.optimizer.step(lr, grad_scale)
 
-    def _placeholder_ids(self) -> set[int]:
-        arch = self.model.qwen_config.arch
-        return {arch.image_token_id, arch.video_token_id} - {None}  # fed as a pad token (batches.py)
-
-    def _dp_group(self):
-        return self.groups.dp_gloo
-
-    def _metric_sum(self, values: dict[str, float]) -> dict[str, float]:
-        return self.groups.metric_sum(values)
-
-    def _step_metrics(self, batches: list[MicroBatch]) -> dict[str, float]:
+    def step_metrics(self, batches: list[MicroBatch]) -> dict[str, float]:
         """``train/micro_batches``: this rank's micro-batches of the step."""
         return {"train/micro_batches": float(len(batches))}
 
-    def _input_embedding(self) -> torch.nn.Module | None:
+    def input_embedding(self) -> torch.nn.Module | None:
         """The first pipeline stage's ``VocabParallelEmbedding`` (None on later stages)."""
         return next((m for m in self.model.modules() if type(m).__name__ == "VocabParallelEmbedding"), None)
 
-    def _route_shape(self) -> RouteShape:
-        """NotImplementedError in an unproven layout (:meth:`.config.MegatronConfig.replay_routes_problem`)."""
+    def route_shape(self) -> RouteShape:
+        """The policy's routed experts per position (found in ``init``); NotImplementedError in an unproven layout
+        (:meth:`.config.MegatronConfig.replay_routes_problem`), RouteError beyond uint8's experts."""
+        if isinstance(self._route_shape, Exception):
+            raise self._route_shape
+        return self._route_shape
+
+    def _find_route_shape(self) -> RouteShape | Exception:
         problem = self.megatron.replay_routes_problem()
         if problem:
-            raise NotImplementedError(problem)
+            return NotImplementedError(problem)
         arch = self.model.qwen_config.arch
-        return RouteShape(arch.num_layers, arch.moe_router_topk, arch.num_experts, "the policy")
+        try:
+            return RouteShape(arch.num_layers, arch.moe_router_topk, arch.num_experts, "the policy")
+        except RouteError as e:
+            return e
 
     def compute_log_probs(self, samples: list[Sample], *, rounding_noise: bool = False,
                           replay_routes: bool = False) -> list[list[float]]:
-        """:meth:`TrainerBackend.compute_log_probs`, shared from the last pipeline stage with every stage."""
-        out = super().compute_log_probs(samples, rounding_noise=rounding_noise, replay_routes=replay_routes)
+        """:func:`slime.backends.step.compute_log_probs`, shared from the last pipeline stage with every stage."""
+        out = compute_log_probs(self, samples, rounding_noise=rounding_noise, replay_routes=replay_routes)
         if self.groups.pp_size > 1:
             from megatron.core import parallel_state as ps
 
@@ -249,8 +263,7 @@ class MegatronBackend(TrainerBackend):
         """This rank's share of the weights by Hugging Face name in lockstep buckets of whole layers
         (:func:`.weight_export.iter_buckets`), in the parameters' dtype, on ``device`` (default: this rank's);
         ``skip_frozen``: the frozen parameters are neither gathered nor sent."""
-        self._require_init()
-        self._require_on_device("iter_weight_buckets()", training=False)
+        self.memory.require("iter_weight_buckets()", training=False)
         yield from iter_buckets(self.model, bucket_bytes, device=device or self.device,
                                 skip=self.frozen if skip_frozen else frozenset())
 
@@ -263,22 +276,23 @@ class MegatronBackend(TrainerBackend):
     def save(self, rollout_id: int, path: Path) -> None:
         """Write ``path/trainer`` (:mod:`slime.backends.megatron.checkpoint`) and, with ``--save-hf``, the
         Hugging Face folder (``{rollout_id}`` in its path replaced). Collective."""
-        self._require_init()
+        self.memory.require_init()
         save_hf = self.megatron.save_hf.format(rollout_id=rollout_id) if self.megatron.save_hf else None
         layout = {"tensor_model_parallel_size": self.megatron.tensor_model_parallel_size,
                   "pipeline_model_parallel_size": self.megatron.pipeline_model_parallel_size,
                   "expert_model_parallel_size": self.megatron.expert_model_parallel_size,
                   "expert_tensor_parallel_size": self.megatron.expert_tensor_parallel,
                   "data_parallel_size": self.groups.dp_size, "dtype": str(self.dtype)}
+        ckpt_cfg = self.spec.checkpoint
         mckpt.save_trainer_state(Path(path) / "trainer", self.model, self.optimizer, steps=self.optimizer_steps,
-                                 save_optim=not self.ckpt_cfg.no_save_optim, layout=layout, save_hf=save_hf,
-                                 hf_checkpoint=self.ckpt_cfg.hf_checkpoint, frozen_hf=set(self.frozen_hf_names))
+                                 save_optim=not ckpt_cfg.no_save_optim, layout=layout, save_hf=save_hf,
+                                 hf_checkpoint=ckpt_cfg.hf_checkpoint, frozen_hf=set(self.frozen_hf_names))
 
     # ------------------------------------------------------------------------------------
     # colocated memory
     # ------------------------------------------------------------------------------------
 
-    def _move_part(self, part: str, onto_device: bool) -> None:
+    def move_part(self, part: str, onto_device: bool) -> None:
         """:data:`WEIGHTS`: the policy's parameter buffers; :data:`TRAINING_STATE`: gradient buffers, optimizer state
         and the reference model, through megatron-core's RL offload API (why not ``torch_memory_saver``:
         ``docs/design/training_step.md``)."""

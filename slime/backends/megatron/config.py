@@ -27,7 +27,8 @@ from slime.backends.config import BackendConfig, OtherBackendFlag, gdn_batching_
 from slime.utils.config import ConfigError, check_at_least_one, flag
 
 if TYPE_CHECKING:
-    from slime.backends.config import CheckpointConfig, ModelConfig, TrainConfig
+    from slime.backends.config import CheckpointConfig, TrainConfig
+    from slime.checkpoints.model_args import ModelConfig
     from slime.ray.config import ClusterConfig
 
 PACKED_GDN_PROVEN: tuple[dict[str, int], ...] = (

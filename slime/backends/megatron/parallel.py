@@ -3,7 +3,8 @@
 The world is one default group (``"cpu:gloo,cuda:nccl"`` on GPUs, gloo on CPU); megatron-core's
 ``initialize_model_parallel`` cuts it into TP, PP, CP, EP, expert-TP and data-parallel groups (rank order
 ``tp-cp-ep-dp-pp``) with gloo twins of the data-parallel groups.  The backend itself uses ``dp_gloo`` (loss
-normalisers, micro-batch counts), ``tp`` (vocab-parallel log-probs) and the world (metrics, :meth:`Groups.metric_sum`).
+normalisers, micro-batch counts), ``tp`` (vocab-parallel log-probs) and the world (metrics: the backend's
+:class:`~slime.backends.train_metrics.DataParallel` sums over it and divides by TP).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from slime.backends.base import RankInfo
+from slime.backends.config import RankInfo
 from slime.backends.megatron.config import MegatronConfig
-from slime.backends.train_metrics import all_reduce_sums
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,3 @@ class Groups:
     def is_last_stage(self) -> bool:
         """This rank holds the LM head (and computes the loss)."""
         return self.pp_rank == self.pp_size - 1
-
-    def metric_sum(self, values: dict[str, float | torch.Tensor]) -> dict[str, float]:
-        """Per-rank loss terms (the same keys everywhere, zeros off the last stage) summed over micro-batches and DP
-        ranks: a world sum divided by TP, whose ranks of the last stage hold identical copies. Collective."""
-        return {k: v / self.tp_size for k, v in all_reduce_sums(values).items()}

@@ -49,7 +49,7 @@ class Qwen35Inputs:
         logit_index: ``[K]`` int64 positions of the packed axis whose logits the last stage computes, in
             that order; ``None``: all ``T``.
         routed_experts: int ``[T, layers, top_k]`` experts every MoE layer takes at each position (``-1`` rows:
-            the router's own choice; :func:`slime.data.routes.token_routes`), or ``None``: the routers choose.
+            the router's own choice; :func:`slime.routing_replay.token_routes`), or ``None``: the routers choose.
     """
 
     input_ids: torch.Tensor

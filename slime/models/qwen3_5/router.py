@@ -11,7 +11,7 @@ weight on its own device: the model is built on the device it runs on (CUDA in t
 the CPU tests and tools), so the move is never needed.  Routing itself (top-k, softmax, the token
 dispatcher) is megatron-core's, except while :attr:`Qwen35Router.forced_experts` is set
 (:func:`replayed_routes`): then the router takes those experts and recomputes their gate weights with
-:func:`slime.models.routes.forced_gate_weights`.
+:func:`slime.routing_replay.forced_gate_weights`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from slime.models.routes import choose_routes, forced_gate_weights
+from slime.routing_replay import choose_routes, forced_gate_weights
 
 
 def _router_class():
@@ -51,7 +51,7 @@ class Qwen35Router(_router_class()):
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """megatron-core's routing, or with :attr:`forced_experts` set: those experts (the router's own top-k on
-        their ``-1`` rows) with :func:`~slime.models.routes.forced_gate_weights`.
+        their ``-1`` rows) with :func:`~slime.routing_replay.forced_gate_weights`.
 
         Returns:
             ``(probs [N, E], routing_map [N, E] bool)`` as megatron-core's.
@@ -109,7 +109,7 @@ def replayed_routes(model: torch.nn.Module, routes: torch.Tensor | None, *, sp_r
     Args:
         model: one pipeline stage; each router reads the column of its global layer number
             (megatron-core's ``layer_number``, 1-based, offset by the stage's first layer).
-        routes: int ``[T, layers, top_k]`` over the packed token axis (:func:`slime.data.routes.token_routes`),
+        routes: int ``[T, layers, top_k]`` over the packed token axis (:func:`slime.routing_replay.token_routes`),
             or None (nothing forced).
         sp_rank, sp_size: under sequence parallelism the router sees this TP rank's ``T / sp_size`` tokens;
             it takes rows ``sp_rank * T / sp_size ..``.

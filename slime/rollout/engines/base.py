@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from slime.arguments import SlimeConfig
+    from slime.rollout.engines.config import EngineSpec
 
 # GPU memory regions, by SGLang's tag strings (``sglang.srt.constants``).
 GPU_MEMORY_TYPE_WEIGHTS = "weights"
@@ -115,7 +115,7 @@ class GenerateOutput:
         engine_index: the serving engine, set by the engine group.
         rid: the request id the engine answered for, where it reports one (the group checks it).
         routed_experts: when asked, uint8 ``[prompt_tokens + R - 1, layers, top_k]``: each MoE layer's experts at
-            every position the engine ran a forward for (:mod:`slime.data.routes`); None otherwise.
+            every position the engine ran a forward for (:mod:`slime.routing_replay`); None otherwise.
     """
 
     text: str
@@ -232,8 +232,9 @@ class RolloutEngine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_config(cls, cfg: SlimeConfig, resources: EngineResources) -> RolloutEngine:
-        """Build engine ``resources.index`` of a run inside its Ray actor, on all of ``resources``.
+    def from_spec(cls, spec: EngineSpec, resources: EngineResources) -> RolloutEngine:
+        """Build engine ``resources.index`` of a run inside its Ray actor, on all of ``resources``, from what every
+        engine of the run is handed (:class:`slime.rollout.engines.config.EngineSpec`).
 
         Raises:
             ValueError / ConfigError: the engine cannot use these resources or flags (the message names the flag).

@@ -1,17 +1,21 @@
-"""The light side of a rollout engine: its parse-time checks, importable without the engine's packages.
+"""The light side of a rollout engine: what every engine is handed (:class:`EngineSpec`) and its parse-time checks,
+importable without the engine's packages.
 
 A built-in engine names its config in :data:`slime.rollout.engines.ENGINES`
 (:attr:`slime.utils.registry.Builtin.config`); :func:`slime.arguments.validate` runs the
 selected engine's :meth:`EngineConfig.check` at parse time.  Engines given as a
-``package.module:Class`` import path get this base class, which checks nothing.
+``package.module:Class`` import path get this base class, which checks nothing.  An engine is built from an
+:class:`EngineSpec` and its resources (``engine_cls.from_spec(spec, resources)``), never from the whole config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from slime.rollout.config import RolloutConfig, SGLangConfig
+    from slime.rollout.config import RolloutConfig
+    from slime.rollout.engines.sglang.flags import SGLangConfig
 
 
 class EngineConfig:
@@ -31,14 +35,25 @@ class EngineConfig:
         """
 
 
-def rollout_routes_wanted(cfg, *, parity_check: bool) -> bool:
-    """Whether a run's engines capture routed experts and its training rollouts ask for them: an MoE
-    ``--hf-checkpoint`` with ``--use-rollout-routing-replay`` (the trainer replays them), or with the engine parity
-    check replaying them (``parity_check``: the engine kind runs it; then the engine captures every forward's routes
-    anyway, and the trainer's router agreement is measured at no extra cost).  ``cfg``: the run's SlimeConfig."""
-    from slime.data.routes import RouteShape
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What every rollout engine of a run is handed.
 
-    parity = cfg.parity
-    replayed_by_parity = parity_check and parity.engine_parity_replay_routes and not parity.skip_engine_parity_check
-    wanted = cfg.train.use_rollout_routing_replay or replayed_by_parity
-    return wanted and RouteShape.from_checkpoint(cfg.checkpoint.hf_checkpoint) is not None
+    Attributes:
+        hf_checkpoint: ``--hf-checkpoint``, the weights an engine starts from.
+        rollout_seed: ``--rollout-seed``; engine ``i`` seeds requests that bring no seed with ``rollout_seed + i``.
+        image_min_pixels, image_max_pixels: the data pipeline's pixel bounds (``--image-min-pixels`` /
+            ``--image-max-pixels``; None: the processor's), for an engine that processes images itself.
+        sglang: the ``--sglang-*`` pass-through (:class:`~slime.rollout.engines.sglang.flags.SGLangConfig`).
+        output_dir: the run's folder (``--output-dir``), where an engine keeps its logs; None: a temporary one.
+        return_routed_experts: the engines capture routed experts
+            (:func:`slime.routing_replay.rollout_routes_wanted` for this engine kind).
+    """
+
+    hf_checkpoint: str
+    rollout_seed: int = 0
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
+    sglang: SGLangConfig | None = None
+    output_dir: str | None = None
+    return_routed_experts: bool = False

@@ -27,9 +27,9 @@ from slime.rollout.engines.base import (
     SamplingParams,
     memory_tags,
 )
+from slime.rollout.engines.config import EngineSpec
 from slime.rollout.engines.hf_sampling import check_sampling_params, sample_next_tokens
-from slime.data.routes import RouteShape, compact_routes
-from slime.models.routes import capture_hf_routes
+from slime.routing_replay import RouteShape, capture_hf_routes, compact_routes
 from slime.rollout.engines.hf_weights import CheckpointWeights
 from slime.rollout.seeds import SEED_BITS, uniform
 
@@ -97,7 +97,7 @@ class TransformersEngine(RolloutEngine):
         self._shut_down = False
 
     @classmethod
-    def from_config(cls, cfg, resources: EngineResources) -> "TransformersEngine":
+    def from_spec(cls, spec: EngineSpec, resources: EngineResources) -> "TransformersEngine":
         """Engine ``resources.index`` of a run: ``--hf-checkpoint``, the data pipeline's pixel bounds, seed
         ``--rollout-seed + index`` (for requests without one), bfloat16 on the engine's GPU, float32 on CPU.
 
@@ -111,12 +111,12 @@ class TransformersEngine(RolloutEngine):
                 "parallelism"
             )
         return cls(
-            cfg.checkpoint.hf_checkpoint,
+            spec.hf_checkpoint,
             device="cuda" if resources.use_gpu else "cpu",
             dtype=torch.bfloat16 if resources.use_gpu else torch.float32,
-            min_pixels=cfg.data.image_min_pixels,
-            max_pixels=cfg.data.image_max_pixels,
-            seed=cfg.rollout.rollout_seed + resources.index,
+            min_pixels=spec.image_min_pixels,
+            max_pixels=spec.image_max_pixels,
+            seed=spec.rollout_seed + resources.index,
         )
 
     @property

@@ -9,7 +9,8 @@ from slime.rollout.engines.config import EngineConfig
 from slime.utils.config import ConfigError
 
 if TYPE_CHECKING:
-    from slime.rollout.config import RolloutConfig, SGLangConfig
+    from slime.rollout.config import RolloutConfig
+    from slime.rollout.engines.sglang.flags import SGLangConfig
 
 
 class TransformersEngineConfig(EngineConfig):

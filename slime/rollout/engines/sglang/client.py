@@ -47,7 +47,7 @@ class SGLangClient:
 
     ``timeout_s``: socket timeout of control calls, seconds (``/generate`` and weight updates wait without limit: a dead
     server resets the connection, and the group's health checks catch a hung one).  ``record``: append every exchange to
-    this JSON-lines file, the key redacted (e.g. for ``tests/fake_sglang_server.py --replay``).
+    this JSON-lines file, the key redacted (e.g. for ``scripts/harness/fake_sglang_server.py --replay``).
     """
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 60.0,

@@ -1,9 +1,6 @@
-"""Parse-time checks of ``--rollout-backend sglang`` (importable without SGLang).
-
-Every ``--sglang-<name>`` flag is an SGLang server argument passed through as ``--<name>``
-(:class:`slime.rollout.config.SGLangConfig`), except the ones in :data:`SLIME_OWNED` (upstream
-slime's names for client-side settings, read by the engine and not passed on).  This config refuses
-the server arguments that would break what the engine relies on, naming the flag and the fix.
+"""Parse-time checks of ``--rollout-backend sglang`` (importable without SGLang): the server arguments that would
+break what the engine relies on are refused, naming the flag and the fix.  The flags themselves:
+:mod:`slime.rollout.engines.sglang.flags`.
 """
 
 from __future__ import annotations
@@ -11,28 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from slime.rollout.engines.config import EngineConfig
+from slime.rollout.engines.sglang.flags import SGLangConfig, _dashed, requests_per_call
 from slime.utils.config import ConfigError
 
 if TYPE_CHECKING:
-    from slime.rollout.config import RolloutConfig, SGLangConfig
+    from slime.rollout.config import RolloutConfig
 
-DEFAULT_SERVER_CONCURRENCY = 512
-"""Requests the engine keeps in flight at one server (upstream slime's ``--sglang-server-concurrency`` default)."""
-MAX_SERVER_CONCURRENCY = 512
-"""Threads of an engine actor for ``generate`` (``SGLangEngine.max_concurrent_calls``): the most calls in flight."""
-DEFAULT_REQUESTS_PER_CALL = 32
-"""Requests in one batched ``/generate`` call (``--sglang-requests-per-call``), see :data:`SLIME_OWNED`."""
-
-SLIME_OWNED = {
-    "server_concurrency": "requests slime keeps in flight at each engine (its capacity); the server queues "
-    "what it cannot run at once (--sglang-max-running-requests)",
-    "requests_per_call": "requests sent in one batched /generate call (at most the engine's capacity): SGLang "
-    "tokenises a batch's prompts one after the other and schedules each as soon as it is ready, whereas many "
-    "single-request calls arriving at once are pre-processed side by side and reach the scheduler together "
-    "(on the H200, 64 image prompts sent singly waited 2 s before decoding began); a call returns when its last "
-    "request ends, so smaller calls free the group's window sooner",
-}
-"""``--sglang-*`` names that configure slime's client, not the server."""
 
 REFUSED = {
     "api_key": "slime gives every server a per-run secret of its own (never printed); remove it",
@@ -67,61 +48,6 @@ MTP_ALGORITHMS = ("EAGLE", "NEXTN")
 CHECKED = ("tokenizer_worker_num", "dp_size", "data_parallel_size", "enable_dp_attention",
            "enable_tokenizer_batch_encode", "speculative_algorithm", "speculative_draft_model_path")
 """Server arguments whose values :meth:`SGLangEngineConfig.check` checks (an abbreviation of one is refused too)."""
-
-
-def _dashed(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def slime_owned_args(sglang: SGLangConfig) -> tuple[dict[str, str], list[str]]:
-    """Split ``--sglang-*`` flags into slime's own (:data:`SLIME_OWNED`) and the server's.
-
-    Returns:
-        ``({name: value}, SGLang server argv)``.
-    """
-    from slime.rollout.config import SGLangConfig, _render
-
-    owned = {k: v for k, v in sglang.server_args.items() if k in SLIME_OWNED}
-    rest = SGLangConfig({k: v for k, v in sglang.server_args.items() if k not in SLIME_OWNED})
-    return owned, _render(rest.server_args, "--")
-
-
-def _owned_int(sglang: SGLangConfig, name: str, default: int, top: int, hint: str) -> int:
-    value = sglang.server_args.get(name, str(default))
-    try:
-        number = int(value) if isinstance(value, str) else None
-    except ValueError:
-        number = None
-    if number is None or not 1 <= number <= top:
-        raise ConfigError(f"--sglang-{_dashed(name)} must be one integer in 1..{top}, got {value!r}; {hint}")
-    return number
-
-
-def server_concurrency(sglang: SGLangConfig) -> int:
-    """``--sglang-server-concurrency`` (default :data:`DEFAULT_SERVER_CONCURRENCY`).
-
-    Raises:
-        ConfigError: not one integer in 1..:data:`MAX_SERVER_CONCURRENCY`.
-    """
-    return _owned_int(sglang, "server_concurrency", DEFAULT_SERVER_CONCURRENCY, MAX_SERVER_CONCURRENCY,
-                      "e.g. 512 (the server queues what it cannot run at once)")
-
-
-def default_requests_per_call(capacity: int) -> int:
-    """:data:`DEFAULT_REQUESTS_PER_CALL`, cut to an engine's ``capacity`` (``--sglang-server-concurrency``)."""
-    return min(DEFAULT_REQUESTS_PER_CALL, capacity)
-
-
-def requests_per_call(sglang: SGLangConfig) -> int:
-    """``--sglang-requests-per-call`` (default :func:`default_requests_per_call`).
-
-    Raises:
-        ConfigError: not one integer in 1..``--sglang-server-concurrency``.
-    """
-    capacity = server_concurrency(sglang)
-    return _owned_int(sglang, "requests_per_call", default_requests_per_call(capacity), capacity,
-                      f"e.g. {default_requests_per_call(capacity)} (at most --sglang-server-concurrency; 1 sends "
-                      "every request in a call of its own)")
 
 
 class SGLangEngineConfig(EngineConfig):

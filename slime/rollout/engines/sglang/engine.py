@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from slime.data.routes import RouteShape
+from slime.routing_replay import RouteShape
 from slime.rollout.engines.base import (
     GPU_MEMORY_TYPE_CUDA_GRAPH,
     EngineResources,
@@ -34,10 +34,11 @@ from slime.rollout.engines.base import (
     RolloutEngine,
     memory_tags,
 )
-from slime.rollout.engines.config import rollout_routes_wanted
 from slime.rollout.engines.sglang import generation
 from slime.rollout.engines.sglang.client import SGLangClient, SGLangRequestError, SGLangUnavailable
-from slime.rollout.engines.sglang.config import (
+from slime.rollout.engines.config import EngineSpec
+from slime.rollout.engines.sglang.flags import (
+    SGLangConfig,
     MAX_SERVER_CONCURRENCY,
     default_requests_per_call,
     requests_per_call,
@@ -127,34 +128,27 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_config(cls, cfg, resources: EngineResources) -> SGLangEngine:
+    def from_spec(cls, spec: EngineSpec, resources: EngineResources) -> SGLangEngine:
         """Engine ``resources.index`` of a run: its server on the engine's GPUs (see :mod:`.launch`).
 
         Raises:
             ValueError: the engine has no GPUs, or spans several nodes.
         """
         cls.check_resources(resources)
-        owned, passthrough = slime_owned_args(cfg.sglang)
-        del owned
-        spec = ServerSpec(
-            model_path=cfg.checkpoint.hf_checkpoint,
+        sglang = spec.sglang or SGLangConfig()
+        _, passthrough = slime_owned_args(sglang)
+        server = ServerSpec(
+            model_path=spec.hf_checkpoint,
             tp_size=len(resources.local_gpu_ids) or 1,
             host=server_host(resources.node_ip, _cluster_nodes()),
             port=_free_port(),
-            seed=cfg.rollout.rollout_seed + resources.index,
+            seed=spec.rollout_seed + resources.index,
             colocated=resources.colocated,
             passthrough=tuple(passthrough),
-            return_routed_experts=cls.captures_routes(cfg),
+            return_routed_experts=spec.return_routed_experts,  # the server captures routes: --enable-return-...
         )
-        return cls(spec, _run_dir(cfg, resources.index), capacity=server_concurrency(cfg.sglang),
-                   requests_per_call=requests_per_call(cfg.sglang), gpu_ids=resources.local_gpu_ids)
-
-    @classmethod
-    def captures_routes(cls, cfg) -> bool:
-        """Whether the run's servers capture routed experts (``--enable-return-routed-experts``): an MoE
-        ``--hf-checkpoint`` with ``--use-rollout-routing-replay``, or whose engine parity check replays them
-        (:func:`slime.rollout.engines.config.rollout_routes_wanted`)."""
-        return rollout_routes_wanted(cfg, parity_check=cls.parity_check)
+        return cls(server, _run_dir(spec.output_dir, resources.index), capacity=server_concurrency(sglang),
+                   requests_per_call=requests_per_call(sglang), gpu_ids=resources.local_gpu_ids)
 
     @classmethod
     def check_resources(cls, resources: EngineResources) -> None:
@@ -472,9 +466,8 @@ def _free_port() -> int:
     return free_port()
 
 
-def _run_dir(cfg, index: int) -> Path:
+def _run_dir(output_dir: str | None, index: int) -> Path:
     """``<output-dir>/sglang/engine-<index>`` when the run has an output folder, else a temporary folder."""
-    output_dir = getattr(cfg.logging, "output_dir", None)
     if output_dir:
         return Path(output_dir) / "sglang" / f"engine-{index}"
     return Path(tempfile.mkdtemp(prefix=f"slime-sglang-engine-{index}-"))

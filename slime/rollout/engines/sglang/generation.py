@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from slime.data.routes import RouteError, RouteShape, compact_routes
+from slime.routing_replay import RouteError, RouteShape, compact_routes
 from slime.rollout.engines.base import EngineUnavailableError, GenerateOutput, GenerateRequest
 from slime.rollout.engines.sglang.client import SGLangRequestError
 

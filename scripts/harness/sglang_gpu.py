@@ -135,8 +135,8 @@ def hf_log_probs(model, samples, temperature: float, *, replay_routes: bool = Fa
 
     Args:
         replay_routes: every MoE layer takes the sample's ``rollout_routed_experts`` (uint8 ``[P + R - 1, layers,
-            top_k]``) at those positions and its own choice at the last one (:func:`slime.data.routes.token_routes`,
-            :func:`slime.models.routes.force_hf_routes`: the FSDP trainer's replay).
+            top_k]``) at those positions and its own choice at the last one (:func:`slime.routing_replay.token_routes`,
+            :func:`slime.routing_replay.force_hf_routes`: the FSDP trainer's replay).
         rounding_noise: one rounding step of noise on the token embeddings, the ``n``-th forward seeded ``n``
             (:func:`slime.backends.rounding.rounding_step_noise` around all forwards, as the trainer's floor pass).
         routes_out: when a list, each sample's own routes (int64 ``[P + R, layers, top_k]``) are appended to it.
@@ -148,8 +148,8 @@ def hf_log_probs(model, samples, temperature: float, *, replay_routes: bool = Fa
 
     from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
     from slime.backends.rounding import rounding_step_noise
-    from slime.data.routes import RouteShape, token_routes
-    from slime.models.routes import capture_hf_routes, force_hf_routes
+    from slime.routing_replay import RouteShape, token_routes
+    from slime.routing_replay import capture_hf_routes, force_hf_routes
 
     device = next(model.parameters()).device
     shape = RouteShape.from_hf_config(model.config.to_dict(), "the reference's config") if replay_routes else None

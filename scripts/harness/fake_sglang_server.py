@@ -1,6 +1,6 @@
 """A fake SGLang 0.5.17 HTTP server for the CPU tests of the SGLang engine.
 
-Started by :class:`tests.fake_sglang.FakeSGLangEngine` exactly where the engine starts a real server
+Started by :class:`scripts.harness.fake_sglang.FakeSGLangEngine` exactly where the engine starts a real server
 (same command-line flags, the secret on the first line of stdin, the same environment), it speaks the
 0.5.17 native API as read from SGLang's source (``sglang/srt/entrypoints/http_server.py``,
 ``managers/io_struct.py``, ``managers/tokenizer_manager.py``, ``utils/auth.py``):
@@ -55,8 +55,8 @@ when the N-th ``/generate`` request arrives: a crash mid-rollout).  Refusals as 
 such a prompt is refused as a whole with that message (``_handle_batch_request`` pre-processes the prompts in
 order; the first refusal fails the call, which names neither the request nor its index).
 ``--fake-refuse-batches N`` refuses the first ``N`` batched calls (400) whatever they hold: a refusal of the
-batch as such, whose requests are fine alone.  ``/server_info`` counts ``generate_calls`` (requests that ran)
-and ``generate_http_calls`` (``/generate`` calls, refused ones included).  Plugin: the server finds slime's SGLang
+batch as such, whose requests are fine alone.  ``/server_info`` counts ``generate_calls`` (requests that ran),
+``generate_http_calls`` (``/generate`` calls, refused ones included) and ``running`` (requests running now).  Plugin: the server finds slime's SGLang
 plugin through ``importlib.metadata`` entry points (the ``*.dist-info`` on ``PYTHONPATH``) and, as the real
 plugin would in a main and ``--tp-size`` scheduler processes, writes its reports (``--fake-version`` is the
 SGLang version reported).  ``--replay FILE``: answer from a recording (JSON lines ``{"method", "endpoint",
@@ -78,7 +78,6 @@ import subprocess
 import sys
 import threading
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ALLOWED_PREFIXES = ("builtins.", "collections.", "copyreg.", "functools.", "types.", "torch.", "torch._utils.",
@@ -186,7 +185,7 @@ class FakeServer:
     def ep_server_info(self, body):
         return 200, {"version": self.args.fake_version, "tp_size": self.args.tp_size, "api_key": self.secret,
                      "port": self.args.port, "host": self.args.host, "unknown_args": self.args.unknown,
-                     "max_running": self.max_running, "generate_calls": self.generate_calls,
+                     "running": self.running, "max_running": self.max_running, "generate_calls": self.generate_calls,
                      "generate_http_calls": self.generate_http_calls, "scheduler_pids": self.scheduler_pids}
 
     def ep_generate(self, body):

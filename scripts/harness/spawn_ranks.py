@@ -1,4 +1,4 @@
-"""Run a function on N fresh processes that form one ``torch.distributed`` group, for the tests.
+"""Run a function on N fresh processes that form one ``torch.distributed`` group, for the tests and benchmarks.
 
 Every multi-process test goes through :func:`spawn_ranks`, which removes two sources of flakes:
 

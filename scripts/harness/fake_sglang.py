@@ -1,9 +1,9 @@
-"""The SGLang engine with the fake server of :mod:`tests.fake_sglang_server` in place of SGLang.
+"""The SGLang engine with the fake server of :mod:`scripts.harness.fake_sglang_server` in place of SGLang.
 
 :class:`FakeSGLangEngine` is :class:`slime.rollout.engines.sglang.engine.SGLangEngine` unchanged except for
-two things: it accepts CPU bundles, and its server command runs ``tests/fake_sglang_server.py`` with the very
+two things: it accepts CPU bundles, and its server command runs ``scripts/harness/fake_sglang_server.py`` with the very
 flags the real command would give SGLang (``--sglang-fake-*`` flags pass through to the fake like any other
-SGLang flag).  Select it with ``--rollout-backend tests.fake_sglang:FakeSGLangEngine``.
+SGLang flag).  Select it with ``--rollout-backend scripts.harness.fake_sglang:FakeSGLangEngine``.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ class SharedGpuFakeSGLangEngine(FakeSGLangEngine):
         super().__init__(spec, run_dir, **kwargs)
 
 
-DATA = Path(__file__).resolve().parents[1] / "examples" / "geo3k_vlm" / "data"
+DATA = Path(__file__).resolve().parents[2] / "examples" / "geo3k_vlm" / "data"
 
 
 def start_engine_group(work_dir: Path, *sglang_flags: str, num_engines: int = 2, capacity: int = 4,
-                       engine: str = "tests.fake_sglang:FakeSGLangEngine", timeout_s: float = 300.0):
+                       engine: str = "scripts.harness.fake_sglang:FakeSGLangEngine", timeout_s: float = 300.0):
     """``num_engines`` fake SGLang engines (one CPU bundle each) in the real engine group, healthy.
 
     Needs Ray started (:func:`slime.ray.placement.init_ray`).  ``sglang_flags`` pass through as
@@ -51,7 +51,7 @@ def start_engine_group(work_dir: Path, *sglang_flags: str, num_engines: int = 2,
     removes the placement (done here when start-up fails).
     """
     from slime.arguments import parse_args
-    from tests.stub_engines import start_engines
+    from scripts.harness.engine_group import start_engines
 
     cfg = parse_args([
         "--hf-checkpoint", str(work_dir), "--prompt-data", str(DATA), "--num-rollout", "1",
