@@ -40,6 +40,7 @@ from slime.backends.train_metrics import (
 )
 from slime.data.routes import RouteError, RouteShape, check_routes
 from slime.data.sample import Sample
+from slime.grpo.token_advantages import Whitening, token_advantages, whitening_of, whitening_sums
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class MicroBatch:
     training forward, when set) takes: the engine's (R3) or the old-log-prob pass's (R2); None: the router's own."""
     trainer_routes: list[np.ndarray] | None = None
     """Per sample the experts the policy's routers chose in a ``capture_routes`` pass, same layout."""
+    advantage_whitening: Whitening | None = None
+    """With ``--normalize-advantages``: the rollout step's statistics over every rank (:meth:`TrainerBackend.train`)."""
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:
@@ -200,9 +203,11 @@ class TrainerBackend(abc.ABC):
             batch.routes = batch.trainer_routes  # R2: the old-log-prob pass's routes, in every optimizer step
         ref = None if self.ref_model is None else self._log_probs_by_sample(self.ref_model, everything, len(samples),
                                                                              replay_routes=r3)
+        whitening = self._advantage_whitening(samples, old, ref) if self.grpo.normalize_advantages else None
         for batch in everything:
             batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
             batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
+            batch.advantage_whitening = whitening
             if self.grpo.needs_rollout_log_probs and old is not None:
                 batch.rollout_log_probs = [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
                                            for s in batch.samples]
@@ -221,6 +226,20 @@ class TrainerBackend(abc.ABC):
         metrics.update(gap)
         metrics.update(self.memory_metrics())
         return metrics
+
+    def _advantage_whitening(self, samples: list[Sample], old: list[Tensor] | None,
+                             ref: list[Tensor] | None) -> Whitening:
+        """``--normalize-advantages``: the mean and spread of every loss-masked token's advantage (after
+        :func:`~slime.grpo.token_advantages.token_advantages`) over this rollout's samples on all data-parallel ranks,
+        once per rollout (upstream whitens once per rollout too).  Collective; ranks that compute no loss add zeros."""
+        sums = {"adv/sum": 0.0, "adv/sum_sq": 0.0, "adv/tokens": 0.0}
+        for i, sample in enumerate(samples if old is not None else ()):
+            mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
+            token_adv = token_advantages(torch.tensor([sample.advantage], dtype=torch.float32), mask, self.grpo,
+                                         old_log_probs=old[i], ref_log_probs=None if ref is None else ref[i])
+            for name, value in whitening_sums(token_adv, mask).items():
+                sums[name] += value
+        return whitening_of(self._metric_sum(sums))
 
     def _optimizer_step(self, rollout_id: int, batches: list[MicroBatch]) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches of it; returns its metrics, reduced over ranks."""
@@ -304,7 +323,8 @@ class TrainerBackend(abc.ABC):
     def _rollout_log_prob_flags(self) -> str:
         """The flags that need every sample's ``rollout_log_probs`` (for :func:`check_train_samples`; "" if none)."""
         flags = [name for name, on in (("--use-rollout-logprobs", self.train_cfg.use_rollout_logprobs),
-                                       ("--use-tis", self.grpo.use_tis), ("--use-opsm", self.grpo.use_opsm)) if on]
+                                       ("--use-tis", self.grpo.use_tis), ("--use-opsm", self.grpo.use_opsm),
+                                       ("--get-mismatch-metrics", self.grpo.get_mismatch_metrics)) if on]
         return " / ".join(flags)
 
     def _micro_batches(self, samples: Sequence[Sample], indices: Sequence[int], dp_group) -> list[MicroBatch]:

@@ -21,6 +21,7 @@ from slime.backends.megatron.batches import PackedBatch
 from slime.grpo.config import GRPOConfig
 from slime.grpo.log_probs import vocab_parallel_log_probs
 from slime.grpo.loss import grpo_micro_batch_loss
+from slime.grpo.token_advantages import Whitening
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,7 @@ class LossContext:
     """What the loss functions need besides the micro-batch: ``temperature``, the real ``vocab_size`` (the checkpoint's,
     TP padding excluded), the vocab-parallel ``tp_group``, the ``device`` micro-batches move to, and for training
     ``grpo``, the step's ``normalizer`` over all DP ranks (:func:`slime.backends.steps.loss_normalizer`), this rank's
-    ``num_microbatches`` and ``dp_size``."""
+    ``num_microbatches`` and ``dp_size``, and the rollout's ``whitening`` (``--normalize-advantages``)."""
 
     temperature: float
     vocab_size: int
@@ -38,6 +39,7 @@ class LossContext:
     normalizer: float | None = None
     num_microbatches: int = 1
     dp_size: int = 1
+    whitening: Whitening | None = None
 
 
 def _log_probs(ctx: LossContext, batch: PackedBatch, logits: Tensor, with_entropy: bool):
@@ -56,7 +58,7 @@ def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
         log_probs, batch.old_log_probs, batch.advantages, batch.loss_mask, ctx.grpo,
         global_normalizer=ctx.normalizer, ref_log_probs=batch.ref_log_probs,
         rollout_log_probs=batch.rollout_log_probs, entropy=entropy,
-        cu_seqlens=batch.cu_seqlens,
+        cu_seqlens=batch.cu_seqlens, advantage_whitening=ctx.whitening,
     )
     scale = ctx.num_microbatches * ctx.dp_size
     one = torch.ones((), dtype=torch.int, device=loss.device)
