@@ -63,7 +63,7 @@ class GRPOConfig:
     use_kl_loss: bool = flag(False, help="Add a KL(policy || reference) term to the loss (needs a reference model).")
     kl_loss_coef: float = flag(0.0, help="Weight of the KL loss term; > 0 requires a reference model.")
     kl_loss_type: str = flag(
-        "k1", choices=list(KL_TYPES), help="KL estimator for the KL loss (Schulman 2020); upstream slime's default."
+        "k1", choices=list(KL_TYPES), help="KL estimator for the KL loss (Schulman 2020), as upstream slime."
     )
     use_unbiased_kl: bool = flag(
         False,
