@@ -80,11 +80,12 @@ def ref_weight(s: dict, t: int, cfg: GRPOConfig) -> float:
 def ref_terms(samples: list[dict], cfg: GRPOConfig, lp_of=lambda s, t: s["lp"][t]) -> dict[str, float]:
     """The loss and its terms: token loss (PPO eq. 7 with DAPO's clip-higher, dual-clip, or CISPO eq. 4), IS weight,
     rejected tokens (weight 0) out of every numerator, the original masks in every denominator (upstream)."""
-    sums = {k: [] for k in ("pg", "clip", "ppo_kl", "kl", "ent")}
+    sums = {k: [] for k in ("pg", "clip", "ppo_kl", "kl", "ent", "opsm")}
     counts = []
     for s in samples:
         per = dict.fromkeys(sums, 0.0)
         on = [t for t, m in enumerate(s["mask"]) if m]
+        seq_kl = math.fsum(s["roll"][t] - s["lp"][t] for t in on) / max(len(on), 1)  # OPSM, current policy detached
         for t in on:
             lp, old, a = lp_of(s, t), s["old"][t], s["adv"][t] if isinstance(s["adv"], list) else s["adv"]
             r = math.exp(lp - old)
@@ -99,7 +100,9 @@ def ref_terms(samples: list[dict], cfg: GRPOConfig, lp_of=lambda s, t: s["lp"][t
                 if cfg.eps_clip_c is not None and a < 0:
                     loss = min(loss, -a * cfg.eps_clip_c)
             w = ref_weight(s, t, cfg)
-            per["pg"] += loss * w
+            masked = cfg.use_opsm and a < 0 and seq_kl > cfg.opsm_delta  # DeepSeek-V3.2 eq. 9, per token
+            per["opsm"] += float(masked)
+            per["pg"] += 0.0 if masked else loss * w
             if w == 0.0:
                 continue  # rejected: out of every numerator
             per["clip"] += clipped
@@ -191,6 +194,25 @@ def test_the_reference_sees_clipped_dual_clipped_and_rejected_tokens():
     dual = [s for s in samples if s["adv"] < 0 and any(
         m and math.exp(s["lp"][t] - s["old"][t]) > 3.0 for t, m in enumerate(s["mask"]))]
     assert dual, "a negative-advantage token with ratio > eps_clip_c"
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["sample-mean", "token-mean"])
+def test_opsm_masks_the_negative_advantage_tokens_of_off_policy_samples(per_token):
+    # per-token advantages of both signs in one sample (REINFORCE++ returns, --kl-coef shaping): only the negative
+    # ones of a sample past delta go (the paper's A_{i,t} < 0, as upstream's compute_opsm_mask)
+    samples = make_samples(seed=13)
+    rng = random.Random(13)
+    token_adv = [[rng.uniform(-1.5, 1.5) for _ in s["mask"]] for s in samples]
+    cfg = GRPOConfig(use_opsm=True, opsm_delta=0.05, calculate_per_token_loss=per_token)
+    ref_samples = [dict(s, adv=row) for s, row in zip(samples, token_adv)]
+    want = ref_terms(ref_samples, cfg)
+    assert 0 < want["opsm"] < 1, "some tokens masked, not all"
+    for inputs in layouts(samples, token_adv):
+        inputs["log_probs"].requires_grad_()
+        loss, m = grpo_loss(cfg=cfg, **inputs)
+        assert loss.item() == pytest.approx(want["loss"], rel=1e-9, abs=1e-12)
+        assert m["opsm_masked_frac"].item() == pytest.approx(want["opsm"], rel=1e-9, abs=1e-12)
+        assert m["pg_clipfrac"].item() == pytest.approx(want["clip"], rel=1e-9)  # OPSM leaves the metrics alone
 
 
 def test_rejected_tokens_leave_entropy_kl_clipfrac_and_ppo_kl_but_not_the_normaliser_by_hand():

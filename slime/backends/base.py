@@ -159,9 +159,9 @@ class TrainerBackend(abc.ABC):
         Returns:
             Metrics averaged over the steps, the same on every rank: ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
             entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, with ``--use-tis``
-            ``train/tis_weight_{mean, min, max}`` and ``train/tis_clipfrac``, with ``--use-opsm``
-            ``train/opsm_masked_frac`` (the ``_min`` / ``_max`` over all steps), the backend's :meth:`_step_metrics`,
-            the mismatch monitor (:mod:`slime.backends.train_metrics`; not with ``--use-rollout-logprobs``) and on a
+            ``train/tis_weight_{mean, min, max}`` (the ``_min`` / ``_max`` over all steps) and ``train/tis_clipfrac``,
+            with ``--use-opsm`` ``train/opsm_masked_frac``, with ``--get-mismatch-metrics`` ``train/mis_*``, the
+            backend's :meth:`_step_metrics`, the mismatch monitor (:mod:`slime.backends.train_metrics`; not with ``--use-rollout-logprobs``) and on a
             colocated GPU the free-memory figures of :meth:`memory_metrics`.  Routing replay (R3 / R2) and the
             monitor's router agreement: ``docs/design/routing_replay.md``.
 

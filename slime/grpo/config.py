@@ -140,8 +140,9 @@ class GRPOConfig:
     use_opsm: bool = flag(
         False,
         help="Off-policy sequence masking (DeepSeek-V3.2; upstream slime's flag): drop from the policy loss every "
-        "sample with a negative advantage whose KL(rollout || current policy), the mean over its tokens of "
-        "log p_rollout - log p, exceeds --opsm-delta. Needs rollout log-probs on every sample.",
+        "token with a negative advantage (with GRPO the whole sample) in a sample whose KL(rollout || current "
+        "policy), the mean over its tokens of log p_rollout - log p, exceeds --opsm-delta. Needs rollout log-probs "
+        "on every sample.",
     )
     opsm_delta: float = flag(1e-4, help="KL threshold of --use-opsm (nats per token, >= 0).")
     get_mismatch_metrics: bool = flag(

@@ -146,10 +146,11 @@ def opsm_keep(
     log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, delta: float,
     cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
-    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556; upstream ``compute_opsm_mask``): 0.0 on every
-    token of a sample whose mean advantage is negative and whose ``KL(pi_rollout || pi)``, estimated as the mean of
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556, eq. 9; upstream ``compute_opsm_mask``): 0.0 on
+    every token with a negative advantage ``A_t`` in a sample whose ``KL(pi_rollout || pi)``, estimated as the mean of
     ``log pi_rollout - log pi`` over its masked tokens, exceeds ``delta`` (``--opsm-delta``); 1.0 elsewhere.  No
-    gradient; ``advantages`` per token (all of a sample's equal unless ``--kl-coef`` shaped them).
+    gradient; ``advantages`` per token (the paper's ``A_{i,t}``: all of a GRPO sample's are equal, so the whole sample
+    goes; REINFORCE++'s returns and ``--kl-coef`` shaping make them differ).
 
     Raises:
         ValueError: shapes differ, or a malformed layout.
@@ -159,8 +160,7 @@ def opsm_keep(
     mask = loss_mask.bool()
     with torch.no_grad():
         kl = sequence_sums(as_float(rollout_log_probs) - as_float(log_probs.detach()), mask, cu_seqlens, mean=True)
-        adv = sequence_sums(advantages.detach(), mask, cu_seqlens, mean=True)
-        return (~((adv < 0) & (kl > delta))).to(kl.dtype)
+        return (~((advantages.detach() < 0) & (kl > delta))).to(kl.dtype)
 
 
 def gspo_log_ratio(
