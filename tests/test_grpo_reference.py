@@ -86,9 +86,10 @@ def ref_terms(samples: list[dict], cfg: GRPOConfig, lp_of=lambda s, t: s["lp"][t
         per = dict.fromkeys(sums, 0.0)
         on = [t for t, m in enumerate(s["mask"]) if m]
         seq_kl = math.fsum(s["roll"][t] - s["lp"][t] for t in on) / max(len(on), 1)  # OPSM, current policy detached
+        gspo_log_ratio = math.fsum(lp_of(s, t) - s["old"][t] for t in on) / max(len(on), 1)  # GSPO eq. 7
         for t in on:
             lp, old, a = lp_of(s, t), s["old"][t], s["adv"][t] if isinstance(s["adv"], list) else s["adv"]
-            r = math.exp(lp - old)
+            r = math.exp(gspo_log_ratio if cfg.gspo else lp - old)
             lo, hi = 1 - cfg.eps_clip, 1 + cfg.eps_clip_high
             if cfg.cispo:  # the clipped ratio under a stop-gradient: of the unperturbed log-prob
                 r0 = math.exp(s["lp"][t] - old)
@@ -106,7 +107,7 @@ def ref_terms(samples: list[dict], cfg: GRPOConfig, lp_of=lambda s, t: s["lp"][t
             if w == 0.0:
                 continue  # rejected: out of every numerator
             per["clip"] += clipped
-            per["ppo_kl"] += old - lp
+            per["ppo_kl"] += -gspo_log_ratio if cfg.gspo else old - lp  # upstream's compute_gspo_kl for GSPO
             kl = KL[cfg.kl_loss_type.replace("low_var_kl", "k3")](lp - s["ref"][t])
             if cfg.use_unbiased_kl:
                 kl *= r
@@ -161,6 +162,9 @@ OPTIONS = {
     "grpo": dict(),
     "dual_clip": dict(eps_clip_c=3.0),
     "dual_clip_gspo_off_clip_higher": dict(eps_clip_c=1.5, eps_clip=0.1, eps_clip_high=0.4),
+    "gspo": dict(advantage_estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4),
+    "gspo_dual_clip_icepop": dict(advantage_estimator="gspo", eps_clip=0.1, eps_clip_c=2.0, use_tis=True,
+                                  tis_mode="icepop", tis_clip_low=0.5, entropy_coef=0.05),
     "cispo": dict(advantage_estimator="cispo"),
     "cispo_canonical": dict(advantage_estimator="cispo", eps_clip=1.0, eps_clip_high=4.0),
     **{f"unbiased_{t}": dict(use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type=t, use_unbiased_kl=True)
@@ -180,6 +184,10 @@ OPTIONS = {
 @pytest.mark.parametrize("option", OPTIONS)
 def test_loss_terms_and_gradient_match_the_float64_reference(option, per_token):
     samples = make_samples(seed=len(option))
+    if per_token and OPTIONS[option].get("advantage_estimator") == "gspo":
+        with pytest.raises(ConfigError, match="gspo with --calculate-per-token-loss"):  # GSPO's objective: eq. 5
+            GRPOConfig(calculate_per_token_loss=per_token, **OPTIONS[option])
+        return
     cfg = GRPOConfig(calculate_per_token_loss=per_token, **OPTIONS[option])
     if cfg.use_tis and cfg.tis_mode != "truncate":  # the batch must exercise the rejection
         assert any(ref_weight(s, t, cfg) == 0 for s in samples for t, m in enumerate(s["mask"]) if m)
