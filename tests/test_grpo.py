@@ -21,13 +21,12 @@ from slime.grpo.advantages import (
 from slime.grpo.config import ADVANTAGE_ESTIMATORS, GRPOConfig, is_group_relative
 from slime.grpo.loss import (
     aggregate_loss,
-    apply_kl_penalty_to_advantages,
     compute_approx_kl,
     compute_policy_loss,
     grpo_loss,
     grpo_micro_batch_loss,
-    per_token_advantages,
 )
+from slime.grpo.token_advantages import apply_kl_penalty_to_advantages, per_token_advantages
 from slime.utils.config import ConfigError
 
 EPS = 1e-6

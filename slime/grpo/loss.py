@@ -1,4 +1,5 @@
-"""The GRPO loss of one micro-batch: clipped policy loss, KL, entropy, aggregation.
+"""The GRPO loss of one micro-batch: the policy loss (PPO's clip with clip-higher and dual clip, GSPO's or CISPO's),
+KL, entropy, aggregation, and an optional custom reduction of the policy loss.
 
 Pure torch, no model, no ``torch.distributed``; float32 (float64 kept).  A backend calls
 :func:`grpo_micro_batch_loss` once per micro-batch.  Sources and departures from upstream:
@@ -23,15 +24,9 @@ from slime.grpo.correction import gspo_log_ratio, importance_weights, masked_ext
 from slime.grpo.layout import as_float as _float
 from slime.grpo.layout import check_layout, num_samples, per_sample_sums
 from slime.grpo.layout import check_same_shape as _check_same_shape
-from slime.grpo.token_advantages import apply_kl_penalty_to_advantages, per_token_advantages, token_advantages
-from slime.grpo.token_advantages import Whitening
+from slime.grpo.token_advantages import Whitening, token_advantages
 from slime.utils.config import ConfigError
 from slime.utils.registry import check_function
-
-__all__ = [  # apply_kl_penalty_to_advantages and per_token_advantages live in slime.grpo.token_advantages
-    "aggregate_loss", "apply_kl_penalty_to_advantages", "compute_approx_kl", "compute_cispo_loss",
-    "compute_policy_loss", "grpo_loss", "grpo_micro_batch_loss", "per_token_advantages", "pg_loss_reducer",
-]
 
 LOW_VAR_KL_BOUND = 10.0
 """``low_var_kl`` is k3 clamped to ``[-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND]`` (upstream slime / verl)."""
