@@ -50,7 +50,7 @@ from slime.rollout.rm_hub.config import resolve_reward_function
 from slime.utils.config import ConfigError
 from slime.utils.env_check import check_environment
 from slime.utils.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, progress, truncate_metrics
-from slime.utils.timer import timed
+from slime.utils.timer import PhaseClock, step_line, timed, token_rates
 from slime.weight_sync import make_transport
 from slime.weight_sync.fused_experts import checkpoint_num_experts
 
@@ -117,12 +117,18 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
             batch = rollout_manager.generate(rollout_id)
         parity_metrics, train_metrics = {}, {}
         if trainers is not None:  # None: --debug-rollout-only
-            with timed("train", times), memory.train_phase():
-                parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
+            clock = PhaseClock("train")  # the trainers' own sub-phases come back in train_metrics
+            with timed("train", times), memory.train_phase(clock):
+                with clock("parity"):
+                    parity_metrics = run.parity.compare(trainers, parity_probe, rollout_id)
                 train_metrics = trainers.train(rollout_id, batch.samples)
+            times.update(clock.metrics())
         if trainers is not None and engines is not None:  # engines None: --load-debug-rollout-data
-            with timed("sync", times), memory.sync_phase():
-                trainers.update_weights(engines)
+            clock = PhaseClock("sync")
+            with timed("sync", times), memory.sync_phase(clock):
+                with clock("push"):
+                    trainers.update_weights(engines)
+            times.update(clock.metrics())
         eval_metrics = {}
         if (engines is not None and cfg.eval.eval_prompt_pairs
                 and _due(rollout_id, cfg.eval.eval_interval, run.num_rollout)):
@@ -135,7 +141,10 @@ def loop(cfg: SlimeConfig, run: Run, metrics_log: MetricsLogger) -> None:
                 save(cfg, rollout_id, trainers, rollout_manager)
         step_metrics = {**batch.metrics, **parity_metrics, **train_metrics, **memory.metrics(), **run.engine_metrics(),
                         **run.sync_metrics(), **times}
+        if trainers is not None:
+            step_metrics.update(token_rates(sum(len(s.prompt_token_ids) + s.response_length for s in batch.samples), step_metrics))
         metrics_log.log(rollout_id, step_metrics)
+        logger.info("%s", step_line(rollout_id, step_metrics))
         if eval_metrics:
             metrics_log.log(rollout_id + 1, eval_metrics)
         if saving:  # only now: a run killed before this resumes at (and re-logs) this step

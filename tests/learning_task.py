@@ -21,6 +21,8 @@ from PIL import Image
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
 VOCAB_WORDS = [*COLOURS, "colour"]
 GREY = (128, 128, 128)
+SINGLE_LETTER_ANSWERS = {"red": "r", "green": "g", "blue": "b"}
+"""Answer words that any byte-level BPE tokenizer holds as one token each."""
 
 
 def _png(rgb, size=64) -> bytes:
@@ -29,20 +31,23 @@ def _png(rgb, size=64) -> bytes:
     return buf.getvalue()
 
 
-def write_colour_dataset(path, rows_per_colour: int = 4) -> None:
+def write_colour_dataset(path, rows_per_colour: int = 4, answers: dict[str, str] | None = None) -> None:
     """Parquet with ``problem`` / ``answer`` / ``images`` columns (the geo3k schema).
 
     Rows go red, green, blue, repeated ``rows_per_colour`` times, so that without
     ``--rollout-shuffle`` any ``--rollout-batch-size`` that is a multiple of 3 holds every
-    colour equally often, in that order.
+    colour equally often, in that order.  ``answers``: each colour's answer word (default: its name); a
+    tokenizer without one-token colour names (the scaled checkpoint's BPE) answers with
+    :data:`SINGLE_LETTER_ANSWERS`.
     """
-    problems, answers, images = [], [], []
+    answers = answers or {name: name for name in COLOURS}
+    problems, labels, images = [], [], []
     for _ in range(rows_per_colour):
         for name, rgb in COLOURS.items():
             problems.append("<image>colour")
-            answers.append(name)
+            labels.append(answers[name])
             images.append([{"bytes": _png(rgb), "path": None}])
-    pq.write_table(pa.table({"problem": problems, "answer": answers, "images": images}), path)
+    pq.write_table(pa.table({"problem": problems, "answer": labels, "images": images}), path)
 
 
 def colour_reward(response: str, label: str, cfg) -> float:

@@ -6,6 +6,10 @@ No Ray; the CUDA variants are skipped on CPU machines."""
 from __future__ import annotations
 
 import json
+import logging
+import re
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,8 @@ from slime.grpo.config import GRPOConfig
 from slime.ray.colocate import ColocatedMemory
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutBatch
-from slime.utils.metrics import MetricsLogger
+from slime.utils.metrics import MetricsLogger, read_metrics
+from slime.utils.timer import SYNC_SUB_PHASES, TRAIN_SUB_PHASES
 from tests.spawn_ranks import spawn_ranks
 
 CUDA = pytest.param(
@@ -111,6 +116,62 @@ def test_colocated_step_hands_memory_over_in_upstream_order(tmp_path):
         ("engines.resume", ["kv_cache", "cuda_graph"]),
     ]
     assert calls == startup + _one_step(0) + _one_step(1)
+
+
+class _Slow(_Recorder):
+    """The recorder with known waits (s): engines release 0.03 and resume 0.02; trainers onload 0.05, offload 0.04;
+    a train call of 0.1 s whose trainer-side share (as the trainer group reports it) is 0.06 s of forward-backward
+    and 0.04 s of transfer; the weight push 0.03."""
+
+    def release_memory_occupation(self, tags=None):
+        time.sleep(0.03)
+        super().release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags=None):
+        time.sleep(0.02)
+        super().resume_memory_occupation(tags)
+
+    def onload(self, weights_only=False):
+        time.sleep(0.05)
+        super().onload(weights_only)
+
+    def offload(self, keep_weights=False):
+        time.sleep(0.04)
+        super().offload(keep_weights)
+
+    def train(self, rollout_id, samples):
+        time.sleep(0.1)
+        super().train(rollout_id, samples)
+        return {"train/loss": 1.0, "perf/train_forward_backward_s": 0.06, "perf/train_transfer_s": 0.04}
+
+    def update_weights(self, engines):
+        time.sleep(0.03)
+        super().update_weights(engines)
+
+
+def test_the_train_and_sync_sub_phases_add_up_to_their_phase_and_reach_the_step_line(tmp_path, monkeypatch, caplog):
+    """Each hand-over call's wait lands in its sub-phase, the sub-phases of ``TRAIN_SUB_PHASES`` add up to
+    ``perf/train_time_s`` (and the sync's to ``perf/sync_time_s``) within 5 %, and the step's log line shows them."""
+    monkeypatch.setattr(sys.modules[__name__], "_Recorder", _Slow)
+    with caplog.at_level(logging.INFO, logger="slime"):
+        _run_loop(tmp_path, enabled=True)
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "perf/train_time_s" in r]
+    assert len(records) == 2
+    for r in records:
+        assert 0.03 <= r["perf/train_engine_release_s"] < 0.03 + 0.05
+        assert 0.05 <= r["perf/train_onload_s"] < 0.05 + 0.05
+        assert 0.04 <= r["perf/train_offload_s"] < 0.04 + 0.05
+        assert 0.04 <= r["perf/sync_offload_s"] < 0.04 + 0.05
+        assert 0.04 <= r["perf/sync_engine_resume_s"] < 0.04 + 0.05  # two resumes of 0.02
+        assert 0.03 <= r["perf/sync_push_s"] < 0.03 + 0.05
+        train = sum(r.get(f"perf/train_{sub}_s", 0.0) for sub in TRAIN_SUB_PHASES)
+        sync = sum(r.get(f"perf/sync_{sub}_s", 0.0) for sub in SYNC_SUB_PHASES)
+        assert train == pytest.approx(r["perf/train_time_s"], rel=0.05)
+        assert sync == pytest.approx(r["perf/sync_time_s"], rel=0.05)
+    lines = [m for m in caplog.messages if m.startswith("step ")]
+    assert len(lines) == 2
+    assert re.search(r"train 0\.\d s \(release 0\.0, onload 0\.1, parity 0\.0, transfer 0\.0, fwd_bwd 0\.1, "
+                     r"offload 0\.0\) \| sync 0\.\d s \(resume 0\.0, push 0\.0, offload 0\.0\)", lines[0]), lines[0]
 
 
 class _MidRolloutResync(_Recorder):

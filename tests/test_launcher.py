@@ -218,6 +218,64 @@ def test_speculative_mtp_adds_upstreams_four_flags_which_the_parser_checks(tiny_
     assert bad.returncode == 2 and "SLIME_SCRIPT_SPECULATIVE=eagle: expected off or mtp" in bad.stderr
 
 
+def _gpu_dry_run(tmp_path: Path, gpus: int, tiny_ckpt, args: tuple[str, ...] = (), **extra: str
+                 ) -> subprocess.CompletedProcess:
+    """The launcher's GPU branch, dry-run on this CPU machine with ``gpus`` GPUs faked
+    (``tests/fixtures/fake_gpus/sitecustomize.py``), the tiny checkpoint's model file and the transformers engine
+    (sglang is not installed here)."""
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_TEST_FAKE_GPUS=str(gpus),
+               SLIME_SCRIPT_NUM_GPUS=str(gpus), SLIME_SCRIPT_MODEL_NAME="qwen3.5-tiny",
+               SLIME_SCRIPT_HF_CHECKPOINT=str(tiny_ckpt), SLIME_SCRIPT_ROLLOUT_BACKEND="transformers", **extra)
+    env["SLIME_SCRIPT_FORCE_CPU"] = "0"  # sglang is not installed here: the transformers engine
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "fixtures" / "fake_gpus"), env["PYTHONPATH"]])
+    return subprocess.run(["bash", str(LAUNCHER), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching_elsewhere(tiny_ckpt, tmp_path,
+                                                                                           capsys):
+    """One GPU (TP = EP = 1, where packing a Gated-DeltaNet model is proven): ``--use-dynamic-batch-size
+    --max-tokens-per-gpu 8192`` by default, N with SLIME_SCRIPT_MAX_TOKENS_PER_GPU=N, none with 0; more GPUs: upstream's
+    one sample per micro-batch, and asking for packing there is refused by the parser (EP > 1); a value that is not a
+    count stops the launcher.  The parser takes the GPU branch's whole command (it refused upstream's
+    ``--attention-softmax-in-fp32`` there once, unseen by any CPU test), with R3 too (selective recompute)."""
+    def argv(gpus: int, *args: str, **extra: str) -> list[str]:
+        result = _gpu_dry_run(tmp_path, gpus, tiny_ckpt, args, **extra)
+        assert result.returncode == 0, result.stderr
+        return shlex.split(result.stdout.strip().splitlines()[-1])
+
+    def packing(args: list[str]) -> str | None:
+        return args[args.index("--max-tokens-per-gpu") + 1] if "--use-dynamic-batch-size" in args else None
+
+    one = argv(1)
+    assert packing(one) == "8192" and "--micro-batch-size" in one
+    cfg = parse_args(one[3:])
+    assert cfg.train.use_dynamic_batch_size and cfg.train.max_tokens_per_gpu == 8192
+    assert packing(argv(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096")) == "4096"
+    assert packing(argv(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="0")) is None
+    two = argv(2)
+    assert packing(two) is None and not parse_args(two[3:]).train.use_dynamic_batch_size
+    with pytest.raises(SystemExit):
+        parse_args(argv(2, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096")[3:])
+    assert "Gated-DeltaNet" in capsys.readouterr().err
+    bad = _gpu_dry_run(tmp_path, 1, tiny_ckpt, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8k")
+    assert bad.returncode == 2 and "SLIME_SCRIPT_MAX_TOKENS_PER_GPU=8k: expected a token count" in bad.stderr
+
+    # recompute: upstream's full by default; selective with R3 (whose routes a backward's recompute would miss,
+    # which the parser refuses); the user's own choice alone when the extra arguments make one
+    def recompute(args: list[str]) -> list[str]:
+        return [a for a in args if a.startswith("--recompute")]
+
+    assert recompute(one) == ["--recompute-granularity", "--recompute-method", "--recompute-num-layers"]
+    r3 = argv(1, "--use-rollout-routing-replay")
+    assert recompute(r3) == ["--recompute-granularity"] and r3[r3.index("--recompute-granularity") + 1] == "selective"
+    assert parse_args(r3[3:]).train.use_rollout_routing_replay
+    mine = argv(1, "--recompute-granularity", "selective")
+    assert recompute(mine) == ["--recompute-granularity"]
+    parse_args(mine[3:])
+
+
 @pytest.mark.parametrize("form", ["separate", "equals"])
 def test_dry_run_output_dir_moves_the_run_and_its_default_checkpoints(tiny_ckpt, tmp_path, form):
     mine = tmp_path / "mine"

@@ -71,6 +71,7 @@ import torch
 
 from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 from slime.utils.metrics import read_metrics
+from slime.utils.timer import TRAIN_SUB_PHASES
 from tests.learning_task import COLOURS, VOCAB_WORDS, write_colour_dataset
 from tests.ray_head import ray_env, ray_head
 
@@ -268,6 +269,10 @@ def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, ray_ad
         f"rollout and trainer log-probs differ (mean |diff| per rollout: {gaps}): the engine and the trainer "
         "do not see the same weights or the same pixels"
     )
+    for r in records:  # the real trainer group over Ray: its sub-phases account for the train phase
+        if "perf/train_time_s" in r:
+            parts = {sub: r[f"perf/train_{sub}_s"] for sub in TRAIN_SUB_PHASES if f"perf/train_{sub}_s" in r}
+            assert sum(parts.values()) == pytest.approx(r["perf/train_time_s"], rel=0.05), (r["step"], parts)
 
 
 def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, ray_address, tmp_path):

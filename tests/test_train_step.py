@@ -11,11 +11,12 @@ optimizer steps and the train-vs-rollout log-prob gap.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
-from slime.backends.base import NonFiniteGradNorm, RankInfo, TrainerBackend
+from slime.backends.base import TRAINER_TOTAL_KEY, NonFiniteGradNorm, RankInfo, TrainerBackend
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig
 from slime.backends.steps import SampleError
 from slime.data.sample import Sample
@@ -235,9 +236,12 @@ def test_two_optimizer_steps_match_the_loss_lr_clipping_and_metrics_by_hand(per_
     assert metrics["train/logprob_gap_altered_tokens"] == 0.0
     monitor = [f"{name}{suffix}" for name in ("logprob_abs_diff", "logprob_k3_kl", "logprob_ratio_off_frac")
                for suffix in ("", "_image", "_text")]
-    assert set(metrics) == {f"train/{name}" for name in (
+    assert {k for k in metrics if not k.startswith("perf/")} == {f"train/{name}" for name in (
         "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "grad_norm", "lr",
         "logprob_gap_altered_tokens", *monitor)}  # no router agreement: the stand-in has no MoE routes
+    assert {k for k in metrics if k.startswith("perf/")} == {TRAINER_TOTAL_KEY, *(
+        f"perf/train_{sub}_s" for sub in ("checks", "pack", "old_log_probs", "ref_log_probs", "forward_backward",
+                                          "optimizer", "metrics"))}
 
 
 def test_no_clipping_below_the_threshold_or_with_clip_grad_zero():
@@ -330,3 +334,37 @@ def test_mismatch_metrics_reach_the_step_metrics():
     step = [sum(kl[:3]) / 3, sum(kl[3:]) / 3]
     assert metrics["train/mis_kl"] == pytest.approx(sum(step) / 2, rel=1e-9)
     assert {f"train/{name}" for name in GRPOConfig(get_mismatch_metrics=True).correction_metrics()[0]} <= set(metrics)
+
+
+class Sleepy(StandIn):
+    """The stand-in with known waits in its hooks: 0.04 s per log-prob pass, 0.05 s per forward-backward, 0.03 s per
+    gradient norm."""
+
+    def _forward_log_probs(self, model, batches, **kw):
+        time.sleep(0.04)
+        return super()._forward_log_probs(model, batches, **kw)
+
+    def _forward_backward(self, batches, normalizer):
+        time.sleep(0.05)
+        return super()._forward_backward(batches, normalizer)
+
+    def _grad_norm(self):
+        time.sleep(0.03)
+        return super()._grad_norm()
+
+
+def test_the_trainer_sub_phases_add_up_to_its_time_and_hold_each_hook():
+    """``perf/train_<sub>_s`` of the trainer's step: each hook's wait lands in its own sub-phase (2 log-prob passes,
+    policy and reference; 2 optimizer steps), and the sub-phases add up to the step's own wall time within 5 %."""
+    backend = Sleepy(GRPOConfig(**GRPO))
+    backend.init()
+    start = time.perf_counter()
+    metrics = backend.train(0, make_samples(), num_steps=2)
+    wall = time.perf_counter() - start
+    sub = {k.removeprefix("perf/train_").removesuffix("_s"): v for k, v in metrics.items()
+           if k.startswith("perf/train_") and k != TRAINER_TOTAL_KEY}
+    assert 0.04 <= sub["old_log_probs"] < 0.04 + 0.1 and 0.04 <= sub["ref_log_probs"] < 0.04 + 0.1
+    assert 2 * 0.05 <= sub["forward_backward"] < 2 * 0.05 + 0.2
+    assert 2 * 0.03 <= sub["optimizer"] < 2 * 0.03 + 0.2
+    assert metrics[TRAINER_TOTAL_KEY] <= wall
+    assert sum(sub.values()) == pytest.approx(metrics[TRAINER_TOTAL_KEY], rel=0.05)

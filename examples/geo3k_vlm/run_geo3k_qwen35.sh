@@ -25,6 +25,10 @@
 #                               --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
 #                               --sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 3
 #                               (the checkpoint must have its mtp.* tensors; the sglang engine only)
+#   SLIME_SCRIPT_MAX_TOKENS_PER_GPU [8192 with megatron on 1 GPU, else 0] tokens per packed micro-batch
+#                               (--use-dynamic-batch-size --max-tokens-per-gpu N); 0: upstream's one
+#                               sample per micro-batch (--micro-batch-size 1), the only batching a GDN
+#                               model trains with where packing is not proven (TP, PP, CP or EP > 1)
 #   SLIME_SCRIPT_OUTPUT_DIR     [outputs/geo3k-<model>-<time>] metrics, plot, checkpoints
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
@@ -54,7 +58,7 @@ done
 # The variables this script reads (after SLIME_SCRIPT_); any other SLIME_SCRIPT_* is a typo
 # (SLIME_SCRIPT_NUMGPUS): refused, not ignored.
 KNOWN_VARS=(DATASET_NAME NUM_GPUS EXTERNAL_RAY MODEL_NAME HF_CHECKPOINT TRAIN_BACKEND ROLLOUT_BACKEND SPECULATIVE
-            FORCE_CPU OUTPUT_DIR DRY_RUN)
+            MAX_TOKENS_PER_GPU FORCE_CPU OUTPUT_DIR DRY_RUN)
 for var in $(compgen -e | grep '^SLIME_SCRIPT_' || true); do
    if [[ " ${KNOWN_VARS[*]} " != *" ${var#SLIME_SCRIPT_} "* ]]; then
       echo "[geo3k] $var is not a variable of this script; it reads SLIME_SCRIPT_{$(IFS=,; echo "${KNOWN_VARS[*]}")}" >&2
@@ -163,6 +167,21 @@ else
    TRAIN_DATA="$DATASET_NAME@train"; EVAL_DATA="$DATASET_NAME@test"
 fi
 
+arg_value() {  # the last value of flag $1 in the remaining arguments, or nothing
+   local flag=$1 prev="" value="" arg; shift
+   for arg in "$@"; do
+      [ "$prev" = "$flag" ] && value=$arg
+      case "$arg" in "$flag"=*) value=${arg#"$flag"=} ;; esac
+      prev=$arg
+   done
+   printf '%s' "$value"
+}
+has_flag() {  # whether switch $1 is among the remaining arguments
+   local flag=$1 arg; shift
+   for arg in "$@"; do [ "$arg" != "$flag" ] || return 0; done
+   return 1
+}
+
 GPUS_SEEN=0  # not asked when SLIME_SCRIPT_FORCE_CPU=1 (importing torch takes seconds)
 [ "$FORCE_CPU" = "1" ] || GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 NEED_DOWNLOAD=0
@@ -216,14 +235,27 @@ else
       # Upstream's TP 2 with sequence parallelism; one GPU runs TP 1 (then without it).
       if [ "$NUM_GPUS" -ge 2 ]; then TP_ARGS=(--tensor-model-parallel-size 2 --sequence-parallel)
       else TP_ARGS=(--tensor-model-parallel-size 1); fi
+      # Packed micro-batches (fla's varlen Gated DeltaNet, proven equal to one sample at a time at TP = PP =
+      # CP = EP = 1) instead of upstream's one sample per micro-batch: at 128 samples a step, one micro-batch
+      # each spends the train phase in per-micro-batch overhead (docs/results/h200_train_phase.md).
+      MAX_TOKENS=${SLIME_SCRIPT_MAX_TOKENS_PER_GPU:-$([ "$NUM_GPUS" = 1 ] && echo 8192 || echo 0)}
+      case "$MAX_TOKENS" in
+         ''|*[!0-9]*) echo "[geo3k] SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$MAX_TOKENS: expected a token count (0: one sample per micro-batch)" >&2; exit 2 ;;
+      esac
+      [ "$MAX_TOKENS" = 0 ] || BACKEND_ARGS+=(--use-dynamic-batch-size --max-tokens-per-gpu "$MAX_TOKENS")
+      # Upstream's full recompute, unless the extra arguments choose (then theirs alone) or ask for R3, whose
+      # replayed routes reach the forward passes but not a backward's recompute: selective there.
+      RECOMPUTE_ARGS=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+      if [ -n "$(arg_value --recompute-granularity "$@")" ]; then RECOMPUTE_ARGS=()
+      elif has_flag --use-rollout-routing-replay "$@"; then RECOMPUTE_ARGS=(--recompute-granularity selective); fi
       BACKEND_ARGS+=(
          "${TP_ARGS[@]}"
          --pipeline-model-parallel-size 1 --context-parallel-size 1
          --expert-model-parallel-size "$NUM_GPUS" --expert-tensor-parallel-size 1
-         --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+         "${RECOMPUTE_ARGS[@]}"
          --attention-dropout 0.0 --hidden-dropout 0.0
-         --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 --attention-backend flash
-      )
+         --accumulate-allreduce-grads-in-fp32 --attention-backend flash
+      )  # upstream's --attention-softmax-in-fp32 is refused here: no kernel reads it (docs/design/model_args.md)
    else
       BACKEND_ARGS+=(--gradient-checkpointing)
    fi
@@ -242,15 +274,6 @@ fi
 # Extra arguments override the script's (argparse keeps the last value), with three that need
 # help: --num-epoch excludes the script's --num-rollout, --output-dir moves the run (metrics, plot,
 # command.sh, default checkpoints) and --save the checkpoints.
-arg_value() {  # the last value of flag $1 in the remaining arguments, or nothing
-   local flag=$1 prev="" value="" arg; shift
-   for arg in "$@"; do
-      [ "$prev" = "$flag" ] && value=$arg
-      case "$arg" in "$flag"=*) value=${arg#"$flag"=} ;; esac
-      prev=$arg
-   done
-   printf '%s' "$value"
-}
 OUTPUT_DIR=$(arg_value --output-dir "$@"); OUTPUT_DIR=${OUTPUT_DIR:-$DEFAULT_OUTPUT_DIR}
 SAVE_DIR=$(arg_value --save "$@"); SAVE_DIR=${SAVE_DIR:-$OUTPUT_DIR/checkpoints}
 if [ -n "$(arg_value --num-epoch "$@")" ] && [ "${ROLLOUT_ARGS[0]}" = "--num-rollout" ]; then

@@ -9,6 +9,11 @@
 # warm (30 s between calls): `start` returns at once, then back-to-back `wait` calls bring the logs home.
 # Phases (default: all, in this order); each runs under a timeout and notes its seconds in summary.txt:
 #   build       the real-width scaled checkpoint (scripts/models/qwen3.5-35B-A3B-scaled.sh: 4 layers, 128 experts)
+#   check       the launcher's GPU command through the parser (--check-only)
+#   before      issue 30 item 2: the launcher at the recipe's sizes with one sample per micro-batch, 2 rollouts
+#   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each)
+#   learn       issue 30 item 3: the colour task at real width through the production pair, R3 + TIS, 20 rollouts
+#   r3          the after command with --use-rollout-routing-replay --use-tis, 3 rollouts
 #   floor       scripts/bench/parity_floor.py: engine vs HF fp32 / bf16 / forced routes / Megatron, by component
 #   e2e         the launcher with only the recipe's variables: Megatron + SGLang (its defaults), colocated,
 #               --rollout-batch-size 16 --global-batch-size 128 --rollout-max-response-len 512, 5 rollouts, a save
@@ -29,6 +34,7 @@ mkdir -p "$OUT" "$LOGS"; OUT=$(cd "$OUT" && pwd)
 pack() {
   cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$LOGS/bench.jsonl" "$LOGS/mtp.jsonl" "$OUT/" 2>/dev/null
   cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+  cp "$LOGS/learn_reward_curve.png" "$OUT/" 2>/dev/null
   tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
 }
 case $MODE in
@@ -48,7 +54,7 @@ case $MODE in
 esac
 
 WH=${1:?WHEELHOUSE}; shift
-PHASES=${*:-build floor e2e resume throughput mtp mtp-recipe}
+PHASES=${*:-build check before after learn r3 refuse throughput floor e2e resume mtp mtp-recipe}
 trap pack EXIT
 trap 'exit 143' TERM
 export SLIME_VENV=none SLIME_WHEELHOUSE=$WH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -67,9 +73,9 @@ timed() {  # timed NAME COMMAND...: run it, log to LOGS/NAME.log, note seconds a
   return $status
 }
 launcher() {  # launcher SECONDS FLAGS...: the recipe as a user runs it on one GPU, the scaled model's file, no --sglang-* flag
-  local limit=$1; shift  # RUN_DIR (default $RUN) and SPECULATIVE (default off) from the caller
-  SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=Qwen3.5-35B-A3B-scaled SLIME_SCRIPT_HF_CHECKPOINT="$SCALED" \
-  SLIME_SCRIPT_DATASET_NAME=examples/geo3k_vlm/data SLIME_SCRIPT_OUTPUT_DIR="${RUN_DIR:-$RUN}" \
+  local limit=$1; shift  # RUN_DIR (default $RUN), SPECULATIVE (off), CKPT ($SCALED), DATA (geo3k) from the caller
+  SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=Qwen3.5-35B-A3B-scaled SLIME_SCRIPT_HF_CHECKPOINT="${CKPT:-$SCALED}" \
+  SLIME_SCRIPT_DATASET_NAME="${DATA:-examples/geo3k_vlm/data}" SLIME_SCRIPT_OUTPUT_DIR="${RUN_DIR:-$RUN}" \
   SLIME_SCRIPT_SPECULATIVE="${SPECULATIVE:-off}" \
     timeout "$limit" bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
       --rollout-max-response-len 512 --save-interval 5 --no-progress-bar "$@"
@@ -79,9 +85,10 @@ summarize_run() {  # summarize_run [RUN_DIR]
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    keys = [k for k in r if k.startswith(("parity/", "memory/", "perf/")) or k in (
+    keys = [k for k in r if k.startswith(("parity/", "memory/", "perf/", "train/tis_")) or k in (
         "train/logprob_abs_diff", "train/logprob_abs_diff_image", "train/logprob_abs_diff_text", "train/grad_norm",
-        "train/loss", "rollout/reward_mean", "rollout/response_len_mean", "rollout/engine_failures")]
+        "train/loss", "rollout/reward_mean", "rollout/response_len_mean", "rollout/engine_failures",
+        "train/router_agreement", "train/micro_batches", "train/ppo_kl", "train/pg_clipfrac")]
     print("step", r.get("step"), {k: round(r[k], 5) for k in sorted(keys) if isinstance(r[k], (int, float))})
 EOF
 }
@@ -111,6 +118,41 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # the run before step 0 (exit 1, EngineParityError naming the image gap).
     SLIME_SGLANG_MROPE_FIX=0 timed refuse launcher 900 --num-rollout 1 --output-dir "$LOGS/run-bug" --save "$LOGS/run-bug/ckpt"
     grep -a "EngineParityError\|engine parity" "$LOGS/refuse.log" | tail -n 3 | cut -c1-600 | tee -a "$LOGS/summary.txt" ;;
+  check)
+    # The launcher's GPU command through the parser on this machine (sglang installed): a refused flag stops here.
+    timed check launcher 300 --num-rollout 1 --check-only ;;
+  before|after)
+    # Issue 30 item 2, the same command twice: upstream's one sample per micro-batch (before), then the launcher's
+    # default packing (after); 2 and 3 rollouts, the final save without optimizer state (deleted after).
+    tokens=$([ "$phase" = before ] && echo 0 || echo "")
+    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
+      --num-rollout "$([ "$phase" = before ] && echo 2 || echo 3)" --no-save-optim
+    summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints" ;;
+  r3)
+    # The after command with R3 (the engine's routes replayed in every training forward) and TIS: router agreement
+    # 1, and the gap with R3 on against the after run's (R3 off).
+    # R3 makes the launcher recompute selectively (not full), so its micro-batches are halved to keep the memory.
+    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=4096 RUN_DIR=$LOGS/run-r3 timed r3 launcher 1200 --num-rollout 3 --no-save-optim \
+      --use-rollout-routing-replay --use-tis
+    summarize_run "$LOGS/run-r3"; rm -rf "$LOGS/run-r3/checkpoints" ;;
+  learn)
+    # Issue 30 item 3: the colour task (tests/learning_task.py) through the launcher's production pair at real width
+    # (Megatron + SGLang at its defaults, colocated, R3 and TIS on), from a colour-prior copy of the scaled model
+    # (scripts/bench/colour_prior.py); tests/test_learning.py's hyper-parameters but one optimizer step per rollout
+    # (the launcher shuffles, so only the whole rollout holds each colour equally often) and an lr for a 2048-wide
+    # model (Adam moves a layer's output by about lr x sqrt(fan-in) / init std of it per step: 0.1 at 5e-5).
+    [ -f "$LOGS/colour/checkpoint/config.json" ] || timed colour_prior python3 scripts/bench/colour_prior.py \
+      --model "$SCALED" --out "$LOGS/colour" --temperature 0.5
+    grep -h '"colour_prior"' "$LOGS/colour_prior.log" | cut -c1-400 | tee -a "$LOGS/summary.txt"
+    CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet RUN_DIR=$LOGS/run-learn timed learn launcher 1500 \
+      --num-rollout "${SLIME_LEARN_ROLLOUTS:-20}" --rollout-batch-size 6 --n-samples-per-prompt 8 --global-batch-size 48 \
+      --rollout-max-response-len 1 --rollout-temperature 0.5 \
+      --custom-rm-path tests.learning_task:colour_reward --apply-chat-template-kwargs '{"enable_thinking": false}' \
+      --eps-clip 0.5 --eps-clip-high 1.0 --lr "${SLIME_LEARN_LR:-5e-5}" --lr-warmup-iters 4 --weight-decay 0 \
+      --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000
+    summarize_run "$LOGS/run-learn"; rm -rf "$LOGS/run-learn/checkpoints"
+    cp "$LOGS/run-learn/reward_curve.png" "$LOGS/learn_reward_curve.png" 2>/dev/null
+    python3 scripts/bench/learn_summary.py "$LOGS/run-learn/metrics.jsonl" 2>&1 | tee -a "$LOGS/summary.txt" ;;
   e2e)
     timed e2e launcher 1500 --num-rollout 5 --overwrite-output-dir
     summarize_run ;;
@@ -147,7 +189,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     RUN_DIR=$LOGS/run-mtp SPECULATIVE=mtp timed mtp_e2e launcher 1200 --num-rollout 3 --no-save-optim --overwrite-output-dir
     summarize_run "$LOGS/run-mtp"
     rm -rf "$LOGS/run-mtp/checkpoints" ;;
-  *) echo "unknown phase $phase (build floor e2e resume throughput mtp mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
+  *) echo "unknown phase $phase (build check before after learn r3 refuse throughput floor e2e resume mtp mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
   esac
 done
 echo "all phases done" | tee -a "$LOGS/summary.txt"

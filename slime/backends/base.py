@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import logging
 import math
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Sequence
@@ -25,7 +26,9 @@ from torch import Tensor
 from slime.backends.freeze import freeze, gather_names, select_frozen
 from slime.backends.lr_schedule import LRSchedule
 from slime.backends.rounding import rounding_step_noise
-from slime.backends.steps import check_train_samples, loss_normalizer, plan_micro_batches, split_into_steps
+from slime.backends.steps import (
+    check_train_samples, loss_normalizer, plan_micro_batches, split_into_steps,
+)
 from slime.backends.train_metrics import (
     EXTREMA,
     all_reduce_extrema,
@@ -41,6 +44,7 @@ from slime.backends.train_metrics import (
 from slime.data.routes import RouteError, RouteShape, check_routes
 from slime.data.sample import Sample
 from slime.grpo.token_advantages import Whitening, token_advantages, whitening_of, whitening_sums
+from slime.utils.timer import PhaseClock
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,11 @@ WEIGHTS = "weights"
 TRAINING_STATE = "training_state"
 """Colocated memory: what only the optimizer step needs: optimizer state (fp32 main weights, Adam moments),
 gradient buffers, the reference model."""
+
+
+TRAINER_TOTAL_KEY = "perf/train_in_trainer_s"
+"""Seconds :meth:`TrainerBackend.train` took on the trainer rank, its sub-phases and what lies between them; the driver
+counts the rest of its call as ``perf/train_transfer_s`` (:mod:`slime.utils.step_times`)."""
 
 
 class NonFiniteGradNorm(FloatingPointError):
@@ -161,9 +170,9 @@ class TrainerBackend(abc.ABC):
             entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, with ``--use-tis``
             ``train/tis_weight_{mean, min, max}`` (the ``_min`` / ``_max`` over all steps) and ``train/tis_clipfrac``,
             with ``--use-opsm`` ``train/opsm_masked_frac``, with ``--get-mismatch-metrics`` ``train/mis_*``, the
-            backend's :meth:`_step_metrics`, the mismatch monitor (:mod:`slime.backends.train_metrics`; not with ``--use-rollout-logprobs``) and on a
-            colocated GPU the free-memory figures of :meth:`memory_metrics`.  Routing replay (R3 / R2) and the
-            monitor's router agreement: ``docs/design/routing_replay.md``.
+            backend's :meth:`_step_metrics`, the mismatch monitor (:mod:`slime.backends.train_metrics`; not with
+            ``--use-rollout-logprobs``) and on a colocated GPU the free-memory figures of :meth:`memory_metrics`.
+            Routing replay (R3 / R2) and the monitor's router agreement: ``docs/design/routing_replay.md``.
 
         Raises:
             SampleError: a malformed sample on any rank, no ``rollout_log_probs`` with ``--use-rollout-logprobs``,
@@ -176,55 +185,66 @@ class TrainerBackend(abc.ABC):
         """
         self._require_init()
         self._require_on_device("train()", training=True)
+        started = time.perf_counter()
+        clock = PhaseClock("train", self.device)
         r3, r2 = self.train_cfg.use_rollout_routing_replay, self.train_cfg.use_routing_replay
-        shape = self._route_shape() if r2 else self._monitored_route_shape()
-        check_train_samples(samples, need_rollout_log_probs=self._rollout_log_prob_flags(),
-                            routes=shape if r3 else None)
-        steps = [self._micro_batches(samples, indices, self._dp_group())
-                 for indices in split_into_steps(range(len(samples)), num_steps)]
-        everything = [batch for batches in steps for batch in batches]
-        for batch in everything if r3 else ():
-            batch.routes = [s.rollout_routed_experts for s in batch.samples]
+        with clock("checks"):
+            shape = self._route_shape() if r2 else self._monitored_route_shape()
+            check_train_samples(samples, need_rollout_log_probs=self._rollout_log_prob_flags(),
+                                routes=shape if r3 else None)
+        with clock("pack"):
+            steps = [self._micro_batches(samples, indices, self._dp_group())
+                     for indices in split_into_steps(range(len(samples)), num_steps)]
+            everything = [batch for batches in steps for batch in batches]
+            for batch in everything if r3 else ():
+                batch.routes = [s.rollout_routed_experts for s in batch.samples]
         gap: dict[str, float] = {}
-        if self.train_cfg.use_rollout_logprobs:
-            old = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
-        else:
-            # R2's record; the monitor's router agreement where engine routes exist (with R3: the experts taken)
-            capture = shape is not None and (r2 or any(s.rollout_routed_experts is not None for s in samples))
-            old = self._log_probs_by_sample(self.model, everything, len(samples), replay_routes=r3,
-                                            capture_routes=capture)
-            found = [] if old is None else samples  # ranks that compute no loss add zeros
-            sums = logprob_gap_sums(found, old or [], self._placeholder_ids())
-            if shape is not None:
-                sums.update(self._agreement_sums(everything if capture else [], shape))
-            gap = logprob_gap_metrics(self._metric_sum(sums))
-            check_gap_threshold(gap, self.train_cfg.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
+        with clock("old_log_probs"):
+            if self.train_cfg.use_rollout_logprobs:
+                old = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+            else:
+                # R2's record; the monitor's router agreement where engine routes exist (with R3: the experts taken)
+                capture = shape is not None and (r2 or any(s.rollout_routed_experts is not None for s in samples))
+                old = self._log_probs_by_sample(self.model, everything, len(samples), replay_routes=r3,
+                                                capture_routes=capture)
+                found = [] if old is None else samples  # ranks that compute no loss add zeros
+                sums = logprob_gap_sums(found, old or [], self._placeholder_ids())
+                if shape is not None:
+                    sums.update(self._agreement_sums(everything if capture else [], shape))
+                gap = logprob_gap_metrics(self._metric_sum(sums))
+                check_gap_threshold(gap, self.train_cfg.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
         for batch in everything if r2 and not r3 else ():
             batch.routes = batch.trainer_routes  # R2: the old-log-prob pass's routes, in every optimizer step
-        ref = None if self.ref_model is None else self._log_probs_by_sample(self.ref_model, everything, len(samples),
-                                                                             replay_routes=r3)
-        whitening = self._advantage_whitening(samples, old, ref) if self.grpo.normalize_advantages else None
-        for batch in everything:
-            batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
-            batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
-            batch.advantage_whitening = whitening
-            if self.grpo.needs_rollout_log_probs and old is not None:
-                batch.rollout_log_probs = [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-                                           for s in batch.samples]
+        ref = None
+        if self.ref_model is not None:
+            with clock("ref_log_probs"):
+                ref = self._log_probs_by_sample(self.ref_model, everything, len(samples), replay_routes=r3)
+        with clock("pack"):
+            whitening = self._advantage_whitening(samples, old, ref) if self.grpo.normalize_advantages else None
+            for batch in everything:
+                batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
+                batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
+                batch.advantage_whitening = whitening
+                if self.grpo.needs_rollout_log_probs and old is not None:
+                    batch.rollout_log_probs = [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+                                               for s in batch.samples]
 
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
         extremes: dict[str, list[float]] = defaultdict(list)
         for batches in steps:
-            for name, value in self._optimizer_step(rollout_id, batches).items():
+            for name, value in self._optimizer_step(rollout_id, batches, clock).items():
                 if name.endswith(EXTREMA):
                     extremes[name].append(value)
                 else:
                     totals[name] += value
-        metrics = {name: value / num_steps for name, value in totals.items()}
-        metrics.update(extrema_over_steps(extremes))
-        metrics.update(gap)
-        metrics.update(self.memory_metrics())
+        with clock("metrics"):
+            metrics = {name: value / num_steps for name, value in totals.items()}
+            metrics.update(extrema_over_steps(extremes))
+            metrics.update(gap)
+            metrics.update(self.memory_metrics())
+        metrics.update(clock.metrics())
+        metrics[TRAINER_TOTAL_KEY] = time.perf_counter() - started
         return metrics
 
     def _advantage_whitening(self, samples: list[Sample], old: list[Tensor] | None,
@@ -241,31 +261,38 @@ class TrainerBackend(abc.ABC):
                 sums[name] += value
         return whitening_of(self._metric_sum(sums))
 
-    def _optimizer_step(self, rollout_id: int, batches: list[MicroBatch]) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches of it; returns its metrics, reduced over ranks."""
-        step_samples = [sample for batch in batches for sample in batch.samples]
-        normalizer = loss_normalizer(step_samples, self.grpo.calculate_per_token_loss, group=self._dp_group())
-        lr = self.lr_schedule(self.optimizer_steps)
+    def _optimizer_step(self, rollout_id: int, batches: list[MicroBatch], clock: PhaseClock) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches of it; returns its metrics, reduced over ranks.  Its time
+        goes to ``clock``'s ``forward_backward``, ``optimizer`` and ``metrics`` sub-phases."""
         terms = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", *self.grpo.correction_metrics()[0]]
         if self.grpo.use_kl_loss and self.ref_model is not None:
             terms.append("kl_loss")
-        sums = {f"train/{name}": 0.0 for name in terms}
-        extremes = {f"train/{name}": neutral_extremum(name) for name in self.grpo.correction_metrics()[1]}
-        for values in self._forward_backward(batches, normalizer):
-            for name in terms:
-                sums[f"train/{name}"] += float(values[name].double().cpu())
-            for name in extremes:
-                extremes[name] = fold_extremum(name, extremes[name], float(values[name.removeprefix("train/")]))
-        grad_norm = self._grad_norm()
-        if not math.isfinite(grad_norm):
-            raise NonFiniteGradNorm(
-                f"rollout {rollout_id}, optimizer step {self.optimizer_steps}: gradient norm is {grad_norm}; lower "
-                "--lr, check the rewards/advantages for NaN, or train in float32 (no --bf16)"
-            )
-        self._apply_update(lr, clip_coefficient(grad_norm, self.optim_cfg.clip_grad))
-        self.optimizer_steps += 1
-        return {**self._metric_sum(sums), **all_reduce_extrema(extremes), "train/grad_norm": grad_norm, "train/lr": lr,
-                **self._step_metrics(batches)}
+        with clock("forward_backward"):
+            step_samples = [sample for batch in batches for sample in batch.samples]
+            normalizer = loss_normalizer(step_samples, self.grpo.calculate_per_token_loss, group=self._dp_group())
+            values = self._forward_backward(batches, normalizer)
+        with clock("optimizer"):
+            lr = self.lr_schedule(self.optimizer_steps)
+            grad_norm = self._grad_norm()
+            if not math.isfinite(grad_norm):
+                raise NonFiniteGradNorm(
+                    f"rollout {rollout_id}, optimizer step {self.optimizer_steps}: gradient norm is {grad_norm}; "
+                    "lower --lr, check the rewards/advantages for NaN, or train in float32 (no --bf16)"
+                )
+            self._apply_update(lr, clip_coefficient(grad_norm, self.optim_cfg.clip_grad))
+            self.optimizer_steps += 1
+        with clock("metrics"):
+            sums = {f"train/{name}": 0.0 for name in terms}
+            extremes = {f"train/{name}": neutral_extremum(name) for name in self.grpo.correction_metrics()[1]}
+            if values:  # one device-to-host copy per step, not one per term and micro-batch
+                table = _to_host_table([[v[name] for name in terms] for v in values])
+                for j, name in enumerate(terms):
+                    sums[f"train/{name}"] = float(table[:, j].sum())
+            for v in values:
+                for name in extremes:
+                    extremes[name] = fold_extremum(name, extremes[name], float(v[name.removeprefix("train/")]))
+            return {**self._metric_sum(sums), **all_reduce_extrema(extremes), "train/grad_norm": grad_norm,
+                    "train/lr": lr, **self._step_metrics(batches)}
 
     def _monitored_route_shape(self) -> RouteShape | None:
         """The policy's route shape where the monitor can measure router agreement (an MoE policy in a layout that
@@ -543,6 +570,15 @@ class TrainerBackend(abc.ABC):
             call = "onload()" if training else "onload() or onload(weights_only=True)"
             raise RuntimeError(f"{what} needs this rank's {' and '.join(sorted(missing))} on the device, but "
                                f"offload() moved them off: call {call} first")
+
+
+def _to_host_table(rows: list[list[Tensor | float]]) -> Tensor:
+    """Scalars (0-d tensors on one device, or numbers) as one float64 ``[len(rows), len(rows[0])]`` CPU tensor, copied
+    to the host at once."""
+    flat = [torch.as_tensor(x).detach() for row in rows for x in row]
+    device = next((x.device for x in flat if x.device.type != "cpu"), torch.device("cpu"))
+    table = torch.stack([x.to(device=device, dtype=torch.float64).reshape(()) for x in flat])
+    return table.cpu().view(len(rows), -1)
 
 
 def _free_gib(device: torch.device) -> float:

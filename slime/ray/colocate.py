@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
+from slime.utils.timer import PhaseClock
+
 from slime.rollout.engines.base import GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPES
 
 if TYPE_CHECKING:
@@ -75,26 +77,34 @@ class ColocatedMemory:
             self.trainers.offload(keep_weights=True)
 
     @contextlib.contextmanager
-    def train_phase(self) -> Iterator[None]:
-        """Steps 1-3."""
+    def train_phase(self, clock: PhaseClock | None = None) -> Iterator[None]:
+        """Steps 1-3; with ``clock``, their times as its ``engine_release``, ``onload`` and ``offload`` sub-phases."""
+        clock = clock or PhaseClock("train")
         if self.enabled:
-            self._release_engines()  # 1
-            self.trainers.onload()
+            with clock("engine_release"):
+                self._release_engines()  # 1
+            with clock("onload"):
+                self.trainers.onload()
         yield  # 2. train
         if self.enabled:
-            self.trainers.offload(keep_weights=True)  # 3
+            with clock("offload"):
+                self.trainers.offload(keep_weights=True)  # 3
 
     @contextlib.contextmanager
-    def sync_phase(self) -> Iterator[None]:
-        """Steps 4-6."""
+    def sync_phase(self, clock: PhaseClock | None = None) -> Iterator[None]:
+        """Steps 4-6; with ``clock``, their times as its ``engine_resume`` (4 and 6) and ``offload`` (5) sub-phases."""
+        clock = clock or PhaseClock("sync")
         resume = self._engines_released  # only ever set when enabled
         if resume:
-            self.engines.resume_memory_occupation(list(RESUMED_FOR_SYNC))  # 4
+            with clock("engine_resume"):
+                self.engines.resume_memory_occupation(list(RESUMED_FOR_SYNC))  # 4
         yield  # 4. push the weights
         if self.enabled:
-            self.trainers.offload()  # 5
+            with clock("offload"):
+                self.trainers.offload()  # 5
         if resume:
-            self.engines.resume_memory_occupation(list(RESUMED_AFTER_SYNC))  # 6
+            with clock("engine_resume"):
+                self.engines.resume_memory_occupation(list(RESUMED_AFTER_SYNC))  # 6
             self._engines_released = False
 
     @contextlib.contextmanager

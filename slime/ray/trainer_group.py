@@ -18,16 +18,18 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
 import ray
 import torch
 
-from slime.backends.base import RankInfo, TrainerBackend
+from slime.backends.base import TRAINER_TOTAL_KEY, RankInfo, TrainerBackend
 from slime.data.sample import Sample
 from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
+from slime.utils.timer import sub_phase_key
 from slime.weight_sync.base import WeightTransport, check_weight_sources
 
 logger = logging.getLogger(__name__)
@@ -162,10 +164,17 @@ class TrainerGroup:
         return [shards[dp_rank] for dp_rank in self.dp_ranks], num_steps
 
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        """One rollout's optimizer steps on every rank; returns the reduced metrics."""
+        """One rollout's optimizer steps on every rank; returns the reduced metrics (rank 0's), with the trainer's
+        sub-phase times and ``perf/train_transfer_s``: the seconds of this call spent outside
+        :meth:`TrainerBackend.train` (shipping the samples to the ranks and the metrics back, Ray's scheduling)."""
+        started = time.perf_counter()
         shards, num_steps = self.split_by_rank(samples)
         results = ray.get([a.train.remote(rollout_id, shard, num_steps) for a, shard in zip(self.actors, shards)])
-        return results[0]
+        metrics = dict(results[0])
+        inside = metrics.get(TRAINER_TOTAL_KEY)
+        if inside is not None:
+            metrics[sub_phase_key("train", "transfer")] = max(0.0, time.perf_counter() - started - inside)
+        return metrics
 
     def compute_log_probs(self, samples: list[Sample], rounding_noise: bool = False,
                           replay_routes: bool = False) -> list[list[float]]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime.backends.config import OptimizerConfig
+from slime.backends.host_offload import HostParking
 from slime.backends.megatron.config import MegatronConfig
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class DistributedAdam:
         self.optimizer = get_megatron_optimizer(mcore, [self.ddp])
         self.parts = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
         self.frozen = [p for p in model.parameters() if not p.requires_grad]  # in no DDP buffer: moved by hand
+        self.parking = HostParking(pin=True)  # the optimizer state while colocated engines hold the GPU
 
     @property
     def model(self) -> torch.nn.Module:
@@ -168,15 +170,27 @@ class DistributedAdam:
             param.data = param.data.to(device, non_blocking=True)
 
     def move_training_state(self, onto_device: bool) -> None:
-        """Free the gradient buffers and move the optimizer state (fp32 main weights, moments) to CPU, or restore both
-        (the gradient buffers zeroed), with megatron-core's ``offload_grad_buffers`` and optimizer ``offload_to_cpu``
-        APIs."""
+        """Free the gradient buffers (megatron-core's ``offload_grad_buffers``) and park the optimizer state (fp32
+        main weights, moments) in pinned host memory (:class:`slime.backends.host_offload.HostParking`, not
+        megatron-core's ``offload_to_cpu``: why in its module docstring), or restore both (the gradient buffers
+        zeroed)."""
         if onto_device:
-            self.optimizer.restore_from_cpu()
+            self.parking.restore()
             self.ddp.restore_grad_buffers(synchronize=True)
         else:
             self.ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
-            self.optimizer.offload_to_cpu()
+            self.parking.park(self._optimizer_tensors())
+
+    def _optimizer_tensors(self) -> Iterator[Tensor]:
+        """Every tensor the optimizer holds, its (fp32 main) parameters and their state (moments, step), except views
+        into DDP's parameter and gradient buffers: the main parameter of an fp32 model parameter (``A_log``) is a
+        view of the model parameter itself, which :meth:`move_weights` moves with its buffer."""
+        buffers = {t.untyped_storage()._cdata for b in self.ddp.buffers + self.ddp.expert_parallel_buffers
+                   for t in (b.param_data, b.grad_data) if t is not None}
+        for part in self.parts:
+            held = [p for group in part.optimizer.param_groups for p in group["params"]]
+            held += [v for state in part.optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
+            yield from (t for t in held if t.untyped_storage()._cdata not in buffers)
 
 
 class LocalDataParallel(torch.nn.Module):

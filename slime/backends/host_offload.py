@@ -1,0 +1,101 @@
+"""Device memory parked in page-locked host buffers while colocated engines use the GPU.
+
+megatron-core's RL offload of the optimizer (``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` in 0.16.1)
+moves every fp32 main weight and Adam moment with ``tensor.cpu()`` / ``.cuda()``: a synchronous copy into freshly
+allocated pageable memory, one tensor at a time, every step.  :class:`HostParking` instead copies each device
+*storage* once into a page-locked (pinned) host buffer that it keeps for the whole run, then frees the device storage
+in place (``untyped_storage().resize_(0)``), so every tensor object, view and dictionary key stays what it was
+(optimizer state is keyed by its parameter objects).  Copies run asynchronously at the PCIe / NVLink-C2C copy
+engine's rate, with one device synchronisation per move.  Why: ``docs/design/training_step.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+
+class HostParking:
+    """Park the storages of a fixed set of device tensors in host memory and bring them back.
+
+    Args:
+        pin: allocate the host buffers page-locked (``pin_memory=True``; needs CUDA); False in CPU-only tests.
+        device_types: the devices whose tensors move (``("cuda",)``; tests use ``("cpu",)``).
+
+    Each :meth:`park` moves the storages of the tensors it is given plus every storage parked before (views of one
+    buffer move once; a tensor first seen later, e.g. Adam's moments after the first step, joins then).  Host memory
+    held: the storages' bytes, from their first :meth:`park` to the end of the process.
+    """
+
+    def __init__(self, pin: bool = True, device_types: tuple[str, ...] = ("cuda",)):
+        self.pin, self.device_types = pin, device_types
+        self._parked = False
+        self._slots: dict[int, tuple[torch.UntypedStorage, Tensor, int]] = {}  # StorageImpl -> (storage, host, bytes)
+
+    @property
+    def parked(self) -> bool:
+        """Whether the storages are in host memory now (their device storages have size 0)."""
+        return self._parked
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storages under management (0 before the first :meth:`park`)."""
+        return sum(n for _, _, n in self._slots.values())
+
+    def park(self, tensors: Iterable[Tensor]) -> int:
+        """Copy the storages of ``tensors`` (those on :attr:`device_types`) and of every earlier :meth:`park` into
+        their host buffers, then free them on the device; returns the bytes moved.
+
+        Raises:
+            RuntimeError: already parked (no :meth:`restore` since).
+        """
+        if self._parked:
+            raise RuntimeError("HostParking.park called twice without restore")
+        self._add(tensors)
+        slots = list(self._slots.values())
+        for storage, host, nbytes in slots:
+            host.copy_(_bytes_view(storage, nbytes), non_blocking=True)
+        _wait(slots)
+        for storage, _, _ in slots:
+            storage.resize_(0)
+        self._parked = True
+        return self.nbytes
+
+    def restore(self) -> int:
+        """Re-allocate each device storage at its size and copy its bytes back; returns the bytes moved (0 when not
+        parked)."""
+        if not self._parked:
+            return 0
+        slots = list(self._slots.values())
+        for storage, host, nbytes in slots:
+            storage.resize_(nbytes)
+            _bytes_view(storage, nbytes).copy_(host, non_blocking=True)
+        _wait(slots)
+        self._parked = False
+        return self.nbytes
+
+    def _add(self, tensors: Iterable[Tensor]) -> None:
+        """Give each new storage of ``tensors`` (on :attr:`device_types`, not empty) its host buffer."""
+        for t in tensors:
+            if t.device.type not in self.device_types:
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata  # the StorageImpl: stable across resize_, shared by every view
+            if key in self._slots or storage.nbytes() == 0:
+                continue
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.pin)
+            self._slots[key] = (storage, host, storage.nbytes())
+
+
+def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> Tensor:
+    """A flat uint8 tensor over the whole of ``storage`` (``nbytes`` long)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+def _wait(slots) -> None:
+    """Wait for the queued copies of ``slots`` (on their CUDA device; nothing to wait for elsewhere)."""
+    devices = {storage.device for storage, _, _ in slots if storage.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
