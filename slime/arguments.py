@@ -367,6 +367,8 @@ def _check_rollout_only(cfg: SlimeConfig) -> None:
     trainer_only = {
         "--use-tis": grpo.use_tis,
         "--use-opsm": grpo.use_opsm,
+        "--get-mismatch-metrics": grpo.get_mismatch_metrics,
+        "--custom-pg-loss-reducer-function-path": grpo.custom_pg_loss_reducer_function_path is not None,
         "--freeze-params-name-list": bool(train.freeze_params_name_list),
         "--only-train-params-name-list": bool(train.only_train_params_name_list),
         "--use-routing-replay": train.use_routing_replay and not train.use_rollout_routing_replay,
@@ -382,14 +384,22 @@ def _check_rollout_only(cfg: SlimeConfig) -> None:
 
 
 def _check_off_policy(grpo: GRPOConfig, train: TrainConfig) -> None:
-    """``--use-tis`` compares the trainer's old log-probs with the engine's: with ``--use-rollout-logprobs`` they are
-    the same and every weight is 1 (upstream refuses the pair too).  Warns about a PPO clip range that GSPO's
-    sequence ratios (geometric means, near 1) never reach."""
-    if grpo.use_tis and train.use_rollout_logprobs:
-        raise ConfigError(
-            "--use-tis with --use-rollout-logprobs: the IS weight compares the trainer's old log-probs with the "
-            "rollout's, which --use-rollout-logprobs makes the same (every weight 1); drop one of them"
-        )
+    """``--use-tis`` and ``--get-mismatch-metrics`` compare the trainer's old log-probs with the engine's: with
+    ``--use-rollout-logprobs`` they are the same, every weight is 1 and every metric trivial (upstream refuses the
+    first pair; for the second it runs one more forward pass, which this project does not).  Warns about a PPO clip
+    range that GSPO's sequence ratios (geometric means, near 1) never reach, and, as upstream, about CISPO with a lower
+    clip bound."""
+    for name, on in (("--use-tis", grpo.use_tis), ("--get-mismatch-metrics", grpo.get_mismatch_metrics)):
+        if on and train.use_rollout_logprobs:
+            raise ConfigError(
+                f"{name} with --use-rollout-logprobs: it compares the trainer's old log-probs with the rollout's, "
+                "which --use-rollout-logprobs makes the same (every ratio 1); drop one of them"
+            )
+    if grpo.cispo and grpo.eps_clip < 1:
+        logger.warning(
+            "--advantage-estimator cispo with --eps-clip %g keeps the lower clip bound %g of the IS ratio; CISPO "
+            "(arXiv:2506.13585) clips only from above: --eps-clip 1 (and e.g. --eps-clip-high 4)",
+            grpo.eps_clip, 1 - grpo.eps_clip)
     if grpo.gspo and max(grpo.eps_clip, grpo.eps_clip_high) >= 0.01:
         logger.warning(
             "--advantage-estimator gspo clips a sequence ratio (a geometric mean of token ratios, close to 1) at "

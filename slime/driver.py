@@ -35,6 +35,7 @@ from slime.data.processor import load_processor
 from slime.data.sources import load_table
 from slime.grpo.advantages import resolve_advantage_estimator
 from slime.grpo.correction import tis_function
+from slime.grpo.loss import pg_loss_reducer
 from slime.ray.colocate import ColocatedMemory
 from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, check_cpu_memory, cluster_num_gpus, create_placement_groups, init_ray
@@ -206,6 +207,8 @@ def resolve_components(cfg: SlimeConfig) -> Components:
     resolvers = [(resolve_advantage_estimator, cfg.grpo), (resolve_reward_function, cfg.reward)]
     if cfg.grpo.use_tis:
         resolvers.append((tis_function, cfg.grpo))
+    if cfg.grpo.custom_pg_loss_reducer_function_path is not None:
+        resolvers.append((pg_loss_reducer, cfg.grpo))
     if cfg.rollout.dynamic_sampling_filter_path is not None:
         resolvers.append((resolve_filter, cfg.rollout.dynamic_sampling_filter_path))
     for resolve, group in resolvers:

@@ -92,6 +92,8 @@ class StandIn:
                 _padded([torch.tensor(s.loss_mask, dtype=torch.float64) for s in batch.samples]), self.spec.grpo,
                 global_normalizer=normalizer, entropy=_padded(entropy),
                 ref_log_probs=None if batch.ref_log_probs is None else _padded(batch.ref_log_probs),
+                rollout_log_probs=None if batch.rollout_log_probs is None else _padded(batch.rollout_log_probs),
+                advantage_whitening=batch.advantage_whitening,
             )
             loss.backward()
             out.append({"loss": loss.detach(), **terms})

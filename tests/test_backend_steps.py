@@ -56,6 +56,10 @@ def test_loss_normalizer_counts_samples_or_masked_tokens_without_distributed():
     assert loss_normalizer(batch, per_token=True) == 3.0
     with pytest.raises(ValueError, match="no samples"):
         loss_normalizer([], per_token=True)
+    # a fully masked sample counts 0 tokens (upstream's clamp_min(mask.sum(), 1) would make it 2 + 1 + 1 = 4 here;
+    # the departure is in docs/design/grpo.md) and 1 sample, as upstream
+    batch.append(sample(response=(5, 6), loss_mask=(0, 0)))
+    assert (loss_normalizer(batch, per_token=True), loss_normalizer(batch, per_token=False)) == (3.0, 3.0)
 
 
 def test_a_step_with_every_token_masked_has_zero_loss_not_an_error(caplog):

@@ -79,6 +79,10 @@ def test_check_only_validates_and_exits_without_reading_the_checkpoint(tmp_path,
         (["--custom-rm-path", "nope_xyz.rewards:score"], "--custom-rm-path 'nope_xyz.rewards:score' cannot be imported"),
         (["--rm-type", "slime.rollout.rm_hub:no_such_reward"],
          "--rm-type 'slime.rollout.rm_hub:no_such_reward' cannot be imported"),
+        (["--custom-pg-loss-reducer-function-path", "nope_xyz.mod.reduce"],
+         "--custom-pg-loss-reducer-function-path nope_xyz.mod:reduce: cannot be imported here"),
+        (["--custom-pg-loss-reducer-function-path", "json:loads"],
+         "--custom-pg-loss-reducer-function-path 'json:loads' has the signature"),
     ],
 )  # fmt: skip
 def test_check_only_imports_the_estimator_and_the_reward_function(tmp_path, flags, message, capsys):

@@ -25,13 +25,14 @@ from slime.data.image import decode_image
 from slime.data.sample import Sample
 from slime.rollout.dynamic_sampling import DynamicSamplingError
 from slime.rollout.engines.base import GenerateOutput
-from slime.rollout.filters import GroupVerdict, filter_name, nonzero_std, verdict_of
+from slime.rollout.filters import GroupVerdict, filter_name, nonzero_std, nonzero_std_with_fallback, verdict_of
 from slime.rollout.manager import RolloutManager
 from slime.rollout.scheduler import EngineState, RequestScheduler
 from slime.utils.config import ConfigError
 
 N = 4
 P = "rollout/dynamic_sampling/"
+D = "rollout/dynamic_filter/drop_"
 
 
 class ScriptedPool:
@@ -171,10 +172,11 @@ def test_keeps_the_first_passing_groups_in_draw_order_and_aborts_the_rest(make):
     assert pool.aborts == [(5.0, {0})] and pool.now == 5.0
     assert [rid.split(":")[0] for rid in pool.sent_rids[::N]] == ["0", "1", "2", "3", "4", "5", "6"]
     m = batch.metrics
+    # the filter's drops under upstream's names and reasons (rows 0 and 3 all right, row 2 all wrong)
+    assert {k: v for k, v in m.items() if k.startswith(D)} == {D + "zero_std_1.0": 2.0, D + "zero_std_0.0": 1.0}
     assert {k[len(P):]: v for k, v in m.items() if k.startswith(P)} == {
         "rounds": 2.0, "groups_drawn": 8.0, "groups_generated": 6.0, "groups_passed": 3.0, "groups_kept": 2.0,
-        "groups_fallback": 0.0, "dropped_zero_std_1": 2.0, "dropped_zero_std_0": 1.0, "dropped_surplus": 1.0,
-        "dropped_cancelled": 2.0,
+        "groups_fallback": 0.0, "dropped_surplus": 1.0, "dropped_cancelled": 2.0,
         # request-seconds: g0 1, g1 5, g2 1, g3 1, g4 1, g5 0.5, g6 0.5 (aborted), g7 0; kept g1 + g4 = 6 of 10
         "dropped_generation_time_frac": pytest.approx(0.4),
         "generate_time_s": m[P + "generate_time_s"],  # real seconds: not scripted
@@ -205,6 +207,29 @@ def test_exact_resume_draws_the_same_groups_with_the_same_seeds(make):
     assert (resumed.state_dict()["dataset"]["epoch"], resumed.state_dict()["dataset"]["position"]) == (1, 4)
 
 
+def test_a_group_with_a_nan_reward_is_dropped_counted_and_logged(make, caplog):
+    manager, _ = make(PATTERNS, DURATIONS, "--dynamic-sampling-filter-path", "nonzero_std_with_fallback")
+    scorer = manager.sampler.scorer
+    real, calls = scorer.score, []
+
+    def score(responses, labels):  # the first group scored (row 0, R, done at t=1) gets a NaN reward
+        rewards = list(real(responses, labels))
+        calls.append(len(rewards))
+        return [math.nan, *rewards[1:]] if len(calls) == 1 else rewards
+
+    scorer.score = score
+    with caplog.at_level("WARNING", logger="slime.rollout.filters"):
+        batch = manager.generate(0)
+    # The same schedule as the draw-order test: rows 1 and 4 kept; row 0 is now dropped for its NaN, not its std.
+    assert _rows(batch) == [1, 4]
+    assert {k: v for k, v in batch.metrics.items() if k.startswith(D)} == {
+        D + "non_finite_reward": 1.0, D + "zero_std_1.0": 1.0, D + "zero_std_0.0": 1.0}
+    assert "dropping the group of dataset index 0: its rewards [nan, 1.0, 1.0, 1.0] are not all finite" in caplog.text
+    nan_group = [Sample(index=0, prompt="", label="5", reward=r) for r in (math.nan, math.nan, math.inf)]
+    for fn in (nonzero_std, nonzero_std_with_fallback):  # before: statistics.stdev raised AttributeError
+        assert fn(nan_group) == GroupVerdict(False, reason="non_finite_reward")  # never a fallback
+
+
 def test_the_cap_on_rounds_stops_with_a_clear_message(make):
     # Round 1 (R M W R) passes 1 group, round 2 (R W R W) none: 1 < 2 after the 2 rounds allowed.
     manager, _ = make("RMWRRWRWMMMM", [1] * 12, "--dynamic-sampling-filter-path", "nonzero_std",
@@ -228,7 +253,7 @@ def test_the_fallback_fills_the_batch_with_the_first_rejected_groups(make, caplo
     assert [s.advantage for s in batch.samples[:N]] == [0.0] * N
     m = batch.metrics
     assert (m[P + "rounds"], m[P + "groups_fallback"], m[P + "groups_kept"]) == (2.0, 1.0, 2.0)
-    assert (m[P + "dropped_zero_std_1"], m[P + "dropped_zero_std_0"]) == (3.0, 3.0)  # rows 3 4 6; rows 2 5 7
+    assert (m[D + "zero_std_1.0"], m[D + "zero_std_0.0"]) == (3.0, 3.0)  # rows 3 4 6; rows 2 5 7
     assert pool.aborts == [] and manager.state_dict()["dataset"]["position"] == 8
 
 
@@ -260,8 +285,10 @@ def test_nonzero_std_verdicts_by_hand():
         return [Sample(index=0, prompt="", label="5", reward=r) for r in rewards]
 
     assert nonzero_std(group(1.0, 0.0, 1.0, 0.0)) == GroupVerdict(True, score=pytest.approx(math.sqrt(1 / 3)))
-    assert nonzero_std(group(1.0, 1.0)) == GroupVerdict(False, reason="zero_std_1", score=0.0)
-    assert nonzero_std(group(0.0, 0.0)).reason == "zero_std_0"
+    # upstream's reason: the first reward rounded to 0.1 as Python prints a float
+    assert nonzero_std(group(1.0, 1.0)) == GroupVerdict(False, reason="zero_std_1.0", score=0.0)
+    assert nonzero_std(group(0.0, 0.0)).reason == "zero_std_0.0"
+    assert nonzero_std(group(0.25, 0.25)).reason == "zero_std_0.2"  # round half to even, as upstream's round()
     assert verdict_of(lambda g: True, group(1.0)) == GroupVerdict(True)
     assert verdict_of(lambda g: torch.tensor([1.0, 1.0]).std() > 1e-6, group(1.0)) == GroupVerdict(False)
     with pytest.raises(TypeError, match="returned 'yes' for the group of dataset index 0"):

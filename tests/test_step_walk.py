@@ -15,11 +15,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("fsdp", "megatron")
-FILES_BELOW = 33
-"""Issue 31's bound on the files one step enters (it was 32 / 36 for FSDP / Megatron before it)."""
-RETURNS_AT_MOST = {"fsdp": 50, "megatron": 57}
-"""Returns to a file already entered, as the step stands (58 / 69 before issue 31): a change may lower them, not
-raise them."""
+FILES_BELOW = 34
+"""Issue 31's bound on the files one step enters (it was 32 / 36 for FSDP / Megatron before it), plus issue 32's
+per-token advantage stage (``slime/grpo/token_advantages.py``: the rollout's whitening and the loss's advantages)."""
+RETURNS_AT_MOST = {"fsdp": 52, "megatron": 59}
+"""Returns to a file already entered, as the step stands (58 / 69 before issue 31, 50 / 57 after it; issue 32 added
+two, re-entries of functions that had already entered the file: the per-token stage's layout helpers and
+``--get-mismatch-metrics``): a change may lower them, not raise them."""
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from slime.backends.samples import SampleError
 from slime.backends.step import TRAINER_TOTAL_KEY, NonFiniteGradNorm, train_step
 from slime.data.sample import Sample
 from slime.grpo.config import GRPOConfig
+from slime.grpo.loss import loss_metric_names
 from tests.standin_backend import (
     ENTROPY_COEF, EPS, EPS_HIGH, FEATURES, GRPO, KL_COEF, LR, W0, W_REF, WARMUP, StandIn, hand_samples,
 )
@@ -192,6 +193,45 @@ def test_bad_input_is_refused_before_any_forward_pass():
     with pytest.raises(SampleError, match="sample 2"):
         train_step(backend, 0, bad, num_steps=2)
     assert backend.forward_passes == [] and backend.steps == []
+
+
+def test_normalize_advantages_whitens_over_the_whole_rollout_not_a_step_or_micro_batch():
+    # --normalize-advantages: every loss-masked token's advantage over the 6 samples of the rollout (both optimizer
+    # steps, every micro-batch), mean and Bessel-corrected variance, eps 1e-8; the same run by hand on samples whose
+    # advantage is the whitened one (without a --kl-coef every token of a sample keeps one advantage).
+    samples = hand_samples()
+    tokens = [s.advantage for s in samples for m in s.loss_mask if m]
+    mean = math.fsum(tokens) / len(tokens)
+    rstd = 1 / math.sqrt(math.fsum((a - mean) ** 2 for a in tokens) / (len(tokens) - 1) + 1e-8)
+    whitened = hand_samples()
+    for s in whitened:
+        s.advantage = (s.advantage - mean) * rstd
+    backend = StandIn(GRPOConfig(normalize_advantages=True, **GRPO), clip_grad=0.05)
+    backend.init()
+    metrics = train_step(backend, 0, samples, num_steps=2)
+    want, w_after, _ = hand_run(whitened, per_token=False, clip_grad=0.05)
+    torch.testing.assert_close(backend.model.w.detach(), w_after, rtol=1e-6, atol=1e-9)
+    assert metrics["train/pg_loss"] == pytest.approx((want[0]["pg_loss"] + want[1]["pg_loss"]) / 2, rel=1e-6)
+
+
+def test_mismatch_metrics_reach_the_step_metrics():
+    # --get-mismatch-metrics hands the engine's log-probs to the loss; mis_kl is the sample mean of the masked mean of
+    # (rollout - old) log-probs, averaged over the 2 steps (every sample once): the mean over the 6 samples.
+    samples = hand_samples()
+    backend = StandIn(GRPOConfig(get_mismatch_metrics=True, **GRPO))
+    backend.init()
+    metrics = train_step(backend, 0, samples, num_steps=2)
+    w = torch.tensor(W0, dtype=torch.float64)
+    kl = []
+    for s in samples:
+        on = [t for t, m in enumerate(s.loss_mask) if m]
+        old = log_probs(w, s)
+        roll = torch.tensor(s.rollout_log_probs, dtype=torch.float32).double()
+        kl.append(math.fsum(float(roll[t] - old[t]) for t in on) / len(on))
+    step = [sum(kl[:3]) / 3, sum(kl[3:]) / 3]
+    assert metrics["train/mis_kl"] == pytest.approx(sum(step) / 2, rel=1e-9)
+    names, _ = loss_metric_names(GRPOConfig(get_mismatch_metrics=True), with_kl_loss=False)
+    assert {f"train/{name}" for name in names} <= set(metrics)
 
 
 class Sleepy(StandIn):

@@ -28,6 +28,7 @@ from slime.backends.samples import check_train_samples
 from slime.backends.train_metrics import DataParallel, mean_over_steps, mismatch_monitor, step_loss_metrics
 from slime.data.sample import Sample
 from slime.grpo.loss import loss_metric_names
+from slime.grpo.token_advantages import Whitening, rollout_whitening
 from slime.routing_replay import RouteShape, StepRoutes
 from slime.utils.timer import PhaseClock
 
@@ -62,6 +63,9 @@ class MicroBatch:
     training forward, when set) takes: the engine's (R3) or the old-log-prob pass's (R2); None: the router's own."""
     trainer_routes: list[np.ndarray] | None = None
     """Per sample the experts the policy's routers chose in a ``capture_routes`` pass, same layout."""
+    advantage_whitening: Whitening | None = None
+    """With ``--normalize-advantages``: the rollout step's statistics over every rank
+    (:func:`slime.grpo.token_advantages.rollout_whitening`)."""
 
 
 class StepBackend(Protocol):
@@ -92,9 +96,9 @@ class StepBackend(Protocol):
 
     def forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         """Forward and backward of one step's micro-batches with :func:`slime.grpo.loss.grpo_micro_batch_loss` at
-        ``global_normalizer=normalizer``, leaving the gradient of the step's mean loss; per micro-batch its 0-d shares
-        of the loss terms (``[]`` on a rank that computes no loss).  Batches whose :attr:`MicroBatch.routes` is set
-        replay them (R2 / R3), backward included."""
+        ``global_normalizer=normalizer`` and each batch's :attr:`MicroBatch.advantage_whitening`, leaving the gradient
+        of the step's mean loss; per micro-batch its 0-d shares of the loss terms (``[]`` on a rank that computes no
+        loss).  Batches whose :attr:`MicroBatch.routes` is set replay them (R2 / R3), backward included."""
 
     def grad_norm(self) -> float:
         """The global L2 norm of the step's gradient over every rank's shards (each parameter once). Collective."""
@@ -120,8 +124,9 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     Returns:
         Metrics averaged over the steps, the same on every rank: ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
         entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, the IS / OPSM metrics of ``--use-tis`` /
-        ``--use-opsm`` (``_min`` / ``_max`` over all steps), the backend's ``step_metrics``, the mismatch monitor
-        (not with ``--use-rollout-logprobs``), the colocated free-memory figures (GiB) and ``perf/train_<sub>_s``.
+        ``--use-opsm`` (``_min`` / ``_max`` over all steps), ``train/mis_*`` of ``--get-mismatch-metrics``, the
+        backend's ``step_metrics``, the mismatch monitor (not with ``--use-rollout-logprobs``), the colocated
+        free-memory figures (GiB) and ``perf/train_<sub>_s``.
 
     Raises:
         SampleError: a malformed sample on any rank, or (R3) missing or malformed routes, before any forward.
@@ -155,9 +160,11 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         with clock("ref_log_probs"):
             ref = log_probs_by_sample(backend, backend.ref_model, batches, len(samples), replay_routes=routes.engine)
     with clock("pack"):
+        whitening = rollout_whitening(samples, old, ref, grpo, dp.sum) if grpo.normalize_advantages else None
         for batch in batches:
             batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
             batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
+            batch.advantage_whitening = whitening
             if grpo.needs_rollout_log_probs and old is not None:
                 batch.rollout_log_probs = [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
                                            for s in batch.samples]
@@ -212,7 +219,8 @@ def compute_log_probs(backend: StepBackend, samples: list[Sample], *, rounding_n
 def _rollout_log_prob_flags(spec: TrainerSpec) -> str:
     """The flags that need every sample's ``rollout_log_probs`` (for :func:`check_train_samples`; "" if none)."""
     flags = [name for name, on in (("--use-rollout-logprobs", spec.train.use_rollout_logprobs),
-                                   ("--use-tis", spec.grpo.use_tis), ("--use-opsm", spec.grpo.use_opsm)) if on]
+                                   ("--use-tis", spec.grpo.use_tis), ("--use-opsm", spec.grpo.use_opsm),
+                                   ("--get-mismatch-metrics", spec.grpo.get_mismatch_metrics)) if on]
     return " / ".join(flags)
 
 

@@ -1,4 +1,5 @@
-"""Off-policy corrections of the GRPO policy loss: importance-sampling weights, OPSM, GSPO's sequence ratio.
+"""Off-policy corrections of the GRPO policy loss: importance-sampling weights, OPSM, GSPO's sequence ratio, and the
+train/rollout mismatch metrics.
 
 Pure torch, layouts of :mod:`slime.grpo.loss` (padded ``[B, T]``, or packed ``[T]`` with ``cu_seqlens``); log-probs
 in nats; float32 (float64 kept).  The weighting functions of ``--tis-mode`` are registered in
@@ -145,10 +146,11 @@ def opsm_keep(
     log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, delta: float,
     cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
-    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556; upstream ``compute_opsm_mask``): 0.0 on every
-    token of a sample whose mean advantage is negative and whose ``KL(pi_rollout || pi)``, estimated as the mean of
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556, eq. 9; upstream ``compute_opsm_mask``): 0.0 on
+    every token with a negative advantage ``A_t`` in a sample whose ``KL(pi_rollout || pi)``, estimated as the mean of
     ``log pi_rollout - log pi`` over its masked tokens, exceeds ``delta`` (``--opsm-delta``); 1.0 elsewhere.  No
-    gradient; ``advantages`` per token (all of a sample's equal unless ``--kl-coef`` shaped them).
+    gradient; ``advantages`` per token (the paper's ``A_{i,t}``: all of a GRPO sample's are equal, so the whole sample
+    goes; REINFORCE++'s returns and ``--kl-coef`` shaping make them differ).
 
     Raises:
         ValueError: shapes differ, or a malformed layout.
@@ -158,8 +160,7 @@ def opsm_keep(
     mask = loss_mask.bool()
     with torch.no_grad():
         kl = sequence_sums(as_float(rollout_log_probs) - as_float(log_probs.detach()), mask, cu_seqlens, mean=True)
-        adv = sequence_sums(advantages.detach(), mask, cu_seqlens, mean=True)
-        return (~((adv < 0) & (kl > delta))).to(kl.dtype)
+        return (~((advantages.detach() < 0) & (kl > delta))).to(kl.dtype)
 
 
 def gspo_log_ratio(
@@ -171,3 +172,45 @@ def gspo_log_ratio(
     mask = loss_mask.bool()
     diff = torch.where(mask, as_float(log_probs) - as_float(old_log_probs), 0.0)
     return torch.where(mask, sequence_sums(diff, mask, cu_seqlens, mean=True), 0.0)
+
+
+# --- mismatch metrics (--get-mismatch-metrics) --------------------------------------------------------
+
+
+def mismatch_metrics(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> dict[str, Tensor]:
+    """The train/rollout mismatch metrics of upstream's ``examples/train_infer_mismatch_helper/mis.py``
+    (``add_ppl_metrics``), per token, detached, each to be aggregated like the loss.  With ``d_t = log pi_old(y_t) -
+    log pi_rollout(y_t)``: ``mis_kl = -d_t`` and ``mis_k3_kl = exp(d_t) - 1 - d_t`` (k1 and k3 of KL(rollout ||
+    trainer), Schulman 2020); ``mis_chi2_token``: the sample's mean of ``rho_t^2``, minus 1, and ``mis_chi2_seq``:
+    ``(prod_t rho_t)^2 - 1`` (chi-squared divergence of the token and sequence ratios ``rho = exp(d)``, ``d`` and
+    ``sum_t d_t`` clamped to ``[-SAFETY_BOUND, SAFETY_BOUND]``); ``mis_{training,rollout}_log_ppl``: minus the sample's
+    mean log-prob, ``_ppl`` its ``exp``; ``mis_log_ppl_diff``: rollout's mean log-prob minus the trainer's,
+    ``mis_log_ppl_abs_diff`` its absolute value, ``mis_ppl_ratio`` its ``exp``.  Per-sample values sit on each of the
+    sample's tokens.
+
+    Raises:
+        ValueError: shapes differ, or a malformed layout.
+    """
+    check_same_shape(old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs, loss_mask=loss_mask)
+    mask = loss_mask.bool()
+    with torch.no_grad():
+        train = torch.where(mask, as_float(old_log_probs.detach()), 0.0)
+        rollout = torch.where(mask, as_float(rollout_log_probs), 0.0)
+        d = train - rollout
+        mean_train = sequence_sums(train, mask, cu_seqlens, mean=True)
+        mean_rollout = sequence_sums(rollout, mask, cu_seqlens, mean=True)
+        rho_sq = (2 * d.clamp(-SAFETY_BOUND, SAFETY_BOUND)).exp()
+        log_seq = sequence_sums(d, mask, cu_seqlens, mean=False).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        log_ppl_diff = mean_rollout - mean_train
+        return {
+            "mis_kl": -d, "mis_k3_kl": torch.expm1(d) - d,
+            "mis_chi2_token": sequence_sums(rho_sq, mask, cu_seqlens, mean=True) - 1.0,
+            "mis_chi2_seq": torch.expm1(2 * log_seq),
+            "mis_training_log_ppl": -mean_train, "mis_training_ppl": (-mean_train).exp(),
+            "mis_rollout_log_ppl": -mean_rollout, "mis_rollout_ppl": (-mean_rollout).exp(),
+            "mis_log_ppl_diff": log_ppl_diff, "mis_log_ppl_abs_diff": log_ppl_diff.abs(),
+            "mis_ppl_ratio": log_ppl_diff.exp(),
+        }

@@ -1,4 +1,5 @@
-"""The GRPO loss of one micro-batch: clipped policy loss, KL, entropy, aggregation.
+"""The GRPO loss of one micro-batch: the policy loss (PPO's clip with clip-higher and dual clip, GSPO's or CISPO's),
+KL, entropy, aggregation, and an optional custom reduction of the policy loss.
 
 Pure torch, no model, no ``torch.distributed``; float32 (float64 kept).  A backend calls
 :func:`grpo_micro_batch_loss` once per micro-batch.  Sources and departures from upstream:
@@ -12,38 +13,23 @@ tokens never enter the arithmetic, so padding may hold garbage.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-from slime.grpo.config import KL_TYPES, GRPOConfig
-from slime.grpo.correction import gspo_log_ratio, importance_weights, masked_extrema, opsm_keep
+from slime.grpo.config import KL_TYPES, MISMATCH_METRICS, PG_LOSS_REDUCERS, GRPOConfig, PGLossReducer
+from slime.grpo.correction import gspo_log_ratio, importance_weights, masked_extrema, mismatch_metrics, opsm_keep
 from slime.grpo.layout import as_float as _float
+from slime.grpo.layout import check_layout, num_samples, per_sample_sums
 from slime.grpo.layout import check_same_shape as _check_same_shape
-from slime.grpo.layout import per_sample_sums, spread_per_sample
+from slime.grpo.token_advantages import Whitening, token_advantages
+from slime.utils.config import ConfigError
+from slime.utils.registry import check_function
 
 LOW_VAR_KL_BOUND = 10.0
 """``low_var_kl`` is k3 clamped to ``[-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND]`` (upstream slime / verl)."""
-
-
-# --- KL reward shaping --------------------------------------------------------------
-
-
-def apply_kl_penalty_to_advantages(
-    advantages: Tensor, old_log_probs: Tensor, ref_log_probs: Tensor, kl_coef: float, loss_mask: Tensor | None = None
-) -> Tensor:
-    """``A_t - kl_coef * (log pi_old(y_t) - log pi_ref(y_t))`` per token (``--kl-coef``; k1 of KL(pi_old || pi_ref)).
-
-    Masked tokens keep their advantage; float32 (float64 kept), ``advantages``' shape.
-
-    Raises:
-        ValueError: ``kl_coef < 0`` or shapes differ.
-    """
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef (--kl-coef) must be >= 0, got {kl_coef}")
-    _check_same_shape(advantages=advantages, old_log_probs=old_log_probs)
-    return _float(advantages) - kl_coef * compute_approx_kl(old_log_probs, ref_log_probs, "k1", loss_mask)
 
 
 # --- per-token terms ----------------------------------------------------------------
@@ -68,15 +54,18 @@ def compute_policy_loss(
     eps_clip: float,
     eps_clip_high: float,
     *,
+    eps_clip_c: float | None = None,
     sequence_level: bool = False,
     cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> PolicyLossTerms:
     """PPO clipped surrogate with clip-higher, per token (Schulman et al. 2017 eq. 7, negated; DAPO Sec. 3.1).
 
     ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_clip, 1 + eps_clip_high))``, ``r_t = exp(log_probs -
-    old_log_probs)``; with ``sequence_level`` (GSPO), ``r_t`` is its sample's geometric mean of the token ratios
-    (:func:`slime.grpo.correction.gspo_log_ratio`, layout ``cu_seqlens``).  All inputs one shape (log-probs in
-    nats); float32 (float64 kept) outputs.
+    old_log_probs)``; with ``eps_clip_c`` (dual-clip PPO, Ye et al. 2019, arXiv:1912.09729 eq. 5; upstream
+    ``compute_policy_loss``) a token with ``A_t < 0`` takes ``min(loss_t, -A_t eps_clip_c)``; with ``sequence_level``
+    (GSPO), ``r_t`` is its sample's geometric mean of the token ratios (:func:`slime.grpo.correction.gspo_log_ratio`,
+    layout ``cu_seqlens``).  All inputs one shape (log-probs in nats); float32 (float64 kept) outputs; ``clipped``
+    counts the clip of eq. 7 only (as upstream's ``pg_clipfrac``).
 
     Raises:
         ValueError: shapes differ, or a malformed layout.
@@ -91,20 +80,45 @@ def compute_policy_loss(
     ratio = log_ratio.exp()
     unclipped_loss = -adv * ratio
     clipped_loss = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    return PolicyLossTerms(
-        loss=torch.maximum(unclipped_loss, clipped_loss),
-        clipped=(clipped_loss > unclipped_loss).to(ratio.dtype),
-        log_ratio=log_ratio,
-    )
+    loss = torch.maximum(unclipped_loss, clipped_loss)
+    if eps_clip_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * eps_clip_c), loss)
+    return PolicyLossTerms(loss=loss, clipped=(clipped_loss > unclipped_loss).to(ratio.dtype), log_ratio=log_ratio)
+
+
+def compute_cispo_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, eps_clip: float,
+    eps_clip_high: float,
+) -> PolicyLossTerms:
+    """CISPO's loss per token (MiniMax-M1, arXiv:2506.13585, eq. 4-5; upstream ``compute_cispo_loss``):
+    ``loss_t = -sg(clip(r_t, 1 - eps_clip, 1 + eps_clip_high)) A_t log pi(y_t)``, ``r_t = exp(log_probs -
+    old_log_probs)``: the ratio is clipped under a stop-gradient and every token keeps the gradient ``-r A grad log pi``
+    (the paper drops the lower bound: ``--eps-clip 1``).  ``clipped`` is 1.0 where the clip changed the ratio.  Inputs
+    and outputs as :func:`compute_policy_loss`.
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    _check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.bool()
+    log_prob = torch.where(mask, _float(log_probs), 0.0)
+    log_ratio = torch.where(mask, _float(log_probs) - _float(old_log_probs), 0.0)
+    ratio = log_ratio.exp()
+    truncated = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high).detach()
+    loss = -truncated * torch.where(mask, _float(advantages), 0.0) * log_prob
+    return PolicyLossTerms(loss=loss, clipped=(truncated != ratio.detach()).to(ratio.dtype), log_ratio=log_ratio)
 
 
 def compute_approx_kl(
-    log_probs: Tensor, ref_log_probs: Tensor, kl_type: str, loss_mask: Tensor | None = None
+    log_probs: Tensor, ref_log_probs: Tensor, kl_type: str, loss_mask: Tensor | None = None,
+    importance_ratio: Tensor | None = None,
 ) -> Tensor:
     """Per-token estimate (nats) of ``KL(pi || pi_ref)`` on tokens sampled from ``pi`` (Schulman 2020).
 
     With ``x = log pi(y) - log pi_ref(y)``: ``k1 = x``; ``k2 = x**2 / 2``; ``k3 = expm1(-x) + x``
-    (DeepSeekMath eq. 4); ``low_var_kl = clamp(k3, -10, 10)``.  Masked tokens give 0.
+    (DeepSeekMath eq. 4); ``low_var_kl = clamp(k3, -10, 10)``.  ``importance_ratio`` (``--use-unbiased-kl``: the
+    token's ``pi / pi_old``, DeepSeek-V3.2's unbiased KL; upstream ``compute_approx_kl``) multiplies the estimate
+    before ``low_var_kl``'s clamp, as upstream.  Masked tokens give 0.
 
     Raises:
         ValueError: unknown ``kl_type`` (the message lists the valid ones) or shapes differ.
@@ -117,13 +131,15 @@ def compute_approx_kl(
         _check_same_shape(log_probs=log_probs, loss_mask=loss_mask)
         log_ratio = torch.where(loss_mask.bool(), log_ratio, 0.0)
     if kl_type == "k1":
-        return log_ratio
-    if kl_type == "k2":
-        return 0.5 * log_ratio.square()
-    k3 = torch.expm1(-log_ratio) + log_ratio
-    if kl_type == "low_var_kl":
-        return k3.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
-    return k3
+        kl = log_ratio
+    elif kl_type == "k2":
+        kl = 0.5 * log_ratio.square()
+    else:
+        kl = torch.expm1(-log_ratio) + log_ratio
+    if importance_ratio is not None:
+        _check_same_shape(log_probs=log_probs, importance_ratio=importance_ratio)
+        kl = kl * importance_ratio
+    return kl.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND) if kl_type == "low_var_kl" else kl
 
 
 # --- aggregation ----------------------------------------------------------------------
@@ -189,28 +205,34 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``pg_loss + kl_loss_coef * kl_loss - entropy_coef * entropy``, each term :func:`aggregate_loss`-reduced.
 
-    The per-token policy loss (GSPO's sequence ratio with ``--advantage-estimator gspo``) is multiplied by the IS
-    weight (``--use-tis``, :func:`slime.grpo.correction.importance_weights`) and by OPSM's mask (``--use-opsm``,
-    :func:`slime.grpo.correction.opsm_keep`), both from ``rollout_log_probs`` (the engine's); weighted or masked
-    tokens still count in the normaliser (as upstream).  ``kl_loss`` when ``cfg.use_kl_loss`` and ``ref_log_probs``
-    is given; ``entropy`` when given.
+    The per-token policy loss (GSPO's sequence ratio with ``--advantage-estimator gspo``, CISPO's loss with ``cispo``,
+    dual-clip with ``--eps-clip-c``) is multiplied by the IS weight (``--use-tis``,
+    :func:`slime.grpo.correction.importance_weights`) and by OPSM's mask (``--use-opsm``,
+    :func:`slime.grpo.correction.opsm_keep`), both from ``rollout_log_probs`` (the engine's), then reduced by
+    ``--custom-pg-loss-reducer-function-path`` if set.  A token whose IS weight is 0 (rejected: ``icepop`` /
+    ``reject`` outside the bounds) also leaves ``pg_clipfrac``, ``ppo_kl``, the KL loss and the entropy bonus, as
+    upstream's rejection masks do; weighted, masked or rejected tokens still count in the normaliser (as upstream).
+    ``kl_loss`` when ``cfg.use_kl_loss`` and ``ref_log_probs`` is given; ``entropy`` when given.
 
     Returns:
         ``(loss, metrics)``: a differentiable 0-d tensor, and detached 0-d tensors ``pg_loss``, ``pg_clipfrac``,
         ``ppo_kl`` (k1 of KL(pi_old || pi)), plus ``kl_loss`` and ``entropy`` when computed; with ``--use-tis``
         ``tis_weight_mean``, ``tis_clipfrac`` (aggregated like the loss) and ``tis_weight_min`` / ``_max`` (over
-        this call's masked tokens; ``inf`` / ``-inf`` without any); with ``--use-opsm`` ``opsm_masked_frac``.
+        this call's masked tokens; ``inf`` / ``-inf`` without any); with ``--use-opsm`` ``opsm_masked_frac``; with
+        ``--get-mismatch-metrics`` the ``mis_*`` metrics (:func:`slime.grpo.correction.mismatch_metrics`).
 
     Raises:
         ValueError: ``ref_log_probs``, ``rollout_log_probs`` or ``entropy`` missing where ``cfg`` needs it; errors
             of :func:`aggregate_loss` and :func:`slime.grpo.correction.importance_weights`.
+        ConfigError: the ``--custom-pg-loss-reducer-function-path`` function fails its contract.
     """
     if cfg.use_kl_loss and cfg.kl_loss_coef > 0 and ref_log_probs is None:
         raise ValueError(f"--use-kl-loss with --kl-loss-coef {cfg.kl_loss_coef} needs ref_log_probs, got None")
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError(f"--entropy-coef {cfg.entropy_coef} needs the per-token entropy, got None")
     if cfg.needs_rollout_log_probs and rollout_log_probs is None:
-        raise ValueError("--use-tis / --use-opsm need rollout_log_probs (the rollout engine's), got None")
+        raise ValueError("--use-tis / --use-opsm / --get-mismatch-metrics need rollout_log_probs (the rollout "
+                         "engine's), got None")
 
     def aggregate(values: Tensor) -> Tensor:
         return aggregate_loss(
@@ -222,13 +244,18 @@ def grpo_loss(
             sample_token_counts=sample_token_counts,
         )
 
-    terms = compute_policy_loss(log_probs, old_log_probs, advantages, loss_mask, cfg.eps_clip, cfg.eps_clip_high,
-                                sequence_level=cfg.gspo, cu_seqlens=cu_seqlens)
+    if cfg.cispo:
+        terms = compute_cispo_loss(log_probs, old_log_probs, advantages, loss_mask, cfg.eps_clip, cfg.eps_clip_high)
+    else:
+        terms = compute_policy_loss(log_probs, old_log_probs, advantages, loss_mask, cfg.eps_clip, cfg.eps_clip_high,
+                                    eps_clip_c=cfg.eps_clip_c, sequence_level=cfg.gspo, cu_seqlens=cu_seqlens)
     pg_per_token = terms.loss
+    kept = loss_mask.bool()  # the loss-masked tokens that IS did not reject
     metrics: dict[str, Tensor] = {}
     if cfg.use_tis:  # weights and masks are detached: no gradient flows through them
         tis = importance_weights(old_log_probs, rollout_log_probs, loss_mask, cfg, cu_seqlens)
         pg_per_token = pg_per_token * tis.weights
+        kept = kept & (tis.weights > 0)
         metrics["tis_weight_mean"] = aggregate(tis.weights)
         metrics["tis_weight_min"], metrics["tis_weight_max"] = masked_extrema(tis.weights, loss_mask)
         metrics["tis_clipfrac"] = aggregate(tis.changed)
@@ -236,42 +263,94 @@ def grpo_loss(
         keep = opsm_keep(log_probs, rollout_log_probs, advantages, loss_mask, cfg.opsm_delta, cu_seqlens)
         pg_per_token = pg_per_token * keep
         metrics["opsm_masked_frac"] = aggregate(1.0 - keep)
-    loss = pg_loss = aggregate(pg_per_token)
+    if cfg.get_mismatch_metrics:
+        with torch.no_grad():
+            for name, values in mismatch_metrics(old_log_probs, rollout_log_probs, loss_mask, cu_seqlens).items():
+                metrics[name] = aggregate(values)
+
+    def aggregate_kept(values: Tensor) -> Tensor:
+        return aggregate(torch.where(kept, values, 0.0))
+
+    if cfg.custom_pg_loss_reducer_function_path is None:
+        loss = pg_loss = aggregate(pg_per_token)
+    else:
+        if sample_token_counts is not None:
+            raise ValueError("--custom-pg-loss-reducer-function-path needs whole samples in one call; "
+                             "sample_token_counts (context parallelism) is not supported with it")
+        normalizer = global_normalizer or _call_normalizer(loss_mask, cu_seqlens, cfg.calculate_per_token_loss)
+        loss = pg_loss = _custom_pg_loss(pg_per_token, kept, cu_seqlens, cfg) / normalizer
     with torch.no_grad():
-        metrics.update(pg_loss=pg_loss.detach(), pg_clipfrac=aggregate(terms.clipped), ppo_kl=aggregate(-terms.log_ratio))
+        metrics.update(pg_loss=pg_loss.detach(), pg_clipfrac=aggregate_kept(terms.clipped),
+                       ppo_kl=aggregate_kept(-terms.log_ratio))
     if cfg.use_kl_loss and ref_log_probs is not None:
-        kl_loss = aggregate(compute_approx_kl(log_probs, ref_log_probs, cfg.kl_loss_type, loss_mask))
+        ratio = None
+        if cfg.use_unbiased_kl:  # the token ratio pi / pi_old, differentiable (upstream), GSPO's too
+            ratio = torch.where(loss_mask.bool(), _float(log_probs) - _float(old_log_probs), 0.0).exp()
+        kl_loss = aggregate_kept(compute_approx_kl(log_probs, ref_log_probs, cfg.kl_loss_type, loss_mask, ratio))
         loss = loss + cfg.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     if entropy is not None:
-        mean_entropy = aggregate(entropy)
+        mean_entropy = aggregate_kept(entropy)
         loss = loss - cfg.entropy_coef * mean_entropy
         metrics["entropy"] = mean_entropy.detach()
     return loss, metrics
 
 
-def per_token_advantages(
-    advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None = None
-) -> Tensor:
-    """Each sample's advantage ``[S]`` on each of its tokens, in ``loss_mask``'s shape (0 after ``cu_seqlens[-1]``).
+def _call_normalizer(loss_mask: Tensor, cu_seqlens, per_token: bool) -> float:
+    """:func:`aggregate_loss`'s default ``N``: this call's samples, or its loss-masked tokens (at least 1)."""
+    if per_token:
+        return max(int(loss_mask.bool().sum()), 1)
+    return max(num_samples(loss_mask, cu_seqlens), 1)
+
+
+def pg_loss_reducer(cfg: GRPOConfig) -> PGLossReducer:
+    """The ``--custom-pg-loss-reducer-function-path`` function of ``cfg``, imported and checked (the driver calls it
+    before Ray starts; cached per path).
 
     Raises:
-        ValueError: ``advantages`` is not ``[S]``, or a malformed layout / ``cu_seqlens``.
+        ConfigError: naming the flag: the path is unset, cannot be imported, or the object is not a function of
+            ``(token_losses, cfg)``.
     """
-    try:
-        return spread_per_sample(advantages, loss_mask, cu_seqlens)
-    except ValueError as e:
-        raise ValueError(f"advantages: {e}") from None
+    if cfg.custom_pg_loss_reducer_function_path is None:
+        raise ConfigError("--custom-pg-loss-reducer-function-path is not set")
+    return _checked_reducer(cfg.custom_pg_loss_reducer_function_path)
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_reducer(path: str) -> PGLossReducer:
+    fn = PG_LOSS_REDUCERS.resolve(path)
+    check_function(fn, PG_LOSS_REDUCERS.flag, path, ([torch.zeros(1)], None), "a policy-loss reducer must accept "
+                   "(token_losses: list[Tensor], cfg: GRPOConfig) and return a 0-d Tensor")
+    return fn
+
+
+def _custom_pg_loss(pg_per_token: Tensor, kept: Tensor, cu_seqlens, cfg: GRPOConfig) -> Tensor:
+    """The custom reducer's sum over this call's samples (each sample's kept tokens, in order)."""
+    cu = check_layout(pg_per_token, cu_seqlens)
+    if pg_per_token.dim() == 2:
+        token_losses = [row[on] for row, on in zip(pg_per_token, kept)]
+    elif cu is None:
+        token_losses = [pg_per_token[kept]]
+    else:
+        bounds = cu.tolist()
+        token_losses = [pg_per_token[a:b][kept[a:b]] for a, b in zip(bounds, bounds[1:])]
+    out = pg_loss_reducer(cfg)(token_losses, cfg)
+    if not isinstance(out, Tensor) or out.dim() != 0:
+        raise ConfigError(f"{PG_LOSS_REDUCERS.flag} {cfg.custom_pg_loss_reducer_function_path} returned "
+                          f"{type(out).__name__} {getattr(out, 'shape', '')}; a reducer returns a 0-d Tensor")
+    return out
 
 
 def loss_metric_names(cfg: GRPOConfig, with_kl_loss: bool) -> tuple[list[str], list[str]]:
     """The metrics :func:`grpo_micro_batch_loss` reports, as ``(summed over micro-batches and ranks, extremes)``:
     ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``entropy``, with ``--use-tis`` ``tis_weight_mean`` and
-    ``tis_clipfrac`` (extremes ``tis_weight_min`` / ``_max``), with ``--use-opsm`` ``opsm_masked_frac``, and
-    ``kl_loss`` with ``--use-kl-loss`` when ``with_kl_loss`` (a reference model exists)."""
+    ``tis_clipfrac`` (extremes ``tis_weight_min`` / ``_max``), with ``--use-opsm`` ``opsm_masked_frac``, with
+    ``--get-mismatch-metrics`` the ``mis_*`` metrics (:data:`slime.grpo.config.MISMATCH_METRICS`), and ``kl_loss``
+    with ``--use-kl-loss`` when ``with_kl_loss`` (a reference model exists)."""
     terms = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy"]
     terms += ["tis_weight_mean", "tis_clipfrac"] if cfg.use_tis else []
     terms += ["opsm_masked_frac"] if cfg.use_opsm else []
+    terms += list(MISMATCH_METRICS) if cfg.get_mismatch_metrics else []
     terms += ["kl_loss"] if cfg.use_kl_loss and with_kl_loss else []
     return terms, ["tis_weight_min", "tis_weight_max"] if cfg.use_tis else []
 
@@ -289,31 +368,32 @@ def grpo_micro_batch_loss(
     entropy: Tensor | None = None,
     cu_seqlens: Tensor | Sequence[int] | None = None,
     sample_token_counts: Tensor | None = None,
+    advantage_whitening: Whitening | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's share of the step's GRPO loss, from per-sample advantages ``[S]``.
 
-    Spreads the advantages over the tokens, applies ``--kl-coef`` shaping, then :func:`grpo_loss`.  With
-    ``global_normalizer`` over all DP ranks, the losses summed over micro-batches and ranks are the
-    step's mean; a wrapper that averages gradients over ranks needs the loss scaled back by them.
+    Turns them into per-token advantages (:func:`slime.grpo.token_advantages.token_advantages`: ``--kl-coef`` shaping,
+    REINFORCE++'s returns), whitens them with ``advantage_whitening`` (``--normalize-advantages``: the rollout step's
+    statistics), then :func:`grpo_loss`.  With ``global_normalizer`` over all DP ranks, the losses summed over
+    micro-batches and ranks are the step's mean; a wrapper that averages gradients over ranks needs the loss scaled
+    back by them.
 
     Returns:
         ``(loss, metrics)`` of :func:`grpo_loss`.
 
     Raises:
-        ValueError: ``cfg.kl_coef > 0`` without ``ref_log_probs``, a wrong ``advantages`` shape, or any
-            error of :func:`grpo_loss`.
+        ValueError: ``cfg.kl_coef > 0`` without ``ref_log_probs``, ``--normalize-advantages`` without
+            ``advantage_whitening``, a wrong ``advantages`` shape, or any error of :func:`grpo_loss`.
     """
-    token_advantages = per_token_advantages(advantages, loss_mask, cu_seqlens)
-    if cfg.kl_coef > 0:
-        if ref_log_probs is None:
-            raise ValueError(f"--kl-coef {cfg.kl_coef} needs ref_log_probs (the reference model's), got None")
-        token_advantages = apply_kl_penalty_to_advantages(
-            token_advantages, old_log_probs, ref_log_probs, cfg.kl_coef, loss_mask
-        )
+    if cfg.normalize_advantages and advantage_whitening is None:
+        raise ValueError("--normalize-advantages needs the rollout step's advantage_whitening, got None")
+    token_adv = token_advantages(advantages, loss_mask, cfg, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                                 cu_seqlens=cu_seqlens, whitening=advantage_whitening if cfg.normalize_advantages
+                                 else None)
     return grpo_loss(
         log_probs,
         old_log_probs,
-        token_advantages,
+        token_adv,
         loss_mask,
         cfg,
         ref_log_probs=ref_log_probs,

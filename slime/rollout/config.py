@@ -102,6 +102,13 @@ class RolloutConfig:
         f"{DEFAULT_MAX_ROUNDS}.",
     )
 
+    partial_rollout: bool = flag(
+        False,
+        help="Upstream slime's partial rollout (put the groups aborted at a dynamic-sampling step's stop back into the "
+        "data buffer and continue their responses in a later step) is refused: the engines here cannot resume a "
+        "response, and an exact resume would need the half-made responses checkpointed. The aborted groups are "
+        "dropped and their prompts counted in the data cursor.",
+    )
     max_prompt_length_mismatch_fraction: float = flag(
         0.1,
         help="Largest fraction of a rollout's (or an eval set's) samples whose prompt length in the engine may differ "
@@ -134,6 +141,14 @@ class RolloutConfig:
                 f"{self.max_prompt_length_mismatch_fraction}; e.g. 0.1, or 0 to stop at the first mismatch"
             )
         self._check_dynamic_sampling()
+        if self.partial_rollout:
+            raise ConfigError(
+                "--partial-rollout (upstream: the groups aborted when a dynamic-sampling step stops go back to the "
+                "data buffer and a later step continues their responses) is not supported: the rollout engines here "
+                "cannot resume a half-made response, and an exact resume would need those responses checkpointed; "
+                "the aborted groups are dropped (their prompts counted in the data cursor, "
+                "rollout/dynamic_sampling/dropped_cancelled). Drop the flag"
+            )
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
         negative = [token_id for token_id in self.rollout_stop_token_ids or [] if token_id < 0]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from slime.data.sample import Sample, SampleStatus
 from slime.errors import SlimeError
-from slime.rollout.filters import GroupVerdict, resolve_filter, verdict_of
+from slime.rollout.filters import DROP_PREFIX, GroupVerdict, resolve_filter, verdict_of
 from slime.rollout.outputs import (
     UNUSABLE,
     check_prompt_lengths,
@@ -198,18 +198,22 @@ class DynamicSampler:
     # -- metrics -----------------------------------------------------------------------
 
     def _dropped_reasons(self, kept: set[int]) -> collections.Counter:
+        """Metric name -> groups not kept: the filter's drops (``rollout/dynamic_filter/drop_<reason>``, upstream's
+        names) and ours (``rollout/dynamic_sampling/dropped_{surplus,cancelled,unusable}``)."""
         reasons: collections.Counter = collections.Counter()
         for g, state in enumerate(self.state):
             if g in kept:
                 continue
             if state == REJECTED:
-                reasons[_metric_name(self.verdicts[g].reason or "filtered")] += 1
+                reasons[DROP_PREFIX + _metric_name(self.verdicts[g].reason or "filtered")] += 1
             else:  # passed beyond the batch, cut off by the stop, or holding an aborted / mismatching sample
-                reasons[{PASSED: "surplus", PENDING: "cancelled", UNUSABLE: "unusable"}[state]] += 1
+                why = {PASSED: "surplus", PENDING: "cancelled", UNUSABLE: "unusable"}[state]
+                reasons[f"{PREFIX}dropped_{why}"] += 1
         return reasons
 
     def _metrics(self, kept: list[int], fallback: list[int], seconds: float) -> dict[str, float]:
-        """The ``rollout/dynamic_sampling/*`` metrics; see ``docs/design/dynamic_sampling.md``."""
+        """The ``rollout/dynamic_sampling/*`` and ``rollout/dynamic_filter/drop_*`` metrics; see
+        ``docs/design/dynamic_sampling.md``."""
         generated = [g for g, state in enumerate(self.state) if state != PENDING]
         done = [s for g in generated for s in self.samples[g * self.n : (g + 1) * self.n]]
         rewards = [s.reward for s in done if s.status not in UNUSABLE]
@@ -226,8 +230,8 @@ class DynamicSampler:
             "generate_time_s": seconds,
             "generated_reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         }
-        metrics.update({f"dropped_{reason}": n for reason, n in self._dropped_reasons(set(kept)).items()})
         out = {PREFIX + k: float(v) for k, v in metrics.items()}
+        out.update({name: float(n) for name, n in self._dropped_reasons(set(kept)).items()})
         # The engine-side faults of every generated group (the kept ones have none).
         out["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in done))
         out["rollout/prompt_length_mismatch_groups"] = float(groups_holding(done, self.n, SampleStatus.FAILED))

@@ -9,6 +9,8 @@ manager uses them: :mod:`slime.rollout.dynamic_sampling`, ``docs/design/dynamic_
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import statistics
 from typing import TYPE_CHECKING, Callable
 
@@ -18,6 +20,12 @@ from slime.utils.registry import Builtin, Registry, check_function
 if TYPE_CHECKING:
     from slime.data.sample import Sample
 
+logger = logging.getLogger(__name__)
+
+DROP_PREFIX = "rollout/dynamic_filter/drop_"
+"""The metric of the groups a filter dropped, per reason (upstream's ``MetricGatherer`` name)."""
+NON_FINITE = "non_finite_reward"
+"""The reason of a group holding a NaN or infinite reward, dropped before any filter sees it."""
 STD_EPS = 1e-6
 """A group whose reward std (unbiased, float64) is at most this is constant (upstream's threshold)."""
 
@@ -28,7 +36,7 @@ class GroupVerdict:
 
     Attributes:
         keep: the group may train.
-        reason: why it is rejected; names the metric ``rollout/dynamic_sampling/dropped_<reason>`` (letters,
+        reason: why it is rejected; names the metric ``rollout/dynamic_filter/drop_<reason>`` (upstream's; letters,
             digits, ``_`` ``.`` ``-``); None: ``filtered``.
         fallback: a rejected group that may fill the batch when the rounds run out (else the step stops).
         score: rank of a rejected group for that fill, higher first (ties: draw order).
@@ -45,18 +53,31 @@ GroupFilter = Callable[["list[Sample]"], "GroupVerdict | bool"]
 
 def nonzero_std(group: list[Sample]) -> GroupVerdict:
     """Keep the group when the unbiased std of its rewards (float64) exceeds :data:`STD_EPS`; the reason of a
-    rejected group is ``zero_std_<reward>`` (its one reward, rounded to 0.1, as upstream's
-    ``check_reward_nonzero_std`` names it).  Its score is the std (0 for a rejected group)."""
+    rejected group is ``zero_std_<reward>``, its first reward rounded to 0.1 as Python writes it (``zero_std_1.0``,
+    ``zero_std_0.0``: upstream's ``check_reward_nonzero_std``).  Its score is the std (0 for a rejected group).  A
+    group with a NaN or infinite reward is rejected (:func:`non_finite_verdict`)."""
     rewards = [float(s.reward) for s in group]
+    if not all(math.isfinite(r) for r in rewards):
+        return non_finite_verdict(group)
     std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
     if std > STD_EPS:
         return GroupVerdict(True, score=std)
-    return GroupVerdict(False, reason=f"zero_std_{round(rewards[0], 1):g}", score=std)
+    return GroupVerdict(False, reason=f"zero_std_{round(rewards[0], 1)}", score=std)
+
+
+def non_finite_verdict(group: list[Sample]) -> GroupVerdict:
+    """The verdict on a group holding a NaN or infinite reward: dropped (reason :data:`NON_FINITE`), never a fallback
+    (its advantages would not be finite); a warning names the group's dataset index and rewards.  Upstream drops such
+    a group too (its std is NaN), as ``zero_std_<first reward>``."""
+    logger.warning("dropping the group of dataset index %s: its rewards %s are not all finite (counted in %s%s)",
+                   group[0].index, [s.reward for s in group], DROP_PREFIX, NON_FINITE)
+    return GroupVerdict(False, reason=NON_FINITE)
 
 
 def nonzero_std_with_fallback(group: list[Sample]) -> GroupVerdict:
-    """:func:`nonzero_std`, its rejected groups marked ``fallback``."""
-    return dataclasses.replace(nonzero_std(group), fallback=True)
+    """:func:`nonzero_std`, its rejected groups marked ``fallback`` (not those with a non-finite reward)."""
+    verdict = nonzero_std(group)
+    return verdict if verdict.reason == NON_FINITE else dataclasses.replace(verdict, fallback=True)
 
 
 FILTERS: Registry[GroupFilter] = Registry(
@@ -132,11 +153,14 @@ def resolve_filter(value: str) -> GroupFilter:
 
 
 def verdict_of(fn: GroupFilter, group: list[Sample]) -> GroupVerdict:
-    """``fn(group)`` as a :class:`GroupVerdict` (a bool, numpy or torch 0-d bool is ``keep``: upstream's legacy form).
+    """``fn(group)`` as a :class:`GroupVerdict` (a bool, numpy or torch 0-d bool is ``keep``: upstream's legacy form);
+    a group with a NaN or infinite reward is dropped before ``fn`` sees it (:func:`non_finite_verdict`).
 
     Raises:
         TypeError: ``fn`` returned something else; the message names the group's dataset index.
     """
+    if not all(math.isfinite(float(s.reward)) for s in group):
+        return non_finite_verdict(group)
     out = fn(group)
     if isinstance(out, GroupVerdict):
         return out

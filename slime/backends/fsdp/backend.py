@@ -246,6 +246,7 @@ class FSDPBackend:
                     rollout_log_probs=None if batch.rollout_log_probs is None else pad_per_token(
                         batch.rollout_log_probs, torch.float32, self.device),
                     entropy=entropy,
+                    advantage_whitening=batch.advantage_whitening,
                 )
                 (loss * self.rank_info.world_size).backward()
             out.append({"loss": loss.detach(), **terms})

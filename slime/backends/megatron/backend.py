@@ -202,7 +202,8 @@ class MegatronBackend:
             if batch.rollout_log_probs is not None:
                 batch.packed.rollout_log_probs = packed_per_token(batch.rollout_log_probs, "cpu")
         ctx = self._context(grpo=self.spec.grpo, normalizer=normalizer, num_microbatches=len(batches),
-                            dp_size=self.groups.dp_size)
+                            dp_size=self.groups.dp_size,
+                            whitening=next((b.advantage_whitening for b in batches), None))
         self.optimizer.zero_grad()
         return run_micro_batches(self.optimizer.model, self._with_routes(batches),
                                  make_forward_step(ctx, grpo_loss_func), forward_only=False, device=self.device)

@@ -34,6 +34,7 @@ from slime.data.sample import Sample
 from slime.grpo.config import GRPOConfig
 from slime.grpo.log_probs import vocab_parallel_log_probs
 from slime.grpo.loss import grpo_micro_batch_loss
+from slime.grpo.token_advantages import Whitening
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
 from slime.routing_replay import RouteShape, sample_routes, token_routes
@@ -149,7 +150,7 @@ class LossContext:
     """What the loss functions need besides the micro-batch: ``temperature``, the real ``vocab_size`` (the checkpoint's,
     TP padding excluded), the vocab-parallel ``tp_group``, the ``device`` micro-batches move to, and for training
     ``grpo``, the step's ``normalizer`` over all DP ranks (:func:`slime.backends.step.loss_normalizer`), this rank's
-    ``num_microbatches`` and ``dp_size``."""
+    ``num_microbatches`` and ``dp_size``, and the rollout's ``whitening`` (``--normalize-advantages``)."""
 
     temperature: float
     vocab_size: int
@@ -159,6 +160,7 @@ class LossContext:
     normalizer: float | None = None
     num_microbatches: int = 1
     dp_size: int = 1
+    whitening: Whitening | None = None
 
 
 def _log_probs(ctx: LossContext, batch: PackedBatch, logits: Tensor, with_entropy: bool):
@@ -169,7 +171,8 @@ def _log_probs(ctx: LossContext, batch: PackedBatch, logits: Tensor, with_entrop
 def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     """megatron-core loss function of one training micro-batch (module docstring): ``(scaled loss, ones(int),
     metrics)``, the metrics this micro-batch's detached 0-d shares of ``loss``, ``pg_loss``, ``pg_clipfrac``,
-    ``ppo_kl``, ``entropy`` (and ``kl_loss``, and the IS / OPSM metrics of :func:`grpo_micro_batch_loss`)."""
+    ``ppo_kl``, ``entropy`` (and ``kl_loss``, and the IS / OPSM / mismatch metrics of
+    :func:`grpo_micro_batch_loss`)."""
     log_probs, entropy = _log_probs(ctx, batch, logits, with_entropy=True)
     if ctx.grpo.entropy_coef == 0:
         entropy = entropy.detach()  # a metric only: spare its backward
@@ -177,7 +180,7 @@ def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
         log_probs, batch.old_log_probs, batch.advantages, batch.loss_mask, ctx.grpo,
         global_normalizer=ctx.normalizer, ref_log_probs=batch.ref_log_probs,
         rollout_log_probs=batch.rollout_log_probs, entropy=entropy,
-        cu_seqlens=batch.cu_seqlens,
+        cu_seqlens=batch.cu_seqlens, advantage_whitening=ctx.whitening,
     )
     scale = ctx.num_microbatches * ctx.dp_size
     one = torch.ones((), dtype=torch.int, device=loss.device)
