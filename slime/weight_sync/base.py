@@ -110,7 +110,7 @@ def check_weight_sources(names_by_rank: Sequence[Sequence[str]]) -> dict[str, in
             if name in sources:
                 raise RuntimeError(
                     f"weight sync: {name!r} was sent by trainer ranks {sources[name]} and {rank}; each tensor "
-                    "must have exactly one source rank (TrainerBackend.iter_weight_buckets)"
+                    "must have exactly one source rank (the backend's iter_weight_buckets)"
                 )
             sources[name] = rank
     if not sources:
