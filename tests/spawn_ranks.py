@@ -86,3 +86,9 @@ def _rank_main(rank: int, fn, world_size: int, store_path: str, device: str, arg
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def reduced(metrics: dict[str, float]) -> dict[str, float]:
+    """A trainer step's metrics without its ``perf/`` wall times: the values reduced over ranks (the same on every
+    rank, and across equal runs); the times are each rank's own."""
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/")}

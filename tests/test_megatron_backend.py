@@ -30,7 +30,7 @@ from slime.backends.megatron.config import MegatronConfig  # noqa: E402
 from slime.checkpoints import layout as ckpt  # noqa: E402
 from slime.grpo.config import GRPOConfig  # noqa: E402
 from slime.weight_sync.base import check_weight_sources  # noqa: E402
-from tests.spawn_ranks import spawn_ranks  # noqa: E402
+from tests.spawn_ranks import reduced, spawn_ranks  # noqa: E402
 from tests.test_fsdp_backend import TEMPERATURE, make_backend, make_samples, rank_share  # noqa: E402
 
 WORLD = 2
@@ -133,7 +133,7 @@ def test_log_probs_and_first_step_match_fsdp(against_fsdp):
         assert len(got) == sample.response_length
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=2e-5)
     first, fsdp = r0["first"], r0["fsdp_first"]
-    assert ranks[1]["first"] == first  # metrics are reduced: identical on every rank
+    assert reduced(ranks[1]["first"]) == reduced(first)  # metrics are reduced: identical on every rank
     assert first["train/ppo_kl"] == pytest.approx(0.0, abs=1e-7)  # old log-probs from the same weights
     assert first["train/pg_clipfrac"] == 0.0
     for name in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/lr",
@@ -341,7 +341,7 @@ def test_resume_from_a_saved_checkpoint_is_exact(save_resume):
             assert torch.equal(r["loaded"][name], tensor), name
         for name, tensor in r["after_a"].items():
             assert torch.equal(r["after_b"][name], tensor), name  # AdamW moments and step count restored
-        assert r["metrics_a"] == r["metrics_b"]
+        assert reduced(r["metrics_a"]) == reduced(r["metrics_b"])
 
 
 def test_no_load_optim_resumes_the_weights_with_a_fresh_adam(save_resume):
