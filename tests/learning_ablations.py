@@ -1,4 +1,4 @@
-"""Ablations of the learning task (:mod:`tests.learning_task`), each removing one link of the loop.
+"""Ablations of the learning task (:mod:`scripts.harness.colour_task`), each removing one link of the loop.
 
 Used through ``--rollout-backend`` / ``--train-backend`` import paths, the way users plug
 in their own engine or trainer:
@@ -19,7 +19,7 @@ from PIL import Image
 
 from slime.backends.fsdp.backend import FSDPBackend
 from slime.rollout.engines.hf_engine import TransformersEngine
-from tests.learning_task import GREY
+from scripts.harness.colour_task import GREY
 
 
 def _grey_like(image_b64: str) -> str:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from slime.checkpoints.scaled_qwen35 import TOKENIZER_SOURCE
 from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
-from tests.learning_task import SINGLE_LETTER_ANSWERS
+from scripts.harness.colour_task import SINGLE_LETTER_ANSWERS
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "bench"))

@@ -2,7 +2,7 @@
 this test fails when pixels stop reaching the policy (in rollout or in training) or when
 the weight sync is skipped.
 
-Task (:mod:`tests.learning_task`): a solid red, green or blue 64x64 image and the word
+Task (:mod:`scripts.harness.colour_task`): a solid red, green or blue 64x64 image and the word
 ``colour``; the reward is 1 when the first word of the one-token answer names the colour.
 The prompt text is the same for every colour, so a policy that cannot see the pixels
 scores at most 1/3 on average over a batch that holds each colour equally often (the
@@ -72,7 +72,7 @@ import torch
 from slime.checkpoints.tiny_qwen35 import ensure_tiny_checkpoint
 from slime.utils.metrics import read_metrics
 from slime.utils.timer import TRAIN_SUB_PHASES
-from tests.learning_task import COLOURS, VOCAB_WORDS, write_colour_dataset
+from scripts.harness.colour_task import COLOURS, VOCAB_WORDS, write_colour_dataset
 from tests.ray_head import ray_env, ray_head
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ the trainer did not see the same weights or the same pixels."""
 TRAIN_FLAGS = [
     "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
     "--apply-chat-template", "--apply-chat-template-kwargs", '{"enable_thinking": false}',
-    "--custom-rm-path", "tests.learning_task:colour_reward",
+    "--custom-rm-path", "scripts.harness.colour_task:colour_reward",
     "--num-rollout", str(NUM_ROLLOUT),
     "--rollout-batch-size", str(PROMPTS_PER_ROLLOUT), "--n-samples-per-prompt", "8",
     "--rollout-max-response-len", "1", "--rollout-temperature", "0.5",

@@ -1,4 +1,4 @@
-"""The colour task (``tests/learning_task.py``) on a real-width checkpoint: its data and a colour-prior copy of the
+"""The colour task (``scripts/harness/colour_task.py``) on a real-width checkpoint: its data and a colour-prior copy of the
 checkpoint, for the learning run of the production pair at real width (``h200_real_width.sh learn``).
 
     python scripts/bench/colour_prior.py --model SCALED_DIR --out DIR [--temperature 0.5] [--target 0.9]
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.learning_task import COLOURS, SINGLE_LETTER_ANSWERS, write_colour_dataset  # noqa: E402
+from scripts.harness.colour_task import COLOURS, SINGLE_LETTER_ANSWERS, write_colour_dataset  # noqa: E402
 
 FLAGS = ["--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
          "--apply-chat-template", "--apply-chat-template-kwargs", '{"enable_thinking": false}',

@@ -136,7 +136,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
       --use-rollout-routing-replay --use-tis
     summarize_run "$LOGS/run-r3"; rm -rf "$LOGS/run-r3/checkpoints" ;;
   learn)
-    # Issue 30 item 3: the colour task (tests/learning_task.py) through the launcher's production pair at real width
+    # Issue 30 item 3: the colour task (scripts/harness/colour_task.py) through the launcher's production pair at real width
     # (Megatron + SGLang at its defaults, colocated, R3 and TIS on), from a colour-prior copy of the scaled model
     # (scripts/bench/colour_prior.py); tests/test_learning.py's hyper-parameters but one optimizer step per rollout
     # (the launcher shuffles, so only the whole rollout holds each colour equally often) and an lr for a 2048-wide
@@ -147,7 +147,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet RUN_DIR=$LOGS/run-learn timed learn launcher 1500 \
       --num-rollout "${SLIME_LEARN_ROLLOUTS:-20}" --rollout-batch-size 6 --n-samples-per-prompt 8 --global-batch-size 48 \
       --rollout-max-response-len 1 --rollout-temperature 0.5 \
-      --custom-rm-path tests.learning_task:colour_reward --apply-chat-template-kwargs '{"enable_thinking": false}' \
+      --custom-rm-path scripts.harness.colour_task:colour_reward --apply-chat-template-kwargs '{"enable_thinking": false}' \
       --eps-clip 0.5 --eps-clip-high 1.0 --lr "${SLIME_LEARN_LR:-5e-5}" --lr-warmup-iters 4 --weight-decay 0 \
       --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000
     summarize_run "$LOGS/run-learn"; rm -rf "$LOGS/run-learn/checkpoints"

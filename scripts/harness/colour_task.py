@@ -6,8 +6,10 @@ policy names the right colour about 5 % of the time).  The prompt text is the sa
 every colour, so on a batch that holds each colour equally often no text-only policy
 scores more than 1/3 on average: whatever it says, it says it for every image.
 
-This module stays light (no torch): the reward runs in the reward-scorer processes.
-The ablations live in :mod:`tests.learning_ablations`, the test in :mod:`tests.test_learning`.
+This module stays light (no torch): the reward runs in the reward-scorer processes
+(``--custom-rm-path scripts.harness.colour_task:colour_reward``).  Used by the CPU learning test
+(:mod:`tests.test_learning`, ablations in :mod:`tests.learning_ablations`) and by the real-width GPU run
+(``scripts/bench/colour_prior.py``, ``scripts/bench/h200_real_width.sh learn``).
 """
 
 from __future__ import annotations
