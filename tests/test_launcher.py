@@ -236,7 +236,7 @@ def _gpu_dry_run(tmp_path: Path, gpus: int, tiny_ckpt, args: tuple[str, ...] = (
 def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching_elsewhere(tiny_ckpt, tmp_path,
                                                                                            capsys):
     """One GPU (TP = EP = 1, where packing a Gated-DeltaNet model is proven): ``--use-dynamic-batch-size
-    --max-tokens-per-gpu 8192`` by default, N with SLIME_SCRIPT_MAX_TOKENS_PER_GPU=N, none with 0; more GPUs: upstream's
+    --max-tokens-per-gpu 8192`` by default on a card of 120 GiB or more (4096 on an 80 GB one), N with SLIME_SCRIPT_MAX_TOKENS_PER_GPU=N, none with 0; more GPUs: upstream's
     one sample per micro-batch, and asking for packing there is refused by the parser (EP > 1); a value that is not a
     count stops the launcher.  The parser takes the GPU branch's whole command (it refused upstream's
     ``--attention-softmax-in-fp32`` there once, unseen by any CPU test), with R3 too (selective recompute)."""
@@ -253,6 +253,8 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
     cfg = parse_args(one[3:])
     assert cfg.train.use_dynamic_batch_size and cfg.train.max_tokens_per_gpu == 8192
     assert packing(argv(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096")) == "4096"
+    assert packing(argv(1, SLIME_TEST_FAKE_GPU_GIB="79")) == "4096"  # an 80 GB H100: half the tokens
+    assert packing(argv(1, SLIME_TEST_FAKE_GPU_GIB="79", SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8192")) == "8192"
     assert packing(argv(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="0")) is None
     two = argv(2)
     assert packing(two) is None and not parse_args(two[3:]).train.use_dynamic_batch_size

@@ -25,7 +25,8 @@
 #                               --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
 #                               --sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 3
 #                               (the checkpoint must have its mtp.* tensors; the sglang engine only)
-#   SLIME_SCRIPT_MAX_TOKENS_PER_GPU [8192 with megatron on 1 GPU, else 0] tokens per packed micro-batch
+#   SLIME_SCRIPT_MAX_TOKENS_PER_GPU [with megatron on 1 GPU: 8192 on a card of 120 GiB or more, 4096
+#                               on a smaller one; else 0] tokens per packed micro-batch
 #                               (--use-dynamic-batch-size --max-tokens-per-gpu N); 0: upstream's one
 #                               sample per micro-batch (--micro-batch-size 1), the only batching a GDN
 #                               model trains with where packing is not proven (TP, PP, CP or EP > 1)
@@ -182,8 +183,10 @@ has_flag() {  # whether switch $1 is among the remaining arguments
    return 1
 }
 
-GPUS_SEEN=0  # not asked when SLIME_SCRIPT_FORCE_CPU=1 (importing torch takes seconds)
-[ "$FORCE_CPU" = "1" ] || GPUS_SEEN=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+GPUS_SEEN=0; GPU_GIB=0  # not asked when SLIME_SCRIPT_FORCE_CPU=1 (importing torch takes seconds)
+[ "$FORCE_CPU" = "1" ] || read -r GPUS_SEEN GPU_GIB < <(python -c 'import torch; n = torch.cuda.device_count()
+print(n, torch.cuda.get_device_properties(0).total_memory >> 30 if n else 0)' 2>/dev/null || echo 0 0)
+GPUS_SEEN=${GPUS_SEEN:-0}; GPU_GIB=${GPU_GIB:-0}
 NEED_DOWNLOAD=0
 if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    # -------------------------------------------------------------------------------
@@ -237,8 +240,11 @@ else
       else TP_ARGS=(--tensor-model-parallel-size 1); fi
       # Packed micro-batches (fla's varlen Gated DeltaNet, proven equal to one sample at a time at TP = PP =
       # CP = EP = 1) instead of upstream's one sample per micro-batch: at 128 samples a step, one micro-batch
-      # each spends the train phase in per-micro-batch overhead (docs/results/h200_train_phase.md).
-      MAX_TOKENS=${SLIME_SCRIPT_MAX_TOKENS_PER_GPU:-$([ "$NUM_GPUS" = 1 ] && echo 8192 || echo 0)}
+      # each spends the train phase in per-micro-batch overhead (docs/results/h200_train_phase.md).  Half as many
+      # tokens on a card under 120 GiB (an 80 GB H100): the 3.2 B-parameter scaled model's weights, fp32 gradients,
+      # main weights and Adam moments alone take 54 GiB there.
+      DEFAULT_TOKENS=$([ "$GPU_GIB" -ge 120 ] && echo 8192 || echo 4096)
+      MAX_TOKENS=${SLIME_SCRIPT_MAX_TOKENS_PER_GPU:-$([ "$NUM_GPUS" = 1 ] && echo "$DEFAULT_TOKENS" || echo 0)}
       case "$MAX_TOKENS" in
          ''|*[!0-9]*) echo "[geo3k] SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$MAX_TOKENS: expected a token count (0: one sample per micro-batch)" >&2; exit 2 ;;
       esac

@@ -33,7 +33,8 @@ from scripts.harness.colour_task import COLOURS, SINGLE_LETTER_ANSWERS, write_co
 
 FLAGS = ["--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
          "--apply-chat-template", "--apply-chat-template-kwargs", '{"enable_thinking": false}',
-         "--rollout-batch-size", "6", "--rollout-max-response-len", "1", "--num-rollout", "1", "--colocate"]
+         "--rollout-batch-size", "6", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "1",
+         "--num-rollout", "1", "--colocate"]
 """The data flags of the learning run (the launcher adds the first five; the run passes the others)."""
 
 

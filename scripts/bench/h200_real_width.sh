@@ -132,7 +132,8 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # The after command with R3 (the engine's routes replayed in every training forward) and TIS: router agreement
     # 1, and the gap with R3 on against the after run's (R3 off).
     # R3 makes the launcher recompute selectively (not full), so its micro-batches are halved to keep the memory.
-    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=4096 RUN_DIR=$LOGS/run-r3 timed r3 launcher 1200 --num-rollout 3 --no-save-optim \
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$([ "${gpu_mib:-0}" -ge 122880 ] && echo 4096 || echo 2048) RUN_DIR=$LOGS/run-r3 timed r3 launcher 1200 --num-rollout 3 --no-save-optim \
       --use-rollout-routing-replay --use-tis
     summarize_run "$LOGS/run-r3"; rm -rf "$LOGS/run-r3/checkpoints" ;;
   learn)
