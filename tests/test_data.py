@@ -504,6 +504,12 @@ def test_every_row_skipped_raises(tmp_path, processor):
     dataset = PromptDataset(geo3k_config(prompt_data=path), processor, seed=0)
     with pytest.raises(DatasetError, match=r"last 4 rows drawn .* were all skipped.*'empty_label': 4"):
         dataset.next_batch(1)
+    with pytest.raises(DatasetError, match=r"all 4 rows are skipped.*'empty_label': 4"):
+        dataset.check_usable()
+    rows[3] = sample_rows(n=4)[3]  # one usable row is enough, and the check counts no skip
+    dataset = PromptDataset(geo3k_config(prompt_data=write_parquet(tmp_path / "one.parquet", rows)), processor, seed=0)
+    dataset.check_usable()
+    assert dataset.skip_counts == {"bad_image": 0, "empty_label": 0, "prompt_too_long": 0}
 
 
 def test_eval_set_with_every_row_skipped_raises(tmp_path, processor):

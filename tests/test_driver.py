@@ -251,3 +251,32 @@ def test_exit_status_says_whether_the_run_began_and_command_sh_is_written_by_the
     assert f"slime: error: {messages[error] if starts else 'train.parquet row 3'}" in err
     without_parent = argv[:-4] + argv[-2:]
     assert shlex.split((run / "command.sh").read_text()) == [sys.executable, "-m", "slime.train", *without_parent]
+
+
+def test_a_dataset_whose_every_row_is_skipped_stops_the_run_before_it_starts(tiny_ckpt, tmp_path, capsys):
+    """Bad data is refused before anything starts, with exit status 2 (nothing to resume), as README says:
+    not in the first rollout step (status 1, and the launcher would print a resume line)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(GEO3K_DATA / "train.parquet").slice(0, 6)
+    table = table.set_column(table.column_names.index("answer"), "answer", pa.array([""] * table.num_rows))
+    pq.write_table(table, tmp_path / "no_labels.parquet")
+    argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(tmp_path / "no_labels.parquet"),
+            "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp",
+            "--rollout-backend", "transformers", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    from slime import driver
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a dataset with no usable row")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(driver, "init_ray", no_ray)
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+    assert info.value.code == EXIT_NOT_STARTED == 2
+    err = capsys.readouterr().err
+    assert f"slime: error: --prompt-data {tmp_path / 'no_labels.parquet'}: all 6 rows are skipped" in err, err
+    assert "'empty_label': 6" in err

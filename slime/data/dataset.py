@@ -207,6 +207,26 @@ class PromptDataset:
                 )
         return samples
 
+    def check_usable(self, flag_name: str = "--prompt-data") -> None:
+        """Make sure some row is usable, before the run starts: rows in file order until one makes a sample.
+
+        A dataset whose every row is skipped would otherwise fail in the first rollout step, after the engines
+        and trainers started; the skip counts stay as they were (the rows tried are drawn again later).
+
+        Raises:
+            DatasetError: every row is skipped (with the skip counts and the flags to check).
+        """
+        counts, self._skip_counts = self._skip_counts, dict.fromkeys(SKIP_REASONS, 0)
+        try:
+            if any(self.make_sample(row) is not None for row in range(self.num_rows)):
+                return
+            raise DatasetError(
+                f"{flag_name} {self.source}: all {self.num_rows} rows are skipped (by reason: {self.skip_counts}); "
+                "check --label-key, the images and --rollout-max-prompt-len"
+            )
+        finally:
+            self._skip_counts = counts
+
     def eval_samples(self) -> list[Sample]:
         """Every valid row once, in file order, never shuffled; the training cursor does not move."""
         samples = [self.make_sample(row) for row in range(self.num_rows)]

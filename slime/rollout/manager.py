@@ -120,6 +120,7 @@ class RolloutManager:
         self.engines = engines
         self.debug_dump, self.replay_from, self.fingerprint = debug_dump, replay_from, fingerprint or {}
         self.dataset = PromptDataset(data, processor, seed=seed)
+        self.dataset.check_usable()  # every row skipped: refused now, not in the first rollout step
         self.eval_sets = {
             name: load_eval_samples(data, processor, path) for name, path in evaluation.eval_prompt_pairs
         }
