@@ -612,3 +612,16 @@ def test_resume_lines_after_a_started_run_do_not_repeat_a_flag(tiny_ckpt, tmp_pa
     assert words.count("--lr") == 1 and words.count("--save") == 1
     for text in (stopped.stdout, done.stdout):  # one resume line each: none before the run
         assert len(re.findall(r"^\[geo3k\] (?:resume|the run stopped)", text, re.M)) == 1, text
+
+
+@pytest.mark.parametrize("var, value, allowed", [("SLIME_SCRIPT_TRAIN_BACKEND", "foo", "megatron or fsdp"),
+                                                 ("SLIME_SCRIPT_TRAIN_BACKEND", "FSDP", "megatron or fsdp"),
+                                                 ("SLIME_SCRIPT_ROLLOUT_BACKEND", "vllm", "sglang or transformers")])
+def test_a_backend_variable_other_than_its_names_is_refused_naming_the_variable(tmp_path, var, value, allowed):
+    """Refused by the launcher, naming the variable the user set (not the driver's flag) and its names."""
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", **{var: value})
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == f"[geo3k] {var}={value}: expected {allowed}", line
+    assert "slime.train" not in result.stdout and not (tmp_path / "run").exists()

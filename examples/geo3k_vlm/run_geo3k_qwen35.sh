@@ -35,7 +35,8 @@
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
 #   WANDB_API_KEY               set -> --use-wandb (project slime-geo3k-vlm)
 # The switches (SLIME_SCRIPT_EXTERNAL_RAY, _FORCE_CPU, _DRY_RUN) take 0, 1 or empty/unset (0);
-# any other value (true, yes, ...) stops the script with exit 2.
+# any other value (true, yes, ...) stops the script with exit 2, as does a backend variable other
+# than the two names it takes.
 #
 # Relative paths (in the variables above and in the path flags: --output-dir, --save, --load,
 # --ref-load, --hf-checkpoint, --save-hf, --save-debug-rollout-data, --load-debug-rollout-data,
@@ -65,6 +66,15 @@ for var in $(compgen -e | grep '^SLIME_SCRIPT_' || true); do
       echo "[geo3k] $var is not a variable of this script; it reads SLIME_SCRIPT_{$(IFS=,; echo "${KNOWN_VARS[*]}")}" >&2
       exit 2
    fi
+done
+# The backends by name, refused here naming the variable (the driver would name its flag, --train-backend);
+# another trainer or engine class goes in the extra arguments (--train-backend pkg.mod:Class).
+for check in "TRAIN_BACKEND megatron fsdp" "ROLLOUT_BACKEND sglang transformers"; do
+   read -r var first second <<<"$check"; var=SLIME_SCRIPT_$var
+   case "${!var:-$first}" in
+      "$first"|"$second") ;;
+      *) echo "[geo3k] $var=${!var}: expected $first or $second" >&2; exit 2 ;;
+   esac
 done
 USER_DIR=$PWD
 
