@@ -15,6 +15,7 @@ The geo3k launcher prints its resume line only when the status is not 2.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import shlex
 import signal
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parent = watch_parent(cfg.logging.parent_pid)  # started below, around the run
     started = []  # [True] once the first rollout step begins
+    failure = None  # the message of an error this reports, once the except clause has let go of it
 
     try:
         if cfg.run_mode.check_only:
@@ -56,10 +58,20 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         if not parent.fired.is_set():
             raise
-        _fail(f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
-              + ("; resume it with --load" if started else ""), started=bool(started))
+        failure = (f"the launcher (--parent-pid {parent.pid}) exited, so the run stopped"
+                   + ("; resume it with --load" if started else ""))
     except SlimeError as e:  # every user-facing error (slime.errors); anything else keeps its traceback
-        _fail(_message(e), started=bool(started))
+        failure = _message(e)
+    _release_run()
+    if failure is not None:  # out of the except clause: the SystemExit does not carry the error and its frames
+        _fail(failure, started=bool(started))
+
+
+def _release_run() -> None:
+    """Free what the run left in reference cycles (Ray actor handles among them) now, while Ray is still as the run
+    left it, rather than in the interpreter's last collection at exit, where ``ActorHandle.__del__`` meets Ray torn
+    down and prints an "Exception ignored" traceback."""
+    gc.collect()
 
 
 def _message(error: SlimeError) -> str:

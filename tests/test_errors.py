@@ -98,3 +98,49 @@ def test_main_leaves_other_errors_their_traceback(tmp_path, monkeypatch):
             "--train-backend", "fsdp", "--rollout-backend", "transformers", "--check-only"]  # fmt: skip
     with pytest.raises(KeyError, match="a bug"):
         main(argv)
+
+
+def test_main_lets_go_of_the_runs_actor_handles_before_it_exits(local_ray, tmp_path, monkeypatch, capsys):
+    """A run that stopped on an error: its Ray actor handles, also those in a reference cycle (as an engine group and
+    its re-sync hook) and in the frames of the error's traceback, are released before ``main`` exits, not by the
+    interpreter's last collection at exit, where ``ActorHandle.__del__`` meets Ray torn down (a traceback at shutdown).
+    """
+    import gc
+    import weakref
+
+    import ray
+
+    from slime import driver
+    from slime.train import EXIT_NOT_STARTED, main
+    from slime.utils.config import ConfigError
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def ping(self):
+            return 1
+
+    handles = []
+
+    def train(cfg, on_start=None):
+        group = {"actors": [Probe.remote()]}
+        group["self"] = group  # a cycle: only the garbage collector frees it
+        assert ray.get(group["actors"][0].ping.remote()) == 1
+        handles.append(weakref.ref(group["actors"][0]))
+        raise ConfigError("--prompt-data x: the error that ends the run")
+
+    monkeypatch.setattr(driver, "train", train)
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "4", "--num-rollout", "1", "--rollout-num-gpus", "1",
+            "--train-backend", "fsdp", "--rollout-backend", "transformers",
+            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    gc.disable()  # no collection but main's own
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        alive = handles[0]() is not None
+    finally:
+        gc.enable()
+    assert info.value.code == EXIT_NOT_STARTED
+    assert info.value.__context__ is None  # the exit does not hold on to the error, its traceback and their frames
+    assert not alive, "the run's actor handle outlived main"
+    assert capsys.readouterr().err.endswith("slime: error: --prompt-data x: the error that ends the run\n")
