@@ -196,8 +196,10 @@ fi
 
 _slime_log="$SLIME_ROOT/.setup.log"
 _slime_t0=$(date +%s)
-echo "[setup] installing slime[$_slime_extras], $_slime_profile profile ($_slime_why), pins ${_slime_lock#"$SLIME_ROOT"/}${SLIME_WHEELHOUSE:+, from $SLIME_WHEELHOUSE} (log: $_slime_log)"
+echo "[setup] installing slime[$_slime_extras], $_slime_profile profile ($_slime_why), pins ${_slime_lock#"$SLIME_ROOT"/}${SLIME_WHEELHOUSE:+, from $SLIME_WHEELHOUSE}"
 echo "[setup] $_slime_torch_plan"
+# The last line before pip's silence (a minute or more on a fresh machine): what runs, where its output goes.
+echo "[setup] pip is installing quietly (a minute or more on a fresh machine); its output: $_slime_log (tail -f it to follow)"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 _slime_pip() {
   python -m pip install "${_slime_pip_src[@]}" "$@" >>"$_slime_log" 2>&1 \

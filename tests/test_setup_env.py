@@ -539,11 +539,18 @@ def test_cpu_profile_installs_the_cpu_torch_from_the_cpu_index(stub_repo, torch_
     venv = tmp_path / "venv"
     env = clean_env(SLIME_PROFILE="cpu", SLIME_VENV=str(venv), PIP_INDEX_URL=torch_sources["cuda_index"],
                     PIP_FIND_LINKS=str(stub_repo.parent / "index"), SLIME_TORCH_INDEX_URL=torch_sources["cpu_index"])
+    calls = []
     for _ in range(2):
         proc = subprocess.run(["bash", str(stub_repo / "scripts" / "setup_env.sh")], env=env, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr + (stub_repo / ".setup.log").read_text()
+        calls.append(proc)
     assert "[setup] installing" not in proc.stdout, proc.stdout  # the second call
+    # the first: the line before pip's quiet minute says what runs and where its output goes
+    lines = calls[0].stdout.splitlines()
+    assert lines[-1].startswith("[setup] done in"), lines
+    assert lines[-2] == (f"[setup] pip is installing quietly (a minute or more on a fresh machine); its output: "
+                         f"{stub_repo / '.setup.log'} (tail -f it to follow)"), lines
     have = installed(venv)
     assert have["torch"] == "2.13.0+cpu"
     assert (have["slimedep_a"], have["slimedep_b"]) == ("1.0", "2.0") and "nvidia-cublas" not in have
