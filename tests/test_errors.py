@@ -144,3 +144,13 @@ def test_main_lets_go_of_the_runs_actor_handles_before_it_exits(local_ray, tmp_p
     assert info.value.__context__ is None  # the exit does not hold on to the error, its traceback and their frames
     assert not alive, "the run's actor handle outlived main"
     assert capsys.readouterr().err.endswith("slime: error: --prompt-data x: the error that ends the run\n")
+
+
+@pytest.mark.parametrize("module", ["slime", "slime.train"])
+def test_both_entry_points_print_the_flags(module):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: slime --hf-checkpoint DIR") and "--train-backend" in proc.stdout
