@@ -177,3 +177,28 @@ def test_engines_take_neighbouring_gpus_of_one_node_whatever_the_bundle_numberin
     spanning = EngineResources(0, big, use_gpu=True)
     assert spanning.node_ips == ["10.0.0.1", "10.0.0.2"]
     assert spanning.local_cuda_visible_devices == "0,1,2,10" and spanning.num_gpus == 8
+
+
+def test_starting_ray_keeps_the_runs_sigterm_handler():
+    """``ray.init`` installs its own SIGTERM handler in the driver (``sys.exit(15)``); ``init_ray`` puts the run's back,
+    so a stopped run exits 143 through ``slime.train``'s handler (a second SIGTERM kills at once).  In a fresh
+    interpreter: this module's other tests hold a Ray instance."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import signal, ray
+        from slime.ray import placement
+        from slime.ray.config import ClusterConfig
+        def runs_handler(signum, frame):
+            pass
+        signal.signal(signal.SIGTERM, runs_handler)
+        assert placement.init_ray(ClusterConfig(rollout_num_gpus=1)) is True
+        kept = signal.getsignal(signal.SIGTERM) is runs_handler
+        ray.shutdown()
+        print("kept" if kept else "replaced")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "kept"

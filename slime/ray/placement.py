@@ -11,10 +11,13 @@ probe task per bundle and sorted by (node, GPU id), so that an engine's GPUs are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
+import threading
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -56,7 +59,8 @@ def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None)
     if cluster.ray_address:
         _check_reachable(cluster.ray_address)
         try:
-            ray.init(address=cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
+            with _keep_sigterm_handler():
+                ray.init(address=cluster.ray_address, runtime_env=runtime_env, log_to_driver=True)
         except (ConnectionError, RuntimeError) as e:
             raise RayAddressError(
                 f"--ray-address {cluster.ray_address}: cannot join the Ray cluster ({e}). Check that it runs "
@@ -67,20 +71,37 @@ def init_ray(cluster: ClusterConfig, *, extra_env: dict[str, str] | None = None)
         return False
     num_trainers = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
     num_engines_gpus = cluster.rollout_num_gpus or 0
-    ray.init(
-        # Always a new local instance: never join a cluster that RAY_ADDRESS or a stale
-        # /tmp/ray/ray_current_cluster file points at (joining is --ray-address's job).
-        address="local",
-        # Logical CPUs: at least one per actor even on a 2-core machine; torch threads
-        # are set per actor from the real core count (see ``cpu_threads_per_actor``).
-        num_cpus=max(os.cpu_count() or 1, num_trainers + num_engines_gpus + 1),
-        include_dashboard=False,
-        runtime_env=runtime_env,
-        log_to_driver=True,
-        # The default (30% of RAM) is far more than rollout batches need.
-        object_store_memory=int(os.environ.get("SLIME_RAY_OBJECT_STORE_BYTES", 1 << 30)),
-    )
+    with _keep_sigterm_handler():
+        ray.init(
+            # Always a new local instance: never join a cluster that RAY_ADDRESS or a stale
+            # /tmp/ray/ray_current_cluster file points at (joining is --ray-address's job).
+            address="local",
+            # Logical CPUs: at least one per actor even on a 2-core machine; torch threads
+            # are set per actor from the real core count (see ``cpu_threads_per_actor``).
+            num_cpus=max(os.cpu_count() or 1, num_trainers + num_engines_gpus + 1),
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            log_to_driver=True,
+            # The default (30% of RAM) is far more than rollout batches need.
+            object_store_memory=int(os.environ.get("SLIME_RAY_OBJECT_STORE_BYTES", 1 << 30)),
+        )
     return True
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """Keep this process's SIGTERM handler across ``ray.init``, which installs its own in the driver
+    (``sys.exit(15)``).  The run's handler is the one the launcher and README promise (``slime.train``: the first
+    SIGTERM raises ``SystemExit(143)``, a second kills at once); under Ray's, a run stopped by SIGTERM exited 15, and a
+    second SIGTERM raised again wherever the interpreter stood (inside an ``ActorHandle.__del__`` it is printed as
+    "Exception ignored" and lost).  Only the main thread sets handlers; from another thread nothing is kept."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def cluster_num_gpus() -> int:
