@@ -54,3 +54,57 @@ def test_tensors_of_other_devices_are_left_alone_and_double_park_is_refused():
     with pytest.raises(RuntimeError, match="twice"):
         parking.park([t])
     assert parking.restore() == 0 and parking.restore() == 0  # a second restore does nothing
+
+
+def test_parked_tensors_read_from_their_host_bytes_with_their_dtype_shape_strides_and_offset():
+    base = torch.randn(4, 6, dtype=torch.float32)
+    view = base[1:, 2:5]  # offset 8, strides (6, 1): not contiguous
+    moments = torch.arange(5, dtype=torch.bfloat16)
+    want_view, want_moments = view.clone(), moments.clone()
+    parking = _parking()
+    assert parking.readable(view) is view  # nothing parked: the tensor itself
+    parking.park([base, moments])
+    read = parking.readable(view)
+    assert read.dtype == torch.float32 and read.shape == (3, 3) and read.stride() == (6, 1)
+    assert torch.equal(read, want_view) and torch.equal(parking.readable(moments), want_moments)
+    loose = torch.ones(2)  # not under management: itself
+    assert parking.readable(loose) is loose
+    parking.restore()
+    assert parking.readable(view) is view and torch.equal(view, want_view)
+
+
+def test_a_checkpoint_read_of_the_optimizer_state_while_it_is_parked_gives_its_values():
+    """The GPU run of issue 30 (H100, 2026-12-06): every launcher run failed at its save, after the step's offload,
+    with "CUDA error: invalid argument" in ``DistributedAdam.param_state`` (it read the parked, size-0 main weights).
+    Here on CPU storages, with megatron-core's optimizer replaced by the attributes ``param_state`` reads: one bf16
+    parameter of 8 elements whose fp32 shard is all of it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from slime.backends.megatron.optimizer import DistributedAdam
+
+    param = torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.bfloat16))
+    main = torch.linspace(-1.0, 1.0, 8)
+    state = {"exp_avg": torch.full((8,), 0.25), "exp_avg_sq": torch.arange(8.0) / 100, "step": torch.tensor(3.0)}
+    part = SimpleNamespace(
+        buffers=[SimpleNamespace(param_index_map={param: None})], model_param_gbuf_map={param: None},
+        _get_model_param_range_map=lambda p: {"param": SimpleNamespace(start=0, end=8)}, optimizer=SimpleNamespace(state={main: state}),
+        model_float16_groups=[[param]], shard_fp32_from_float16_groups=[[main]], model_fp32_groups=[],
+        shard_fp32_groups=[], data_parallel_group=None)
+    adam = DistributedAdam.__new__(DistributedAdam)  # no megatron-core model: the attributes param_state reads
+    adam.parts, adam.parking = [part], _parking()
+    want = {"param": main.clone().view(2, 4), "exp_avg": state["exp_avg"].clone().view(2, 4),
+            "exp_avg_sq": state["exp_avg_sq"].clone().view(2, 4)}
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        adam.parking.park([main, *state.values()])
+        assert main.untyped_storage().nbytes() == 0  # as on the GPU after the offload
+        got = adam.param_state(param)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    finally:
+        if started:
+            dist.destroy_process_group()

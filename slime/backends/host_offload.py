@@ -76,6 +76,17 @@ class HostParking:
         self._parked = False
         return self.nbytes
 
+    def readable(self, t: Tensor) -> Tensor:
+        """``t`` to read from: ``t`` itself unless its storage is parked now, else a CPU tensor of ``t``'s dtype,
+        shape, strides and offset over the parked bytes (no copy; valid until the next :meth:`restore` or
+        :meth:`park`).  For what reads state while colocated engines hold the GPU (a checkpoint save after the
+        step's offload): a parked device storage has size 0, and reading it fails (CUDA: "invalid argument")."""
+        slot = self._slots.get(t.untyped_storage()._cdata) if self._parked else None
+        if slot is None:
+            return t
+        _, host, _ = slot
+        return torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
     def _add(self, tensors: Iterable[Tensor]) -> None:
         """Give each new storage of ``tensors`` (on :attr:`device_types`, not empty) its host buffer."""
         for t in tensors:

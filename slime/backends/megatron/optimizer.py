@@ -127,7 +127,8 @@ class DistributedAdam:
 
     def param_state(self, param: Tensor) -> dict[str, Tensor]:
         """``{param, exp_avg, exp_avg_sq}`` of one model parameter as whole fp32 tensors of its local shape; collective
-        over its optimizer's DP group (the same parameters in the same order on every rank)."""
+        over its optimizer's DP group (the same parameters in the same order on every rank).  Reads the parked host
+        copy while the state is off the device (a save after the colocated step's offload)."""
         part = self._owner(param)
         full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATE_KEYS}
         if param in part.model_param_gbuf_map:
@@ -135,7 +136,7 @@ class DistributedAdam:
             shard = self._shard_state(part, param)
             for k in STATE_KEYS:
                 if k in shard:
-                    full[k][sl.start: sl.end] = shard[k].detach().float()
+                    full[k][sl.start: sl.end] = self.parking.readable(shard[k]).detach().float()
         flat = torch.cat([full[k] for k in STATE_KEYS])
         dist.all_reduce(flat, group=part.data_parallel_group)
         return {k: t.view(param.shape) for k, t in zip(STATE_KEYS, flat.chunk(len(STATE_KEYS)))}
