@@ -165,6 +165,26 @@ def test_finding_a_module_runs_no_package_code(tmp_path):
     assert why == "importing its parent packages raised RuntimeError: package code ran"
 
 
+def test_find_module_problem_finds_modules_in_nested_namespace_packages(tmp_path):
+    """Folders without ``__init__.py`` (the repository's ``scripts/harness``, a user's plug-in tree): the path of a
+    nested namespace package needs its parent imported, and looking the module up raised ``KeyError`` at parse time
+    (``--custom-rm-path scripts.harness.colour_task:colour_reward`` in a fresh interpreter).  In a fresh interpreter,
+    so that no earlier import of the parents hides it."""
+    (tmp_path / "probe_ns_xyz" / "sub").mkdir(parents=True)
+    (tmp_path / "probe_ns_xyz" / "sub" / "mod.py").write_text("X = 1\n")
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from slime.utils.registry import find_module_problem\n"
+        "assert find_module_problem('probe_ns_xyz.sub.mod') is None\n"
+        "print(find_module_problem('probe_ns_xyz.sub.nope'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert done.stdout.strip() == "no module named 'probe_ns_xyz.sub.nope'"
+
+
 def test_resolve_names_the_flag_for_every_failure():
     from slime.utils.config import ConfigError
 

@@ -179,7 +179,10 @@ def find_module_problem(module: str) -> str | None:
         locations = getattr(loaded, "__path__", None) if loaded is not None else spec.submodule_search_locations
         if locations is None:
             return f"{parent!r} is not a package, so it has no module {name!r}"
-        found = importlib.machinery.PathFinder.find_spec(name, list(locations))
+        try:
+            found = importlib.machinery.PathFinder.find_spec(name, list(locations))
+        except KeyError:  # a namespace package's path (no __init__.py) needs its parent in sys.modules:
+            break  # the import system decides (importing namespace packages runs no code)
         if found is None:
             break  # maybe a search path built at import time, or another finder: the import system decides
         spec = found
