@@ -286,7 +286,7 @@ class ParityConfig:
     )
     engine_parity_max_ratio: float = flag(
         1.5, help="Largest image-prompt gap as a multiple of the text-prompt gap, each in units of the trainer's own "
-        "floor on its tokens (at least 1e-3 nats), the text gap counted as at least 1 such unit."
+        "floor on its tokens (at least 1e-3 nats), the text gap counted as at least half such a unit."
     )
     engine_parity_floor_factor: float = flag(
         3.0, help="Largest gap of a kind as a multiple of the trainer's own floor on the same tokens (at least 1e-3 "
