@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,15 @@ def test_the_colour_prior_checkpoint_starts_on_the_three_answers_with_the_smalle
     colour_prior.link_copy(out / "checkpoint", low, replaced={"model.safetensors"})
     save_file(weights, low / "model.safetensors", metadata={"format": "pt"})
     assert not bool((_answer_share(low, out / "colours.parquet", 0.5) >= 0.9).all())
+
+
+def test_the_learn_phase_of_the_gpu_harness_fits_the_colour_data():
+    """``h200_real_width.sh learn`` runs on ``colour_prior.py``'s data: a rollout is its rows once, and the engine
+    parity check probes no more image rows than it has (the check's default of 8 stopped the first GPU run, 6 rows)."""
+    script = (REPO / "scripts" / "bench" / "h200_real_width.sh").read_text()
+    start = script.index("\n  learn)")
+    learn = script[start:script.index(";;", start)]
+    rows = colour_prior.ROWS_PER_COLOUR * len(colour_prior.COLOURS)
+    probes = re.search(r"--engine-parity-prompts (\d+)", learn)
+    assert probes is not None and int(probes.group(1)) <= rows, "the parity check would probe more rows than exist"
+    assert int(re.search(r"--rollout-batch-size (\d+)", learn).group(1)) == rows

@@ -31,6 +31,10 @@ if str(REPO) not in sys.path:
 
 from scripts.harness.colour_task import COLOURS, SINGLE_LETTER_ANSWERS, write_colour_dataset  # noqa: E402
 
+ROWS_PER_COLOUR = 2
+"""Rows of each colour in ``DIR/colours.parquet``: 6 rows, one rollout of the learning run (``--rollout-batch-size
+6``) and every prompt the engine parity check may probe (``--engine-parity-prompts`` at most 6)."""
+
 FLAGS = ["--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
          "--apply-chat-template", "--apply-chat-template-kwargs", '{"enable_thinking": false}',
          "--rollout-batch-size", "6", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "1",
@@ -105,7 +109,7 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "colours.parquet"
-    write_colour_dataset(data, rows_per_colour=2, answers=SINGLE_LETTER_ANSWERS)
+    write_colour_dataset(data, rows_per_colour=ROWS_PER_COLOUR, answers=SINGLE_LETTER_ANSWERS)
     processor = load_processor(args.model)
     answer_ids = answer_token_ids(processor.tokenizer)
     cfg = parse_args(["--hf-checkpoint", str(args.model), "--prompt-data", str(data), *FLAGS,

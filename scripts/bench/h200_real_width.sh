@@ -142,6 +142,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # (scripts/bench/colour_prior.py); tests/test_learning.py's hyper-parameters but one optimizer step per rollout
     # (the launcher shuffles, so only the whole rollout holds each colour equally often) and an lr for a 2048-wide
     # model (Adam moves a layer's output by about lr x sqrt(fan-in) / init std of it per step: 0.1 at 5e-5).
+    # The parity check probes 6 prompts: the colour data has 6 rows (its default of 8 stopped the first GPU run).
     [ -f "$LOGS/colour/checkpoint/config.json" ] || timed colour_prior python3 scripts/bench/colour_prior.py \
       --model "$SCALED" --out "$LOGS/colour" --temperature 0.5
     grep -h '"colour_prior"' "$LOGS/colour_prior.log" | cut -c1-400 | tee -a "$LOGS/summary.txt"
@@ -150,7 +151,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
       --rollout-max-response-len 1 --rollout-temperature 0.5 \
       --custom-rm-path scripts.harness.colour_task:colour_reward --apply-chat-template-kwargs '{"enable_thinking": false}' \
       --eps-clip 0.5 --eps-clip-high 1.0 --lr "${SLIME_LEARN_LR:-5e-5}" --lr-warmup-iters 4 --weight-decay 0 \
-      --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000
+      --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000 --engine-parity-prompts 6
     summarize_run "$LOGS/run-learn"; rm -rf "$LOGS/run-learn/checkpoints"
     cp "$LOGS/run-learn/reward_curve.png" "$LOGS/learn_reward_curve.png" 2>/dev/null
     python3 scripts/bench/learn_summary.py "$LOGS/run-learn/metrics.jsonl" 2>&1 | tee -a "$LOGS/summary.txt" ;;
