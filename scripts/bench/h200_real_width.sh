@@ -14,6 +14,9 @@
 #   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each)
 #   learn       issue 30 item 3: the colour task at real width through the production pair, R3 + TIS, 20 rollouts
 #   r3          the after command with --use-rollout-routing-replay --use-tis, 3 rollouts
+#   freeze      the after command with the vision tower frozen (--freeze-params-name-list 'model\.visual\.') and
+#               dynamic sampling (nonzero_std_with_fallback, 24 prompts a round, 2 rounds), 3 rollouts: the sync time
+#               and tensors sent against the after run's, and the dynamic-sampling metrics
 #   floor       scripts/bench/parity_floor.py: engine vs HF fp32 / bf16 / forced routes / Megatron, by component
 #   e2e         the launcher with only the recipe's variables: Megatron + SGLang (its defaults), colocated,
 #               --rollout-batch-size 16 --global-batch-size 128 --rollout-max-response-len 512, 5 rollouts, a save
@@ -136,6 +139,27 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$([ "${gpu_mib:-0}" -ge 122880 ] && echo 4096 || echo 2048) RUN_DIR=$LOGS/run-r3 timed r3 launcher 1200 --num-rollout 3 --no-save-optim \
       --use-rollout-routing-replay --use-tis
     summarize_run "$LOGS/run-r3"; rm -rf "$LOGS/run-r3/checkpoints" ;;
+  freeze)
+    # Issue 30 item 1: one run with a frozen vision tower (its weights cross the sync once, at the engines' start) and
+    # dynamic sampling. A random model scores 0 on geo3k, so every group has zero std: the fallback filter spends its
+    # 2 rounds of 24 prompts (aborting the second round's groups still in flight), then fills the batch with the
+    # best rejected groups; perf/sync_time_s and weight_sync/tensors_sent of steps 1-2 against the after run's.
+    RUN_DIR=$LOGS/run-freeze timed freeze launcher 1200 --num-rollout 3 --no-save-optim \
+      --freeze-params-name-list 'model\.visual\.' --over-sampling-batch-size 24 \
+      --dynamic-sampling-filter-path nonzero_std_with_fallback --dynamic-sampling-max-rounds 2
+    summarize_run "$LOGS/run-freeze"; rm -rf "$LOGS/run-freeze/checkpoints"
+    python3 - "$LOGS/run-freeze/metrics.jsonl" "$LOGS/run-after/metrics.jsonl" <<'PY' 2>&1 | tee -a "$LOGS/summary.txt"
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        rows = [json.loads(line) for line in open(path)]
+    except OSError:
+        continue
+    for r in rows:
+        keys = [k for k in r if k.startswith(("weight_sync/", "rollout/dynamic_", "perf/sync"))]
+        print(path.split("/")[-2], "step", r.get("step"), {k: r[k] for k in sorted(keys)})
+PY
+    ;;
   learn)
     # Issue 30 item 3: the colour task (scripts/harness/colour_task.py) through the launcher's production pair at real width
     # (Megatron + SGLang at its defaults, colocated, R3 and TIS on), from a colour-prior copy of the scaled model
@@ -191,7 +215,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     RUN_DIR=$LOGS/run-mtp SPECULATIVE=mtp timed mtp_e2e launcher 1200 --num-rollout 3 --no-save-optim --overwrite-output-dir
     summarize_run "$LOGS/run-mtp"
     rm -rf "$LOGS/run-mtp/checkpoints" ;;
-  *) echo "unknown phase $phase (build check before after learn r3 refuse throughput floor e2e resume mtp mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
+  *) echo "unknown phase $phase (build check before after learn r3 freeze refuse throughput floor e2e resume mtp mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
   esac
 done
 echo "all phases done" | tee -a "$LOGS/summary.txt"
