@@ -562,6 +562,28 @@ def test_check_only_prints_the_checks_result_only(tiny_ckpt, tmp_path):
     assert "resume" not in bad.stdout + bad.stderr
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--num-rollout", "2", "-h"]])
+def test_help_prints_the_variables_then_the_trainers_flags_and_nothing_else(tmp_path, args):
+    out = tmp_path / "run"
+    result = subprocess.run(["bash", str(LAUNCHER), *args], cwd=REPO, env=_env(out), capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    trainer_help = subprocess.run([sys.executable, "-m", "slime.train", "--help"], cwd=REPO, env=_env(out),
+                                  capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    assert trainer_help.startswith("usage: slime ")
+    # The launcher's header (its usage and every variable it reads), then the trainer's help as the trainer prints it,
+    # and nothing after: no run_lock usage, no "[geo3k] no GPU found / done / resume" line.
+    header, _, rest = result.stdout.partition("usage: slime ")
+    assert header.startswith("GRPO on Geometry3K") and "run_geo3k_qwen35.sh [extra trainer flags...]" in header
+    launcher_text = LAUNCHER.read_text()
+    for var in re.findall(r"^KNOWN_VARS=\((.*?)\)", launcher_text, re.M | re.S)[0].split():
+        assert f"SLIME_SCRIPT_{var}" in header, var
+    assert "usage: slime " + rest == trainer_help
+    for absent in ("run_lock", "[geo3k]", "resume or extend", "--output-dir OUTPUT_DIR\n  --save SAVE"):
+        assert absent not in result.stdout + result.stderr, absent
+    assert not out.exists()  # nothing checked, claimed or written
+
+
 FAKE_DRIVER = """#!/usr/bin/env bash
 # python, except that the driver (python -m slime.train, not --check-only) only exits with $FAKE_STATUS.
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "slime.train" ]; then

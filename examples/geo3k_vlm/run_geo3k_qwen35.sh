@@ -45,10 +45,22 @@
 #
 # With --check-only among the extra arguments the script only checks the flags (the driver's
 # "slime: flags OK ..." or its error): no folder probe, no download, no run, no resume line.
+# With -h or --help it prints this text, then slime's flags, and exits 0 (nothing is checked or run).
 
 set -euo pipefail
 
 SLIME_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)"
+for arg in "$@"; do
+   case "$arg" in
+      -h|--help)
+         # The header above (usage and variables), then the trainer's flags, and nothing after.
+         sed -n '3,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+         printf "%s\n\n" "Trainer flags (the extra arguments, passed on to python -m slime.train, which the script calls):"
+         # shellcheck disable=SC1091
+         source "$SLIME_DIR/scripts/setup_env.sh" >&2
+         cd "$SLIME_DIR" && exec python -m slime.train --help ;;
+   esac
+done
 # The switches: 0, 1 or empty/unset (0); anything else (true, yes, false...) is refused rather than
 # read as one or the other.
 for var in SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_FORCE_CPU SLIME_SCRIPT_DRY_RUN; do
