@@ -416,7 +416,7 @@ def test_a_used_run_directory_is_refused_before_anything_is_written(tiny_ckpt, t
     (out / "command.sh").write_text("the first run's command\n")
     result = subprocess.run(["bash", str(LAUNCHER), "--num-rollout", "2"], cwd=REPO, env=_env(out),
                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 1
+    assert result.returncode == 2  # as the driver's own refusal: nothing ran
     assert f"slime: error: --output-dir {out} already holds the metrics of a run" in result.stderr
     assert (out / "command.sh").read_text() == "the first run's command\n"  # not overwritten
 

@@ -155,13 +155,16 @@ def test_cli_probe_for_the_launcher(tmp_path):
 
     common = ["--output-dir", str(run), "--lr", "1e-6", "--save", str(ckpt), "--apply-chat-template"]
     refused = probe(*common)
-    assert refused.returncode == 1 and refused.stderr.startswith(f"slime: error: --output-dir {run} already holds")
+    # 2 as the driver's own refusal (slime.errors: an error before anything ran), not 1 (a run that failed)
+    assert refused.returncode == 2 and refused.stderr.startswith(f"slime: error: --output-dir {run} already holds")
     assert probe(*common, "--load", str(ckpt)).returncode == 0
     typo = probe(*common, "--load", str(tmp_path / "ckpt_typo"))
-    assert typo.returncode == 1 and f"--load {tmp_path / 'ckpt_typo'} does not exist" in typo.stderr
+    assert typo.returncode == 2 and f"--load {tmp_path / 'ckpt_typo'} does not exist" in typo.stderr
     assert probe(*common, "--overwrite-output-dir").returncode == 0
     assert (ckpt / "iter_0000003").is_dir()  # the probe deletes nothing
-    assert probe("--output-dir", str(tmp_path / "new"), "--output-dir", str(run)).returncode == 1  # last one wins
+    assert probe("--output-dir", str(tmp_path / "new"), "--output-dir", str(run)).returncode == 2  # last one wins
+    usage = probe("--save", str(ckpt))  # no --output-dir: argparse's usage error
+    assert usage.returncode == 2 and "the following arguments are required: --output-dir" in usage.stderr
     assert not (tmp_path / "new").exists()
 
 

@@ -337,7 +337,11 @@ def _delete_results(folders: list[_Folder], run_files: Sequence[str], why: str) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m slime.utils.run_lock [driver flags]``: exit 1 with the refusal, 0 when the folders are usable."""
+    """``python -m slime.utils.run_lock [driver flags]``: the launcher's folder probe before anything starts.
+
+    Exits 0 when the folders are usable; 2 with ``slime: error: <refusal>`` on stderr when they are not, as the driver
+    does for the same refusal (nothing ran: the status of every error before a run's first step); 2 with argparse's
+    usage for a malformed command line (no ``--output-dir``)."""
     parser = argparse.ArgumentParser(prog="python -m slime.utils.run_lock", allow_abbrev=False,
                                      description=__doc__.splitlines()[0])  # fmt: skip
     parser.add_argument("--output-dir", required=True)
@@ -348,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_run_dirs(args.output_dir, args.save, args.load, overwrite=args.overwrite_output_dir)
     except (RunDirError, ckpt.CheckpointError) as e:
-        sys.exit(f"slime: error: {e}")
+        print(f"slime: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
