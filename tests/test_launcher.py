@@ -523,6 +523,32 @@ def test_a_switch_other_than_0_or_1_is_refused(tmp_path, var, value):
     assert line.endswith(f"{var}={value}: expected 0 or 1 (or empty/unset, meaning 0)"), line
 
 
+@pytest.mark.parametrize("var, value, expected", [
+    ("SLIME_SCRIPT_NUM_GPUS", "abc", "a GPU count >= 1"), ("SLIME_SCRIPT_NUM_GPUS", "0", "a GPU count >= 1"),
+    ("SLIME_SCRIPT_NUM_GPUS", "2.5", "a GPU count >= 1"),
+    ("SLIME_SCRIPT_MAX_TOKENS_PER_GPU", "abc", "a token count (0: one sample per micro-batch)"),
+    ("SLIME_SCRIPT_MAX_TOKENS_PER_GPU", "-1", "a token count (0: one sample per micro-batch)"),
+])  # fmt: skip
+def test_a_bad_count_is_refused_naming_the_variable_on_the_cpu_default_too(tmp_path, var, value, expected):
+    # The CPU default (SLIME_SCRIPT_FORCE_CPU=1 in _env): NUM_GPUS was refused under the driver's flag
+    # (--actor-num-gpus-per-node), MAX_TOKENS_PER_GPU (unused on the CPU) not at all.
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", **{var: value})
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == f"[geo3k] {var}={value}: expected {expected}"
+    assert "slime.train" not in result.stdout
+
+
+def test_good_counts_pass_on_the_cpu_default(tiny_ckpt, tmp_path):
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUM_GPUS="3",
+               SLIME_SCRIPT_MAX_TOKENS_PER_GPU="0")  # fmt: skip
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert argv[argv.index("--actor-num-gpus-per-node") + 1] == "3"
+
+
 def test_a_misspelt_variable_is_refused_naming_the_known_ones(tmp_path):
     env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUMGPUS="4")
     result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
