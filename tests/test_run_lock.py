@@ -229,6 +229,30 @@ def test_the_driver_refuses_a_load_typo_on_a_used_run_directory_and_keeps_its_me
     assert not (run / "command.sh").exists()  # written only by a run that holds the folder
 
 
+def test_a_load_that_is_a_file_is_refused_before_any_folder_is_made(tmp_path, tiny_ckpt, capsys):
+    from slime.train import EXIT_NOT_STARTED, main
+
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"weights")
+    run, save = tmp_path / "run", tmp_path / "ck"
+    message = f"--load {a_file} is a file, not a folder"
+    for check in (check_run_dirs, lambda *a, overwrite: claim_run_dirs(*a, overwrite=overwrite)):
+        with pytest.raises(CheckpointError, match=message):
+            check(run, save, a_file, overwrite=False)
+    probe = subprocess.run([sys.executable, "-m", "slime.utils.run_lock", "--output-dir", str(run), "--load",
+                            str(a_file)], capture_output=True, text=True, env=_env(), cwd=REPO)  # fmt: skip
+    assert probe.returncode == 2 and probe.stderr.startswith(f"slime: error: {message}")
+    argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(tmp_path / "missing.parquet"),
+            "--rollout-batch-size", "2", "--rollout-max-response-len", "4", "--num-rollout", "1",
+            "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--rollout-backend", "transformers",
+            "--output-dir", str(run), "--save", str(save), "--load", str(a_file)]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == EXIT_NOT_STARTED == 2
+    assert f"slime: error: {message}" in capsys.readouterr().err
+    assert not save.exists() and list(run.iterdir()) == []  # driver.make_run_dir makes the empty run folder first
+
+
 def test_save_d_load_d_restarts_a_run_that_died_before_its_first_checkpoint(tmp_path, caplog):
     run, d = tmp_path / "run", tmp_path / "d"
     _earlier_run(run, d, 2)  # --save d --load d, killed during rollout 2: no checkpoint, 2 records

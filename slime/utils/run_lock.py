@@ -109,9 +109,10 @@ def claim_run_dirs(
     Raises:
         RunDirError: a folder is locked by a live run (naming its PID and host), or holds results this
             run would mix with or lose.
-        CheckpointError: a used ``--output-dir`` is to be resumed from a ``--load`` whose latest
-            checkpoint is malformed or incomplete.
+        CheckpointError: ``--load`` is a file (before any folder is created), or a used ``--output-dir`` is to be
+            resumed from a ``--load`` whose latest checkpoint is malformed or incomplete.
     """
+    ckpt.check_not_a_file(load)
     folders = _folders(output_dir, save)
     record = {
         "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -151,6 +152,7 @@ def check_run_dirs(
     Raises:
         RunDirError, CheckpointError: as :func:`claim_run_dirs` would.
     """
+    ckpt.check_not_a_file(load)
     folders = [f for f in _folders(output_dir, save) if f.path.is_dir()]
     for folder in folders:
         lock_file = folder.path / LOCK_FILE
