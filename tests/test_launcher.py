@@ -168,6 +168,19 @@ def test_dry_run_prints_a_parsable_command_with_extra_args_last(tiny_ckpt, tmp_p
     assert not out.exists()  # a dry run writes nothing
 
 
+@pytest.mark.parametrize("extra, kl_type", [((), None), (("--use-kl-loss", "--kl-loss-coef", "0.01"), "low_var_kl")])
+def test_upstreams_kl_loss_type_is_passed_only_with_the_kl_loss(tiny_ckpt, tmp_path, extra, kl_type, caplog):
+    # Without --use-kl-loss the flag does nothing, and the parser warns about it: the launcher leaves it out.
+    result = subprocess.run(["bash", str(LAUNCHER), *extra], cwd=REPO, env=_env(tmp_path / "run",
+                            SLIME_SCRIPT_DRY_RUN="1"), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert (argv[argv.index("--kl-loss-type") + 1] if "--kl-loss-type" in argv else None) == kl_type
+    with caplog.at_level("WARNING"):
+        cfg = parse_args(argv[3:])
+    assert cfg.grpo.kl_loss_type == (kl_type or "k1") and "has no effect" not in caplog.text
+
+
 @pytest.mark.slow
 def test_cpu_default_honours_an_explicit_rollout_backend(tiny_ckpt, tmp_path):
     """SLIME_SCRIPT_ROLLOUT_BACKEND set on a machine without a GPU is passed on (the driver then refuses sglang

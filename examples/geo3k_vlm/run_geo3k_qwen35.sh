@@ -334,6 +334,10 @@ if [ -n "${WANDB_API_KEY:-}" ]; then
    WANDB_ARGS=(--use-wandb --wandb-project slime-geo3k-vlm --wandb-group "$(lower "$MODEL_NAME")-$BACKEND_NAME"
                --disable-wandb-random-suffix)
 fi
+# Upstream's estimator of the KL loss, passed only when the extra arguments turn that loss on: without it the flag
+# does nothing (and the trainer warns so).
+KL_TYPE_ARGS=()
+if has_flag --use-kl-loss "$@"; then KL_TYPE_ARGS=(--kl-loss-type low_var_kl); fi
 ARGS=(
    "${MODEL_ARGS[@]}"
    --hf-checkpoint "$HF_CHECKPOINT"
@@ -344,7 +348,7 @@ ARGS=(
    --rm-type math
    "${ROLLOUT_ARGS[@]}"
    "${EVAL_ARGS[@]}"
-   --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
+   --advantage-estimator grpo --kl-loss-coef 0.00 ${KL_TYPE_ARGS[@]+"${KL_TYPE_ARGS[@]}"} --kl-coef 0.00
    --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
    --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
    "${ROLLOUT_ENGINE_ARGS[@]}"
