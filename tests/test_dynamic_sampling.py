@@ -176,10 +176,12 @@ def test_keeps_the_first_passing_groups_in_draw_order_and_aborts_the_rest(make):
     assert [rid.split(":")[0] for rid in pool.sent_rids[::N]] == ["0", "1", "2", "3", "4", "5", "6"]
     m = batch.metrics
     # the filter's drops under upstream's names and reasons (rows 0 and 3 all right, row 2 all wrong)
-    assert {k: v for k, v in m.items() if k.startswith(D)} == {D + "zero_std_1.0": 2.0, D + "zero_std_0.0": 1.0}
+    # (non_finite_reward and dropped_unusable: written as 0, every step, for a continuous series)
+    assert {k: v for k, v in m.items() if k.startswith(D)} == {
+        D + "zero_std_1.0": 2.0, D + "zero_std_0.0": 1.0, D + "non_finite_reward": 0.0}
     assert {k[len(P):]: v for k, v in m.items() if k.startswith(P)} == {
         "rounds": 2.0, "groups_drawn": 8.0, "groups_generated": 6.0, "groups_passed": 3.0, "groups_kept": 2.0,
-        "groups_fallback": 0.0, "dropped_surplus": 1.0, "dropped_cancelled": 2.0,
+        "groups_fallback": 0.0, "dropped_surplus": 1.0, "dropped_cancelled": 2.0, "dropped_unusable": 0.0,
         # request-seconds: g0 1, g1 5, g2 1, g3 1, g4 1, g5 0.5, g6 0.5 (aborted), g7 0; kept g1 + g4 = 6 of 10
         "dropped_generation_time_frac": pytest.approx(0.4),
         "generate_time_s": m[P + "generate_time_s"],  # real seconds: not scripted

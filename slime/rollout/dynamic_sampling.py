@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 PREFIX = "rollout/dynamic_sampling/"
 
 
+ALWAYS_LOGGED = (*(f"{PREFIX}dropped_{why}" for why in ("surplus", "cancelled", "unusable")), DROP_PREFIX + NON_FINITE)
+"""The drop metrics written every step, 0 when nothing was dropped for them."""
+
+
 class DynamicSamplingError(SlimeError, RuntimeError):
     """The rounds ran out before ``--rollout-batch-size`` groups passed the filter (and no fallback filled it)."""
 
@@ -232,6 +236,9 @@ class DynamicSampler:
             "generated_reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         }
         out = {PREFIX + k: float(v) for k, v in metrics.items()}
+        # Every step, 0 when nothing was dropped (a continuous series in the plots): our reasons and the one every
+        # filter shares; a filter's own reasons (zero_std_<reward>, ...) only when they occur.
+        out.update({name: 0.0 for name in ALWAYS_LOGGED})
         out.update({name: float(n) for name, n in self._dropped_reasons(set(kept)).items()})
         # The engine-side faults of every generated group (the kept ones have none).
         out["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in done))
