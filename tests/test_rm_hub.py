@@ -668,6 +668,28 @@ def test_custom_reward_function_via_flag(scorers):
     assert scorers(RewardConfig(rm_type=_path(reward_length_parity))).score(["abc"], ["x"]) == [1.0]
 
 
+def test_a_custom_reward_module_not_on_the_path_hints_at_pythonpath_and_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_xyz.py").write_text("def score(response, label, cfg):\n    return 1.0\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("PYTHONPATH", "/opt/nothing-here")
+    with pytest.raises(ConfigError) as info:
+        RewardScorer(RewardConfig(custom_rm_path="my_rewards_xyz:score"))
+    message = str(info.value)
+    assert message.startswith("--custom-rm-path 'my_rewards_xyz:score' cannot be imported (No module named "
+                              "'my_rewards_xyz'); Python looks for 'my_rewards_xyz' in the working directory")
+    assert f"({elsewhere})" in message and "PYTHONPATH (/opt/nothing-here)" in message
+    assert "add that folder to PYTHONPATH" in message
+    # A function missing from a module that imports is not a path problem: no hint.
+    with pytest.raises(ConfigError, match="check the module path and the function name") as info:
+        RewardScorer(RewardConfig(custom_rm_path="tests.rewards:no_such_function"))
+    assert "PYTHONPATH" not in str(info.value)
+    # The hint holds: with the folder on sys.path (as PYTHONPATH puts it there) the same flag resolves.
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_reward_function(RewardConfig(custom_rm_path="my_rewards_xyz:score"))("r", "l", None) == 1.0
+
+
 @pytest.mark.parametrize(
     "path, message",
     [

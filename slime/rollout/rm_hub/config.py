@@ -12,7 +12,7 @@ import math
 from typing import Protocol
 
 from slime.utils.config import ConfigError, flag
-from slime.utils.registry import Builtin, Registry, check_function
+from slime.utils.registry import Builtin, Registry, check_function, not_found_itself, search_path_hint
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +111,10 @@ def resolve_reward_function(cfg: RewardConfig) -> RewardFunction:
     try:
         function = REWARD_FUNCTIONS.get(name)
     except (ImportError, AttributeError) as error:
-        raise ConfigError(
-            f"{flag_name} {name!r} cannot be imported ({error}); check the module path and the function name"
-        ) from None
+        module = name.partition(":")[0]
+        hint = (search_path_hint(module) if not_found_itself(module, error)
+                else "check the module path and the function name")
+        raise ConfigError(f"{flag_name} {name!r} cannot be imported ({error}); {hint}") from None
     check_function(function, flag_name, name, ("response", "label", cfg), "a reward function must accept "
                    "(response: str, label: str, cfg: RewardConfig) and return a float")
     return function
