@@ -28,6 +28,9 @@ NON_FINITE = "non_finite_reward"
 """The reason of a group holding a NaN or infinite reward, dropped before any filter sees it."""
 NON_FINITE_METRIC = "rollout/non_finite_reward_groups"
 """The metric of the groups dropped for a NaN or infinite reward, with or without dynamic sampling (every step)."""
+NON_FINITE_WARNING = ("dropping the group of dataset index %s: its rewards %s are not all finite (a fault of the reward "
+                      "function; counted in %s)")
+"""The warning on such a group (its dataset index, rewards, :data:`NON_FINITE_METRIC`), with or without a filter."""
 STD_EPS = 1e-6
 """A group whose reward std (unbiased, float64) is at most this is constant (upstream's threshold)."""
 
@@ -72,8 +75,7 @@ def non_finite_verdict(group: list[Sample]) -> GroupVerdict:
     (its advantages would not be finite); a warning names the group's dataset index and rewards.  Upstream drops such
     a group too (its std is NaN), as ``zero_std_<first reward>``.  The rollout manager drops such a group the same
     way without dynamic sampling (:func:`slime.rollout.manager._drop_non_finite_groups`)."""
-    logger.warning("dropping the group of dataset index %s: its rewards %s are not all finite (a fault of the reward "
-                   "function; counted in %s)", group[0].index, [s.reward for s in group], NON_FINITE_METRIC)
+    logger.warning(NON_FINITE_WARNING, group[0].index, [s.reward for s in group], NON_FINITE_METRIC)
     return GroupVerdict(False, reason=NON_FINITE)
 
 

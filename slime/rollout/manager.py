@@ -34,7 +34,7 @@ from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError: re-expo
     record_outputs,
 )
 from slime.rollout.dynamic_sampling import DynamicSampler
-from slime.rollout.filters import NON_FINITE_METRIC, verdict_of
+from slime.rollout.filters import NON_FINITE_METRIC, NON_FINITE_WARNING
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.replay import load_rollout, replay_path, save_rollout
@@ -462,8 +462,7 @@ def _drop_unusable_groups(samples: list[Sample], n: int) -> tuple[list[Sample], 
 
 def _drop_non_finite_groups(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
     """Leave every group holding a NaN or infinite reward out of the loss (``loss_mask`` 0, advantage 0, as
-    :func:`_drop_unusable_groups`), with one warning per group (:func:`slime.rollout.filters.verdict_of` without a
-    filter, dynamic sampling's rule).
+    :func:`_drop_unusable_groups`), with one warning per group (dynamic sampling's, :data:`.filters.NON_FINITE_WARNING`).
 
     The reward function returned it (the scorer passes a non-finite float on rather than score it 0.0): its group's
     mean and std, hence every advantage of the group, would be NaN, and a made-up 0.0 would train the group on a
@@ -480,7 +479,13 @@ def _drop_non_finite_groups(samples: list[Sample], n: int) -> tuple[list[Sample]
     Raises:
         NonFiniteRewardError: every group holds a non-finite reward (nothing left to train on).
     """
-    kept, dropped = _split_groups(samples, n, lambda group: not verdict_of(None, group).keep)
+    def non_finite(group: list[Sample]) -> bool:
+        if all(math.isfinite(s.reward) for s in group):
+            return False
+        logger.warning(NON_FINITE_WARNING, group[0].index, [s.reward for s in group], NON_FINITE_METRIC)
+        return True
+
+    kept, dropped = _split_groups(samples, n, non_finite)
     if samples and not kept:
         raise NonFiniteRewardError(
             f"every one of the {len(samples) // n} usable groups of this rollout holds a NaN or infinite reward, so no "
