@@ -409,7 +409,12 @@ def _check_off_policy(grpo: GRPOConfig, train: TrainConfig) -> None:
 
 def _check_kl(grpo: GRPOConfig, checkpoint: CheckpointConfig) -> None:
     """Warn about KL flags that do nothing. (``--kl-loss-coef > 0`` without ``--use-kl-loss`` is
-    an error raised by :class:`GRPOConfig` itself: a coefficient must never be silently ignored.)"""
+    an error raised by :class:`GRPOConfig` itself: a coefficient must never be silently ignored.)  A ``--kl-loss-type``
+    other than the default without ``--use-kl-loss`` only warns: upstream's own launchers pass one so."""
+    if grpo.kl_loss_type != GRPOConfig.kl_loss_type and not grpo.use_kl_loss:
+        logger.warning(
+            "--kl-loss-type %s has no effect without --use-kl-loss (the KL loss is off; --kl-coef's reward shaping "
+            "always uses k1); add --use-kl-loss --kl-loss-coef C, or drop --kl-loss-type", grpo.kl_loss_type)
     if grpo.use_kl_loss and grpo.kl_loss_coef == 0:
         logger.warning(
             "--use-kl-loss with --kl-loss-coef 0 adds no KL term; set --kl-loss-coef > 0 or drop --use-kl-loss"

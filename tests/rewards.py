@@ -11,3 +11,12 @@ def odd_length_reward(response: str, label: str, cfg) -> float:
     earns about half the time, so GRPO groups have non-zero advantages and training moves the
     weights (the tiny random model never writes a correct box, so the math reward is always 0)."""
     return float(len(response) % 2)
+
+
+def boxed_ratio_reward(response: str, label: str, cfg) -> float:
+    """A reward function with a bug, for the NaN-reward tests: ``answer / label`` for a response ``\\boxed{<answer>}``
+    (integers), NaN when the answer is below the label, +inf for a response without a box."""
+    if not (response.startswith("\\boxed{") and response.endswith("}")):
+        return float("inf")
+    answer = int(response[len("\\boxed{") : -1])
+    return float("nan") if answer < int(label) else answer / int(label)

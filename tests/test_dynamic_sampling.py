@@ -4,6 +4,8 @@ round, trimming order, cap, fallback and data cursor below is worked out by hand
 
 Rows are scripted ``R`` (every answer right: rewards all 1), ``W`` (all wrong: all 0) or ``M`` (sample ``j`` right
 when ``j`` is even: rewards [1, 0, 1, 0], which vary); each row also has a call duration (simulated seconds).
+Right is ``\boxed{5}`` (every label is 5), wrong ``\boxed{7}``; a row ``N`` answers ``\boxed{3}`` to even ``j``
+(right otherwise), which ``tests.rewards:boxed_ratio_reward`` scores NaN.
 One engine of capacity 8 and 4 requests per call: each call is one group of ``n = 4``, two in flight at once.
 """
 
@@ -71,11 +73,12 @@ class ScriptedPool:
         outs = []
         for req in self.calls[call]["requests"]:
             row, position = (int(x) for x in req.rid.split(":"))
-            right = {"R": True, "W": False, "M": position % N % 2 == 0}[self.patterns[row]]
+            pattern, even = self.patterns[row], position % N % 2 == 0
+            right = {"R": True, "W": False, "M": even, "N": True}[pattern]
+            text = "\\boxed{3}" if pattern == "N" and even else "\\boxed{5}" if right else "\\boxed{7}"
             prompt_tokens = len(self.processor(req.text, [decode_image(b) for b in req.image_data]).input_ids)
             reason = "abort" if self.calls[call]["aborted"] else "stop"
-            outs.append(GenerateOutput("\\boxed{5}" if right else "\\boxed{7}", [11, 12], [-0.5, -0.5], reason,
-                                       prompt_tokens, rid=req.rid))
+            outs.append(GenerateOutput(text, [11, 12], [-0.5, -0.5], reason, prompt_tokens, rid=req.rid))
         return outs
 
     def unhealthy(self, engines, timeout_s):
@@ -173,10 +176,12 @@ def test_keeps_the_first_passing_groups_in_draw_order_and_aborts_the_rest(make):
     assert [rid.split(":")[0] for rid in pool.sent_rids[::N]] == ["0", "1", "2", "3", "4", "5", "6"]
     m = batch.metrics
     # the filter's drops under upstream's names and reasons (rows 0 and 3 all right, row 2 all wrong)
-    assert {k: v for k, v in m.items() if k.startswith(D)} == {D + "zero_std_1.0": 2.0, D + "zero_std_0.0": 1.0}
+    # (non_finite_reward and dropped_unusable: written as 0, every step, for a continuous series)
+    assert {k: v for k, v in m.items() if k.startswith(D)} == {
+        D + "zero_std_1.0": 2.0, D + "zero_std_0.0": 1.0, D + "non_finite_reward": 0.0}
     assert {k[len(P):]: v for k, v in m.items() if k.startswith(P)} == {
         "rounds": 2.0, "groups_drawn": 8.0, "groups_generated": 6.0, "groups_passed": 3.0, "groups_kept": 2.0,
-        "groups_fallback": 0.0, "dropped_surplus": 1.0, "dropped_cancelled": 2.0,
+        "groups_fallback": 0.0, "dropped_surplus": 1.0, "dropped_cancelled": 2.0, "dropped_unusable": 0.0,
         # request-seconds: g0 1, g1 5, g2 1, g3 1, g4 1, g5 0.5, g6 0.5 (aborted), g7 0; kept g1 + g4 = 6 of 10
         "dropped_generation_time_frac": pytest.approx(0.4),
         "generate_time_s": m[P + "generate_time_s"],  # real seconds: not scripted
@@ -207,24 +212,34 @@ def test_exact_resume_draws_the_same_groups_with_the_same_seeds(make):
     assert (resumed.state_dict()["dataset"]["epoch"], resumed.state_dict()["dataset"]["position"]) == (1, 4)
 
 
-def test_a_group_with_a_nan_reward_is_dropped_counted_and_logged(make, caplog):
-    manager, _ = make(PATTERNS, DURATIONS, "--dynamic-sampling-filter-path", "nonzero_std_with_fallback")
-    scorer = manager.sampler.scorer
-    real, calls = scorer.score, []
-
-    def score(responses, labels):  # the first group scored (row 0, R, done at t=1) gets a NaN reward
-        rewards = list(real(responses, labels))
-        calls.append(len(rewards))
-        return [math.nan, *rewards[1:]] if len(calls) == 1 else rewards
-
-    scorer.score = score
+@pytest.mark.parametrize("filter_flags", [("--dynamic-sampling-filter-path", "nonzero_std_with_fallback"), ()])
+def test_a_group_with_a_nan_reward_is_dropped_counted_and_logged(make, caplog, filter_flags):
+    # Through the real scorer (worker processes): tests.rewards:boxed_ratio_reward gives answer / label, NaN for an
+    # answer below the label.  Row 0 is N: rewards [nan, 1, nan, 1]; M rows [1, 1.4, 1, 1.4]; R all 1; W all 1.4.
+    manager, _ = make("NMWRMMMWRMWR", DURATIONS, "--custom-rm-path", "tests.rewards:boxed_ratio_reward", *filter_flags)
     with caplog.at_level("WARNING", logger="slime.rollout.filters"):
         batch = manager.generate(0)
-    # The same schedule as the draw-order test: rows 1 and 4 kept; row 0 is now dropped for its NaN, not its std.
-    assert _rows(batch) == [1, 4]
-    assert {k: v for k, v in batch.metrics.items() if k.startswith(D)} == {
-        D + "non_finite_reward": 1.0, D + "zero_std_1.0": 1.0, D + "zero_std_0.0": 1.0}
-    assert "dropping the group of dataset index 0: its rewards [nan, 1.0, 1.0, 1.0] are not all finite" in caplog.text
+    m = batch.metrics
+    if filter_flags:
+        # The draw-order test's schedule: rows 1 and 4 kept; row 0 is dropped for its NaN before the filter.
+        assert _rows(batch) == [1, 4]
+        assert {k: v for k, v in m.items() if k.startswith(D)} == {
+            D + "non_finite_reward": 1.0, D + "zero_std_1.0": 1.0, D + "zero_std_1.4": 1.0}  # rows 0; 3; 2
+        # generated groups g0..g5 (rows 0-5): finite rewards 1+1, 4.8, 4 * 1.4, 4 * 1, 4.8, 4.8 over 22 samples
+        assert m[P + "generated_reward_mean"] == pytest.approx((2 + 4.8 + 5.6 + 4 + 4.8 + 4.8) / 22, rel=1e-12)
+    else:
+        # No filter: every finite group passes; row 0 (done at t=1) is dropped, rows 1 (t=5) and 2 (t=2) kept.
+        assert _rows(batch) == [1, 2]
+        assert {k: v for k, v in m.items() if k.startswith(D)} == {D + "non_finite_reward": 1.0}
+    assert m["rollout/non_finite_reward_groups"] == 1.0
+    assert m["rollout/reward_non_finite"] == 2.0 and m["rollout/reward_errors"] == 0.0  # row 0's samples 0 and 2
+    assert caplog.text.count("rewards [nan, 1.0, nan, 1.0] are not all finite") == 1
+    assert "dropping the group of dataset index 0" in caplog.text
+    # The kept M group (rewards 1, 1.4, 1, 1.4) by hand in float64: mean 1.2, unbiased std sqrt(4 * 0.2^2 / 3).
+    adv = 0.2 / (math.sqrt(4 * 0.2**2 / 3) + 1e-6)
+    assert [s.reward for s in batch.samples[:N]] == [1.0, 1.4, 1.0, 1.4]
+    assert [s.advantage for s in batch.samples[:N]] == pytest.approx([-adv, adv, -adv, adv], rel=1e-6)  # float32
+    assert all(math.isfinite(s.reward) for s in batch.samples)
     nan_group = [Sample(index=0, prompt="", label="5", reward=r) for r in (math.nan, math.nan, math.inf)]
     for fn in (nonzero_std, nonzero_std_with_fallback):  # before: statistics.stdev raised AttributeError
         assert fn(nan_group) == GroupVerdict(False, reason="non_finite_reward")  # never a fallback

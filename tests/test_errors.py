@@ -22,6 +22,7 @@ USER_FACING = [
     ("slime.ray.engine_group", "EngineStartError", RuntimeError),
     ("slime.rollout.manager", "PromptMismatchError", RuntimeError),
     ("slime.rollout.manager", "RolloutAbortedError", RuntimeError),
+    ("slime.rollout.manager", "NonFiniteRewardError", RuntimeError),
     ("slime.rollout.parity", "EngineParityError", RuntimeError),
     ("slime.utils.run_lock", "RunDirError", ValueError),
     ("slime.models.qwen3_5.config", "Qwen35ConfigError", ValueError),

@@ -71,6 +71,7 @@ def test_every_flag_is_in_help_and_in_the_flag_docs():
 
 
 def test_kl_loss_type_defaults_to_upstreams_k1_and_the_launcher_passes_its_own():
+    # (with --use-kl-loss only: tests/test_launcher.py::test_upstreams_kl_loss_type_is_passed_only_with_the_kl_loss)
     assert parse("").grpo.kl_loss_type == "k1" and GRPOConfig().kl_loss_type == "k1"
     launcher = (ROOT / "examples" / "geo3k_vlm" / "run_geo3k_qwen35.sh").read_text()
     assert "--kl-loss-type low_var_kl" in launcher
@@ -99,9 +100,33 @@ def test_refused_upstream_flags_say_why(name, capsys):
      "--get-mismatch-metrics would do nothing"),
     ("--custom-pg-loss-reducer-function-path reducer", "--custom-pg-loss-reducer-function-path 'reducer' is not a "
      "path"),
+    ("--eps-clip 1.5", r"--eps-clip must be in \[0, 1\] \(the ratio's lower clip bound is 1 - eps_clip.*got 1.5"),
+    ("--entropy-coef -1", "--entropy-coef must be >= 0, got -1.0"),
 ])
 def test_combinations_that_would_do_nothing_are_refused(argv, message, capsys):
     assert re.search(message, refused(argv, capsys))
+
+
+@pytest.mark.parametrize("argv, logger, warning", [
+    ("--kl-loss-type low_var_kl", "slime.arguments", "--kl-loss-type low_var_kl has no effect without --use-kl-loss"),
+    ("--rm-tolerance 0.1", "slime.rollout.rm_hub.config",
+     "--rm-tolerance 0.1 has no effect with --rm-type math, which does not read it"),
+    ("--rm-type deepscaler --rm-tolerance 0", "slime.rollout.rm_hub.config",
+     "--rm-tolerance 0 has no effect with --rm-type deepscaler"),
+])  # fmt: skip
+def test_a_flag_that_does_nothing_warns_naming_it(argv, logger, warning, caplog):
+    with caplog.at_level("WARNING", logger=logger):
+        parse(argv)
+    assert warning in caplog.text
+
+
+@pytest.mark.parametrize("argv", ["--use-kl-loss --kl-loss-coef 0.1 --kl-loss-type low_var_kl", "--kl-loss-type k1",
+                                  "--rm-type geo3k --rm-tolerance 0.1", "--custom-rm-path tests.rewards:odd_length_reward "
+                                  "--rm-tolerance 0.1", "--eps-clip 1 --advantage-estimator cispo --eps-clip-high 4"])
+def test_the_same_flags_where_they_act_are_quiet(argv, caplog):
+    with caplog.at_level("WARNING"):
+        parse(argv)
+    assert "has no effect" not in caplog.text
 
 
 def test_cispo_with_a_lower_clip_bound_warns_as_upstream(caplog):
@@ -121,6 +146,7 @@ def test_the_departures_table_names_every_departure():
     named = " ".join(row.split("|")[1] for row in rows)
     for flag in ("--advantage-estimator ppo", "--partial-rollout", "--calculate-per-token-loss", "--kl-coef",
                  "--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--get-mismatch-metrics",
-                 "--use-opsm", "--dynamic-sampling-filter-path", "--tis-mode", "--n-samples-per-prompt"):
+                 "--use-opsm", "--dynamic-sampling-filter-path", "--tis-mode", "--n-samples-per-prompt",
+                 "--custom-rm-path"):
         assert flag in named, f"no departure row for {flag}"
     assert all(len(row.split("|")) == 6 for row in rows), "each row: flag | upstream | ours | why"

@@ -168,6 +168,19 @@ def test_dry_run_prints_a_parsable_command_with_extra_args_last(tiny_ckpt, tmp_p
     assert not out.exists()  # a dry run writes nothing
 
 
+@pytest.mark.parametrize("extra, kl_type", [((), None), (("--use-kl-loss", "--kl-loss-coef", "0.01"), "low_var_kl")])
+def test_upstreams_kl_loss_type_is_passed_only_with_the_kl_loss(tiny_ckpt, tmp_path, extra, kl_type, caplog):
+    # Without --use-kl-loss the flag does nothing, and the parser warns about it: the launcher leaves it out.
+    result = subprocess.run(["bash", str(LAUNCHER), *extra], cwd=REPO, env=_env(tmp_path / "run",
+                            SLIME_SCRIPT_DRY_RUN="1"), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert (argv[argv.index("--kl-loss-type") + 1] if "--kl-loss-type" in argv else None) == kl_type
+    with caplog.at_level("WARNING"):
+        cfg = parse_args(argv[3:])
+    assert cfg.grpo.kl_loss_type == (kl_type or "k1") and "has no effect" not in caplog.text
+
+
 @pytest.mark.slow
 def test_cpu_default_honours_an_explicit_rollout_backend(tiny_ckpt, tmp_path):
     """SLIME_SCRIPT_ROLLOUT_BACKEND set on a machine without a GPU is passed on (the driver then refuses sglang
@@ -416,7 +429,7 @@ def test_a_used_run_directory_is_refused_before_anything_is_written(tiny_ckpt, t
     (out / "command.sh").write_text("the first run's command\n")
     result = subprocess.run(["bash", str(LAUNCHER), "--num-rollout", "2"], cwd=REPO, env=_env(out),
                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 1
+    assert result.returncode == 2  # as the driver's own refusal: nothing ran
     assert f"slime: error: --output-dir {out} already holds the metrics of a run" in result.stderr
     assert (out / "command.sh").read_text() == "the first run's command\n"  # not overwritten
 
@@ -523,6 +536,32 @@ def test_a_switch_other_than_0_or_1_is_refused(tmp_path, var, value):
     assert line.endswith(f"{var}={value}: expected 0 or 1 (or empty/unset, meaning 0)"), line
 
 
+@pytest.mark.parametrize("var, value, expected", [
+    ("SLIME_SCRIPT_NUM_GPUS", "abc", "a GPU count >= 1"), ("SLIME_SCRIPT_NUM_GPUS", "0", "a GPU count >= 1"),
+    ("SLIME_SCRIPT_NUM_GPUS", "2.5", "a GPU count >= 1"),
+    ("SLIME_SCRIPT_MAX_TOKENS_PER_GPU", "abc", "a token count (0: one sample per micro-batch)"),
+    ("SLIME_SCRIPT_MAX_TOKENS_PER_GPU", "-1", "a token count (0: one sample per micro-batch)"),
+])  # fmt: skip
+def test_a_bad_count_is_refused_naming_the_variable_on_the_cpu_default_too(tmp_path, var, value, expected):
+    # The CPU default (SLIME_SCRIPT_FORCE_CPU=1 in _env): NUM_GPUS was refused under the driver's flag
+    # (--actor-num-gpus-per-node), MAX_TOKENS_PER_GPU (unused on the CPU) not at all.
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", **{var: value})
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == f"[geo3k] {var}={value}: expected {expected}"
+    assert "slime.train" not in result.stdout
+
+
+def test_good_counts_pass_on_the_cpu_default(tiny_ckpt, tmp_path):
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUM_GPUS="3",
+               SLIME_SCRIPT_MAX_TOKENS_PER_GPU="0")  # fmt: skip
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert argv[argv.index("--actor-num-gpus-per-node") + 1] == "3"
+
+
 def test_a_misspelt_variable_is_refused_naming_the_known_ones(tmp_path):
     env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUMGPUS="4")
     result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
@@ -560,6 +599,28 @@ def test_check_only_prints_the_checks_result_only(tiny_ckpt, tmp_path):
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and "slime: error:" in bad.stderr
     assert "resume" not in bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--num-rollout", "2", "-h"]])
+def test_help_prints_the_variables_then_the_trainers_flags_and_nothing_else(tmp_path, args):
+    out = tmp_path / "run"
+    result = subprocess.run(["bash", str(LAUNCHER), *args], cwd=REPO, env=_env(out), capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    trainer_help = subprocess.run([sys.executable, "-m", "slime.train", "--help"], cwd=REPO, env=_env(out),
+                                  capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    assert trainer_help.startswith("usage: slime ")
+    # The launcher's header (its usage and every variable it reads), then the trainer's help as the trainer prints it,
+    # and nothing after: no run_lock usage, no "[geo3k] no GPU found / done / resume" line.
+    header, _, rest = result.stdout.partition("usage: slime ")
+    assert header.startswith("GRPO on Geometry3K") and "run_geo3k_qwen35.sh [extra trainer flags...]" in header
+    launcher_text = LAUNCHER.read_text()
+    for var in re.findall(r"^KNOWN_VARS=\((.*?)\)", launcher_text, re.M | re.S)[0].split():
+        assert f"SLIME_SCRIPT_{var}" in header, var
+    assert "usage: slime " + rest == trainer_help
+    for absent in ("run_lock", "[geo3k]", "resume or extend", "--output-dir OUTPUT_DIR\n  --save SAVE"):
+        assert absent not in result.stdout + result.stderr, absent
+    assert not out.exists()  # nothing checked, claimed or written
 
 
 FAKE_DRIVER = """#!/usr/bin/env bash

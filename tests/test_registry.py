@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import os
 import subprocess
 import sys
@@ -202,6 +203,20 @@ def test_resolve_names_the_flag_for_every_failure():
         assert str(info.value).startswith(message), (name, str(info.value))
     with pytest.raises(ConfigError, match="^--custom-flag nope_xyz:fn: cannot be imported"):
         registry.resolve("nope_xyz:fn", flag="--custom-flag")
+
+
+def test_a_user_module_not_on_the_path_gets_a_path_hint_a_missing_attribute_does_not(monkeypatch, tmp_path):
+    from slime.utils.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    registry = Registry("codec", "--codec")
+    hint = f"Python looks for 'nope_xyz' in the working directory ({tmp_path}) and on PYTHONPATH"
+    assert hint in registry.problem("nope_xyz.mod:fn")  # parse time, nothing imported
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        registry.resolve("nope_xyz.mod:fn")
+    with pytest.raises(ConfigError) as info:
+        registry.resolve("json:no_such_attr")
+    assert "PYTHONPATH" not in str(info.value)
 
 
 def test_importing_the_registries_imports_no_implementation():

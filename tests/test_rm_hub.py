@@ -632,7 +632,7 @@ NOT_A_FUNCTION = 3
 
 def chaos_reward(response: str, label: str, cfg: RewardConfig) -> float:
     """Misbehaves on command: 'hang' ignores SIGALRM and sleeps (like a long C call), 'die'
-    kills its process, 'raise' raises, 'nan' returns NaN, 'text' returns a string; else math."""
+    kills its process, 'raise' raises, 'nan' returns NaN, '-inf' -inf, 'text' a string, 'huge' 10**400; else math."""
     if response == "hang":
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         time.sleep(600)
@@ -644,6 +644,10 @@ def chaos_reward(response: str, label: str, cfg: RewardConfig) -> float:
         return float("nan")
     if response == "text":
         return "1.0"  # type: ignore[return-value]
+    if response == "-inf":
+        return -math.inf
+    if response == "huge":
+        return 10**400  # an int past the float range
     return math_reward(response, label, cfg)
 
 
@@ -662,6 +666,28 @@ def test_custom_reward_function_via_flag(scorers):
     assert scorers(cfg).score(["abc", "ab", ""], ["x", "y", "zz"]) == [1.0, 0.0, 1.0]
     # --rm-type also takes a path
     assert scorers(RewardConfig(rm_type=_path(reward_length_parity))).score(["abc"], ["x"]) == [1.0]
+
+
+def test_a_custom_reward_module_not_on_the_path_hints_at_pythonpath_and_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_xyz.py").write_text("def score(response, label, cfg):\n    return 1.0\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("PYTHONPATH", "/opt/nothing-here")
+    with pytest.raises(ConfigError) as info:
+        RewardScorer(RewardConfig(custom_rm_path="my_rewards_xyz:score"))
+    message = str(info.value)
+    assert message.startswith("--custom-rm-path 'my_rewards_xyz:score' cannot be imported (No module named "
+                              "'my_rewards_xyz'); Python looks for 'my_rewards_xyz' in the working directory")
+    assert f"({elsewhere})" in message and "PYTHONPATH (/opt/nothing-here)" in message
+    assert "add that folder to PYTHONPATH" in message
+    # A function missing from a module that imports is not a path problem: no hint.
+    with pytest.raises(ConfigError, match="check the module path and the function name") as info:
+        RewardScorer(RewardConfig(custom_rm_path="tests.rewards:no_such_function"))
+    assert "PYTHONPATH" not in str(info.value)
+    # The hint holds: with the folder on sys.path (as PYTHONPATH puts it there) the same flag resolves.
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_reward_function(RewardConfig(custom_rm_path="my_rewards_xyz:score"))("r", "l", None) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -724,14 +750,28 @@ def test_stuck_dead_and_failing_reward_calls_score_zero_and_are_counted(scorers,
     with caplog.at_level("WARNING", logger="slime.rollout.rm_hub.scorer"):
         rewards = scorer.score(responses, ["1", "1", "1", "1", "1", "1", "2"])
     elapsed = time.monotonic() - start
-    assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    # The NaN is passed on as it is (the rollout drops its group), not made a 0.0; the str is an error.
+    assert rewards[:4] + rewards[5:] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0] and math.isnan(rewards[4])
     stats = scorer.stats
-    assert (stats.responses, stats.killed, stats.worker_deaths, stats.errors, stats.timeouts) == (7, 1, 1, 3, 0)
-    assert "5 of 7 responses scored 0.0" in caplog.text and "RuntimeError: bad reward" in caplog.text
+    assert (stats.responses, stats.killed, stats.worker_deaths, stats.errors, stats.timeouts) == (7, 1, 1, 2, 0)
+    assert (stats.non_finite, stats.failed) == (1, 4)
+    assert "4 of 7 responses scored 0.0" in caplog.text and "RuntimeError: bad reward" in caplog.text
+    assert "#4" not in caplog.text  # the NaN is not a failure; its group's drop is logged
     # The hard deadline is 2 * 0.5 + 1 = 2 s, plus two worker restarts.
     assert elapsed < 60.0
     # The restarted workers score the next batch.
     assert scorer.score([r"\boxed{3}", r"\boxed{4}"], ["3", "5"]) == [1.0, 0.0]
+
+
+def test_an_infinite_reward_is_passed_on_and_an_int_past_the_float_range_is_an_error(scorers, caplog):
+    scorer = scorers(CHAOS)
+    scorer.reset_stats()
+    with caplog.at_level("WARNING", logger="slime.rollout.rm_hub.scorer"):
+        rewards = scorer.score(["-inf", "huge", r"\boxed{3}"], ["1", "1", "3"])
+    assert rewards == [-math.inf, 0.0, 1.0]  # before: 10**400 raised OverflowError out of score()
+    assert (scorer.stats.non_finite, scorer.stats.errors, scorer.stats.responses) == (1, 1, 3)
+    assert "1 of 3 responses scored 0.0 without a verdict (1 errors)" in caplog.text
+    assert "the reward function returned a number past the float range (int)" in caplog.text
 
 
 def test_empty_label_is_a_counted_error(scorers):

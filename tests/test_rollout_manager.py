@@ -20,9 +20,15 @@ from PIL import Image
 
 from slime.arguments import parse_args
 from slime.data.image import decode_image
-from slime.data.sample import SampleStatus
+from slime.data.sample import Sample, SampleStatus
 from slime.rollout.engines.base import GenerateOutput
-from slime.rollout.manager import PromptMismatchError, RolloutAbortedError, RolloutManager
+from slime.rollout.manager import (
+    NonFiniteRewardError,
+    PromptMismatchError,
+    RolloutAbortedError,
+    RolloutManager,
+    _drop_non_finite_groups,
+)
 
 
 def _png(colour) -> bytes:
@@ -484,6 +490,60 @@ def test_an_eval_set_with_every_sample_aborted_stops_with_a_clear_error(tmp_path
             manager.evaluate(4)
     finally:
         manager.close()
+
+
+# ---------------------------------------------------------------------------------------
+# A NaN or infinite reward (the reward function's fault), without dynamic sampling
+
+
+def test_a_nan_reward_drops_its_group_without_dynamic_sampling(tmp_path, tiny_ckpt, caplog):
+    # Through the real scorer: tests.rewards:boxed_ratio_reward gives answer / label, NaN for an answer below the
+    # label.  Batch of 3 (rows 0, 1, 4: labels 5, 5, 7; rows 2-3 skipped); requests answer 7, 5, 7, 5, ...
+    # Groups 0 and 1 (label 5): [7/5, 1, 7/5, 1]; group 2 (label 7): [1, nan, 1, nan].
+    dump = tmp_path / "dump_{rollout_id}.jsonl"
+    manager = _manager(tmp_path, tiny_ckpt, ScriptedEngines(), eval_labels={"a": ["5", "7"]}, extra=(
+        "--custom-rm-path", "tests.rewards:boxed_ratio_reward", "--rollout-batch-size", "3",
+        "--global-batch-size", "12", "--save-debug-rollout-data", str(dump)))
+    try:
+        with caplog.at_level(logging.WARNING):
+            batch = manager.generate(0)
+            eval_metrics = manager.evaluate(0)
+    finally:
+        manager.close()
+    samples = batch.samples
+    assert [s.label for s in samples[::4]] == ["5", "5", "7"]
+    assert [s.reward for s in samples[:8]] == [1.4, 1.0] * 4
+    assert [s.reward for s in samples[8:]][::2] == [1.0, 1.0] and all(math.isnan(s.reward) for s in samples[9::2])
+    # Group 2 is left out of the loss (not trained on 0.0): every token masked, advantage 0.
+    assert [s.loss_mask for s in samples[8:]] == [[0, 0]] * 4 and [s.advantage for s in samples[8:]] == [0.0] * 4
+    # Groups 0 and 1 by hand in float64: mean 1.2, deviations +-0.2, unbiased std sqrt(4 * 0.2^2 / 3), eps 1e-6.
+    adv = 0.2 / (math.sqrt(4 * 0.2**2 / 3) + 1e-6)
+    assert [s.advantage for s in samples[:8]] == pytest.approx([adv, -adv] * 4, rel=1e-6)
+    assert all(s.loss_mask == [1, 1] for s in samples[:8])
+    m = batch.metrics
+    assert m["rollout/non_finite_reward_groups"] == 1.0
+    assert (m["rollout/reward_non_finite"], m["rollout/reward_errors"], m["rollout/reward_responses"]) == (2, 0, 12)
+    # The 10 finite rewards: 4 * 1.4 + 4 * 1 + 2 * 1 (the NaN ones are left out); all >= 1.
+    assert m["rollout/reward_mean"] == pytest.approx((4 * 1.4 + 6) / 10, rel=1e-12) and m["rollout/accuracy"] == 1.0
+    assert caplog.text.count("dropping the group of dataset index 4: its rewards [1.0, nan, 1.0, nan]") == 1
+    assert "scored 0.0" not in caplog.text  # a NaN is not a scorer failure, and logged once
+    rows = [json.loads(line) for line in Path(str(dump).format(rollout_id=0)).read_text().splitlines()]
+    assert [r["in_loss"] for r in rows] == [True] * 8 + [False] * 4
+    # Eval: answers 7 to label 5 (7/5) and 5 to label 7 (nan): the NaN is left out of the set's mean and accuracy.
+    assert (eval_metrics["eval/a/reward_mean"], eval_metrics["eval/a/accuracy"]) == (1.4, 1.0)
+    assert eval_metrics["eval/reward_non_finite"] == 1
+    assert "eval a at rollout 0: the reward function gave 1 of 2 samples a NaN or infinite reward" in caplog.text
+
+
+def test_a_non_finite_reward_in_every_group_stops_with_a_clear_error():
+    samples = [Sample(index=i // 2, prompt="", label="5", reward=r, response_token_ids=[1]) for i, r in
+               enumerate([math.nan, 1.0, 0.0, math.inf])]
+    with pytest.raises(NonFiniteRewardError, match=r"every one of the 2 usable groups of this rollout holds a NaN or "
+                       r"infinite reward.*--custom-rm-path / --rm-type"):
+        _drop_non_finite_groups(samples, 2)
+    kept, dropped = _drop_non_finite_groups(samples[:2] + [Sample(index=2, prompt="", label="5", reward=r,
+                                                                  response_token_ids=[1]) for r in (0.0, 1.0)], 2)
+    assert [s.index for s in kept] == [2, 2] and [s.index for s in dropped] == [0, 0]
 
 
 # ---------------------------------------------------------------------------------------

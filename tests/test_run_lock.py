@@ -155,13 +155,16 @@ def test_cli_probe_for_the_launcher(tmp_path):
 
     common = ["--output-dir", str(run), "--lr", "1e-6", "--save", str(ckpt), "--apply-chat-template"]
     refused = probe(*common)
-    assert refused.returncode == 1 and refused.stderr.startswith(f"slime: error: --output-dir {run} already holds")
+    # 2 as the driver's own refusal (slime.errors: an error before anything ran), not 1 (a run that failed)
+    assert refused.returncode == 2 and refused.stderr.startswith(f"slime: error: --output-dir {run} already holds")
     assert probe(*common, "--load", str(ckpt)).returncode == 0
     typo = probe(*common, "--load", str(tmp_path / "ckpt_typo"))
-    assert typo.returncode == 1 and f"--load {tmp_path / 'ckpt_typo'} does not exist" in typo.stderr
+    assert typo.returncode == 2 and f"--load {tmp_path / 'ckpt_typo'} does not exist" in typo.stderr
     assert probe(*common, "--overwrite-output-dir").returncode == 0
     assert (ckpt / "iter_0000003").is_dir()  # the probe deletes nothing
-    assert probe("--output-dir", str(tmp_path / "new"), "--output-dir", str(run)).returncode == 1  # last one wins
+    assert probe("--output-dir", str(tmp_path / "new"), "--output-dir", str(run)).returncode == 2  # last one wins
+    usage = probe("--save", str(ckpt))  # no --output-dir: argparse's usage error
+    assert usage.returncode == 2 and "the following arguments are required: --output-dir" in usage.stderr
     assert not (tmp_path / "new").exists()
 
 
@@ -224,6 +227,30 @@ def test_the_driver_refuses_a_load_typo_on_a_used_run_directory_and_keeps_its_me
     assert f"slime: error: --output-dir {run} already holds the metrics" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text() == text
     assert not (run / "command.sh").exists()  # written only by a run that holds the folder
+
+
+def test_a_load_that_is_a_file_is_refused_before_any_folder_is_made(tmp_path, tiny_ckpt, capsys):
+    from slime.train import EXIT_NOT_STARTED, main
+
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"weights")
+    run, save = tmp_path / "run", tmp_path / "ck"
+    message = f"--load {a_file} is a file, not a folder"
+    for check in (check_run_dirs, lambda *a, overwrite: claim_run_dirs(*a, overwrite=overwrite)):
+        with pytest.raises(CheckpointError, match=message):
+            check(run, save, a_file, overwrite=False)
+    probe = subprocess.run([sys.executable, "-m", "slime.utils.run_lock", "--output-dir", str(run), "--load",
+                            str(a_file)], capture_output=True, text=True, env=_env(), cwd=REPO)  # fmt: skip
+    assert probe.returncode == 2 and probe.stderr.startswith(f"slime: error: {message}")
+    argv = ["--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(tmp_path / "missing.parquet"),
+            "--rollout-batch-size", "2", "--rollout-max-response-len", "4", "--num-rollout", "1",
+            "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--rollout-backend", "transformers",
+            "--output-dir", str(run), "--save", str(save), "--load", str(a_file)]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == EXIT_NOT_STARTED == 2
+    assert f"slime: error: {message}" in capsys.readouterr().err
+    assert not save.exists() and list(run.iterdir()) == []  # driver.make_run_dir makes the empty run folder first
 
 
 def test_save_d_load_d_restarts_a_run_that_died_before_its_first_checkpoint(tmp_path, caplog):

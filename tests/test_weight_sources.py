@@ -105,6 +105,10 @@ def test_each_bad_folder_is_refused_naming_its_flag(tmp_path):
         _resolve(tmp_path, load=str(no_weights))
     with pytest.raises(CheckpointError, match="--ref-load .*not_hf: config.json is missing"):
         _resolve(tmp_path, True, ref_load=str(not_hf))
+    a_file = tmp_path / "ckpt.pt"  # was: read as a folder holding no checkpoint, a silent fresh start
+    a_file.write_bytes(b"not a folder")
+    with pytest.raises(CheckpointError, match=rf"--load {a_file} is a file, not a folder"):
+        _resolve(tmp_path, load=str(a_file))
     root = _checkpoint_root(tmp_path / "run", 2)
     with pytest.raises(CheckpointError, match=r"--load .*run: the latest checkpoint \(rollout 2\) lacks .*trainer"):
         resolve_weights(CheckpointConfig(hf_checkpoint=str(tmp_path / "hf"), load=str(root)), need_reference=False,

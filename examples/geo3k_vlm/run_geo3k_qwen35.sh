@@ -36,7 +36,8 @@
 #   WANDB_API_KEY               set -> --use-wandb (project slime-geo3k-vlm)
 # The switches (SLIME_SCRIPT_EXTERNAL_RAY, _FORCE_CPU, _DRY_RUN) take 0, 1 or empty/unset (0);
 # any other value (true, yes, ...) stops the script with exit 2, as does a backend variable other
-# than the two names it takes.
+# than the two names it takes, or a count (NUM_GPUS, MAX_TOKENS_PER_GPU) that is not a whole number
+# (NUM_GPUS >= 1), on the CPU default too.
 #
 # Relative paths (in the variables above and in the path flags: --output-dir, --save, --load,
 # --ref-load, --hf-checkpoint, --save-hf, --save-debug-rollout-data, --load-debug-rollout-data,
@@ -45,10 +46,22 @@
 #
 # With --check-only among the extra arguments the script only checks the flags (the driver's
 # "slime: flags OK ..." or its error): no folder probe, no download, no run, no resume line.
+# With -h or --help it prints this text, then slime's flags, and exits 0 (nothing is checked or run).
 
 set -euo pipefail
 
 SLIME_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)"
+for arg in "$@"; do
+   case "$arg" in
+      -h|--help)
+         # The header above (usage and variables), then the trainer's flags, and nothing after.
+         sed -n '3,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+         printf "%s\n\n" "Trainer flags (the extra arguments, passed on to python -m slime.train, which the script calls):"
+         # shellcheck disable=SC1091
+         source "$SLIME_DIR/scripts/setup_env.sh" >&2
+         cd "$SLIME_DIR" && exec python -m slime.train --help ;;
+   esac
+done
 # The switches: 0, 1 or empty/unset (0); anything else (true, yes, false...) is refused rather than
 # read as one or the other.
 for var in SLIME_SCRIPT_EXTERNAL_RAY SLIME_SCRIPT_FORCE_CPU SLIME_SCRIPT_DRY_RUN; do
@@ -75,6 +88,18 @@ for check in "TRAIN_BACKEND megatron fsdp" "ROLLOUT_BACKEND sglang transformers"
       "$first"|"$second") ;;
       *) echo "[geo3k] $var=${!var}: expected $first or $second" >&2; exit 2 ;;
    esac
+done
+# The counts, refused here naming the variable (the driver would name its flag, --actor-num-gpus-per-node), on the
+# CPU default too (which reads neither or only NUM_GPUS): a typo is not left for the day the recipe runs on GPUs.
+for check in "NUM_GPUS 1 a GPU count >= 1" "MAX_TOKENS_PER_GPU 0 a token count (0: one sample per micro-batch)"; do
+   read -r var low what <<<"$check"; var=SLIME_SCRIPT_$var
+   if [ -n "${!var:-}" ]; then  # empty: unset (the default)
+      case "${!var}" in
+         *[!0-9]*) bad=1 ;;
+         *) bad=$(( 10#${!var} < low )) ;;
+      esac
+      if [ "$bad" = 1 ]; then echo "[geo3k] $var=${!var}: expected $what" >&2; exit 2; fi
+   fi
 done
 USER_DIR=$PWD
 
@@ -255,9 +280,6 @@ else
       # main weights and Adam moments alone take 54 GiB there.
       DEFAULT_TOKENS=$([ "$GPU_GIB" -ge 120 ] && echo 8192 || echo 4096)
       MAX_TOKENS=${SLIME_SCRIPT_MAX_TOKENS_PER_GPU:-$([ "$NUM_GPUS" = 1 ] && echo "$DEFAULT_TOKENS" || echo 0)}
-      case "$MAX_TOKENS" in
-         ''|*[!0-9]*) echo "[geo3k] SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$MAX_TOKENS: expected a token count (0: one sample per micro-batch)" >&2; exit 2 ;;
-      esac
       [ "$MAX_TOKENS" = 0 ] || BACKEND_ARGS+=(--use-dynamic-batch-size --max-tokens-per-gpu "$MAX_TOKENS")
       # Upstream's full recompute, unless the extra arguments choose (then theirs alone) or ask for R3, whose
       # replayed routes reach the forward passes but not a backward's recompute: selective there.
@@ -312,6 +334,10 @@ if [ -n "${WANDB_API_KEY:-}" ]; then
    WANDB_ARGS=(--use-wandb --wandb-project slime-geo3k-vlm --wandb-group "$(lower "$MODEL_NAME")-$BACKEND_NAME"
                --disable-wandb-random-suffix)
 fi
+# Upstream's estimator of the KL loss, passed only when the extra arguments turn that loss on: without it the flag
+# does nothing (and the trainer warns so).
+KL_TYPE_ARGS=()
+if has_flag --use-kl-loss "$@"; then KL_TYPE_ARGS=(--kl-loss-type low_var_kl); fi
 ARGS=(
    "${MODEL_ARGS[@]}"
    --hf-checkpoint "$HF_CHECKPOINT"
@@ -322,7 +348,7 @@ ARGS=(
    --rm-type math
    "${ROLLOUT_ARGS[@]}"
    "${EVAL_ARGS[@]}"
-   --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
+   --advantage-estimator grpo --kl-loss-coef 0.00 ${KL_TYPE_ARGS[@]+"${KL_TYPE_ARGS[@]}"} --kl-coef 0.00
    --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28
    --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
    "${ROLLOUT_ENGINE_ARGS[@]}"

@@ -65,13 +65,14 @@ def resolve_weights(
 
     Raises:
         CheckpointError: naming the flag: ``--hf-checkpoint`` is not a Hugging Face folder with weights; ``--load`` is
-            one without weights, or its latest checkpoint is malformed or lacks a part; ``--ref-load`` is neither a
+            a file, or a Hugging Face folder without weights, or its latest checkpoint is malformed or lacks a part; ``--ref-load`` is neither a
             checkpoint root nor a Hugging Face folder.
     """
     hf = Path(checkpoint.hf_checkpoint)
     check_hf_folder(hf, "--hf-checkpoint")
     policy, note = WeightSource("--hf-checkpoint", hf), ""
     load = checkpoint.load
+    ckpt.check_not_a_file(load)
     if load is not None:
         latest = ckpt.latest_iteration(load)
         if latest is not None:

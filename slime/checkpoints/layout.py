@@ -69,6 +69,20 @@ def latest_iteration(root: str | os.PathLike) -> int | None:
     return rollout_id
 
 
+def check_not_a_file(root: str | os.PathLike | None, flag: str = "--load") -> None:
+    """Refuse a checkpoint root (``--load``) that exists but is a file: read as a folder it would hold no checkpoint,
+    and the run would start fresh from ``--hf-checkpoint`` without saying so.  None or a missing path passes.
+
+    Raises:
+        CheckpointError: naming ``flag`` and the path.
+    """
+    if root is not None and Path(root).exists() and not Path(root).is_dir():
+        raise CheckpointError(
+            f"{flag} {root} is a file, not a folder; give the --save folder of the run to resume (or a Hugging Face "
+            f"model folder), or drop {flag} to start from --hf-checkpoint"
+        )
+
+
 def mark_latest(root: str | os.PathLike, rollout_id: int) -> None:
     """Atomically record ``rollout_id`` as the last complete checkpoint under ``root``."""
     marker = Path(root) / LATEST_FILE

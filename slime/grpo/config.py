@@ -72,8 +72,9 @@ class GRPOConfig:
         "slime's flag). Needs --use-kl-loss.",
     )
     kl_coef: float = flag(0.0, help="KL penalty folded into the per-token advantage (reward shaping, k1 estimator).")
-    entropy_coef: float = flag(0.0, help="Weight of the entropy bonus (subtracted from the loss).")
-    eps_clip: float = flag(0.2, help="Lower PPO clip range: ratio >= 1 - eps_clip.")
+    entropy_coef: float = flag(0.0, help="Weight of the entropy bonus (subtracted from the loss); >= 0.")
+    eps_clip: float = flag(0.2, help="Lower PPO clip range: ratio >= 1 - eps_clip; in [0, 1] (1: no lower bound, "
+                           "CISPO's choice).")
     eps_clip_high: float | None = flag(None, help="Upper PPO clip range (DAPO clip-higher); default: --eps-clip.")
     eps_clip_c: float | None = flag(
         None,
@@ -157,9 +158,15 @@ class GRPOConfig:
     def __post_init__(self):
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
-        for name in ("eps_clip", "eps_clip_high", "kl_loss_coef", "kl_coef"):
+        for name in ("eps_clip", "eps_clip_high", "kl_loss_coef", "kl_coef", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.eps_clip > 1:
+            raise ConfigError(
+                f"--eps-clip must be in [0, 1] (the ratio's lower clip bound is 1 - eps_clip, and a ratio is never "
+                f"negative), got {self.eps_clip}; e.g. 0.2, or 1 for no lower bound (CISPO). The upper range is "
+                "--eps-clip-high"
+            )
         if self.kl_loss_type not in KL_TYPES:
             raise ConfigError(f"--kl-loss-type {self.kl_loss_type!r} is unknown; choose one of {', '.join(KL_TYPES)}")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import re
 import statistics
 import time
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from slime.data.sample import Sample, SampleStatus
 from slime.errors import SlimeError
-from slime.rollout.filters import DROP_PREFIX, GroupVerdict, resolve_filter, verdict_of
+from slime.rollout.filters import DROP_PREFIX, NON_FINITE, NON_FINITE_METRIC, GroupVerdict, resolve_filter, verdict_of
 from slime.rollout.outputs import (
     UNUSABLE,
     check_prompt_lengths,
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PREFIX = "rollout/dynamic_sampling/"
+
+
+ALWAYS_LOGGED = (*(f"{PREFIX}dropped_{why}" for why in ("surplus", "cancelled", "unusable")), DROP_PREFIX + NON_FINITE)
+"""The drop metrics written every step, 0 when nothing was dropped for them."""
 
 
 class DynamicSamplingError(SlimeError, RuntimeError):
@@ -150,7 +155,7 @@ class DynamicSampler:
             if any(s.status in UNUSABLE for s in groups[g]):
                 self.state[g] = UNUSABLE
                 continue
-            verdict = verdict_of(self.filter, groups[g]) if self.filter is not None else GroupVerdict(True)
+            verdict = verdict_of(self.filter, groups[g])  # a NaN reward drops the group, filter or not
             self.verdicts[g], self.state[g] = verdict, PASSED if verdict.keep else REJECTED
         self._advance(step)
 
@@ -216,7 +221,7 @@ class DynamicSampler:
         ``docs/design/dynamic_sampling.md``."""
         generated = [g for g, state in enumerate(self.state) if state != PENDING]
         done = [s for g in generated for s in self.samples[g * self.n : (g + 1) * self.n]]
-        rewards = [s.reward for s in done if s.status not in UNUSABLE]
+        rewards = [s.reward for s in done if s.status not in UNUSABLE and math.isfinite(s.reward)]
         total = sum(self.seconds)
         kept_s = sum(self.seconds[g * self.n + j] for g in kept for j in range(self.n))
         metrics = {
@@ -231,12 +236,16 @@ class DynamicSampler:
             "generated_reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         }
         out = {PREFIX + k: float(v) for k, v in metrics.items()}
+        # Every step, 0 when nothing was dropped (a continuous series in the plots): our reasons and the one every
+        # filter shares; a filter's own reasons (zero_std_<reward>, ...) only when they occur.
+        out.update({name: 0.0 for name in ALWAYS_LOGGED})
         out.update({name: float(n) for name, n in self._dropped_reasons(set(kept)).items()})
         # The engine-side faults of every generated group (the kept ones have none).
         out["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in done))
         out["rollout/prompt_length_mismatch_groups"] = float(groups_holding(done, self.n, SampleStatus.FAILED))
         out["rollout/aborted_samples"] = float(sum(s.status == SampleStatus.ABORTED for s in done))
         out["rollout/aborted_groups"] = float(groups_holding(done, self.n, SampleStatus.ABORTED))
+        out[NON_FINITE_METRIC] = float(sum(v is not None and v.reason == NON_FINITE for v in self.verdicts))
         return out
 
 

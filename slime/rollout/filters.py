@@ -26,6 +26,11 @@ DROP_PREFIX = "rollout/dynamic_filter/drop_"
 """The metric of the groups a filter dropped, per reason (upstream's ``MetricGatherer`` name)."""
 NON_FINITE = "non_finite_reward"
 """The reason of a group holding a NaN or infinite reward, dropped before any filter sees it."""
+NON_FINITE_METRIC = "rollout/non_finite_reward_groups"
+"""The metric of the groups dropped for a NaN or infinite reward, with or without dynamic sampling (every step)."""
+NON_FINITE_WARNING = ("dropping the group of dataset index %s: its rewards %s are not all finite (a fault of the reward "
+                      "function; counted in %s)")
+"""The warning on such a group (its dataset index, rewards, :data:`NON_FINITE_METRIC`), with or without a filter."""
 STD_EPS = 1e-6
 """A group whose reward std (unbiased, float64) is at most this is constant (upstream's threshold)."""
 
@@ -68,9 +73,9 @@ def nonzero_std(group: list[Sample]) -> GroupVerdict:
 def non_finite_verdict(group: list[Sample]) -> GroupVerdict:
     """The verdict on a group holding a NaN or infinite reward: dropped (reason :data:`NON_FINITE`), never a fallback
     (its advantages would not be finite); a warning names the group's dataset index and rewards.  Upstream drops such
-    a group too (its std is NaN), as ``zero_std_<first reward>``."""
-    logger.warning("dropping the group of dataset index %s: its rewards %s are not all finite (counted in %s%s)",
-                   group[0].index, [s.reward for s in group], DROP_PREFIX, NON_FINITE)
+    a group too (its std is NaN), as ``zero_std_<first reward>``.  The rollout manager drops such a group the same
+    way without dynamic sampling (:func:`slime.rollout.manager._drop_non_finite_groups`)."""
+    logger.warning(NON_FINITE_WARNING, group[0].index, [s.reward for s in group], NON_FINITE_METRIC)
     return GroupVerdict(False, reason=NON_FINITE)
 
 
@@ -152,15 +157,18 @@ def resolve_filter(value: str) -> GroupFilter:
     return fn
 
 
-def verdict_of(fn: GroupFilter, group: list[Sample]) -> GroupVerdict:
+def verdict_of(fn: GroupFilter | None, group: list[Sample]) -> GroupVerdict:
     """``fn(group)`` as a :class:`GroupVerdict` (a bool, numpy or torch 0-d bool is ``keep``: upstream's legacy form);
-    a group with a NaN or infinite reward is dropped before ``fn`` sees it (:func:`non_finite_verdict`).
+    a group with a NaN or infinite reward is dropped before ``fn`` sees it (:func:`non_finite_verdict`).  ``fn``
+    None (over-sampling without a filter): every other group is kept.
 
     Raises:
         TypeError: ``fn`` returned something else; the message names the group's dataset index.
     """
     if not all(math.isfinite(float(s.reward)) for s in group):
         return non_finite_verdict(group)
+    if fn is None:
+        return GroupVerdict(True)
     out = fn(group)
     if isinstance(out, GroupVerdict):
         return out

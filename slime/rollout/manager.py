@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from slime.rollout.outputs import (  # noqa: F401 - PromptMismatchError: re-expo
     record_outputs,
 )
 from slime.rollout.dynamic_sampling import DynamicSampler
+from slime.rollout.filters import NON_FINITE_METRIC, NON_FINITE_WARNING
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.replay import load_rollout, replay_path, save_rollout
@@ -53,12 +55,17 @@ class RolloutBatch:
         samples: ``rollout_batch_size * n_samples_per_prompt`` samples; the n samples of
             a prompt are contiguous and share ``group_index``.  The groups dropped for a prompt
             length mismatch or an aborted sample (:func:`_drop_unusable_groups`) are among them,
-            with ``loss_mask`` 0 and advantage 0.
+            with ``loss_mask`` 0 and advantage 0, and so are the groups dropped for a NaN or infinite reward
+            (:func:`_drop_non_finite_groups`).
         metrics: ``rollout/*`` and ``data/*`` metrics of this step.
     """
 
     samples: list[Sample]
     metrics: dict[str, float]
+
+
+class NonFiniteRewardError(SlimeError, RuntimeError):
+    """Every usable group of a training rollout holds a NaN or infinite reward, so nothing is left to train on."""
 
 
 class RolloutAbortedError(SlimeError, RuntimeError):
@@ -147,6 +154,10 @@ class RolloutManager:
         least one; a group with both counts in both).  The failed and aborted samples are not scored
         and are left out of every per-sample metric (``rollout/num_samples`` counts the others, and so
         does the scorer's ``rollout/reward_responses``); the other samples of their groups are in them.
+        A group holding a NaN or infinite reward (the reward function's fault) is left out of the loss the same way
+        (:func:`_drop_non_finite_groups`; dynamic sampling drops it before its filter), logged once per group and
+        counted in ``rollout/non_finite_reward_groups`` (and the responses in ``rollout/reward_non_finite``); its
+        finite rewards stay in the per-sample metrics.
         Sample ``i = group_index * n + j`` of the step is drawn with
         ``sampling_seed(--rollout-seed, rollout_id, i)``, so the step's responses depend neither
         on the engines' history nor on which engine serves which request (exact resume).
@@ -157,6 +168,7 @@ class RolloutManager:
             PromptMismatchError: too many prompt length mismatches (:func:`.outputs.check_prompt_lengths`), or one
                 in every group.
             RolloutAbortedError: every group holds an aborted or failed sample, not all of them a failed one.
+            NonFiniteRewardError: every other group holds a NaN or infinite reward.
             DynamicSamplingError: too few groups passed the filter in ``--dynamic-sampling-max-rounds``.
         """
         n = self.cfg.n_samples_per_prompt
@@ -175,12 +187,14 @@ class RolloutManager:
             self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
             sampling_metrics = {}
         kept, _ = _drop_unusable_groups(samples, n)
+        kept, non_finite = _drop_non_finite_groups(kept, n)
         usable = [s for s in samples if s.status not in UNUSABLE]
         metrics = _sample_metrics("rollout", usable)
         metrics["rollout/prompt_length_mismatches"] = float(sum(s.status == SampleStatus.FAILED for s in samples))
         metrics["rollout/prompt_length_mismatch_groups"] = float(groups_holding(samples, n, SampleStatus.FAILED))
         metrics["rollout/aborted_samples"] = float(sum(s.status == SampleStatus.ABORTED for s in samples))
         metrics["rollout/aborted_groups"] = float(groups_holding(samples, n, SampleStatus.ABORTED))
+        metrics[NON_FINITE_METRIC] = float(len(non_finite) // n)
         metrics.update(sampling_metrics)  # with dynamic sampling: the faults of every generated group
         # The reward function's verdicts above are before shaping; shaping and advantages see the kept groups only.
         metrics.update(_apply_truncation_options(kept, self.grpo))
@@ -214,7 +228,8 @@ class RolloutManager:
         A sample whose engine saw another prompt length (status ``FAILED``) or that its engine aborted
         (status ``ABORTED``) is not scored and is left out of its set's metrics (``num_samples`` counts the
         others, ``eval/reward_responses`` the scored samples of every set), and counted in
-        ``eval/<name>/prompt_length_mismatches`` or ``eval/<name>/aborted_samples``.
+        ``eval/<name>/prompt_length_mismatches`` or ``eval/<name>/aborted_samples``.  A NaN or infinite reward is
+        left out of its set's reward mean and accuracy, warned once per set and counted in ``eval/reward_non_finite``.
 
         Raises:
             PromptMismatchError: too many prompt length mismatches in a set (:func:`.outputs.check_prompt_lengths`).
@@ -241,6 +256,11 @@ class RolloutManager:
                     f"by the rollout engine ({aborted}) or saw another prompt length ({failed}), so the set has no "
                     f"accuracy; see the warnings above for the first few. {ABORT_CAUSES}"
                 )
+            non_finite = sum(not math.isfinite(s.reward) for s in usable)
+            if non_finite:
+                logger.warning("eval %s at rollout %d: the reward function gave %d of %d samples a NaN or infinite "
+                               "reward; they are left out of its reward_mean and accuracy (eval/reward_non_finite)",
+                               name, rollout_id, non_finite, len(usable))
             metrics.update(_sample_metrics(f"eval/{name}", usable))
             metrics[f"eval/{name}/prompt_length_mismatches"] = float(failed)
             metrics[f"eval/{name}/aborted_samples"] = float(aborted)
@@ -328,13 +348,15 @@ class RolloutManager:
 
 def _sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
     """Reward, accuracy (fraction of samples with reward >= 1, i.e. correct under a binary
-    reward), response length (tokens) and truncation statistics of ``samples``."""
-    rewards = [s.reward for s in samples]
+    reward), response length (tokens) and truncation statistics of ``samples``.  The reward mean and accuracy are
+    over the finite rewards only (a NaN or infinite one is the reward function's fault, counted by the scorer's
+    ``reward_non_finite``); NaN when there is none."""
+    rewards = [s.reward for s in samples if math.isfinite(s.reward)]
     lengths = [s.response_length for s in samples]
     truncated = sum(s.status == SampleStatus.TRUNCATED for s in samples)
     return {
-        f"{prefix}/reward_mean": statistics.fmean(rewards),
-        f"{prefix}/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        f"{prefix}/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+        f"{prefix}/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else math.nan,
         f"{prefix}/response_len_mean": statistics.fmean(lengths),
         f"{prefix}/response_len_max": float(max(lengths)),
         f"{prefix}/truncated_frac": truncated / len(samples),
@@ -417,16 +439,7 @@ def _drop_unusable_groups(samples: list[Sample], n: int) -> tuple[list[Sample], 
         PromptMismatchError: every group holds a failed sample (nothing left to train on).
         RolloutAbortedError: every group holds a failed or an aborted sample, not every one a failed one.
     """
-    kept, dropped = [], []
-    for start in range(0, len(samples), n):
-        group = samples[start : start + n]
-        if any(s.status in UNUSABLE for s in group):
-            for sample in group:
-                sample.loss_mask = [0] * sample.response_length
-                sample.advantage = 0.0
-            dropped.extend(group)
-        else:
-            kept.extend(group)
+    kept, dropped = _split_groups(samples, n, lambda group: any(s.status in UNUSABLE for s in group))
     if kept:
         return kept, dropped
     groups = len(samples) // n
@@ -445,6 +458,57 @@ def _drop_unusable_groups(samples: list[Sample], n: int) -> tuple[list[Sample], 
         f"pipeline ({failed} samples in {failed_groups} groups), so no group is left to train on; see the warnings "
         f"above for the first few. {ABORT_CAUSES}"
     )
+
+
+def _drop_non_finite_groups(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
+    """Leave every group holding a NaN or infinite reward out of the loss (``loss_mask`` 0, advantage 0, as
+    :func:`_drop_unusable_groups`), with one warning per group (dynamic sampling's, :data:`.filters.NON_FINITE_WARNING`).
+
+    The reward function returned it (the scorer passes a non-finite float on rather than score it 0.0): its group's
+    mean and std, hence every advantage of the group, would be NaN, and a made-up 0.0 would train the group on a
+    verdict nobody gave.  Dynamic sampling drops such a group before its filter (upstream slime drops it there as
+    a zero-std group) and draws another; here the batch keeps its size and the group only gives no gradient.
+
+    Args:
+        samples: a step's scored samples (``reward`` a float), ``n`` contiguous per group.
+        n: ``--n-samples-per-prompt``.
+
+    Returns:
+        (kept samples, dropped samples), each in batch order and made of whole groups.
+
+    Raises:
+        NonFiniteRewardError: every group holds a non-finite reward (nothing left to train on).
+    """
+    def non_finite(group: list[Sample]) -> bool:
+        if all(math.isfinite(s.reward) for s in group):
+            return False
+        logger.warning(NON_FINITE_WARNING, group[0].index, [s.reward for s in group], NON_FINITE_METRIC)
+        return True
+
+    kept, dropped = _split_groups(samples, n, non_finite)
+    if samples and not kept:
+        raise NonFiniteRewardError(
+            f"every one of the {len(samples) // n} usable groups of this rollout holds a NaN or infinite reward, so no "
+            "group is left to train on; the reward function (--custom-rm-path / --rm-type) returned them: see the "
+            "warnings above for the groups and rewards"
+        )
+    return kept, dropped
+
+
+def _split_groups(samples: list[Sample], n: int, drop) -> tuple[list[Sample], list[Sample]]:
+    """(kept, dropped) whole groups of ``n`` contiguous ``samples``; ``drop(group)`` True leaves the group out of the
+    loss, in place: ``loss_mask`` 0 on every response token and advantage 0."""
+    kept, dropped = [], []
+    for start in range(0, len(samples), n):
+        group = samples[start : start + n]
+        if drop(group):
+            for sample in group:
+                sample.loss_mask = [0] * sample.response_length
+                sample.advantage = 0.0
+            dropped.extend(group)
+        else:
+            kept.extend(group)
+    return kept, dropped
 
 
 def _zero_std_group_fraction(rewards: torch.Tensor, n: int) -> float:

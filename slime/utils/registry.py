@@ -15,6 +15,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import sys
 from typing import Callable, Generic, Mapping, TypeVar
 
@@ -122,6 +123,10 @@ class Registry(Generic[T]):
             raise ConfigError(str(e)) from None
         except KeyError as e:
             raise ConfigError(f"{flag} {name}: not available in this installation ({e.args[0]})") from None
+        except ModuleNotFoundError as e:
+            module = name.partition(":")[0]
+            hint = f"; {search_path_hint(module)}" if not_found_itself(module, e) else ""
+            raise ConfigError(f"{flag} {name}: cannot be imported here: {type(e).__name__}: {e}{hint}") from e
         except Exception as e:  # importing a user's module may raise anything
             raise ConfigError(f"{flag} {name}: cannot be imported here: {type(e).__name__}: {e}") from e
 
@@ -155,8 +160,26 @@ class Registry(Generic[T]):
             return None
         if name in self._entries or not _is_import_path(name):
             return None
-        why = find_module_problem(name.partition(":")[0])
-        return None if why is None else f"{self.flag} {name} cannot be imported here: {why}"
+        module = name.partition(":")[0]
+        why = find_module_problem(module)
+        return None if why is None else f"{self.flag} {name} cannot be imported here: {why}; {search_path_hint(module)}"
+
+
+def not_found_itself(module: str, error: BaseException) -> bool:
+    """Whether ``error`` says that ``module`` (dotted) or a package above it is not on the path, rather than a module
+    it imports in turn (a missing dependency of the user's code, which a path hint would not fix)."""
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    return bool(missing) and (module == missing or module.startswith(missing + "."))
+
+
+def search_path_hint(module: str) -> str:
+    """Where Python looked for a user's ``module`` (dotted) that was not found, and how to make it findable: the
+    working directory and ``PYTHONPATH`` (the reward workers and Ray actors inherit the driver's path)."""
+    top = module.split(".")[0]
+    pythonpath = os.environ.get("PYTHONPATH") or "unset"
+    return (f"Python looks for {top!r} in the working directory ({os.getcwd()}) and on PYTHONPATH ({pythonpath}): run "
+            f"from the folder that holds {top}, or add that folder to PYTHONPATH (the geo3k launcher runs from the "
+            "repository, so there only PYTHONPATH works)")
 
 
 def find_module_problem(module: str) -> str | None:

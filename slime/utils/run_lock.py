@@ -109,9 +109,10 @@ def claim_run_dirs(
     Raises:
         RunDirError: a folder is locked by a live run (naming its PID and host), or holds results this
             run would mix with or lose.
-        CheckpointError: a used ``--output-dir`` is to be resumed from a ``--load`` whose latest
-            checkpoint is malformed or incomplete.
+        CheckpointError: ``--load`` is a file (before any folder is created), or a used ``--output-dir`` is to be
+            resumed from a ``--load`` whose latest checkpoint is malformed or incomplete.
     """
+    ckpt.check_not_a_file(load)
     folders = _folders(output_dir, save)
     record = {
         "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -151,6 +152,7 @@ def check_run_dirs(
     Raises:
         RunDirError, CheckpointError: as :func:`claim_run_dirs` would.
     """
+    ckpt.check_not_a_file(load)
     folders = [f for f in _folders(output_dir, save) if f.path.is_dir()]
     for folder in folders:
         lock_file = folder.path / LOCK_FILE
@@ -337,7 +339,11 @@ def _delete_results(folders: list[_Folder], run_files: Sequence[str], why: str) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m slime.utils.run_lock [driver flags]``: exit 1 with the refusal, 0 when the folders are usable."""
+    """``python -m slime.utils.run_lock [driver flags]``: the launcher's folder probe before anything starts.
+
+    Exits 0 when the folders are usable; 2 with ``slime: error: <refusal>`` on stderr when they are not, as the driver
+    does for the same refusal (nothing ran: the status of every error before a run's first step); 2 with argparse's
+    usage for a malformed command line (no ``--output-dir``)."""
     parser = argparse.ArgumentParser(prog="python -m slime.utils.run_lock", allow_abbrev=False,
                                      description=__doc__.splitlines()[0])  # fmt: skip
     parser.add_argument("--output-dir", required=True)
@@ -348,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_run_dirs(args.output_dir, args.save, args.load, overwrite=args.overwrite_output_dir)
     except (RunDirError, ckpt.CheckpointError) as e:
-        sys.exit(f"slime: error: {e}")
+        print(f"slime: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{index}] boxed answer: {last_boxed(response)!r}", file=sys.stderr)
     if scorer.stats.failed:
         print(f"failed responses (scored 0.0): {dataclasses.asdict(scorer.stats)}", file=sys.stderr)
+    if scorer.stats.non_finite:
+        print(f"{scorer.stats.non_finite} reward(s) not finite (training drops their groups)", file=sys.stderr)
     return 0
 
 

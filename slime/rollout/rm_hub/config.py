@@ -7,11 +7,17 @@ path and imported on their first lookup (:func:`resolve_reward_function`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Protocol
 
 from slime.utils.config import ConfigError, flag
-from slime.utils.registry import Builtin, Registry, check_function
+from slime.utils.registry import Builtin, Registry, check_function, not_found_itself, search_path_hint
+
+logger = logging.getLogger(__name__)
+
+TOLERANCE_READERS = ("geo3k",)
+"""The built-in reward functions that read ``--rm-tolerance`` (a custom one may too: not checked)."""
 
 
 class RewardFunction(Protocol):
@@ -83,6 +89,11 @@ class RewardConfig:
                 f"--rm-tolerance must be a relative tolerance in [0, 1), got {self.rm_tolerance}; "
                 f"use e.g. 0.05 (5 %), or 0 for strict matching"
             )
+        builtin = self.custom_rm_path is None and self.rm_type in REWARD_FUNCTIONS.builtins
+        if builtin and self.rm_type not in TOLERANCE_READERS and self.rm_tolerance != RewardConfig.rm_tolerance:
+            logger.warning("--rm-tolerance %g has no effect with --rm-type %s, which does not read it (only %s "
+                           "does); drop it, or use --rm-type geo3k", self.rm_tolerance, self.rm_type,
+                           ", ".join(TOLERANCE_READERS))
         if not (self.rm_timeout > 0 and math.isfinite(self.rm_timeout)):
             raise ConfigError(f"--rm-timeout must be a finite number of seconds > 0, got {self.rm_timeout}; use e.g. 5")
         if self.rm_num_workers < 1:
@@ -100,9 +111,10 @@ def resolve_reward_function(cfg: RewardConfig) -> RewardFunction:
     try:
         function = REWARD_FUNCTIONS.get(name)
     except (ImportError, AttributeError) as error:
-        raise ConfigError(
-            f"{flag_name} {name!r} cannot be imported ({error}); check the module path and the function name"
-        ) from None
+        module = name.partition(":")[0]
+        hint = (search_path_hint(module) if not_found_itself(module, error)
+                else "check the module path and the function name")
+        raise ConfigError(f"{flag_name} {name!r} cannot be imported ({error}); {hint}") from None
     check_function(function, flag_name, name, ("response", "label", cfg), "a reward function must accept "
                    "(response: str, label: str, cfg: RewardConfig) and return a float")
     return function

@@ -4,7 +4,8 @@ Every reward call runs in the main thread of a worker process (``--rm-num-worker
 ``spawn`` executors, one response each at a time), under a soft limit, ``--rm-timeout`` (a
 ``SIGALRM`` timer raising :class:`RewardTimeout`), and a hard one, :func:`hard_deadline_s`, after
 which the worker is killed and restarted.  A response that times out, errors, is killed or loses its
-worker scores 0.0 and is counted in :class:`RewardStats`.  Why processes and two limits:
+worker scores 0.0 and is counted in :class:`RewardStats`; a NaN or infinite reward is returned as it is (and
+counted), so that the rollout drops its group rather than train on a made-up 0.0.  Why processes and two limits:
 ``docs/design/rewards.md``.  As with any ``spawn`` pool, the driver's entry point must be under
 ``if __name__ == "__main__":``.
 """
@@ -47,14 +48,18 @@ def hard_deadline_s(rm_timeout: float) -> float:
 
 @dataclasses.dataclass
 class RewardStats:
-    """Counts of scored responses by outcome (each field a number of responses); a failure scored 0.0."""
+    """Counts of scored responses by outcome (each field a number of responses); a failure scored 0.0, a
+    non-finite reward kept as it is."""
 
     responses: int = 0
     """Responses scored, whatever the outcome."""
     timeouts: int = 0
     """Reward calls interrupted by ``--rm-timeout``."""
     errors: int = 0
-    """Reward calls that raised, or returned something other than a finite number."""
+    """Reward calls that raised, or returned something other than a real number (a str, a bool, None, ...)."""
+    non_finite: int = 0
+    """Reward calls that returned NaN or +-inf: returned as is, not a failure; the rollout drops their groups
+    (``rollout/non_finite_reward_groups``)."""
     killed: int = 0
     """Responses whose worker was killed at the hard deadline (stuck in a C call)."""
     worker_deaths: int = 0
@@ -72,6 +77,7 @@ class _Outcome(enum.Enum):
     ERROR = "errors"
     KILLED = "killed"
     WORKER_DIED = "worker_deaths"
+    NON_FINITE = "non_finite"
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -100,7 +106,8 @@ def _init_worker() -> None:
 
 
 def _score_in_worker(response: str, label: str, cfg: RewardConfig) -> tuple[float, _Outcome, str]:
-    """``(reward, outcome, detail)`` of one response under the ``cfg.rm_timeout`` timer; reward 0.0 unless OK."""
+    """``(reward, outcome, detail)`` of one response under the ``cfg.rm_timeout`` timer; reward 0.0 unless OK or
+    NON_FINITE (a NaN or infinite float, passed on so that its group is dropped, not trained on as 0.0)."""
     reward_function = resolve_reward_function(cfg)
     signal.setitimer(signal.ITIMER_REAL, cfg.rm_timeout)
     try:
@@ -112,9 +119,16 @@ def _score_in_worker(response: str, label: str, cfg: RewardConfig) -> tuple[floa
         return 0.0, _Outcome.TIMEOUT, f"no result within --rm-timeout {cfg.rm_timeout} s"
     except Exception as error:
         return 0.0, _Outcome.ERROR, f"{type(error).__name__}: {str(error)[:_LOGGED_CHARS]}"
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        return 0.0, _Outcome.ERROR, f"the reward function returned {reward!r:.{_LOGGED_CHARS}}, not a finite float"
-    return float(reward), _Outcome.OK, ""
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        return 0.0, _Outcome.ERROR, f"the reward function returned {reward!r:.{_LOGGED_CHARS}}, not a float"
+    try:
+        value = float(reward)
+    except (OverflowError, ValueError, TypeError):  # an int past the float range (e.g. 1000!)
+        detail = f"the reward function returned a number past the float range ({type(reward).__name__})"
+        return 0.0, _Outcome.ERROR, detail
+    if not math.isfinite(value):
+        return value, _Outcome.NON_FINITE, f"the reward function returned {value}"
+    return value, _Outcome.OK, ""
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -195,7 +209,9 @@ class RewardScorer:
     def score(self, responses: list[str], labels: list[str]) -> list[float]:
         """Reward of each response against the label at the same index: N floats in input order.
 
-        A response that timed out, errored, was killed or lost its worker scores 0.0 and is counted in :attr:`stats`.
+        A response that timed out, errored, was killed or lost its worker scores 0.0 and is counted in :attr:`stats`
+        (one warning per call names the first few).  A NaN or infinite reward is returned as it is and counted
+        (``stats.non_finite``), without a warning here: the caller drops its group and says so.
 
         Raises:
             ValueError: ``responses`` and ``labels`` differ in length.
@@ -301,7 +317,8 @@ class RewardScorer:
         if outcome is _Outcome.OK:
             return
         setattr(self.stats, outcome.value, getattr(self.stats, outcome.value) + 1)
-        failures.append((index, outcome, detail))
+        if outcome is not _Outcome.NON_FINITE:  # logged where its group is dropped
+            failures.append((index, outcome, detail))
 
     @staticmethod
     def _log_failures(failures, total, responses, labels) -> None:
