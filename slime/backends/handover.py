@@ -3,7 +3,7 @@ device, in which order, and the free-memory figures of each move.
 
 A backend holds one :class:`HandOver` (``backend.memory``) and supplies the moves themselves
 (``move_part(part, onto_device)``: FSDP moves modules and AdamW's state, Megatron megatron-core's buffers).  The
-driver's side, the engines' release and resume around the trainers' moves, is :mod:`slime.ray.colocate`; the call
+driver's side, the engines' release and resume around the trainers' moves, is :class:`slime.driver.ColocatedMemory`; the call
 order: ``docs/design/colocate.md``.
 """
 
