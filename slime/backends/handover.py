@@ -60,6 +60,12 @@ class HandOver:
         figures, self._figures = self._figures or {}, None
         return figures
 
+    def begin_step(self) -> dict[str, float]:
+        """At the start of a training step: :meth:`require` (``train()``, the optimizer state too), then
+        :meth:`metrics`, the figures of the moves since the last step (none moves during one)."""
+        self.require("train()", training=True)
+        return self.metrics()
+
     def require_init(self) -> None:
         """Raise ``RuntimeError`` before the owner's ``init`` built its model."""
         if self.owner.model is None:

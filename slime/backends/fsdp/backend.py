@@ -43,7 +43,7 @@ from slime.backends.fsdp.hf_io import iter_hf_weight_buckets, iter_hf_weight_gro
 from slime.backends.fsdp.parallelize import reshard_all
 from slime.backends.handover import WEIGHTS, HandOver
 from slime.backends.rng import rng_state, set_rng_state
-from slime.backends.samples import PAD_TOKEN_ID, check_image_inputs, response_input_ids
+from slime.backends.samples import PAD_TOKEN_ID, model_input_ids
 from slime.backends.step import MicroBatch, compute_log_probs
 from slime.backends.train_metrics import DataParallel
 from slime.backends.weight_sources import WeightSource, resolve_weights
@@ -269,8 +269,9 @@ class FSDPBackend:
             norm = norm.full_tensor()
         return float(norm)
 
-    def apply_update(self, lr: float, grad_scale: float) -> None:
-        """Scale the gradients, AdamW at ``lr``, then free the gradients (``zero_grad(set_to_none=True)``)."""
+    def apply_update(self, lr: float, grad_scale: float) -> dict[str, float]:
+        """Scale the gradients, AdamW at ``lr``, then free the gradients (``zero_grad(set_to_none=True)``); no metrics
+        of its own."""
         if grad_scale < 1.0:
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -279,9 +280,6 @@ class FSDPBackend:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def step_metrics(self, batches: list[MicroBatch]) -> dict[str, float]:
-        """None of its own."""
         return {}
 
     def input_embedding(self) -> torch.nn.Module:
@@ -458,7 +456,7 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
         ValueError: a sample with ``pixel_values`` but no ``image_grid_thw``, or the reverse.
     """
     placeholders = vision_placeholder_ids(config)
-    rows = [list(s.prompt_token_ids) + response_input_ids(s, placeholders) for s in samples]
+    rows = [model_input_ids(s, placeholders) for s in samples]
     prompt_lens = [len(s.prompt_token_ids) for s in samples]
     response_lens = [s.response_length for s in samples]
     model_kwargs: dict[str, Tensor] = {}
@@ -466,7 +464,6 @@ def build_model_inputs(samples: Sequence[Sample], config, device: torch.device |
     if getattr(config, "vision_config", None) is not None:
         pixel_values, grids = [], []
         for s in samples:
-            check_image_inputs(s)
             mm = s.multimodal_inputs
             if "pixel_values" in mm:
                 pixel_values.append(mm["pixel_values"])

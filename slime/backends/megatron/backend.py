@@ -48,7 +48,7 @@ from slime.backends.megatron.config import MegatronConfig
 from slime.backends.megatron.model import build_stage
 from slime.backends.megatron.parallel import Groups, init_model_parallel, init_world
 from slime.backends.megatron.weight_export import iter_buckets
-from slime.backends.samples import check_image_inputs, response_input_ids
+from slime.backends.samples import model_input_ids
 from slime.backends.step import MicroBatch, compute_log_probs
 from slime.backends.train_metrics import DataParallel
 from slime.backends.weight_sources import WeightSource, resolve_weights
@@ -83,6 +83,7 @@ class MegatronBackend:
         self.groups: Groups | None = None
         self.device = torch.device("cpu")
         self.model = self.ref_model = self.optimizer = None  # the rest of the step's attributes: init()
+        self._micro_batches = 0  # of the last forward_backward, for apply_update's metrics
         self.memory = HandOver(self)
         self.frozen = self.frozen_hf_names = frozenset()
 
@@ -227,7 +228,7 @@ class MegatronBackend:
         ctx = self._context(grpo=self.spec.grpo, normalizer=normalizer, num_microbatches=len(batches),
                             dp_size=self.groups.dp_size,
                             whitening=next((b.advantage_whitening for b in batches), None))
-        self.optimizer.zero_grad()
+        self._micro_batches = len(batches)
         return run_micro_batches(self.optimizer.model, self._with_routes(batches),
                                  make_forward_step(ctx, grpo_loss_func), forward_only=False, device=self.device)
 
@@ -235,13 +236,11 @@ class MegatronBackend:
         """The global gradient norm (megatron-core's distributed optimizer, or the CPU stand-in's)."""
         return self.optimizer.grad_norm()
 
-    def apply_update(self, lr: float, grad_scale: float) -> None:
-        """The optimizer's step at ``lr`` with the gradients scaled by ``grad_scale``."""
+    def apply_update(self, lr: float, grad_scale: float) -> dict[str, float]:
+        """The optimizer's step at ``lr`` with the gradients scaled by ``grad_scale`` (the gradients zeroed after it);
+        ``train/micro_batches``: this rank's micro-batches of the step."""
         self.optimizer.step(lr, grad_scale)
-
-    def step_metrics(self, batches: list[MicroBatch]) -> dict[str, float]:
-        """``train/micro_batches``: this rank's micro-batches of the step."""
-        return {"train/micro_batches": float(len(batches))}
+        return {"train/micro_batches": float(self._micro_batches)}
 
     def input_embedding(self) -> torch.nn.Module | None:
         """The first pipeline stage's ``VocabParallelEmbedding`` (None on later stages)."""
@@ -385,9 +384,8 @@ def pack_micro_batch(
     placeholders = {arch.image_token_id, arch.video_token_id} - {None}
     documents, logit_index, offset = [], [], 0
     for sample in samples:
-        check_image_inputs(sample)
+        ids = model_input_ids(sample, placeholders)
         mm = sample.multimodal_inputs
-        ids = list(sample.prompt_token_ids) + response_input_ids(sample, placeholders)
         documents.append(Qwen35Document(
             torch.tensor(ids, dtype=torch.int64), mm.get("pixel_values"),
             None if mm.get("image_grid_thw") is None else torch.as_tensor(mm["image_grid_thw"], dtype=torch.int64),
