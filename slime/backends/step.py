@@ -25,7 +25,7 @@ from slime.backends.config import TrainerSpec
 from slime.backends.handover import HandOver
 from slime.backends.rounding import rounding_step_noise
 from slime.backends.samples import check_train_samples
-from slime.backends.train_metrics import DataParallel, mean_over_steps, mismatch_monitor, step_loss_metrics
+from slime.backends.train_metrics import DataParallel, metrics_over_steps, mismatch_monitor
 from slime.data.sample import Sample
 from slime.grpo.loss import loss_metric_names
 from slime.grpo.token_advantages import Whitening, rollout_whitening
@@ -168,12 +168,12 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
                                            for s in batch.samples]
     terms, extremes = loss_metric_names(grpo, with_kl_loss=backend.ref_model is not None)
     backend.model.train()
-    per_step = []
+    values, scalars = [], []  # per optimizer step: its micro-batches' loss terms, its grad norm, lr and own metrics
     for step in steps:
         with clock("forward_backward"):
             normalizer = loss_normalizer([s for batch in step for s in batch.samples], grpo.calculate_per_token_loss,
                                          group=dp.group)
-            values = backend.forward_backward(step, normalizer)
+            values.append(backend.forward_backward(step, normalizer))
         with clock("optimizer"):
             lr = spec.lr_schedule(backend.optimizer_steps)
             grad_norm = backend.grad_norm()
@@ -183,11 +183,9 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
                     "lower --lr, check the rewards/advantages for NaN, or train in float32 (no --bf16)")
             own = backend.apply_update(lr, clip_coefficient(grad_norm, spec.optimizer.clip_grad))
             backend.optimizer_steps += 1
-        with clock("metrics"):
-            per_step.append({**step_loss_metrics(values, terms, extremes, dp), "train/grad_norm": grad_norm,
-                             "train/lr": lr, **own})
+        scalars.append({"train/grad_norm": grad_norm, "train/lr": lr, **own})
     with clock("metrics"):
-        metrics = {**mean_over_steps(per_step), **metrics, **memory_figures}
+        metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **metrics, **memory_figures}
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 
