@@ -69,9 +69,6 @@ class StandIn:
     def route_shape(self):
         raise NotImplementedError("the stand-in has no MoE layers")
 
-    def step_metrics(self, batches):
-        return {}
-
     def log_probs(self, model, batches, *, replay_routes=False, capture_routes=False):
         self.forward_passes.append(("ref" if model is self.ref_model else "policy", [b.indices for b in batches]))
         with torch.no_grad():
@@ -107,6 +104,7 @@ class StandIn:
         with torch.no_grad():
             self.model.w -= lr * grad_scale * self.model.w.grad
         self.model.w.grad = None
+        return {}
 
 
 def hand_samples() -> list[Sample]:

@@ -1,4 +1,4 @@
-"""Colocated memory hand-over (:mod:`slime.ray.colocate`): the call order of one rollout step with
+"""Colocated memory hand-over (:class:`slime.driver.ColocatedMemory`): the call order of one rollout step with
 recording stand-ins (through the driver's own loop), and the engine / trainer halves it relies on:
 memory tags on a real TransformersEngine and ``offload(keep_weights=True)`` on the FSDP backend.
 No Ray; the CUDA variants are skipped on CPU machines."""
@@ -21,8 +21,8 @@ from slime.arguments import parse_args
 from slime.backends.config import RankInfo
 from slime.backends.handover import TRAINING_STATE, WEIGHTS, HandOver
 from slime.backends.step import train_step
+from slime.driver import ColocatedMemory
 from slime.grpo.config import GRPOConfig
-from slime.ray.colocate import ColocatedMemory
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.manager import RolloutBatch
 from slime.utils.metrics import MetricsLogger, read_metrics

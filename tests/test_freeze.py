@@ -19,6 +19,7 @@ from slime.backends.freeze import select_frozen
 from slime.backends.step import train_step
 from slime.checkpoints import layout as ckpt
 from slime.utils.config import ConfigError
+from slime.weight_sync.base import WeightTransport
 from scripts.harness.spawn_ranks import spawn_ranks
 from tests.helpers import full_params, make_backend, make_megatron, make_samples, rank_share
 
@@ -224,7 +225,14 @@ class _Engines:
         pass
 
 
-class _Transport:
+class _Transport(WeightTransport):
+    """The base class's sync with nothing to connect, begin or end; the ranks' send is stood in for."""
+
+    name = "stand-in"
+
+    def send(self, buckets, rank, engines):
+        raise NotImplementedError("the trainer group's ranks are stood in for")
+
     def connect(self, group, engines):
         pass
 

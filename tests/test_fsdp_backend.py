@@ -238,7 +238,7 @@ def test_log_probs_equal_plain_hf_forward_and_see_the_image(tiny_ckpt, tmp_path,
 
 
 def test_generated_image_placeholder_is_scored_without_breaking_the_forward(tiny_ckpt):
-    from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
+    from slime.backends.fsdp.backend import build_model_inputs, response_log_probs
 
     model = hf_model(tiny_ckpt).eval()
     sample = make_samples(tiny_ckpt, [6], images=[True])[0]
@@ -495,7 +495,7 @@ def test_dynamic_batching_is_refused_when_built_directly(tiny_ckpt):
 
 
 def test_pad_per_token_right_pads():
-    from slime.backends.fsdp.inputs import pad_per_token
+    from slime.backends.fsdp.backend import pad_per_token
 
     out = pad_per_token([[1.0, 2.0], [], [3.0]], torch.float32, pad=-1)
     assert out.tolist() == [[1.0, 2.0], [-1.0, -1.0], [3.0, -1.0]]

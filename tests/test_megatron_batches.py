@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 pytest.importorskip("megatron.core")
 
-from slime.backends.megatron.batches import pack_micro_batch  # noqa: E402
+from slime.backends.megatron.backend import pack_micro_batch  # noqa: E402
 from slime.backends.megatron.weight_export import group_index, num_groups  # noqa: E402
 from slime.data.sample import Sample  # noqa: E402
 from slime.models.qwen3_5.config import arch_from_hf_config  # noqa: E402

@@ -50,7 +50,7 @@ def _forward_backward(model, samples):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    from slime.backends.megatron.batches import pack_micro_batch
+    from slime.backends.megatron.backend import pack_micro_batch
     from slime.backends.megatron.optimizer import LocalDataParallel
     from slime.grpo.log_probs import vocab_parallel_log_probs
     from slime.models.qwen3_5.weights import ExportGroups, export_rule, model_rules

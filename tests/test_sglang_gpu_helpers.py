@@ -52,7 +52,7 @@ def test_replaying_the_models_own_routes_gives_its_own_log_probs_and_other_route
     own = []
     free = hf_log_probs(model, samples, 1.0, routes_out=own)
     # every position, 4 layers, top-2; the text sample's forward (no image) gets one dummy image token appended, as
-    # the FSDP trainer feeds it (slime.backends.fsdp.inputs.build_model_inputs)
+    # the FSDP trainer feeds it (slime.backends.fsdp.backend.build_model_inputs)
     total = [len(s.prompt_token_ids) + s.response_length + (not s.images) for s in samples]
     assert [tuple(r.shape) for r in own] == [(t, 4, 2) for t in total]
     for sample, routes in zip(samples, own):

@@ -252,7 +252,7 @@ def embedding_noise(embedding: torch.nn.Module, rel: float, seed: int = 1):
 
 def hf_score(model, probe: RouterProbe, samples, forced: list | None = None):
     """(log-probs per sample, routes per sample) under the transformers model, one sample per forward."""
-    from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
+    from slime.backends.fsdp.backend import build_model_inputs, response_log_probs
 
     device = next(model.parameters()).device
     lps, routes = [], []
@@ -335,7 +335,7 @@ def hf_phase(model_path: Path, engines: dict, num_image: int) -> dict:
 
 
 def native_phase(hf: dict, engines: dict, num_image: int) -> None:
-    from slime.backends.megatron.batches import pack_micro_batch, with_routes
+    from slime.backends.megatron.backend import pack_micro_batch, with_routes
     from slime.routing_replay import RouteShape
     from slime.models.qwen3_5.build import initialize_single_process, native_from_hf_model
     from slime.models.qwen3_5.config import Qwen35Kernels

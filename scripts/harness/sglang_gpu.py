@@ -130,7 +130,7 @@ def wait_healthy(*engines: SGLangEngine, timeout_s: float = START_TIMEOUT_S) -> 
 def hf_log_probs(model, samples, temperature: float, *, replay_routes: bool = False, rounding_noise: bool = False,
                  routes_out: list | None = None) -> list[list[float]]:
     """Per-token log-probs (float32, as lists) of each sample's response under the Hugging Face model ``model``, one
-    sample per forward, along the FSDP trainer's path (:func:`slime.backends.fsdp.inputs.build_model_inputs`,
+    sample per forward, along the FSDP trainer's path (:func:`slime.backends.fsdp.backend.build_model_inputs`,
     ``response_log_probs`` at ``logits / temperature``).
 
     Args:
@@ -146,7 +146,7 @@ def hf_log_probs(model, samples, temperature: float, *, replay_routes: bool = Fa
     """
     import contextlib
 
-    from slime.backends.fsdp.inputs import build_model_inputs, response_log_probs
+    from slime.backends.fsdp.backend import build_model_inputs, response_log_probs
     from slime.backends.rounding import rounding_step_noise
     from slime.routing_replay import RouteShape, token_routes
     from slime.routing_replay import capture_hf_routes, force_hf_routes

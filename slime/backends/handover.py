@@ -3,7 +3,7 @@ device, in which order, and the free-memory figures of each move.
 
 A backend holds one :class:`HandOver` (``backend.memory``) and supplies the moves themselves
 (``move_part(part, onto_device)``: FSDP moves modules and AdamW's state, Megatron megatron-core's buffers).  The
-driver's side, the engines' release and resume around the trainers' moves, is :mod:`slime.ray.colocate`; the call
+driver's side, the engines' release and resume around the trainers' moves, is :class:`slime.driver.ColocatedMemory`; the call
 order: ``docs/design/colocate.md``.
 """
 
@@ -59,6 +59,12 @@ class HandOver:
         step's metrics; ``{}`` on CPU."""
         figures, self._figures = self._figures or {}, None
         return figures
+
+    def begin_step(self) -> dict[str, float]:
+        """At the start of a training step: :meth:`require` (``train()``, the optimizer state too), then
+        :meth:`metrics`, the figures of the moves since the last step (none moves during one)."""
+        self.require("train()", training=True)
+        return self.metrics()
 
     def require_init(self) -> None:
         """Raise ``RuntimeError`` before the owner's ``init`` built its model."""

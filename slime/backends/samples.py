@@ -1,8 +1,8 @@
 """A rollout's samples as a trainer takes them: the checks before any forward, and the response ids a model is fed.
 
 The training step (:func:`slime.backends.step.train_step`) checks every sample first (:func:`check_train_samples`,
-agreed over ranks); both backends build their model inputs with :func:`check_image_inputs` and
-:func:`response_input_ids` (why placeholders are replaced: ``docs/design/training_step.md``).
+agreed over ranks); both backends feed a sample's :func:`model_input_ids` (why placeholders are replaced:
+``docs/design/training_step.md``).
 """
 
 from __future__ import annotations
@@ -90,6 +90,17 @@ def check_train_samples(
         raise error
     if failed.item():
         raise SampleError("another trainer rank received a malformed sample (its log names it); all ranks stop")
+
+
+def model_input_ids(sample: Sample, placeholders: set[int]) -> list[int]:
+    """The ids a model is fed for ``sample``: its prompt ids, then :func:`response_input_ids` (the response's, image /
+    video ``placeholders`` replaced); the sample's images checked first (:func:`check_image_inputs`).
+
+    Raises:
+        ValueError: ``pixel_values`` without ``image_grid_thw``, or the reverse (naming the sample).
+    """
+    check_image_inputs(sample)
+    return list(sample.prompt_token_ids) + response_input_ids(sample, placeholders)
 
 
 def check_image_inputs(sample: Sample) -> None:

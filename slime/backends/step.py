@@ -25,7 +25,7 @@ from slime.backends.config import TrainerSpec
 from slime.backends.handover import HandOver
 from slime.backends.rounding import rounding_step_noise
 from slime.backends.samples import check_train_samples
-from slime.backends.train_metrics import DataParallel, mean_over_steps, mismatch_monitor, step_loss_metrics
+from slime.backends.train_metrics import DataParallel, metrics_over_steps, mismatch_monitor
 from slime.data.sample import Sample
 from slime.grpo.loss import loss_metric_names
 from slime.grpo.token_advantages import Whitening, rollout_whitening
@@ -103,12 +103,10 @@ class StepBackend(Protocol):
     def grad_norm(self) -> float:
         """The global L2 norm of the step's gradient over every rank's shards (each parameter once). Collective."""
 
-    def apply_update(self, lr: float, grad_scale: float) -> None:
+    def apply_update(self, lr: float, grad_scale: float) -> dict[str, float]:
         """Multiply every gradient by ``grad_scale`` (<= 1, :func:`clip_coefficient`), take one AdamW step at ``lr``
-        and leave no gradient behind for the next step."""
-
-    def step_metrics(self, batches: list[MicroBatch]) -> dict[str, float]:
-        """The backend's own metrics of one optimizer step (averaged over steps like the others; often none)."""
+        and leave no gradient behind for the next step; returns the backend's own metrics of the step (averaged over
+        steps like the others; often none)."""
 
     def route_shape(self) -> RouteShape:
         """The policy's routed experts per position; NotImplementedError (saying why) where it cannot replay them."""
@@ -125,7 +123,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         Metrics averaged over the steps, the same on every rank: ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
         entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, the IS / OPSM metrics of ``--use-tis`` /
         ``--use-opsm`` (``_min`` / ``_max`` over all steps), ``train/mis_*`` of ``--get-mismatch-metrics``, the
-        backend's ``step_metrics``, the mismatch monitor (not with ``--use-rollout-logprobs``), the colocated
+        backend's own (``apply_update``'s), the mismatch monitor (not with ``--use-rollout-logprobs``), the colocated
         free-memory figures (GiB) and ``perf/train_<sub>_s``.
 
     Raises:
@@ -135,7 +133,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         NonFiniteGradNorm: the gradient norm is not finite (no update applied).
         RuntimeError: before ``init``, or the optimizer state is offloaded (no ``onload``).
     """
-    backend.memory.require("train()", training=True)
+    memory_figures = backend.memory.begin_step()  # the colocated moves since the last step
     started, clock = time.perf_counter(), PhaseClock("train", backend.device)
     spec, dp, grpo = backend.spec, backend.dp, backend.spec.grpo
     with clock("checks"):
@@ -170,12 +168,12 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
                                            for s in batch.samples]
     terms, extremes = loss_metric_names(grpo, with_kl_loss=backend.ref_model is not None)
     backend.model.train()
-    per_step = []
+    values, scalars = [], []  # per optimizer step: its micro-batches' loss terms, its grad norm, lr and own metrics
     for step in steps:
         with clock("forward_backward"):
             normalizer = loss_normalizer([s for batch in step for s in batch.samples], grpo.calculate_per_token_loss,
                                          group=dp.group)
-            values = backend.forward_backward(step, normalizer)
+            values.append(backend.forward_backward(step, normalizer))
         with clock("optimizer"):
             lr = spec.lr_schedule(backend.optimizer_steps)
             grad_norm = backend.grad_norm()
@@ -183,13 +181,11 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
                 raise NonFiniteGradNorm(
                     f"rollout {rollout_id}, optimizer step {backend.optimizer_steps}: gradient norm is {grad_norm}; "
                     "lower --lr, check the rewards/advantages for NaN, or train in float32 (no --bf16)")
-            backend.apply_update(lr, clip_coefficient(grad_norm, spec.optimizer.clip_grad))
+            own = backend.apply_update(lr, clip_coefficient(grad_norm, spec.optimizer.clip_grad))
             backend.optimizer_steps += 1
-        with clock("metrics"):
-            per_step.append({**step_loss_metrics(values, terms, extremes, dp), "train/grad_norm": grad_norm,
-                             "train/lr": lr, **backend.step_metrics(step)})
+        scalars.append({"train/grad_norm": grad_norm, "train/lr": lr, **own})
     with clock("metrics"):
-        metrics = {**mean_over_steps(per_step), **metrics, **backend.memory.metrics()}
+        metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **metrics, **memory_figures}
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 

@@ -237,6 +237,16 @@ def mean_over_steps(per_step: Sequence[Mapping[str, float]]) -> dict[str, float]
     return {**{name: value / len(per_step) for name, value in totals.items()}, **extrema_over_steps(extremes)}
 
 
+def metrics_over_steps(values_by_step: Sequence[Sequence[Mapping[str, Tensor]]],
+                       scalars_by_step: Sequence[Mapping[str, float]], terms: Sequence[str], extremes: Sequence[str],
+                       dp: DataParallel) -> dict[str, float]:
+    """A rollout's training metrics: each optimizer step's :func:`step_loss_metrics` of its per-micro-batch ``values``
+    with that step's ``scalars`` (grad norm, learning rate, the backend's own), then :func:`mean_over_steps`.
+    Collective (one reduction per step, in step order)."""
+    return mean_over_steps([{**step_loss_metrics(values, terms, extremes, dp), **scalars}
+                            for values, scalars in zip(values_by_step, scalars_by_step, strict=True)])
+
+
 def mismatch_monitor(samples: Sequence[Sample], train_log_probs: Sequence[Tensor] | None,
                      placeholder_ids: Collection[int], route_sums: Mapping[str, float], dp: DataParallel,
                      threshold: float | None, rollout_id: int) -> dict[str, float]:

@@ -2,11 +2,12 @@
 
 A row becomes a :class:`slime.data.sample.Sample` (:meth:`PromptDataset.make_sample`): (1) the
 ``--input-key`` text holds one :data:`IMAGE_PLACEHOLDER` per image of the ``image`` column, in order
-(checked for every row at load, nothing decoded); (2) each image is decoded to RGB and resized once
-with ``processor.resize_image`` (a fixed point), and the engine gets PNGs of the resized images, so
-engine and trainer count the same image tokens; (3) with ``--apply-chat-template`` the text becomes
-one user message of image / text items rendered by the chat template, else each placeholder becomes
-:data:`VISION_SPAN`; (4) the processor tokenises it and expands the image tokens.
+(checked for every row at load, nothing decoded); (2) each image is decoded; then one call,
+:meth:`slime.data.processor.VLProcessor.prompt`: (3) each image is resized once to RGB (a fixed point), and
+the engine gets PNGs of the resized images, so engine and trainer count the same image tokens; (4) with
+``--apply-chat-template`` the text becomes one user message of image / text items rendered by the chat
+template, else each placeholder becomes :data:`slime.data.processor.VISION_SPAN`; (5) the processor
+tokenises it and expands the image tokens.
 
 Rows with an unreadable image, an empty label or a prompt over ``--rollout-max-prompt-len`` tokens
 are skipped, never silently: logged with index and id, counted (:attr:`PromptDataset.skip_counts`)
@@ -38,11 +39,6 @@ logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
 """Marks where an image goes in the prompt text, one per item of the image column."""
-
-VISION_SPAN = "<|vision_start|>{image_token}<|vision_end|>"
-"""What replaces a placeholder without ``--apply-chat-template``: the span that the
-Qwen2-VL / Qwen3-VL / Qwen3.5 chat templates render for an ``{"type": "image"}`` item,
-formatted with ``processor.image_token``."""
 
 SKIP_REASONS = ("bad_image", "empty_label", "prompt_too_long")
 """Why a row can be skipped; the keys of :attr:`PromptDataset.skip_counts`."""
@@ -311,16 +307,16 @@ class PromptDataset:
             )
         images = []
         for k, item in enumerate(items):
-            field = f"{cfg.image_key}[{k}]"
             try:
-                images.append(self.processor.resize_image(decode_image(item, base_dir=self._base_dir, field=field)))
+                images.append(decode_image(item, base_dir=self._base_dir, field=f"{cfg.image_key}[{k}]"))
             except ImageDecodeError as e:  # its message names the field
                 return self._skip(row, "bad_image", str(e), count_skips)
-            except ImageSizeError as e:  # e.g. aspect ratio above 200: no fixed-point size within the pixel bounds
-                return self._skip(row, "bad_image", f"field {field!r}: {e}", count_skips)
-
-        prompt = self._render_prompt(text)
-        processed = self.processor(prompt, images)
+        try:
+            processed = self.processor.prompt(text.split(IMAGE_PLACEHOLDER), images,
+                                              chat_template=cfg.apply_chat_template,
+                                              template_kwargs=cfg.apply_chat_template_kwargs)
+        except ImageSizeError as e:  # e.g. aspect ratio above 200: no fixed-point size within the pixel bounds
+            return self._skip(row, "bad_image", f"column {cfg.image_key!r}: {e}", count_skips)
         if cfg.rollout_max_prompt_len is not None and len(processed.input_ids) > cfg.rollout_max_prompt_len:
             return self._skip(
                 row,
@@ -335,27 +331,12 @@ class PromptDataset:
         used = {cfg.input_key, cfg.label_key, cfg.image_key}
         return Sample(
             index=row,
-            prompt=prompt,
+            prompt=processed.text,
             label=label,
-            images=[encode_image_base64(image) for image in images],
+            images=[encode_image_base64(image) for image in processed.images],
             prompt_token_ids=list(processed.input_ids),
             multimodal_inputs=multimodal_inputs,
             metadata={key: value for key, value in record.items() if key not in used},
-        )
-
-    def _render_prompt(self, text: str) -> str:
-        pieces = text.split(IMAGE_PLACEHOLDER)
-        if not self.cfg.apply_chat_template:
-            return VISION_SPAN.format(image_token=self.processor.image_token).join(pieces)
-        content: list[dict[str, str]] = []
-        for k, piece in enumerate(pieces):
-            if k > 0:
-                content.append({"type": "image"})
-            if piece:
-                content.append({"type": "text", "text": piece})
-        messages = [{"role": "user", "content": content}]
-        return self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, **self.cfg.apply_chat_template_kwargs
         )
 
     def _skip(self, row: int, reason: str, detail: str, count: bool = True) -> None:

@@ -24,6 +24,12 @@ from slime.utils.config import ConfigError
 IMAGE_TOKEN = "<|image_pad|>"
 
 
+VISION_SPAN = "<|vision_start|>{image_token}<|vision_end|>"
+"""What replaces a placeholder without ``--apply-chat-template``: the span that the
+Qwen2-VL / Qwen3-VL / Qwen3.5 chat templates render for an ``{"type": "image"}`` item,
+formatted with ``processor.image_token``."""
+
+
 class ImageSizeError(SlimeError, ValueError):
     """An image cannot be resized to a fixed point within the pixel bounds (the message gives its size)."""
 
@@ -42,6 +48,10 @@ class ProcessedPrompt:
     input_ids: list[int]
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    text: str = ""
+    """The rendered prompt (set by :meth:`VLProcessor.prompt`)."""
+    images: list[Image.Image] = dataclasses.field(default_factory=list)
+    """The images as processed: RGB, resized (set by :meth:`VLProcessor.prompt`)."""
 
 
 class VLProcessor:
@@ -111,6 +121,40 @@ class VLProcessor:
         """
         width, height = self.resized_size(*image.size)
         return (height // self.patch_size) * (width // self.patch_size) // self.merge_size**2
+
+    def prompt(self, pieces: list[str], images: list[Image.Image], *, chat_template: bool = True,
+               template_kwargs: dict | None = None) -> ProcessedPrompt:
+        """A prompt of text ``pieces`` with an image between each two (``len(pieces) == len(images) + 1``), in one
+        call: the images resized (:meth:`resize_image`), the text rendered (with ``chat_template``, one user message
+        of text and ``{"type": "image"}`` items through the chat template with ``template_kwargs``; else the pieces
+        joined by :data:`VISION_SPAN`), then tokenized and processed (:meth:`__call__`).
+
+        Returns:
+            The processed prompt with :attr:`ProcessedPrompt.text` and :attr:`ProcessedPrompt.images` set.
+
+        Raises:
+            ImageSizeError: an image cannot be resized (the message names it: ``image k``, from 0).
+        """
+        resized = []
+        for k, image in enumerate(images):
+            try:
+                resized.append(self.resize_image(image))
+            except ImageSizeError as e:
+                raise ImageSizeError(f"image {k}: {e}") from e
+        if chat_template:
+            content: list[dict[str, str]] = []
+            for k, piece in enumerate(pieces):
+                if k > 0:
+                    content.append({"type": "image"})
+                if piece:
+                    content.append({"type": "text", "text": piece})
+            text = self.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            **(template_kwargs or {}))
+        else:
+            text = VISION_SPAN.format(image_token=self.image_token).join(pieces)
+        processed = self(text, resized)
+        processed.text, processed.images = text, resized
+        return processed
 
     def __call__(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
         """Tokenize a chat-templated prompt (one ``<|image_pad|>`` per image) and process its images, in order.

@@ -88,7 +88,7 @@ def dr_grpo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
 @group_relative
 def gspo(rewards: Tensor, group_size: int, cfg: GRPOConfig) -> Tensor:
     """GSPO's advantages, GRPO's (Zheng et al. 2025, arXiv:2507.18071, eq. 6); the name also switches the policy loss
-    to GSPO's sequence ratio (:func:`slime.grpo.correction.gspo_log_ratio`)."""
+    to GSPO's sequence ratio (:func:`slime.grpo.loss.gspo_log_ratio`)."""
     return grpo(rewards, group_size, cfg)
 
 

@@ -1,5 +1,5 @@
-"""Off-policy corrections of the GRPO policy loss: importance-sampling weights, OPSM, GSPO's sequence ratio, and the
-train/rollout mismatch metrics.
+"""Off-policy corrections of the GRPO policy loss for the rollout engine's sampling, in one call
+(:func:`rollout_correction`): importance-sampling weights, OPSM, and the train/rollout mismatch metrics.
 
 Pure torch, layouts of :mod:`slime.grpo.loss` (padded ``[B, T]``, or packed ``[T]`` with ``cu_seqlens``); log-probs
 in nats; float32 (float64 kept).  The weighting functions of ``--tis-mode`` are registered in
@@ -9,7 +9,7 @@ in nats; float32 (float64 kept).  The weighting functions of ``--tis-mode`` are 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -21,6 +21,48 @@ from slime.utils.registry import check_function
 
 SAFETY_BOUND = 20.0
 """The level's log-ratio is clamped to ``[-SAFETY_BOUND, SAFETY_BOUND]`` before ``exp`` (upstream ``mis.py``)."""
+
+
+def rollout_correction(
+    pg_per_token: Tensor, log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor | None,
+    advantages: Tensor, loss_mask: Tensor, cfg: GRPOConfig, cu_seqlens: Tensor | Sequence[int] | None,
+    aggregate: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The corrections for the rollout engine's sampling that ``cfg`` turns on, applied to the per-token policy loss
+    ``pg_per_token`` (all tensors one shape, layout ``cu_seqlens``): the IS weight (``--use-tis``,
+    :func:`importance_weights`) and OPSM's mask (``--use-opsm``, :func:`opsm_keep`) multiply it; their metrics and
+    the ``mis_*`` ones (``--get-mismatch-metrics``, :func:`mismatch_metrics`) are reduced by ``aggregate`` (the
+    loss's reduction of a per-token tensor to a 0-d one).  Weights and masks are detached: no gradient flows
+    through them.
+
+    Returns:
+        ``(pg_per_token, kept, metrics)``: the corrected loss; bool ``kept``, the loss-masked tokens IS did not reject
+        (weight 0: ``icepop`` / ``reject`` outside the bounds); ``tis_weight_mean``, ``tis_clipfrac``,
+        ``tis_weight_min`` / ``_max`` (:func:`masked_extrema`), ``opsm_masked_frac`` and the ``mis_*`` metrics, each
+        where its flag is on.
+
+    Raises:
+        ValueError: shapes differ, or a malformed layout.
+        ConfigError: the IS weighting function fails its contract (:func:`importance_weights`).
+    """
+    kept = loss_mask.bool()
+    metrics: dict[str, Tensor] = {}
+    if cfg.use_tis:
+        tis = importance_weights(old_log_probs, rollout_log_probs, loss_mask, cfg, cu_seqlens)
+        pg_per_token = pg_per_token * tis.weights
+        kept = kept & (tis.weights > 0)
+        metrics["tis_weight_mean"] = aggregate(tis.weights)
+        metrics["tis_weight_min"], metrics["tis_weight_max"] = masked_extrema(tis.weights, loss_mask)
+        metrics["tis_clipfrac"] = aggregate(tis.changed)
+    if cfg.use_opsm:
+        keep = opsm_keep(log_probs, rollout_log_probs, advantages, loss_mask, cfg.opsm_delta, cu_seqlens)
+        pg_per_token = pg_per_token * keep
+        metrics["opsm_masked_frac"] = aggregate(1.0 - keep)
+    if cfg.get_mismatch_metrics:
+        with torch.no_grad():
+            for name, values in mismatch_metrics(old_log_probs, rollout_log_probs, loss_mask, cu_seqlens).items():
+                metrics[name] = aggregate(values)
+    return pg_per_token, kept, metrics
 
 
 # --- the weighting functions of --tis-mode: (ratio, cfg) -> weights, elementwise -------------------
@@ -139,7 +181,7 @@ def masked_extrema(values: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(mask, v, torch.inf).amin(), torch.where(mask, v, -torch.inf).amax()
 
 
-# --- OPSM and GSPO ---------------------------------------------------------------------------------
+# --- OPSM ---------------------------------------------------------------------------------
 
 
 def opsm_keep(
@@ -161,17 +203,6 @@ def opsm_keep(
     with torch.no_grad():
         kl = sequence_sums(as_float(rollout_log_probs) - as_float(log_probs.detach()), mask, cu_seqlens, mean=True)
         return (~((advantages.detach() < 0) & (kl > delta))).to(kl.dtype)
-
-
-def gspo_log_ratio(
-    log_probs: Tensor, old_log_probs: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None = None
-) -> Tensor:
-    """GSPO's sequence ratio in log space (Zheng et al. 2025, arXiv:2507.18071, eq. 7): each sample's mean of
-    ``log pi(y_t) - log pi_old(y_t)`` over its masked tokens, on each of them (0 elsewhere); differentiable, so
-    ``exp`` of it is the geometric mean of the token ratios with the paper's gradient."""
-    mask = loss_mask.bool()
-    diff = torch.where(mask, as_float(log_probs) - as_float(old_log_probs), 0.0)
-    return torch.where(mask, sequence_sums(diff, mask, cu_seqlens, mean=True), 0.0)
 
 
 # --- mismatch metrics (--get-mismatch-metrics) --------------------------------------------------------

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from slime.grpo.config import KL_TYPES, MISMATCH_METRICS, PG_LOSS_REDUCERS, GRPOConfig, PGLossReducer
-from slime.grpo.correction import gspo_log_ratio, importance_weights, masked_extrema, mismatch_metrics, opsm_keep
+from slime.grpo.correction import rollout_correction
 from slime.grpo.layout import as_float as _float
-from slime.grpo.layout import check_layout, num_samples, per_sample_sums
+from slime.grpo.layout import check_layout, num_samples, per_sample_sums, sequence_sums
 from slime.grpo.layout import check_same_shape as _check_same_shape
 from slime.grpo.token_advantages import Whitening, token_advantages
 from slime.utils.config import ConfigError
@@ -46,6 +46,17 @@ class PolicyLossTerms(NamedTuple):
     """``log pi(y_t) - log pi_old(y_t)`` in nats; ``-log_ratio`` is the k1 estimate of KL(pi_old || pi)."""
 
 
+def gspo_log_ratio(
+    log_probs: Tensor, old_log_probs: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | Sequence[int] | None = None
+) -> Tensor:
+    """GSPO's sequence ratio in log space (Zheng et al. 2025, arXiv:2507.18071, eq. 7): each sample's mean of
+    ``log pi(y_t) - log pi_old(y_t)`` over its masked tokens, on each of them (0 elsewhere); differentiable, so
+    ``exp`` of it is the geometric mean of the token ratios with the paper's gradient."""
+    mask = loss_mask.bool()
+    diff = torch.where(mask, _float(log_probs) - _float(old_log_probs), 0.0)
+    return torch.where(mask, sequence_sums(diff, mask, cu_seqlens, mean=True), 0.0)
+
+
 def compute_policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -63,7 +74,7 @@ def compute_policy_loss(
     ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_clip, 1 + eps_clip_high))``, ``r_t = exp(log_probs -
     old_log_probs)``; with ``eps_clip_c`` (dual-clip PPO, Ye et al. 2019, arXiv:1912.09729 eq. 5; upstream
     ``compute_policy_loss``) a token with ``A_t < 0`` takes ``min(loss_t, -A_t eps_clip_c)``; with ``sequence_level``
-    (GSPO), ``r_t`` is its sample's geometric mean of the token ratios (:func:`slime.grpo.correction.gspo_log_ratio`,
+    (GSPO), ``r_t`` is its sample's geometric mean of the token ratios (:func:`gspo_log_ratio`,
     layout ``cu_seqlens``).  All inputs one shape (log-probs in nats); float32 (float64 kept) outputs; ``clipped``
     counts the clip of eq. 7 only (as upstream's ``pg_clipfrac``).
 
@@ -206,9 +217,9 @@ def grpo_loss(
     """``pg_loss + kl_loss_coef * kl_loss - entropy_coef * entropy``, each term :func:`aggregate_loss`-reduced.
 
     The per-token policy loss (GSPO's sequence ratio with ``--advantage-estimator gspo``, CISPO's loss with ``cispo``,
-    dual-clip with ``--eps-clip-c``) is multiplied by the IS weight (``--use-tis``,
-    :func:`slime.grpo.correction.importance_weights`) and by OPSM's mask (``--use-opsm``,
-    :func:`slime.grpo.correction.opsm_keep`), both from ``rollout_log_probs`` (the engine's), then reduced by
+    dual-clip with ``--eps-clip-c``) is multiplied by the IS weight (``--use-tis``) and by OPSM's mask
+    (``--use-opsm``), both from ``rollout_log_probs`` (the engine's: :func:`slime.grpo.correction.rollout_correction`),
+    then reduced by
     ``--custom-pg-loss-reducer-function-path`` if set.  A token whose IS weight is 0 (rejected: ``icepop`` /
     ``reject`` outside the bounds) also leaves ``pg_clipfrac``, ``ppo_kl``, the KL loss and the entropy bonus, as
     upstream's rejection masks do; weighted, masked or rejected tokens still count in the normaliser (as upstream).
@@ -249,24 +260,8 @@ def grpo_loss(
     else:
         terms = compute_policy_loss(log_probs, old_log_probs, advantages, loss_mask, cfg.eps_clip, cfg.eps_clip_high,
                                     eps_clip_c=cfg.eps_clip_c, sequence_level=cfg.gspo, cu_seqlens=cu_seqlens)
-    pg_per_token = terms.loss
-    kept = loss_mask.bool()  # the loss-masked tokens that IS did not reject
-    metrics: dict[str, Tensor] = {}
-    if cfg.use_tis:  # weights and masks are detached: no gradient flows through them
-        tis = importance_weights(old_log_probs, rollout_log_probs, loss_mask, cfg, cu_seqlens)
-        pg_per_token = pg_per_token * tis.weights
-        kept = kept & (tis.weights > 0)
-        metrics["tis_weight_mean"] = aggregate(tis.weights)
-        metrics["tis_weight_min"], metrics["tis_weight_max"] = masked_extrema(tis.weights, loss_mask)
-        metrics["tis_clipfrac"] = aggregate(tis.changed)
-    if cfg.use_opsm:
-        keep = opsm_keep(log_probs, rollout_log_probs, advantages, loss_mask, cfg.opsm_delta, cu_seqlens)
-        pg_per_token = pg_per_token * keep
-        metrics["opsm_masked_frac"] = aggregate(1.0 - keep)
-    if cfg.get_mismatch_metrics:
-        with torch.no_grad():
-            for name, values in mismatch_metrics(old_log_probs, rollout_log_probs, loss_mask, cu_seqlens).items():
-                metrics[name] = aggregate(values)
+    pg_per_token, kept, metrics = rollout_correction(terms.loss, log_probs, old_log_probs, rollout_log_probs,
+                                                     advantages, loss_mask, cfg, cu_seqlens, aggregate)
 
     def aggregate_kept(values: Tensor) -> Tensor:
         return aggregate(torch.where(kept, values, 0.0))

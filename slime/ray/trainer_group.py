@@ -31,7 +31,7 @@ from slime.data.sample import Sample
 from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
 from slime.utils.timer import sub_phase_key
-from slime.weight_sync.base import WeightTransport, check_weight_sources
+from slime.weight_sync.base import WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +194,9 @@ class TrainerGroup:
     def update_weights(self, engines: RolloutEngineGroup) -> dict[str, int]:
         """Push the current weights into every rollout engine through the run's transport.
 
-        The first call connects the transport (:meth:`WeightTransport.connect`, once per run, and again
-        after an engine was restarted); every call then runs ``begin_sync``, every rank's ``send``,
-        and ``end_sync`` (which, for the object store, flushes the engines' caches), and tells the engine
+        One :meth:`WeightTransport.sync`: the first call connects the transport (:meth:`WeightTransport.connect`, once
+        per run, and again after an engine was restarted); every call then runs ``begin_sync``, every rank's ``send``,
+        and ``end_sync`` (which, for the object store, flushes the engines' caches).  Then it tells the engine
         group that every engine has the current weights (restarted engines serve again).  Frozen parameters
         (``--freeze-params-name-list``) are sent by the first sync after each engine start (the run's first, and the
         first after a restart) and left out of the others; :meth:`sync_metrics` counts what was sent.
@@ -208,13 +208,11 @@ class TrainerGroup:
             RuntimeError: no tensor was sent, a tensor came from two ranks, or this sync sent another
                 set of names than the first one (names missing or extra are listed).
         """
-        if self._connected_engines != (engines, engines.epoch):  # first sync, or an engine was restarted
-            self.transport.connect(self, engines)
-            self._connected_engines = (engines, engines.epoch)
+        connect = self._connected_engines != (engines, engines.epoch)  # first sync, or an engine was restarted
         full = not self.frozen_names or self._frozen_sent != (engines, engines.epoch)
-        self.transport.begin_sync(engines)
-        sources = check_weight_sources(ray.get([a.send_weights.remote(not full) for a in self.actors]))
-        self.transport.end_sync(engines)
+        sources = self.transport.sync(self, engines, lambda: ray.get([a.send_weights.remote(not full)
+                                                                      for a in self.actors]), connect=connect)
+        self._connected_engines = (engines, engines.epoch)
         engines.weights_updated()  # restarted engines have the current weights now
         if full:
             self._frozen_sent = (engines, engines.epoch)

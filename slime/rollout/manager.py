@@ -203,7 +203,7 @@ class RolloutManager:
         for sample, advantage in zip(kept, advantages.tolist()):
             sample.advantage = advantage
         metrics["rollout/zero_std_group_frac"] = _zero_std_group_fraction(rewards, n)
-        # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/inputs.py).
+        # Image/video placeholder ids a policy generated: trainers feed them as text (backends/fsdp/backend.py).
         metrics["rollout/vision_token_responses"] = float(
             sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in usable)
         )

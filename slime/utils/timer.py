@@ -125,7 +125,7 @@ TRAIN_SUB_PHASES = (
 )
 """The sub-phases of the train phase, in order; their ``perf/train_<sub>_s`` add up to ``perf/train_time_s``.
 
-Driver side (:func:`slime.driver.loop`, :class:`slime.ray.colocate.ColocatedMemory`): ``engine_release`` (colocated
+Driver side (:func:`slime.driver.loop`, :class:`slime.driver.ColocatedMemory`): ``engine_release`` (colocated
 engines free their GPU memory), ``onload`` (trainers bring parameters, gradient buffers and optimizer state back),
 ``parity`` (the engine parity check of the first steps), ``transfer`` (the trainer call's time outside the backend:
 the samples to the ranks, the metrics back), ``offload`` (optimizer state and gradients leave the GPU).  Trainer

@@ -4,7 +4,7 @@ Tensors move by Hugging Face checkpoint name, in buckets of about ``--update-wei
 (:mod:`slime.weight_sync.buckets`).  Each trainer rank yields the tensors it is the source of, in
 lockstep rounds (``[]`` in a round it sources nothing), so a transport may run collectives between
 buckets; the union over ranks is the whole model, each name once (:func:`check_weight_sources`).
-``trainers.update_weights(engines)`` runs::
+``trainers.update_weights(engines)`` runs one :meth:`WeightTransport.sync`::
 
     first call only:  transport.connect(trainers, engines)        # driver; connect_rank on every rank
     every call:       transport.begin_sync(engines)               # driver -> engines
@@ -18,7 +18,7 @@ How each transport moves the buckets: ``docs/design/weight_sync.md``.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 
@@ -84,6 +84,25 @@ class WeightTransport(abc.ABC):
         """Trainer side, once per run on every rank (collective); ``engines``: the engines' actor handles, in order."""
 
     # ------------------------------------------------------------------ every sync
+
+    def sync(self, trainers: TrainerRanks, engines: RolloutEngineGroup, send: Callable[[], Sequence[Sequence[str]]], *,
+             connect: bool) -> dict[str, int]:
+        """Driver side, one whole sync: :meth:`connect` first when ``connect`` (the run's first sync, or the first
+        after an engine restart), :meth:`begin_sync`, ``send()`` (every rank's :meth:`send`, waited for; the names
+        each rank sent), :func:`check_weight_sources` of them, :meth:`end_sync`.
+
+        Returns:
+            ``{checkpoint name: trainer rank that sent it}``.
+
+        Raises:
+            RuntimeError: no tensor was sent, or one came from two ranks (:func:`check_weight_sources`).
+        """
+        if connect:
+            self.connect(trainers, engines)
+        self.begin_sync(engines)
+        sources = check_weight_sources(send())
+        self.end_sync(engines)
+        return sources
 
     def begin_sync(self, engines: RolloutEngineGroup) -> None:
         """Driver side, before the ranks send (default: nothing)."""

@@ -76,8 +76,8 @@ class DistributedAdam:
         return float(self.optimizer.get_grad_norm())
 
     def step(self, lr: float, grad_scale: float) -> None:
-        """Scale the fp32 main gradients by ``grad_scale`` (``--clip-grad``), then AdamW at ``lr``; after
-        :meth:`grad_norm`."""
+        """Scale the fp32 main gradients by ``grad_scale`` (``--clip-grad``), then AdamW at ``lr``, then zero the
+        gradients for the next step; after :meth:`grad_norm`."""
         for part in self.parts:
             for group in part.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -88,6 +88,7 @@ class DistributedAdam:
                     torch._foreach_mul_(grads, grad_scale)
         if not self.optimizer.step_with_ready_grads():
             raise RuntimeError("megatron-core's optimizer step did not succeed")
+        self.zero_grad()
 
     # ---------------------------------------------------------------- state of one parameter
 
@@ -280,7 +281,7 @@ class LocalAdam:
         return float(square.sqrt())
 
     def step(self, lr: float, grad_scale: float) -> None:
-        """Scale the gradients by ``grad_scale`` (``--clip-grad``), then AdamW at ``lr``."""
+        """Scale the gradients by ``grad_scale`` (``--clip-grad``), then AdamW at ``lr``, then free the gradients."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
             group["weight_decay"] = self.cfg.weight_decay * group["wd_mult"]
@@ -289,6 +290,7 @@ class LocalAdam:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
         self.optimizer.step()
+        self.zero_grad()
 
     def ensure_state(self) -> None:
         for p in self.params:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from slime.rollout.rm_hub.config import resolve_reward_function
 
 if TYPE_CHECKING:
-    from slime.rollout.rm_hub.config import RewardConfig
+    from slime.rollout.rm_hub.config import RewardConfig, RewardFunction
 
 logger = logging.getLogger(__name__)
 
@@ -91,28 +91,33 @@ def _raise_timeout(signum, frame):
     raise RewardTimeout
 
 
-def _init_worker() -> None:
-    """Ignore SIGINT, raise :class:`RewardTimeout` on SIGALRM, quiet math-verify, warm its parsers."""
+_reward_function: RewardFunction | None = None
+"""This worker process's reward function, resolved once by :func:`_init_worker`."""
+
+
+def _init_worker(cfg: RewardConfig) -> None:
+    """Resolve ``cfg``'s reward function once for this worker, ignore SIGINT, raise :class:`RewardTimeout` on SIGALRM,
+    quiet math-verify, warm its parsers."""
+    global _reward_function
+    _reward_function = resolve_reward_function(cfg)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGALRM, _raise_timeout)
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     # Warm math-verify's lazily built parsers (a fraction of a second, several on a busy
     # machine) before the worker counts as started, so that a fresh worker's first response
     # is not charged for them against the hard deadline.
-    from slime.rollout.rm_hub.config import RewardConfig
     from slime.rollout.rm_hub.math_reward import math_reward
 
-    math_reward("\\boxed{\\frac{1}{2}}", "0.5", RewardConfig())
+    math_reward("\\boxed{\\frac{1}{2}}", "0.5", cfg)
 
 
 def _score_in_worker(response: str, label: str, cfg: RewardConfig) -> tuple[float, _Outcome, str]:
     """``(reward, outcome, detail)`` of one response under the ``cfg.rm_timeout`` timer; reward 0.0 unless OK or
     NON_FINITE (a NaN or infinite float, passed on so that its group is dropped, not trained on as 0.0)."""
-    reward_function = resolve_reward_function(cfg)
     signal.setitimer(signal.ITIMER_REAL, cfg.rm_timeout)
     try:
         try:
-            reward = reward_function(response, label, cfg)
+            reward = _reward_function(response, label, cfg)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except RewardTimeout:
@@ -137,9 +142,9 @@ def _score_in_worker(response: str, label: str, cfg: RewardConfig) -> tuple[floa
 class _Worker:
     """One worker process, in its own single-process executor so that it can be killed alone."""
 
-    def __init__(self, context: multiprocessing.context.BaseContext):
+    def __init__(self, context: multiprocessing.context.BaseContext, cfg: RewardConfig):
         self.executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=context, initializer=_init_worker
+            max_workers=1, mp_context=context, initializer=_init_worker, initargs=(cfg,)
         )
         self._pid = self.executor.submit(os.getpid)
 
@@ -284,7 +289,7 @@ class RewardScorer:
         """Start every missing worker in parallel and wait for all (none is kept if one fails)."""
         missing = [i for i, worker in enumerate(self._workers) if worker is None]
         for i in missing:
-            self._workers[i] = _Worker(self._context)
+            self._workers[i] = _Worker(self._context, self.cfg)
         try:
             for i in missing:
                 self._workers[i].wait_started()
