@@ -212,27 +212,20 @@ class ColocatedMemory:
         self._engines_released = False  # step 1 ran and step 6 has not yet
         self._figures: dict[str, float] = {}
 
-    def _measure(self, key: str) -> None:
-        """Free memory of the engines' fullest GPU now, GiB, as metric ``memory/<key>``."""
-        if not self.measure:
-            return
-        infos = [info for info in self.engines.memory_info() if info.get("gpus")]
-        if infos:
-            self._figures[f"memory/{key}"] = min(info["free_gib"] / info["gpus"] for info in infos)
-
     def metrics(self) -> dict[str, float]:
         """The figures since the last call, GiB per GPU: ``memory/free_gib_engines_resident`` and ``..._released``."""
         figures, self._figures = self._figures, {}
         return figures
 
     def _release_engines(self, measure: bool = True) -> None:
+        """Step 1; with ``measure`` (and ``self.measure``) the engines' fullest GPU's free memory before and after,
+        GiB, as metrics ``memory/free_gib_engines_resident`` and ``..._released``."""
         if not self._engines_released:
-            if measure:
-                self._measure("free_gib_engines_resident")
-            self.engines.release_memory_occupation(list(RELEASED_FOR_TRAINING))
+            figures = self.engines.release_memory(list(RELEASED_FOR_TRAINING), measure=measure and self.measure)
             self._engines_released = True
-            if measure:
-                self._measure("free_gib_engines_released")
+            if figures is not None:
+                self._figures.update(zip(("memory/free_gib_engines_resident", "memory/free_gib_engines_released"),
+                                         figures))
 
     @contextlib.contextmanager
     def startup_phase(self) -> Iterator[None]:

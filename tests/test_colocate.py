@@ -61,7 +61,7 @@ class _Recorder:
         self.calls.append(("trainers.update_weights",))
 
     # engine group
-    def release_memory_occupation(self, tags=None):
+    def release_memory(self, tags=None, measure=False):
         self.calls.append(("engines.release", tags))
 
     def resume_memory_occupation(self, tags=None):
@@ -126,9 +126,9 @@ class _Slow(_Recorder):
     a train call of 0.1 s whose trainer-side share (as the trainer group reports it) is 0.06 s of forward-backward
     and 0.04 s of transfer; the weight push 0.03."""
 
-    def release_memory_occupation(self, tags=None):
+    def release_memory(self, tags=None, measure=False):
         time.sleep(0.03)
-        super().release_memory_occupation(tags)
+        return super().release_memory(tags, measure)
 
     def resume_memory_occupation(self, tags=None):
         time.sleep(0.02)
@@ -190,7 +190,12 @@ class _MidRolloutResync(_Recorder):
     def memory_info(self):
         self.calls.append(("engines.memory_info",))
         self.free_gib -= 1.0
-        return [{"gpus": 1, "free_gib": self.free_gib}]
+        return self.free_gib
+
+    def release_memory(self, tags=None, measure=False):  # the engine group measures around the release
+        before = self.memory_info() if measure else None
+        super().release_memory(tags)
+        return None if before is None else (before, self.memory_info())
 
     def generate(self, rollout_id):
         self.calls.append(("rollout.generate", rollout_id))
@@ -318,9 +323,22 @@ class _CheckpointPusher:
         engine.update_weights_from_tensor(self.tensors[half:], flush_cache=False)
 
 
+class _OneEngineGroup:
+    """Stand-in engine group of one engine: the group's memory calls onto the engine's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def release_memory(self, tags=None, measure=False):
+        self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags=None):
+        self.engine.resume_memory_occupation(tags)
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_engine_generates_the_same_after_a_colocated_step(device, tiny_ckpt):
-    """Driven by ColocatedMemory (the engine stands in for its group: same method signatures):
+    """Driven by ColocatedMemory (the engine stands in for its group, :class:`_OneEngineGroup`):
     generation is refused until every released tag is back, and the resumed engine, after the
     weight push, gives the same tokens and log-probs as before."""
     from slime.data.processor import load_processor
@@ -332,7 +350,7 @@ def test_engine_generates_the_same_after_a_colocated_step(device, tiny_ckpt):
     before = engine.generate(requests)
     held = torch.cuda.memory_allocated() if device == "cuda" else 0
     trainers = _CheckpointPusher(tiny_ckpt)
-    memory = ColocatedMemory(trainers, engine, enabled=True)
+    memory = ColocatedMemory(trainers, _OneEngineGroup(engine), enabled=True)
 
     with memory.train_phase():
         if device == "cuda":
@@ -523,7 +541,7 @@ class _CountedEngines:
     def held(self) -> float:
         return self.context + sum(self.SIZES[tag] for tag in self.resident)
 
-    def release_memory_occupation(self, tags):
+    def release_memory(self, tags, measure=False):
         self.resident -= set(tags)
 
     def resume_memory_occupation(self, tags):

@@ -322,10 +322,21 @@ class RolloutEngineGroup:
 
     # -- broadcasts ---------------------------------------------------------------------------
 
-    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+    def release_memory(self, tags: list[str] | None = None, measure: bool = False) -> tuple[float, float] | None:
         """Every engine frees the memory regions ``tags`` (SGLang tags; ``None``: all), see
-        :meth:`RolloutEngine.release_memory_occupation`."""
+        :meth:`RolloutEngine.release_memory_occupation`.
+
+        Returns:
+            With ``measure``: the free memory (GiB per GPU) of the engines' fullest GPU before and after the
+            release, from :meth:`memory_info` (None where no engine reports a GPU); else None.
+        """
+        before = self._fullest_free_gib() if measure else None
         ray.get([a.release_memory_occupation.remote(tags) for a in self.actors])
+        return None if before is None else (before, self._fullest_free_gib())
+
+    def _fullest_free_gib(self) -> float | None:
+        infos = [info for info in self.memory_info() if info.get("gpus")]
+        return min(info["free_gib"] / info["gpus"] for info in infos) if infos else None
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Every engine re-allocates the regions ``tags`` (``None``: all), see
