@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from slime.grpo.config import TIS_LEVELS, GRPOConfig, TISFunction, TIS_FUNCTIONS
-from slime.grpo.layout import as_float, check_same_shape, sequence_sums
+from slime.grpo.layout import as_float, check_same_shape, log_ratio, sequence_sums
 from slime.utils.config import ConfigError
 from slime.utils.registry import check_function
 
@@ -137,9 +137,8 @@ def level_log_ratio(
     """
     if level not in TIS_LEVELS:
         raise ValueError(f"unknown IS level {level!r} (--tis-level); valid: {', '.join(TIS_LEVELS)}")
-    check_same_shape(old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs, loss_mask=loss_mask)
     mask = loss_mask.bool()
-    diff = torch.where(mask, as_float(old_log_probs) - as_float(rollout_log_probs), 0.0)
+    diff = log_ratio(old_log_probs, rollout_log_probs, loss_mask)
     if level != "token":
         diff = sequence_sums(diff, mask, cu_seqlens, mean=level == "geometric")
     return torch.where(mask, diff.clamp(-SAFETY_BOUND, SAFETY_BOUND), 0.0)

@@ -1,6 +1,6 @@
 """Per-token tensors in the loss's two layouts, padded ``[B, T]`` and packed ``[T]`` with ``cu_seqlens``.
 
-Shape checks, per-sample sums and counts, and per-sample values spread back onto their tokens, shared by
+Shape checks, log-ratios, per-sample sums and counts, and per-sample values spread back onto their tokens, shared by
 :mod:`slime.grpo.loss` and :mod:`slime.grpo.correction` (the layouts: :mod:`slime.grpo.loss`'s docstring).
 """
 
@@ -22,6 +22,19 @@ def check_same_shape(**tensors: Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1:
         raise ValueError(f"per-token tensors must have one shape, got {shapes}")
+
+
+def log_ratio(log_probs: Tensor, base_log_probs: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """``log_probs - base_log_probs`` per token, float32 (float64 kept), 0 where ``loss_mask`` is 0 (nowhere without
+    one): the log-ratio of two policies' log-probs of the same tokens.
+
+    Raises:
+        ValueError: the tensors (``loss_mask`` too, if given) are not of one shape.
+    """
+    check_same_shape(log_probs=log_probs, base_log_probs=base_log_probs,
+                     **({} if loss_mask is None else {"loss_mask": loss_mask}))
+    diff = as_float(log_probs) - as_float(base_log_probs)
+    return diff if loss_mask is None else torch.where(loss_mask.bool(), diff, 0.0)
 
 
 def check_layout(per_token: Tensor, cu_seqlens: Tensor | Sequence[int] | None) -> Tensor | None:

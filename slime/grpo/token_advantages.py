@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from slime.grpo.config import GRPOConfig
-from slime.grpo.layout import as_float, check_layout, check_same_shape, spread_per_sample
+from slime.grpo.layout import as_float, check_layout, check_same_shape, log_ratio, spread_per_sample
 
 if TYPE_CHECKING:
     from slime.data.sample import Sample
@@ -62,13 +62,7 @@ def apply_kl_penalty_to_advantages(
     if kl_coef < 0:
         raise ValueError(f"kl_coef (--kl-coef) must be >= 0, got {kl_coef}")
     check_same_shape(advantages=advantages, old_log_probs=old_log_probs)
-    return as_float(advantages) - kl_coef * _k1(old_log_probs, ref_log_probs, loss_mask)
-
-
-def _k1(old_log_probs: Tensor, ref_log_probs: Tensor, loss_mask: Tensor | None) -> Tensor:
-    check_same_shape(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs)
-    diff = as_float(old_log_probs) - as_float(ref_log_probs)
-    return diff if loss_mask is None else torch.where(loss_mask.bool(), diff, 0.0)
+    return as_float(advantages) - kl_coef * log_ratio(old_log_probs, ref_log_probs, loss_mask)
 
 
 def reverse_discounted_cumsum(x: Tensor, gamma: float) -> Tensor:
@@ -151,7 +145,7 @@ def _stage_one(advantages, loss_mask, cfg, old_log_probs, ref_log_probs, cu_seql
         if ref_log_probs is None or old_log_probs is None:
             raise ValueError(f"--kl-coef {cfg.kl_coef} needs old_log_probs and ref_log_probs (the reference model's), "
                              "got None")
-        penalty = cfg.kl_coef * _k1(old_log_probs.detach(), ref_log_probs.detach(), loss_mask)
+        penalty = cfg.kl_coef * log_ratio(old_log_probs.detach(), ref_log_probs.detach(), loss_mask)
     with torch.no_grad():
         if cfg.reinforce_plus_plus_returns:
             zero = torch.zeros(loss_mask.shape, dtype=as_float(advantages).dtype, device=loss_mask.device)
