@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from slime.grpo.log_probs import entropy_from_logits, gather_log_probs, vocab_parallel_log_probs
+from slime.grpo.log_probs import entropy_from_logits, full_vocab_log_probs, gather_log_probs, vocab_parallel_log_probs
 from scripts.harness.spawn_ranks import spawn_ranks
 
 TP = 2
@@ -63,7 +63,17 @@ def test_entropy_matches_float64_loop():
     assert entropy_from_logits(torch.zeros(7, dtype=torch.bfloat16)).item() == pytest.approx(math.log(7), rel=1e-6)
 
 
-# --------------------------------------------------------------------------- vocab-parallel: the cases
+
+def test_full_vocab_log_probs_is_both_in_one_call_and_its_entropy_can_skip_autograd():
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(2, 5, 30, generator=gen) * 3).requires_grad_()
+    tokens = torch.randint(0, 30, (2, 5), generator=gen)
+    log_probs, entropy = full_vocab_log_probs(logits, tokens, 0.7, with_entropy=True)
+    torch.testing.assert_close(log_probs, gather_log_probs(logits, tokens, 0.7), rtol=0, atol=0)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits / 0.7), rtol=0, atol=0)
+    assert entropy.requires_grad
+    assert full_vocab_log_probs(logits, tokens, 0.7)[1] is None
+    assert not full_vocab_log_probs(logits, tokens, 0.7, with_entropy=True, entropy_grad=False)[1].requires_grad
 
 
 def make_case(name: str) -> dict:

@@ -3,7 +3,7 @@
 With ``z = logits / temperature`` (the distribution the engines sample from and report):
 ``log p(y) = z_y - logsumexp(z)`` and ``H = logsumexp(z) - sum_v p_v z_v`` (nats), in float32 whatever
 the logits' dtype (float64 kept).  Full vocabulary ``[..., V]``: :func:`gather_log_probs`,
-:func:`entropy_from_logits`.  Vocab-parallel ``[..., V_p]`` shards of a TP group (megatron-core's
+:func:`entropy_from_logits`, both in one call :func:`full_vocab_log_probs`.  Vocab-parallel ``[..., V_p]`` shards of a TP group (megatron-core's
 ``vocab_parallel_cross_entropy`` scheme, never gathering the vocabulary): :func:`vocab_parallel_log_probs`.
 The derivation and the padded-vocabulary rule: ``docs/design/grpo.md``.
 """
@@ -54,6 +54,26 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     """
     log_p = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1)
     return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def full_vocab_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, with_entropy: bool = False,
+                         entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+    """:func:`vocab_parallel_log_probs` for full-vocabulary logits ``[..., V]``: :func:`gather_log_probs` and, with
+    ``with_entropy``, :func:`entropy_from_logits` of ``logits / temperature``; ``entropy_grad`` False computes the
+    entropy without autograd (a metric only).
+
+    Returns:
+        ``(log_probs, entropy)``, float32 ``[...]``; ``entropy`` None unless ``with_entropy``.
+
+    Raises:
+        ValueError: ``temperature <= 0`` or the leading shapes differ.
+    """
+    log_probs = gather_log_probs(logits, tokens, temperature)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = entropy_from_logits(logits.float() / temperature)
+    return log_probs, entropy
 
 
 def vocab_parallel_log_probs(

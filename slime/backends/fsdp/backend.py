@@ -50,7 +50,7 @@ from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
 from slime.data.processor import mm_token_type_ids
 from slime.data.sample import Sample
-from slime.grpo.log_probs import entropy_from_logits, gather_log_probs
+from slime.grpo.log_probs import full_vocab_log_probs
 from slime.grpo.loss import grpo_micro_batch_loss
 from slime.routing_replay import RouteError, RouteShape, hf_padded_routes
 
@@ -518,7 +518,7 @@ def response_log_probs(
     model: nn.Module, inputs: ModelInputs, temperature: float, *, with_entropy: bool = False, entropy_grad: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and with ``with_entropy`` entropies, nats) of the response tokens under ``softmax(logits /
-    temperature)`` (:func:`slime.grpo.log_probs.gather_log_probs`, :func:`~slime.grpo.log_probs.entropy_from_logits`),
+    temperature)`` (:func:`slime.grpo.log_probs.full_vocab_log_probs`),
     differentiable in grad mode; ``entropy_grad`` False computes the entropy without autograd (a metric only).
     ``model`` takes ``logits_to_keep`` (plain or FSDP-sharded).
 
@@ -530,9 +530,5 @@ def response_log_probs(
     batch = logits.shape[0]
     if batch > 1:
         logits = logits[torch.arange(batch, device=logits.device)[:, None], inputs.response_index]
-    log_probs = gather_log_probs(logits, inputs.response_tokens, temperature)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            entropy = entropy_from_logits(logits.float() / temperature)
-    return log_probs, entropy
+    return full_vocab_log_probs(logits, inputs.response_tokens, temperature, with_entropy=with_entropy,
+                                entropy_grad=entropy_grad)
