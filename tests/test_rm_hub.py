@@ -33,7 +33,7 @@ from slime.rollout.rm_hub.config import REWARD_FUNCTIONS, RewardConfig, resolve_
 from slime.rollout.rm_hub.deepscaler import deepscaler_reward
 from slime.rollout.rm_hub.geo3k import decimal_places, geo3k_reward
 from slime.rollout.rm_hub.math_reward import EmptyLabelError, math_reward
-from slime.rollout.rm_hub.scorer import RewardScorer
+from slime.rollout.rm_hub.scorer import RewardScorer, RewardStats
 from slime.utils.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -560,10 +560,10 @@ def test_geo3k_rows_answer_scores_1_and_no_wrong_choice_scores_1(scorers):
     assert len(near) == 9 and (539, "96", "98") in near and (1315, "14.6", "14.1") in near
 
     geo3k, math_scorer = scorers(GEO3K), scorers(MATH)
-    geo3k.reset_stats(), math_scorer.reset_stats()
-    assert geo3k.score(responses, labels) == expected
-    assert math_scorer.score(responses, labels) == expected
-    assert geo3k.stats.failed == 0 and math_scorer.stats.failed == 0
+    geo3k_stats, math_stats = RewardStats(), RewardStats()
+    assert geo3k.score(responses, labels, geo3k_stats) == expected
+    assert math_scorer.score(responses, labels, math_stats) == expected
+    assert geo3k_stats.failed == 0 and math_stats.failed == 0
     assert _expected_geo3k("94.0", "96") == 0.0 and _expected_geo3k("13.86", r"8\sqrt{3}") == 1.0  # the rule itself
     answers_only = [r for r, e in zip(responses, expected) if e == 1.0]
     assert scorers(DEEPSCALER).score(answers_only, list(rows["answer"])) == [1.0] * len(rows)
@@ -719,14 +719,13 @@ def test_scorer_keeps_input_order_across_workers(scorers):
 def test_pathological_answers_time_out_to_zero(scorers):
     scorer = scorers(CHAOS)  # math_reward for these answers, --rm-timeout 0.5
     responses = [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{(10^{10})!}", r"\boxed{5}"]
-    scorer.reset_stats()
+    stats = RewardStats()
     start = time.monotonic()
-    rewards = scorer.score(responses, ["5", "5", "5"])
+    rewards = scorer.score(responses, ["5", "5", "5"], stats)
     elapsed = time.monotonic() - start
     assert rewards == [0.0, 0.0, 1.0]
     # Each is cut by the soft limit (SIGALRM in the worker) or, when a loaded machine delays the
     # alarm past the hard deadline (2 * 0.5 + 1 s), by killing its worker: both are "no result in time".
-    stats = scorer.stats
     assert (stats.responses, stats.timeouts + stats.killed, stats.errors, stats.worker_deaths) == (3, 2, 0, 0)
     # Soft limit 0.5 s, two workers in parallel; a loaded 2-core machine gets slack.
     assert elapsed < 15.0
@@ -735,24 +734,24 @@ def test_pathological_answers_time_out_to_zero(scorers):
 def test_scoring_from_a_thread_keeps_the_timeout(scorers):
     # math-verify's signal-based timeout fails outside a main thread; the workers' does not care.
     scorer = scorers(CHAOS)  # math_reward for these answers, --rm-timeout 0.5
-    scorer.reset_stats()
+    stats = RewardStats()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
-        rewards = thread.submit(scorer.score, [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{\frac{1}{2}}"], ["5", "0.5"])
+        rewards = thread.submit(scorer.score, [r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{\frac{1}{2}}"], ["5", "0.5"],
+                                stats)
         assert rewards.result(timeout=60) == [0.0, 1.0]
-    assert scorer.stats.timeouts == 1
+    assert stats.timeouts == 1
 
 
 def test_stuck_dead_and_failing_reward_calls_score_zero_and_are_counted(scorers, caplog):
     scorer = scorers(CHAOS)
     responses = [r"\boxed{1}", "hang", "die", "raise", "nan", "text", r"\boxed{2}"]
-    scorer.reset_stats()
+    stats = RewardStats()
     start = time.monotonic()
     with caplog.at_level("WARNING", logger="slime.rollout.rm_hub.scorer"):
-        rewards = scorer.score(responses, ["1", "1", "1", "1", "1", "1", "2"])
+        rewards = scorer.score(responses, ["1", "1", "1", "1", "1", "1", "2"], stats)
     elapsed = time.monotonic() - start
     # The NaN is passed on as it is (the rollout drops its group), not made a 0.0; the str is an error.
     assert rewards[:4] + rewards[5:] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0] and math.isnan(rewards[4])
-    stats = scorer.stats
     assert (stats.responses, stats.killed, stats.worker_deaths, stats.errors, stats.timeouts) == (7, 1, 1, 2, 0)
     assert (stats.non_finite, stats.failed) == (1, 4)
     assert "4 of 7 responses scored 0.0" in caplog.text and "RuntimeError: bad reward" in caplog.text
@@ -765,29 +764,30 @@ def test_stuck_dead_and_failing_reward_calls_score_zero_and_are_counted(scorers,
 
 def test_an_infinite_reward_is_passed_on_and_an_int_past_the_float_range_is_an_error(scorers, caplog):
     scorer = scorers(CHAOS)
-    scorer.reset_stats()
+    stats = RewardStats()
     with caplog.at_level("WARNING", logger="slime.rollout.rm_hub.scorer"):
-        rewards = scorer.score(["-inf", "huge", r"\boxed{3}"], ["1", "1", "3"])
+        rewards = scorer.score(["-inf", "huge", r"\boxed{3}"], ["1", "1", "3"], stats)
     assert rewards == [-math.inf, 0.0, 1.0]  # before: 10**400 raised OverflowError out of score()
-    assert (scorer.stats.non_finite, scorer.stats.errors, scorer.stats.responses) == (1, 1, 3)
+    assert (stats.non_finite, stats.errors, stats.responses) == (1, 1, 3)
     assert "1 of 3 responses scored 0.0 without a verdict (1 errors)" in caplog.text
     assert "the reward function returned a number past the float range (int)" in caplog.text
 
 
 def test_empty_label_is_a_counted_error(scorers):
     scorer = scorers(MATH)
-    scorer.reset_stats()
-    assert scorer.score([r"\boxed{5}", r"\boxed{5}"], ["", "5"]) == [0.0, 1.0]
-    assert scorer.stats.errors == 1
+    stats = RewardStats()
+    assert scorer.score([r"\boxed{5}", r"\boxed{5}"], ["", "5"], stats) == [0.0, 1.0]
+    assert stats.errors == 1
 
 
-def test_reset_stats_returns_counts_and_restarts_them(scorers):
+def test_each_score_call_adds_to_the_stats_it_is_given_and_keeps_none(scorers):
     scorer = scorers(CHAOS)
-    scorer.reset_stats()
-    scorer.score(["raise", r"\boxed{1}"], ["1", "1"])
-    previous = scorer.reset_stats()
-    assert (previous.responses, previous.errors) == (2, 1)
-    assert (scorer.stats.responses, scorer.stats.failed) == (0, 0)
+    first, second = RewardStats(), RewardStats()
+    scorer.score(["raise", r"\boxed{1}"], ["1", "1"], first)
+    scorer.score(["raise"], ["1"])  # not counted anywhere
+    scorer.score([r"\boxed{1}"], ["1"], first)
+    scorer.score([r"\boxed{1}"], ["1"], second)
+    assert (first.responses, first.errors, second.responses, second.failed) == (3, 1, 1, 0)
 
 
 def test_score_rejects_mismatched_or_non_string_input(scorers):

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from slime.data.dataset import PromptDataset
     from slime.rollout.config import RolloutConfig
     from slime.rollout.engines.base import GenerateOutput, GenerateRequest, SamplingParams
-    from slime.rollout.rm_hub.scorer import RewardScorer
+    from slime.rollout.rm_hub.scorer import RewardScorer, RewardStats
     from slime.rollout.scheduler import Step
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,11 @@ class DynamicSampler:
         path = cfg.dynamic_sampling_filter_path
         self.filter = resolve_filter(path) if path is not None else None
 
-    def sample(self, rollout_id: int, engines, params: SamplingParams) -> tuple[list[Sample], dict[str, float]]:
+    def sample(self, rollout_id: int, engines, params: SamplingParams,
+               reward_stats: RewardStats) -> tuple[list[Sample], dict[str, float]]:
         """Run the step's rounds (see the module docstring) on ``engines`` (a
-        :class:`~slime.ray.engine_group.RolloutEngineGroup`, ``generate(requests, on_outputs)``).
+        :class:`~slime.ray.engine_group.RolloutEngineGroup`, ``generate(requests, on_outputs)``); the scorer's
+        counts go into ``reward_stats``.
 
         Returns:
             The ``rollout_batch_size * n`` samples of the kept groups, ``group_index`` ``0 .. rollout_batch_size - 1``
@@ -87,7 +89,7 @@ class DynamicSampler:
             EngineError: see :meth:`RequestScheduler.generate`.
         """
         self.rollout_id, self.n, self.target = rollout_id, self.cfg.n_samples_per_prompt, self.cfg.rollout_batch_size
-        self.params = params
+        self.params, self.reward_stats = params, reward_stats
         self.samples: list[Sample] = []
         self.outputs: list[GenerateOutput | None] = []
         self.requests: list[GenerateRequest] = []
@@ -148,8 +150,8 @@ class DynamicSampler:
         complete = [g for g in complete if self.state[g] == PENDING]
         groups = {g: self.samples[g * self.n : (g + 1) * self.n] for g in complete}
         scored = [s for g in complete for s in groups[g] if s.status not in UNUSABLE]
-        for sample, reward in zip(scored, self.scorer.score([s.response for s in scored],
-                                                              [s.label for s in scored])):
+        for sample, reward in zip(scored, self.scorer.score([s.response for s in scored], [s.label for s in scored],
+                                                              self.reward_stats)):
             sample.reward = float(reward)
         for g in complete:
             if any(s.status in UNUSABLE for s in groups[g]):

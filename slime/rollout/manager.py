@@ -38,7 +38,7 @@ from slime.rollout.filters import NON_FINITE_METRIC, NON_FINITE_WARNING
 from slime.rollout.engines.base import GenerateRequest, SamplingParams
 from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.replay import load_rollout, replay_path, save_rollout
-from slime.rollout.rm_hub.scorer import RewardScorer
+from slime.rollout.rm_hub.scorer import RewardScorer, RewardStats
 from slime.rollout.seeds import sampling_seed
 
 if TYPE_CHECKING:  # the engine group imports Ray; the flags import this module's neighbours (parity)
@@ -174,17 +174,19 @@ class RolloutManager:
         n = self.cfg.n_samples_per_prompt
         if self.replay_from is not None:
             return self._replay(rollout_id)
+        reward_stats = RewardStats()  # the scorer's counts (responses, timeouts, errors, ...) of this step
         if self.sampler is not None:  # rounds of over-sampled prompts, only passing groups kept
             if self.engines is None:
                 raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
-            samples, sampling_metrics = self.sampler.sample(rollout_id, self.engines, self._train_sampling_params())
+            samples, sampling_metrics = self.sampler.sample(rollout_id, self.engines, self._train_sampling_params(),
+                                                            reward_stats)
         else:
             prompts = self.dataset.next_batch(self.cfg.rollout_batch_size)
             samples = []
             for group_index, prompt in enumerate(prompts):
                 prompt.group_index = group_index
                 samples.extend(prompt.clone_prompt() for _ in range(n))
-            self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train")
+            self._generate_and_score(samples, self._train_sampling_params(), rollout_id, "train", reward_stats)
             sampling_metrics = {}
         kept, _ = _drop_unusable_groups(samples, n)
         kept, non_finite = _drop_non_finite_groups(kept, n)
@@ -208,8 +210,8 @@ class RolloutManager:
             sum(any(t in self.vision_token_ids for t in s.response_token_ids) for s in usable)
         )
         metrics.update({f"data/skipped_{reason}": count for reason, count in self.dataset.skip_counts.items()})
-        # The scorer's counts (responses, timeouts, errors, ...): only the usable samples were scored.
-        metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
+        # The scorer's counts: only the usable samples were scored.
+        metrics.update({f"rollout/reward_{k}": v for k, v in dataclasses.asdict(reward_stats).items()})
         self._dump(rollout_id, samples, metrics)
         return RolloutBatch(samples, metrics)
 
@@ -245,9 +247,10 @@ class RolloutManager:
             stop_token_ids=self.cfg.rollout_stop_token_ids,
         )
         metrics: dict[str, float] = {}
+        reward_stats = RewardStats()  # over every set
         for name, prompts in self.eval_sets.items():
             samples = [p.clone_prompt() for p in prompts for _ in range(e.n_samples_per_eval_prompt)]
-            self._generate_and_score(samples, params, rollout_id, f"eval/{name}")
+            self._generate_and_score(samples, params, rollout_id, f"eval/{name}", reward_stats)
             usable = [s for s in samples if s.status not in UNUSABLE]
             failed, aborted = (sum(s.status == status for s in samples) for status in UNUSABLE)
             if not usable:  # check_prompt_lengths stops an all-failed set: some were aborted
@@ -266,7 +269,7 @@ class RolloutManager:
             metrics[f"eval/{name}/aborted_samples"] = float(aborted)
             logger.info("eval %s at rollout %d: accuracy %.4f over %d samples", name, rollout_id,
                         metrics[f"eval/{name}/accuracy"], len(usable))
-        metrics.update({f"eval/reward_{k}": v for k, v in dataclasses.asdict(self.scorer.reset_stats()).items()})
+        metrics.update({f"eval/reward_{k}": v for k, v in dataclasses.asdict(reward_stats).items()})
         return metrics
 
     # -- helpers -----------------------------------------------------------------------
@@ -282,9 +285,10 @@ class RolloutManager:
             stop_token_ids=c.rollout_stop_token_ids,
         )
 
-    def _generate_and_score(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str) -> None:
+    def _generate_and_score(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str,
+                            reward_stats: RewardStats) -> None:
         """Generate one response per sample (request ``i`` seeded by :func:`sampling_seed` of its
-        position ``i``), record it on the sample and score it.  A sample whose engine saw another
+        position ``i``), record it on the sample and score it (the scorer's counts into ``reward_stats``).  A sample whose engine saw another
         prompt length gets status ``FAILED`` (:func:`slime.rollout.outputs.check_prompt_lengths`, which raises
         :class:`PromptMismatchError` when too many do); one whose engine answered ``finish_reason
         "abort"`` gets ``ABORTED`` (a warning names the first few, :func:`.outputs.warn_aborted`).  Those two keep
@@ -298,7 +302,7 @@ class RolloutManager:
         # trainer cannot use (another prompt, or a cut-off one), and it would enter the scorer's counts.
         # Upstream slime does not score an aborted sample either (its generate_and_rm returns it unscored).
         scored = [s for s in samples if s.status not in UNUSABLE]
-        rewards = self.scorer.score([s.response for s in scored], [s.label for s in scored])
+        rewards = self.scorer.score([s.response for s in scored], [s.label for s in scored], reward_stats)
         for sample, reward in zip(scored, rewards):
             sample.reward = float(reward)
 

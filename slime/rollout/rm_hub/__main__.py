@@ -15,7 +15,7 @@ import sys
 
 from slime.rollout.rm_hub.answer import last_boxed
 from slime.rollout.rm_hub.config import RewardConfig
-from slime.rollout.rm_hub.scorer import RewardScorer
+from slime.rollout.rm_hub.scorer import RewardScorer, RewardStats
 from slime.utils.config import ConfigError, add_group, build_group
 
 
@@ -37,16 +37,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
+    stats = RewardStats()
     with scorer:
-        rewards = scorer.score(args.responses, [args.label] * len(args.responses))
+        rewards = scorer.score(args.responses, [args.label] * len(args.responses), stats)
     for index, (response, reward) in enumerate(zip(args.responses, rewards)):
         print(reward)
         if args.verbose:
             print(f"[{index}] boxed answer: {last_boxed(response)!r}", file=sys.stderr)
-    if scorer.stats.failed:
-        print(f"failed responses (scored 0.0): {dataclasses.asdict(scorer.stats)}", file=sys.stderr)
-    if scorer.stats.non_finite:
-        print(f"{scorer.stats.non_finite} reward(s) not finite (training drops their groups)", file=sys.stderr)
+    if stats.failed:
+        print(f"failed responses (scored 0.0): {dataclasses.asdict(stats)}", file=sys.stderr)
+    if stats.non_finite:
+        print(f"{stats.non_finite} reward(s) not finite (training drops their groups)", file=sys.stderr)
     return 0
 
 

@@ -185,8 +185,9 @@ class _Worker:
 class RewardScorer:
     """Scores batches of responses with the reward function of a :class:`RewardConfig`, in worker processes.
 
-    A context manager (or call :meth:`close`); workers start on the first :meth:`score` and are reused.
-    ``stats``: :class:`RewardStats` since creation or the last :meth:`reset_stats`.
+    A context manager (or call :meth:`close`); workers start on the first :meth:`score` and are reused.  It keeps
+    no counts: each :meth:`score` adds its outcomes to the caller's :class:`RewardStats` (a rollout step's, an
+    evaluation's).
 
     Raises:
         ConfigError: the reward function cannot be imported or has the wrong signature (before any worker starts).
@@ -195,7 +196,6 @@ class RewardScorer:
     def __init__(self, cfg: RewardConfig):
         resolve_reward_function(cfg)
         self.cfg = cfg
-        self.stats = RewardStats()
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * cfg.rm_num_workers
         self._closed = False
@@ -206,15 +206,11 @@ class RewardScorer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def reset_stats(self) -> RewardStats:
-        """Return the counts so far and start new ones (e.g. once per rollout step)."""
-        stats, self.stats = self.stats, RewardStats()
-        return stats
+    def score(self, responses: list[str], labels: list[str], stats: RewardStats | None = None) -> list[float]:
+        """Reward of each response against the label at the same index: N floats in input order; each response's
+        outcome is added to ``stats`` (None: not counted).
 
-    def score(self, responses: list[str], labels: list[str]) -> list[float]:
-        """Reward of each response against the label at the same index: N floats in input order.
-
-        A response that timed out, errored, was killed or lost its worker scores 0.0 and is counted in :attr:`stats`
+        A response that timed out, errored, was killed or lost its worker scores 0.0 and is counted in ``stats``
         (one warning per call names the first few).  A NaN or infinite reward is returned as it is and counted
         (``stats.non_finite``), without a warning here: the caller drops its group and says so.
 
@@ -231,7 +227,7 @@ class RewardScorer:
             for index, text in enumerate(texts):
                 if not isinstance(text, str):
                     raise TypeError(f"{name}[{index}] is a {type(text).__name__}, expected str: {text!r:.80}")
-        cfg = self.cfg
+        cfg, stats = self.cfg, RewardStats() if stats is None else stats
         self._start_idle_workers()
         rewards = [0.0] * len(responses)
         failures: list[tuple[int, _Outcome, str]] = []
@@ -254,7 +250,7 @@ class RewardScorer:
                     except BrokenProcessPool:
                         reward, outcome, detail = 0.0, _Outcome.WORKER_DIED, "the worker process died"
                         self._restart(worker, kill=False)
-                    self._record(index, reward, outcome, detail, rewards, failures)
+                    self._record(index, reward, outcome, detail, rewards, failures, stats)
                     idle.append(worker)
                 now = time.monotonic()
                 for future, (worker, index, deadline) in list(running.items()):
@@ -262,7 +258,7 @@ class RewardScorer:
                         del running[future]
                         self._restart(worker, kill=True)
                         detail = f"no result within the hard deadline {hard_deadline_s(cfg.rm_timeout):g} s"
-                        self._record(index, 0.0, _Outcome.KILLED, detail, rewards, failures)
+                        self._record(index, 0.0, _Outcome.KILLED, detail, rewards, failures, stats)
                         idle.append(worker)
         except BaseException:
             # Interrupted (e.g. Ctrl-C): do not leave busy workers behind.
@@ -316,12 +312,13 @@ class RewardScorer:
             self._restart(worker, kill=False)
             return self._workers[worker].executor.submit(_score_in_worker, response, label, cfg)
 
-    def _record(self, index, reward, outcome, detail, rewards, failures) -> None:
+    @staticmethod
+    def _record(index, reward, outcome, detail, rewards, failures, stats: RewardStats) -> None:
         rewards[index] = reward
-        self.stats.responses += 1
+        stats.responses += 1
         if outcome is _Outcome.OK:
             return
-        setattr(self.stats, outcome.value, getattr(self.stats, outcome.value) + 1)
+        setattr(stats, outcome.value, getattr(stats, outcome.value) + 1)
         if outcome is not _Outcome.NON_FINITE:  # logged where its group is dropped
             failures.append((index, outcome, detail))
 
