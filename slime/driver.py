@@ -418,7 +418,7 @@ def resync_engines(memory: ColocatedMemory, trainers: TrainerGroup, engines: Rol
     onload their weights only (the optimizer state stays off the GPU); engines resume their weights, the
     push, trainers offload, engines resume the KV cache and CUDA graphs; engines resident and trainers
     offloaded again, as the rest of the rollout expects (the next training step onloads everything).
-    ``trainers.update_weights`` ends with ``engines.weights_updated()``.
+    ``trainers.update_weights`` ends with ``engines.weights_updated()`` (the transport's ``end_sync``).
     """
     with memory.resync_phase():
         trainers.update_weights(engines)

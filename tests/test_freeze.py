@@ -221,9 +221,6 @@ class _Actor:
 class _Engines:
     epoch = 0
 
-    def weights_updated(self):
-        pass
-
 
 class _Transport(WeightTransport):
     """The base class's sync with nothing to connect, begin or end; the ranks' send is stood in for."""

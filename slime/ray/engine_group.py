@@ -311,7 +311,10 @@ class RolloutEngineGroup:
             state["ref"] = self.actors[engine].health.remote()
 
     def weights_updated(self) -> None:
-        """Called after every weight sync (all engines received the current weights): restarted engines serve again."""
+        """Every weight sync ends with this (each transport's ``end_sync``, once all engines received the current
+        weights, before generation continues): every engine flushes its cache (prefixes cached under the old
+        weights), and restarted engines serve again."""
+        self.flush_cache()
         for engine in sorted(self._restarted):
             self.serving[engine] = True
         self._restarted.clear()

@@ -196,8 +196,8 @@ class TrainerGroup:
 
         One :meth:`WeightTransport.sync`: the first call connects the transport (:meth:`WeightTransport.connect`, once
         per run, and again after an engine was restarted); every call then runs ``begin_sync``, every rank's ``send``,
-        and ``end_sync`` (which, for the object store, flushes the engines' caches).  Then it tells the engine
-        group that every engine has the current weights (restarted engines serve again).  Frozen parameters
+        and ``end_sync``, which tells the engine group that every engine has the current weights
+        (:meth:`RolloutEngineGroup.weights_updated`: caches flushed, restarted engines serve again).  Frozen parameters
         (``--freeze-params-name-list``) are sent by the first sync after each engine start (the run's first, and the
         first after a restart) and left out of the others; :meth:`sync_metrics` counts what was sent.
 
@@ -213,7 +213,6 @@ class TrainerGroup:
         sources = self.transport.sync(self, engines, lambda: ray.get([a.send_weights.remote(not full)
                                                                       for a in self.actors]), connect=connect)
         self._connected_engines = (engines, engines.epoch)
-        engines.weights_updated()  # restarted engines have the current weights now
         if full:
             self._frozen_sent = (engines, engines.epoch)
         names = set(sources)

@@ -10,7 +10,7 @@ buckets; the union over ranks is the whole model, each name once (:func:`check_w
     every call:       transport.begin_sync(engines)               # driver -> engines
                       on every rank: transport.send(buckets, rank, engine handles)
                       check_weight_sources(names sent by each rank)
-                      transport.end_sync(engines)                 # driver -> engines
+                      transport.end_sync(engines)                 # driver -> engines: engines.weights_updated()
 
 How each transport moves the buckets: ``docs/design/weight_sync.md``.
 """
@@ -113,8 +113,9 @@ class WeightTransport(abc.ABC):
         """
 
     def end_sync(self, engines: RolloutEngineGroup) -> None:
-        """Driver side, after every rank has sent (default: ``flush_cache`` on every engine)."""
-        engines.flush_cache()
+        """Driver side, after every rank has sent: it must call :meth:`RolloutEngineGroup.weights_updated` (caches
+        flushed, restarted engines serving); the default does only that."""
+        engines.weights_updated()
 
 
 def check_weight_sources(names_by_rank: Sequence[Sequence[str]]) -> dict[str, int]:

@@ -172,5 +172,5 @@ class CudaIpcTransport(WeightTransport):
         return sent
 
     def end_sync(self, engines: RolloutEngineGroup) -> None:
-        engines.flush_cache()
+        engines.weights_updated()
         engines.continue_generation()

@@ -152,5 +152,5 @@ class NcclTransport(WeightTransport):
         return sent
 
     def end_sync(self, engines: RolloutEngineGroup) -> None:
-        engines.flush_cache()
+        engines.weights_updated()
         engines.continue_generation()
