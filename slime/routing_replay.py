@@ -15,8 +15,7 @@ Here, in the order a run meets them:
 - the forward itself: every MoE layer takes the given experts with gate weights recomputed from its own router logits
   (:func:`forced_gate_weights`, so the router still learns); the Hugging Face model's routers through hooks
   (:func:`force_hf_routes`, :func:`capture_hf_routes`; a padded micro-batch's: :func:`hf_padded_routes`), the native
-  model's in
-  :class:`slime.models.qwen3_5.router.Qwen35Router`.
+  model's in :class:`slime.models.qwen3_5.router.Qwen35Router` (packed micro-batches': :func:`packed_routes`).
 
 torch is imported where a function needs it, so that the flag parser can import this module.
 """
@@ -425,6 +424,49 @@ def hf_padded_routes(model: nn.Module, batch, width: int, shape: RouteShape | No
         token_axis = torch.stack([layer[-1] for layer in calls], dim=1).numpy()
         lengths = [len(s.prompt_token_ids) + s.response_length - 1 for s in batch.samples]
         batch.trainer_routes = sample_routes(token_axis, starts, lengths, shape)
+
+
+@contextlib.contextmanager
+def packed_routes(model: nn.Module, batches: Sequence, shape: RouteShape | None, *, replay: bool,
+                  capture: bool = False) -> Iterator[list]:
+    """Routing replay around forwards of the native model (:mod:`slime.models.qwen3_5`, the Megatron backend's) over
+    packed micro-batches (``batches``: :class:`slime.backends.step.MicroBatch` es whose ``packed`` is the Megatron
+    backend's ``PackedBatch``, sample ``i`` from token ``inputs.cu_seqlens[i]``).  Yields the packed forms to run: with
+    ``replay`` each batch's ``routes`` (where set) on its token axis (:func:`with_packed_routes`); with ``capture``
+    every batch's ``trainer_routes`` gets its samples' own routes of the block's forwards (one per batch, in order),
+    uint8 ``[P + R - 1, layers, top_k]``.  ``shape``: the policy's (needed with either).
+
+    Raises:
+        ValueError / RouteError: routes that do not fit the model (:func:`token_routes`, :func:`sample_routes`).
+    """
+    import torch
+
+    from slime.models.qwen3_5.router import captured_routes
+
+    packed = [b.packed if not replay or b.routes is None else with_packed_routes(b.packed, b.routes, shape)
+              for b in batches]
+    with captured_routes(model) if capture else contextlib.nullcontext() as calls:
+        yield packed
+    if calls is not None:
+        for i, batch in enumerate(batches):
+            token_axis = torch.stack([calls[layer][i] for layer in range(1, shape.num_layers + 1)], dim=1).numpy()
+            bounds = batch.packed.inputs.cu_seqlens.tolist()  # the model's token axis (not the loss's)
+            starts = bounds[: len(batch.packed.response_lengths)]
+            lengths = [end - start - 1 for start, end in zip(starts, bounds[1:])]
+            batch.trainer_routes = sample_routes(token_axis, starts, lengths, shape)
+
+
+def with_packed_routes(batch, routes: Sequence[np.ndarray], shape: RouteShape):
+    """The Megatron backend's packed ``batch`` with its samples' routed experts (``routes``, uint8 ``[P + R - 1,
+    layers, top_k]`` per sample) on its token axis as ``inputs.routed_experts`` (:func:`token_routes`: from each
+    sample's first token; the model's own choice at its last token and on the padding)."""
+    import torch
+
+    starts = batch.inputs.cu_seqlens[: len(routes)].tolist()
+    token_axis = token_routes(routes, starts, batch.num_tokens, shape)
+    inputs = dataclasses.replace(batch.inputs,
+                                 routed_experts=torch.from_numpy(token_axis).to(batch.inputs.input_ids.device))
+    return dataclasses.replace(batch, inputs=inputs)
 
 
 @contextlib.contextmanager

@@ -335,8 +335,8 @@ def hf_phase(model_path: Path, engines: dict, num_image: int) -> dict:
 
 
 def native_phase(hf: dict, engines: dict, num_image: int) -> None:
-    from slime.backends.megatron.backend import pack_micro_batch, with_routes
-    from slime.routing_replay import RouteShape
+    from slime.backends.megatron.backend import pack_micro_batch
+    from slime.routing_replay import RouteShape, with_packed_routes
     from slime.models.qwen3_5.build import initialize_single_process, native_from_hf_model
     from slime.models.qwen3_5.config import Qwen35Kernels
 
@@ -362,7 +362,8 @@ def native_phase(hf: dict, engines: dict, num_image: int) -> None:
                     if replay:
                         layers = hf_model.config.text_config.num_hidden_layers
                         s.rollout_routed_experts = s.metadata["routes"].view(-1, layers, top_k).numpy()
-                        mb = with_routes(mb, [s], RouteShape(layers, top_k, hf_model.config.text_config.num_experts))
+                        shape = RouteShape(layers, top_k, hf_model.config.text_config.num_experts)
+                        mb = with_packed_routes(mb, [s.rollout_routed_experts], shape)
                     logits = native(mb.inputs)[:, 0].float()
                     lp = logits.log_softmax(-1).gather(-1, mb.targets[:, None])[:, 0]
                     lps.append(lp.tolist())

@@ -28,14 +28,12 @@ micro-batches, DDP averages over ``dp`` ranks, so the summed gradient is that of
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from functools import partial
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -60,7 +58,7 @@ from slime.grpo.loss import grpo_micro_batch_loss
 from slime.grpo.token_advantages import Whitening
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
-from slime.routing_replay import RouteError, RouteShape, sample_routes, token_routes
+from slime.routing_replay import RouteError, RouteShape, packed_routes
 
 logger = logging.getLogger(__name__)
 
@@ -188,32 +186,24 @@ class MegatronBackend:
     def log_probs(self, model, batches: list[MicroBatch], *, replay_routes: bool = False,
                   capture_routes: bool = False) -> list[Tensor] | None:
         """Forward-only pass of the schedule; per sample ``[R]`` (CPU, fp32); None off the last pipeline stage.
-        With ``replay_routes`` each micro-batch carries ``batch.routes`` (:func:`with_routes`); with
-        ``capture_routes`` the routers' choices go to ``batch.trainer_routes`` (:func:`captured_routes`)."""
-        from slime.models.qwen3_5.router import captured_routes
-
-        packed = self._with_routes(batches) if replay_routes else [b.packed for b in batches]
+        With ``replay_routes`` each micro-batch carries ``batch.routes``, with ``capture_routes`` the routers'
+        choices go to ``batch.trainer_routes`` (:func:`slime.routing_replay.packed_routes`)."""
         was_training = model.training
         model.eval()
-        with torch.no_grad(), (captured_routes(model) if capture_routes else contextlib.nullcontext()) as calls:
-            store = run_micro_batches(model, packed,
-                                      make_forward_step(self._context(), log_prob_func),
+        with torch.no_grad(), packed_routes(model, batches, self._replay_shape(batches, replay_routes, capture_routes),
+                                            replay=replay_routes, capture=capture_routes) as packed:
+            store = run_micro_batches(model, packed, make_forward_step(self._context(), log_prob_func),
                                       forward_only=True, device=self.device)
         model.train(was_training)
-        if calls is not None:
-            shape = self.route_shape()
-            for i, batch in enumerate(batches):
-                token_axis = torch.stack([calls[layer][i] for layer in range(1, shape.num_layers + 1)], dim=1)
-                batch.trainer_routes = split_routes(batch.packed, token_axis.numpy(), shape)
         if not self.groups.is_last_stage:
             return None
         return [lp for batch, out in zip(batches, store, strict=True)
                 for lp in batch.packed.split(out["log_probs"].float().cpu())]
 
-    def _with_routes(self, batches: list[MicroBatch]) -> list[PackedBatch]:
-        """Each batch's packed form with ``batch.routes`` on its token axis (as it is where they are None)."""
-        shape = self.route_shape() if any(b.routes is not None for b in batches) else None
-        return [b.packed if b.routes is None else with_routes(b.packed, b.routes, shape) for b in batches]
+    def _replay_shape(self, batches: list[MicroBatch], replay: bool, capture: bool) -> RouteShape | None:
+        """The policy's route shape where the pass replays some batch's routes or captures its own, else None."""
+        needed = capture or (replay and any(b.routes is not None for b in batches))
+        return self.route_shape() if needed else None
 
     def forward_backward(self, batches: list[MicroBatch], normalizer: float) -> list[dict[str, Tensor]]:
         """Every micro-batch of the step through megatron-core's schedule with :func:`grpo_loss_func` (with
@@ -229,8 +219,10 @@ class MegatronBackend:
                             dp_size=self.groups.dp_size,
                             whitening=next((b.advantage_whitening for b in batches), None))
         self._micro_batches = len(batches)
-        return run_micro_batches(self.optimizer.model, self._with_routes(batches),
-                                 make_forward_step(ctx, grpo_loss_func), forward_only=False, device=self.device)
+        model = self.optimizer.model
+        with packed_routes(model, batches, self._replay_shape(batches, True, False), replay=True) as packed:
+            return run_micro_batches(model, packed, make_forward_step(ctx, grpo_loss_func), forward_only=False,
+                                     device=self.device)
 
     def grad_norm(self) -> float:
         """The global gradient norm (megatron-core's distributed optimizer, or the CPU stand-in's)."""
@@ -409,26 +401,6 @@ def pack_micro_batch(
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
         response_lengths=lengths,
     )
-
-
-def with_routes(batch: PackedBatch, routes: Sequence[np.ndarray], shape: RouteShape) -> PackedBatch:
-    """``batch`` with its samples' routed experts (``routes``, uint8 ``[P + R - 1, layers, top_k]`` per sample) on
-    its token axis (:func:`slime.routing_replay.token_routes`: from each sample's first token; the model's own choice
-    at its last token and on the padding)."""
-    starts = batch.inputs.cu_seqlens[: len(routes)].tolist()
-    token_axis = token_routes(routes, starts, batch.num_tokens, shape)
-    device = batch.inputs.input_ids.device
-    inputs = dataclasses.replace(batch.inputs, routed_experts=torch.from_numpy(token_axis).to(device))
-    return dataclasses.replace(batch, inputs=inputs)
-
-
-def split_routes(batch: PackedBatch, token_axis: np.ndarray, shape: RouteShape) -> list[np.ndarray]:
-    """The inverse of :func:`with_routes`: per sample uint8 ``[P + R - 1, layers, top_k]`` from ``token_axis``
-    ``[T, layers, top_k]`` (:func:`slime.routing_replay.sample_routes`)."""
-    bounds = batch.inputs.cu_seqlens.tolist()
-    starts = bounds[: len(batch.response_lengths)]
-    lengths = [end - start - 1 for start, end in zip(starts, bounds[1:])]
-    return sample_routes(token_axis, starts, lengths, shape)
 
 
 def packed_per_token(rows: Sequence[Tensor], device: torch.device) -> Tensor:
