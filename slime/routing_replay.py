@@ -204,6 +204,22 @@ def check_routes(routes: np.ndarray, prompt_len: int, response_len: int, shape: 
         raise RouteError(f"{where}: routed expert id {int(routes.max())} >= the model's {shape.num_experts} experts")
 
 
+def route_problem(samples: Sequence[Sample], shape: RouteShape) -> str | None:
+    """Why the engine routes of the first sample that R3 cannot replay do not fit: none (``rollout_routed_experts``
+    None), or not ``[P + R - 1, layers, top_k]`` ids of ``shape`` (:func:`check_routes`); None when every one fits."""
+    for sample in samples:
+        where = f"sample {sample.index} (group {sample.group_index})"
+        if sample.rollout_routed_experts is None:
+            return (f"{where} has no rollout_routed_experts to replay; the engine returns them only when asked "
+                    "(return_routed_experts) and started to capture them")
+        try:
+            check_routes(sample.rollout_routed_experts, len(sample.prompt_token_ids), sample.response_length, shape,
+                         where)
+        except RouteError as e:
+            return str(e)
+    return None
+
+
 def token_routes(routes: Sequence[np.ndarray], starts: Sequence[int], total: int, shape: RouteShape) -> np.ndarray:
     """One micro-batch's routes on its token axis: int16 ``[total, num_layers, top_k]``, sample ``i``'s
     ``[n_i, num_layers, top_k]`` at rows ``starts[i] .. starts[i] + n_i`` (padded rows ``b * T``, or packed
@@ -239,18 +255,21 @@ class StepRoutes:
         record: R2 alone: the training forwards take the routes the old-log-prob pass took.
         capture: the old-log-prob pass records the routers' choices (``MicroBatch.trainer_routes``): R2's record,
             and the monitor's router agreement where samples carry engine routes.
+        problem: R3: why the engine routes of a sample cannot be replayed (:func:`route_problem`), else None;
+            :func:`slime.backends.samples.check_train_samples` raises it on every rank, before any forward.
     """
 
     shape: RouteShape | None
     engine: bool
     record: bool
     capture: bool
+    problem: str | None = None
 
     @classmethod
     def for_step(cls, train: TrainConfig, route_shape: Callable[[], RouteShape],
                  samples: Sequence[Sample]) -> StepRoutes:
         """From the flags, the policy's ``route_shape()`` (NotImplementedError, saying why, where it cannot replay)
-        and the step's samples.
+        and the step's samples (with R3 their engine routes checked: :attr:`problem`).
 
         Raises:
             NotImplementedError: ``--use-routing-replay`` (or R3) with a policy that cannot replay.
@@ -264,7 +283,8 @@ class StepRoutes:
             except NotImplementedError:
                 shape = None
         capture = shape is not None and (r2 or any(s.rollout_routed_experts is not None for s in samples))
-        return cls(shape, r3, r2 and not r3, capture)
+        problem = route_problem(samples, shape) if r3 and shape is not None else None
+        return cls(shape, r3, r2 and not r3, capture, problem)
 
     def after_old_pass(self, batches: Sequence) -> dict[str, float]:
         """After the old-log-prob pass over ``batches`` (``MicroBatch`` es): the monitor's router agreement sums

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from slime.data.sample import Sample
 from slime.errors import SlimeError
-from slime.routing_replay import RouteError, RouteShape, check_routes
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +30,13 @@ class SampleError(SlimeError, ValueError):
     names its index and the field."""
 
 
-def check_train_sample(sample: Sample, need_rollout_log_probs: bool | str = False,
-                       routes: RouteShape | None = None) -> None:
+def check_train_sample(sample: Sample, need_rollout_log_probs: bool | str = False) -> None:
     """Check one sample's per-token fields before a forward pass (with ``need_rollout_log_probs``, True or the flags
-    that need them, also its ``rollout_log_probs``; with ``routes`` its ``rollout_routed_experts`` of that shape, :func:`check_routes`).
+    that need them, also its ``rollout_log_probs``).
 
     Raises:
         SampleError: no prompt or response tokens; a ``loss_mask``, or non-empty ``rollout_log_probs``, not of the
-            response's length; no ``rollout_log_probs`` when needed; with ``routes``, none or malformed ones.
+            response's length; no ``rollout_log_probs`` when needed.
     """
     r = sample.response_length
     where = f"sample {sample.index} (group {sample.group_index})"
@@ -61,26 +59,21 @@ def check_train_sample(sample: Sample, need_rollout_log_probs: bool | str = Fals
             f"{'--use-rollout-logprobs' if need_rollout_log_probs is True else need_rollout_log_probs} needs; "
             "check that the rollout engine returns log-probs"
         )
-    if routes is not None:
-        if sample.rollout_routed_experts is None:
-            raise SampleError(f"{where} has no rollout_routed_experts to replay; the engine returns them only when "
-                              "asked (return_routed_experts) and started to capture them")
-        try:
-            check_routes(sample.rollout_routed_experts, len(sample.prompt_token_ids), r, routes, where)
-        except RouteError as e:
-            raise SampleError(str(e)) from None
 
 
 def check_train_samples(
     samples: Sequence[Sample], need_rollout_log_probs: bool | str = False, group: dist.ProcessGroup | None = None,
-    routes: RouteShape | None = None,
+    routes_problem: str | None = None,
 ) -> None:
-    """:func:`check_train_sample` on every sample, agreed over the ranks of ``group`` (collective), so that no rank
+    """:func:`check_train_sample` on every sample, then ``routes_problem`` (R3's engine routes that do not fit,
+    :attr:`slime.routing_replay.StepRoutes.problem`), agreed over the ranks of ``group`` (collective), so that no rank
     waits in a forward pass for one that raised alone: ``SampleError``, this rank's own or one naming another rank's."""
     error = None
     try:
         for sample in samples:
-            check_train_sample(sample, need_rollout_log_probs, routes)
+            check_train_sample(sample, need_rollout_log_probs)
+        if routes_problem is not None:
+            raise SampleError(routes_problem)
     except SampleError as e:
         error = e
     failed = torch.tensor([0 if error is None else 1])

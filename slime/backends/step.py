@@ -29,7 +29,7 @@ from slime.backends.train_metrics import DataParallel, metrics_over_steps, misma
 from slime.data.sample import Sample
 from slime.grpo.loss import loss_metric_names
 from slime.grpo.token_advantages import Whitening, rollout_whitening
-from slime.routing_replay import RouteShape, StepRoutes
+from slime.routing_replay import RouteShape, StepRoutes, route_problem
 from slime.utils.timer import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     with clock("checks"):
         routes = StepRoutes.for_step(spec.train, backend.route_shape, samples)  # R3 / R2 / the monitor's routes
         check_train_samples(samples, need_rollout_log_probs=_rollout_log_prob_flags(spec),
-                            routes=routes.shape if routes.engine else None)
+                            routes_problem=routes.problem)
     with clock("pack"):
         steps = [micro_batches(backend, samples, indices, engine_routes=routes.engine, dp_group=dp.group)
                  for indices in split_into_steps(range(len(samples)), num_steps)]
@@ -205,7 +205,8 @@ def compute_log_probs(backend: StepBackend, samples: list[Sample], *, rounding_n
         RuntimeError: before ``init``, or the weights are offloaded.
     """
     backend.memory.require("compute_log_probs()", training=False)
-    check_train_samples(samples, routes=backend.route_shape() if replay_routes else None)
+    shape = backend.route_shape() if replay_routes else None
+    check_train_samples(samples, routes_problem=None if shape is None else route_problem(samples, shape))
     batches = micro_batches(backend, samples, range(len(samples)), engine_routes=replay_routes, dp_group=None)
     with rounding_step_noise(backend.input_embedding() if rounding_noise else None):
         log_probs = log_probs_by_sample(backend, backend.model, batches, len(samples), replay_routes=replay_routes)

@@ -3,8 +3,9 @@
 With ``z = logits / temperature`` (the distribution the engines sample from and report):
 ``log p(y) = z_y - logsumexp(z)`` and ``H = logsumexp(z) - sum_v p_v z_v`` (nats), in float32 whatever
 the logits' dtype (float64 kept).  Full vocabulary ``[..., V]``: :func:`gather_log_probs`,
-:func:`entropy_from_logits`, both in one call :func:`full_vocab_log_probs`.  Vocab-parallel ``[..., V_p]`` shards of a TP group (megatron-core's
-``vocab_parallel_cross_entropy`` scheme, never gathering the vocabulary): :func:`vocab_parallel_log_probs`.
+:func:`entropy_from_logits`, both in one call :func:`full_vocab_log_probs`.  Vocab-parallel ``[..., V_p]``
+shards of a TP group (megatron-core's ``vocab_parallel_cross_entropy`` scheme, never gathering the
+vocabulary): :func:`vocab_parallel_log_probs`.
 The derivation and the padded-vocabulary rule: ``docs/design/grpo.md``.
 """
 

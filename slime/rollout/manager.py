@@ -288,11 +288,11 @@ class RolloutManager:
     def _generate_and_score(self, samples: list[Sample], params: SamplingParams, rollout_id: int, stream: str,
                             reward_stats: RewardStats) -> None:
         """Generate one response per sample (request ``i`` seeded by :func:`sampling_seed` of its
-        position ``i``), record it on the sample and score it (the scorer's counts into ``reward_stats``).  A sample whose engine saw another
-        prompt length gets status ``FAILED`` (:func:`slime.rollout.outputs.check_prompt_lengths`, which raises
-        :class:`PromptMismatchError` when too many do); one whose engine answered ``finish_reason
-        "abort"`` gets ``ABORTED`` (a warning names the first few, :func:`.outputs.warn_aborted`).  Those two keep
-        ``reward`` None: only the other samples are scored."""
+        position ``i``), record it on the sample and score it (the scorer's counts into ``reward_stats``).  A sample
+        whose engine saw another prompt length gets status ``FAILED``
+        (:func:`slime.rollout.outputs.check_prompt_lengths`, which raises :class:`PromptMismatchError` when too many
+        do); one whose engine answered ``finish_reason "abort"`` gets ``ABORTED`` (a warning names the first few,
+        :func:`.outputs.warn_aborted`).  Those two keep ``reward`` None: only the other samples are scored."""
         if self.engines is None:
             raise RuntimeError("RolloutManager has no engines attached (set manager.engines first)")
         requests = self.requests(samples, params, rollout_id, stream)
