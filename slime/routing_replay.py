@@ -447,25 +447,24 @@ def hf_padded_routes(model: nn.Module, batch, width: int, shape: RouteShape | No
 
 
 @contextlib.contextmanager
-def packed_routes(model: nn.Module, batches: Sequence, shape: RouteShape | None, *, replay: bool,
-                  capture: bool = False) -> Iterator[list]:
+def packed_routes(batches: Sequence, shape: RouteShape | None, *, replay: bool,
+                  capture: contextlib.AbstractContextManager | None = None) -> Iterator[list]:
     """Routing replay around forwards of the native model (:mod:`slime.models.qwen3_5`, the Megatron backend's) over
     packed micro-batches (``batches``: :class:`slime.backends.step.MicroBatch` es whose ``packed`` is the Megatron
     backend's ``PackedBatch``, sample ``i`` from token ``inputs.cu_seqlens[i]``).  Yields the packed forms to run: with
     ``replay`` each batch's ``routes`` (where set) on its token axis (:func:`with_packed_routes`); with ``capture``
-    every batch's ``trainer_routes`` gets its samples' own routes of the block's forwards (one per batch, in order),
-    uint8 ``[P + R - 1, layers, top_k]``.  ``shape``: the policy's (needed with either).
+    (the model's ``captured_routes(model)``: layer number -> one ``[N_f, top_k]`` tensor per forward) every batch's
+    ``trainer_routes`` gets its samples' own routes of the block's forwards (one per batch, in order), uint8
+    ``[P + R - 1, layers, top_k]``.  ``shape``: the policy's (needed with either).
 
     Raises:
         ValueError / RouteError: routes that do not fit the model (:func:`token_routes`, :func:`sample_routes`).
     """
     import torch
 
-    from slime.models.qwen3_5.router import captured_routes
-
     packed = [b.packed if not replay or b.routes is None else with_packed_routes(b.packed, b.routes, shape)
               for b in batches]
-    with captured_routes(model) if capture else contextlib.nullcontext() as calls:
+    with capture or contextlib.nullcontext() as calls:
         yield packed
     if calls is not None:
         for i, batch in enumerate(batches):

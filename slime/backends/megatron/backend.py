@@ -188,10 +188,13 @@ class MegatronBackend:
         """Forward-only pass of the schedule; per sample ``[R]`` (CPU, fp32); None off the last pipeline stage.
         With ``replay_routes`` each micro-batch carries ``batch.routes``, with ``capture_routes`` the routers'
         choices go to ``batch.trainer_routes`` (:func:`slime.routing_replay.packed_routes`)."""
+        from slime.models.qwen3_5.router import captured_routes
+
         was_training = model.training
         model.eval()
-        with torch.no_grad(), packed_routes(model, batches, self._replay_shape(batches, replay_routes, capture_routes),
-                                            replay=replay_routes, capture=capture_routes) as packed:
+        shape = self._replay_shape(batches, replay_routes, capture_routes)
+        with torch.no_grad(), packed_routes(batches, shape, replay=replay_routes,
+                                            capture=captured_routes(model) if capture_routes else None) as packed:
             store = run_micro_batches(model, packed, make_forward_step(self._context(), log_prob_func),
                                       forward_only=True, device=self.device)
         model.train(was_training)
@@ -220,7 +223,7 @@ class MegatronBackend:
                             whitening=next((b.advantage_whitening for b in batches), None))
         self._micro_batches = len(batches)
         model = self.optimizer.model
-        with packed_routes(model, batches, self._replay_shape(batches, True, False), replay=True) as packed:
+        with packed_routes(batches, self._replay_shape(batches, True, False), replay=True) as packed:
             return run_micro_batches(model, packed, make_forward_step(ctx, grpo_loss_func), forward_only=False,
                                      device=self.device)
 
