@@ -174,7 +174,8 @@ PY
       --global-batch-size 48 --rollout-max-response-len 1 --rollout-temperature 0.5
       --custom-rm-path scripts.harness.colour_task:colour_reward --apply-chat-template-kwargs '{"enable_thinking": false}'
       --eps-clip 0.5 --eps-clip-high 1.0 --lr "${SLIME_LEARN_LR:-5e-5}" --lr-warmup-iters 4 --weight-decay 0
-      --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000 --engine-parity-prompts 6)
+      --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000 --engine-parity-prompts 6
+      ${SLIME_LEARN_EXTRA:-})
     CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet RUN_DIR=$LOGS/run-learn timed learn launcher 1500 \
       "${learn_flags[@]}"
     # One device loan is all there is: if the parity gate (not the learning) stopped it, the gate's figures are in the
