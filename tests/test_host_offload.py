@@ -94,6 +94,7 @@ def test_a_checkpoint_read_of_the_optimizer_state_while_it_is_parked_gives_its_v
         shard_fp32_groups=[], data_parallel_group=None)
     adam = DistributedAdam.__new__(DistributedAdam)  # no megatron-core model: the attributes param_state reads
     adam.parts, adam.parking = [part], _parking()
+    adam.ddp = SimpleNamespace(buffers=[], expert_parallel_buffers=[])
     want = {"param": main.clone().view(2, 4), "exp_avg": state["exp_avg"].clone().view(2, 4),
             "exp_avg_sq": state["exp_avg_sq"].clone().view(2, 4)}
     started = not dist.is_initialized()
@@ -105,6 +106,53 @@ def test_a_checkpoint_read_of_the_optimizer_state_while_it_is_parked_gives_its_v
         got = adam.param_state(param)
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def test_the_fp32_main_weight_of_an_fp32_parameter_reads_from_its_offloaded_buffer():
+    """The next GPU run (H100, 2026-12-06) still failed at the save, in the same ``param_state`` line: the fp32 main
+    weight of an fp32 model parameter (``A_log``) is a view of the parameter, which lives in a DDP parameter buffer
+    that megatron-core's ``offload_to_cpu`` frees (its copy in ``param_data_cpu``), not in :class:`HostParking`.  Here
+    megatron-core's offload is done by hand on a CPU buffer of 12 fp32 elements: the parameter is elements 4-9 of it,
+    its shard (this rank's) elements 1-4 of the parameter, and the moments are parked."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from slime.backends.megatron.optimizer import DistributedAdam
+
+    param_data = torch.arange(12, dtype=torch.float32) / 8
+    param = torch.nn.Parameter(param_data[4:10].view(2, 3))  # a view of the buffer, as DDP makes it
+    main = param.detach().view(-1)[1:5]  # megatron-core's shard of an fp32 parameter: a view of it
+    state = {"exp_avg": torch.full((4,), 0.5), "exp_avg_sq": torch.arange(4.0) / 10, "step": torch.tensor(2.0)}
+    part = SimpleNamespace(
+        buffers=[SimpleNamespace(param_index_map={param: None})], model_param_gbuf_map={param: None},
+        _get_model_param_range_map=lambda p: {"param": SimpleNamespace(start=1, end=5)},
+        optimizer=SimpleNamespace(state={main: state}), model_float16_groups=[], shard_fp32_from_float16_groups=[],
+        model_fp32_groups=[[param]], shard_fp32_groups=[[main]], data_parallel_group=None)
+    buffer = SimpleNamespace(param_data=param_data, param_data_cpu=None)
+    adam = DistributedAdam.__new__(DistributedAdam)
+    adam.parts, adam.parking = [part], _parking()
+    adam.ddp = SimpleNamespace(buffers=[buffer], expert_parallel_buffers=[])
+    # by hand: the parameter's elements 1-4 are buffer elements 5-8, i.e. (5, 6, 7, 8) / 8; the rest of the whole
+    # parameter is 0 (another rank's shard, summed in by the all-reduce of one rank)
+    want_param = torch.tensor([0.0, 5, 6, 7, 8, 0]).view(2, 3) / 8
+    want_avg = torch.tensor([0.0, 0.5, 0.5, 0.5, 0.5, 0]).view(2, 3)
+    want_sq = torch.tensor([0.0, 0.0, 0.1, 0.2, 0.3, 0]).view(2, 3)
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        adam.parking.park(list(state.values()))
+        buffer.param_data_cpu = param_data.clone()  # megatron-core's offload_to_cpu: copy, then free the storage
+        param_data.untyped_storage().resize_(0)
+        assert main.untyped_storage().nbytes() == 0
+        got = adam.param_state(param)
+        torch.testing.assert_close(got["param"], want_param, rtol=0, atol=0)
+        torch.testing.assert_close(got["exp_avg"], want_avg, rtol=0, atol=0)
+        torch.testing.assert_close(got["exp_avg_sq"], want_sq, rtol=0, atol=1e-7)
     finally:
         if started:
             dist.destroy_process_group()

@@ -137,10 +137,30 @@ class DistributedAdam:
             shard = self._shard_state(part, param)
             for k in STATE_KEYS:
                 if k in shard:
-                    full[k][sl.start: sl.end] = self.parking.readable(shard[k]).detach().float()
+                    full[k][sl.start: sl.end] = self._readable(shard[k]).detach().float()
         flat = torch.cat([full[k] for k in STATE_KEYS])
         dist.all_reduce(flat, group=part.data_parallel_group)
         return {k: t.view(param.shape) for k, t in zip(STATE_KEYS, flat.chunk(len(STATE_KEYS)))}
+
+    def _readable(self, t: Tensor) -> Tensor:
+        """``t`` to read while the colocated step's state is off the device (no copy): the parked host bytes of
+        optimizer state (:meth:`HostParking.readable`), or, for a view into a DDP parameter buffer that megatron-core's
+        ``offload_to_cpu`` has freed, the same view of that buffer's pinned CPU copy (``param_data_cpu``).  The second
+        case is the fp32 main weight of an fp32 model parameter (``A_log``): a view of the parameter itself, so of its
+        buffer, which :meth:`move_weights` offloads; reading the freed storage fails ("CUDA error: invalid argument",
+        the H100 run of 2026-12-06, at the save after a colocated step)."""
+        t = self.parking.readable(t)
+        storage = t.untyped_storage()
+        if storage.nbytes() > 0:
+            return t
+        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            data, host = buffer.param_data, getattr(buffer, "param_data_cpu", None)
+            if data is None or host is None or data.dtype != t.dtype or data.untyped_storage()._cdata != storage._cdata:
+                continue
+            offset = t.storage_offset() - data.storage_offset()
+            return torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), host.storage_offset() + offset, t.shape,
+                                                      t.stride())
+        return t
 
     def set_param_state(self, param: Tensor, state: dict[str, Tensor], steps: int) -> None:
         """Write whole-parameter ``state`` (as from :meth:`param_state`; ``param`` alone, or with the moments)
