@@ -1131,7 +1131,14 @@ def fake_sglang_modules(monkeypatch, tmp_path):
         def update_weights_from_tensor(self, req):
             return True, "Success"
 
-    classes = {server_plugin.MROPE_FIX_TARGET: type("Layer", (_Layer,), {}),
+    class Scheduler:
+        def is_fully_idle(self):
+            return True
+
+        def flush_cache(self, empty_cache=True):
+            return True
+
+    classes = {server_plugin.SCHEDULER_TARGET: Scheduler,server_plugin.MROPE_FIX_TARGET: type("Layer", (_Layer,), {}),
                "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
                "sglang.srt.server_args.ServerArgs": ServerArgs,
                "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker,
@@ -1141,9 +1148,14 @@ def fake_sglang_modules(monkeypatch, tmp_path):
     spec_module, _, spec_class = server_plugin.SPEC_WORKER_TARGET.rpartition(".")
     armed: list[str] = []
 
+    scheduler_module, _, scheduler_class = server_plugin.SCHEDULER_TARGET.rpartition(".")
+
     def arm_on_import(name, patch):  # SGLang imports the model module (and the speculative worker's) at once
-        assert name in (module, spec_module)
+        assert name in (module, spec_module, scheduler_module)
         armed.append(name)
+        if name == scheduler_module:
+            patch(types.SimpleNamespace(**{scheduler_class: classes[server_plugin.SCHEDULER_TARGET]}))
+            return
         if name == spec_module:
             patch(types.SimpleNamespace(**{spec_class: classes[server_plugin.SPEC_WORKER_TARGET]}))
             return
@@ -1213,6 +1225,50 @@ def test_the_speculative_worker_waits_for_its_weight_copies_in_scheduler_process
     assert (spec_module in fake_sglang_modules.armed) is not main
     assert getattr(worker.update_weights_from_tensor, server_plugin._MARK, False) is not main
     assert worker().update_weights_from_tensor(None) == (True, "Success")  # the original's answer, unchanged
+
+
+class _EmbeddingCache:  # SGLang's MultiModalStaticCache, as far as the patch uses it
+    def __init__(self):
+        self.mm_cache = {1: "old embedding"}
+
+    def clear(self):
+        self.mm_cache.clear()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_flush_empties_sglangs_multimodal_embedding_cache_when_idle(monkeypatch, idle):
+    """SGLang's flush_cache leaves its multimodal embedding cache (keyed by image hash) in place, so after a weight
+    sync a repeated image reuses the old vision tower's output (the H100 run's parity failure): the patched flush
+    empties it first, when the scheduler is idle (as the flush itself is), and answers what SGLang's flush answers."""
+    calls = []
+
+    class Scheduler:
+        def is_fully_idle(self):
+            return idle
+
+        def flush_cache(self, empty_cache=True):
+            calls.append(dict(cache.mm_cache))  # what the cache held when SGLang's own flush ran
+            return idle
+
+    cache = _EmbeddingCache()
+    monkeypatch.setitem(sys.modules, server_plugin.MM_EMBEDDING_MODULE, types.SimpleNamespace(embedding_cache=cache))
+    server_plugin.clear_mm_embeddings_on_flush(Scheduler)
+    server_plugin.clear_mm_embeddings_on_flush(Scheduler)  # idempotent
+    assert Scheduler().flush_cache(empty_cache=False) is idle
+    assert calls == [{} if idle else {1: "old embedding"}]
+    assert cache.mm_cache == ({} if idle else {1: "old embedding"})
+    monkeypatch.setitem(sys.modules, server_plugin.MM_EMBEDDING_MODULE, types.SimpleNamespace(embedding_cache=None))
+    assert Scheduler().flush_cache() is idle  # no cache made (SGLANG_VLM_CACHE_SIZE_MB unset on a text server)
+
+
+@pytest.mark.parametrize("main", [False, True])
+def test_register_patches_the_schedulers_flush_in_scheduler_processes(fake_sglang_modules, monkeypatch, main):
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.17")
+    if main:
+        monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
+    scheduler = fake_sglang_modules.classes[server_plugin.SCHEDULER_TARGET]
+    server_plugin.register()
+    assert getattr(scheduler.flush_cache, server_plugin._MARK, False) is not main
 
 
 def test_the_servers_main_process_reports_without_patching_the_model(fake_sglang_modules, monkeypatch):

@@ -5,7 +5,8 @@ this module one for its own servers only, through a ``*.dist-info`` folder on th
 (:func:`slime.rollout.engines.sglang.launch.write_plugin_dist`).  :func:`register` applies, in every process: the
 multimodal-RoPE fix where the SGLang release needs it (:func:`apply_rope_fix`), secrets out of the logs
 (:func:`redact_server_args`), weight updates that have finished when they answer
-(:func:`synchronize_after_tensor_update`), fused experts in a few copies (:mod:`.expert_load`), and one JSON report
+(:func:`synchronize_after_tensor_update`), the multimodal embedding cache emptied with every flush
+(:func:`clear_mm_embeddings_on_flush`), fused experts in a few copies (:mod:`.expert_load`), and one JSON report
 per process, which the engine checks (:func:`read_reports`).  Details: ``docs/design/sglang_engine.md``.  SGLang is
 imported only inside functions.
 """
@@ -40,6 +41,11 @@ MROPE_FIX_ENV = "SLIME_SGLANG_MROPE_FIX"
 SPEC_WORKER_TARGET = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 """SGLang 0.5.17's EAGLE worker (MTP drafting), whose ``update_weights_from_tensor`` the scheduler calls instead of
 ``BaseTpWorker``'s when speculative decoding is on (``scheduler_components/weight_updater.py``)."""
+
+SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler"
+"""The scheduler, whose ``flush_cache`` (:func:`clear_mm_embeddings_on_flush`) every weight sync ends with."""
+MM_EMBEDDING_MODULE = "sglang.srt.managers.mm_utils"
+"""Where SGLang keeps its multimodal embedding cache (the module attribute ``embedding_cache``)."""
 
 FAST_EXPERT_LOAD_ENV = "SLIME_SGLANG_FAST_EXPERT_LOAD"
 """``0`` leaves fused expert tensors to SGLang's own per-expert loader (:mod:`.expert_load`); default on."""
@@ -84,6 +90,8 @@ def register() -> None:
         spec_module, _, spec_class = SPEC_WORKER_TARGET.rpartition(".")
         arm_on_import(spec_module, lambda module: getattr(module, spec_class, None) is not None
                       and synchronize_after_tensor_update(getattr(module, spec_class)))
+        scheduler_module, _, scheduler_class = SCHEDULER_TARGET.rpartition(".")
+        arm_on_import(scheduler_module, lambda module: _patch_scheduler(getattr(module, scheduler_class, None)))
     if state != "pending" and not fast_experts:
         return
     module_name, _, class_name = MROPE_FIX_TARGET.rpartition(".")
@@ -218,6 +226,43 @@ def synchronize_after_tensor_update(worker_cls: type) -> None:
 
     setattr(update_weights_from_tensor, _MARK, True)
     worker_cls.update_weights_from_tensor = update_weights_from_tensor
+
+
+def clear_mm_embeddings_on_flush(scheduler_cls: type) -> None:
+    """Make ``scheduler_cls.flush_cache`` also empty SGLang's multimodal embedding cache when the scheduler is idle
+    (idempotent).
+
+    SGLang (0.5.17 seen) keeps the vision tower's output per image hash in ``mm_utils.embedding_cache``
+    (``SGLANG_VLM_CACHE_SIZE_MB``, 4 GiB by default) and its ``flush_cache`` resets the KV and radix caches but not
+    that one (sgl-project/sglang PR #36468, open), so after a weight sync an image seen before is embedded with the old
+    vision weights.  The H100 run of 2026-12-06 showed it: the colour task (6 images, every rollout) with the vision
+    tower training failed the engine parity check after the first sync (image gap 2.42 trainer floors, text 0.61),
+    and passed it with the tower frozen (0.58 / 0.60).  Every weight sync ends with ``flush_cache``
+    (:meth:`slime.weight_sync.base.WeightTransport.end_sync`); the cache is emptied first, so that the flush's
+    ``empty_cache`` also returns the embeddings' device memory (colocated trainers need it).
+    """
+    original = scheduler_cls.flush_cache
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def flush_cache(self, *args, **kwargs):
+        if self.is_fully_idle():  # as the flush itself: requests in flight keep what they hold
+            cache = getattr(sys.modules.get(MM_EMBEDDING_MODULE), "embedding_cache", None)
+            if cache is not None:
+                cache.clear()
+        return original(self, *args, **kwargs)
+
+    setattr(flush_cache, _MARK, True)
+    scheduler_cls.flush_cache = flush_cache
+
+
+def _patch_scheduler(scheduler_cls: type | None) -> None:
+    if scheduler_cls is None or not hasattr(scheduler_cls, "flush_cache"):
+        print(f"[slime] WARNING: {SCHEDULER_TARGET}.flush_cache not found: SGLang's multimodal embedding cache may "
+              "outlive weight syncs (vision tower outputs of old weights)", file=sys.stderr, flush=True)
+        return
+    clear_mm_embeddings_on_flush(scheduler_cls)
 
 
 def _import_attr(path: str, missing_ok: bool = False):
