@@ -165,7 +165,8 @@ PY
     # (Megatron + SGLang at its defaults, colocated, R3 and TIS on), from a colour-prior copy of the scaled model
     # (scripts/bench/colour_prior.py); tests/test_learning.py's hyper-parameters but one optimizer step per rollout
     # (the launcher shuffles, so only the whole rollout holds each colour equally often) and an lr for a 2048-wide
-    # model (Adam moves a layer's output by about lr x sqrt(fan-in) / init std of it per step: 0.1 at 5e-5).
+    # model. 5e-5 (the H100 run of 2026-12-06, tower frozen) made the policy deterministic per prompt within 2 steps of
+    # its warm-up (zero reward std, reward 1/3: one colour for every image), so the default is 10x lower.
     # The parity check probes 6 prompts: the colour data has 6 rows (its default of 8 stopped the first GPU run).
     [ -f "$LOGS/colour/checkpoint/config.json" ] || timed colour_prior python3 scripts/bench/colour_prior.py \
       --model "$SCALED" --out "$LOGS/colour" --temperature 0.5
@@ -173,7 +174,7 @@ PY
     learn_flags=(--num-rollout "${SLIME_LEARN_ROLLOUTS:-20}" --rollout-batch-size 6 --n-samples-per-prompt 8
       --global-batch-size 48 --rollout-max-response-len 1 --rollout-temperature 0.5
       --custom-rm-path scripts.harness.colour_task:colour_reward --apply-chat-template-kwargs '{"enable_thinking": false}'
-      --eps-clip 0.5 --eps-clip-high 1.0 --lr "${SLIME_LEARN_LR:-5e-5}" --lr-warmup-iters 4 --weight-decay 0
+      --eps-clip 0.5 --eps-clip-high 1.0 --lr "${SLIME_LEARN_LR:-5e-6}" --lr-warmup-iters 4 --weight-decay 0
       --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000 --engine-parity-prompts 6
       ${SLIME_LEARN_EXTRA:-})
     CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet RUN_DIR=$LOGS/run-learn timed learn launcher 1500 \
