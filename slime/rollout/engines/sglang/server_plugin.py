@@ -237,7 +237,7 @@ def clear_mm_embeddings_on_flush(scheduler_cls: type) -> None:
     that one (sgl-project/sglang PR #36468, open), so after a weight sync an image seen before is embedded with the old
     vision weights.  The H100 run of 2026-12-06 showed it: the colour task (6 images, every rollout) with the vision
     tower training failed the engine parity check after the first sync (image gap 2.42 trainer floors, text 0.61),
-    and passed it with the tower frozen (0.58 / 0.60).  Every weight sync ends with ``flush_cache``
+    and passed it with the tower frozen (0.57 / 0.60).  Every weight sync ends with ``flush_cache``
     (:meth:`slime.weight_sync.base.WeightTransport.end_sync`); the cache is emptied first, so that the flush's
     ``empty_cache`` also returns the embeddings' device memory (colocated trainers need it).
     """
