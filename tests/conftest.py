@@ -61,3 +61,16 @@ def local_ray():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def driver_joins_local_ray(local_ray):
+    """In-process ``slime.driver.train`` runs of one module join :func:`local_ray`, as a run given ``--ray-address``
+    joins a cluster, instead of each starting and stopping a local Ray instance of its own (seconds each on 2
+    cores).  The driver's clean-up of a joined cluster (what ``tests/test_external_ray.py`` checks) stops each run's
+    actors and placement groups, so the runs do not see each other's."""
+    from slime import driver
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(driver, "init_ray", lambda cluster, **kwargs: False)
+        yield

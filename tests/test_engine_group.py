@@ -205,7 +205,7 @@ def test_engine_that_never_turns_healthy_fails_start_up_within_the_timeout(local
     cfg = _cfg(tmp_path, "NeverHealthyEngine", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
     # Engine 0 answers True at its first poll; engine 1 never does.  The test waits the whole timeout: short, since
     # both actors are up before the clock starts and a health() call to a live actor takes milliseconds.
-    timeout_s = 8.0
+    timeout_s = 3.0  # engine 1 answers False at its first poll (milliseconds) and is asked again each second
     placement, engines = build_engines(cfg)
     try:
         # The clock starts once both constructors have returned (an actor answers a call only then): each actor is
@@ -221,7 +221,7 @@ def test_engine_that_never_turns_healthy_fails_start_up_within_the_timeout(local
     message = str(info.value)
     assert message.startswith("1 of 2 rollout engine(s) failed to start")
     assert "rollout engine 1 (node " in message and "bundles [1]" in message
-    assert "not healthy within --rollout-engine-start-timeout 8 s: health() returned False" in message
+    assert "not healthy within --rollout-engine-start-timeout 3 s: health() returned False" in message
     assert "server: still loading shard 3 of 7" in message  # its log tail
     assert "engine 0 (" not in message
     assert timeout_s <= elapsed < timeout_s + 60

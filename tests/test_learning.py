@@ -52,9 +52,10 @@ Hyper-parameters, and why (see :data:`TRAIN_FLAGS`):
 
 Cost: about 30 s a run on an idle 2-core machine (five runs), each a real driver starting its own engine
 and trainer processes for 12 rollouts.  The runs share the colour-prior checkpoint and one Ray head
-(:func:`ray_address`).  The ablations keep the main runs' full budget: they must show that the main
-criterion cannot be met without their link, and a shorter budget would let through a leak that learns
-as slowly as the real loop does (the main runs first reach the window at rollout 8 of 0..11).
+(:func:`ray_address`), and the five independent ones run up to three at a time (:func:`cpu_runs`).  The
+ablations keep the main runs' full budget: they must show that the main criterion cannot be met without
+their link, and a shorter budget would let through a leak that learns as slowly as the real loop does (the
+main runs first reach the window at rollout 8 of 0..11).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -193,12 +195,69 @@ def colour_prior_checkpoint(tmp_path_factory) -> Path:
     return dst
 
 
+RUNS_AT_ONCE = 3
+"""CPU runs of this module that run at the same time on the shared head (:func:`cpu_runs`); each is a driver, an
+engine, two trainer ranks and a scorer (about 2.5 GB).  The runs are seeded, so running side by side changes their
+wall time only (much of a run's time is start-up and hand-overs between its processes, which overlap)."""
+CPUS_PER_RUN = 4
+"""Logical CPUs a run takes on the head: 2 trainer bundles, 1 engine bundle and one to spare (what a local instance
+gets, :func:`slime.ray.placement.init_ray`)."""
+
+
 @pytest.fixture(scope="module")
 def ray_address() -> str:
     """One Ray head that the CPU runs of this module join (``--ray-address``, as ``SLIME_SCRIPT_EXTERNAL_RAY=1``
-    does): each run is spared a local Ray instance's start and stop."""
-    with ray_head(ray_env()) as (_, address):
+    does): each run is spared a local Ray instance's start and stop.  Logical CPUs for :data:`RUNS_AT_ONCE` runs
+    and the dynamic-sampling run beside them."""
+    with ray_head(ray_env(), num_cpus=CPUS_PER_RUN * (RUNS_AT_ONCE + 1)) as (_, address):
         yield address
+
+
+def _selected_cpu_runs(request) -> list[str]:
+    """Names of the independent CPU runs (``main-<backend>``, ``ablation-<name>``) that this session's selected
+    tests of this module read, in test order (the dynamic-sampling test reads the FSDP main run)."""
+    names = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.originalname == "test_grpo_learns_colour_from_pixels":
+            names.append(f"main-{params['backend']}")
+        elif item.originalname == "test_dynamic_sampling_learns_in_no_more_rollouts":
+            names.append("main-fsdp")
+        elif item.originalname == "test_ablation_does_not_learn":
+            names.append(f"ablation-{params['ablation']}")
+    return list(dict.fromkeys(names))
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(request, colour_prior_checkpoint, ray_address, tmp_path_factory) -> dict[str, Future]:
+    """The module's independent CPU runs, each :func:`run_training` with the full budget exactly as a test would
+    run it alone, started when the first test needs one, :data:`RUNS_AT_ONCE` at a time, all joining the one head:
+    run name -> future of ``(rewards, records)``.  Only the runs of the selected tests start.  Each test then
+    reads its run's result; a failed run fails the tests that read it, with the driver's output."""
+    artifacts = os.environ.get("SLIME_TEST_ARTIFACTS")
+
+    def run_dir(name: str) -> Path:
+        if artifacts and name.startswith("main-"):  # kept for ``python -m slime.utils.plot_runs``
+            path = Path(artifacts) / f"colour-cpu-{name.removeprefix('main-')}"
+            shutil.rmtree(path, ignore_errors=True)
+            return path
+        return tmp_path_factory.mktemp(name) / "run"
+
+    def flags(name: str) -> list[str]:
+        kind, _, which = name.partition("-")
+        return ["--train-backend", which] if kind == "main" else ABLATIONS[which]
+
+    pool = ThreadPoolExecutor(max_workers=RUNS_AT_ONCE, thread_name_prefix="colour-run")
+    try:
+        yield {
+            name: pool.submit(run_training, colour_prior_checkpoint, run_dir(name), flags(name),
+                              ray_address=ray_address)
+            for name in _selected_cpu_runs(request)
+        }  # fmt: skip
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_training(checkpoint: Path, run_dir: Path, extra_flags: list[str] = (), num_rollout: int = NUM_ROLLOUT,
@@ -234,9 +293,6 @@ def _curve(rewards: list[float]) -> str:
     return " ".join(f"{r:.2f}" for r in rewards)
 
 
-MAIN_RUNS: dict[str, tuple[list[float], list[dict]]] = {}
-"""(rewards per rollout, metrics records) of this session's CPU main runs, by backend (the baseline of
-:func:`test_dynamic_sampling_learns_in_no_more_rollouts`)."""
 DYNAMIC_SAMPLING_FLAGS = ["--dynamic-sampling-filter-path", "nonzero_std_with_fallback",
                           "--dynamic-sampling-max-rounds", "3"]
 """DAPO dynamic sampling: rounds of 6 prompts until 6 groups whose rewards vary, at most 3 rounds, then the
@@ -248,16 +304,11 @@ def _generation_s(records: list[dict]) -> float:
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, ray_address, tmp_path):
+def test_grpo_learns_colour_from_pixels(backend, cpu_runs):
     """Two trainer ranks on CPU per trainer (``--train-backend``); ``SLIME_TEST_ARTIFACTS=DIR`` keeps each
     run in ``DIR/colour-cpu-<backend>`` (for ``python -m slime.utils.plot_runs``)."""
-    artifacts = os.environ.get("SLIME_TEST_ARTIFACTS")
-    run_dir = Path(artifacts) / f"colour-cpu-{backend}" if artifacts else tmp_path / "main"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    rewards, records = run_training(colour_prior_checkpoint, run_dir, ["--train-backend", backend],
-                                    ray_address=ray_address)
+    rewards, records = cpu_runs[f"main-{backend}"].result()
     print(f"main run ({backend}) rewards per rollout: {_curve(rewards)}; generation {_generation_s(records):.1f} s")
-    MAIN_RUNS[backend] = (rewards, records)
     assert rewards[0] < START_MAX, f"the policy starts too good: {_curve(rewards)}"
     end = first_window_reaching(rewards)
     assert end is not None, (
@@ -275,20 +326,16 @@ def test_grpo_learns_colour_from_pixels(backend, colour_prior_checkpoint, ray_ad
             assert sum(parts.values()) == pytest.approx(r["perf/train_time_s"], rel=0.05), (r["step"], parts)
 
 
-def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, ray_address, tmp_path):
+def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, ray_address, cpu_runs, tmp_path):
     """The FSDP main run with DAPO dynamic sampling reaches the criterion in no more rollout steps than without.
 
-    The baseline is the FSDP main run of this session when it ran first (no second run), else it runs here; the
+    The baseline is the FSDP main run of this session (:func:`cpu_runs`: one run for both tests); the
     dynamic-sampling run stops at the rollout where the baseline met the criterion (it has to meet it by then).
     Dynamic sampling trains only on groups whose rewards vary, so its ``rollout/reward_mean`` (of the kept
     groups) is not the policy's accuracy; the criterion reads ``rollout/dynamic_sampling/generated_reward_mean``,
     the reward of every group generated in the step (the rounds hold every colour equally often).
     """
-    if "fsdp" in MAIN_RUNS:
-        rewards, records = MAIN_RUNS["fsdp"]
-    else:
-        rewards, records = run_training(colour_prior_checkpoint, tmp_path / "main", ["--train-backend", "fsdp"],
-                                        ray_address=ray_address)
+    rewards, records = cpu_runs["main-fsdp"].result()
     base_end = first_window_reaching(rewards)
     assert base_end is not None, f"the baseline did not learn: {_curve(rewards)}"
     _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling", DYNAMIC_SAMPLING_FLAGS,
@@ -336,9 +383,8 @@ def test_grpo_learns_colour_from_pixels_on_one_gpu(backend, colour_prior_checkpo
 
 
 @pytest.mark.parametrize("ablation", sorted(ABLATIONS))
-def test_ablation_does_not_learn(ablation, colour_prior_checkpoint, ray_address, tmp_path):
-    rewards, _ = run_training(colour_prior_checkpoint, tmp_path / ablation, ABLATIONS[ablation],
-                              ray_address=ray_address)
+def test_ablation_does_not_learn(ablation, cpu_runs):
+    rewards, _ = cpu_runs[f"ablation-{ablation}"].result()
     print(f"{ablation} rewards per rollout: {_curve(rewards)}")
     assert first_window_reaching(rewards) is None, (
         f"{ablation}: reached a {WINDOW}-rollout mean reward of {TARGET} without pixels or weight sync, so "

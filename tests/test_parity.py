@@ -379,7 +379,7 @@ def _driver_cfg(tiny_ckpt, tmp_path, *extra):
 
 
 @pytest.mark.slow
-def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_path):
+def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_path, driver_joins_local_ray):
     from slime import driver
 
     cfg = _driver_cfg(tiny_ckpt, tmp_path, "--sglang-fake-image-logprob-shift", "0.05")
@@ -390,7 +390,7 @@ def test_the_driver_refuses_an_engine_with_wrong_image_log_probs(tiny_ckpt, tmp_
 
 @pytest.mark.slow
 def test_the_driver_refuses_an_engine_that_sees_other_image_prompt_lengths_before_comparing_log_probs(
-    tiny_ckpt, tmp_path
+    tiny_ckpt, tmp_path, driver_joins_local_ray
 ):
     """The fake server reports 3 more prompt tokens per image than it saw (and its log-probs are the trainer's): the
     probe stops the run naming the lengths, before the rollout's own check and without the multimodal-RoPE advice."""
@@ -408,7 +408,9 @@ def test_the_driver_refuses_an_engine_that_sees_other_image_prompt_lengths_befor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(tiny_ckpt, tmp_path, backend):
+def test_the_driver_checks_parity_before_step_0_and_after_the_first_sync(
+    tiny_ckpt, tmp_path, backend, driver_joins_local_ray
+):
     """With either trainer the weights pushed into the SGLang engine (the fake server runs the HF model on what it
     receives) give the trainer's log-probs after the first sync: every tensor arrived under its HF name.  The engine
     starts with --enable-return-routed-experts (an MoE checkpoint, replay on by default) and the trainer replays

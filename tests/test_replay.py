@@ -101,11 +101,12 @@ def test_debug_flags_are_checked_at_parse_time():
 
 
 @pytest.mark.slow
-def test_the_driver_replays_a_saved_rollout_without_engines(tiny_ckpt, tmp_path, monkeypatch):
+def test_the_driver_replays_a_saved_rollout_without_engines(tiny_ckpt, tmp_path, monkeypatch,
+                                                            driver_joins_local_ray):
     """One rollout through the driver (transformers engine, 2 FSDP ranks) saved; the same flags with
     --load-debug-rollout-data start no engine and reach the same loss, gradient norm and saved weights; with
-    --debug-rollout-only no trainer starts and the same rollout is generated and saved again.  Slow (about 40 s on
-    2 cores): three driver runs, each starting Ray and its actors."""
+    --debug-rollout-only no trainer starts and the same rollout is generated and saved again.  Slow (about 30 s on
+    2 cores): three driver runs, each starting its actors on one Ray instance (``driver_joins_local_ray``)."""
     from safetensors.torch import load_file
 
     from slime import driver

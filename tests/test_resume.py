@@ -10,7 +10,8 @@ same sampled responses and rewards, and the same final weights as an uninterrupt
    by its session, which nothing outside it can join.
 2. Run again with the same flags to ``--num-rollout``: it resumes at rollout 2.
 
-3. Run the same flags uninterrupted into other folders: the reference.
+3. Run the same flags uninterrupted into other folders: the reference (started with run 1 and running
+   alongside runs 1 and 2, each run in a session and a Ray instance of its own).
 
 The reward is ``tests.rewards:odd_length_reward`` (about half the responses score 1), so GRPO
 groups have non-zero advantages and the weights really move between checkpoints.
@@ -128,8 +129,9 @@ def _expected_indices(rollout_id: int, num_rows: int) -> list[int]:
 
 @pytest.mark.slow
 def test_sigkill_then_resume(tiny_ckpt, tmp_path):
-    """Slow (about 65 s on 2 cores): three driver processes (killed, resumed, reference), each with a Ray
-    instance of its own, since the test checks that exactly the killed run's Ray processes die."""
+    """Slow (about 45 s on 2 cores): three driver processes (killed, resumed, reference), each with a Ray
+    instance of its own, since the test checks that exactly the killed run's Ray processes die; the reference
+    runs alongside the other two."""
     num_rows = pq.read_metadata(DATA_DIR / "train.parquet").num_rows
     assert NUM_ROLLOUT * PROMPTS <= num_rows  # one epoch: the order below is the first permutation
     killed_dumps, resumed_dumps = tmp_path / "dumps_killed", tmp_path / "dumps_resumed"
@@ -138,6 +140,12 @@ def test_sigkill_then_resume(tiny_ckpt, tmp_path):
     ckpt_root, run_dir = tmp_path / "ckpt", tmp_path / "run"
     sessions = []
     try:
+        # 3. (started first, runs meanwhile) The reference: the same run, never interrupted, in a session and a
+        # Ray instance of its own, so it overlaps the two runs below instead of following them.
+        reference_log = tmp_path / "reference.log"
+        reference_run = _start(_flags(tiny_ckpt, reference, reference_dumps), reference_log)
+        sessions.append(reference_run.pid)
+
         # 1. Run, and SIGKILL the driver's process group once rollout 1 is checkpointed and rollout 2 logged.
         log = tmp_path / "killed.log"
         driver = _start(_flags(tiny_ckpt, tmp_path, killed_dumps), log)
@@ -168,11 +176,8 @@ def test_sigkill_then_resume(tiny_ckpt, tmp_path):
         assert f"resumed from {ckpt_root} at rollout 2" in log.read_text()
         assert not wait_session_gone(driver.pid, EXIT_TIMEOUT_S), "Ray processes outlived a finished run"
 
-        # 3. The reference: the same run, never interrupted.
-        log = tmp_path / "reference.log"
-        driver = _start(_flags(tiny_ckpt, reference, reference_dumps), log)
-        sessions.append(driver.pid)
-        assert driver.wait(timeout=START_TIMEOUT_S) == 0, _tail(log)
+        # 3. The reference, started before step 1, has finished too.
+        assert reference_run.wait(timeout=START_TIMEOUT_S) == 0, _tail(reference_log)
     finally:
         for sid in sessions:
             kill_session(sid)
