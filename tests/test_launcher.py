@@ -553,8 +553,9 @@ def test_a_bad_count_is_refused_naming_the_variable_on_the_cpu_default_too(tmp_p
     assert "slime.train" not in result.stdout
 
 
-def test_good_counts_pass_on_the_cpu_default(tiny_ckpt, tmp_path):
-    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUM_GPUS="3",
+@pytest.mark.parametrize("gpus", ["3", "03"])  # 03: read as 3 (bash arithmetic reads 08 as bad octal, 010 as 8)
+def test_good_counts_pass_on_the_cpu_default(tiny_ckpt, tmp_path, gpus):
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUM_GPUS=gpus,
                SLIME_SCRIPT_MAX_TOKENS_PER_GPU="0")  # fmt: skip
     result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

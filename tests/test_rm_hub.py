@@ -705,6 +705,21 @@ def test_bad_custom_reward_function_fails_at_start(path, message):
         RewardScorer(cfg)
 
 
+@pytest.mark.parametrize("body, raised", [("def score(response, label, cfg)\n    return 1.0\n", "SyntaxError"),
+                                          ("raise RuntimeError('boom at import')\n", "RuntimeError: boom at import")])
+def test_a_custom_reward_module_that_raises_while_importing_is_a_config_error_naming_the_flag(tmp_path, monkeypatch,
+                                                                                             body, raised):
+    """A review found a module with a syntax error (or one raising at import) gave a raw traceback and exit 1: the
+    driver's set-up turns only a ConfigError into its exit-2 message naming the flag."""
+    module = f"broken_rm_{raised[:6].lower()}"
+    (tmp_path / f"{module}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        resolve_reward_function(RewardConfig(custom_rm_path=f"{module}:score"))
+    assert str(info.value).startswith(f"--custom-rm-path '{module}:score' cannot be imported: importing it raised "
+                                      f"{raised}")
+
+
 # ----------------------------------------------------------------------------- scorer
 
 

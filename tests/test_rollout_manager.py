@@ -527,8 +527,13 @@ def test_a_nan_reward_drops_its_group_without_dynamic_sampling(tmp_path, tiny_ck
     assert m["rollout/reward_mean"] == pytest.approx((4 * 1.4 + 6) / 10, rel=1e-12) and m["rollout/accuracy"] == 1.0
     assert caplog.text.count("dropping the group of dataset index 4: its rewards [1.0, nan, 1.0, nan]") == 1
     assert "scored 0.0" not in caplog.text  # a NaN is not a scorer failure, and logged once
-    rows = [json.loads(line) for line in Path(str(dump).format(rollout_id=0)).read_text().splitlines()]
+    def strict(constant):  # Python's json reads a bare NaN; strict JSON readers (jq, JavaScript) do not
+        raise ValueError(f"{constant} in the debug dump")
+
+    rows = [json.loads(line, parse_constant=strict)
+            for line in Path(str(dump).format(rollout_id=0)).read_text().splitlines()]
     assert [r["in_loss"] for r in rows] == [True] * 8 + [False] * 4
+    assert [r["reward"] for r in rows[8:]] == [1.0, "NaN", 1.0, "NaN"]  # as metrics.jsonl writes it
     # Eval: answers 7 to label 5 (7/5) and 5 to label 7 (nan): the NaN is left out of the set's mean and accuracy.
     assert (eval_metrics["eval/a/reward_mean"], eval_metrics["eval/a/accuracy"]) == (1.4, 1.0)
     assert eval_metrics["eval/reward_non_finite"] == 1

@@ -99,6 +99,7 @@ for check in "NUM_GPUS 1 a GPU count >= 1" "MAX_TOKENS_PER_GPU 0 a token count (
          *) bad=$(( 10#${!var} < low )) ;;
       esac
       if [ "$bad" = 1 ]; then echo "[geo3k] $var=${!var}: expected $what" >&2; exit 2; fi
+      export "$var=$(( 10#${!var} ))"  # 08 -> 8: bash arithmetic reads a leading 0 as octal
    fi
 done
 USER_DIR=$PWD

@@ -38,8 +38,8 @@ BINDINGS = {
 }
 """Interface -> the implementation the CPU default runs (the backend's is added from :data:`BACKENDS`)."""
 
-BACKEND_INTERFACES = ("slime.backends.base.TrainerBackend", "slime.backends.step.StepBackend")
-"""The names a trainer rank's backend goes by in annotations (before and after the linear step)."""
+BACKEND_INTERFACES = ("slime.backends.step.StepBackend",)
+"""The names a trainer rank's backend goes by in annotations (the protocol of the linear step)."""
 
 PERIODIC = ("slime.rollout.manager.RolloutManager.evaluate", "slime.driver.save",
             "slime.checkpoints.layout.mark_latest", "slime.rollout.parity.EngineParityCheck.generate",

@@ -40,6 +40,7 @@ from slime.rollout.rm_hub.config import RewardConfig
 from slime.rollout.replay import load_rollout, replay_path, save_rollout
 from slime.rollout.rm_hub.scorer import RewardScorer, RewardStats
 from slime.rollout.seeds import sampling_seed
+from slime.utils.metrics import json_value
 
 if TYPE_CHECKING:  # the engine group imports Ray; the flags import this module's neighbours (parity)
     from slime.ray.engine_group import RolloutEngineGroup
@@ -332,12 +333,13 @@ class RolloutManager:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
             for s in samples:  # reward None: a failed or aborted sample, not scored
-                f.write(json.dumps({
+                f.write(json.dumps({  # a NaN / inf reward as the string metrics.jsonl uses: strict JSON
                     "rollout_id": rollout_id, "index": s.index, "group_index": s.group_index, "label": s.label,
-                    "response": s.response, "reward": s.reward, "advantage": s.advantage, "status": s.status.value,
+                    "response": s.response, "reward": json_value(s.reward), "advantage": json_value(s.advantage),
+                    "status": s.status.value,
                     "in_loss": any(s.loss_mask or ()),  # False: a dropped group's sample, or fully masked
                     "response_length": s.response_length, "prompt": s.prompt,
-                }) + "\n")
+                }, allow_nan=False) + "\n")
 
     def state_dict(self) -> dict:
         """What a resumed run needs: the prompt cursor (epoch, position, skip counts)."""
@@ -471,7 +473,9 @@ def _drop_non_finite_groups(samples: list[Sample], n: int) -> tuple[list[Sample]
     The reward function returned it (the scorer passes a non-finite float on rather than score it 0.0): its group's
     mean and std, hence every advantage of the group, would be NaN, and a made-up 0.0 would train the group on a
     verdict nobody gave.  Dynamic sampling drops such a group before its filter (upstream slime drops it there as
-    a zero-std group) and draws another; here the batch keeps its size and the group only gives no gradient.
+    a zero-std group) and draws another; here the batch keeps its size and the group gives no gradient, but its
+    samples still count in the default sample-mean normaliser (the step's sample count, as upstream's), so the kept
+    groups' gradient shrinks by their share of the batch (with ``--calculate-per-token-loss`` they count 0 tokens).
 
     Args:
         samples: a step's scored samples (``reward`` a float), ``n`` contiguous per group.

@@ -65,7 +65,9 @@ def _to_scalar(key: str, value: Any) -> int | float:
     raise TypeError(f"metric {key!r} must be an int or float, got {type(value).__name__} {value!r}")
 
 
-def _json_value(value: int | float) -> int | float | str:
+def json_value(value: Any) -> Any:
+    """``value`` for strict JSON (``allow_nan=False``): a non-finite float as the string ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"`` (what :func:`read_metrics` turns back into floats), anything else unchanged."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     return value
@@ -110,7 +112,7 @@ def truncate_metrics(path: str | os.PathLike, keep: Callable[[dict[str, Any]], b
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for record in kept:
-            f.write(json.dumps({k: _json_value(v) for k, v in record.items()}, allow_nan=False) + "\n")
+            f.write(json.dumps({k: json_value(v) for k, v in record.items()}, allow_nan=False) + "\n")
     os.replace(tmp, path)
     return len(records) - len(kept)
 
@@ -317,7 +319,7 @@ class MetricsLogger:
         for reserved in ("step", "time"):
             if reserved in values:
                 raise ValueError(f"metric key {reserved!r} is reserved for the record itself; rename the metric")
-        record = {"step": step, "time": time.time(), **{k: _json_value(v) for k, v in values.items()}}
+        record = {"step": step, "time": time.time(), **{k: json_value(v) for k, v in values.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._wandb_run is not None:

@@ -104,8 +104,8 @@ def resolve_reward_function(cfg: RewardConfig) -> RewardFunction:
     """The reward function ``cfg`` selects (``--custom-rm-path`` if given, else ``--rm-type``), imported here.
 
     Raises:
-        ConfigError: the path cannot be imported, is not callable, or does not accept
-            ``(response, label, cfg)``; the message names the flag.
+        ConfigError: the path cannot be imported (its module raised anything while importing), is not callable, or
+            does not accept ``(response, label, cfg)``; the message names the flag.
     """
     flag_name, name = ("--custom-rm-path", cfg.custom_rm_path) if cfg.custom_rm_path else ("--rm-type", cfg.rm_type)
     try:
@@ -115,6 +115,9 @@ def resolve_reward_function(cfg: RewardConfig) -> RewardFunction:
         hint = (search_path_hint(module) if not_found_itself(module, error)
                 else "check the module path and the function name")
         raise ConfigError(f"{flag_name} {name!r} cannot be imported ({error}); {hint}") from None
+    except Exception as error:  # importing a user's module runs its code: a SyntaxError, or anything it raises
+        raise ConfigError(f"{flag_name} {name!r} cannot be imported: importing it raised {type(error).__name__}: "
+                          f"{error}; fix the module") from None
     check_function(function, flag_name, name, ("response", "label", cfg), "a reward function must accept "
                    "(response: str, label: str, cfg: RewardConfig) and return a float")
     return function
