@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from slime.arguments import parse_args
+from slime.checkpoints.layout import check_not_a_file
 from slime.errors import SlimeError
 from slime.utils.lifetime import watch_parent
 from slime.utils.run_lock import claim_run_dirs
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if cfg.run_mode.check_only:
             components = driver.resolve_components(cfg)
+            check_not_a_file(cfg.checkpoint.load)  # as the run's folder claim does: a file would start it fresh
             print(f"slime: flags OK (engine {components.engine_cls.__name__}, trainer {components.backend_cls.__name__})")
             return
         # One writer per --output-dir / --save; the run stops when --parent-pid exits.

@@ -99,6 +99,21 @@ def test_check_only_imports_the_estimator_and_the_reward_function(tmp_path, flag
     assert f"slime: error: {message}" in err, err
 
 
+def test_check_only_refuses_a_load_that_is_a_file(tmp_path, capsys):
+    """The run refuses ``--load <file>`` (it would start fresh, silently); a review found --check-only said OK."""
+    (tmp_path / "afile").write_text("not a checkpoint folder")
+    argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--rollout-backend",
+            "transformers", "--check-only", "--load", str(tmp_path / "afile")]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == EXIT_NOT_STARTED
+    assert f"slime: error: --load {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    main([*argv[:-2], "--load", str(tmp_path / "not-yet")])  # a folder still to be made: fine
+    assert capsys.readouterr().out.startswith("slime: flags OK")
+
+
 def test_check_only_accepts_an_importable_estimator_path(tmp_path, capsys):
     argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
