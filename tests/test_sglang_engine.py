@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -1267,8 +1268,10 @@ def test_register_patches_the_schedulers_flush_in_scheduler_processes(fake_sglan
     if main:
         monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
     scheduler = fake_sglang_modules.classes[server_plugin.SCHEDULER_TARGET]
+    monkeypatch.setitem(server_plugin.MM_FLUSH, "state", "main process")
     server_plugin.register()
     assert getattr(scheduler.flush_cache, server_plugin._MARK, False) is not main
+    assert server_plugin.MM_FLUSH["state"] == ("main process" if main else "applied")  # what the report carries
 
 
 def test_the_servers_main_process_reports_without_patching_the_model(fake_sglang_modules, monkeypatch):
@@ -1349,3 +1352,23 @@ def test_the_engine_refuses_a_server_without_the_plugin_or_without_the_fix(tmp_p
                 engine._check_reports()
         else:
             engine._check_reports()  # another architecture: the fix concerns it not
+
+
+def test_the_engine_warns_when_a_scheduler_lacks_the_embedding_flush(tmp_path, caplog):
+    engine = FakeSGLangEngine.__new__(FakeSGLangEngine)  # only the report check, no server
+    engine.spec, engine.report_dir = _spec(tmp_path, tp=1), tmp_path
+    engine.server = types.SimpleNamespace(log_path=tmp_path / "server.log")
+    engine.mrope_fix_disabled = False
+    for flush, warned in (("applied", False), ("not found", True), (None, True)):  # None: an older plugin's report
+        for pid, main in enumerate((True, False)):
+            report = {"pid": pid, "main": main, "sglang": "0.5.17", "mrope_fix": "main process" if main else "applied",
+                      "memory_tags": ["weights"]}
+            if flush is not None:
+                report["mm_embedding_flush"] = "main process" if main else flush
+            (tmp_path / f"{pid}.json").write_text(json.dumps(report))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            engine._check_reports()
+        assert ("multimodal-embedding flush is" in caplog.text) is warned
+        if warned:
+            assert f"['{flush or 'not reported'}']" in caplog.text and "server.log" in caplog.text

@@ -262,6 +262,11 @@ class SGLangEngine(RolloutEngine):
                 f"SGLang {version} has the Qwen3.5 multimodal-RoPE bug, and the fix is {sorted(states)} in its "
                 f"processes (wanted 'applied' in all); see {self.server.log_path}"
             )
+        flushes = {r.get("mm_embedding_flush", "not reported") for r in schedulers}
+        if flushes != {"applied"}:  # an SGLang whose scheduler has another layout: serving works, a sync may not
+            logger.warning("SGLang %s at %s: slime's multimodal-embedding flush is %s in its scheduler processes "
+                           "(wanted 'applied'): after a weight sync a repeated image may be embedded with the old "
+                           "vision weights; see %s", version, self.spec.url, sorted(flushes), self.server.log_path)
         self.reports, self.version = reports, version
         self.memory_tags = memory_tags_supported(reports[0].get("memory_tags"))
         logger.info("SGLang %s at %s: multimodal-RoPE fix %s in %d scheduler process(es); memory tags %s",

@@ -46,6 +46,9 @@ SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler"
 """The scheduler, whose ``flush_cache`` (:func:`clear_mm_embeddings_on_flush`) every weight sync ends with."""
 MM_EMBEDDING_MODULE = "sglang.srt.managers.mm_utils"
 """Where SGLang keeps its multimodal embedding cache (the module attribute ``embedding_cache``)."""
+MM_FLUSH = {"state": "main process"}
+"""This process's state of :func:`clear_mm_embeddings_on_flush`, in its report (``mm_embedding_flush``): ``"main
+process"`` (runs no model), ``"pending"`` (until SGLang imports its scheduler module), ``"applied"``, ``"not found"``."""
 
 FAST_EXPERT_LOAD_ENV = "SLIME_SGLANG_FAST_EXPERT_LOAD"
 """``0`` leaves fused expert tensors to SGLang's own per-expert loader (:mod:`.expert_load`); default on."""
@@ -85,13 +88,15 @@ def register() -> None:
     def save_report() -> None:
         _write_report(report["version"], report["state"], report["main"])
 
+    MM_FLUSH["state"] = "main process" if main else "pending"
+    if not main:  # before the first report: the scheduler module is imported already (the process's entry point)
+        scheduler_module, _, scheduler_class = SCHEDULER_TARGET.rpartition(".")
+        arm_on_import(scheduler_module, lambda module: _patch_scheduler(getattr(module, scheduler_class, None)))
     save_report()
     if not main:
         spec_module, _, spec_class = SPEC_WORKER_TARGET.rpartition(".")
         arm_on_import(spec_module, lambda module: getattr(module, spec_class, None) is not None
                       and synchronize_after_tensor_update(getattr(module, spec_class)))
-        scheduler_module, _, scheduler_class = SCHEDULER_TARGET.rpartition(".")
-        arm_on_import(scheduler_module, lambda module: _patch_scheduler(getattr(module, scheduler_class, None)))
     if state != "pending" and not fast_experts:
         return
     module_name, _, class_name = MROPE_FIX_TARGET.rpartition(".")
@@ -259,10 +264,12 @@ def clear_mm_embeddings_on_flush(scheduler_cls: type) -> None:
 
 def _patch_scheduler(scheduler_cls: type | None) -> None:
     if scheduler_cls is None or not hasattr(scheduler_cls, "flush_cache"):
+        MM_FLUSH["state"] = "not found"  # the engine warns, naming the server log
         print(f"[slime] WARNING: {SCHEDULER_TARGET}.flush_cache not found: SGLang's multimodal embedding cache may "
               "outlive weight syncs (vision tower outputs of old weights)", file=sys.stderr, flush=True)
         return
     clear_mm_embeddings_on_flush(scheduler_cls)
+    MM_FLUSH["state"] = "applied"
 
 
 def _import_attr(path: str, missing_ok: bool = False):
@@ -290,6 +297,7 @@ def _write_report(version: str, state: str, main: bool) -> None:
         "main": main,
         "sglang": version,
         "mrope_fix": state,
+        "mm_embedding_flush": MM_FLUSH["state"],
         "memory_tags": memory_tags,
         "expert_load": expert_load.STATS.as_dict(),
     }
