@@ -144,14 +144,14 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         steps = [micro_batches(backend, samples, indices, engine_routes=routes.engine, dp_group=dp.group)
                  for indices in split_into_steps(range(len(samples)), num_steps)]
         batches = [batch for step in steps for batch in step]
-    metrics: dict[str, float] = {}
+    monitor: dict[str, float] = {}  # the engine/trainer gap (and router agreement) of the old-log-prob pass
     with clock("old_log_probs"):
         if spec.train.use_rollout_logprobs:
             old = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
         else:
             old = log_probs_by_sample(backend, backend.model, batches, len(samples), replay_routes=routes.engine,
                                       capture_routes=routes.capture)
-            metrics = mismatch_monitor(samples, old, backend.placeholder_ids, routes.after_old_pass(batches), dp,
+            monitor = mismatch_monitor(samples, old, backend.placeholder_ids, routes.after_old_pass(batches), dp,
                                        spec.train.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
     ref = None
     if backend.ref_model is not None:
@@ -169,11 +169,11 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     terms, extremes = loss_metric_names(grpo, with_kl_loss=backend.ref_model is not None)
     backend.model.train()
     values, scalars = [], []  # per optimizer step: its micro-batches' loss terms, its grad norm, lr and own metrics
-    for step in steps:
+    for step_batches in steps:
         with clock("forward_backward"):
-            normalizer = loss_normalizer([s for batch in step for s in batch.samples], grpo.calculate_per_token_loss,
-                                         group=dp.group)
-            values.append(backend.forward_backward(step, normalizer))
+            normalizer = loss_normalizer([s for batch in step_batches for s in batch.samples],
+                                         grpo.calculate_per_token_loss, group=dp.group)
+            values.append(backend.forward_backward(step_batches, normalizer))
         with clock("optimizer"):
             lr = spec.lr_schedule(backend.optimizer_steps)
             grad_norm = backend.grad_norm()
@@ -185,7 +185,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
             backend.optimizer_steps += 1
         scalars.append({"train/grad_norm": grad_norm, "train/lr": lr, **own})
     with clock("metrics"):
-        metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **metrics, **memory_figures}
+        metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **monitor, **memory_figures}
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 
