@@ -8,6 +8,7 @@ Expected outputs of the fake's ``echo`` model are worked out by hand from its ru
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import http.client
 import json
@@ -1139,7 +1140,8 @@ def fake_sglang_modules(monkeypatch, tmp_path):
         def flush_cache(self, empty_cache=True):
             return True
 
-    classes = {server_plugin.SCHEDULER_TARGET: Scheduler,server_plugin.MROPE_FIX_TARGET: type("Layer", (_Layer,), {}),
+    classes = {server_plugin.SCHEDULER_TARGET: Scheduler, server_plugin.MROPE_FIX_TARGET: type("Layer", (_Layer,), {}),
+               server_plugin.TOKENIZER_MANAGER_TARGET: type("TokenizerManager", (_TokenizerManager,), {}),
                "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
                "sglang.srt.server_args.ServerArgs": ServerArgs,
                "sglang.srt.managers.tp_worker.BaseTpWorker": BaseTpWorker,
@@ -1150,10 +1152,14 @@ def fake_sglang_modules(monkeypatch, tmp_path):
     armed: list[str] = []
 
     scheduler_module, _, scheduler_class = server_plugin.SCHEDULER_TARGET.rpartition(".")
+    manager_module, _, manager_class = server_plugin.TOKENIZER_MANAGER_TARGET.rpartition(".")
 
     def arm_on_import(name, patch):  # SGLang imports the model module (and the speculative worker's) at once
-        assert name in (module, spec_module, scheduler_module)
+        assert name in (module, spec_module, scheduler_module, manager_module)
         armed.append(name)
+        if name == manager_module:
+            patch(types.SimpleNamespace(**{manager_class: classes[server_plugin.TOKENIZER_MANAGER_TARGET]}))
+            return
         if name == scheduler_module:
             patch(types.SimpleNamespace(**{scheduler_class: classes[server_plugin.SCHEDULER_TARGET]}))
             return
@@ -1209,7 +1215,8 @@ def test_register_wraps_the_moe_load_weights_in_scheduler_processes(fake_sglang_
     assert expert_load.STATS.disabled == ("SLIME_SGLANG_FAST_EXPERT_LOAD=0" if env == "0" else None)
     assert expert_load.STATS.load_weights_calls == (1 if wrapped else 0)  # timed also when the fast path is off
     state = ("0.5.19", "not needed")  # a fixed SGLang: no RoPE fix anywhere
-    assert fake_sglang_modules.reports == [state] * (2 if wrapped else 1)  # rewritten after each wrapped load
+    # rewritten after each wrapped load, and in the main process once its request front end is patched
+    assert fake_sglang_modules.reports == [state] * (2 if wrapped or main else 1)
 
 
 @pytest.mark.parametrize("main", [False, True])
@@ -1262,6 +1269,127 @@ def test_a_flush_empties_sglangs_multimodal_embedding_cache_when_idle(monkeypatc
     assert Scheduler().flush_cache() is idle  # no cache made (SGLANG_VLM_CACHE_SIZE_MB unset on a text server)
 
 
+class _ReqState:  # SGLang 0.5.17's ReqState, as far as _wait_one_response uses it
+    def __init__(self):
+        self.out_list, self.finished, self.event = [], False, asyncio.Event()
+
+
+class _TokenizerManager:
+    """SGLang 0.5.17's request front end reduced to the race (``tokenizer_manager.py``): ``_wait_one_response`` is an
+    async generator that reads ``rid_to_state[rid]`` when first advanced; ``_handle_batch_output`` deletes a finished
+    request's state; ``_handle_batch_request`` makes every request's generator, then advances them together."""
+
+    def __init__(self):
+        self.rid_to_state = {}
+
+    async def _wait_one_response(self, obj, request=None):
+        state = self.rid_to_state[obj.rid]
+        while True:
+            await state.event.wait()
+            out, finished = state.out_list[-1], state.finished
+            state.out_list, _ = [], state.event.clear()
+            yield out
+            if finished:
+                break
+
+    def _handle_batch_output(self, rid, text, finished=True):
+        state = self.rid_to_state[rid]
+        state.out_list.append({"rid": rid, "text": text})
+        state.finished = finished
+        state.event.set()
+        if finished:
+            del self.rid_to_state[rid]
+
+    async def batch(self, rids, finish_before_wait):
+        """One batched /generate: requests in ``finish_before_wait`` finish before the waits start."""
+        for rid in rids:
+            self.rid_to_state[rid] = _ReqState()
+        waits = [self._wait_one_response(types.SimpleNamespace(rid=rid)) for rid in rids]
+        for rid in finish_before_wait:
+            self._handle_batch_output(rid, f"early {rid}")
+        tasks = [asyncio.ensure_future(wait.__anext__()) for wait in waits]
+        await asyncio.sleep(0)  # the waits block on the running requests' events
+        for rid in rids:
+            if rid not in finish_before_wait:
+                self._handle_batch_output(rid, f"late {rid}")
+        return await asyncio.gather(*tasks)
+
+
+def test_a_batched_request_that_finishes_before_its_wait_is_answered_not_refused():
+    """SGLang 0.5.17 fails a whole batched /generate with HTTP 500 (KeyError in _wait_one_response) when one of its
+    requests finishes before the batch's waits start (the H100 learning run: four batches of one-token answers); the
+    wrapped method takes the state at the call, answers every request with its own output, and leaves no state
+    behind."""
+    rids = ["0:0", "0:1", "0:2"]
+    with pytest.raises(KeyError, match="0:1"):  # the stand-in has SGLang's bug
+        asyncio.run(_TokenizerManager().batch(rids, finish_before_wait={"0:1"}))
+
+    manager_cls = type("Patched", (_TokenizerManager,), {})
+    assert server_plugin.wait_with_state_taken_early(manager_cls)
+    assert server_plugin.wait_with_state_taken_early(manager_cls)  # idempotent
+    manager = manager_cls()
+    outputs = asyncio.run(manager.batch(rids, finish_before_wait={"0:1"}))
+    assert outputs == [{"rid": "0:0", "text": "late 0:0"}, {"rid": "0:1", "text": "early 0:1"},
+                       {"rid": "0:2", "text": "late 0:2"}]
+    assert manager.rid_to_state == {}  # the early state was put back for its read only
+
+    async def stream():  # a request still running: its chunks pass through unchanged, in order
+        manager.rid_to_state["s"] = _ReqState()
+        wait = manager._wait_one_response(types.SimpleNamespace(rid="s"))
+        manager._handle_batch_output("s", "chunk 1", finished=False)
+        first = await wait.__anext__()
+        manager._handle_batch_output("s", "chunk 2")
+        return [first] + [chunk async for chunk in wait]
+
+    assert [c["text"] for c in asyncio.run(stream())] == ["chunk 1", "chunk 2"] and manager.rid_to_state == {}
+
+
+def test_the_batch_wait_fix_leaves_an_sglang_that_reads_the_state_at_the_call():
+    class Fixed:  # sgl-project/sglang PR #36638's shape: a plain method returning the generator
+        def _wait_one_response(self, obj, request=None):
+            async def responses():
+                yield obj.rid
+            return responses()
+
+    original = Fixed._wait_one_response
+    assert not server_plugin.wait_with_state_taken_early(Fixed)
+    assert Fixed._wait_one_response is original
+
+
+@pytest.mark.parametrize("main", [False, True])
+def test_register_patches_the_request_front_end_in_the_main_process(fake_sglang_modules, monkeypatch, main):
+    monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.17")
+    if main:
+        monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
+    manager = fake_sglang_modules.classes[server_plugin.TOKENIZER_MANAGER_TARGET]
+    monkeypatch.setitem(server_plugin.BATCH_WAIT, "state", "pending")
+    server_plugin.register()
+    assert getattr(manager._wait_one_response, server_plugin._MARK, False) is main
+    assert server_plugin.BATCH_WAIT["state"] == ("applied" if main else "scheduler process")
+    if main:  # the report is written again once the front end is patched
+        assert fake_sglang_modules.reports == [("0.5.17", "main process")] * 2
+
+
+def test_the_engine_warns_when_the_main_process_lacks_the_batch_wait_fix(tmp_path, caplog):
+    engine = FakeSGLangEngine.__new__(FakeSGLangEngine)  # only the report check, no server
+    engine.spec, engine.report_dir = _spec(tmp_path, tp=1), tmp_path
+    engine.server = types.SimpleNamespace(log_path=tmp_path / "server.log")
+    engine.mrope_fix_disabled = False
+    for fix, warned in (("applied", False), ("not needed", False), ("not found", True), (None, True)):
+        for pid, main in enumerate((True, False)):
+            report = {"pid": pid, "main": main, "sglang": "0.5.17", "mrope_fix": "main process" if main else "applied",
+                      "mm_embedding_flush": "main process" if main else "applied", "memory_tags": ["weights"]}
+            if fix is not None:
+                report["batch_wait_fix"] = fix if main else "scheduler process"
+            (tmp_path / f"{pid}.json").write_text(json.dumps(report))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            engine._check_reports()
+        assert ("batched requests that finish before" in caplog.text) is warned
+        if warned:
+            assert f"['{fix or 'not reported'}']" in caplog.text and "server.log" in caplog.text
+
+
 @pytest.mark.parametrize("main", [False, True])
 def test_register_patches_the_schedulers_flush_in_scheduler_processes(fake_sglang_modules, monkeypatch, main):
     monkeypatch.setattr(server_plugin.importlib.metadata, "version", lambda dist: "0.5.17")
@@ -1279,7 +1407,7 @@ def test_the_servers_main_process_reports_without_patching_the_model(fake_sglang
     monkeypatch.setenv(server_plugin.MAIN_PID_ENV, str(os.getpid()))
     fake_sglang_modules.classes[server_plugin.MROPE_FIX_TARGET] = type("Renamed", (), {})  # not even looked up
     server_plugin.register()
-    assert fake_sglang_modules.reports == [("0.5.17", "main process")]
+    assert fake_sglang_modules.reports == [("0.5.17", "main process")] * 2  # again once the front end is patched
 
 
 def test_register_leaves_the_bug_in_when_asked_and_stops_when_the_fix_cannot_apply(fake_sglang_modules, monkeypatch):

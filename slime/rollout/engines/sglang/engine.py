@@ -267,6 +267,12 @@ class SGLangEngine(RolloutEngine):
             logger.warning("SGLang %s at %s: slime's multimodal-embedding flush is %s in its scheduler processes "
                            "(wanted 'applied'): after a weight sync a repeated image may be embedded with the old "
                            "vision weights; see %s", version, self.spec.url, sorted(flushes), self.server.log_path)
+        batch_wait = {r.get("batch_wait_fix", "not reported") for r in reports if r.get("main")}
+        if not batch_wait <= {"applied", "not needed"}:  # serving works; a refused batch is resent one request a call
+            logger.warning("SGLang %s at %s: slime's fix for batched requests that finish before SGLang waits for them "
+                           "is %s in its main process (wanted 'applied'): such a batch fails with HTTP 500 and is "
+                           "sent again one request per call; see %s", version, self.spec.url, sorted(batch_wait),
+                           self.server.log_path)
         self.reports, self.version = reports, version
         self.memory_tags = memory_tags_supported(reports[0].get("memory_tags"))
         logger.info("SGLang %s at %s: multimodal-RoPE fix %s in %d scheduler process(es); memory tags %s",

@@ -6,7 +6,8 @@ this module one for its own servers only, through a ``*.dist-info`` folder on th
 multimodal-RoPE fix where the SGLang release needs it (:func:`apply_rope_fix`), secrets out of the logs
 (:func:`redact_server_args`), weight updates that have finished when they answer
 (:func:`synchronize_after_tensor_update`), the multimodal embedding cache emptied with every flush
-(:func:`clear_mm_embeddings_on_flush`), fused experts in a few copies (:mod:`.expert_load`), and one JSON report
+(:func:`clear_mm_embeddings_on_flush`), batched requests that finish before SGLang waits for them answered
+(:func:`wait_with_state_taken_early`), fused experts in a few copies (:mod:`.expert_load`), and one JSON report
 per process, which the engine checks (:func:`read_reports`).  Details: ``docs/design/sglang_engine.md``.  SGLang is
 imported only inside functions.
 """
@@ -50,6 +51,13 @@ MM_FLUSH = {"state": "main process"}
 """This process's state of :func:`clear_mm_embeddings_on_flush`, in its report (``mm_embedding_flush``): ``"main
 process"`` (runs no model), ``"pending"`` (until SGLang imports its scheduler module), ``"applied"``, ``"not found"``."""
 
+TOKENIZER_MANAGER_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+"""The main process's request front end, whose ``_wait_one_response`` :func:`wait_with_state_taken_early` wraps."""
+BATCH_WAIT = {"state": "pending"}
+"""This process's state of :func:`wait_with_state_taken_early`, in its report (``batch_wait_fix``): ``"scheduler
+process"`` (no front end), ``"pending"`` (until SGLang imports its tokenizer manager), ``"applied"``, ``"not needed"``
+(the method already takes the state when called), ``"not found"``."""
+
 FAST_EXPERT_LOAD_ENV = "SLIME_SGLANG_FAST_EXPERT_LOAD"
 """``0`` leaves fused expert tensors to SGLang's own per-expert loader (:mod:`.expert_load`); default on."""
 FAST_EXPERT_LOAD_TARGETS = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
@@ -89,11 +97,19 @@ def register() -> None:
         _write_report(report["version"], report["state"], report["main"])
 
     MM_FLUSH["state"] = "main process" if main else "pending"
+    BATCH_WAIT["state"] = "pending" if main else "scheduler process"
     if not main:  # before the first report: the scheduler module is imported already (the process's entry point)
         scheduler_module, _, scheduler_class = SCHEDULER_TARGET.rpartition(".")
         arm_on_import(scheduler_module, lambda module: _patch_scheduler(getattr(module, scheduler_class, None)))
     save_report()
-    if not main:
+    if main:  # the request front end lives in the main process, which imports it after loading the plugins
+
+        def patch_manager(module) -> None:
+            _patch_tokenizer_manager(getattr(module, TOKENIZER_MANAGER_TARGET.rpartition(".")[2], None))
+            save_report()
+
+        arm_on_import(TOKENIZER_MANAGER_TARGET.rpartition(".")[0], patch_manager)
+    else:
         spec_module, _, spec_class = SPEC_WORKER_TARGET.rpartition(".")
         arm_on_import(spec_module, lambda module: getattr(module, spec_class, None) is not None
                       and synchronize_after_tensor_update(getattr(module, spec_class)))
@@ -262,6 +278,67 @@ def clear_mm_embeddings_on_flush(scheduler_cls: type) -> None:
     scheduler_cls.flush_cache = flush_cache
 
 
+def wait_with_state_taken_early(manager_cls: type) -> bool:
+    """Make ``manager_cls._wait_one_response(obj, request)`` take the request's state when it is called, not when
+    its generator first runs; returns False (nothing changed) where the method is not an async generator function
+    (an SGLang that already does so).  Idempotent.
+
+    SGLang 0.5.17's ``_wait_one_response`` is an async generator whose first line reads ``rid_to_state[obj.rid]``.
+    A batched ``/generate`` makes one generator per request and runs them all only after the batch is sent, so a
+    request that finishes in between (a one-token answer, or a prompt the radix cache serves) has had its state
+    deleted by ``_handle_batch_output``, and the read raises ``KeyError``: SGLang answers the whole batch with HTTP
+    500 (sgl-project/sglang PR #36638 fixes it upstream; seen four times in 20 rollouts of the colour task at real
+    width, H100, 2026-12-06).  The wrapper reads the state at the call; if it is gone when the generator first runs,
+    it is put back for the original's read and removed after the original's first answer, which that finished state
+    already holds.  A request still running is passed through untouched.
+    """
+    import inspect
+
+    original = manager_cls._wait_one_response
+    if getattr(original, _MARK, False):
+        return True
+    if not inspect.isasyncgenfunction(original):
+        return False
+
+    @functools.wraps(original)
+    def _wait_one_response(self, obj, request=None):
+        state = self.rid_to_state.get(obj.rid)
+        responses = original(self, obj, request)
+        return responses if state is None else _restoring(self.rid_to_state, obj.rid, state, responses)
+
+    setattr(_wait_one_response, _MARK, True)
+    manager_cls._wait_one_response = _wait_one_response
+    return True
+
+
+async def _restoring(states: dict, rid: str, state, responses):
+    """Yield what ``responses`` yields; ``states[rid] = state`` for its first read if ``rid`` left ``states`` before
+    it ran, removed again at its first answer (or its end)."""
+    restored = rid not in states
+    if restored:
+        states[rid] = state
+    try:
+        async for response in responses:
+            if restored and states.get(rid) is state:
+                del states[rid]
+            restored = False
+            yield response
+    finally:
+        if restored and states.get(rid) is state:
+            del states[rid]
+        await responses.aclose()
+
+
+def _patch_tokenizer_manager(manager_cls: type | None) -> None:
+    if manager_cls is None or not hasattr(manager_cls, "_wait_one_response"):
+        BATCH_WAIT["state"] = "not found"
+        print(f"[slime] WARNING: {TOKENIZER_MANAGER_TARGET}._wait_one_response not found: a batched /generate whose "
+              "request finishes before SGLang waits for it may fail (HTTP 500; slime resends it)",
+              file=sys.stderr, flush=True)
+        return
+    BATCH_WAIT["state"] = "applied" if wait_with_state_taken_early(manager_cls) else "not needed"
+
+
 def _patch_scheduler(scheduler_cls: type | None) -> None:
     if scheduler_cls is None or not hasattr(scheduler_cls, "flush_cache"):
         MM_FLUSH["state"] = "not found"  # the engine warns, naming the server log
@@ -298,6 +375,7 @@ def _write_report(version: str, state: str, main: bool) -> None:
         "sglang": version,
         "mrope_fix": state,
         "mm_embedding_flush": MM_FLUSH["state"],
+        "batch_wait_fix": BATCH_WAIT["state"],
         "memory_tags": memory_tags,
         "expert_load": expert_load.STATS.as_dict(),
     }
