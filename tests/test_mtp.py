@@ -364,6 +364,9 @@ def test_the_bench_sync_runs_parse_with_and_without_mtp(tiny_ckpt, mtp_ckpt, mon
     assert "speculative_algorithm" not in none.sglang.server_args
     assert mtp.sglang.to_argv()[-len(SPECULATIVE):] == SPECULATIVE
     assert (mtp.parity.engine_parity_prompts, mtp.parity.engine_parity_response_len) == (8, 128)
+    assert none.sglang.server_args["mem_fraction_static"] == "0.7"  # the launcher's, unless asked otherwise
+    smaller = slime.arguments.parse_args(module.run_argv(str(mtp_ckpt), "mtp", 8, 128, tmp_path, mem_fraction=0.6))
+    assert smaller.sglang.server_args["mem_fraction_static"] == "0.6"
     with pytest.raises(SystemExit):
         slime.arguments.parse_args(module.run_argv(str(tiny_ckpt), "mtp", 8, 128, tmp_path))
 
@@ -389,8 +392,8 @@ def test_the_sync_bench_runs_through_slimes_driver_on_cpu(tiny_ckpt, monkeypatch
     monkeypatch.setattr(bench, "engine_acceptance", lambda engines: None)
     sglang_run_argv = module.run_argv
 
-    def cpu_argv(model, server, prompts, response_len, out):
-        argv, keep = sglang_run_argv(model, server, prompts, response_len, out), []
+    def cpu_argv(model, server, prompts, response_len, out, mem_fraction):
+        argv, keep = sglang_run_argv(model, server, prompts, response_len, out, mem_fraction), []
         for token in argv:
             if token.startswith("--sglang-") or token in ("--colocate", "--bf16", "--gradient-checkpointing"):
                 keep.append(None)  # this flag and its values are dropped
@@ -402,6 +405,7 @@ def test_the_sync_bench_runs_through_slimes_driver_on_cpu(tiny_ckpt, monkeypatch
 
     monkeypatch.setattr(module, "run_argv", cpu_argv)
     args = types.SimpleNamespace(model=str(tiny_ckpt), prompts=2, response_len=8, perturb=0.01, seed=0,
+                                 mem_fraction_static=0.7,
                                  json=str(tmp_path / "figures.jsonl"), out=str(tmp_path / "runs"))
     module.measure_server("none", args)
     rows = [json.loads(line) for line in (tmp_path / "figures.jsonl").read_text().splitlines()]

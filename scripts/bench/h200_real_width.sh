@@ -216,8 +216,12 @@ PY
     timed mtp_throughput timeout 1200 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS/mtp" --speculative mtp ${SLIME_MTP_THROUGHPUT_ARGS---contenders ours sglang_alone}
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | grep '"speculative": "mtp"' | tee -a "$LOGS/summary.txt"
+    # The MTP server at the launcher's 0.7 ran out of memory at start-up on an 80 GB H100 (the run of 2026-12-06);
+    # the throughput bench's standalone MTP server at 0.6 started there.
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
     timed mtp_sync timeout 1500 python3 scripts/bench/mtp_sync.py --model "$SCALED" --json "$LOGS/mtp.jsonl" \
-      --out "$LOGS/mtp-sync" ${SLIME_MTP_SYNC_ARGS:-}
+      --out "$LOGS/mtp-sync" --mem-fraction-static "$([ "${gpu_mib:-0}" -ge 122880 ] && echo 0.7 || echo 0.6)" \
+      ${SLIME_MTP_SYNC_ARGS:-}
     grep -h '"mtp_sync' "$LOGS/mtp.jsonl" 2>/dev/null | cut -c1-700 | tee -a "$LOGS/summary.txt" ;;
   mtp-recipe)
     for spec in none mtp; do

@@ -38,14 +38,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 DATA = ROOT / "examples" / "geo3k_vlm" / "data"
-LAUNCHER_SGLANG = ("--sglang-mem-fraction-static", "0.7", "--sglang-ep-size", "1", "--sglang-max-running-requests",
-                   "512", "--sglang-disable-custom-all-reduce")
-"""The launcher's ``--sglang-*`` flags on one GPU (examples/geo3k_vlm/run_geo3k_qwen35.sh)."""
+LAUNCHER_SGLANG = ("--sglang-ep-size", "1", "--sglang-max-running-requests", "512", "--sglang-disable-custom-all-reduce")
+"""The launcher's ``--sglang-*`` flags on one GPU (examples/geo3k_vlm/run_geo3k_qwen35.sh) but its
+``--sglang-mem-fraction-static 0.7`` (:data:`LAUNCHER_MEM_FRACTION`, ``--mem-fraction-static`` here)."""
+LAUNCHER_MEM_FRACTION = 0.7
 
 
-def run_argv(model: str, server: str, prompts: int, response_len: int, out: Path) -> list[str]:
+def run_argv(model: str, server: str, prompts: int, response_len: int, out: Path,
+             mem_fraction: float = LAUNCHER_MEM_FRACTION) -> list[str]:
     """The slime flags of one server's run: the launcher's recipe on one GPU with the FSDP trainer, two rollout ids,
-    the parity probe's size; ``server`` ``mtp`` adds the speculative flags as ``--sglang-*``."""
+    the parity probe's size, SGLang's ``--mem-fraction-static``; ``server`` ``mtp`` adds the speculative flags as
+    ``--sglang-*``."""
     from slime.rollout.engines.sglang.config import MTP_SPECULATIVE_FLAGS
 
     speculative = ["--sglang-" + f[2:] if f.startswith("--") else f for f in MTP_SPECULATIVE_FLAGS]
@@ -55,6 +58,7 @@ def run_argv(model: str, server: str, prompts: int, response_len: int, out: Path
             "--global-batch-size", "2", "--rollout-max-response-len", "8", "--rollout-temperature", "1.0",
             "--engine-parity-prompts", str(prompts), "--engine-parity-response-len", str(response_len),
             "--rollout-backend", "sglang", "--rollout-num-gpus-per-engine", "1", *LAUNCHER_SGLANG,
+            "--sglang-mem-fraction-static", str(mem_fraction),
             *(speculative if server == "mtp" else []),
             "--train-backend", "fsdp", "--micro-batch-size", "1", "--bf16", "--gradient-checkpointing",
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--colocate",
@@ -123,7 +127,8 @@ def measure_server(server: str, args) -> None:
         if module is not None and module.__name__ != "__main__":  # name: functions run in actors travel by value
             ray.cloudpickle.register_pickle_by_value(module)  # (__main__'s always do)
 
-    cfg = parse_args(run_argv(args.model, server, args.prompts, args.response_len, Path(args.out)))
+    cfg = parse_args(run_argv(args.model, server, args.prompts, args.response_len, Path(args.out),
+                              args.mem_fraction_static))
     strict = cfg.parity
     cfg.parity = dataclasses.replace(strict, engine_parity_max_gap=1e9, engine_parity_max_ratio=1e9,
                                      engine_parity_floor_factor=1e9)
@@ -165,6 +170,9 @@ def main(argv=None) -> None:
     parser.add_argument("--response-len", type=int, default=128)
     parser.add_argument("--perturb", type=float, default=0.01, help="relative size of the policy's move")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mem-fraction-static", type=float, default=LAUNCHER_MEM_FRACTION,
+                        help="SGLang's static memory share (default: the launcher's). The MTP server at 0.7 ran out of "
+                             "memory at start-up on an 80 GB H100 (docs/results/h100_issue30_run3/mtp-sync-oom.txt)")
     parser.add_argument("--json", default=None, help="append the figures to this JSON-lines file")
     parser.add_argument("--out", default="/tmp/mtp-sync", help="folder for the runs' logs")
     args = parser.parse_args(argv)
