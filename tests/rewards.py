@@ -5,6 +5,10 @@ Light on purpose (no torch, no slime imports): they run in the reward-scorer wor
 
 from __future__ import annotations
 
+import itertools
+
+_calls = itertools.count()
+
 
 def odd_length_reward(response: str, label: str, cfg) -> float:
     """1 if the response has an odd number of characters, else 0: a reward that a random policy
@@ -20,3 +24,11 @@ def boxed_ratio_reward(response: str, label: str, cfg) -> float:
         return float("inf")
     answer = int(response[len("\\boxed{") : -1])
     return float("nan") if answer < int(label) else answer / int(label)
+
+
+def alternating_reward(response: str, label: str, cfg) -> float:
+    """1.0 for every other response this scorer process scores: with one scorer worker (``--rm-num-workers 1``) the
+    two samples of every group get different rewards, so every advantage is +-1 and each step moves the weights (a
+    random tiny model never earns a real reward), and a weight sync that missed a tensor would show in the
+    engine / trainer log-prob gap (``tests/test_megatron_loop.py``)."""
+    return float(next(_calls) % 2)

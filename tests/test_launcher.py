@@ -21,6 +21,7 @@ install, no download), ``SLIME_SCRIPT_FORCE_CPU=1`` and ``SLIME_SCRIPT_OUTPUT_DI
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import re
@@ -253,28 +254,43 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
     one sample per micro-batch, and asking for packing there is refused by the parser (EP > 1); a value that is not a
     count stops the launcher.  The parser takes the GPU branch's whole command (it refused upstream's
     ``--attention-softmax-in-fp32`` there once, unseen by any CPU test), with R3 too (selective recompute)."""
-    def argv(gpus: int, *args: str, **extra: str) -> list[str]:
-        result = _gpu_dry_run(tmp_path, gpus, tiny_ckpt, args, **extra)
+    # The launcher's dry runs of this test, all started first (each is mostly its GPU probe's torch import).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        def start(gpus: int, *args: str, **extra: str) -> concurrent.futures.Future:
+            return pool.submit(_gpu_dry_run, tmp_path, gpus, tiny_ckpt, args, **extra)
+
+        runs = dict(
+            one=start(1), one_4096=start(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096"),
+            h100=start(1, SLIME_TEST_FAKE_GPU_GIB="79"),
+            h100_8192=start(1, SLIME_TEST_FAKE_GPU_GIB="79", SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8192"),
+            one_0=start(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="0"), two=start(2),
+            two_4096=start(2, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096"),
+            bad=start(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8k"),
+            r3=start(1, "--use-rollout-routing-replay"), mine=start(1, "--recompute-granularity", "selective"),
+        )  # fmt: skip
+
+    def argv(name: str) -> list[str]:
+        result = runs[name].result()
         assert result.returncode == 0, result.stderr
         return shlex.split(result.stdout.strip().splitlines()[-1])
 
     def packing(args: list[str]) -> str | None:
         return args[args.index("--max-tokens-per-gpu") + 1] if "--use-dynamic-batch-size" in args else None
 
-    one = argv(1)
+    one = argv("one")
     assert packing(one) == "8192" and "--micro-batch-size" in one
     cfg = parse_args(one[3:])
     assert cfg.train.use_dynamic_batch_size and cfg.train.max_tokens_per_gpu == 8192
-    assert packing(argv(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096")) == "4096"
-    assert packing(argv(1, SLIME_TEST_FAKE_GPU_GIB="79")) == "4096"  # an 80 GB H100: half the tokens
-    assert packing(argv(1, SLIME_TEST_FAKE_GPU_GIB="79", SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8192")) == "8192"
-    assert packing(argv(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="0")) is None
-    two = argv(2)
+    assert packing(argv("one_4096")) == "4096"
+    assert packing(argv("h100")) == "4096"  # an 80 GB H100: half the tokens
+    assert packing(argv("h100_8192")) == "8192"
+    assert packing(argv("one_0")) is None
+    two = argv("two")
     assert packing(two) is None and not parse_args(two[3:]).train.use_dynamic_batch_size
     with pytest.raises(SystemExit):
-        parse_args(argv(2, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096")[3:])
+        parse_args(argv("two_4096")[3:])
     assert "Gated-DeltaNet" in capsys.readouterr().err
-    bad = _gpu_dry_run(tmp_path, 1, tiny_ckpt, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8k")
+    bad = runs["bad"].result()
     assert bad.returncode == 2 and "SLIME_SCRIPT_MAX_TOKENS_PER_GPU=8k: expected a token count" in bad.stderr
 
     # recompute: upstream's full by default; selective with R3 (whose routes a backward's recompute would miss,
@@ -283,10 +299,10 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
         return [a for a in args if a.startswith("--recompute")]
 
     assert recompute(one) == ["--recompute-granularity", "--recompute-method", "--recompute-num-layers"]
-    r3 = argv(1, "--use-rollout-routing-replay")
+    r3 = argv("r3")
     assert recompute(r3) == ["--recompute-granularity"] and r3[r3.index("--recompute-granularity") + 1] == "selective"
     assert parse_args(r3[3:]).train.use_rollout_routing_replay
-    mine = argv(1, "--recompute-granularity", "selective")
+    mine = argv("mine")
     assert recompute(mine) == ["--recompute-granularity"]
     parse_args(mine[3:])
 

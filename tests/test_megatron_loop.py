@@ -2,7 +2,8 @@
 2 data-parallel ranks over gloo and one transformers engine, 3 rollouts with a checkpoint, then a resume
 with ``--load`` for 1 more.
 
-Rewards alternate 0 / 1 within every group (:func:`alternating_reward`), so every step moves the weights.
+Rewards alternate 0 / 1 within every group (:func:`tests.rewards.alternating_reward`), so every step moves the
+weights.
 Checked against what the code under test does not compute itself: the engine's log-probs of every
 rollout equal the trainer's recomputed ones (``train/logprob_abs_diff`` at float32 rounding, so every
 weight reached the engine under the right name after each sync, vision tower included); the metrics
@@ -12,7 +13,6 @@ the rollout after the checkpoint.
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -32,23 +32,13 @@ DATA_DIR = REPO / "examples" / "geo3k_vlm" / "data"
 GAP_MAX = 1e-3
 """Mean |rollout - trainer| log-prob: both fp32 on CPU, only the kernels' summation order differs."""
 
-_calls = itertools.count()
-
-
-def alternating_reward(response: str, label: str, cfg) -> float:
-    """1.0 for every other response this scorer process scores: with one scorer worker the two samples of
-    every group get different rewards, so every advantage is +-1 and each step moves the weights (a random
-    tiny model never earns a real reward), and a weight sync that missed a tensor would show in the gap."""
-    return float(next(_calls) % 2)
-
-
 def _run(tiny_ckpt: Path, root: Path, num_rollout: int, log: Path) -> subprocess.CompletedProcess:
     argv = [
         sys.executable, "-m", "slime.train",
         "--hf-checkpoint", str(tiny_ckpt), "--prompt-data", str(DATA_DIR),
         "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
         "--apply-chat-template", "--rollout-shuffle", "--rollout-seed", "2",
-        "--custom-rm-path", "tests.test_megatron_loop:alternating_reward", "--rm-num-workers", "1",
+        "--custom-rm-path", "tests.rewards:alternating_reward", "--rm-num-workers", "1",
         "--num-rollout", str(num_rollout), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "8", "--global-batch-size", "4",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048", "--skip-eval-before-train",

@@ -165,6 +165,25 @@ def test_close_is_idempotent_and_log_after_close_raises(tmp_path):
     assert len(_raw_lines(tmp_path / "metrics.jsonl")) == 1
 
 
+def test_a_failed_final_plot_after_an_error_leaves_that_error(tmp_path, monkeypatch, caplog):
+    """Leaving the ``with`` block on an error (a SIGTERM's SystemExit), a failure of the final plot is logged: the
+    error that stopped the run is the one raised, and the JSONL is closed.  On a clean exit it is raised."""
+    from slime.utils import metrics
+
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'matplotlib' has no attribute 'get_data_path'")
+
+    monkeypatch.setattr(metrics, "plot_reward_curve", broken)
+    with pytest.raises(SystemExit) as stopped, caplog.at_level(logging.WARNING, logger="slime.utils.metrics"):
+        with MetricsLogger(tmp_path, NO_WANDB, "run", plot_interval_s=3600) as logger:
+            raise SystemExit(143)
+    assert stopped.value.code == 143 and logger._file.closed
+    assert "the final plot of" in caplog.text and "get_data_path" in caplog.text
+    with pytest.raises(AttributeError, match="get_data_path"):
+        with MetricsLogger(tmp_path / "clean", NO_WANDB, "run"):
+            pass
+
+
 def test_bad_plot_interval_raises(tmp_path):
     with pytest.raises(ValueError, match="plot_interval_s must be >= 0 seconds, got -1"):
         MetricsLogger(tmp_path, NO_WANDB, "run", plot_interval_s=-1)

@@ -437,8 +437,21 @@ run_pids() {  # live processes of the driver's session, read from /proc (zombies
       fi
    done
 }
+driver_runs() {  # whether the driver itself still runs (not a zombie; the same process: its session's leader)
+   local line fields
+   read -r line 2>/dev/null <"/proc/$DRIVER_PID/stat" || return 1
+   read -r -a fields <<<"${line##*) }"
+   [ "${fields[0]:-}" != "Z" ] && [ "${fields[3]:-}" = "$DRIVER_PID" ]
+}
 stop_run() {
+   # The driver first, alone: on SIGTERM it stops its engines, its trainers and the Ray instance it started while
+   # they still answer (signalled at once with the driver, Ray's own processes died first and left its clean-up
+   # waiting on them until the SIGKILL below).  Then whatever of the session is left: SIGTERM, then SIGKILL.
    local sig pids
+   if driver_runs; then
+      kill -TERM "$DRIVER_PID" 2>/dev/null || true
+      for _ in $(seq 1 100); do driver_runs || break; sleep 0.2; done
+   fi
    for sig in TERM KILL; do
       pids=$(run_pids); [ -n "$pids" ] || return 0
       # shellcheck disable=SC2086

@@ -350,7 +350,15 @@ class MetricsLogger:
         return self
 
     def __exit__(self, exc_type: type | None, *_: object) -> None:
-        self.close(exit_code=0 if exc_type is None else 1)
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(exit_code=1)
+        except Exception as e:  # noqa: BLE001 - the error that ended the run is the one raised
+            # e.g. a SIGTERM (SystemExit) that interrupted the step's plot half-way through importing matplotlib,
+            # which then fails to import again here
+            logger.warning("the final plot of %s failed after the run stopped: %s", self.plot_path, e)
 
 
 class RolloutProgress:
