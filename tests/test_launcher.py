@@ -267,6 +267,13 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
             two_4096=start(2, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="4096"),
             bad=start(1, SLIME_SCRIPT_MAX_TOKENS_PER_GPU="8k"),
             r3=start(1, "--use-rollout-routing-replay"), mine=start(1, "--recompute-granularity", "selective"),
+            none=start(1, SLIME_SCRIPT_RECOMPUTE="none"), sel=start(1, SLIME_SCRIPT_RECOMPUTE="selective"),
+            r3_full=start(1, "--use-rollout-routing-replay", SLIME_SCRIPT_RECOMPUTE="full"),
+            both=start(1, "--recompute-granularity", "full", SLIME_SCRIPT_RECOMPUTE="none"),
+            bad_rc=start(1, SLIME_SCRIPT_RECOMPUTE="off"),
+            fsdp=start(1, SLIME_SCRIPT_TRAIN_BACKEND="fsdp"),
+            fsdp_none=start(1, SLIME_SCRIPT_TRAIN_BACKEND="fsdp", SLIME_SCRIPT_RECOMPUTE="none"),
+            fsdp_sel=start(1, SLIME_SCRIPT_TRAIN_BACKEND="fsdp", SLIME_SCRIPT_RECOMPUTE="selective"),
         )  # fmt: skip
 
     def argv(name: str) -> list[str]:
@@ -305,6 +312,20 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
     mine = argv("mine")
     assert recompute(mine) == ["--recompute-granularity"]
     parse_args(mine[3:])
+    # SLIME_SCRIPT_RECOMPUTE: none drops it (megatron-core's default: no recompute), selective, or full even with R3,
+    # which the parser then refuses naming the flag; with --recompute-granularity too, or a value it does not
+    # take, the launcher stops naming the variable
+    assert recompute(argv("none")) == [] and not parse_args(argv("none")[3:]).megatron.recompute_granularity
+    assert parse_args(argv("sel")[3:]).megatron.recompute_granularity == "selective"
+    with pytest.raises(SystemExit):
+        parse_args(argv("r3_full")[3:])
+    assert "--recompute-granularity full" in capsys.readouterr().err
+    for name, message in (("both", "SLIME_SCRIPT_RECOMPUTE=none and --recompute-granularity full both choose"),
+                          ("bad_rc", "SLIME_SCRIPT_RECOMPUTE=off: expected full, selective or none"),
+                          ("fsdp_sel", "SLIME_SCRIPT_RECOMPUTE=selective: the fsdp trainer recomputes full layers or none")):
+        result = runs[name].result()
+        assert result.returncode == 2 and message in result.stderr, (name, result.stderr[-2000:])
+    assert "--gradient-checkpointing" in argv("fsdp") and "--gradient-checkpointing" not in argv("fsdp_none")
 
 
 @pytest.mark.parametrize("form", ["separate", "equals"])

@@ -1,5 +1,6 @@
 """A CPU run of ``scripts/bench/megatron_vs_fsdp.py`` on the tiny checkpoint: the script the H200 runs for issue 9's
-benchmark must get to its figures, and both backends must train the same step on the same samples."""
+benchmark must get to its figures, and both backends must train the same step on the same samples (here with the
+old-log-prob pass and Megatron's selective recompute, the launcher's kind of step; full recompute needs CUDA)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
         [sys.executable, str(BENCH), "--device", "cpu", "--checkpoint", str(tiny_ckpt), "--samples", "4",
          "--prompt-text", "16", "--image-grid", "1", "4", "4", "--response-min", "8", "--response-max", "32",
          "--max-tokens-per-gpu", "256", "--json", str(out), "--profile", str(tmp_path / "profile"),
-         "--workdir", str(tmp_path / "work")],
+         "--workdir", str(tmp_path / "work"), "--recompute", "selective", "--old-log-probs"],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -31,6 +32,9 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
     # patch grid, merged 2x2) = 22 tokens, responses of 8-32 tokens
     assert megatron["tokens"] == fsdp["tokens"] and megatron["samples"] == fsdp["samples"] == 4
     assert 4 * (22 + 8) <= megatron["tokens"] <= 4 * (22 + 32)
+    # the launcher's compute: the old-log-prob forward first (timed in its own sub-phase), Megatron recomputing
+    assert megatron["old_log_probs"] and megatron["recompute"] == "selective" and megatron["max_tokens_per_gpu"] == 256
+    assert 0 < megatron["old_log_probs_s"] < megatron["step_s"] and 0 < fsdp["old_log_probs_s"] < fsdp["step_s"]
     assert megatron["micro_batches"] == 1  # packed: every sample in one micro-batch of <= 256 tokens
     # the same checkpoint, samples and GRPO loss: both backends' first step has the same loss (fp32 on CPU)
     assert megatron["loss"] == pytest.approx(fsdp["loss"], rel=1e-5)

@@ -30,6 +30,12 @@
 #                               (--use-dynamic-batch-size --max-tokens-per-gpu N); 0: upstream's one
 #                               sample per micro-batch (--micro-batch-size 1), the only batching a GDN
 #                               model trains with where packing is not proven (TP, PP, CP or EP > 1)
+#   SLIME_SCRIPT_RECOMPUTE      [megatron: full, selective with --use-rollout-routing-replay; fsdp: full]
+#                               activation recomputation of the GPU recipe: full (upstream's
+#                               --recompute-granularity full --recompute-method uniform --recompute-num-layers 1;
+#                               fsdp: --gradient-checkpointing), selective (megatron only) or none (more memory,
+#                               one forward less a micro-batch); --recompute-granularity among the extra
+#                               arguments chooses instead (the two together are refused)
 #   SLIME_SCRIPT_OUTPUT_DIR     [outputs/geo3k-<model>-<time>] metrics, plot, checkpoints
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
@@ -73,7 +79,7 @@ done
 # The variables this script reads (after SLIME_SCRIPT_); any other SLIME_SCRIPT_* is a typo
 # (SLIME_SCRIPT_NUMGPUS): refused, not ignored.
 KNOWN_VARS=(DATASET_NAME NUM_GPUS EXTERNAL_RAY MODEL_NAME HF_CHECKPOINT TRAIN_BACKEND ROLLOUT_BACKEND SPECULATIVE
-            MAX_TOKENS_PER_GPU FORCE_CPU OUTPUT_DIR DRY_RUN)
+            MAX_TOKENS_PER_GPU RECOMPUTE FORCE_CPU OUTPUT_DIR DRY_RUN)
 for var in $(compgen -e | grep '^SLIME_SCRIPT_' || true); do
    if [[ " ${KNOWN_VARS[*]} " != *" ${var#SLIME_SCRIPT_} "* ]]; then
       echo "[geo3k] $var is not a variable of this script; it reads SLIME_SCRIPT_{$(IFS=,; echo "${KNOWN_VARS[*]}")}" >&2
@@ -172,6 +178,11 @@ case "$SPECULATIVE" in
    mtp) SPECULATIVE_ARGS=(--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
                           --sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 3) ;;
    *) echo "[geo3k] SLIME_SCRIPT_SPECULATIVE=$SPECULATIVE: expected off or mtp" >&2; exit 2 ;;
+esac
+RECOMPUTE=${SLIME_SCRIPT_RECOMPUTE:-}  # empty: the backend's default (below)
+case "$RECOMPUTE" in
+   ""|full|selective|none) ;;
+   *) echo "[geo3k] SLIME_SCRIPT_RECOMPUTE=$RECOMPUTE: expected full, selective or none" >&2; exit 2 ;;
 esac
 DRY_RUN=${SLIME_SCRIPT_DRY_RUN:-0}
 
@@ -282,11 +293,22 @@ else
       DEFAULT_TOKENS=$([ "$GPU_GIB" -ge 120 ] && echo 8192 || echo 4096)
       MAX_TOKENS=${SLIME_SCRIPT_MAX_TOKENS_PER_GPU:-$([ "$NUM_GPUS" = 1 ] && echo "$DEFAULT_TOKENS" || echo 0)}
       [ "$MAX_TOKENS" = 0 ] || BACKEND_ARGS+=(--use-dynamic-batch-size --max-tokens-per-gpu "$MAX_TOKENS")
-      # Upstream's full recompute, unless the extra arguments choose (then theirs alone) or ask for R3, whose
-      # replayed routes reach the forward passes but not a backward's recompute: selective there.
-      RECOMPUTE_ARGS=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
-      if [ -n "$(arg_value --recompute-granularity "$@")" ]; then RECOMPUTE_ARGS=()
-      elif has_flag --use-rollout-routing-replay "$@"; then RECOMPUTE_ARGS=(--recompute-granularity selective); fi
+      # Upstream's full recompute, unless SLIME_SCRIPT_RECOMPUTE or the extra arguments choose (then theirs alone)
+      # or the run asks for R3, whose replayed routes reach the forward passes but not a backward's recompute:
+      # selective there.
+      if [ -n "$RECOMPUTE" ] && [ -n "$(arg_value --recompute-granularity "$@")" ]; then
+         echo "[geo3k] SLIME_SCRIPT_RECOMPUTE=$RECOMPUTE and --recompute-granularity $(arg_value --recompute-granularity "$@") both choose the recomputation: set one" >&2
+         exit 2
+      fi
+      if [ -z "$RECOMPUTE" ]; then
+         RECOMPUTE=full; has_flag --use-rollout-routing-replay "$@" && RECOMPUTE=selective
+      fi
+      case "$RECOMPUTE" in
+         full) RECOMPUTE_ARGS=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
+         selective) RECOMPUTE_ARGS=(--recompute-granularity selective) ;;
+         none) RECOMPUTE_ARGS=() ;;
+      esac
+      [ -z "$(arg_value --recompute-granularity "$@")" ] || RECOMPUTE_ARGS=()
       BACKEND_ARGS+=(
          "${TP_ARGS[@]}"
          --pipeline-model-parallel-size 1 --context-parallel-size 1
@@ -296,7 +318,11 @@ else
          --accumulate-allreduce-grads-in-fp32 --attention-backend flash
       )  # upstream's --attention-softmax-in-fp32 is refused here: no kernel reads it (docs/design/model_args.md)
    else
-      BACKEND_ARGS+=(--gradient-checkpointing)
+      case "${RECOMPUTE:-full}" in
+         full) BACKEND_ARGS+=(--gradient-checkpointing) ;;
+         none) ;;
+         *) echo "[geo3k] SLIME_SCRIPT_RECOMPUTE=$RECOMPUTE: the fsdp trainer recomputes full layers or none" >&2; exit 2 ;;
+      esac
    fi
    if [ "$ROLLOUT_BACKEND" = "sglang" ]; then
       GPUS_PER_ENGINE=$(( NUM_GPUS < 8 ? NUM_GPUS : 8 ))

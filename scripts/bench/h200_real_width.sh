@@ -12,6 +12,11 @@
 #   check       the launcher's GPU command through the parser (--check-only)
 #   before      issue 30 item 2: the launcher at the recipe's sizes with one sample per micro-batch, 2 rollouts
 #   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each)
+#   after-none  after with SLIME_SCRIPT_RECOMPUTE=none (no activation recomputation), 3 rollouts
+#   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
+#               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card, with the old-log-prob
+#               pass and the launcher's pack size, for each recompute of SLIME_BENCH_RECOMPUTE (default "full none"),
+#               then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no old-log-prob pass, no recompute)
 #   learn       issue 30 item 3: the colour task at real width through the production pair, R3 + TIS, 20 rollouts
 #   r3          the after command with --use-rollout-routing-replay --use-tis, 3 rollouts
 #   freeze      the after command with the vision tower frozen (--freeze-params-name-list 'model\.visual\.') and
@@ -23,8 +28,8 @@
 #   resume      the same command with --load of that save, 2 more rollouts
 #   refuse      the e2e launch with SGLang's multimodal-RoPE bug left in: the parity gate must stop it before step 0
 #   throughput  scripts/bench/sglang_rollout_bench.py throughput: ours vs sglang.Engine at SGLang's defaults
-#   mtp         item 5: the same with --speculative mtp (EAGLE drafting with the checkpoint's MTP layer), then
-#               scripts/bench/mtp_sync.py: gap and acceptance length before / after a sync, no MTP vs MTP
+#   mtp         item 5: the same with --speculative mtp (EAGLE drafting with the checkpoint's MTP layer), then mtp-sync
+#   mtp-sync    scripts/bench/mtp_sync.py: gap and acceptance length before / after a sync, no MTP vs MTP
 #   mtp-recipe  ours alone at the recipe's rollout size (128 prompts x 512 tokens), without and with MTP
 #   mtp-e2e     the e2e launcher run with SLIME_SCRIPT_SPECULATIVE=mtp, 3 rollouts (not in the default list)
 # Results in OUT_DIR: summary.txt, figures.jsonl, bench.jsonl (throughput), mtp.jsonl (mtp_sync), metrics.jsonl (the
@@ -35,7 +40,7 @@ MODE=${1:?usage: h200_real_width.sh start|wait|run OUT_DIR ...}; OUT=${2:?OUT_DI
 LOGS=/tmp/h200-real-width
 mkdir -p "$OUT" "$LOGS"; OUT=$(cd "$OUT" && pwd)
 pack() {
-  cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$LOGS/bench.jsonl" "$LOGS/mtp.jsonl" "$OUT/" 2>/dev/null
+  cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$LOGS/bench.jsonl" "$LOGS/mtp.jsonl" "$LOGS/bench-compute.jsonl" "$OUT/" 2>/dev/null
   cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
   cp "$LOGS/learn_reward_curve.png" "$OUT/" 2>/dev/null
   tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
@@ -124,13 +129,30 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
   check)
     # The launcher's GPU command through the parser on this machine (sglang installed): a refused flag stops here.
     timed check launcher 300 --num-rollout 1 --check-only ;;
-  before|after)
-    # Issue 30 item 2, the same command twice: upstream's one sample per micro-batch (before), then the launcher's
-    # default packing (after); 2 and 3 rollouts, the final save without optimizer state (deleted after).
+  before|after|after-none)
+    # Issue 30 item 2, the same command: upstream's one sample per micro-batch (before), the launcher's default
+    # packing (after), the same without activation recomputation (after-none); 2, 3 and 3 rollouts, the final save
+    # without optimizer state (deleted after).
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
-    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
+    recompute=$([ "$phase" = after-none ] && echo none || echo "")
+    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
       --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim
     summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints" ;;
+  bench)
+    # The compute of a launcher step on this card, for the train phase's ratio to it (issue 30 item 2): Megatron alone,
+    # the scaled checkpoint, 128 launcher-shaped samples (one 36x36-patch image, responses 32-512 tokens: about the
+    # after run's 83-87k tokens), the old-log-prob pass and the launcher's pack size; then the benchmark's own step.
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+    big=$([ "${gpu_mib:-0}" -ge 122880 ] && echo 1 || echo 0)
+    shape=(--checkpoint "$SCALED" --backends megatron --samples 128 --response-min 32 --response-max 512 --warmup 1
+      --steps 2 --json "$LOGS/bench-compute.jsonl" --workdir "$LOGS/bench-work")
+    for rc in ${SLIME_BENCH_RECOMPUTE:-full none}; do
+      timed "bench_$rc" timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --old-log-probs \
+        --recompute "$rc" --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 8192 || echo 4096)"
+    done
+    timed bench_reference timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --recompute none \
+      --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 16384 || echo 8192)"
+    cut -c1-700 "$LOGS/bench-compute.jsonl" | tee -a "$LOGS/summary.txt" ;;
   r3)
     # The after command with R3 (the engine's routes replayed in every training forward) and TIS: router agreement
     # 1, and the gap with R3 on against the after run's (R3 off).
@@ -181,6 +203,8 @@ PY
       "${learn_flags[@]}"
     grep -a "multimodal-embedding flush\|flush_cache not found" "$LOGS/learn.log" | head -n 2 | cut -c1-400 | tee -a "$LOGS/summary.txt"
     grep -a "engine parity" "$LOGS/learn.log" | head -n 3 | cut -c1-400 | tee -a "$LOGS/summary.txt"
+    # SGLang 0.5.17's batched-request race (the plugin's fix): how many batches it still refused
+    echo "learn: batches refused by SGLang: $(grep -ac "refused a batched /generate" "$LOGS/learn.log"); fix warnings: $(grep -ac "batched requests that finish before SGLang" "$LOGS/learn.log")" | tee -a "$LOGS/summary.txt"
     # One device loan is all there is: if the parity gate (not the learning) stopped it, the gate's figures are in the
     # log and the run goes again with the vision tower frozen (a stale image path cannot widen the gap then), so the
     # curve is still taken (the summary says which happened).
@@ -216,6 +240,8 @@ PY
     timed mtp_throughput timeout 1200 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
       --json "$LOGS/bench.jsonl" --out "$LOGS/mtp" --speculative mtp ${SLIME_MTP_THROUGHPUT_ARGS---contenders ours sglang_alone}
     grep -h '"throughput"' "$LOGS/bench.jsonl" 2>/dev/null | grep '"speculative": "mtp"' | tee -a "$LOGS/summary.txt"
+    ;&  # then mtp-sync
+  mtp-sync)
     # The MTP server at the launcher's 0.7 ran out of memory at start-up on an 80 GB H100 (the run of 2026-12-06);
     # the throughput bench's standalone MTP server at 0.6 started there.
     gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
@@ -235,7 +261,7 @@ PY
     RUN_DIR=$LOGS/run-mtp SPECULATIVE=mtp timed mtp_e2e launcher 1200 --num-rollout 3 --no-save-optim --overwrite-output-dir
     summarize_run "$LOGS/run-mtp"
     rm -rf "$LOGS/run-mtp/checkpoints" ;;
-  *) echo "unknown phase $phase (build check before after learn r3 freeze refuse throughput floor e2e resume mtp mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
+  *) echo "unknown phase $phase (build check before after after-none bench learn r3 freeze refuse throughput floor e2e resume mtp mtp-sync mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
   esac
 done
 echo "all phases done" | tee -a "$LOGS/summary.txt"

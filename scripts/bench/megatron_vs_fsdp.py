@@ -8,7 +8,11 @@ Samples: ``--samples`` geo3k-shaped GRPO samples, the same for both: a chat prom
 text tokens around one image of ``--image-grid T H W`` patches (``T*H*W/4`` merged image tokens; the
 geo3k images of the recipe give 256-400), a response of a length drawn uniformly from
 ``[--response-min, --response-max]`` (seeded), advantages +-1, rollout log-probs given
-(``--use-rollout-logprobs``: the step is the training pass alone, no old-log-prob forward).
+(``--use-rollout-logprobs``: the step is the training pass alone, no old-log-prob forward; ``--old-log-probs``
+adds that forward, as the launcher's runs have it).  ``--recompute`` and ``--max-tokens-per-gpu`` set Megatron's
+activation recomputation and packed micro-batch size: the launcher's own on one GPU are ``--recompute full`` and 8192
+(4096 on a card under 120 GiB), so ``--old-log-probs --recompute full --max-tokens-per-gpu 4096`` is the compute of a
+launcher step on an H100 (``docs/results/h200_train_phase.md``).
 
 Each backend trains in its own process, as the recipe configures it on one GPU, bf16:
 
@@ -23,7 +27,8 @@ Reported per backend (median of ``--steps`` timed steps after ``--warmup``): ste
 ``--peak-tflops`` (790: the bf16 ceiling measured on these H200s, an 8192^3 matrix product on random data at
 769-798 TFLOP/s; the datasheet's dense bf16 is 989, also printed as ``mfu_datasheet``), with FLOPs from ``qwen35_shapes.flops_per_step`` (3 x forward:
 language model per token, causal attention per document, the LM head at the response positions only, the
-vision tower per patch), peak GPU memory (``max_memory_allocated``), and the Megatron / FSDP ratio.
+vision tower per patch; with ``--old-log-probs`` 4 x forward; a recompute's extra forward is not counted: it is
+not model work), peak GPU memory (``max_memory_allocated``), and the Megatron / FSDP ratio.
 ``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``).
 Each step's time is printed as it ends, so a run cut off by a time limit still shows how far it got.
 
@@ -105,13 +110,17 @@ def build_backend(name: str, rank_info, ckpt: Path, args):
         from slime.backends.megatron.backend import MegatronBackend
         from slime.backends.megatron.config import MegatronConfig
 
-        train = TrainConfig(train_backend="megatron", bf16=True, use_rollout_logprobs=True,
+        train = TrainConfig(train_backend="megatron", bf16=True, use_rollout_logprobs=not args.old_log_probs,
                             use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
-        return MegatronBackend(rank_info, spec(train), MegatronConfig(accumulate_allreduce_grads_in_fp32=True))
+        recompute = dict(none={}, selective=dict(recompute_granularity="selective"),
+                         full=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+        return MegatronBackend(rank_info, spec(train), MegatronConfig(accumulate_allreduce_grads_in_fp32=True,
+                                                                      **recompute[args.recompute]))
     from slime.backends.fsdp.backend import FSDPBackend
     from slime.backends.fsdp.config import FSDPConfig
 
-    train = TrainConfig(train_backend="fsdp", bf16=True, use_rollout_logprobs=True, micro_batch_size=1)
+    train = TrainConfig(train_backend="fsdp", bf16=True, use_rollout_logprobs=not args.old_log_probs,
+                        micro_batch_size=1)
     return FSDPBackend(rank_info, spec(train), FSDPConfig(attn_implementation="sdpa"))
 
 
@@ -168,6 +177,13 @@ def main() -> None:
     parser.add_argument("--response-min", type=int, default=256, help="Shortest response, tokens.")
     parser.add_argument("--response-max", type=int, default=1536, help="Longest response, tokens.")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="Megatron's packed micro-batch budget.")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                        help="Megatron's activation recomputation: none, selective (core attention), or full (the "
+                        "launcher's default on GPUs: --recompute-granularity full --recompute-method uniform "
+                        "--recompute-num-layers 1; CUDA only). The FSDP backend keeps its own.")
+    parser.add_argument("--old-log-probs", action="store_true",
+                        help="Each step first recomputes the old log-probs (a no-grad forward, as the launcher's "
+                        "runs do) instead of taking the rollout's (--use-rollout-logprobs).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed steps first.")
     parser.add_argument("--steps", type=int, default=2, help="Timed steps (median reported).")
     parser.add_argument("--peak-tflops", type=float, default=790.0,
@@ -201,6 +217,8 @@ def main() -> None:
     response_tokens = sum(s.response_length for s in samples)
     patches = [int(s.multimodal_inputs["image_grid_thw"].prod()) for s in samples]
     flops = flops_per_step(arch, tokens, lm_head_tokens=response_tokens, image_patches=patches)
+    if args.old_log_probs:  # + the no-grad forward (a third of the 3 x forward); a recompute's forward is not counted
+        flops *= 4 / 3
     print(f"model: {ckpt} ({arch.num_layers} layers, {arch.num_experts} experts); "
           f"step: {len(samples)} samples, {sum(tokens)} tokens "
           f"({response_tokens} response), {sum(patches)} image patches; {flops / 1e12:.1f} TFLOP per step", flush=True)
@@ -214,11 +232,14 @@ def main() -> None:
         seconds = statistics.median(result["times"])
         rows[name] = dict(
             backend=name, layers=arch.num_layers, experts=arch.num_experts, samples=len(samples), tokens=sum(tokens),
+            max_tokens_per_gpu=args.max_tokens_per_gpu, recompute=args.recompute, old_log_probs=args.old_log_probs,
             step_s=round(seconds, 3), tokens_per_s=round(sum(tokens) / seconds),
             tflops=round(flops / seconds / 1e12, 1), mfu=round(flops / seconds / 1e12 / args.peak_tflops, 4),
             mfu_datasheet=round(flops / seconds / 1e12 / 989.0, 4),
             peak_gib=round(result["peak_gib"], 1), init_s=round(result["init_s"], 1),
             micro_batches=result["metrics"].get("train/micro_batches"), loss=result["metrics"].get("train/loss"),
+            old_log_probs_s=round(result["metrics"].get("perf/train_old_log_probs_s", 0.0), 3),
+            forward_backward_s=round(result["metrics"].get("perf/train_forward_backward_s", 0.0), 3),
         )
         if result["profile"] and args.profile:
             (args.profile / f"{name}.txt").write_text(result["profile"])

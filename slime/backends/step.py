@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+PEAK_MEMORY_KEY = "perf/train_peak_gib"
+"""GiB a CUDA rank held at most during :func:`train_step` (``torch.cuda.max_memory_allocated``, reset as the step
+starts: weights, gradients, optimizer state and the largest micro-batch's activations); the trainer group reports the
+largest over ranks.  Absent on CPU."""
+
 TRAINER_TOTAL_KEY = "perf/train_in_trainer_s"
 """Seconds :func:`train_step` took on the trainer rank, its sub-phases and what lies between them; the driver counts
 the rest of its call as ``perf/train_transfer_s`` (:meth:`slime.ray.trainer_group.TrainerGroup.train`)."""
@@ -124,7 +129,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, the IS / OPSM metrics of ``--use-tis`` /
         ``--use-opsm`` (``_min`` / ``_max`` over all steps), ``train/mis_*`` of ``--get-mismatch-metrics``, the
         backend's own (``apply_update``'s), the mismatch monitor (not with ``--use-rollout-logprobs``), the colocated
-        free-memory figures (GiB) and ``perf/train_<sub>_s``.
+        free-memory figures (GiB), ``perf/train_<sub>_s`` and on CUDA :data:`PEAK_MEMORY_KEY`.
 
     Raises:
         SampleError: a malformed sample on any rank, or (R3) missing or malformed routes, before any forward.
@@ -136,6 +141,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     memory_figures = backend.memory.begin_step()  # the colocated moves since the last step
     started, clock = time.perf_counter(), PhaseClock("train", backend.device)
     spec, dp, grpo = backend.spec, backend.dp, backend.spec.grpo
+    if backend.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(backend.device)
     with clock("checks"):
         routes = StepRoutes.for_step(spec.train, backend.route_shape, samples)  # R3 / R2 / the monitor's routes
         check_train_samples(samples, need_rollout_log_probs=_rollout_log_prob_flags(spec),
@@ -186,6 +193,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         scalars.append({"train/grad_norm": grad_norm, "train/lr": lr, **own})
     with clock("metrics"):
         metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **monitor, **memory_figures}
+    if backend.device.type == "cuda":
+        metrics[PEAK_MEMORY_KEY] = torch.cuda.max_memory_allocated(backend.device) / 2**30
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 
