@@ -16,7 +16,8 @@
 #   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
 #               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card, with the old-log-prob
 #               pass and the launcher's pack size, for each recompute of SLIME_BENCH_RECOMPUTE (default "full none"),
-#               then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no old-log-prob pass, no recompute)
+#               then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no old-log-prob pass, no recompute;
+#               SLIME_BENCH_REFERENCE=0 skips it)
 #   learn       issue 30 item 3: the colour task at real width through the production pair, R3 + TIS, 20 rollouts
 #   r3          the after command with --use-rollout-routing-replay --use-tis, 3 rollouts
 #   freeze      the after command with the vision tower frozen (--freeze-params-name-list 'model\.visual\.') and
@@ -150,8 +151,8 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
       timed "bench_$rc" timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --old-log-probs \
         --recompute "$rc" --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 8192 || echo 4096)"
     done
-    timed bench_reference timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --recompute none \
-      --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 16384 || echo 8192)"
+    [ "${SLIME_BENCH_REFERENCE:-1}" = 0 ] || timed bench_reference timeout 600 python3 scripts/bench/megatron_vs_fsdp.py \
+      "${shape[@]}" --recompute none --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 16384 || echo 8192)"
     cut -c1-700 "$LOGS/bench-compute.jsonl" | tee -a "$LOGS/summary.txt" ;;
   r3)
     # The after command with R3 (the engine's routes replayed in every training forward) and TIS: router agreement
