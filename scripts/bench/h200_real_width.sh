@@ -138,7 +138,8 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     recompute=$([ "$phase" = after-none ] && echo none || echo "")
     SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
       --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim
-    summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints" ;;
+    summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints"
+    echo "$phase: batches refused by SGLang: $(grep -ac "refused a batched /generate" "$LOGS/$phase.log")" | tee -a "$LOGS/summary.txt" ;;
   bench)
     # The compute of a launcher step on this card, for the train phase's ratio to it (issue 30 item 2): Megatron alone,
     # the scaled checkpoint, 128 launcher-shaped samples (one 36x36-patch image, responses 32-512 tokens: about the
