@@ -16,6 +16,7 @@ import re
 import shlex
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -142,7 +143,7 @@ def test_upstream_geo3k_command_line_lands_in_the_right_groups():
     assert (m.normalization, m.position_embedding_type, m.norm_epsilon) == ("RMSNorm", "rope", 1e-6)
     assert (m.rotary_percent, m.rotary_base) == (0.25, 10_000_000)
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (256, 8, 512)
-    assert (m.moe_router_score_function, m.moe_token_dispatcher_type) == ("softmax", "alltoall")
+    assert m.moe_router_score_function == "softmax"
     assert m.moe_router_dtype == "fp32"
     assert m.moe_aux_loss_coeff == 0 and m.moe_shared_expert_gate and m.moe_grouped_gemm and m.moe_permute_fusion
     assert m.moe_layer_pattern == [1] * 40
@@ -184,6 +185,7 @@ def test_upstream_geo3k_command_line_lands_in_the_right_groups():
     assert (t.expert_model_parallel_size, t.expert_tensor_parallel_size) == (8, 1) and t.sequence_parallel
     assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == ("full", "uniform", 1)
     assert (t.attention_dropout, t.hidden_dropout, t.attention_backend) == (0.0, 0.0, "flash")
+    assert t.moe_token_dispatcher_type == "alltoall"  # in upstream's MODEL_ARGS; megatron-core's flag, so its group
     assert t.accumulate_allreduce_grads_in_fp32 and t.attention_softmax_in_fp32
     c = cfg.cluster
     assert (c.actor_num_nodes, c.actor_num_gpus_per_node, c.colocate) == (1, 8, True)
@@ -540,11 +542,26 @@ def test_a_layout_the_model_can_shard_is_accepted_with_its_config():
         (["--attention-backend", "fused"], "--attention-backend fused (TransformerEngine's fused attention"),
         (["--attention-dropout", "0.1"], "--attention-dropout 0.1 (the gated attention has no dropout)"),
         (["--megatron-to-hf-mode", "bridge"], "--megatron-to-hf-mode bridge (Megatron-Bridge is not supported"),
+        (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex (DeepEP / HybridEP are not"),
     ],
 )  # fmt: skip
 def test_megatron_refuses_what_the_native_model_does_not_do(flags, named, capsys):
     err = parse_error(with_flags(*flags), capsys)
     assert "--train-backend megatron does not implement" in err and named in err
+
+
+def test_the_token_dispatcher_is_the_flag_else_alltoall_on_cuda_and_allgather_on_cpu():
+    """``--moe-token-dispatcher-type`` reaches megatron-core's config as given; unset, the backend takes alltoall on
+    CUDA and allgather on the CPU; alltoall on the CPU is refused naming the flag (its counts go by CUDA stream)."""
+    cuda, cpu = SimpleNamespace(type="cuda"), SimpleNamespace(type="cpu")  # a torch.device's .type, torch not imported
+    default = parse_args(with_flags()).megatron
+    assert (default.token_dispatcher(cuda), default.token_dispatcher(cpu)) == ("alltoall", "allgather")
+    chosen = parse_args(with_flags("--moe-token-dispatcher-type", "allgather")).megatron
+    assert (chosen.token_dispatcher(cuda), chosen.token_dispatcher(cpu)) == ("allgather", "allgather")
+    alltoall = parse_args(with_flags("--moe-token-dispatcher-type", "alltoall")).megatron
+    assert alltoall.token_dispatcher(cuda) == "alltoall"
+    with pytest.raises(ConfigError, match="--moe-token-dispatcher-type alltoall needs CUDA"):
+        alltoall.token_dispatcher(cpu)
 
 
 def test_save_hf_needs_save(capsys):
@@ -861,6 +878,7 @@ def test_model_args_are_not_checked_without_a_local_config(tmp_path):
         (["--actor-num-gpus-per-node", "2", "--expert-tensor-parallel-size", "2"], ["--expert-tensor-parallel-size 2"]),
         (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"], ["--use-dynamic-batch-size ("]),
         (["--megatron-to-hf-mode", "bridge"], ["--megatron-to-hf-mode bridge"]),
+        (["--moe-token-dispatcher-type", "alltoall"], ["--moe-token-dispatcher-type alltoall"]),
         (["--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
           "--recompute-num-layers", "1"],
          ["--sequence-parallel (", "--recompute-granularity full (use --gradient-checkpointing)"]),

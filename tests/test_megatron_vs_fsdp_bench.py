@@ -1,10 +1,12 @@
 """A CPU run of ``scripts/bench/megatron_vs_fsdp.py`` on the tiny checkpoint: the script the H200 runs for issue 9's
 benchmark must get to its figures, and both backends must train the same step on the same samples (here with the
-old-log-prob pass and Megatron's selective recompute, the launcher's kind of step; full recompute needs CUDA)."""
+old-log-prob pass and Megatron's selective recompute, the launcher's kind of step; full recompute needs CUDA), with
+new samples every step (``--fresh-lengths``) and the dispatcher named."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,8 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
         [sys.executable, str(BENCH), "--device", "cpu", "--checkpoint", str(tiny_ckpt), "--samples", "4",
          "--prompt-text", "16", "--image-grid", "1", "4", "4", "--response-min", "8", "--response-max", "32",
          "--max-tokens-per-gpu", "256", "--json", str(out), "--profile", str(tmp_path / "profile"),
-         "--workdir", str(tmp_path / "work"), "--recompute", "selective", "--old-log-probs"],
+         "--workdir", str(tmp_path / "work"), "--recompute", "selective", "--old-log-probs",
+         "--fresh-lengths", "--moe-token-dispatcher-type", "allgather"],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -32,6 +35,12 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
     # patch grid, merged 2x2) = 22 tokens, responses of 8-32 tokens
     assert megatron["tokens"] == fsdp["tokens"] and megatron["samples"] == fsdp["samples"] == 4
     assert 4 * (22 + 8) <= megatron["tokens"] <= 4 * (22 + 32)
+    # --fresh-lengths: the two timed steps (seeds 1 and 2) train other samples than the first step's (seed 0, whose
+    # tokens the script prints), the same for both backends; the row's tokens are their mean
+    first = int(re.search(r"step: 4 samples, (\d+) tokens", done.stdout).group(1))
+    assert megatron["step_tokens"] == fsdp["step_tokens"] and len(megatron["step_tokens"]) == 2
+    assert len({first, *megatron["step_tokens"]}) == 3 and megatron["fresh_lengths"]
+    assert megatron["tokens"] == round(sum(megatron["step_tokens"]) / 2) and megatron["dispatcher"] == "allgather"
     # the launcher's compute: the old-log-prob forward first (timed in its own sub-phase), Megatron recomputing
     assert megatron["old_log_probs"] and megatron["recompute"] == "selective" and megatron["max_tokens_per_gpu"] == 256
     assert 0 < megatron["old_log_probs_s"] < megatron["step_s"] and 0 < fsdp["old_log_probs_s"] < fsdp["step_s"]

@@ -216,8 +216,7 @@ def wrong_values(text: dict) -> dict[str, tuple[str | list[str] | None, str]]:
     wrong["--position-embedding-type"] = ("learned_absolute", f"--position-embedding-type learned_absolute {qwen}")
     wrong["--moe-router-score-function"] = ("sigmoid", f"--moe-router-score-function sigmoid {qwen}")
     refused = {"--spec": ["my.module", "my_spec"], "--moe-grouped-gemm": "", "--moe-permute-fusion": "",
-               "--moe-token-drop-policy": "probs", "--moe-token-dispatcher-type": "alltoall",
-               "--moe-router-dtype": "fp32"}  # fmt: skip
+               "--moe-token-drop-policy": "probs", "--moe-router-dtype": "fp32"}  # fmt: skip
     for flag, value in refused.items():
         shown = " ".join([flag] + ([value] if isinstance(value, str) and value else list(value) if value else []))
         wrong[flag] = (value, f"read by nothing, so they could only say something false; drop them: {shown} (")

@@ -274,32 +274,40 @@ def test_the_trainer_sub_phases_add_up_to_its_time_and_hold_each_hook(monkeypatc
 
 
 def test_the_step_reports_its_own_peak_memory_on_cuda_and_the_group_the_largest_rank(monkeypatch):
-    """On a CUDA rank the step resets the allocator's peak as it starts and reports the peak it reached in GiB
-    (``perf/train_peak_gib``); the trainer group reports the largest of its ranks'; on CPU the key is absent.  The
-    allocator is a stand-in here (no GPU): it records the reset and answers 3 GiB."""
-    from slime.backends.step import PEAK_MEMORY_KEY
+    """On a CUDA rank the step resets the allocator's peaks as it starts and reports, in GiB, the peak allocated
+    (``perf/train_peak_gib``) and reserved (``perf/train_reserved_peak_gib``), and the allocator's retries during
+    the step (``perf/train_alloc_retries``: the increase of ``num_alloc_retries``); the trainer group reports the
+    largest of its ranks' for each; on CPU the keys are absent.  The allocator is a stand-in here (no GPU): it
+    records the reset and answers 3 GiB allocated, 5 GiB reserved, and 4 then 6 retries (so 2 in the step)."""
+    from slime.backends.step import ALLOC_RETRIES_KEY, PEAK_MEMORY_KEY, RESERVED_PEAK_KEY
     from slime.ray import trainer_group
 
     backend = StandIn(GRPOConfig(**GRPO))
     backend.init()
-    assert PEAK_MEMORY_KEY not in train_step(backend, 0, hand_samples(), num_steps=2)
-    calls = []
+    cpu = train_step(backend, 0, hand_samples(), num_steps=2)
+    assert not {PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY} & set(cpu)
+    calls, retries = [], iter([4, 6])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated",
                         lambda device=None: calls.append(("peak", device)) or 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved",
+                        lambda device=None: calls.append(("reserved", device)) or 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": next(retries)})
     backend.device = torch.device("cuda", 0)
     metrics = train_step(backend, 1, hand_samples(), num_steps=2)
-    assert metrics[PEAK_MEMORY_KEY] == 3.0
-    assert calls == [("reset", backend.device), ("peak", backend.device)]
+    assert (metrics[PEAK_MEMORY_KEY], metrics[RESERVED_PEAK_KEY], metrics[ALLOC_RETRIES_KEY]) == (3.0, 5.0, 2.0)
+    assert calls == [("reset", backend.device), ("peak", backend.device), ("reserved", backend.device)]
 
     class Actor:  # a rank's Ray handle: .train.remote(...) answers that rank's metrics
-        def __init__(self, peak):
-            self.train = type("Remote", (), {"remote": staticmethod(lambda *a: {PEAK_MEMORY_KEY: peak, "x": peak})})
+        def __init__(self, peak, retries):
+            answer = {PEAK_MEMORY_KEY: peak, RESERVED_PEAK_KEY: peak + 1, ALLOC_RETRIES_KEY: retries, "x": peak}
+            self.train = type("Remote", (), {"remote": staticmethod(lambda *a: answer)})
 
     group = object.__new__(trainer_group.TrainerGroup)
-    group.actors = [Actor(2.5), Actor(7.0)]
+    group.actors = [Actor(2.5, 3.0), Actor(7.0, 0.0)]
     monkeypatch.setattr(group, "split_by_rank", lambda samples: ([[], []], 1), raising=False)
     monkeypatch.setattr(trainer_group.ray, "get", lambda refs: list(refs))
     merged = group.train(0, [])
+    assert (merged[RESERVED_PEAK_KEY], merged[ALLOC_RETRIES_KEY]) == (8.0, 3.0)  # each the largest over ranks
     assert merged[PEAK_MEMORY_KEY] == 7.0 and merged["x"] == 2.5  # the peak: the largest; the rest: rank 0's

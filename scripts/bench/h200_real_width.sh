@@ -11,13 +11,15 @@
 #   build       the real-width scaled checkpoint (scripts/models/qwen3.5-35B-A3B-scaled.sh: 4 layers, 128 experts)
 #   check       the launcher's GPU command through the parser (--check-only)
 #   before      issue 30 item 2: the launcher at the recipe's sizes with one sample per micro-batch, 2 rollouts
-#   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each)
+#   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each); with
+#               the dispatcher the bench phase found faster (when it ran first), or SLIME_AFTER_DISPATCHER
 #   after-none  after with SLIME_SCRIPT_RECOMPUTE=none (no activation recomputation), 3 rollouts
 #   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
 #               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card, with the old-log-prob
-#               pass and the launcher's pack size, for each recompute of SLIME_BENCH_RECOMPUTE (default "full none"),
-#               then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no old-log-prob pass, no recompute;
-#               SLIME_BENCH_REFERENCE=0 skips it)
+#               pass and the launcher's pack size, for each variant of SLIME_BENCH_VARIANTS (NAME=FLAGS;... default:
+#               full recompute with the same samples every step, then new samples every step with the all-to-all and
+#               the all-gather dispatcher), then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no
+#               old-log-prob pass, no recompute; SLIME_BENCH_REFERENCE=0 skips it)
 #   learn       issue 30 item 3: the colour task at real width through the production pair, R3 + TIS, 20 rollouts
 #   r3          the after command with --use-rollout-routing-replay --use-tis, 3 rollouts
 #   freeze      the after command with the vision tower frozen (--freeze-params-name-list 'model\.visual\.') and
@@ -44,6 +46,7 @@ pack() {
   cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$LOGS/bench.jsonl" "$LOGS/mtp.jsonl" "$LOGS/bench-compute.jsonl" "$OUT/" 2>/dev/null
   cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
   cp "$LOGS/learn_reward_curve.png" "$OUT/" 2>/dev/null
+  cp "$LOGS/profile/megatron.txt" "$OUT/bench-profile.txt" 2>/dev/null
   tar czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
 }
 case $MODE in
@@ -88,6 +91,15 @@ launcher() {  # launcher SECONDS FLAGS...: the recipe as a user runs it on one G
   SLIME_SCRIPT_SPECULATIVE="${SPECULATIVE:-off}" \
     timeout "$limit" bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
       --rollout-max-response-len 512 --save-interval 5 --no-progress-bar "$@"
+}
+faster_dispatcher() {  # the dispatcher of the bench phase's faster new-samples variant (tokens/s); nothing without both
+  python3 - "$LOGS/bench-compute.jsonl" <<'EOF' 2>/dev/null
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+rate = {r["dispatcher"]: r["tokens_per_s"] for r in rows if r.get("fresh_lengths") and "dispatcher" in r}
+if {"alltoall", "allgather"} <= set(rate):
+    print(max(("alltoall", "allgather"), key=rate.get))
+EOF
 }
 summarize_run() {  # summarize_run [RUN_DIR]
   python3 - "${1:-$RUN}/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOGS/summary.txt"
@@ -136,8 +148,12 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # without optimizer state (deleted after).
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
     recompute=$([ "$phase" = after-none ] && echo none || echo "")
+    # the dispatcher: SLIME_AFTER_DISPATCHER, else the one whose new-samples bench step was faster on this card
+    dispatcher=${SLIME_AFTER_DISPATCHER:-$(faster_dispatcher)}
+    echo "$phase: --moe-token-dispatcher-type ${dispatcher:-unset, the launcher default}" | tee -a "$LOGS/summary.txt"
     SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
-      --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim
+      --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim \
+      ${dispatcher:+--moe-token-dispatcher-type "$dispatcher"}
     summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints"
     echo "$phase: batches refused by SGLang: $(grep -ac "refused a batched /generate" "$LOGS/$phase.log")" | tee -a "$LOGS/summary.txt" ;;
   bench)
@@ -148,13 +164,19 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     big=$([ "${gpu_mib:-0}" -ge 122880 ] && echo 1 || echo 0)
     shape=(--checkpoint "$SCALED" --backends megatron --samples 128 --response-min 32 --response-max 512 --warmup 1
       --steps 2 --json "$LOGS/bench-compute.jsonl" --workdir "$LOGS/bench-work")
-    for rc in ${SLIME_BENCH_RECOMPUTE:-full none}; do
-      timed "bench_$rc" timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --old-log-probs \
-        --recompute "$rc" --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 8192 || echo 4096)"
+    default_variants="same=--recompute full --moe-token-dispatcher-type alltoall"
+    default_variants+=";fresh-alltoall=--recompute full --fresh-lengths --moe-token-dispatcher-type alltoall"
+    default_variants+=";fresh-allgather=--recompute full --fresh-lengths --moe-token-dispatcher-type allgather --profile $LOGS/profile"
+    variants=${SLIME_BENCH_VARIANTS:-$default_variants}
+    IFS=';' read -ra variant_list <<<"$variants"
+    for variant in "${variant_list[@]}"; do
+      # shellcheck disable=SC2086  # the flags of a variant split on spaces
+      timed "bench_${variant%%=*}" timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --old-log-probs \
+        --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 8192 || echo 4096)" ${variant#*=}
     done
     [ "${SLIME_BENCH_REFERENCE:-1}" = 0 ] || timed bench_reference timeout 600 python3 scripts/bench/megatron_vs_fsdp.py \
       "${shape[@]}" --recompute none --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 16384 || echo 8192)"
-    cut -c1-700 "$LOGS/bench-compute.jsonl" | tee -a "$LOGS/summary.txt" ;;
+    cut -c1-900 "$LOGS/bench-compute.jsonl" | tee -a "$LOGS/summary.txt" ;;
   r3)
     # The after command with R3 (the engine's routes replayed in every training forward) and TIS: router agreement
     # 1, and the gap with R3 on against the after run's (R3 off).

@@ -22,13 +22,17 @@ Each backend trains in its own process, as the recipe configures it on one GPU, 
 - ``fsdp``: the Hugging Face model under FSDP2 (fp32 master weights, bf16 compute, fp32 reduction), SDPA,
   one sample per micro-batch (the recipe's GDN limit, kept by the FSDP backend).
 
-Reported per backend (median of ``--steps`` timed steps after ``--warmup``): step seconds, train tokens/s
-(prompt + response tokens of the step / step seconds), model TFLOP/s and MFU = FLOPs / step seconds /
-``--peak-tflops`` (790: the bf16 ceiling measured on these H200s, an 8192^3 matrix product on random data at
-769-798 TFLOP/s; the datasheet's dense bf16 is 989, also printed as ``mfu_datasheet``), with FLOPs from ``qwen35_shapes.flops_per_step`` (3 x forward:
-language model per token, causal attention per document, the LM head at the response positions only, the
-vision tower per patch; with ``--old-log-probs`` 4 x forward; a recompute's extra forward is not counted: it is
-not model work), peak GPU memory (``max_memory_allocated``), and the Megatron / FSDP ratio.
+Reported per backend over ``--steps`` timed steps after ``--warmup``: the median step seconds (and each step's),
+train tokens/s (prompt + response tokens of the timed steps / their seconds), model TFLOP/s and MFU = FLOPs /
+seconds / ``--peak-tflops`` (790: the bf16 ceiling measured on these H200s, an 8192^3 matrix product on random data
+at 769-798 TFLOP/s; the datasheet's dense bf16 is 989, also printed as ``mfu_datasheet``), with FLOPs from
+``qwen35_shapes.flops_per_step`` (3 x forward: language model per token, causal attention per document, the LM head
+at the response positions only, the vision tower per patch; with ``--old-log-probs`` 4 x forward; a recompute's
+extra forward is not counted: it is not model work), peak GPU memory allocated and reserved
+(``max_memory_allocated`` / ``max_memory_reserved``), the caching allocator's retries over the timed steps
+(``perf/train_alloc_retries``), and the Megatron / FSDP ratio.  ``--fresh-lengths`` gives every step new samples of
+the same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type`` picks
+megatron-core's MoE token dispatcher.
 ``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``).
 Each step's time is printed as it ends, so a run cut off by a time limit still shows how far it got.
 
@@ -71,11 +75,12 @@ def write_checkpoint(folder: Path, layers: int, experts: int) -> None:
     torch.cuda.empty_cache()
 
 
-def make_samples(config, args) -> list:
-    """Geo3k-shaped samples (module docstring): token ids, one image's pixels and grid, a response."""
+def make_samples(config, args, seed: int = 0) -> list:
+    """Geo3k-shaped samples (module docstring): token ids, one image's pixels and grid, a response; ``seed`` draws
+    the lengths and values (the same seed, the same samples)."""
     from slime.data.sample import Sample
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     vision, vocab = config.vision_config, config.text_config.vocab_size
     t, h, w = args.image_grid
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
@@ -97,6 +102,15 @@ def make_samples(config, args) -> list:
     return samples
 
 
+def step_work(samples: list, arch, old_log_probs: bool) -> tuple[int, float]:
+    """The tokens (prompt + response) of one step over ``samples`` and its model FLOPs (module docstring)."""
+    tokens = [len(s.prompt_token_ids) + s.response_length for s in samples]
+    patches = [int(s.multimodal_inputs["image_grid_thw"].prod()) for s in samples]
+    flops = flops_per_step(arch, tokens, lm_head_tokens=sum(s.response_length for s in samples), image_patches=patches)
+    # + the no-grad forward (a third of the 3 x forward); a recompute's forward is not counted
+    return sum(tokens), flops * (4 / 3 if old_log_probs else 1)
+
+
 def build_backend(name: str, rank_info, ckpt: Path, args):
     from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig, TrainerSpec
     from slime.grpo.config import GRPOConfig
@@ -114,8 +128,9 @@ def build_backend(name: str, rank_info, ckpt: Path, args):
                             use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
         recompute = dict(none={}, selective=dict(recompute_granularity="selective"),
                          full=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
-        return MegatronBackend(rank_info, spec(train), MegatronConfig(accumulate_allreduce_grads_in_fp32=True,
-                                                                      **recompute[args.recompute]))
+        return MegatronBackend(rank_info, spec(train), MegatronConfig(
+            accumulate_allreduce_grads_in_fp32=True, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            **recompute[args.recompute]))
     from slime.backends.fsdp.backend import FSDPBackend
     from slime.backends.fsdp.config import FSDPConfig
 
@@ -124,9 +139,20 @@ def build_backend(name: str, rank_info, ckpt: Path, args):
     return FSDPBackend(rank_info, spec(train), FSDPConfig(attn_implementation="sdpa"))
 
 
-def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) -> None:
-    """One backend in its own process: build, warm up, time ``--steps`` steps, optionally profile one."""
+def run_backend(rank: int, name: str, ckpt: str, args, out: str) -> None:
+    """One backend in its own process: build, warm up, time ``--steps`` steps, optionally profile one.  Every step
+    trains the seed-0 samples, or with ``--fresh-lengths`` samples of its own seed (the step's index)."""
+    from transformers import AutoConfig
+
     from slime.backends.config import RankInfo
+    from slime.models.qwen3_5.config import arch_from_hf_config
+
+    config = AutoConfig.from_pretrained(ckpt)
+    arch = arch_from_hf_config(json.loads((Path(ckpt) / "config.json").read_text()))
+    same = make_samples(config, args)
+
+    def samples_of(step: int) -> list:
+        return make_samples(config, args, seed=step) if args.fresh_lengths and step else same
 
     backend = build_backend(name, RankInfo(0, 1, "127.0.0.1", 0, args.device), Path(ckpt), args)
     start = time.perf_counter()
@@ -136,21 +162,25 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
     cuda = args.device == "cuda"
     for k in range(args.warmup):
         start = time.perf_counter()
-        train_step(backend, k, samples, num_steps=1)
+        train_step(backend, k, samples_of(k), num_steps=1)
         if cuda:
             torch.cuda.synchronize()
         print(f"{name}: warm-up step {k + 1}/{args.warmup} in {time.perf_counter() - start:.1f} s", flush=True)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, metrics = [], {}
+    times, work, retries, metrics = [], [], 0.0, {}
     for k in range(args.steps):
+        samples = samples_of(args.warmup + k)
         start = time.perf_counter()
         metrics = train_step(backend, args.warmup + k, samples, num_steps=1)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        print(f"{name}: timed step {k + 1}/{args.steps} in {times[-1]:.2f} s", flush=True)  # a cut-off run still tells
+        work.append(step_work(samples, arch, args.old_log_probs))
+        retries += metrics.get("perf/train_alloc_retries", 0.0)
+        print(f"{name}: timed step {k + 1}/{args.steps}: {work[-1][0]} tokens in {times[-1]:.2f} s", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
     profile = None
     if args.profile and name in args.profile_backends:
         from torch.profiler import ProfilerActivity
@@ -158,12 +188,12 @@ def run_backend(rank: int, name: str, ckpt: str, samples: list, args, out: str) 
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch_profile(activities=activities) as prof:
-            train_step(backend, args.warmup + args.steps, samples, num_steps=1)
+            train_step(backend, args.warmup + args.steps, same, num_steps=1)
             if cuda:
                 torch.cuda.synchronize()
         profile = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30)
-    torch.save({"times": times, "peak_gib": peak, "init_s": init_s, "metrics": metrics, "profile": profile},
-               Path(out) / f"{name}.pt")
+    torch.save({"times": times, "work": work, "alloc_retries": retries, "peak_gib": peak, "reserved_gib": reserved,
+                "init_s": init_s, "metrics": metrics, "profile": profile}, Path(out) / f"{name}.pt")
 
 
 def main() -> None:
@@ -181,6 +211,11 @@ def main() -> None:
                         help="Megatron's activation recomputation: none, selective (core attention), or full (the "
                         "launcher's default on GPUs: --recompute-granularity full --recompute-method uniform "
                         "--recompute-num-layers 1; CUDA only). The FSDP backend keeps its own.")
+    parser.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default=None,
+                        help="Megatron's MoE token dispatcher (default: the backend's, alltoall on CUDA).")
+    parser.add_argument("--fresh-lengths", action="store_true",
+                        help="Every step after the first trains new samples (response lengths and values drawn with "
+                        "the step's index as seed), as the launcher's steps do; default: the same samples each step.")
     parser.add_argument("--old-log-probs", action="store_true",
                         help="Each step first recomputes the old log-probs (a no-grad forward, as the launcher's "
                         "runs do) instead of taking the rollout's (--use-rollout-logprobs).")
@@ -213,30 +248,33 @@ def main() -> None:
     config = AutoConfig.from_pretrained(ckpt)
     arch = arch_from_hf_config(json.loads((ckpt / "config.json").read_text()))
     samples = make_samples(config, args)
-    tokens = [len(s.prompt_token_ids) + s.response_length for s in samples]
-    response_tokens = sum(s.response_length for s in samples)
-    patches = [int(s.multimodal_inputs["image_grid_thw"].prod()) for s in samples]
-    flops = flops_per_step(arch, tokens, lm_head_tokens=response_tokens, image_patches=patches)
-    if args.old_log_probs:  # + the no-grad forward (a third of the 3 x forward); a recompute's forward is not counted
-        flops *= 4 / 3
+    tokens, flops = step_work(samples, arch, args.old_log_probs)
     print(f"model: {ckpt} ({arch.num_layers} layers, {arch.num_experts} experts); "
-          f"step: {len(samples)} samples, {sum(tokens)} tokens "
-          f"({response_tokens} response), {sum(patches)} image patches; {flops / 1e12:.1f} TFLOP per step", flush=True)
+          f"step: {len(samples)} samples, {tokens} tokens "
+          f"({sum(s.response_length for s in samples)} response); {flops / 1e12:.1f} TFLOP per step"
+          + ("; new samples every step" if args.fresh_lengths else ""), flush=True)
+    del samples
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
 
     rows = {}
     for name in args.backends:
-        spawn_ranks(run_backend, name, str(ckpt), samples, args, str(work), world_size=1, device=args.device)
+        spawn_ranks(run_backend, name, str(ckpt), args, str(work), world_size=1, device=args.device)
         result = torch.load(work / f"{name}.pt", weights_only=False)
-        seconds = statistics.median(result["times"])
+        seconds, timed_tokens, timed_flops = sum(result["times"]), sum(t for t, _ in result["work"]), \
+            sum(f for _, f in result["work"])
         rows[name] = dict(
-            backend=name, layers=arch.num_layers, experts=arch.num_experts, samples=len(samples), tokens=sum(tokens),
+            backend=name, layers=arch.num_layers, experts=arch.num_experts, samples=args.samples,
+            tokens=round(timed_tokens / len(result["work"])), fresh_lengths=args.fresh_lengths,
+            step_tokens=[t for t, _ in result["work"]],
             max_tokens_per_gpu=args.max_tokens_per_gpu, recompute=args.recompute, old_log_probs=args.old_log_probs,
-            step_s=round(seconds, 3), tokens_per_s=round(sum(tokens) / seconds),
-            tflops=round(flops / seconds / 1e12, 1), mfu=round(flops / seconds / 1e12 / args.peak_tflops, 4),
-            mfu_datasheet=round(flops / seconds / 1e12 / 989.0, 4),
-            peak_gib=round(result["peak_gib"], 1), init_s=round(result["init_s"], 1),
+            dispatcher=args.moe_token_dispatcher_type or "default",
+            step_s=round(statistics.median(result["times"]), 3), step_s_all=[round(t, 3) for t in result["times"]],
+            tokens_per_s=round(timed_tokens / seconds),
+            tflops=round(timed_flops / seconds / 1e12, 1), mfu=round(timed_flops / seconds / 1e12 / args.peak_tflops, 4),
+            mfu_datasheet=round(timed_flops / seconds / 1e12 / 989.0, 4),
+            peak_gib=round(result["peak_gib"], 1), reserved_gib=round(result["reserved_gib"], 1),
+            alloc_retries=result["alloc_retries"], init_s=round(result["init_s"], 1),
             micro_batches=result["metrics"].get("train/micro_batches"), loss=result["metrics"].get("train/loss"),
             old_log_probs_s=round(result["metrics"].get("perf/train_old_log_probs_s", 0.0), 3),
             forward_backward_s=round(result["metrics"].get("perf/train_forward_backward_s", 0.0), 3),

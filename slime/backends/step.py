@@ -41,6 +41,19 @@ PEAK_MEMORY_KEY = "perf/train_peak_gib"
 starts: weights, gradients, optimizer state and the largest micro-batch's activations); the trainer group reports the
 largest over ranks.  Absent on CPU."""
 
+RESERVED_PEAK_KEY = "perf/train_reserved_peak_gib"
+"""GiB the CUDA caching allocator held from the device at most during the step (``torch.cuda.max_memory_reserved``):
+:data:`PEAK_MEMORY_KEY` plus its cached free blocks; near the memory the engines left free, it forces retries."""
+
+ALLOC_RETRIES_KEY = "perf/train_alloc_retries"
+"""How often during the step the CUDA caching allocator found no free block, returned all its cached blocks to the
+device and asked again (the increase of ``torch.cuda.memory_stats()["num_alloc_retries"]``; each such retry
+synchronises the device).  Nonzero: the step ran at the card's memory limit and paid for it in time (lower
+``--max-tokens-per-gpu``).  Absent on CPU."""
+
+LARGEST_OVER_RANKS = (PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY)
+"""The step's memory figures the trainer group reports as the largest over its ranks (the rest: rank 0's)."""
+
 TRAINER_TOTAL_KEY = "perf/train_in_trainer_s"
 """Seconds :func:`train_step` took on the trainer rank, its sub-phases and what lies between them; the driver counts
 the rest of its call as ``perf/train_transfer_s`` (:meth:`slime.ray.trainer_group.TrainerGroup.train`)."""
@@ -129,7 +142,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         entropy, kl_loss (with a KL loss), grad_norm (before clipping), lr}``, the IS / OPSM metrics of ``--use-tis`` /
         ``--use-opsm`` (``_min`` / ``_max`` over all steps), ``train/mis_*`` of ``--get-mismatch-metrics``, the
         backend's own (``apply_update``'s), the mismatch monitor (not with ``--use-rollout-logprobs``), the colocated
-        free-memory figures (GiB), ``perf/train_<sub>_s`` and on CUDA :data:`PEAK_MEMORY_KEY`.
+        free-memory figures (GiB), ``perf/train_<sub>_s`` and on CUDA :data:`PEAK_MEMORY_KEY`,
+        :data:`RESERVED_PEAK_KEY` and :data:`ALLOC_RETRIES_KEY`.
 
     Raises:
         SampleError: a malformed sample on any rank, or (R3) missing or malformed routes, before any forward.
@@ -141,6 +155,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     memory_figures = backend.memory.begin_step()  # the colocated moves since the last step
     started, clock = time.perf_counter(), PhaseClock("train", backend.device)
     spec, dp, grpo = backend.spec, backend.dp, backend.spec.grpo
+    retries = _alloc_retries(backend.device)
     if backend.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(backend.device)
     with clock("checks"):
@@ -195,6 +210,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **monitor, **memory_figures}
     if backend.device.type == "cuda":
         metrics[PEAK_MEMORY_KEY] = torch.cuda.max_memory_allocated(backend.device) / 2**30
+        metrics[RESERVED_PEAK_KEY] = torch.cuda.max_memory_reserved(backend.device) / 2**30
+        metrics[ALLOC_RETRIES_KEY] = float(_alloc_retries(backend.device) - retries)
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 
@@ -220,6 +237,11 @@ def compute_log_probs(backend: StepBackend, samples: list[Sample], *, rounding_n
     with rounding_step_noise(backend.input_embedding() if rounding_noise else None):
         log_probs = log_probs_by_sample(backend, backend.model, batches, len(samples), replay_routes=replay_routes)
     return None if log_probs is None else [lp.tolist() for lp in log_probs]
+
+
+def _alloc_retries(device: torch.device) -> int:
+    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` so far (0 on other devices)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
 def _rollout_log_prob_flags(spec: TrainerSpec) -> str:

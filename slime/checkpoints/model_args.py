@@ -104,9 +104,6 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = flag(None, help="Intermediate size of the shared expert.")
     moe_shared_expert_gate: bool = flag(False, help="Gate the shared expert's output with a sigmoid.")
     moe_router_score_function: str | None = flag(None, choices=["softmax", "sigmoid"], help="Router score function.")
-    moe_token_dispatcher_type: str | None = flag(
-        None, choices=["allgather", "alltoall", "flex"], help="How tokens reach their experts across EP ranks."
-    )
     moe_router_topk: int | None = flag(None, help="Experts each token is routed to.")
     moe_layer_freq: str | None = flag(
         None,
@@ -272,7 +269,6 @@ REFUSED: dict[str, str] = {
     "torch._grouped_mm in slime/models/qwen3_5/experts.py",
     "moe_permute_fusion": "tokens are permuted by megatron-core's unfused permutation (no TransformerEngine)",
     "moe_token_drop_policy": "the MoE layers are dropless (no expert capacity), so no token is ever dropped",
-    "moe_token_dispatcher_type": "the Megatron backend chooses the dispatcher: alltoall on GPUs, allgather on CPU",
     "moe_router_dtype": "the native model's router computes its logits in the hidden states' dtype",
 }
 """MODEL_ARGS that choose what slime decides elsewhere, with what decides it."""

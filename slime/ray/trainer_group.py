@@ -26,7 +26,7 @@ import ray
 import torch
 
 from slime.backends.config import RankInfo
-from slime.backends.step import PEAK_MEMORY_KEY, TRAINER_TOTAL_KEY, StepBackend, train_step
+from slime.backends.step import LARGEST_OVER_RANKS, TRAINER_TOTAL_KEY, StepBackend, train_step
 from slime.data.sample import Sample
 from slime.ray.engine_group import RolloutEngineGroup
 from slime.ray.placement import Placement, cpu_threads_per_actor, free_port, node_ip
@@ -167,8 +167,8 @@ class TrainerGroup:
         return [shards[dp_rank] for dp_rank in self.dp_ranks], num_steps
 
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        """One rollout's optimizer steps on every rank; returns the reduced metrics (rank 0's; the peak memory the
-        largest of any rank's), with the trainer's
+        """One rollout's optimizer steps on every rank; returns the reduced metrics (rank 0's; the memory figures of
+        :data:`~slime.backends.step.LARGEST_OVER_RANKS` the largest of any rank's), with the trainer's
         sub-phase times and ``perf/train_transfer_s``: the seconds of this call spent outside
         :func:`~slime.backends.step.train_step` (shipping the samples to the ranks and the metrics back, Ray's
         scheduling)."""
@@ -176,9 +176,10 @@ class TrainerGroup:
         shards, num_steps = self.split_by_rank(samples)
         results = ray.get([a.train.remote(rollout_id, shard, num_steps) for a, shard in zip(self.actors, shards)])
         metrics = dict(results[0])
-        peaks = [r[PEAK_MEMORY_KEY] for r in results if PEAK_MEMORY_KEY in r]
-        if peaks:
-            metrics[PEAK_MEMORY_KEY] = max(peaks)  # the rank nearest its card's limit
+        for key in LARGEST_OVER_RANKS:  # the memory figures of the rank nearest its card's limit
+            values = [r[key] for r in results if key in r]
+            if values:
+                metrics[key] = max(values)
         inside = metrics.get(TRAINER_TOTAL_KEY)
         if inside is not None:
             metrics[sub_phase_key("train", "transfer")] = max(0.0, time.perf_counter() - started - inside)

@@ -27,6 +27,8 @@ from slime.backends.config import BackendConfig, OtherBackendFlag, gdn_batching_
 from slime.utils.config import ConfigError, check_at_least_one, flag
 
 if TYPE_CHECKING:
+    import torch
+
     from slime.backends.config import CheckpointConfig, TrainConfig
     from slime.checkpoints.model_args import ModelConfig
     from slime.ray.config import ClusterConfig
@@ -86,6 +88,14 @@ class MegatronConfig(BackendConfig):
     )
     recompute_num_layers: int | None = flag(
         None, help="With full recompute: layers per recompute unit (uniform) or recomputed layers (block)."
+    )
+    moe_token_dispatcher_type: str | None = flag(
+        None, choices=["allgather", "alltoall", "flex"],
+        help="How tokens reach their experts (megatron-core's MoE token dispatcher; upstream scripts put it in "
+        "MODEL_ARGS): allgather or alltoall; default: alltoall on GPUs, allgather on CPU (the only one there: the "
+        "all-to-all dispatcher copies its counts on a CUDA stream). At EP = 1 both gather nothing: allgather permutes "
+        "once, alltoall also sorts the permuted tokens by expert chunk. flex (DeepEP / HybridEP) is refused: not "
+        "installed.",
     )
     attention_dropout: float = flag(
         0.0, help="Dropout on attention probabilities; keep 0 in RL so training log-probs match the rollout's."
@@ -159,6 +169,20 @@ class MegatronConfig(BackendConfig):
     def expert_tensor_parallel(self) -> int:
         """Expert tensor-parallel size with Megatron's default applied (``ETP = TP`` when unset)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def token_dispatcher(self, device: "torch.device") -> str:
+        """megatron-core's MoE token dispatcher on ``device``: ``--moe-token-dispatcher-type``, else alltoall on CUDA
+        and allgather elsewhere.
+
+        Raises:
+            ConfigError: ``alltoall`` on a CPU run (megatron-core's all-to-all dispatcher needs CUDA streams)."""
+        cuda = device.type == "cuda"
+        chosen = self.moe_token_dispatcher_type or ("alltoall" if cuda else "allgather")
+        if chosen == "alltoall" and not cuda:
+            raise ConfigError("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all dispatcher "
+                              "copies its token counts on a CUDA stream); this run trains on the CPU: use allgather "
+                              "or drop the flag")
+        return chosen
 
     def layout(self):
         """The parallel sizes as the native Qwen3.5 model takes them
@@ -273,6 +297,9 @@ class MegatronConfig(BackendConfig):
         if self.attention_backend == "fused":
             refused.append("--attention-backend fused (TransformerEngine's fused attention is not installed; "
                            "flash runs torch's varlen FlashAttention, local / unfused SDPA)")
+        if self.moe_token_dispatcher_type == "flex":
+            refused.append("--moe-token-dispatcher-type flex (DeepEP / HybridEP are not installed; use alltoall or "
+                           "allgather)")
         if self.attention_dropout > 0:
             refused.append(f"--attention-dropout {self.attention_dropout} (the gated attention has no dropout)")
         if self.megatron_to_hf_mode != "raw":

@@ -67,6 +67,8 @@ def build_stage(
         slime.models.qwen3_5.config.Qwen35ConfigError: the checkpoint or layout is not buildable.
         slime.models.qwen3_5.weights.WeightMappingError: a tensor is missing or misshaped.
         KernelUnavailable: see :func:`kernels_for`.
+        slime.utils.config.ConfigError: ``--moe-token-dispatcher-type alltoall`` on CPU
+            (:meth:`MegatronConfig.token_dispatcher`).
     """
     from megatron.core import parallel_state as ps
 
@@ -80,9 +82,8 @@ def build_stage(
         hidden_dropout=megatron.hidden_dropout,
         use_cpu_initialization=device.type != "cuda",
         perform_initialization=False,
+        moe_token_dispatcher_type=megatron.token_dispatcher(device),
     )
-    if device.type != "cuda":
-        overrides["moe_token_dispatcher_type"] = "allgather"  # the all-to-all dispatcher uses CUDA streams
     config = qwen35_config_from_hf(hf_folder, megatron.layout(), params_dtype=dtype,
                                    kernels=kernels_for(megatron, dtype, device), **overrides)
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
