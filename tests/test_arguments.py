@@ -550,12 +550,17 @@ def test_megatron_refuses_what_the_native_model_does_not_do(flags, named, capsys
     assert "--train-backend megatron does not implement" in err and named in err
 
 
-def test_the_token_dispatcher_is_the_flag_else_alltoall_on_cuda_and_allgather_on_cpu():
-    """``--moe-token-dispatcher-type`` reaches megatron-core's config as given; unset, the backend takes alltoall on
-    CUDA and allgather on the CPU; alltoall on the CPU is refused naming the flag (its counts go by CUDA stream)."""
+def test_the_token_dispatcher_is_the_flag_else_allgather_with_every_expert_local_or_on_cpu():
+    """``--moe-token-dispatcher-type`` reaches megatron-core's config as given; unset, the backend takes allgather
+    where each rank holds every expert whole (EP = ETP = 1) and on the CPU, alltoall on CUDA with EP > 1 or
+    ETP > 1; alltoall on the CPU is refused naming the flag (its counts go by CUDA stream)."""
     cuda, cpu = SimpleNamespace(type="cuda"), SimpleNamespace(type="cpu")  # a torch.device's .type, torch not imported
     default = parse_args(with_flags()).megatron
-    assert (default.token_dispatcher(cuda), default.token_dispatcher(cpu)) == ("alltoall", "allgather")
+    assert (default.token_dispatcher(cuda), default.token_dispatcher(cpu)) == ("allgather", "allgather")
+    eight = ("--actor-num-gpus-per-node", "8", "--rollout-batch-size", "8")
+    ep = parse_args(with_flags(*eight, "--expert-model-parallel-size", "8")).megatron
+    etp = parse_args(with_flags(*eight, "--tensor-model-parallel-size", "2", "--sequence-parallel")).megatron
+    assert (ep.token_dispatcher(cuda), etp.token_dispatcher(cuda)) == ("alltoall", "alltoall")  # ETP = TP = 2
     chosen = parse_args(with_flags("--moe-token-dispatcher-type", "allgather")).megatron
     assert (chosen.token_dispatcher(cuda), chosen.token_dispatcher(cpu)) == ("allgather", "allgather")
     alltoall = parse_args(with_flags("--moe-token-dispatcher-type", "alltoall")).megatron

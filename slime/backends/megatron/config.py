@@ -92,10 +92,10 @@ class MegatronConfig(BackendConfig):
     moe_token_dispatcher_type: str | None = flag(
         None, choices=["allgather", "alltoall", "flex"],
         help="How tokens reach their experts (megatron-core's MoE token dispatcher; upstream scripts put it in "
-        "MODEL_ARGS): allgather or alltoall; default: alltoall on GPUs, allgather on CPU (the only one there: the "
-        "all-to-all dispatcher copies its counts on a CUDA stream). At EP = 1 both gather nothing: allgather permutes "
-        "once, alltoall also sorts the permuted tokens by expert chunk. flex (DeepEP / HybridEP) is refused: not "
-        "installed.",
+        "MODEL_ARGS): allgather or alltoall; default: allgather where each rank holds every expert whole (EP = ETP = "
+        "1: nothing to exchange, one permutation; the faster on an H100, docs/results/h200_train_phase.md) and on "
+        "CPU (the only one there: the all-to-all dispatcher copies its counts on a CUDA stream), alltoall otherwise. "
+        "flex (DeepEP / HybridEP) is refused: not installed.",
     )
     attention_dropout: float = flag(
         0.0, help="Dropout on attention probabilities; keep 0 in RL so training log-probs match the rollout's."
@@ -171,13 +171,16 @@ class MegatronConfig(BackendConfig):
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def token_dispatcher(self, device: "torch.device") -> str:
-        """megatron-core's MoE token dispatcher on ``device``: ``--moe-token-dispatcher-type``, else alltoall on CUDA
-        and allgather elsewhere.
+        """megatron-core's MoE token dispatcher on ``device``: ``--moe-token-dispatcher-type``, else allgather where
+        every rank holds every expert whole (EP = ETP = 1: no tokens cross ranks, and the all-gather dispatcher
+        permutes them once where the all-to-all one also sorts them by expert chunk) and on the CPU, alltoall on CUDA
+        with EP or ETP > 1.
 
         Raises:
             ConfigError: ``alltoall`` on a CPU run (megatron-core's all-to-all dispatcher needs CUDA streams)."""
         cuda = device.type == "cuda"
-        chosen = self.moe_token_dispatcher_type or ("alltoall" if cuda else "allgather")
+        local = self.expert_model_parallel_size * self.expert_tensor_parallel == 1
+        chosen = self.moe_token_dispatcher_type or ("alltoall" if cuda and not local else "allgather")
         if chosen == "alltoall" and not cuda:
             raise ConfigError("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all dispatcher "
                               "copies its token counts on a CUDA stream); this run trains on the CPU: use allgather "
