@@ -212,7 +212,7 @@ def main() -> None:
                         "launcher's default on GPUs: --recompute-granularity full --recompute-method uniform "
                         "--recompute-num-layers 1; CUDA only). The FSDP backend keeps its own.")
     parser.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default=None,
-                        help="Megatron's MoE token dispatcher (default: the backend's, alltoall on CUDA).")
+                        help="Megatron's MoE token dispatcher (default: the backend's, allgather at EP = 1).")
     parser.add_argument("--fresh-lengths", action="store_true",
                         help="Every step after the first trains new samples (response lengths and values drawn with "
                         "the step's index as seed), as the launcher's steps do; default: the same samples each step.")
