@@ -354,6 +354,18 @@ def prepare(cfg: SlimeConfig) -> RolloutManager:
     )
 
 
+def check_cpu_run(cfg: SlimeConfig) -> None:
+    """Refuse, before anything starts, the flags that a run without GPUs cannot take
+    (:meth:`slime.backends.config.BackendConfig.cpu_problem`).
+
+    Raises:
+        ConfigError: naming the flags and the fix.
+    """
+    problem = cfg.train_backend_config.cpu_problem()
+    if problem:
+        raise ConfigError(problem)
+
+
 def setup(
     cfg: SlimeConfig, components: Components, rollout_manager: RolloutManager, cleanup: contextlib.ExitStack
 ) -> Run:
@@ -367,6 +379,7 @@ def setup(
         check_resources(cfg.cluster, cluster_num_gpus())  # the one check parse time could not run
         check_environment()
     else:
+        check_cpu_run(cfg)
         check_cpu_memory(cfg.cluster, weights_bytes(cfg.checkpoint.hf_checkpoint))
     placement = create_placement_groups(cfg.cluster, use_gpu=use_gpu)
     cleanup.callback(placement.remove)

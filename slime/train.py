@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
+    import torch
+
     from slime import driver  # Ray, torch, the engines and trainers: imported once the flags are good
 
     parent = watch_parent(cfg.logging.parent_pid)  # started below, around the run
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.run_mode.check_only:
             components = driver.resolve_components(cfg)
             check_not_a_file(cfg.checkpoint.load)  # as the run's folder claim does: a file would start it fresh
+            if not torch.cuda.is_available():  # as the set-up of a run without GPUs does
+                driver.check_cpu_run(cfg)
             print(f"slime: flags OK (engine {components.engine_cls.__name__}, trainer {components.backend_cls.__name__})")
             return
         # One writer per --output-dir / --save; the run stops when --parent-pid exits.

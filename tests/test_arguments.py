@@ -16,7 +16,6 @@ import re
 import shlex
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -554,19 +553,19 @@ def test_the_token_dispatcher_is_the_flag_else_allgather_with_every_expert_local
     """``--moe-token-dispatcher-type`` reaches megatron-core's config as given; unset, the backend takes allgather
     where each rank holds every expert whole (EP = ETP = 1) and on the CPU, alltoall on CUDA with EP > 1 or
     ETP > 1; alltoall on the CPU is refused naming the flag (its counts go by CUDA stream)."""
-    cuda, cpu = SimpleNamespace(type="cuda"), SimpleNamespace(type="cpu")  # a torch.device's .type, torch not imported
+    cuda, cpu = dict(cuda=True), dict(cuda=False)
     default = parse_args(with_flags()).megatron
-    assert (default.token_dispatcher(cuda), default.token_dispatcher(cpu)) == ("allgather", "allgather")
+    assert (default.token_dispatcher(**cuda), default.token_dispatcher(**cpu)) == ("allgather", "allgather")
     eight = ("--actor-num-gpus-per-node", "8", "--rollout-batch-size", "8")
     ep = parse_args(with_flags(*eight, "--expert-model-parallel-size", "8")).megatron
     etp = parse_args(with_flags(*eight, "--tensor-model-parallel-size", "2", "--sequence-parallel")).megatron
-    assert (ep.token_dispatcher(cuda), etp.token_dispatcher(cuda)) == ("alltoall", "alltoall")  # ETP = TP = 2
+    assert (ep.token_dispatcher(**cuda), etp.token_dispatcher(**cuda)) == ("alltoall", "alltoall")  # ETP = TP = 2
     chosen = parse_args(with_flags("--moe-token-dispatcher-type", "allgather")).megatron
-    assert (chosen.token_dispatcher(cuda), chosen.token_dispatcher(cpu)) == ("allgather", "allgather")
+    assert (chosen.token_dispatcher(**cuda), chosen.token_dispatcher(**cpu)) == ("allgather", "allgather")
     alltoall = parse_args(with_flags("--moe-token-dispatcher-type", "alltoall")).megatron
-    assert alltoall.token_dispatcher(cuda) == "alltoall"
+    assert alltoall.token_dispatcher(**cuda) == "alltoall"
     with pytest.raises(ConfigError, match="--moe-token-dispatcher-type alltoall needs CUDA"):
-        alltoall.token_dispatcher(cpu)
+        alltoall.token_dispatcher(**cpu)
 
 
 def test_save_hf_needs_save(capsys):

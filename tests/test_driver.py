@@ -114,6 +114,38 @@ def test_check_only_refuses_a_load_that_is_a_file(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("slime: flags OK")
 
 
+def test_a_run_without_gpus_refuses_what_only_cuda_runs_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """The Megatron backend's all-to-all dispatcher and its model / expert parallelism need CUDA: on a machine
+    without GPUs --check-only refuses them (a review found it said OK, and the run then failed at model build after
+    Ray and the engines had started), and so does the driver's set-up, before any placement (its first step)."""
+    import torch
+
+    from slime import driver
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "1", "--colocate", "--train-backend", "megatron", "--rollout-backend", "transformers",
+            "--check-only"]  # fmt: skip
+    refused = {("--moe-token-dispatcher-type", "alltoall"): "--moe-token-dispatcher-type alltoall needs CUDA",
+               ("--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"):
+               "the Megatron backend on CPU runs data parallelism only, not --expert-model-parallel-size 2"}
+    for flags, message in refused.items():
+        with pytest.raises(SystemExit) as info:
+            main([*argv, *flags])
+        assert info.value.code == EXIT_NOT_STARTED
+        assert f"slime: error: {message}" in capsys.readouterr().err
+    for flags in ([], ["--moe-token-dispatcher-type", "allgather"]):  # the CPU's own dispatcher
+        main([*argv, *flags])
+        assert capsys.readouterr().out.startswith("slime: flags OK")
+    cfg = geo3k_cfg(tmp_path / "not-downloaded", "--num-rollout", "1", "--train-backend", "megatron",
+                    "--moe-token-dispatcher-type", "alltoall", "--rollout-backend", "transformers")
+    monkeypatch.setattr(driver, "cluster_num_gpus", lambda: 0)
+    monkeypatch.setattr(driver, "create_placement_groups", lambda *a, **k: pytest.fail("placement reached"))
+    with pytest.raises(ConfigError, match="--moe-token-dispatcher-type alltoall needs CUDA"):
+        driver.setup(cfg, None, None, None)
+
+
 def test_check_only_accepts_an_importable_estimator_path(tmp_path, capsys):
     argv = ["--hf-checkpoint", str(tmp_path / "not-downloaded"), "--prompt-data", str(tmp_path / "nope.parquet"),
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",

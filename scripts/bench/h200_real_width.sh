@@ -12,7 +12,7 @@
 #   check       the launcher's GPU command through the parser (--check-only)
 #   before      issue 30 item 2: the launcher at the recipe's sizes with one sample per micro-batch, 2 rollouts
 #   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each); with
-#               the dispatcher the bench phase found faster (when it ran first), or SLIME_AFTER_DISPATCHER
+#               SLIME_AFTER_DISPATCHER, else the dispatcher this run's bench phase found faster (when it ran first)
 #   after-none  after with SLIME_SCRIPT_RECOMPUTE=none (no activation recomputation), 3 rollouts
 #   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
 #               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card, with the old-log-prob
@@ -148,8 +148,9 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # without optimizer state (deleted after).
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
     recompute=$([ "$phase" = after-none ] && echo none || echo "")
-    # the dispatcher: SLIME_AFTER_DISPATCHER, else the one whose new-samples bench step was faster on this card
-    dispatcher=${SLIME_AFTER_DISPATCHER:-$(faster_dispatcher)}
+    # after / after-none: SLIME_AFTER_DISPATCHER, else the dispatcher whose new-samples bench step was faster on this
+    # card (when this run's bench phase came first); before: the launcher's default
+    dispatcher=$([ "$phase" = before ] || echo "${SLIME_AFTER_DISPATCHER:-$(faster_dispatcher)}")
     echo "$phase: --moe-token-dispatcher-type ${dispatcher:-unset, the launcher default}" | tee -a "$LOGS/summary.txt"
     SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
       --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim \
@@ -164,16 +165,25 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     big=$([ "${gpu_mib:-0}" -ge 122880 ] && echo 1 || echo 0)
     shape=(--checkpoint "$SCALED" --backends megatron --samples 128 --response-min 32 --response-max 512 --warmup 1
       --steps 2 --json "$LOGS/bench-compute.jsonl" --workdir "$LOGS/bench-work")
+    : >"$LOGS/bench-compute.jsonl"  # this run's rows only (faster_dispatcher reads them)
+    [ -z "${SLIME_BENCH_RECOMPUTE:-}" ] || { echo "bench: SLIME_BENCH_RECOMPUTE is gone; name the recompute in SLIME_BENCH_VARIANTS" | tee -a "$LOGS/summary.txt"; continue; }
     default_variants="same=--recompute full --moe-token-dispatcher-type alltoall"
     default_variants+=";fresh-alltoall=--recompute full --fresh-lengths --moe-token-dispatcher-type alltoall"
     default_variants+=";fresh-allgather=--recompute full --fresh-lengths --moe-token-dispatcher-type allgather --profile $LOGS/profile"
     variants=${SLIME_BENCH_VARIANTS:-$default_variants}
     IFS=';' read -ra variant_list <<<"$variants"
+    set -f  # a variant's flags split on spaces, never globbed
     for variant in "${variant_list[@]}"; do
-      # shellcheck disable=SC2086  # the flags of a variant split on spaces
-      timed "bench_${variant%%=*}" timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --old-log-probs \
+      [ -n "${variant// /}" ] || continue
+      name=${variant%%=*}
+      if [ "$name" = "$variant" ] || [ -z "$name" ] || [[ $name == *" "* ]]; then
+        echo "bench: variant '$variant' is not NAME=FLAGS (NAME without spaces); skipped" | tee -a "$LOGS/summary.txt"; continue
+      fi
+      # shellcheck disable=SC2086
+      timed "bench_$name" timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --old-log-probs \
         --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 8192 || echo 4096)" ${variant#*=}
     done
+    set +f
     [ "${SLIME_BENCH_REFERENCE:-1}" = 0 ] || timed bench_reference timeout 600 python3 scripts/bench/megatron_vs_fsdp.py \
       "${shape[@]}" --recompute none --max-tokens-per-gpu "$([ "$big" = 1 ] && echo 16384 || echo 8192)"
     cut -c1-900 "$LOGS/bench-compute.jsonl" | tee -a "$LOGS/summary.txt" ;;

@@ -201,6 +201,11 @@ class BackendConfig:
         (:func:`slime.checkpoints.layout.iteration_dir`), checked before ``--load`` resumes from it."""
         return ()
 
+    def cpu_problem(self) -> str | None:
+        """Why these flags cannot train on the CPU (asked when the run finds no GPU: the driver's set-up and
+        ``--check-only``), naming the flags and the fix; None (default) where they can."""
+        return None
+
     def replay_routes_problem(self) -> str | None:
         """Why this backend cannot replay routed experts in its layout (the parser then turns replay off), or None."""
         return None

@@ -42,8 +42,9 @@ starts: weights, gradients, optimizer state and the largest micro-batch's activa
 largest over ranks.  Absent on CPU."""
 
 RESERVED_PEAK_KEY = "perf/train_reserved_peak_gib"
-"""GiB the CUDA caching allocator held from the device at most during the step (``torch.cuda.max_memory_reserved``):
-:data:`PEAK_MEMORY_KEY` plus its cached free blocks; near the memory the engines left free, it forces retries."""
+"""GiB the CUDA caching allocator held from the device at most during the step (``torch.cuda.max_memory_reserved``,
+reset as the step starts): at least :data:`PEAK_MEMORY_KEY` (allocated blocks and cached free ones); near the memory
+the engines left free, the allocator retries (:data:`ALLOC_RETRIES_KEY`).  Absent on CPU."""
 
 ALLOC_RETRIES_KEY = "perf/train_alloc_retries"
 """How often during the step the CUDA caching allocator found no free block, returned all its cached blocks to the

@@ -27,8 +27,6 @@ from slime.backends.config import BackendConfig, OtherBackendFlag, gdn_batching_
 from slime.utils.config import ConfigError, check_at_least_one, flag
 
 if TYPE_CHECKING:
-    import torch
-
     from slime.backends.config import CheckpointConfig, TrainConfig
     from slime.checkpoints.model_args import ModelConfig
     from slime.ray.config import ClusterConfig
@@ -93,9 +91,9 @@ class MegatronConfig(BackendConfig):
         None, choices=["allgather", "alltoall", "flex"],
         help="How tokens reach their experts (megatron-core's MoE token dispatcher; upstream scripts put it in "
         "MODEL_ARGS): allgather or alltoall; default: allgather where each rank holds every expert whole (EP = ETP = "
-        "1: nothing to exchange, one permutation; the faster on an H100, docs/results/h200_train_phase.md) and on "
-        "CPU (the only one there: the all-to-all dispatcher copies its counts on a CUDA stream), alltoall otherwise. "
-        "flex (DeepEP / HybridEP) is refused: not installed.",
+        "1: nothing to exchange, one permutation; 1.9 percent faster in one H100 bench, "
+        "docs/results/h200_train_phase.md) and on CPU (the only one there: the all-to-all dispatcher copies its "
+        "counts on a CUDA stream), alltoall otherwise. flex (DeepEP / HybridEP) is refused: not installed.",
     )
     attention_dropout: float = flag(
         0.0, help="Dropout on attention probabilities; keep 0 in RL so training log-probs match the rollout's."
@@ -170,15 +168,33 @@ class MegatronConfig(BackendConfig):
         """Expert tensor-parallel size with Megatron's default applied (``ETP = TP`` when unset)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
-    def token_dispatcher(self, device: "torch.device") -> str:
-        """megatron-core's MoE token dispatcher on ``device``: ``--moe-token-dispatcher-type``, else allgather where
+    def cpu_problem(self) -> str | None:
+        """The flags a CPU run cannot take: model, pipeline or expert parallelism (megatron-core's schedules,
+        all-to-all and RNG tracker need CUDA) and the all-to-all dispatcher (:meth:`token_dispatcher`)."""
+        sizes = {"--tensor-model-parallel-size": self.tensor_model_parallel_size,
+                 "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
+                 "--context-parallel-size": self.context_parallel_size,
+                 "--expert-model-parallel-size": self.expert_model_parallel_size}
+        parallel = [f"{name} {size}" for name, size in sizes.items() if size > 1]
+        if parallel:
+            return (f"the Megatron backend on CPU runs data parallelism only, not {' '.join(parallel)} "
+                    "(megatron-core's pipeline schedules, token all-to-all and CUDA RNG tracker need CUDA); use a GPU "
+                    "or drop these flags")
+        try:
+            self.token_dispatcher(cuda=False)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    def token_dispatcher(self, *, cuda: bool) -> str:
+        """megatron-core's MoE token dispatcher on a CUDA (``cuda``) or CPU rank: ``--moe-token-dispatcher-type``,
+        else allgather where
         every rank holds every expert whole (EP = ETP = 1: no tokens cross ranks, and the all-gather dispatcher
         permutes them once where the all-to-all one also sorts them by expert chunk) and on the CPU, alltoall on CUDA
         with EP or ETP > 1.
 
         Raises:
             ConfigError: ``alltoall`` on a CPU run (megatron-core's all-to-all dispatcher needs CUDA streams)."""
-        cuda = device.type == "cuda"
         local = self.expert_model_parallel_size * self.expert_tensor_parallel == 1
         chosen = self.moe_token_dispatcher_type or ("alltoall" if cuda and not local else "allgather")
         if chosen == "alltoall" and not cuda:

@@ -82,7 +82,7 @@ def build_stage(
         hidden_dropout=megatron.hidden_dropout,
         use_cpu_initialization=device.type != "cuda",
         perform_initialization=False,
-        moe_token_dispatcher_type=megatron.token_dispatcher(device),
+        moe_token_dispatcher_type=megatron.token_dispatcher(cuda=device.type == "cuda"),
     )
     config = qwen35_config_from_hf(hf_folder, megatron.layout(), params_dtype=dtype,
                                    kernels=kernels_for(megatron, dtype, device), **overrides)
