@@ -166,7 +166,10 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     shape=(--checkpoint "$SCALED" --backends megatron --samples 128 --response-min 32 --response-max 512 --warmup 1
       --steps 2 --json "$LOGS/bench-compute.jsonl" --workdir "$LOGS/bench-work")
     : >"$LOGS/bench-compute.jsonl"  # this run's rows only (faster_dispatcher reads them)
-    [ -z "${SLIME_BENCH_RECOMPUTE:-}" ] || { echo "bench: SLIME_BENCH_RECOMPUTE is gone; name the recompute in SLIME_BENCH_VARIANTS" | tee -a "$LOGS/summary.txt"; continue; }
+    if [ -n "${SLIME_BENCH_RECOMPUTE:-}" ]; then
+      echo "bench: SLIME_BENCH_RECOMPUTE is gone; name the recompute in SLIME_BENCH_VARIANTS" | tee -a "$LOGS/summary.txt"
+      continue
+    fi
     default_variants="same=--recompute full --moe-token-dispatcher-type alltoall"
     default_variants+=";fresh-alltoall=--recompute full --fresh-lengths --moe-token-dispatcher-type alltoall"
     default_variants+=";fresh-allgather=--recompute full --fresh-lengths --moe-token-dispatcher-type allgather --profile $LOGS/profile"
@@ -177,7 +180,8 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
       [ -n "${variant// /}" ] || continue
       name=${variant%%=*}
       if [ "$name" = "$variant" ] || [ -z "$name" ] || [[ $name == *" "* ]]; then
-        echo "bench: variant '$variant' is not NAME=FLAGS (NAME without spaces); skipped" | tee -a "$LOGS/summary.txt"; continue
+        echo "bench: variant '$variant' is not NAME=FLAGS (NAME without spaces); skipped" | tee -a "$LOGS/summary.txt"
+        continue
       fi
       # shellcheck disable=SC2086
       timed "bench_$name" timeout 600 python3 scripts/bench/megatron_vs_fsdp.py "${shape[@]}" --old-log-probs \

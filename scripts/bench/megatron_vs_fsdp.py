@@ -31,9 +31,9 @@ at the response positions only, the vision tower per patch; with ``--old-log-pro
 extra forward is not counted: it is not model work), peak GPU memory allocated and reserved
 (``max_memory_allocated`` / ``max_memory_reserved``), the caching allocator's retries over the timed steps
 (``perf/train_alloc_retries``), the last timed step's old-log-prob and forward-backward seconds, and the Megatron /
-FSDP ratio (``dispatcher`` is Megatron's; an FSDP row repeats the flag).  ``--fresh-lengths`` gives every step new samples of
-the same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type`` picks
-megatron-core's MoE token dispatcher.
+FSDP ratio (``dispatcher`` is Megatron's; an FSDP row repeats the flag).  ``--fresh-lengths`` gives every step new
+samples of the same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type``
+picks megatron-core's MoE token dispatcher.
 ``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``).
 Each step's time is printed as it ends, so a run cut off by a time limit still shows how far it got.
 
