@@ -156,9 +156,9 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     memory_figures = backend.memory.begin_step()  # the colocated moves since the last step
     started, clock = time.perf_counter(), PhaseClock("train", backend.device)
     spec, dp, grpo = backend.spec, backend.dp, backend.spec.grpo
-    retries = _alloc_retries(backend.device)
     if backend.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(backend.device)
+        torch.cuda.reset_peak_memory_stats(backend.device)  # num_alloc_retries is a running count, not reset
+        retries = torch.cuda.memory_stats(backend.device).get("num_alloc_retries", 0)
     with clock("checks"):
         routes = StepRoutes.for_step(spec.train, backend.route_shape, samples)  # R3 / R2 / the monitor's routes
         check_train_samples(samples, need_rollout_log_probs=_rollout_log_prob_flags(spec),
@@ -212,7 +212,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     if backend.device.type == "cuda":
         metrics[PEAK_MEMORY_KEY] = torch.cuda.max_memory_allocated(backend.device) / 2**30
         metrics[RESERVED_PEAK_KEY] = torch.cuda.max_memory_reserved(backend.device) / 2**30
-        metrics[ALLOC_RETRIES_KEY] = float(_alloc_retries(backend.device) - retries)
+        metrics[ALLOC_RETRIES_KEY] = float(torch.cuda.memory_stats(backend.device).get("num_alloc_retries", 0) - retries)
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 
@@ -238,11 +238,6 @@ def compute_log_probs(backend: StepBackend, samples: list[Sample], *, rounding_n
     with rounding_step_noise(backend.input_embedding() if rounding_noise else None):
         log_probs = log_probs_by_sample(backend, backend.model, batches, len(samples), replay_routes=replay_routes)
     return None if log_probs is None else [lp.tolist() for lp in log_probs]
-
-
-def _alloc_retries(device: torch.device) -> int:
-    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` so far (0 on other devices)."""
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
 def _rollout_log_prob_flags(spec: TrainerSpec) -> str:

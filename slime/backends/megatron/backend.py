@@ -96,7 +96,8 @@ class MegatronBackend:
         Raises:
             CheckpointError: a weight flag's folder is not what it must be, or the checkpoint is malformed or
                 incomplete.
-            NotImplementedError: pipeline, tensor or expert parallelism on CPU.
+            NotImplementedError: on CPU, flags only a CUDA run takes (:meth:`MegatronConfig.cpu_problem`: pipeline,
+                tensor, context or expert parallelism, the all-to-all dispatcher).
             KernelUnavailable: the GPU kernels' packages are missing.
         """
         from megatron.core.distributed import finalize_model_grads
@@ -109,13 +110,8 @@ class MegatronBackend:
         init_model_parallel(self.megatron, self.device, self.spec.seed)
         self.groups = Groups.current()
         self.dp = DataParallel(self.groups.dp_rank, self.groups.dp_size, self.groups.dp_gloo, self.groups.tp_size)
-        layout = self.megatron.model_parallel_size * self.megatron.expert_model_parallel_size
-        if self.device.type == "cpu" and layout > 1:
-            raise NotImplementedError(
-                "the Megatron backend on CPU runs data parallelism only: megatron-core's pipeline schedules, its "
-                "token all-to-all, its sequence-parallel gathers (which MoE training with TP > 1 requires) and its "
-                "CUDA RNG tracker need CUDA; use TP = PP = EP = 1 on CPU, or a GPU"
-            )
+        if self.device.type == "cpu" and (problem := self.megatron.cpu_problem()):
+            raise NotImplementedError(problem)
         if self.device.type == "cuda" and self.spec.train.bf16:
             self.dtype = torch.bfloat16
         elif self.spec.train.bf16:

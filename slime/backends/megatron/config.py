@@ -168,14 +168,18 @@ class MegatronConfig(BackendConfig):
         """Expert tensor-parallel size with Megatron's default applied (``ETP = TP`` when unset)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
-    def cpu_problem(self) -> str | None:
-        """The flags a CPU run cannot take: model, pipeline or expert parallelism (megatron-core's schedules,
-        all-to-all and RNG tracker need CUDA) and the all-to-all dispatcher (:meth:`token_dispatcher`)."""
+    def _parallel_flags(self) -> list[str]:
+        """``"--flag N"`` for each of TP, PP, CP and EP above 1, in that order."""
         sizes = {"--tensor-model-parallel-size": self.tensor_model_parallel_size,
                  "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
                  "--context-parallel-size": self.context_parallel_size,
                  "--expert-model-parallel-size": self.expert_model_parallel_size}
-        parallel = [f"{name} {size}" for name, size in sizes.items() if size > 1]
+        return [f"{name} {size}" for name, size in sizes.items() if size > 1]
+
+    def cpu_problem(self) -> str | None:
+        """The flags a CPU run cannot take: model, pipeline or expert parallelism (megatron-core's schedules,
+        all-to-all and RNG tracker need CUDA) and the all-to-all dispatcher (:meth:`token_dispatcher`)."""
+        parallel = self._parallel_flags()
         if parallel:
             return (f"the Megatron backend on CPU runs data parallelism only, not {' '.join(parallel)} "
                     "(megatron-core's pipeline schedules, token all-to-all and CUDA RNG tracker need CUDA); use a GPU "
@@ -287,11 +291,7 @@ class MegatronConfig(BackendConfig):
         the code also takes each rank's sequence-parallel share, a stage's global layer numbers and a rank's
         tokens before dispatch under EP (:func:`slime.models.qwen3_5.router.replayed_routes`), which no test
         on more than one GPU has checked yet."""
-        sizes = {"--tensor-model-parallel-size": self.tensor_model_parallel_size,
-                 "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
-                 "--context-parallel-size": self.context_parallel_size,
-                 "--expert-model-parallel-size": self.expert_model_parallel_size}
-        parallel = [f"{name} {size}" for name, size in sizes.items() if size > 1]
+        parallel = self._parallel_flags()
         if not parallel:
             return None
         return (f"routing replay in the Megatron trainer is proven only at TP = PP = CP = EP = 1 (no multi-GPU "
