@@ -212,7 +212,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     if backend.device.type == "cuda":
         metrics[PEAK_MEMORY_KEY] = torch.cuda.max_memory_allocated(backend.device) / 2**30
         metrics[RESERVED_PEAK_KEY] = torch.cuda.max_memory_reserved(backend.device) / 2**30
-        metrics[ALLOC_RETRIES_KEY] = float(torch.cuda.memory_stats(backend.device).get("num_alloc_retries", 0) - retries)
+        retries = torch.cuda.memory_stats(backend.device).get("num_alloc_retries", 0) - retries
+        metrics[ALLOC_RETRIES_KEY] = float(retries)
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 
