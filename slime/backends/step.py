@@ -210,11 +210,16 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     with clock("metrics"):
         metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **monitor, **memory_figures}
     if backend.device.type == "cuda":
-        metrics[PEAK_MEMORY_KEY] = torch.cuda.max_memory_allocated(backend.device) / 2**30
-        metrics[RESERVED_PEAK_KEY] = torch.cuda.max_memory_reserved(backend.device) / 2**30
-        retries = torch.cuda.memory_stats(backend.device).get("num_alloc_retries", 0) - retries
-        metrics[ALLOC_RETRIES_KEY] = float(retries)
+        metrics.update(_cuda_memory_metrics(backend.device, retries))
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
+
+
+def _cuda_memory_metrics(device: torch.device, retries_before: int) -> dict[str, float]:
+    """The step's peaks (GiB, since ``reset_peak_memory_stats``) and the allocator's retries since ``retries_before``
+    (``num_alloc_retries`` is a running count)."""
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries_before
+    return {PEAK_MEMORY_KEY: torch.cuda.max_memory_allocated(device) / 2**30,
+            RESERVED_PEAK_KEY: torch.cuda.max_memory_reserved(device) / 2**30, ALLOC_RETRIES_KEY: float(retries)}
 
 
 def compute_log_probs(backend: StepBackend, samples: list[Sample], *, rounding_noise: bool = False,
