@@ -385,8 +385,9 @@ def setup(
     cleanup.callback(placement.remove)
     engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
-    # as the engines capture routes (EngineSpec.return_routed_experts)
-    rollout_manager.return_routed_experts = cfg.engine_spec(components.engine_cls.parity_check).return_routed_experts
+    # as the engines capture routes (EngineSpec.return_routed_experts), unless no old-log-prob pass compares them
+    rollout_manager.return_routed_experts = (cfg.engine_spec(components.engine_cls.parity_check).return_routed_experts
+                                             and not cfg.train.skip_actor_logprobs_forward)
     if trainers is None or engines is None:  # --debug-rollout-only / --load-debug-rollout-data
         logger.info("%s: %s", "--debug-rollout-only" if trainers is None else "--load-debug-rollout-data",
                     "no trainer starts" if trainers is None else "no rollout engine starts, no weight sync, no eval")

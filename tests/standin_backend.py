@@ -11,6 +11,7 @@ import torch
 
 from slime.backends.config import CheckpointConfig, OptimizerConfig, TrainConfig, TrainerSpec
 from slime.backends.handover import HandOver
+from slime.backends.step import FORWARD_LOG_PROBS
 from slime.backends.train_metrics import DataParallel
 from slime.data.sample import Sample
 from slime.grpo.config import GRPOConfig
@@ -84,7 +85,7 @@ class StandIn:
             entropy = [-(torch.sigmoid(z) * lp + torch.sigmoid(-z) * torch.nn.functional.logsigmoid(-z))
                        for z, lp in zip(logits, log_p)]
             loss, terms = grpo_micro_batch_loss(
-                _padded(log_p), _padded(batch.old_log_probs),
+                _padded(log_p), None if batch.old_log_probs is None else _padded(batch.old_log_probs),
                 torch.tensor([s.advantage for s in batch.samples], dtype=torch.float64),
                 _padded([torch.tensor(s.loss_mask, dtype=torch.float64) for s in batch.samples]), self.spec.grpo,
                 global_normalizer=normalizer, entropy=_padded(entropy),
@@ -94,6 +95,8 @@ class StandIn:
             )
             loss.backward()
             out.append({"loss": loss.detach(), **terms})
+            if batch.old_log_probs is None:  # --skip-actor-logprobs-forward
+                out[-1][FORWARD_LOG_PROBS] = [lp.detach() for lp in log_p]
         return out
 
     def grad_norm(self) -> float:

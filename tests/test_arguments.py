@@ -1074,3 +1074,17 @@ def test_use_tis_with_use_rollout_logprobs_is_refused(capsys):
     cfg = parse_args(with_flags("--use-tis", "--tis-mode", "icepop", "--tis-clip-low", "0.5", "--use-opsm"))
     assert (cfg.grpo.use_tis, cfg.grpo.tis_mode, cfg.grpo.tis_clip_low, cfg.grpo.use_opsm) == (True, "icepop", 0.5, True)
     assert "--tis-clip-low 3.0 must be below --tis-clip 2.0" in parse_error(with_flags("--tis-clip-low", "3"), capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-rollout-logprobs"], "--use-rollout-logprobs from the rollout: drop one"),
+    (["--use-routing-replay"], "where --use-routing-replay records or checks the routes"),
+    (["--use-rollout-routing-replay"], "where --use-rollout-routing-replay records or checks the routes"),
+    (["--global-batch-size", "4"], "--global-batch-size 4 makes 2 of the 8 samples"),
+    (["--kl-coef", "0.01", "--normalize-advantages"], "with --kl-coef 0.01 and --normalize-advantages"),
+    (["--debug-rollout-only"], "--debug-rollout-only runs no training step, so --skip-actor-logprobs-forward"),
+])  # fmt: skip
+def test_skip_actor_logprobs_forward_is_refused_where_the_pass_is_needed(flags, message, capsys):
+    cfg = parse_args(with_flags("--skip-actor-logprobs-forward"))
+    assert cfg.train.skip_actor_logprobs_forward and cfg.steps_per_rollout == 1
+    assert message in parse_error(with_flags("--skip-actor-logprobs-forward", *flags), capsys)

@@ -632,6 +632,21 @@ def test_micro_batch_loss_by_hand_padded_and_packed():
     torch.testing.assert_close(packed["log_probs"].grad, torch.tensor([-0.12, 0.0, 0.55, 0.0], dtype=torch.float64))
 
 
+def test_micro_batch_loss_without_old_log_probs_is_the_on_policy_gradient_by_hand():
+    # --skip-actor-logprobs-forward: old_log_probs None means the forward's own, detached: every ratio 1, nothing
+    # clipped, ppo_kl 0, and d loss / d lp = -A / (tokens of the sample) / samples (sample-mean), no KL shaping here.
+    #   A (2 tokens, A = 0.5): -0.5 / 2 / 2 = -0.125 each;  B (1 token, A = -1.0): 1.0 / 1 / 2 = 0.5
+    #   pg_loss = ((-0.5 - 0.5) / 2 + 1.0) / 2 = 0.25
+    cfg = GRPOConfig(eps_clip=0.2, eps_clip_high=0.28)
+    padded = {k: v for k, v in _tiny_padded().items() if k not in ("ref_log_probs", "old_log_probs")}
+    loss, metrics = grpo_micro_batch_loss(cfg=cfg, global_normalizer=None, old_log_probs=None, **padded)
+    assert metrics["pg_clipfrac"].item() == 0.0 and metrics["ppo_kl"].item() == 0.0
+    assert metrics["pg_loss"].item() == pytest.approx(0.25, rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(padded["log_probs"].grad, torch.tensor([[-0.125, -0.125], [0.5, 0.0]],
+                                                                       dtype=torch.float64))
+
+
 @pytest.mark.parametrize("per_token", [False, True])
 def test_micro_batch_loss_packed_equals_padded_and_float64_reference(per_token):
     rng = random.Random(5)

@@ -50,6 +50,10 @@ def _one_cpu_thread():
 OPTIM = {"clip_grad": 0.5, "adam_eps": 1e-4}
 
 
+SKIP = {"skip_actor_logprobs_forward": True}
+"""--skip-actor-logprobs-forward: the first step's old log-probs from its training forward."""
+
+
 def _job_against_fsdp(rank_info, ckpt_dir, samples, out):
     share = rank_share(samples, rank_info.rank, num_steps=2)
     result = {}
@@ -57,6 +61,11 @@ def _job_against_fsdp(rank_info, ckpt_dir, samples, out):
     fsdp.init()
     result["fsdp_lp"] = fsdp.compute_log_probs(samples)
     result["fsdp_first"] = train_step(fsdp, 0, rank_share(samples[:4], rank_info.rank, 1), num_steps=1)
+    result["fsdp_first_weights"] = exported(fsdp)[1]
+    fsdp = make_backend(rank_info, ckpt_dir, optimizer=OPTIM, train=SKIP)
+    fsdp.init()
+    result["fsdp_skip"] = train_step(fsdp, 0, rank_share(samples[:4], rank_info.rank, 1), num_steps=1)
+    result["fsdp_skip_weights"] = exported(fsdp)[1]
     fsdp = make_backend(rank_info, ckpt_dir, optimizer=OPTIM)
     fsdp.init()
     result["fsdp_metrics"] = train_step(fsdp, 0, share, num_steps=2)
@@ -68,6 +77,13 @@ def _job_against_fsdp(rank_info, ckpt_dir, samples, out):
     result["init_buckets"], result["init_weights"] = exported(megatron)
     result["lp"] = megatron.compute_log_probs(samples)
     result["first"] = train_step(megatron, 0, rank_share(samples[:4], rank_info.rank, 1), num_steps=1)
+    result["first_weights"] = exported(megatron)[1]
+    megatron = make_megatron(rank_info, ckpt_dir, optimizer=OPTIM,  # packed: two samples' log-probs in one batch
+                             train={**SKIP, "use_dynamic_batch_size": True, "max_tokens_per_gpu": 200})
+    megatron.init()
+    result["skip"] = train_step(megatron, 0, rank_share(samples[:4], rank_info.rank, 1), num_steps=1)
+    result["skip_micro_batches"] = result["skip"]["train/micro_batches"]
+    result["skip_weights"] = exported(megatron)[1]
     megatron = make_megatron(rank_info, ckpt_dir, optimizer=OPTIM)
     megatron.init()
     result["metrics"] = train_step(megatron, 0, share, num_steps=2)
@@ -103,6 +119,29 @@ def test_log_probs_and_first_step_match_fsdp(against_fsdp):
     for name in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/lr",
                  "train/logprob_abs_diff", "train/logprob_abs_diff_image", "train/logprob_abs_diff_text"):
         assert first[name] == pytest.approx(fsdp[name], rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_the_first_step_without_its_old_log_prob_pass_is_the_same_step(against_fsdp, backend):
+    # --skip-actor-logprobs-forward: the loss takes the training forward's own log-probs (ratio exactly 1), and the
+    # monitor compares them with the rollout's; the same step as with the pass (whose old log-probs are the same
+    # weights'), to float32 rounding, packed (Megatron: several samples a micro-batch) or not.
+    _, ranks = against_fsdp
+    prefix = "fsdp_" if backend == "fsdp" else ""
+    with_pass, skipped = ranks[0][f"{prefix}first"], ranks[0][f"{prefix}skip"]
+    assert without_timings(ranks[1][f"{prefix}skip"]) == without_timings(skipped)
+    assert skipped["train/ppo_kl"] == 0.0 and skipped["train/pg_clipfrac"] == 0.0
+    assert skipped["perf/train_old_log_probs_s"] < 0.1 * with_pass["perf/train_old_log_probs_s"]  # no pass ran
+    for name in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/logprob_abs_diff",
+                 "train/logprob_abs_diff_image", "train/logprob_abs_diff_text", "train/logprob_k3_kl"):
+        assert skipped[name] == pytest.approx(with_pass[name], rel=1e-5, abs=1e-7), name
+    if backend == "megatron":
+        assert ranks[0]["skip_micro_batches"] < with_pass["train/micro_batches"]  # it did pack
+    want = {**ranks[0][f"{prefix}first_weights"], **ranks[1][f"{prefix}first_weights"]}
+    got = {**ranks[0][f"{prefix}skip_weights"], **ranks[1][f"{prefix}skip_weights"]}
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_two_adamw_steps_match_fsdp(against_fsdp):

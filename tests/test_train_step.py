@@ -16,8 +16,10 @@ import time
 import pytest
 import torch
 
+from slime.backends.config import TrainConfig
 from slime.backends.samples import SampleError
 from slime.backends.step import TRAINER_TOTAL_KEY, NonFiniteGradNorm, train_step
+from slime.backends.train_metrics import LogprobGapError
 from slime.data.sample import Sample
 from slime.grpo.config import GRPOConfig
 from slime.grpo.loss import loss_metric_names
@@ -168,6 +170,49 @@ def test_rollout_log_probs_as_old_log_probs_and_no_reference_without_a_kl_term()
         diff = torch.tensor(s.rollout_log_probs, dtype=torch.float32).double() - log_probs(w, s)
         kl.append(float((diff * mask).sum() / mask.sum()))
     assert metrics["train/ppo_kl"] == pytest.approx(sum(kl) / len(kl), rel=1e-12)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_skipping_the_old_log_prob_pass_takes_them_from_the_training_forward(per_token):
+    # --skip-actor-logprobs-forward, one optimizer step: no policy pass before the update, and the step equals the
+    # hand computation whose old log-probs come from the same weights (ratio 1: no clipping, ppo_kl 0); the monitor
+    # compares the training forward's log-probs with the rollout's exactly as the pass's.
+    samples = hand_samples()
+    train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_logprobs_forward=True)
+    backend = StandIn(GRPOConfig(calculate_per_token_loss=per_token, **GRPO), clip_grad=0.05, train=train)
+    backend.init()
+    metrics = train_step(backend, 0, samples, num_steps=1)
+    want, w_after, old = hand_run(samples, per_token, clip_grad=0.05, steps=1)
+    assert backend.forward_passes == [("ref", [[0, 1], [2, 3], [4, 5]])]  # the reference pass only
+    torch.testing.assert_close(backend.model.w.detach(), w_after, rtol=1e-6, atol=1e-9)
+    assert metrics["train/pg_clipfrac"] == 0.0 and metrics["train/ppo_kl"] == 0.0
+    for name in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm"):
+        assert metrics[f"train/{name}"] == pytest.approx(want[0][name], rel=1e-6, abs=1e-12), name
+    diffs = [float(d) for sample, old_lp in zip(samples, old) for d, m in zip(
+        old_lp - torch.tensor(sample.rollout_log_probs, dtype=torch.float64), sample.loss_mask) if m]
+    assert metrics["train/logprob_abs_diff"] == pytest.approx(sum(abs(d) for d in diffs) / len(diffs))
+
+    # The same flags with the pass: the same update and metrics (float64; the pass's values are the forward's).
+    with_pass = StandIn(GRPOConfig(calculate_per_token_loss=per_token, **GRPO), clip_grad=0.05)
+    with_pass.init()
+    reference = train_step(with_pass, 0, hand_samples(), num_steps=1)
+    torch.testing.assert_close(backend.model.w.detach(), with_pass.model.w.detach(), rtol=1e-12, atol=1e-15)
+    for name, value in reference.items():
+        if not name.startswith("perf/"):
+            assert metrics[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+
+
+def test_skipping_the_pass_the_gate_stops_before_the_update_and_two_steps_are_refused():
+    train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_logprobs_forward=True,
+                        ci_train_rollout_logprob_abs_diff_threshold=0.01)
+    backend = StandIn(GRPOConfig(**GRPO), train=train)
+    backend.init()
+    with pytest.raises(LogprobGapError, match="rollout step 4"):
+        train_step(backend, 4, hand_samples(), num_steps=1)
+    assert backend.optimizer_steps == 0 and "lr" not in backend.steps[0]  # gradients made, no update applied
+    assert backend.model.w.tolist() == W0
+    with pytest.raises(ValueError, match="--skip-actor-logprobs-forward needs one optimizer step"):
+        train_step(backend, 5, hand_samples(), num_steps=2)
 
 
 def test_a_non_finite_gradient_norm_stops_before_any_update():

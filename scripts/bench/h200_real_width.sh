@@ -14,6 +14,8 @@
 #   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each); with
 #               SLIME_AFTER_DISPATCHER, else the dispatcher this run's bench phase found faster (when it ran first)
 #   after-none  after with SLIME_SCRIPT_RECOMPUTE=none (no activation recomputation), 3 rollouts
+#   after-skip  after with --skip-actor-logprobs-forward (the old log-probs from the training forward: no old-log-prob
+#               pass), 3 rollouts; after-skip-none: the same with SLIME_SCRIPT_RECOMPUTE=none
 #   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
 #               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card, with the old-log-prob
 #               pass and the launcher's pack size, for each variant of SLIME_BENCH_VARIANTS (NAME=FLAGS;... default:
@@ -142,19 +144,21 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
   check)
     # The launcher's GPU command through the parser on this machine (sglang installed): a refused flag stops here.
     timed check launcher 300 --num-rollout 1 --check-only ;;
-  before|after|after-none)
+  before|after|after-none|after-skip|after-skip-none)
     # Issue 30 item 2, the same command: upstream's one sample per micro-batch (before), the launcher's default
-    # packing (after), the same without activation recomputation (after-none); 2, 3 and 3 rollouts, the final save
-    # without optimizer state (deleted after).
+    # packing (after), the same without activation recomputation (after-none), without the old-log-prob pass
+    # (after-skip), without both (after-skip-none); 2 rollouts before, 3 the others, the final save without
+    # optimizer state (deleted after).
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
-    recompute=$([ "$phase" = after-none ] && echo none || echo "")
+    recompute=$([[ $phase == *-none ]] && echo none || echo "")
+    skip=$([[ $phase == after-skip* ]] && echo --skip-actor-logprobs-forward || echo "")
     # after / after-none: SLIME_AFTER_DISPATCHER, else the dispatcher whose new-samples bench step was faster on this
     # card (when this run's bench phase came first); before: the launcher's default
     dispatcher=$([ "$phase" = before ] || echo "${SLIME_AFTER_DISPATCHER:-$(faster_dispatcher)}")
     echo "$phase: --moe-token-dispatcher-type ${dispatcher:-unset, the launcher default}" | tee -a "$LOGS/summary.txt"
     SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
       --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim \
-      ${dispatcher:+--moe-token-dispatcher-type "$dispatcher"}
+      ${dispatcher:+--moe-token-dispatcher-type "$dispatcher"} $skip
     summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints"
     echo "$phase: batches refused by SGLang: $(grep -ac "refused a batched /generate" "$LOGS/$phase.log")" | tee -a "$LOGS/summary.txt" ;;
   bench)
@@ -299,7 +303,7 @@ PY
     RUN_DIR=$LOGS/run-mtp SPECULATIVE=mtp timed mtp_e2e launcher 1200 --num-rollout 3 --no-save-optim --overwrite-output-dir
     summarize_run "$LOGS/run-mtp"
     rm -rf "$LOGS/run-mtp/checkpoints" ;;
-  *) echo "unknown phase $phase (build check before after after-none bench learn r3 freeze refuse throughput floor e2e resume mtp mtp-sync mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
+  *) echo "unknown phase $phase (build check before after after-none after-skip after-skip-none bench learn r3 freeze refuse throughput floor e2e resume mtp mtp-sync mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
   esac
 done
 echo "all phases done" | tee -a "$LOGS/summary.txt"

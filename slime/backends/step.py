@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime.backends.config import TrainerSpec
+from slime.backends.config import TrainConfig, TrainerSpec
 from slime.backends.handover import HandOver
 from slime.backends.rounding import rounding_step_noise
 from slime.backends.samples import check_train_samples
@@ -54,6 +54,11 @@ synchronises the device).  Nonzero: the step ran at the card's memory limit and 
 
 LARGEST_OVER_RANKS = (PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY)
 """The step's memory figures the trainer group reports as the largest over its ranks (the rest: rank 0's)."""
+
+FORWARD_LOG_PROBS = "forward_log_probs"
+"""The key under which :meth:`StepBackend.forward_backward` returns, for a micro-batch whose ``old_log_probs`` is
+None (``--skip-actor-logprobs-forward``), its forward's detached log-probs: float32 ``[R_s]`` CPU tensors, one per
+sample in the micro-batch's order."""
 
 TRAINER_TOTAL_KEY = "perf/train_in_trainer_s"
 """Seconds :func:`train_step` took on the trainer rank, its sub-phases and what lies between them; the driver counts
@@ -117,7 +122,9 @@ class StepBackend(Protocol):
         """Forward and backward of one step's micro-batches with :func:`slime.grpo.loss.grpo_micro_batch_loss` at
         ``global_normalizer=normalizer`` and each batch's :attr:`MicroBatch.advantage_whitening`, leaving the gradient
         of the step's mean loss; per micro-batch its 0-d shares of the loss terms (``[]`` on a rank that computes no
-        loss).  Batches whose :attr:`MicroBatch.routes` is set replay them (R2 / R3), backward included."""
+        loss), and where the batch's ``old_log_probs`` is None (the loss then takes the forward's own, detached) its
+        log-probs under :data:`FORWARD_LOG_PROBS`.  Batches whose :attr:`MicroBatch.routes` is set replay them
+        (R2 / R3), backward included."""
 
     def grad_norm(self) -> float:
         """The global L2 norm of the step's gradient over every rank's shards (each parameter once). Collective."""
@@ -136,7 +143,8 @@ class StepBackend(Protocol):
 
 def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
     """``num_steps`` optimizer steps over this rank's samples (its share of every step, in order: ``num_steps`` equal
-    chunks, with advantages and rollout log-probs).
+    chunks, with advantages and rollout log-probs).  The old log-probs come from a pass before the first update, the
+    rollout (``--use-rollout-logprobs``) or, with ``--skip-actor-logprobs-forward`` (one step), the training forward.
 
     Returns:
         Metrics averaged over the steps, the same on every rank: ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
@@ -156,9 +164,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     memory_figures = backend.memory.begin_step()  # the colocated moves since the last step
     started, clock = time.perf_counter(), PhaseClock("train", backend.device)
     spec, dp, grpo = backend.spec, backend.dp, backend.spec.grpo
-    if backend.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(backend.device)  # num_alloc_retries is a running count, not reset
-        retries = torch.cuda.memory_stats(backend.device).get("num_alloc_retries", 0)
+    retries = _start_cuda_memory_figures(backend.device)
     with clock("checks"):
         routes = StepRoutes.for_step(spec.train, backend.route_shape, samples)  # R3 / R2 / the monitor's routes
         check_train_samples(samples, need_rollout_log_probs=_rollout_log_prob_flags(spec),
@@ -167,15 +173,15 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         steps = [micro_batches(backend, samples, indices, engine_routes=routes.engine, dp_group=dp.group)
                  for indices in split_into_steps(range(len(samples)), num_steps)]
         batches = [batch for step in steps for batch in step]
-    monitor: dict[str, float] = {}  # the engine/trainer gap (and router agreement) of the old-log-prob pass
+    monitor: dict[str, float] = {}  # the engine/trainer gap (and router agreement) of the old log-probs
+    old, from_forward = None, _old_from_forward(spec.train, num_steps)
     with clock("old_log_probs"):
         if spec.train.use_rollout_logprobs:
             old = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
-        else:
+        elif not from_forward:
             old = log_probs_by_sample(backend, backend.model, batches, len(samples), replay_routes=routes.engine,
                                       capture_routes=routes.capture)
-            monitor = mismatch_monitor(samples, old, backend.placeholder_ids, routes.after_old_pass(batches), dp,
-                                       spec.train.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
+            monitor = _monitor(backend, samples, old, routes.after_old_pass(batches), rollout_id)
     ref = None
     if backend.ref_model is not None:
         with clock("ref_log_probs"):
@@ -186,7 +192,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
             batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
             batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
             batch.advantage_whitening = whitening
-            if grpo.needs_rollout_log_probs and old is not None:
+            if grpo.needs_rollout_log_probs and (old is not None or from_forward):
                 batch.rollout_log_probs = [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
                                            for s in batch.samples]
     terms, extremes = loss_metric_names(grpo, with_kl_loss=backend.ref_model is not None)
@@ -197,6 +203,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
             normalizer = loss_normalizer([s for batch in step_batches for s in batch.samples],
                                          grpo.calculate_per_token_loss, group=dp.group)
             values.append(backend.forward_backward(step_batches, normalizer))
+        if from_forward:  # the monitor and its gate on the forward's log-probs, before the update
+            monitor = _monitor(backend, samples, _by_sample(step_batches, values[-1], len(samples)), {}, rollout_id)
         with clock("optimizer"):
             lr = spec.lr_schedule(backend.optimizer_steps)
             grad_norm = backend.grad_norm()
@@ -209,14 +217,54 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         scalars.append({"train/grad_norm": grad_norm, "train/lr": lr, **own})
     with clock("metrics"):
         metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **monitor, **memory_figures}
-    if backend.device.type == "cuda":
-        metrics.update(_cuda_memory_metrics(backend.device, retries))
+    metrics.update(_cuda_memory_metrics(backend.device, retries))
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
+
+
+def _monitor(backend: StepBackend, samples: list[Sample], old: list[Tensor] | None, route_sums: dict[str, float],
+             rollout_id: int) -> dict[str, float]:
+    """:func:`mismatch_monitor` of the step's old log-probs ``old`` (None on a rank that computes no loss)."""
+    return mismatch_monitor(samples, old, backend.placeholder_ids, route_sums, backend.dp,
+                            backend.spec.train.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
+
+
+def _by_sample(batches: list[MicroBatch], values: list[dict[str, Any]], count: int) -> list[Tensor] | None:
+    """The :data:`FORWARD_LOG_PROBS` of a step's micro-batches as one tensor per sample position ``0 .. count - 1``;
+    None where the backend returned none (a rank that computes no loss)."""
+    if not values:
+        return None
+    out: list[Tensor] = [None] * count  # type: ignore[list-item]
+    for batch, found in zip(batches, values, strict=True):
+        for i, log_probs in zip(batch.indices, found[FORWARD_LOG_PROBS], strict=True):
+            out[i] = log_probs
+    return out
+
+
+def _old_from_forward(train: TrainConfig, num_steps: int) -> bool:
+    """Whether the step takes its old log-probs from the training forward (``--skip-actor-logprobs-forward``).
+
+    Raises:
+        ValueError: the flag with ``num_steps`` > 1 (the flag's check in :func:`slime.arguments.validate` refuses
+            the batch sizes that make it): the later steps' old log-probs are not the updated weights' forward.
+    """
+    if train.skip_actor_logprobs_forward and num_steps != 1:
+        raise ValueError(f"--skip-actor-logprobs-forward needs one optimizer step per rollout step, got {num_steps}")
+    return train.skip_actor_logprobs_forward
+
+
+def _start_cuda_memory_figures(device: torch.device) -> int:
+    """On CUDA reset the peak memory figures and return the allocator's running retry count; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)  # num_alloc_retries is a running count, not reset
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def _cuda_memory_metrics(device: torch.device, retries_before: int) -> dict[str, float]:
     """The step's peaks (GiB, since ``reset_peak_memory_stats``) and the allocator's retries since ``retries_before``
-    (``num_alloc_retries`` is a running count)."""
+    (``num_alloc_retries`` is a running count); ``{}`` off CUDA."""
+    if device.type != "cuda":
+        return {}
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries_before
     return {PEAK_MEMORY_KEY: torch.cuda.max_memory_allocated(device) / 2**30,
             RESERVED_PEAK_KEY: torch.cuda.max_memory_reserved(device) / 2**30, ALLOC_RETRIES_KEY: float(retries)}

@@ -352,7 +352,7 @@ def loss_metric_names(cfg: GRPOConfig, with_kl_loss: bool) -> tuple[list[str], l
 
 def grpo_micro_batch_loss(
     log_probs: Tensor,
-    old_log_probs: Tensor,
+    old_log_probs: Tensor | None,
     advantages: Tensor,
     loss_mask: Tensor,
     cfg: GRPOConfig,
@@ -366,6 +366,10 @@ def grpo_micro_batch_loss(
     advantage_whitening: Whitening | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's share of the step's GRPO loss, from per-sample advantages ``[S]``.
+
+    ``old_log_probs`` None (``--skip-actor-logprobs-forward``, one optimizer step per rollout): the old policy is
+    the current one, so the old log-probs are ``log_probs.detach()``: every ratio is exactly 1 and the gradient is
+    PPO's at its first update (Schulman et al. 2017, arXiv:1707.06347, eq. 7 at ``theta = theta_old``).
 
     Turns them into per-token advantages (:func:`slime.grpo.token_advantages.token_advantages`: ``--kl-coef`` shaping,
     REINFORCE++'s returns), whitens them with ``advantage_whitening`` (``--normalize-advantages``: the rollout step's
@@ -382,6 +386,8 @@ def grpo_micro_batch_loss(
     """
     if cfg.normalize_advantages and advantage_whitening is None:
         raise ValueError("--normalize-advantages needs the rollout step's advantage_whitening, got None")
+    if old_log_probs is None:
+        old_log_probs = log_probs.detach()
     token_adv = token_advantages(advantages, loss_mask, cfg, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                                  cu_seqlens=cu_seqlens, whitening=advantage_whitening if cfg.normalize_advantages
                                  else None)

@@ -44,7 +44,7 @@ from slime.backends.fsdp.parallelize import reshard_all
 from slime.backends.handover import WEIGHTS, HandOver
 from slime.backends.rng import rng_state, set_rng_state
 from slime.backends.samples import PAD_TOKEN_ID, model_input_ids
-from slime.backends.step import MicroBatch, compute_log_probs
+from slime.backends.step import FORWARD_LOG_PROBS, MicroBatch, compute_log_probs
 from slime.backends.train_metrics import DataParallel
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
@@ -246,7 +246,8 @@ class FSDPBackend:
                     entropy_grad=grpo.entropy_coef != 0)
                 loss, terms = grpo_micro_batch_loss(
                     log_probs,
-                    pad_per_token(batch.old_log_probs, torch.float32, self.device),
+                    None if batch.old_log_probs is None else pad_per_token(batch.old_log_probs, torch.float32,
+                                                                           self.device),
                     torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
                     pad_per_token([s.loss_mask for s in samples], torch.float32, self.device),
                     grpo,
@@ -260,6 +261,9 @@ class FSDPBackend:
                 )
                 (loss * self.rank_info.world_size).backward()
             out.append({"loss": loss.detach(), **terms})
+            if batch.old_log_probs is None:  # --skip-actor-logprobs-forward: this forward's are the old ones
+                out[-1][FORWARD_LOG_PROBS] = [log_probs[b, : s.response_length].detach().float().cpu()
+                                              for b, s in enumerate(samples)]
         return out
 
     def grad_norm(self) -> float:

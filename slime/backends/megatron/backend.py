@@ -47,7 +47,7 @@ from slime.backends.megatron.model import build_stage
 from slime.backends.megatron.parallel import Groups, init_model_parallel, init_world
 from slime.backends.megatron.weight_export import iter_buckets
 from slime.backends.samples import model_input_ids
-from slime.backends.step import MicroBatch, compute_log_probs
+from slime.backends.step import FORWARD_LOG_PROBS, MicroBatch, compute_log_probs
 from slime.backends.train_metrics import DataParallel
 from slime.backends.weight_sources import WeightSource, resolve_weights
 from slime.checkpoints import layout as ckpt
@@ -220,8 +220,12 @@ class MegatronBackend:
         self._micro_batches = len(batches)
         model = self.optimizer.model
         with packed_routes(batches, self._replay_shape(batches, True, False), replay=True) as packed:
-            return run_micro_batches(model, packed, make_forward_step(ctx, grpo_loss_func), forward_only=False,
-                                     device=self.device)
+            store = run_micro_batches(model, packed, make_forward_step(ctx, grpo_loss_func), forward_only=False,
+                                      device=self.device)
+        for batch, out in zip(batches, store):  # --skip-actor-logprobs-forward: per sample, one copy to the host
+            if FORWARD_LOG_PROBS in out:
+                out[FORWARD_LOG_PROBS] = batch.packed.split(out[FORWARD_LOG_PROBS].float().cpu())
+        return store
 
     def grad_norm(self) -> float:
         """The global gradient norm (megatron-core's distributed optimizer, or the CPU stand-in's)."""
@@ -434,7 +438,8 @@ def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     """megatron-core loss function of one training micro-batch (module docstring): ``(scaled loss, ones(int),
     metrics)``, the metrics this micro-batch's detached 0-d shares of ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``ppo_kl``, ``entropy`` (and ``kl_loss``, and the IS / OPSM / mismatch metrics of
-    :func:`grpo_micro_batch_loss`)."""
+    :func:`grpo_micro_batch_loss`); without ``old_log_probs`` (``--skip-actor-logprobs-forward``) also the detached
+    float32 ``[K]`` log-probs under :data:`slime.backends.step.FORWARD_LOG_PROBS`."""
     log_probs, entropy = _log_probs(ctx, batch, logits, with_entropy=True)
     if ctx.grpo.entropy_coef == 0:
         entropy = entropy.detach()  # a metric only: spare its backward
@@ -446,6 +451,8 @@ def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     )
     scale = ctx.num_microbatches * ctx.dp_size
     one = torch.ones((), dtype=torch.int, device=loss.device)
+    if batch.old_log_probs is None:  # --skip-actor-logprobs-forward: the step's old log-probs ([K]) are these
+        metrics[FORWARD_LOG_PROBS] = log_probs.detach()
     return loss * scale, one, {"loss": loss.detach(), **metrics}
 
 
