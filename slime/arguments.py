@@ -374,7 +374,7 @@ def _check_rollout_only(cfg: SlimeConfig) -> None:
         "--only-train-params-name-list": bool(train.only_train_params_name_list),
         "--use-routing-replay": train.use_routing_replay and not train.use_rollout_routing_replay,
         "--ci-train-rollout-logprob-abs-diff-threshold": train.ci_train_rollout_logprob_abs_diff_threshold is not None,
-        "--skip-actor-logprobs-forward": train.skip_actor_logprobs_forward,
+        "--skip-actor-forward-only": train.skip_actor_forward_only,
     }
     given = [name for name, on in trainer_only.items() if on]
     if given:
@@ -410,27 +410,27 @@ def _check_off_policy(grpo: GRPOConfig, train: TrainConfig) -> None:
 
 
 def _check_skip_old_pass(cfg: SlimeConfig) -> None:
-    """``--skip-actor-logprobs-forward`` reuses the training forward's log-probs as the old ones, which equal the
+    """``--skip-actor-forward-only`` reuses the training forward's log-probs as the old ones, which equal the
     pass's only before the first update of the rollout step: one optimizer step per rollout step.  With ``--kl-coef``
     and ``--normalize-advantages`` the whitening statistics need the old log-probs before any forward."""
-    if not cfg.train.skip_actor_logprobs_forward:
+    if not cfg.train.skip_actor_forward_only:
         return
     if cfg.steps_per_rollout != 1:
         raise ConfigError(
-            f"--skip-actor-logprobs-forward needs one optimizer step per rollout step, but --global-batch-size "
+            f"--skip-actor-forward-only needs one optimizer step per rollout step, but --global-batch-size "
             f"{cfg.train.global_batch_size} makes {cfg.steps_per_rollout} of the {cfg.rollout.samples_per_rollout} "
             f"samples (the later steps' old log-probs are the weights before the first update): set "
             f"--global-batch-size {cfg.rollout.samples_per_rollout}, or drop the flag")
     if cfg.grpo.kl_coef > 0 and cfg.grpo.normalize_advantages:
         raise ConfigError(
-            f"--skip-actor-logprobs-forward with --kl-coef {cfg.grpo.kl_coef} and --normalize-advantages: the "
+            f"--skip-actor-forward-only with --kl-coef {cfg.grpo.kl_coef} and --normalize-advantages: the "
             "whitening of the KL-shaped advantages needs the old log-probs before the training forward; drop one")
     if rollout_routes_wanted(cfg.train, cfg.parity, cfg.checkpoint.hf_checkpoint,
                              parity_check=cfg.engine_config.parity_check):
-        logger.warning("--skip-actor-logprobs-forward: the engines capture routed experts for the parity check's "
-                       "route replay, but the trainer's router agreement with them (train/router_agreement) is "
-                       "measured in the old-log-prob pass, which this flag skips: training rollouts do not ask for "
-                       "routes and the agreement is not logged")
+        logger.warning("--skip-actor-forward-only: the engines capture routed experts for the parity check's "
+                       "route replay (or R3), but the trainer's router agreement with them (train/router_agreement) "
+                       "is measured in the old-log-prob pass, which this flag skips: it is not logged (and without "
+                       "R3 training rollouts ask for no routes)")
 
 
 def _check_kl(grpo: GRPOConfig, checkpoint: CheckpointConfig) -> None:

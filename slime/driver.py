@@ -385,9 +385,11 @@ def setup(
     cleanup.callback(placement.remove)
     engines, trainers = start_workers(cfg, placement, components, cleanup)
     rollout_manager.engines = engines
-    # as the engines capture routes (EngineSpec.return_routed_experts), unless no old-log-prob pass compares them
+    # as the engines capture routes (EngineSpec.return_routed_experts), unless only a skipped old-log-prob pass (the
+    # router agreement) would read them: R3 replays them
     rollout_manager.return_routed_experts = (cfg.engine_spec(components.engine_cls.parity_check).return_routed_experts
-                                             and not cfg.train.skip_actor_logprobs_forward)
+                                             and (cfg.train.use_rollout_routing_replay
+                                                  or not cfg.train.skip_actor_forward_only))
     if trainers is None or engines is None:  # --debug-rollout-only / --load-debug-rollout-data
         logger.info("%s: %s", "--debug-rollout-only" if trainers is None else "--load-debug-rollout-data",
                     "no trainer starts" if trainers is None else "no rollout engine starts, no weight sync, no eval")

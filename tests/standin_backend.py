@@ -95,7 +95,7 @@ class StandIn:
             )
             loss.backward()
             out.append({"loss": loss.detach(), **terms})
-            if batch.old_log_probs is None:  # --skip-actor-logprobs-forward
+            if batch.old_log_probs is None:  # --skip-actor-forward-only
                 out[-1][FORWARD_LOG_PROBS] = [lp.detach() for lp in log_p]
         return out
 

@@ -1078,13 +1078,12 @@ def test_use_tis_with_use_rollout_logprobs_is_refused(capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--use-rollout-logprobs"], "--use-rollout-logprobs from the rollout: drop one"),
-    (["--use-routing-replay"], "where --use-routing-replay records or checks the routes"),
-    (["--use-rollout-routing-replay"], "where --use-rollout-routing-replay records or checks the routes"),
+    (["--use-routing-replay"], "whose routes --use-routing-replay records for the training forward"),
     (["--global-batch-size", "4"], "--global-batch-size 4 makes 2 of the 8 samples"),
     (["--kl-coef", "0.01", "--normalize-advantages"], "with --kl-coef 0.01 and --normalize-advantages"),
-    (["--debug-rollout-only"], "--debug-rollout-only runs no training step, so --skip-actor-logprobs-forward"),
+    (["--debug-rollout-only"], "--debug-rollout-only runs no training step, so --skip-actor-forward-only"),
 ])  # fmt: skip
-def test_skip_actor_logprobs_forward_is_refused_where_the_pass_is_needed(flags, message, capsys):
-    cfg = parse_args(with_flags("--skip-actor-logprobs-forward"))
-    assert cfg.train.skip_actor_logprobs_forward and cfg.steps_per_rollout == 1
-    assert message in parse_error(with_flags("--skip-actor-logprobs-forward", *flags), capsys)
+def test_skip_actor_forward_only_is_refused_where_the_pass_is_needed(flags, message, capsys):
+    cfg = parse_args(with_flags("--skip-actor-forward-only"))
+    assert cfg.train.skip_actor_forward_only and cfg.steps_per_rollout == 1
+    assert message in parse_error(with_flags("--skip-actor-forward-only", *flags), capsys)

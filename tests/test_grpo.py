@@ -633,7 +633,7 @@ def test_micro_batch_loss_by_hand_padded_and_packed():
 
 
 def test_micro_batch_loss_without_old_log_probs_is_the_on_policy_gradient_by_hand():
-    # --skip-actor-logprobs-forward: old_log_probs None means the forward's own, detached: every ratio 1, nothing
+    # --skip-actor-forward-only: old_log_probs None means the forward's own, detached: every ratio 1, nothing
     # clipped, ppo_kl 0, and d loss / d lp = -A / (tokens of the sample) / samples (sample-mean), no KL shaping here.
     #   A (2 tokens, A = 0.5): -0.5 / 2 / 2 = -0.125 each;  B (1 token, A = -1.0): 1.0 / 1 / 2 = 0.5
     #   pg_loss = ((-0.5 - 0.5) / 2 + 1.0) / 2 = 0.25

@@ -50,8 +50,8 @@ def _one_cpu_thread():
 OPTIM = {"clip_grad": 0.5, "adam_eps": 1e-4}
 
 
-SKIP = {"skip_actor_logprobs_forward": True}
-"""--skip-actor-logprobs-forward: the first step's old log-probs from its training forward."""
+SKIP = {"skip_actor_forward_only": True}
+"""--skip-actor-forward-only: the first step's old log-probs from its training forward."""
 
 
 def _job_against_fsdp(rank_info, ckpt_dir, samples, out):
@@ -123,7 +123,7 @@ def test_log_probs_and_first_step_match_fsdp(against_fsdp):
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_the_first_step_without_its_old_log_prob_pass_is_the_same_step(against_fsdp, backend):
-    # --skip-actor-logprobs-forward: the loss takes the training forward's own log-probs (ratio exactly 1), and the
+    # --skip-actor-forward-only: the loss takes the training forward's own log-probs (ratio exactly 1), and the
     # monitor compares them with the rollout's; the same step as with the pass (whose old log-probs are the same
     # weights'), to float32 rounding, packed (Megatron: several samples a micro-batch) or not.
     _, ranks = against_fsdp

@@ -85,6 +85,20 @@ def test_r3_replays_the_engines_routes_in_the_old_ref_and_training_forwards():
     assert len(seen) == len(expected) and all(a is b for a, b in zip(seen, expected))
 
 
+def test_r3_without_the_old_log_prob_pass_replays_the_engines_routes_in_the_training_forward():
+    # --skip-actor-forward-only with R3: no policy pass, so no router agreement; the reference and training forwards
+    # take the engine's routes.
+    samples = _routed_samples()
+    backend = RoutedStandIn(GRPOConfig(**GRPO), r3=True)
+    backend.spec.train = dataclasses.replace(backend.spec.train, skip_actor_forward_only=True)
+    backend.init()
+    metrics = train_step(backend, 0, samples, num_steps=1)
+    assert "train/router_agreement" not in metrics and metrics["train/ppo_kl"] == 0.0
+    assert [name for name, _ in backend.replayed] == ["ref"] * 3 + ["train"] * 3  # [0, 1], [2, 3], [4, 5]
+    seen = [r for _, routes in backend.replayed for r in routes]
+    assert all(a is b for a, b in zip(seen, [s.rollout_routed_experts for s in samples] * 2)) and len(seen) == 12
+
+
 def test_r2_records_the_old_pass_and_replays_it_in_every_optimizer_step():
     samples = _routed_samples()
     backend = RoutedStandIn(GRPOConfig(**GRPO), r2=True)
@@ -365,6 +379,8 @@ def test_r3_implies_r2_and_asks_the_rollout_for_routes(tiny_ckpt):
     assert not wanted(_parse(tiny_ckpt, "--train-backend", "fsdp", "--use-routing-replay"))  # R2: the trainer's own
     assert _parse(tiny_ckpt, "--ci-train-rollout-logprob-abs-diff-threshold", "0.5").train \
         .ci_train_rollout_logprob_abs_diff_threshold == 0.5
+    skip = _parse(tiny_ckpt, "--train-backend", "fsdp", "--use-rollout-routing-replay", "--skip-actor-forward-only")
+    assert skip.train.skip_actor_forward_only and wanted(skip)  # R3 without the pass still takes the engine's routes
 
 
 def test_routing_replay_is_refused_where_it_cannot_run(tiny_ckpt, tmp_path, capsys):

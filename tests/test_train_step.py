@@ -10,6 +10,7 @@ optimizer steps and the train-vs-rollout log-prob gap.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -174,11 +175,11 @@ def test_rollout_log_probs_as_old_log_probs_and_no_reference_without_a_kl_term()
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
 def test_skipping_the_old_log_prob_pass_takes_them_from_the_training_forward(per_token):
-    # --skip-actor-logprobs-forward, one optimizer step: no policy pass before the update, and the step equals the
+    # --skip-actor-forward-only, one optimizer step: no policy pass before the update, and the step equals the
     # hand computation whose old log-probs come from the same weights (ratio 1: no clipping, ppo_kl 0); the monitor
     # compares the training forward's log-probs with the rollout's exactly as the pass's.
     samples = hand_samples()
-    train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_logprobs_forward=True)
+    train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_forward_only=True)
     backend = StandIn(GRPOConfig(calculate_per_token_loss=per_token, **GRPO), clip_grad=0.05, train=train)
     backend.init()
     metrics = train_step(backend, 0, samples, num_steps=1)
@@ -203,7 +204,7 @@ def test_skipping_the_old_log_prob_pass_takes_them_from_the_training_forward(per
 
 
 def test_skipping_the_pass_the_gate_stops_before_the_update_and_two_steps_are_refused():
-    train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_logprobs_forward=True,
+    train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_forward_only=True,
                         ci_train_rollout_logprob_abs_diff_threshold=0.01)
     backend = StandIn(GRPOConfig(**GRPO), train=train)
     backend.init()
@@ -211,8 +212,35 @@ def test_skipping_the_pass_the_gate_stops_before_the_update_and_two_steps_are_re
         train_step(backend, 4, hand_samples(), num_steps=1)
     assert backend.optimizer_steps == 0 and "lr" not in backend.steps[0]  # gradients made, no update applied
     assert backend.model.w.tolist() == W0
-    with pytest.raises(ValueError, match="--skip-actor-logprobs-forward needs one optimizer step"):
+    with pytest.raises(ValueError, match="--skip-actor-forward-only needs one optimizer step"):
         train_step(backend, 5, hand_samples(), num_steps=2)
+
+
+def test_skipping_the_pass_with_kl_shaped_whitened_advantages_is_refused_before_any_forward():
+    # validate refuses the flags together; a step handed them anyway must not whiten without the old log-probs
+    train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_forward_only=True)
+    backend = StandIn(GRPOConfig(kl_coef=0.1, normalize_advantages=True, **GRPO), train=train)
+    backend.init()
+    with pytest.raises(ValueError, match="--kl-coef and --normalize-advantages"):
+        train_step(backend, 0, hand_samples(), num_steps=1)
+    assert backend.forward_passes == [] and backend.steps == []
+
+
+@pytest.mark.parametrize("computes_loss", [True, False])
+def test_a_rank_that_computes_no_loss_adds_nothing_to_the_whitening(monkeypatch, computes_loss):
+    # Megatron's earlier pipeline stages: their share of --normalize-advantages' sums over the world must be zeros,
+    # with the old-log-prob pass (their old log-probs None) and without it alike.
+    import slime.backends.step as step
+
+    seen, real = [], step.rollout_whitening
+    monkeypatch.setattr(step, "rollout_whitening", lambda samples, *a: seen.append(len(samples)) or real(samples, *a))
+    for skip in (False, True):
+        train = TrainConfig(train_backend="fsdp", micro_batch_size=2, skip_actor_forward_only=skip)
+        backend = StandIn(GRPOConfig(normalize_advantages=True, **GRPO), train=train)
+        backend.dp = dataclasses.replace(backend.dp, computes_loss=computes_loss)
+        backend.init()
+        train_step(backend, 0, hand_samples(), num_steps=1)
+    assert seen == [6, 6] if computes_loss else seen == [0, 0]
 
 
 def test_a_non_finite_gradient_norm_stops_before_any_update():

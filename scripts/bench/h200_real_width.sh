@@ -14,13 +14,14 @@
 #   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each); with
 #               SLIME_AFTER_DISPATCHER, else the dispatcher this run's bench phase found faster (when it ran first)
 #   after-none  after with SLIME_SCRIPT_RECOMPUTE=none (no activation recomputation), 3 rollouts
-#   after-skip  after with --skip-actor-logprobs-forward (the old log-probs from the training forward: no old-log-prob
+#   after-skip  after with --skip-actor-forward-only (the old log-probs from the training forward: no old-log-prob
 #               pass), 3 rollouts; after-skip-none: the same with SLIME_SCRIPT_RECOMPUTE=none
 #   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
 #               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card, with the old-log-prob
 #               pass and the launcher's pack size, for each variant of SLIME_BENCH_VARIANTS (NAME=FLAGS;... default:
-#               full recompute with the same samples every step, then new samples every step with the all-to-all and
-#               the all-gather dispatcher), then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no
+#               full recompute, new samples every step, the all-gather dispatcher, with the pass and without it
+#               (--no-old-log-probs: after-skip's compute); the fifth run's same-samples and all-to-all variants are
+#               `--moe-token-dispatcher-type alltoall` and no --fresh-lengths), then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no
 #               old-log-prob pass, no recompute; SLIME_BENCH_REFERENCE=0 skips it)
 #   learn       issue 30 item 3: the colour task at real width through the production pair, R3 + TIS, 20 rollouts
 #   r3          the after command with --use-rollout-routing-replay --use-tis, 3 rollouts
@@ -151,7 +152,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # optimizer state (deleted after).
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
     recompute=$([[ $phase == *-none ]] && echo none || echo "")
-    skip=$([[ $phase == after-skip* ]] && echo --skip-actor-logprobs-forward || echo "")
+    skip=$([[ $phase == after-skip* ]] && echo --skip-actor-forward-only || echo "")
     # after / after-none: SLIME_AFTER_DISPATCHER, else the dispatcher whose new-samples bench step was faster on this
     # card (when this run's bench phase came first); before: the launcher's default
     dispatcher=$([ "$phase" = before ] || echo "${SLIME_AFTER_DISPATCHER:-$(faster_dispatcher)}")
@@ -174,9 +175,10 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
       echo "bench: SLIME_BENCH_RECOMPUTE is gone; name the recompute in SLIME_BENCH_VARIANTS" | tee -a "$LOGS/summary.txt"
       continue
     fi
-    default_variants="same=--recompute full --moe-token-dispatcher-type alltoall"
-    default_variants+=";fresh-alltoall=--recompute full --fresh-lengths --moe-token-dispatcher-type alltoall"
-    default_variants+=";fresh-allgather=--recompute full --fresh-lengths --moe-token-dispatcher-type allgather --profile $LOGS/profile"
+    # The fifth run compared the same / new samples and the two dispatchers (docs/results/h200_train_phase.md); now the
+    # launcher's default dispatcher with and without the old-log-prob pass (after / after-skip's compute).
+    default_variants="fresh-allgather=--recompute full --fresh-lengths --moe-token-dispatcher-type allgather --profile $LOGS/profile"
+    default_variants+=";fresh-allgather-nopass=--recompute full --fresh-lengths --moe-token-dispatcher-type allgather --no-old-log-probs"
     variants=${SLIME_BENCH_VARIANTS:-$default_variants}
     IFS=';' read -ra variant_list <<<"$variants"
     set -f  # a variant's flags split on spaces, never globbed

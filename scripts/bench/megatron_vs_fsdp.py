@@ -217,9 +217,10 @@ def main() -> None:
     parser.add_argument("--fresh-lengths", action="store_true",
                         help="Every step after the first trains new samples (response lengths and values drawn with "
                         "the step's index as seed), as the launcher's steps do; default: the same samples each step.")
-    parser.add_argument("--old-log-probs", action="store_true",
+    parser.add_argument("--old-log-probs", action=argparse.BooleanOptionalAction, default=False,
                         help="Each step first recomputes the old log-probs (a no-grad forward, as the launcher's "
-                        "runs do) instead of taking the rollout's (--use-rollout-logprobs).")
+                        "runs do) instead of taking the rollout's (--use-rollout-logprobs); --no-old-log-probs (the "
+                        "default): the compute of a step with --skip-actor-forward-only too.")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed steps first.")
     parser.add_argument("--steps", type=int, default=2, help="Timed steps (median reported).")
     parser.add_argument("--peak-tflops", type=float, default=790.0,

@@ -60,15 +60,17 @@ class TrainConfig:
         help="Use the engines' rollout log-probs as the PPO ratio's old log-probs instead of a trainer forward pass "
         "before the update (saves one forward pass; exact only when rollout and training numerics agree).",
     )
-    skip_actor_logprobs_forward: bool = flag(
+    skip_actor_forward_only: bool = flag(
         False,
         help="Where a rollout step is one optimizer step (--global-batch-size = --rollout-batch-size * "
         "--n-samples-per-prompt), take the PPO ratio's old log-probs from the training forward itself (detached: "
-        "the same weights, so the same values; ratio 1, the gradient unchanged) instead of a forward pass of its "
-        "own before the update: one forward of the step's tokens less. The train/rollout gap monitor and "
-        "--ci-train-rollout-logprob-abs-diff-threshold read the training forward's log-probs, before the update. "
-        "Not with R2 / R3 (the pass records or checks routes), --use-rollout-logprobs, or --kl-coef with "
-        "--normalize-advantages (the whitening needs them before the forward).",
+        "the same weights, so the same values up to the rounding that differs between the two passes; every ratio "
+        "exactly 1) instead of a forward pass of their own before the update: one forward of the step's tokens "
+        "less (miles' flag of this name). The train/rollout gap monitor and "
+        "--ci-train-rollout-logprob-abs-diff-threshold read the training forward's log-probs, before the update; "
+        "the router agreement with the engine's routes (train/router_agreement), measured in the pass, is not "
+        "logged. Not with R2 alone (the pass records its routes; R3 works), --use-rollout-logprobs, or --kl-coef "
+        "with --normalize-advantages (the whitening needs them before the forward).",
     )
     bf16: bool = flag(False, help="Train in bfloat16 mixed precision (fp32 master weights); default: fp32.")
     freeze_params_name_list: list[str] | None = flag(
@@ -114,13 +116,13 @@ class TrainConfig:
                 "the rollout's, and --use-rollout-logprobs skips that trainer pass (the old log-probs are the "
                 "rollout's): drop one of them"
             )
-        if self.skip_actor_logprobs_forward and self.use_rollout_logprobs:
-            raise ConfigError("--skip-actor-logprobs-forward takes the old log-probs from the training forward, "
+        if self.skip_actor_forward_only and self.use_rollout_logprobs:
+            raise ConfigError("--skip-actor-forward-only takes the old log-probs from the training forward, "
                               "--use-rollout-logprobs from the rollout: drop one of them")
-        if self.skip_actor_logprobs_forward and (self.use_routing_replay or self.use_rollout_routing_replay):
-            name = "--use-rollout-routing-replay" if self.use_rollout_routing_replay else "--use-routing-replay"
-            raise ConfigError(f"--skip-actor-logprobs-forward skips the old-log-prob pass, where {name} records or "
-                              "checks the routes (router agreement): drop one of them")
+        if self.skip_actor_forward_only and self.use_routing_replay and not self.use_rollout_routing_replay:
+            raise ConfigError("--skip-actor-forward-only skips the old-log-prob pass, whose routes --use-routing-replay "
+                              "records for the training forward: drop one of them (--use-rollout-routing-replay, "
+                              "the engine's routes, needs no pass)")
         compile_patterns("--freeze-params-name-list", self.freeze_params_name_list)
         compile_patterns("--only-train-params-name-list", self.only_train_params_name_list)
         check_at_least_one(self, "global_batch_size", "micro_batch_size", "max_tokens_per_gpu")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime.backends.config import TrainConfig, TrainerSpec
+from slime.backends.config import TrainerSpec
 from slime.backends.handover import HandOver
 from slime.backends.rounding import rounding_step_noise
 from slime.backends.samples import check_train_samples
@@ -57,7 +57,7 @@ LARGEST_OVER_RANKS = (PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY)
 
 FORWARD_LOG_PROBS = "forward_log_probs"
 """The key under which :meth:`StepBackend.forward_backward` returns, for a micro-batch whose ``old_log_probs`` is
-None (``--skip-actor-logprobs-forward``), its forward's detached log-probs: float32 ``[R_s]`` CPU tensors, one per
+None (``--skip-actor-forward-only``), its forward's detached log-probs: float32 ``[R_s]`` CPU tensors, one per
 sample in the micro-batch's order."""
 
 TRAINER_TOTAL_KEY = "perf/train_in_trainer_s"
@@ -144,7 +144,7 @@ class StepBackend(Protocol):
 def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num_steps: int) -> dict[str, float]:
     """``num_steps`` optimizer steps over this rank's samples (its share of every step, in order: ``num_steps`` equal
     chunks, with advantages and rollout log-probs).  The old log-probs come from a pass before the first update, the
-    rollout (``--use-rollout-logprobs``) or, with ``--skip-actor-logprobs-forward`` (one step), the training forward.
+    rollout (``--use-rollout-logprobs``) or, with ``--skip-actor-forward-only`` (one step), the training forward.
 
     Returns:
         Metrics averaged over the steps, the same on every rank: ``train/{loss, pg_loss, pg_clipfrac, ppo_kl,
@@ -174,7 +174,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
                  for indices in split_into_steps(range(len(samples)), num_steps)]
         batches = [batch for step in steps for batch in step]
     monitor: dict[str, float] = {}  # the engine/trainer gap (and router agreement) of the old log-probs
-    old, from_forward = None, _old_from_forward(spec.train, num_steps)
+    old, from_forward = None, _old_from_forward(spec, num_steps)
     with clock("old_log_probs"):
         if spec.train.use_rollout_logprobs:
             old = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
@@ -187,12 +187,13 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         with clock("ref_log_probs"):
             ref = log_probs_by_sample(backend, backend.ref_model, batches, len(samples), replay_routes=routes.engine)
     with clock("pack"):
-        whitening = rollout_whitening(samples, old, ref, grpo, dp.sum) if grpo.normalize_advantages else None
+        whitening = (rollout_whitening(samples if dp.computes_loss else [], old, ref, grpo, dp.sum)
+                     if grpo.normalize_advantages else None)
         for batch in batches:
             batch.old_log_probs = None if old is None else [old[i] for i in batch.indices]
             batch.ref_log_probs = None if ref is None else [ref[i] for i in batch.indices]
             batch.advantage_whitening = whitening
-            if grpo.needs_rollout_log_probs and (old is not None or from_forward):
+            if grpo.needs_rollout_log_probs and dp.computes_loss:
                 batch.rollout_log_probs = [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
                                            for s in batch.samples]
     terms, extremes = loss_metric_names(grpo, with_kl_loss=backend.ref_model is not None)
@@ -203,8 +204,9 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
             normalizer = loss_normalizer([s for batch in step_batches for s in batch.samples],
                                          grpo.calculate_per_token_loss, group=dp.group)
             values.append(backend.forward_backward(step_batches, normalizer))
-        if from_forward:  # the monitor and its gate on the forward's log-probs, before the update
-            monitor = _monitor(backend, samples, _by_sample(step_batches, values[-1], len(samples)), {}, rollout_id)
+        with clock("old_log_probs"):  # --skip-actor-forward-only: the monitor and gate on the forward's, pre-update
+            monitor = _monitor(backend, samples, _by_sample(step_batches, values[-1], len(samples)), {},
+                               rollout_id) if from_forward else monitor
         with clock("optimizer"):
             lr = spec.lr_schedule(backend.optimizer_steps)
             grad_norm = backend.grad_norm()
@@ -240,16 +242,20 @@ def _by_sample(batches: list[MicroBatch], values: list[dict[str, Any]], count: i
     return out
 
 
-def _old_from_forward(train: TrainConfig, num_steps: int) -> bool:
-    """Whether the step takes its old log-probs from the training forward (``--skip-actor-logprobs-forward``).
+def _old_from_forward(spec: TrainerSpec, num_steps: int) -> bool:
+    """Whether the step takes its old log-probs from the training forward (``--skip-actor-forward-only``).
 
     Raises:
-        ValueError: the flag with ``num_steps`` > 1 (the flag's check in :func:`slime.arguments.validate` refuses
-            the batch sizes that make it): the later steps' old log-probs are not the updated weights' forward.
+        ValueError: the flag with ``num_steps`` > 1 (the later steps' old policy is the one before the first update),
+            or with ``--kl-coef`` and ``--normalize-advantages`` (the whitening needs the old log-probs before the
+            forward); :func:`slime.arguments.validate` refuses both before a run starts.
     """
-    if train.skip_actor_logprobs_forward and num_steps != 1:
-        raise ValueError(f"--skip-actor-logprobs-forward needs one optimizer step per rollout step, got {num_steps}")
-    return train.skip_actor_logprobs_forward
+    if spec.train.skip_actor_forward_only and num_steps != 1:
+        raise ValueError(f"--skip-actor-forward-only needs one optimizer step per rollout step, got {num_steps}")
+    if spec.train.skip_actor_forward_only and spec.grpo.kl_coef > 0 and spec.grpo.normalize_advantages:
+        raise ValueError("--skip-actor-forward-only with --kl-coef and --normalize-advantages: the whitening needs the "
+                         "old log-probs before the training forward")
+    return spec.train.skip_actor_forward_only
 
 
 def _start_cuda_memory_figures(device: torch.device) -> int:

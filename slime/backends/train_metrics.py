@@ -43,14 +43,16 @@ class LogprobGapError(SlimeError, RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
     """How a backend's ranks reduce, as one value: this rank's data-parallel ``rank`` of ``size``, the data-parallel
-    ``group`` for CPU tensors (micro-batch counts, loss normalisers; None: the whole world), and ``copies``, how many
+    ``group`` for CPU tensors (micro-batch counts, loss normalisers; None: the whole world), ``copies``, how many
     ranks of the world hold each loss term (Megatron: the TP size, whose ranks of the last pipeline stage compute the
-    same loss; 1 for FSDP)."""
+    same loss; 1 for FSDP), and whether this rank ``computes_loss`` (Megatron: the last pipeline stage's ranks; the
+    others add zeros to every :meth:`sum` of loss sums)."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
     copies: int = 1
+    computes_loss: bool = True
 
     def sum(self, values: Mapping[str, float | Tensor]) -> dict[str, float]:
         """Per-rank loss terms or metric sums (the same keys on every rank; zeros where a rank computes no loss)

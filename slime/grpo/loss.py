@@ -367,7 +367,7 @@ def grpo_micro_batch_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's share of the step's GRPO loss, from per-sample advantages ``[S]``.
 
-    ``old_log_probs`` None (``--skip-actor-logprobs-forward``, one optimizer step per rollout): the old policy is
+    ``old_log_probs`` None (``--skip-actor-forward-only``, one optimizer step per rollout): the old policy is
     the current one, so the old log-probs are ``log_probs.detach()``: every ratio is exactly 1 and the gradient is
     PPO's at its first update (Schulman et al. 2017, arXiv:1707.06347, eq. 7 at ``theta = theta_old``).
 

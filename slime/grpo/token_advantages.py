@@ -193,11 +193,15 @@ def rollout_whitening(samples: Sequence[Sample], old_log_probs: Sequence[Tensor]
                       reduce: Callable[[Mapping[str, float]], dict[str, float]]) -> Whitening:
     """The :class:`Whitening` of ``--normalize-advantages``: every loss-masked token's advantage after
     :func:`token_advantages` over this rank's ``samples`` (with their old and reference log-probs), summed over the
-    data-parallel ranks by ``reduce`` (collective), once per rollout as upstream.  ``old_log_probs`` None: a rank
-    that computes no loss, which adds zeros where ``--kl-coef`` shapes the advantages (it needs them), or the old
-    log-probs are the training forward's (``--skip-actor-logprobs-forward``, refused with ``--kl-coef``)."""
+    data-parallel ranks by ``reduce`` (collective), once per rollout as upstream.  A rank that computes no loss passes
+    no ``samples`` (it adds zeros); ``old_log_probs`` None: the old log-probs are the training forward's
+    (``--skip-actor-forward-only``), which only a shaping without ``--kl-coef`` allows.
+
+    Raises:
+        ValueError: ``cfg.kl_coef > 0`` without ``old_log_probs`` or ``ref_log_probs`` (:func:`token_advantages`).
+    """
     sums = {"adv/sum": 0.0, "adv/sum_sq": 0.0, "adv/tokens": 0.0}
-    for i, sample in enumerate(samples if old_log_probs is not None or cfg.kl_coef == 0 else ()):
+    for i, sample in enumerate(samples):
         mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
         token_adv = token_advantages(torch.tensor([sample.advantage], dtype=torch.float32), mask, cfg,
                                      old_log_probs=None if old_log_probs is None else old_log_probs[i],

@@ -261,9 +261,12 @@ class FSDPBackend:
                 )
                 (loss * self.rank_info.world_size).backward()
             out.append({"loss": loss.detach(), **terms})
-            if batch.old_log_probs is None:  # --skip-actor-logprobs-forward: this forward's are the old ones
-                out[-1][FORWARD_LOG_PROBS] = [log_probs[b, : s.response_length].detach().float().cpu()
+            if batch.old_log_probs is None:  # --skip-actor-forward-only: this forward's are the old ones
+                out[-1][FORWARD_LOG_PROBS] = [log_probs[b, : s.response_length].detach().float()
                                               for b, s in enumerate(samples)]
+        for terms in out:  # to the host once the step's backwards are queued
+            if FORWARD_LOG_PROBS in terms:
+                terms[FORWARD_LOG_PROBS] = [t.cpu() for t in terms[FORWARD_LOG_PROBS]]
         return out
 
     def grad_norm(self) -> float:

@@ -109,7 +109,8 @@ class MegatronBackend:
         torch.manual_seed(self.spec.seed + self.rank_info.rank)
         init_model_parallel(self.megatron, self.device, self.spec.seed)
         self.groups = Groups.current()
-        self.dp = DataParallel(self.groups.dp_rank, self.groups.dp_size, self.groups.dp_gloo, self.groups.tp_size)
+        self.dp = DataParallel(self.groups.dp_rank, self.groups.dp_size, self.groups.dp_gloo, self.groups.tp_size,
+                               computes_loss=self.groups.is_last_stage)
         if self.device.type == "cpu" and (problem := self.megatron.cpu_problem()):
             raise NotImplementedError(problem)
         if self.device.type == "cuda" and self.spec.train.bf16:
@@ -222,7 +223,7 @@ class MegatronBackend:
         with packed_routes(batches, self._replay_shape(batches, True, False), replay=True) as packed:
             store = run_micro_batches(model, packed, make_forward_step(ctx, grpo_loss_func), forward_only=False,
                                       device=self.device)
-        for batch, out in zip(batches, store):  # --skip-actor-logprobs-forward: per sample, one copy to the host
+        for batch, out in zip(batches, store):  # --skip-actor-forward-only: per sample, one copy to the host
             if FORWARD_LOG_PROBS in out:
                 out[FORWARD_LOG_PROBS] = batch.packed.split(out[FORWARD_LOG_PROBS].float().cpu())
         return store
@@ -438,7 +439,7 @@ def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     """megatron-core loss function of one training micro-batch (module docstring): ``(scaled loss, ones(int),
     metrics)``, the metrics this micro-batch's detached 0-d shares of ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``ppo_kl``, ``entropy`` (and ``kl_loss``, and the IS / OPSM / mismatch metrics of
-    :func:`grpo_micro_batch_loss`); without ``old_log_probs`` (``--skip-actor-logprobs-forward``) also the detached
+    :func:`grpo_micro_batch_loss`); without ``old_log_probs`` (``--skip-actor-forward-only``) also the detached
     float32 ``[K]`` log-probs under :data:`slime.backends.step.FORWARD_LOG_PROBS`."""
     log_probs, entropy = _log_probs(ctx, batch, logits, with_entropy=True)
     if ctx.grpo.entropy_coef == 0:
@@ -451,7 +452,7 @@ def grpo_loss_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     )
     scale = ctx.num_microbatches * ctx.dp_size
     one = torch.ones((), dtype=torch.int, device=loss.device)
-    if batch.old_log_probs is None:  # --skip-actor-logprobs-forward: the step's old log-probs ([K]) are these
+    if batch.old_log_probs is None:  # --skip-actor-forward-only: the step's old log-probs ([K]) are these
         metrics[FORWARD_LOG_PROBS] = log_probs.detach()
     return loss * scale, one, {"loss": loss.detach(), **metrics}
 
