@@ -1500,3 +1500,12 @@ def test_the_engine_warns_when_a_scheduler_lacks_the_embedding_flush(tmp_path, c
         assert ("multimodal-embedding flush is" in caplog.text) is warned
         if warned:
             assert f"['{flush or 'not reported'}']" in caplog.text and "server.log" in caplog.text
+
+
+def test_the_servers_launcher_process_imports_no_torch():
+    """``server_main`` (every SGLang server's first process, and every fake server of these tests) reads the plugin's
+    names; torch comes with SGLang, not with them (a second of start-up per server otherwise)."""
+    code = ("import sys, slime.rollout.engines.sglang.server_main, slime.rollout.engines.sglang.server_plugin; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr

@@ -9,7 +9,8 @@ multimodal-RoPE fix where the SGLang release needs it (:func:`apply_rope_fix`), 
 (:func:`clear_mm_embeddings_on_flush`), batched requests that finish before SGLang waits for them answered
 (:func:`wait_with_state_taken_early`), fused experts in a few copies (:mod:`.expert_load`), and one JSON report
 per process, which the engine checks (:func:`read_reports`).  Details: ``docs/design/sglang_engine.md``.  SGLang is
-imported only inside functions.
+imported only inside functions, and so is :mod:`.expert_load` (torch): the server's launcher process
+(``server_main``) and the engine read this module's names without paying for torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import os
 import sys
 from pathlib import Path
 
-from slime.rollout.engines.sglang import expert_load
 from slime.rollout.engines.sglang.versions import MROPE_FIX_TARGET, needs_mrope_fix
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
@@ -85,6 +85,8 @@ def register() -> None:
     else:
         state = "pending"  # "applied" once SGLang imports the model module (arm_on_import)
     fast_experts = not main  # wrapped also when off: the report then times SGLang's own loading
+    from slime.rollout.engines.sglang import expert_load
+
     if os.environ.get(FAST_EXPERT_LOAD_ENV, "1") == "0":
         expert_load.STATS.disabled = f"{FAST_EXPERT_LOAD_ENV}=0"
     redact_server_args(_import_attr("sglang.srt.server_args.ServerArgs"))
@@ -360,6 +362,8 @@ def _import_attr(path: str, missing_ok: bool = False):
 
 
 def _write_report(version: str, state: str, main: bool) -> None:
+    from slime.rollout.engines.sglang import expert_load
+
     folder = os.environ.get(REPORT_DIR_ENV)
     if not folder:
         return
