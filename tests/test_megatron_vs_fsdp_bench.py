@@ -51,3 +51,37 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
     assert ratio["megatron_over_fsdp"]["speedup"] == round(fsdp["step_s"] / megatron["step_s"], 2)
     assert ratio["megatron_over_fsdp"]["tokens_per_s"] == round(megatron["tokens_per_s"] / fsdp["tokens_per_s"], 2)
     assert {p.name for p in (tmp_path / "profile").iterdir()} == {"megatron.txt", "fsdp.txt"}
+
+
+def test_the_cuda_profile_splits_the_kernels_device_time_by_kind_without_the_launch_queue_wait():
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("megatron_vs_fsdp_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def event(key, cpu_us, device_us):
+        return types.SimpleNamespace(key=key, cpu_time_total=cpu_us, self_device_time_total=device_us)
+
+    class Averages(list):
+        def table(self, sort_by, row_limit):
+            return f"TABLE sorted by {sort_by}"
+
+    averages = Averages([
+        event("Command Buffer Full", 0, 5_000_000),  # the CPU's wait, not a kernel
+        event("aten::mm", 900, 700_000),  # an operator: CPU time, its kernels counted below
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 600_000),
+        event("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 0, 300_000),
+        event("chunk_gated_delta_rule_fwd_kernel", 0, 200_000),
+        event("void at::native::elementwise_kernel<128, 2>", 0, 100_000),
+        event("some_unknown_kernel", 0, 0),  # no device time: left out
+    ])
+    text = bench.profile_text(averages, cuda=True)
+    assert text.startswith("TABLE sorted by self_cuda_time_total")
+    assert "kernels alone: 1200.0 ms of device time" in text
+    shares = dict(re.findall(r"^(\S[\w /]*?)\s+[\d.]+ ms\s+([\d.]+)%$", text, flags=re.M))
+    assert shares == {"matrix products": "50.0", "attention": "25.0", "Gated DeltaNet / Triton": "16.7",
+                      "elementwise": "8.3"}
+    assert "Command Buffer Full" not in text.split("top kernels:")[1]
+    assert bench.profile_text(averages, cuda=False) == "TABLE sorted by self_cpu_time_total"

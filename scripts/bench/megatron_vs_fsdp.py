@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -192,9 +193,44 @@ def run_backend(rank: int, name: str, ckpt: str, args, out: str) -> None:
             train_step(backend, args.warmup + args.steps, same, num_steps=1)
             if cuda:
                 torch.cuda.synchronize()
-        profile = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30)
+        profile = profile_text(prof.key_averages(), cuda)
     torch.save({"times": times, "work": work, "alloc_retries": retries, "peak_gib": peak, "reserved_gib": reserved,
                 "init_s": init_s, "metrics": metrics, "profile": profile}, Path(out) / f"{name}.pt")
+
+
+KERNEL_KINDS = [
+    ("matrix products", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|cublas|_mm_|matmul", re.I)),
+    ("attention", re.compile(r"sdpa|flash|fmha|attention", re.I)),
+    ("Gated DeltaNet / Triton", re.compile(r"chunk|delta|fla_|triton|fused_recurrent|conv1d", re.I)),
+    ("copies", re.compile(r"copy|memcpy|memset|cat|index|gather|scatter", re.I)),
+    ("reductions and norms", re.compile(r"reduce|norm|softmax|sum|max|mean", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|foreach", re.I)),
+]
+"""Kernel-name patterns of :func:`profile_text`'s breakdown, first match wins; the rest count as "other"."""
+
+
+def profile_text(averages, cuda: bool) -> str:
+    """``torch.profiler``'s averages as text: the top 30 operators by their own time (on CUDA: device time, so that a
+    CPU range blocked on a full launch queue, which the profiler books as device time of the ranges around it, does
+    not lead), then on CUDA the device time of the kernels alone (events without CPU time; the profiler's "Command
+    Buffer Full" row left out: it is the CPU's wait) by :data:`KERNEL_KINDS`, milliseconds and shares."""
+    table = averages.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    if not cuda:
+        return table
+    try:
+        kernels = [(e.key, e.self_device_time_total / 1e3) for e in averages
+                   if e.cpu_time_total == 0 and e.self_device_time_total > 0 and e.key != "Command Buffer Full"]
+    except AttributeError as e:  # a torch whose averages name these fields otherwise: the table alone
+        return f"{table}\n(no kernel breakdown: {e})\n"
+    kinds: dict[str, float] = {}
+    for key, ms in kernels:
+        kind = next((name for name, pattern in KERNEL_KINDS if pattern.search(key)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    total = sum(kinds.values()) or 1.0
+    lines = [f"{kind:28s} {ms:10.1f} ms {ms / total:6.1%}" for kind, ms in sorted(kinds.items(), key=lambda x: -x[1])]
+    top = sorted(kernels, key=lambda x: -x[1])[:15]
+    return "\n".join([table, "", f"kernels alone: {total:.1f} ms of device time", *lines, "", "top kernels:",
+                      *(f"{ms:10.1f} ms  {key[:110]}" for key, ms in top), ""])
 
 
 def main() -> None:
