@@ -64,24 +64,29 @@ def test_the_cuda_profile_splits_the_kernels_device_time_by_kind_without_the_lau
     def event(key, cpu_us, device_us):
         return types.SimpleNamespace(key=key, cpu_time_total=cpu_us, self_device_time_total=device_us)
 
-    class Averages(list):
+    class Averages(list):  # torch's EventList: the events, and a table of them
         def table(self, sort_by, row_limit):
-            return f"TABLE sorted by {sort_by}"
+            return "\n".join([f"sorted by {sort_by}", *(f"  {e.key}  {e.self_device_time_total}" for e in self)])
 
     averages = Averages([
-        event("Command Buffer Full", 0, 5_000_000),  # the CPU's wait, not a kernel
-        event("aten::mm", 900, 700_000),  # an operator: CPU time, its kernels counted below
-        event("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 600_000),
-        event("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 0, 300_000),
-        event("chunk_gated_delta_rule_fwd_kernel", 0, 200_000),
-        event("void at::native::elementwise_kernel<128, 2>", 0, 100_000),
+        event("Command Buffer Full", 32_000, 5_000_000),  # the CPU's wait (a CPU event with booked device time)
+        event("aten::mm", 900, 700_000),  # an operator: CPU time; its kernels are counted below
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 400_000),
+        event("cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 0, 150_000),
+        event("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 0, 150_000),
+        event("chunk_gated_delta_rule_fwd_kernel_h", 0, 200_000),
+        event("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>", 0, 100_000),
+        event("void at::native::vectorized_elementwise_kernel<4, clamp_max_scalar_kernel>", 0, 100_000),
+        event("void at::native::reduce_kernel<512, 1, ReduceOp<float, NormTwoOps>>", 0, 100_000),
         event("some_unknown_kernel", 0, 0),  # no device time: left out
     ])
     text = bench.profile_text(averages, cuda=True)
-    assert text.startswith("TABLE sorted by self_cuda_time_total")
-    assert "kernels alone: 1200.0 ms of device time" in text
-    shares = dict(re.findall(r"^(\S[\w /]*?)\s+[\d.]+ ms\s+([\d.]+)%$", text, flags=re.M))
-    assert shares == {"matrix products": "50.0", "attention": "25.0", "Gated DeltaNet / Triton": "16.7",
-                      "elementwise": "8.3"}
-    assert "Command Buffer Full" not in text.split("top kernels:")[1]
-    assert bench.profile_text(averages, cuda=False) == "TABLE sorted by self_cpu_time_total"
+    table, _, rest = text.partition("kernels alone:")
+    assert table.startswith("sorted by self_cuda_time_total") and "aten::mm" in table
+    assert "Command Buffer Full" not in text
+    assert rest.startswith(" 1200.0 ms of device time")
+    shares = dict(re.findall(r"^(\S[\w /]*?)\s+[\d.]+ ms\s+([\d.]+)%$", rest, flags=re.M))
+    assert shares == {"matrix products": "33.3", "attention": "25.0", "Gated DeltaNet / Triton": "16.7",
+                      "copies": "8.3", "elementwise": "8.3", "reductions and norms": "8.3"}
+    assert bench.profile_text(Averages(averages[:2]), cuda=True).count("kernels alone: 0.0 ms") == 1  # no kernel recorded
+    assert bench.profile_text(averages, cuda=False).splitlines()[0] == "sorted by self_cpu_time_total"

@@ -12,17 +12,19 @@
 #   check       the launcher's GPU command through the parser (--check-only)
 #   before      issue 30 item 2: the launcher at the recipe's sizes with one sample per micro-batch, 2 rollouts
 #   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each); with
-#               SLIME_AFTER_DISPATCHER, else the dispatcher this run's bench phase found faster (when it ran first)
+#               SLIME_AFTER_DISPATCHER, else the dispatcher this run's bench phase found faster where it ran both with
+#               the pass (SLIME_BENCH_VARIANTS), else the launcher's (all-gather at EP = 1)
 #   after-none  after with SLIME_SCRIPT_RECOMPUTE=none (no activation recomputation), 3 rollouts
 #   after-skip  after with --skip-actor-forward-only (the old log-probs from the training forward: no old-log-prob
 #               pass), 3 rollouts; after-skip-none: the same with SLIME_SCRIPT_RECOMPUTE=none
 #   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
-#               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card, with the old-log-prob
-#               pass and the launcher's pack size, for each variant of SLIME_BENCH_VARIANTS (NAME=FLAGS;... default:
-#               full recompute, new samples every step, the all-gather dispatcher, with the pass and without it
-#               (--no-old-log-probs: after-skip's compute); the fifth run's same-samples and all-to-all variants are
-#               `--moe-token-dispatcher-type alltoall` and no --fresh-lengths), then the benchmark's own step (16k-token packs on 120 GiB+, 8k below; no
-#               old-log-prob pass, no recompute; SLIME_BENCH_REFERENCE=0 skips it)
+#               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card at the launcher's
+#               pack size, with the old-log-prob pass unless a variant says --no-old-log-probs, for each variant of
+#               SLIME_BENCH_VARIANTS (NAME=FLAGS;... default: full recompute, new samples every step, the all-gather
+#               dispatcher, with the pass and without it: after's and after-skip's compute; the fifth run's variants
+#               were the same samples each step and --moe-token-dispatcher-type alltoall), then the benchmark's own
+#               step (16k-token packs on 120 GiB+, 8k below; no old-log-prob pass, no recompute;
+#               SLIME_BENCH_REFERENCE=0 skips it)
 #   learn       issue 30 item 3: the colour task at real width through the production pair, R3 + TIS, 20 rollouts
 #   r3          the after command with --use-rollout-routing-replay --use-tis, 3 rollouts
 #   freeze      the after command with the vision tower frozen (--freeze-params-name-list 'model\.visual\.') and
@@ -95,11 +97,12 @@ launcher() {  # launcher SECONDS FLAGS...: the recipe as a user runs it on one G
     timeout "$limit" bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
       --rollout-max-response-len 512 --save-interval 5 --no-progress-bar "$@"
 }
-faster_dispatcher() {  # the dispatcher of the bench phase's faster new-samples variant (tokens/s); nothing without both
+faster_dispatcher() {  # the dispatcher of the faster new-samples bench variant with the pass (tokens/s); none without both
   python3 - "$LOGS/bench-compute.jsonl" <<'EOF' 2>/dev/null
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-rate = {r["dispatcher"]: r["tokens_per_s"] for r in rows if r.get("fresh_lengths") and "dispatcher" in r}
+rate = {r["dispatcher"]: r["tokens_per_s"] for r in rows
+        if r.get("fresh_lengths") and r.get("old_log_probs") and "dispatcher" in r}
 if {"alltoall", "allgather"} <= set(rate):
     print(max(("alltoall", "allgather"), key=rate.get))
 EOF
@@ -153,8 +156,8 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
     recompute=$([[ $phase == *-none ]] && echo none || echo "")
     skip=$([[ $phase == after-skip* ]] && echo --skip-actor-forward-only || echo "")
-    # after / after-none: SLIME_AFTER_DISPATCHER, else the dispatcher whose new-samples bench step was faster on this
-    # card (when this run's bench phase came first); before: the launcher's default
+    # after*: SLIME_AFTER_DISPATCHER, else the dispatcher whose new-samples bench step with the pass was faster on
+    # this card (where this run's bench compared both), else the launcher's; before: the launcher's
     dispatcher=$([ "$phase" = before ] || echo "${SLIME_AFTER_DISPATCHER:-$(faster_dispatcher)}")
     echo "$phase: --moe-token-dispatcher-type ${dispatcher:-unset, the launcher default}" | tee -a "$LOGS/summary.txt"
     SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \

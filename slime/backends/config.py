@@ -69,8 +69,10 @@ class TrainConfig:
         "less (miles' flag of this name). The train/rollout gap monitor and "
         "--ci-train-rollout-logprob-abs-diff-threshold read the training forward's log-probs, before the update; "
         "the router agreement with the engine's routes (train/router_agreement), measured in the pass, is not "
-        "logged. Not with R2 alone (the pass records its routes; R3 works), --use-rollout-logprobs, or --kl-coef "
-        "with --normalize-advantages (the whitening needs them before the forward).",
+        "logged. --global-batch-size defaults to one rollout step's samples, so the flag alone suffices. Not with "
+        "--use-routing-replay without --use-rollout-routing-replay (the pass records the routes; R3 works), "
+        "--use-rollout-logprobs, or --kl-coef with --normalize-advantages (the whitening needs the old log-probs "
+        "before the forward).",
     )
     bf16: bool = flag(False, help="Train in bfloat16 mixed precision (fp32 master weights); default: fp32.")
     freeze_params_name_list: list[str] | None = flag(

@@ -157,7 +157,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     Raises:
         SampleError: a malformed sample on any rank, or (R3) missing or malformed routes, before any forward.
         LogprobGapError: the gap passes ``--ci-train-rollout-logprob-abs-diff-threshold`` (no update applied).
-        ValueError: ``len(samples)`` is not a positive multiple of ``num_steps``.
+        ValueError: ``len(samples)`` is not a positive multiple of ``num_steps``; ``--skip-actor-forward-only`` with
+            more than one step, or with ``--kl-coef`` and ``--normalize-advantages``.
         NonFiniteGradNorm: the gradient norm is not finite (no update applied).
         RuntimeError: before ``init``, or the optimizer state is offloaded (no ``onload``).
     """
@@ -204,9 +205,8 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
             normalizer = loss_normalizer([s for batch in step_batches for s in batch.samples],
                                          grpo.calculate_per_token_loss, group=dp.group)
             values.append(backend.forward_backward(step_batches, normalizer))
-        with clock("old_log_probs"):  # --skip-actor-forward-only: the monitor and gate on the forward's, pre-update
-            monitor = _monitor(backend, samples, _by_sample(step_batches, values[-1], len(samples)), {},
-                               rollout_id) if from_forward else monitor
+        if from_forward:  # --skip-actor-forward-only: the monitor and its gate on the forward's, before the update
+            monitor = _forward_monitor(backend, clock, samples, step_batches, values[-1], rollout_id)
         with clock("optimizer"):
             lr = spec.lr_schedule(backend.optimizer_steps)
             grad_norm = backend.grad_norm()
@@ -228,6 +228,14 @@ def _monitor(backend: StepBackend, samples: list[Sample], old: list[Tensor] | No
     """:func:`mismatch_monitor` of the step's old log-probs ``old`` (None on a rank that computes no loss)."""
     return mismatch_monitor(samples, old, backend.placeholder_ids, route_sums, backend.dp,
                             backend.spec.train.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
+
+
+def _forward_monitor(backend: StepBackend, clock: PhaseClock, samples: list[Sample], batches: list[MicroBatch],
+                     values: list[dict[str, Any]], rollout_id: int) -> dict[str, float]:
+    """:func:`_monitor` of the training forward's log-probs (``--skip-actor-forward-only``), timed as the step's
+    ``old_log_probs`` sub-phase."""
+    with clock("old_log_probs"):
+        return _monitor(backend, samples, _by_sample(batches, values, len(samples)), {}, rollout_id)
 
 
 def _by_sample(batches: list[MicroBatch], values: list[dict[str, Any]], count: int) -> list[Tensor] | None:
