@@ -243,11 +243,7 @@ def _by_sample(batches: list[MicroBatch], values: list[dict[str, Any]], count: i
     None where the backend returned none (a rank that computes no loss)."""
     if not values:
         return None
-    out: list[Tensor] = [None] * count  # type: ignore[list-item]
-    for batch, found in zip(batches, values, strict=True):
-        for i, log_probs in zip(batch.indices, found[FORWARD_LOG_PROBS], strict=True):
-            out[i] = log_probs
-    return out
+    return _by_position(batches, [lp for found in values for lp in found[FORWARD_LOG_PROBS]], count)
 
 
 def _old_from_forward(spec: TrainerSpec, num_steps: int) -> bool:
@@ -338,8 +334,11 @@ def log_probs_by_sample(backend: StepBackend, model: torch.nn.Module, batches: l
                         replay_routes: bool = False, capture_routes: bool = False) -> list[Tensor] | None:
     """:meth:`StepBackend.log_probs` of ``batches``, as one tensor per sample position ``0 .. count - 1``."""
     found = backend.log_probs(model, batches, replay_routes=replay_routes, capture_routes=capture_routes)
-    if found is None:
-        return None
+    return None if found is None else _by_position(batches, found, count)
+
+
+def _by_position(batches: list[MicroBatch], found: Sequence[Tensor], count: int) -> list[Tensor]:
+    """``found``, one tensor per sample of ``batches`` in their order, as one per sample position ``0 .. count - 1``."""
     out: list[Tensor] = [None] * count  # type: ignore[list-item]
     for i, log_probs in zip((i for batch in batches for i in batch.indices), found, strict=True):
         out[i] = log_probs

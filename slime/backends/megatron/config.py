@@ -192,10 +192,9 @@ class MegatronConfig(BackendConfig):
 
     def token_dispatcher(self, *, cuda: bool) -> str:
         """megatron-core's MoE token dispatcher on a CUDA (``cuda``) or CPU rank: ``--moe-token-dispatcher-type``,
-        else allgather where
-        every rank holds every expert whole (EP = ETP = 1: no tokens cross ranks, and the all-gather dispatcher
-        permutes them once where the all-to-all one also sorts them by expert chunk) and on the CPU, alltoall on CUDA
-        with EP or ETP > 1.
+        else allgather where every rank holds every expert whole (EP = ETP = 1: no tokens cross ranks, and the
+        all-gather dispatcher permutes them once where the all-to-all one also sorts them by expert chunk) and on the
+        CPU, alltoall on CUDA with EP or ETP > 1.
 
         Raises:
             ConfigError: ``alltoall`` on a CPU run (megatron-core's all-to-all dispatcher needs CUDA streams)."""
