@@ -99,6 +99,11 @@ def test_tp2_logits_and_gradients_equal_tp1(tiny_ckpt, tmp_path):
     worst = {}
     for name, want in grads.items():
         worst[name] = ((tp2["grads"][name] - want).norm() / want.norm().clamp_min(1e-12)).item()
-    assert max(worst.values()) <= 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    # float32 rounding: most tensors agree to 1e-6, but a small gradient that is a sum of cancelling terms (layer 0's
+    # GDN A_log and dt_bias, norm 6e-4 against 5e-3 in layer 1) differs by 1.7e-4 of its norm on an AMD EPYC host
+    # (under 1e-4 on the earlier hosts); a sharding error (a missing TP sum, a wrong shard) is off by O(1)
+    assert max(worst.values()) <= 1e-3, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    total = sum((tp2["grads"][n] - g).double().square().sum() for n, g in grads.items()).sqrt()
+    assert total <= 1e-5 * sum(g.double().square().sum() for g in grads.values()).sqrt(), total
     norm_grads = [n for n in grads if n.endswith("linear_attn.norm.weight")]
     assert norm_grads and all(grads[n].abs().sum() > 0 for n in norm_grads)  # the TP-summed GDN norm is checked
