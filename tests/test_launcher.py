@@ -328,6 +328,55 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
     assert "--gradient-checkpointing" in argv("fsdp") and "--gradient-checkpointing" not in argv("fsdp_none")
 
 
+@pytest.mark.slow
+def test_gpu_default_skips_the_old_log_prob_pass_where_a_rollout_step_is_one_optimizer_step(tiny_ckpt, tmp_path,
+                                                                                          capsys):
+    """``--skip-actor-forward-only`` is in the GPU recipe's command unless an extra argument needs the pass (R2
+    alone, ``--use-rollout-logprobs``, more than one optimizer step a rollout step, ``--kl-coef`` with
+    ``--normalize-advantages``), which one line names (not with ``--check-only``); R3 and ``--kl-coef`` alone keep
+    it.  SLIME_SCRIPT_SKIP_ACTOR_FORWARD=0 drops it, =1 passes it whatever the parser then says; the user's own flag
+    is not repeated.  The parser accepts the commands that skip and refuses the flag where the launcher left it out."""
+    skip = "--skip-actor-forward-only"
+    cases = {  # name: extra arguments, variables, whether the command skips the pass
+        "default": ((), {}, True),
+        "r2": (("--use-routing-replay",), {}, False),
+        "rollout_logprobs": (("--use-rollout-logprobs",), {}, False),
+        "two_steps": (("--global-batch-size", "256"), {}, False),
+        "kl_whitened": (("--kl-coef", "0.1", "--normalize-advantages"), {}, False),
+        "r3": (("--use-rollout-routing-replay",), {}, True),
+        "kl": (("--kl-coef", "0.1"), {}, True),
+        "mine": ((skip,), {}, True),
+        "never": ((), {"SLIME_SCRIPT_SKIP_ACTOR_FORWARD": "0"}, False),
+        "always": (("--global-batch-size", "256"), {"SLIME_SCRIPT_SKIP_ACTOR_FORWARD": "1"}, True),
+        "check_only": (("--use-routing-replay", "--check-only"), {}, False),  # dry run: printed before the check
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        runs = {name: pool.submit(_gpu_dry_run, tmp_path, 1, tiny_ckpt, args, **extra)
+                for name, (args, extra, _) in cases.items()}  # fmt: skip
+    notes, argvs = {}, {}
+    for name, (_, _, skips) in cases.items():
+        result = runs[name].result()
+        assert result.returncode == 0, (name, result.stderr)
+        *lines, command = result.stdout.strip().splitlines()
+        argvs[name] = argv = shlex.split(command)
+        assert argv.count(skip) == int(skips), (name, argv)
+        notes[name] = [line for line in lines if line.startswith("[geo3k] the old-log-prob pass stays")]
+    assert notes["r2"] == ["[geo3k] the old-log-prob pass stays (no --skip-actor-forward-only): --use-routing-replay "
+                           "without --use-rollout-routing-replay replays the routes the pass records."]
+    assert "--rollout-batch-size 64 x --n-samples-per-prompt 8" in notes["two_steps"][0]
+    for name in ("rollout_logprobs", "kl_whitened"):
+        assert len(notes[name]) == 1, name
+    for name in ("default", "r3", "kl", "mine", "never", "always", "check_only"):
+        assert notes[name] == [], name
+    for name in ("default", "r3", "kl"):
+        assert parse_args(argvs[name][3:]).train.skip_actor_forward_only, name
+    for name in ("r2", "rollout_logprobs", "two_steps", "kl_whitened", "always"):
+        argv = argvs[name][3:]
+        with pytest.raises(SystemExit):
+            parse_args(argv if skip in argv else [*argv, skip])
+        assert "slime: error: --skip-actor-forward-only" in capsys.readouterr().err, name
+
+
 @pytest.mark.parametrize("form", ["separate", "equals"])
 def test_dry_run_output_dir_moves_the_run_and_its_default_checkpoints(tiny_ckpt, tmp_path, form):
     mine = tmp_path / "mine"
@@ -598,6 +647,16 @@ def test_good_counts_pass_on_the_cpu_default(tiny_ckpt, tmp_path, gpus):
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout.strip().splitlines()[-1])
     assert argv[argv.index("--actor-num-gpus-per-node") + 1] == "3"
+
+
+@pytest.mark.parametrize("value", ["yes", "auto", "2"])
+def test_a_skip_actor_forward_other_than_0_1_or_empty_is_refused_on_the_cpu_default_too(tmp_path, value):
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_SKIP_ACTOR_FORWARD=value)
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == f"[geo3k] SLIME_SCRIPT_SKIP_ACTOR_FORWARD={value}: expected 0, 1 or empty/unset (auto)"
+    assert "slime.train" not in result.stdout
 
 
 def test_a_misspelt_variable_is_refused_naming_the_known_ones(tmp_path):

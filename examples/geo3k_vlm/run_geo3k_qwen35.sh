@@ -36,14 +36,21 @@
 #                               fsdp: --gradient-checkpointing), selective (megatron only) or none (more memory,
 #                               one forward less a micro-batch); --recompute-granularity among the extra
 #                               arguments chooses instead (the two together are refused)
+#   SLIME_SCRIPT_SKIP_ACTOR_FORWARD [auto] the GPU recipe's old-log-prob pass: empty/unset (auto) skips it
+#                               (--skip-actor-forward-only) where a rollout step is one optimizer step and no extra
+#                               argument needs it (--use-routing-replay without --use-rollout-routing-replay,
+#                               --use-rollout-logprobs, --kl-coef with --normalize-advantages, --debug-rollout-only),
+#                               and says why when it keeps it; 0: never (upstream's pass); 1: always (the driver
+#                               refuses what the flag cannot run with).  Skipped, train/router_agreement is not
+#                               logged (it is measured in the pass)
 #   SLIME_SCRIPT_OUTPUT_DIR     [outputs/geo3k-<model>-<time>] metrics, plot, checkpoints
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
 #   WANDB_API_KEY               set -> --use-wandb (project slime-geo3k-vlm)
 # The switches (SLIME_SCRIPT_EXTERNAL_RAY, _FORCE_CPU, _DRY_RUN) take 0, 1 or empty/unset (0);
 # any other value (true, yes, ...) stops the script with exit 2, as does a backend variable other
-# than the two names it takes, or a count (NUM_GPUS, MAX_TOKENS_PER_GPU) that is not a whole number
-# (NUM_GPUS >= 1), on the CPU default too.
+# than the two names it takes, a count (NUM_GPUS, MAX_TOKENS_PER_GPU) that is not a whole number
+# (NUM_GPUS >= 1), or a SKIP_ACTOR_FORWARD other than 0, 1 or empty, on the CPU default too.
 #
 # Relative paths (in the variables above and in the path flags: --output-dir, --save, --load,
 # --ref-load, --hf-checkpoint, --save-hf, --save-debug-rollout-data, --load-debug-rollout-data,
@@ -79,7 +86,7 @@ done
 # The variables this script reads (after SLIME_SCRIPT_); any other SLIME_SCRIPT_* is a typo
 # (SLIME_SCRIPT_NUMGPUS): refused, not ignored.
 KNOWN_VARS=(DATASET_NAME NUM_GPUS EXTERNAL_RAY MODEL_NAME HF_CHECKPOINT TRAIN_BACKEND ROLLOUT_BACKEND SPECULATIVE
-            MAX_TOKENS_PER_GPU RECOMPUTE FORCE_CPU OUTPUT_DIR DRY_RUN)
+            MAX_TOKENS_PER_GPU RECOMPUTE SKIP_ACTOR_FORWARD FORCE_CPU OUTPUT_DIR DRY_RUN)
 for var in $(compgen -e | grep '^SLIME_SCRIPT_' || true); do
    if [[ " ${KNOWN_VARS[*]} " != *" ${var#SLIME_SCRIPT_} "* ]]; then
       echo "[geo3k] $var is not a variable of this script; it reads SLIME_SCRIPT_{$(IFS=,; echo "${KNOWN_VARS[*]}")}" >&2
@@ -183,6 +190,11 @@ RECOMPUTE=${SLIME_SCRIPT_RECOMPUTE:-}  # empty: the backend's default (below)
 case "$RECOMPUTE" in
    ""|full|selective|none) ;;
    *) echo "[geo3k] SLIME_SCRIPT_RECOMPUTE=$RECOMPUTE: expected full, selective or none" >&2; exit 2 ;;
+esac
+SKIP_ACTOR_FORWARD=${SLIME_SCRIPT_SKIP_ACTOR_FORWARD:-}  # empty: auto (the GPU recipe, below)
+case "$SKIP_ACTOR_FORWARD" in
+   ""|0|1) ;;
+   *) echo "[geo3k] SLIME_SCRIPT_SKIP_ACTOR_FORWARD=$SKIP_ACTOR_FORWARD: expected 0, 1 or empty/unset (auto)" >&2; exit 2 ;;
 esac
 DRY_RUN=${SLIME_SCRIPT_DRY_RUN:-0}
 
@@ -323,6 +335,36 @@ else
          none) ;;
          *) echo "[geo3k] SLIME_SCRIPT_RECOMPUTE=$RECOMPUTE: the fsdp trainer recomputes full layers or none" >&2; exit 2 ;;
       esac
+   fi
+   # SLIME_SCRIPT_SKIP_ACTOR_FORWARD empty: no old-log-prob pass (--skip-actor-forward-only: the training forward's
+   # log-probs, detached, are the old ones) where a rollout step is one optimizer step and no extra argument needs
+   # the pass; the batch sizes are the recipe's unless the extra arguments set them.
+   if [ -z "$SKIP_ACTOR_FORWARD" ] && ! has_flag --skip-actor-forward-only "$@"; then
+      PROMPTS=$(arg_value --rollout-batch-size "${ROLLOUT_ARGS[@]}" "$@")
+      SAMPLES=$(arg_value --n-samples-per-prompt "${ROLLOUT_ARGS[@]}" "$@")
+      BATCH=$(arg_value --global-batch-size "${ROLLOUT_ARGS[@]}" "$@")
+      KL_COEF=$(arg_value --kl-coef "$@")
+      KEEP_PASS=""  # why the pass stays
+      if has_flag --use-rollout-logprobs "$@"; then
+         KEEP_PASS="--use-rollout-logprobs takes the old log-probs from the rollout"
+      elif has_flag --use-routing-replay "$@" && ! has_flag --use-rollout-routing-replay "$@"; then
+         KEEP_PASS="--use-routing-replay without --use-rollout-routing-replay replays the routes the pass records"
+      elif has_flag --debug-rollout-only "$@"; then
+         KEEP_PASS="--debug-rollout-only runs no training step"
+      elif ! [[ $PROMPTS =~ ^[0-9]+$ && $SAMPLES =~ ^[0-9]+$ && $BATCH =~ ^[0-9]+$ ]] \
+           || (( 10#$BATCH != 10#$PROMPTS * 10#$SAMPLES )); then
+         KEEP_PASS="--global-batch-size $BATCH is not --rollout-batch-size $PROMPTS x --n-samples-per-prompt $SAMPLES: a rollout step is not one optimizer step"
+      elif has_flag --normalize-advantages "$@" && ! [[ $KL_COEF =~ ^[+-]?0*\.?0*([eE][+-]?[0-9]+)?$ ]]; then
+         KEEP_PASS="--kl-coef $KL_COEF with --normalize-advantages whitens with the old log-probs before the training forward"
+      fi
+      SKIP_ACTOR_FORWARD=1
+      if [ -n "$KEEP_PASS" ]; then
+         SKIP_ACTOR_FORWARD=0
+         [ "$CHECK_ONLY" = "1" ] || echo "[geo3k] the old-log-prob pass stays (no --skip-actor-forward-only): $KEEP_PASS."
+      fi
+   fi
+   if [ "$SKIP_ACTOR_FORWARD" = "1" ] && ! has_flag --skip-actor-forward-only "$@"; then
+      BACKEND_ARGS+=(--skip-actor-forward-only)
    fi
    if [ "$ROLLOUT_BACKEND" = "sglang" ]; then
       GPUS_PER_ENGINE=$(( NUM_GPUS < 8 ? NUM_GPUS : 8 ))
