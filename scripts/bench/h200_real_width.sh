@@ -10,13 +10,15 @@
 # Phases (default: all, in this order); each runs under a timeout and notes its seconds in summary.txt:
 #   build       the real-width scaled checkpoint (scripts/models/qwen3.5-35B-A3B-scaled.sh: 4 layers, 128 experts)
 #   check       the launcher's GPU command through the parser (--check-only)
-#   before      issue 30 item 2: the launcher at the recipe's sizes with one sample per micro-batch, 2 rollouts
+#   before      issue 30 item 2: the launcher at the recipe's sizes with one sample per micro-batch, 2 rollouts; it,
+#               after, after-none, r3, freeze and learn (SLIME_LEARN_SKIP) keep the old-log-prob pass
+#               (SLIME_SCRIPT_SKIP_ACTOR_FORWARD=0); the other launcher phases run the launcher's default (no pass)
 #   after       the same command with the launcher's default packing, 3 rollouts (perf/train_* sub-phases each); with
 #               SLIME_AFTER_DISPATCHER, else the dispatcher this run's bench phase found faster where it ran both with
 #               the pass (SLIME_BENCH_VARIANTS), else the launcher's (all-gather at EP = 1)
 #   after-none  after with SLIME_SCRIPT_RECOMPUTE=none (no activation recomputation), 3 rollouts
 #   after-skip  after with --skip-actor-forward-only (the old log-probs from the training forward: no old-log-prob
-#               pass), 3 rollouts; after-skip-none: the same with SLIME_SCRIPT_RECOMPUTE=none
+#               pass; the launcher's default since the sixth run), 3 rollouts; after-skip-none: the same with SLIME_SCRIPT_RECOMPUTE=none
 #   bench       scripts/bench/megatron_vs_fsdp.py, Megatron alone on the scaled checkpoint, launcher-shaped samples
 #               (128 a step, responses 32-512 tokens): the compute of a launcher step on this card at the launcher's
 #               pack size, with the old-log-prob pass unless a variant says --no-old-log-probs, for each variant of
@@ -90,8 +92,9 @@ timed() {  # timed NAME COMMAND...: run it, log to LOGS/NAME.log, note seconds a
   return $status
 }
 launcher() {  # launcher SECONDS FLAGS...: the recipe as a user runs it on one GPU, the scaled model's file, no --sglang-* flag
-  local limit=$1; shift  # RUN_DIR (default $RUN), SPECULATIVE (off), CKPT ($SCALED), DATA (geo3k) from the caller
-  SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=Qwen3.5-35B-A3B-scaled SLIME_SCRIPT_HF_CHECKPOINT="${CKPT:-$SCALED}" \
+  local limit=$1; shift  # RUN_DIR (default $RUN), SPECULATIVE (off), CKPT ($SCALED), DATA (geo3k), SKIP (the
+  # launcher's SLIME_SCRIPT_SKIP_ACTOR_FORWARD: empty = its default) from the caller
+  SLIME_SCRIPT_SKIP_ACTOR_FORWARD="${SKIP:-}" SLIME_SCRIPT_NUM_GPUS=1 SLIME_SCRIPT_MODEL_NAME=Qwen3.5-35B-A3B-scaled SLIME_SCRIPT_HF_CHECKPOINT="${CKPT:-$SCALED}" \
   SLIME_SCRIPT_DATASET_NAME="${DATA:-examples/geo3k_vlm/data}" SLIME_SCRIPT_OUTPUT_DIR="${RUN_DIR:-$RUN}" \
   SLIME_SCRIPT_SPECULATIVE="${SPECULATIVE:-off}" \
     timeout "$limit" bash examples/geo3k_vlm/run_geo3k_qwen35.sh --rollout-batch-size 16 --global-batch-size 128 \
@@ -151,18 +154,19 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
   before|after|after-none|after-skip|after-skip-none)
     # Issue 30 item 2, the same command: upstream's one sample per micro-batch (before), the launcher's default
     # packing (after), the same without activation recomputation (after-none), without the old-log-prob pass
-    # (after-skip), without both (after-skip-none); 2 rollouts before, 3 the others, the final save without
-    # optimizer state (deleted after).
+    # (after-skip, the launcher's default since the sixth run; the others keep the pass: SLIME_SCRIPT_SKIP_ACTOR_FORWARD
+    # 0), without both (after-skip-none); 2 rollouts before, 3 the others, the final save without optimizer state
+    # (deleted after).
     tokens=$([ "$phase" = before ] && echo 0 || echo "")
     recompute=$([[ $phase == *-none ]] && echo none || echo "")
-    skip=$([[ $phase == after-skip* ]] && echo --skip-actor-forward-only || echo "")
+    skip=$([[ $phase == after-skip* ]] && echo 1 || echo 0)
     # after*: SLIME_AFTER_DISPATCHER, else the dispatcher whose new-samples bench step with the pass was faster on
     # this card (where this run's bench compared both), else the launcher's; before: the launcher's
     dispatcher=$([ "$phase" = before ] || echo "${SLIME_AFTER_DISPATCHER:-$(faster_dispatcher)}")
     echo "$phase: --moe-token-dispatcher-type ${dispatcher:-unset, the launcher default}" | tee -a "$LOGS/summary.txt"
-    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute RUN_DIR=$LOGS/run-$phase timed "$phase" launcher 1200 \
-      --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" --no-save-optim \
-      ${dispatcher:+--moe-token-dispatcher-type "$dispatcher"} $skip
+    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$tokens SLIME_SCRIPT_RECOMPUTE=$recompute SKIP=$skip RUN_DIR=$LOGS/run-$phase \
+      timed "$phase" launcher 1200 --num-rollout "$([ "$phase" = before ] && echo "${SLIME_BEFORE_ROLLOUTS:-2}" || echo 3)" \
+      --no-save-optim ${dispatcher:+--moe-token-dispatcher-type "$dispatcher"}
     summarize_run "$LOGS/run-$phase"; rm -rf "$LOGS/run-$phase/checkpoints"
     echo "$phase: batches refused by SGLang: $(grep -ac "refused a batched /generate" "$LOGS/$phase.log")" | tee -a "$LOGS/summary.txt" ;;
   bench)
@@ -205,7 +209,8 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # 1, and the gap with R3 on against the after run's (R3 off).
     # R3 makes the launcher recompute selectively (not full), so its micro-batches are halved to keep the memory.
     gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$([ "${gpu_mib:-0}" -ge 122880 ] && echo 4096 || echo 2048) RUN_DIR=$LOGS/run-r3 timed r3 launcher 1200 --num-rollout 3 --no-save-optim \
+    # The pass is kept (SKIP=0): the router agreement is measured there.
+    SLIME_SCRIPT_MAX_TOKENS_PER_GPU=$([ "${gpu_mib:-0}" -ge 122880 ] && echo 4096 || echo 2048) SKIP=0 RUN_DIR=$LOGS/run-r3 timed r3 launcher 1200 --num-rollout 3 --no-save-optim \
       --use-rollout-routing-replay --use-tis
     summarize_run "$LOGS/run-r3"; rm -rf "$LOGS/run-r3/checkpoints" ;;
   freeze)
@@ -213,7 +218,7 @@ write_mtp_layer('$SCALED', seed=0, device='cuda')" ;;
     # dynamic sampling. A random model scores 0 on geo3k, so every group has zero std: the fallback filter spends its
     # 2 rounds of 24 prompts (aborting the second round's groups still in flight), then fills the batch with the
     # best rejected groups; perf/sync_time_s and weight_sync/tensors_sent of steps 1-2 against the after run's.
-    RUN_DIR=$LOGS/run-freeze timed freeze launcher 1200 --num-rollout 3 --no-save-optim \
+    SKIP=0 RUN_DIR=$LOGS/run-freeze timed freeze launcher 1200 --num-rollout 3 --no-save-optim \
       --freeze-params-name-list 'model\.visual\.' --over-sampling-batch-size 24 \
       --dynamic-sampling-filter-path nonzero_std_with_fallback --dynamic-sampling-max-rounds 2
     summarize_run "$LOGS/run-freeze"; rm -rf "$LOGS/run-freeze/checkpoints"
@@ -246,8 +251,9 @@ PY
       --eps-clip 0.5 --eps-clip-high 1.0 --lr "${SLIME_LEARN_LR:-5e-6}" --lr-warmup-iters 4 --weight-decay 0
       --use-rollout-routing-replay --use-tis --no-save-optim --save-interval 1000 --engine-parity-prompts 6
       ${SLIME_LEARN_EXTRA:-})
-    CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet RUN_DIR=$LOGS/run-learn timed learn launcher 1500 \
-      "${learn_flags[@]}"
+    # SLIME_LEARN_SKIP (default 0: the pass, which measures the router agreement that item 3 logs; 1 or empty: none)
+    CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet SKIP=${SLIME_LEARN_SKIP-0} RUN_DIR=$LOGS/run-learn \
+      timed learn launcher 1500 "${learn_flags[@]}"
     grep -a "multimodal-embedding flush\|flush_cache not found" "$LOGS/learn.log" | head -n 2 | cut -c1-400 | tee -a "$LOGS/summary.txt"
     grep -a "engine parity" "$LOGS/learn.log" | head -n 3 | cut -c1-400 | tee -a "$LOGS/summary.txt"
     # SGLang 0.5.17's batched-request race (the plugin's fix): how many batches it still refused
@@ -259,7 +265,7 @@ PY
       grep -a "EngineParityError" "$LOGS/learn.log" | tail -n 2 | cut -c1-600 | tee -a "$LOGS/summary.txt"
       echo "learn: the parity gate stopped it; again with the vision tower frozen" | tee -a "$LOGS/summary.txt"
       mv "$LOGS/run-learn" "$LOGS/run-learn-stopped"; rm -rf "$LOGS/run-learn-stopped/checkpoints"
-      CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet RUN_DIR=$LOGS/run-learn timed learn_frozen \
+      CKPT=$LOGS/colour/checkpoint DATA=$LOGS/colour/colours.parquet SKIP=${SLIME_LEARN_SKIP-0} RUN_DIR=$LOGS/run-learn timed learn_frozen \
         launcher 1500 "${learn_flags[@]}" --freeze-params-name-list 'model\.visual\.'
     fi
     grep -a "saved\|Traceback\|Error" "$LOGS/run-learn/"*.log "$LOGS/learn"*.log 2>/dev/null | grep -v "^.*DeprecationWarning" | tail -n 4 | cut -c1-300 | tee -a "$LOGS/summary.txt"
