@@ -659,6 +659,23 @@ def test_a_skip_actor_forward_other_than_0_1_or_empty_is_refused_on_the_cpu_defa
     assert "slime.train" not in result.stdout
 
 
+
+@pytest.mark.parametrize("value", ["", "0", "1"])
+def test_skip_actor_forward_1_asks_for_the_flag_on_the_cpu_default_too(tiny_ckpt, tmp_path, value, capsys):
+    """The CPU default keeps the pass (its 4 x 4 samples are two optimizer steps of 8) unless the variable is 1: then
+    the flag is in the command, and the parser refuses it naming the batch sizes (not silently ignored)."""
+    env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_SKIP_ACTOR_FORWARD=value)  # the CPU default
+    result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert argv.count("--skip-actor-forward-only") == (value == "1"), argv
+    if value == "1":
+        from slime.arguments import parse_args
+
+        with pytest.raises(SystemExit):
+            parse_args(argv[3:])
+        assert "slime: error: --skip-actor-forward-only needs one optimizer step per rollout step" in capsys.readouterr().err
+
 def test_a_misspelt_variable_is_refused_naming_the_known_ones(tmp_path):
     env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_SCRIPT_NUMGPUS="4")
     result = subprocess.run(["bash", str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

@@ -41,8 +41,9 @@
 #                               argument needs it (--use-routing-replay without --use-rollout-routing-replay,
 #                               --use-rollout-logprobs, --kl-coef with --normalize-advantages, --debug-rollout-only),
 #                               and says why when it keeps it; 0: never (upstream's pass); 1: always (the driver
-#                               refuses what the flag cannot run with).  Skipped, train/router_agreement is not
-#                               logged (it is measured in the pass)
+#                               refuses what the flag cannot run with; on the CPU default too).  Skipped,
+#                               train/router_agreement is not logged (it is measured in the pass); an explicit
+#                               --skip-actor-forward-only among the extra arguments wins over 0
 #   SLIME_SCRIPT_OUTPUT_DIR     [outputs/geo3k-<model>-<time>] metrics, plot, checkpoints
 #   SLIME_SCRIPT_FORCE_CPU      [0] 1: run the embedded CPU default even if GPUs exist
 #   SLIME_SCRIPT_DRY_RUN        [0] 1: print the trainer command and exit
@@ -281,6 +282,11 @@ if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    BACKEND_ARGS=(--train-backend "$CPU_BACKEND" --micro-batch-size 1)
    ROLLOUT_ENGINE_ARGS=(--rollout-backend "$CPU_ENGINE" --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
    MISC_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_RANKS" --save-interval 3)
+   # SLIME_SCRIPT_SKIP_ACTOR_FORWARD=1 asks for the flag here too (the default's 4 x 4 samples are two optimizer
+   # steps of 8, so the driver refuses it, naming why); empty or 0: the pass
+   if [ "$SKIP_ACTOR_FORWARD" = "1" ] && ! has_flag --skip-actor-forward-only "$@"; then
+      BACKEND_ARGS+=(--skip-actor-forward-only)
+   fi
    BACKEND_NAME=$CPU_BACKEND
 else
    # -------------------------------------------------------------------------------
