@@ -282,11 +282,6 @@ if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
    BACKEND_ARGS=(--train-backend "$CPU_BACKEND" --micro-batch-size 1)
    ROLLOUT_ENGINE_ARGS=(--rollout-backend "$CPU_ENGINE" --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
    MISC_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_RANKS" --save-interval 3)
-   # SLIME_SCRIPT_SKIP_ACTOR_FORWARD=1 asks for the flag here too (the default's 4 x 4 samples are two optimizer
-   # steps of 8, so the driver refuses it, naming why); empty or 0: the pass
-   if [ "$SKIP_ACTOR_FORWARD" = "1" ] && ! has_flag --skip-actor-forward-only "$@"; then
-      BACKEND_ARGS+=(--skip-actor-forward-only)
-   fi
    BACKEND_NAME=$CPU_BACKEND
 else
    # -------------------------------------------------------------------------------
@@ -369,9 +364,6 @@ else
          [ "$CHECK_ONLY" = "1" ] || echo "[geo3k] the old-log-prob pass stays (no --skip-actor-forward-only): $KEEP_PASS."
       fi
    fi
-   if [ "$SKIP_ACTOR_FORWARD" = "1" ] && ! has_flag --skip-actor-forward-only "$@"; then
-      BACKEND_ARGS+=(--skip-actor-forward-only)
-   fi
    if [ "$ROLLOUT_BACKEND" = "sglang" ]; then
       GPUS_PER_ENGINE=$(( NUM_GPUS < 8 ? NUM_GPUS : 8 ))
       ROLLOUT_ENGINE_ARGS=(--rollout-backend sglang --rollout-num-gpus-per-engine "$GPUS_PER_ENGINE"
@@ -382,6 +374,11 @@ else
    fi
    MISC_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_GPUS" --colocate --save-interval 100)
    BACKEND_NAME=$TRAIN_BACKEND
+fi
+# SLIME_SCRIPT_SKIP_ACTOR_FORWARD 1 (or auto's choice on a GPU, above): the flag, unless the extra arguments have it;
+# on the CPU default too (its 4 x 4 samples are two optimizer steps of 8, so the driver refuses it, naming why)
+if [ "$SKIP_ACTOR_FORWARD" = "1" ] && ! has_flag --skip-actor-forward-only "$@"; then
+   BACKEND_ARGS+=(--skip-actor-forward-only)
 fi
 
 # Extra arguments override the script's (argparse keeps the last value), with three that need
