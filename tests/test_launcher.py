@@ -232,14 +232,41 @@ def test_speculative_mtp_adds_upstreams_four_flags_which_the_parser_checks(tiny_
     assert bad.returncode == 2 and "SLIME_SCRIPT_SPECULATIVE=eagle: expected off or mtp" in bad.stderr
 
 
+@pytest.mark.slow
+def test_mtp_on_a_card_under_120_gib_lowers_sglangs_memory_fraction_to_0_6(tiny_ckpt, tmp_path):
+    """The GPU recipe gives SGLang upstream's ``--sglang-mem-fraction-static 0.7``; with SLIME_SCRIPT_SPECULATIVE=mtp on
+    a card under 120 GiB 0.6 (0.7 killed the MTP server at start-up on an 80 GB H100: out of memory with 23 GB left
+    after its pools), 0.7 again on a 141 GiB card or without MTP; an explicit ``--sglang-mem-fraction-static`` among
+    the extra arguments is passed after it, so it wins (argparse keeps the last)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        def start(gib: str, spec: str, *args: str) -> concurrent.futures.Future:
+            return pool.submit(_gpu_dry_run, tmp_path, 1, tiny_ckpt, args, SLIME_TEST_FAKE_GPU_GIB=gib,
+                               SLIME_SCRIPT_ROLLOUT_BACKEND="sglang", SLIME_SCRIPT_SPECULATIVE=spec)
+
+        runs = {(gib, spec, args): start(gib, spec, *args)
+                for gib, spec, args in (("79", "mtp", ()), ("79", "off", ()), ("141", "mtp", ()),
+                                        ("79", "mtp", ("--sglang-mem-fraction-static", "0.5")))}
+
+    def fractions(key) -> list[str]:
+        result = runs[key].result()
+        assert result.returncode == 0, result.stderr
+        argv = shlex.split(result.stdout.strip().splitlines()[-1])
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--sglang-mem-fraction-static"]
+
+    assert fractions(("79", "mtp", ())) == ["0.6"]
+    assert fractions(("79", "off", ())) == ["0.7"]
+    assert fractions(("141", "mtp", ())) == ["0.7"]
+    assert fractions(("79", "mtp", ("--sglang-mem-fraction-static", "0.5")))[-1] == "0.5"
+
+
 def _gpu_dry_run(tmp_path: Path, gpus: int, tiny_ckpt, args: tuple[str, ...] = (), **extra: str
                  ) -> subprocess.CompletedProcess:
     """The launcher's GPU branch, dry-run on this CPU machine with ``gpus`` GPUs faked
     (``tests/fixtures/fake_gpus/sitecustomize.py``), the tiny checkpoint's model file and the transformers engine
-    (sglang is not installed here)."""
+    (sglang is not installed here; ``SLIME_SCRIPT_ROLLOUT_BACKEND`` in ``extra`` chooses another)."""
     env = _env(tmp_path / "run", SLIME_SCRIPT_DRY_RUN="1", SLIME_TEST_FAKE_GPUS=str(gpus),
                SLIME_SCRIPT_NUM_GPUS=str(gpus), SLIME_SCRIPT_MODEL_NAME="qwen3.5-tiny",
-               SLIME_SCRIPT_HF_CHECKPOINT=str(tiny_ckpt), SLIME_SCRIPT_ROLLOUT_BACKEND="transformers", **extra)
+               SLIME_SCRIPT_HF_CHECKPOINT=str(tiny_ckpt), **{"SLIME_SCRIPT_ROLLOUT_BACKEND": "transformers", **extra})
     env["SLIME_SCRIPT_FORCE_CPU"] = "0"  # sglang is not installed here: the transformers engine
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "fixtures" / "fake_gpus"), env["PYTHONPATH"]])
     return subprocess.run(["bash", str(LAUNCHER), *args], cwd=REPO, env=env, capture_output=True, text=True,

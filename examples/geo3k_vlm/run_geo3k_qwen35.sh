@@ -24,7 +24,8 @@
 #   SLIME_SCRIPT_SPECULATIVE    [off] mtp: SGLang drafts with the checkpoint's MTP layer, upstream's
 #                               --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
 #                               --sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 3
-#                               (the checkpoint must have its mtp.* tensors; the sglang engine only)
+#                               (the checkpoint must have its mtp.* tensors; the sglang engine only); on a
+#                               card under 120 GiB also --sglang-mem-fraction-static 0.6 (0.7 otherwise)
 #   SLIME_SCRIPT_MAX_TOKENS_PER_GPU [with megatron on 1 GPU: 8192 on a card of 120 GiB or more, 4096
 #                               on a smaller one; else 0] tokens per packed micro-batch
 #                               (--use-dynamic-batch-size --max-tokens-per-gpu N); 0: upstream's one
@@ -366,8 +367,13 @@ else
    fi
    if [ "$ROLLOUT_BACKEND" = "sglang" ]; then
       GPUS_PER_ENGINE=$(( NUM_GPUS < 8 ? NUM_GPUS : 8 ))
+      # Upstream's 0.7 of the card for SGLang's static pools; 0.6 with the MTP draft on a card under 120 GiB, where
+      # 0.7 left 23 GB and the server died at start-up (cuMemCreate out of memory, an 80 GB H100 with the scaled
+      # model: docs/results/h200_train_phase.md, the seventh run).  --sglang-mem-fraction-static among the extra
+      # arguments chooses instead (the last one wins).
+      MEM_FRACTION=$([ "$SPECULATIVE" = mtp ] && [ "$GPU_GIB" -lt 120 ] && echo 0.6 || echo 0.7)
       ROLLOUT_ENGINE_ARGS=(--rollout-backend sglang --rollout-num-gpus-per-engine "$GPUS_PER_ENGINE"
-                           --sglang-mem-fraction-static 0.7 --sglang-ep-size "$GPUS_PER_ENGINE"
+                           --sglang-mem-fraction-static "$MEM_FRACTION" --sglang-ep-size "$GPUS_PER_ENGINE"
                            --sglang-max-running-requests 512 --sglang-disable-custom-all-reduce)
    else
       ROLLOUT_ENGINE_ARGS=(--rollout-backend "$ROLLOUT_BACKEND" --rollout-num-gpus-per-engine 1)
