@@ -557,7 +557,7 @@ def test_a_resync_onloads_only_the_weights_and_records_its_figures_apart(monkeyp
     trainer, engines = _CountedGpu(), _CountedEngines()
     trainer.engines = engines
     monkeypatch.setattr(handover, "free_gib", lambda device: trainer.free_gib())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(handover, "synchronize_current_stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     memory = ColocatedMemory(trainer, engines, enabled=True)
 

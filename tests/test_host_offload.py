@@ -156,3 +156,52 @@ def test_the_fp32_main_weight_of_an_fp32_parameter_reads_from_its_offloaded_buff
     finally:
         if started:
             dist.destroy_process_group()
+
+
+def test_the_optimizer_waits_for_a_background_onload_before_it_reads_its_state():
+    """The colocated Megatron step restores its optimizer state on a side stream (``HostParking.restore(stream=)``)
+    that overlaps the forward and backward passes: every method of :class:`DistributedAdam` that reads or writes the
+    state first makes the current stream wait for those copies (``HostParking.wait``), before megatron-core's
+    optimizer is called.  The parking and megatron-core's optimizer are recorders here (no GPU)."""
+    from types import SimpleNamespace
+
+    from slime.backends.megatron.optimizer import DistributedAdam
+
+    calls = []
+
+    class Parking:
+        def wait(self):
+            calls.append("wait")
+
+    mcore = SimpleNamespace(
+        prepare_grads=lambda: calls.append("prepare_grads"), get_grad_norm=lambda: calls.append("norm") or 2.0,
+        step_with_ready_grads=lambda: calls.append("step") or True, zero_grad=lambda: None)
+    adam = DistributedAdam.__new__(DistributedAdam)
+    adam.parking, adam.optimizer, adam.parts = Parking(), mcore, []
+    adam.cfg = SimpleNamespace(weight_decay=0.0)
+    adam.ddp = SimpleNamespace(zero_grad_buffer=lambda: None)
+    assert adam.grad_norm() == 2.0
+    adam.step(lr=1e-3, grad_scale=1.0)
+    assert calls == ["wait", "prepare_grads", "norm", "wait", "step"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_background_restore_gives_the_same_bytes_once_the_current_stream_waits():
+    """256 MiB of fp32 state parked, then restored on a side stream while the current stream multiplies matrices:
+    after :meth:`HostParking.wait`, reads on the current stream see exactly the parked bytes."""
+    state = [torch.randn(16 << 20, device="cuda") for _ in range(4)]
+    want = [t.clone() for t in state]
+    parking = HostParking(pin=True)
+    parking.park(state)
+    assert all(t.untyped_storage().nbytes() == 0 for t in state)
+    a = torch.randn(4096, 4096, device="cuda")
+    parking.restore(stream=torch.cuda.Stream())
+    assert parking.pending and not parking.parked
+    for _ in range(8):  # work on the current stream while the copies run
+        a = torch.nn.functional.normalize(a @ a, dim=1)
+    parking.wait()
+    got = [t.clone() for t in state]  # queued after the wait
+    torch.cuda.synchronize()
+    assert not parking.pending
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

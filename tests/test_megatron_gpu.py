@@ -12,7 +12,8 @@ appended to ``$SLIME_GPU_FIGURES`` as JSON lines when set):
   sliced over the data-parallel ranks and put back);
 - ``offload`` frees the gradient buffers, the optimizer state and (without ``keep_weights``) the
   weights, ``onload(weights_only=True)`` (a mid-rollout re-sync) the weights alone, and ``onload`` the same
-  bytes; the re-sync's free-memory figures are its own (``perf/resync_free_gib_*``);
+  bytes; the re-sync's free-memory figures are its own (``perf/resync_free_gib_*``); the step after the onload
+  (its optimizer state copied back on a side stream) gives bit for bit the weights of a twin that never offloaded;
 - ``--recompute-granularity full`` (megatron-core's layer checkpointing) and ``selective`` (the attention
   and delta-rule kernels) train the same step as no recompute;
 - the weight export on GPU is the checkpoint, by name, on the GPU;
@@ -207,9 +208,17 @@ def _job_offload(rank_info, ckpt_dir, samples, out):
     allocated.append(torch.cuda.memory_allocated())
     after = {n: backend.optimizer.param_state(p) for n, p in params.items()}
     same = all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
-    metrics = train_step(backend, 1, samples, num_steps=1)
+    metrics = train_step(backend, 1, samples, num_steps=1)  # its optimizer state came back in the background
+    moved = {n: p.detach().clone() for n, p in params.items()}
+    twin = make_megatron(rank_info, ckpt_dir)  # the same two steps, never offloaded
+    twin.init()
+    for step in (0, 1):
+        train_step(twin, step, samples, num_steps=1)
+    stayed = dict(twin.model.named_parameters())
+    same_update = all(torch.equal(moved[n], stayed[n].detach()) for n in moved)
     torch.save({"allocated": allocated, "same": same, "names": (names_before, names_kept, names_resync),
-                "metrics": metrics, "numel": sum(p.numel() for p in params.values())}, out / "offload.pt")
+                "metrics": metrics, "numel": sum(p.numel() for p in params.values()), "same_update": same_update},
+               out / "offload.pt")
 
 
 def test_offload_frees_gpu_memory_and_onload_restores_the_same_state(realgeo, fixed_batch, tmp_path):
@@ -223,6 +232,9 @@ def test_offload_frees_gpu_memory_and_onload_restores_the_same_state(realgeo, fi
     assert kept - off >= 2 * numel  # then the bf16 weights
     assert back >= trained - numel  # everything came back (gradient buffers zeroed, not freed)
     assert r["same"], "optimizer state differs after offload / onload"
+    # the step after an onload (optimizer state restored on a side stream, overlapping forward and backward) updates
+    # the weights exactly as a twin's step that never offloaded: the optimizer waited for the copies
+    assert r["same_update"], "the step after offload / onload differs from the same step without them"
     assert weights_only - off >= 2 * numel and weights_only < kept + numel  # the bf16 weights, no optimizer state
     assert r["names"][0] == r["names"][1] == r["names"][2]
     metrics = r["metrics"]

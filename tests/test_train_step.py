@@ -349,27 +349,32 @@ def test_the_trainer_sub_phases_add_up_to_its_time_and_hold_each_hook(monkeypatc
 def test_the_step_reports_its_own_peak_memory_on_cuda_and_the_group_the_largest_rank(monkeypatch):
     """On a CUDA rank the step resets the allocator's peaks as it starts and reports, in GiB, the peak allocated
     (``perf/train_peak_gib``) and reserved (``perf/train_reserved_peak_gib``), and the allocator's retries during
-    the step (``perf/train_alloc_retries``: the increase of ``num_alloc_retries``); the trainer group reports the
-    largest of its ranks' for each; on CPU the keys are absent.  The allocator is a stand-in here (no GPU): it
-    records the reset and answers 3 GiB allocated, 5 GiB reserved, and 4 then 6 retries (so 2 in the step)."""
-    from slime.backends.step import ALLOC_RETRIES_KEY, PEAK_MEMORY_KEY, RESERVED_PEAK_KEY
+    the step (``perf/train_alloc_retries``: the increase of ``num_alloc_retries``) and its device allocations
+    (``perf/train_device_allocs``: of ``num_device_alloc``); the trainer group reports the largest of its ranks' for
+    each; on CPU the keys are absent.  The allocator is a stand-in here (no GPU): it records the reset and answers
+    3 GiB allocated, 5 GiB reserved, 4 then 6 retries (so 2 in the step) and 10 then 17 device allocations (7)."""
+    from slime.backends.step import ALLOC_RETRIES_KEY, DEVICE_ALLOCS_KEY, PEAK_MEMORY_KEY, RESERVED_PEAK_KEY
     from slime.ray import trainer_group
 
     backend = StandIn(GRPOConfig(**GRPO))
     backend.init()
     cpu = train_step(backend, 0, hand_samples(), num_steps=2)
-    assert not {PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY} & set(cpu)
-    calls, retries = [], iter([4, 6])
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert not {PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY, DEVICE_ALLOCS_KEY} & set(cpu)
+    calls, stats = [], iter([{"num_alloc_retries": 4, "num_device_alloc": 10},
+                             {"num_alloc_retries": 6, "num_device_alloc": 17}])
+    import slime.utils.timer
+
+    monkeypatch.setattr(slime.utils.timer, "synchronize_current_stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated",
                         lambda device=None: calls.append(("peak", device)) or 3 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved",
                         lambda device=None: calls.append(("reserved", device)) or 5 * 2**30)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": next(retries)})
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: next(stats))
     backend.device = torch.device("cuda", 0)
     metrics = train_step(backend, 1, hand_samples(), num_steps=2)
-    assert (metrics[PEAK_MEMORY_KEY], metrics[RESERVED_PEAK_KEY], metrics[ALLOC_RETRIES_KEY]) == (3.0, 5.0, 2.0)
+    assert (metrics[PEAK_MEMORY_KEY], metrics[RESERVED_PEAK_KEY], metrics[ALLOC_RETRIES_KEY],
+            metrics[DEVICE_ALLOCS_KEY]) == (3.0, 5.0, 2.0, 7.0)
     assert calls == [("reset", backend.device), ("peak", backend.device), ("reserved", backend.device)]
 
     class Actor:  # a rank's Ray handle: .train.remote(...) answers that rank's metrics

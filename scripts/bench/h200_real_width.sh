@@ -41,7 +41,10 @@
 #   mtp         item 5: the same with --speculative mtp (EAGLE drafting with the checkpoint's MTP layer), then mtp-sync
 #   mtp-sync    scripts/bench/mtp_sync.py: gap and acceptance length before / after a sync, no MTP vs MTP
 #   mtp-recipe  ours alone at the recipe's rollout size (128 prompts x 512 tokens), without and with MTP
+#               (SLIME_MTP_RECIPE_SPECS: which of the two, default "none mtp")
 #   mtp-e2e     the e2e launcher run with SLIME_SCRIPT_SPECULATIVE=mtp, 3 rollouts (not in the default list)
+#   gpu-tests   pytest on this card of the GPU tests that prove the background onload of the optimizer state
+#               (SLIME_GPU_TESTS: the test ids; not in the default list)
 # Results in OUT_DIR: summary.txt, figures.jsonl, bench.jsonl (throughput), mtp.jsonl (mtp_sync), metrics.jsonl (the
 # e2e + resume run), logs.tar.gz.
 set -uo pipefail
@@ -303,7 +306,7 @@ PY
       ${SLIME_MTP_SYNC_ARGS:-}
     grep -h '"mtp_sync' "$LOGS/mtp.jsonl" 2>/dev/null | cut -c1-700 | tee -a "$LOGS/summary.txt" ;;
   mtp-recipe)
-    for spec in none mtp; do
+    for spec in ${SLIME_MTP_RECIPE_SPECS:-none mtp}; do
       timed "mtp_recipe_$spec" timeout 900 python3 scripts/bench/sglang_rollout_bench.py throughput --model "$SCALED" \
         --json "$LOGS/bench.jsonl" --out "$LOGS/mtp-recipe-$spec" --speculative "$spec" --prompts 128 \
         --max-new-tokens 512 --contenders ours --direct-requests-per-call 32
@@ -314,7 +317,12 @@ PY
     RUN_DIR=$LOGS/run-mtp SPECULATIVE=mtp timed mtp_e2e launcher 1200 --num-rollout 3 --no-save-optim --overwrite-output-dir
     summarize_run "$LOGS/run-mtp"
     rm -rf "$LOGS/run-mtp/checkpoints" ;;
-  *) echo "unknown phase $phase (build check before after after-none after-skip after-skip-none bench learn r3 freeze refuse throughput floor e2e resume mtp mtp-sync mtp-recipe mtp-e2e)" | tee -a "$LOGS/summary.txt" ;;
+  gpu-tests)
+    # shellcheck disable=SC2086
+    timed gpu_tests timeout 900 python3 -m pytest -x -s -rA -p no:cacheprovider -m gpu ${SLIME_GPU_TESTS:-tests/test_host_offload.py \
+      tests/test_megatron_gpu.py::test_offload_frees_gpu_memory_and_onload_restores_the_same_state}
+    tail -n 5 "$LOGS/gpu_tests.log" >>"$LOGS/summary.txt" ;;
+  *) echo "unknown phase $phase (build check before after after-none after-skip after-skip-none bench learn r3 freeze refuse throughput floor e2e resume mtp mtp-sync mtp-recipe mtp-e2e gpu-tests)" | tee -a "$LOGS/summary.txt" ;;
   esac
 done
 echo "all phases done" | tee -a "$LOGS/summary.txt"

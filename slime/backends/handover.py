@@ -13,6 +13,8 @@ import logging
 
 import torch
 
+from slime.utils.timer import synchronize_current_stream
+
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "weights"
@@ -100,7 +102,7 @@ class HandOver:
             self.offloaded = self.offloaded - {part} if onto_device else self.offloaded | {part}
         if not on_gpu:
             return
-        torch.cuda.synchronize(device)
+        synchronize_current_stream(device)  # a background onload's copies (HostParking.restore) may still run
         if not onto_device:
             torch.cuda.empty_cache()
         after = free_gib(device)

@@ -7,6 +7,11 @@ allocated pageable memory, one tensor at a time, every step.  :class:`HostParkin
 in place (``untyped_storage().resize_(0)``), so every tensor object, view and dictionary key stays what it was
 (optimizer state is keyed by its parameter objects).  Copies run asynchronously at the PCIe / NVLink-C2C copy
 engine's rate, with one device synchronisation per move.  Why: ``docs/design/training_step.md``.
+
+A restore may instead run in the background on a side CUDA stream (``restore(stream=...)``): it returns once the
+copies are queued, and :meth:`HostParking.wait` makes the caller's stream wait for them on the device (no host
+block).  The colocated Megatron step restores its optimizer state that way, so the copies overlap the forward and
+backward passes, which never read it (the fourth sub-phase table in ``docs/results/h200_train_phase.md``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class HostParking:
     def __init__(self, pin: bool = True, device_types: tuple[str, ...] = ("cuda",)):
         self.pin, self.device_types = pin, device_types
         self._parked = False
+        self._pending = None  # the CUDA event after a background restore's copies, until wait()
         self._slots: dict[int, tuple[torch.UntypedStorage, Tensor, int]] = {}  # StorageImpl -> (storage, host, bytes)
 
     @property
@@ -53,6 +59,7 @@ class HostParking:
         """
         if self._parked:
             raise RuntimeError("HostParking.park called twice without restore")
+        self.wait()  # a background restore's copies land before the bytes are copied back out
         self._add(tensors)
         slots = list(self._slots.values())
         for storage, host, nbytes in slots:
@@ -63,18 +70,47 @@ class HostParking:
         self._parked = True
         return self.nbytes
 
-    def restore(self) -> int:
+    def restore(self, stream=None) -> int:
         """Re-allocate each device storage at its size and copy its bytes back; returns the bytes moved (0 when not
-        parked)."""
+        parked).
+
+        Args:
+            stream: None: the copies run on the current stream and the device is synchronised before returning.  A
+                ``torch.cuda.Stream``: the copies are queued on it after the work already queued on the current stream
+                (the storages are allocated there, stream-ordered), and ``restore`` returns at once; the tensors may be
+                read only after :meth:`wait` (or a device synchronisation).
+        """
         if not self._parked:
             return 0
         slots = list(self._slots.values())
-        for storage, host, nbytes in slots:
-            storage.resize_(nbytes)
-            _bytes_view(storage, nbytes).copy_(host, non_blocking=True)
-        _wait(slots)
+        background = stream is not None and any(storage.device.type == "cuda" for storage, _, _ in slots)
+        for storage, _, nbytes in slots:
+            storage.resize_(nbytes)  # allocated on the current stream
+        if background:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                for storage, host, nbytes in slots:
+                    _bytes_view(storage, nbytes).copy_(host, non_blocking=True)
+                self._pending = torch.cuda.Event()
+                self._pending.record(stream)
+        else:
+            for storage, host, nbytes in slots:
+                _bytes_view(storage, nbytes).copy_(host, non_blocking=True)
+            _wait(slots)
         self._parked = False
         return self.nbytes
+
+    @property
+    def pending(self) -> bool:
+        """Whether a background :meth:`restore`'s copies may still be running (no :meth:`wait` since)."""
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait (on the device, the host does not block) for a background
+        :meth:`restore`'s copies; nothing to do after a foreground one."""
+        if self._pending is not None:
+            torch.cuda.current_stream().wait_event(self._pending)
+            self._pending = None
 
     def readable(self, t: Tensor) -> Tensor:
         """``t`` to read from: ``t`` itself unless its storage is parked now, else a CPU tensor of ``t``'s dtype,

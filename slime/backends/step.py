@@ -52,7 +52,13 @@ device and asked again (the increase of ``torch.cuda.memory_stats()["num_alloc_r
 synchronises the device).  Nonzero: the step ran at the card's memory limit and paid for it in time (lower
 ``--max-tokens-per-gpu``).  Absent on CPU."""
 
-LARGEST_OVER_RANKS = (PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY)
+DEVICE_ALLOCS_KEY = "perf/train_device_allocs"
+"""How many segments the CUDA caching allocator took from the device during the step (``cudaMalloc`` calls: the
+increase of ``torch.cuda.memory_stats()["num_device_alloc"]``).  After the colocated offload's ``empty_cache`` the
+step's first activations come from fresh segments; where the old-log-prob pass is skipped, those calls land in the
+forward.  Absent on CPU."""
+
+LARGEST_OVER_RANKS = (PEAK_MEMORY_KEY, RESERVED_PEAK_KEY, ALLOC_RETRIES_KEY, DEVICE_ALLOCS_KEY)
 """The step's memory figures the trainer group reports as the largest over its ranks (the rest: rank 0's)."""
 
 FORWARD_LOG_PROBS = "forward_log_probs"
@@ -152,7 +158,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         ``--use-opsm`` (``_min`` / ``_max`` over all steps), ``train/mis_*`` of ``--get-mismatch-metrics``, the
         backend's own (``apply_update``'s), the mismatch monitor (not with ``--use-rollout-logprobs``), the colocated
         free-memory figures (GiB), ``perf/train_<sub>_s`` and on CUDA :data:`PEAK_MEMORY_KEY`,
-        :data:`RESERVED_PEAK_KEY` and :data:`ALLOC_RETRIES_KEY`.
+        :data:`RESERVED_PEAK_KEY`, :data:`ALLOC_RETRIES_KEY` and :data:`DEVICE_ALLOCS_KEY`.
 
     Raises:
         SampleError: a malformed sample on any rank, or (R3) missing or malformed routes, before any forward.
@@ -165,7 +171,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
     memory_figures = backend.memory.begin_step()  # the colocated moves since the last step
     started, clock = time.perf_counter(), PhaseClock("train", backend.device)
     spec, dp, grpo = backend.spec, backend.dp, backend.spec.grpo
-    retries = _start_cuda_memory_figures(backend.device)
+    allocator_counts = _start_cuda_memory_figures(backend.device)
     with clock("checks"):
         routes = StepRoutes.for_step(spec.train, backend.route_shape, samples)  # R3 / R2 / the monitor's routes
         check_train_samples(samples, need_rollout_log_probs=_rollout_log_prob_flags(spec),
@@ -219,7 +225,7 @@ def train_step(backend: StepBackend, rollout_id: int, samples: list[Sample], num
         scalars.append({"train/grad_norm": grad_norm, "train/lr": lr, **own})
     with clock("metrics"):
         metrics = {**metrics_over_steps(values, scalars, terms, extremes, dp), **monitor, **memory_figures}
-    metrics.update(_cuda_memory_metrics(backend.device, retries))
+    metrics.update(_cuda_memory_metrics(backend.device, allocator_counts))
     return {**metrics, **clock.metrics(), TRAINER_TOTAL_KEY: time.perf_counter() - started}
 
 
@@ -262,22 +268,26 @@ def _old_from_forward(spec: TrainerSpec, num_steps: int) -> bool:
     return spec.train.skip_actor_forward_only
 
 
-def _start_cuda_memory_figures(device: torch.device) -> int:
-    """On CUDA reset the peak memory figures and return the allocator's running retry count; 0 elsewhere."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.reset_peak_memory_stats(device)  # num_alloc_retries is a running count, not reset
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-
-
-def _cuda_memory_metrics(device: torch.device, retries_before: int) -> dict[str, float]:
-    """The step's peaks (GiB, since ``reset_peak_memory_stats``) and the allocator's retries since ``retries_before``
-    (``num_alloc_retries`` is a running count); ``{}`` off CUDA."""
+def _start_cuda_memory_figures(device: torch.device) -> dict[str, int]:
+    """On CUDA reset the peak memory figures and return the allocator's running counts (``num_alloc_retries``,
+    ``num_device_alloc``); ``{}`` elsewhere."""
     if device.type != "cuda":
         return {}
-    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries_before
+    torch.cuda.reset_peak_memory_stats(device)  # the counts are running counts, not reset
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc")}
+
+
+def _cuda_memory_metrics(device: torch.device, counts_before: dict[str, int]) -> dict[str, float]:
+    """The step's peaks (GiB, since ``reset_peak_memory_stats``) and the increase of the allocator's running counts
+    since ``counts_before`` (retries, device allocations); ``{}`` off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    grown = {k: float(stats.get(k, 0) - before) for k, before in counts_before.items()}
     return {PEAK_MEMORY_KEY: torch.cuda.max_memory_allocated(device) / 2**30,
-            RESERVED_PEAK_KEY: torch.cuda.max_memory_reserved(device) / 2**30, ALLOC_RETRIES_KEY: float(retries)}
+            RESERVED_PEAK_KEY: torch.cuda.max_memory_reserved(device) / 2**30,
+            ALLOC_RETRIES_KEY: grown["num_alloc_retries"], DEVICE_ALLOCS_KEY: grown["num_device_alloc"]}
 
 
 def compute_log_probs(backend: StepBackend, samples: list[Sample], *, rounding_noise: bool = False,

@@ -56,8 +56,10 @@ class PhaseClock:
     """Wall times of the sub-phases of one phase, the ``perf/<phase>_<sub>_s`` metrics (seconds).
 
     ``with clock("forward_backward"): ...`` adds the block's seconds to that sub-phase (a sub-phase entered again
-    sums).  On a CUDA ``device`` each boundary first waits for the device (``torch.cuda.synchronize``), so that
-    GPU work queued in a block is counted in that block and not in the next one.  :meth:`metrics` gives the figures,
+    sums).  On a CUDA ``device`` each boundary first waits for the work queued on the current stream
+    (:func:`synchronize_current_stream`), so that GPU work queued in a block is counted in that block and not in the
+    next one; work on a side stream (the optimizer state's background onload) goes on across boundaries and counts
+    where the current stream first waits for it.  :meth:`metrics` gives the figures,
     :attr:`total_s` their sum.  The train phase's sub-phases and how they add up: ``docs/design/training_step.md``.
 
     Raises:
@@ -72,9 +74,7 @@ class PhaseClock:
 
     def _sync(self) -> None:
         if self._cuda:
-            import torch
-
-            torch.cuda.synchronize(self._device)
+            synchronize_current_stream(self._device)
 
     def __call__(self, sub: str) -> "_SubPhase":
         return _SubPhase(self, _checked_name(sub))
@@ -106,6 +106,14 @@ class _SubPhase:
     def __exit__(self, *exc_info: object) -> None:
         self.clock._sync()
         self.clock.add(self.sub, time.perf_counter() - self._start)
+
+
+def synchronize_current_stream(device: Any) -> None:
+    """Block the host until the CUDA ``device``'s current stream has run the work queued on it (and whatever it was
+    made to wait for); unlike ``torch.cuda.synchronize``, work queued on other streams may still run."""
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
 
 
 def sub_phase_key(phase: str, sub: str) -> str:

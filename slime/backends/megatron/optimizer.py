@@ -60,6 +60,7 @@ class DistributedAdam:
         self.parts = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
         self.frozen = [p for p in model.parameters() if not p.requires_grad]  # in no DDP buffer: moved by hand
         self.parking = HostParking(pin=True)  # the optimizer state while colocated engines hold the GPU
+        self._onload_stream: torch.cuda.Stream | None = None  # the background restore's copies (move_training_state)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -72,12 +73,14 @@ class DistributedAdam:
 
     def grad_norm(self) -> float:
         """Reduce-scattered gradients -> their global L2 norm (megatron-core's, TP duplicates counted once)."""
+        self.parking.wait()  # the first use of the optimizer state after an onload
         self.optimizer.prepare_grads()
         return float(self.optimizer.get_grad_norm())
 
     def step(self, lr: float, grad_scale: float) -> None:
         """Scale the fp32 main gradients by ``grad_scale`` (``--clip-grad``), then AdamW at ``lr``, then zero the
         gradients for the next step; after :meth:`grad_norm`."""
+        self.parking.wait()
         for part in self.parts:
             for group in part.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -101,6 +104,7 @@ class DistributedAdam:
     def ensure_state(self) -> None:
         """Create Adam's moments before a load (torch creates them at the first step; megatron-core's own
         checkpoint loader does the same dummy step, whose effect the load then overwrites)."""
+        self.parking.wait()
         for part in self.parts:
             if not part.optimizer.state:
                 part._init_optimizer_states_with_dummy_values()
@@ -130,6 +134,7 @@ class DistributedAdam:
         """``{param, exp_avg, exp_avg_sq}`` of one model parameter as whole fp32 tensors of its local shape; collective
         over its optimizer's DP group (the same parameters in the same order on every rank).  Reads the parked host
         copy while the state is off the device (a save after the colocated step's offload)."""
+        self.parking.wait()
         part = self._owner(param)
         full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATE_KEYS}
         if param in part.model_param_gbuf_map:
@@ -166,6 +171,7 @@ class DistributedAdam:
         """Write whole-parameter ``state`` (as from :meth:`param_state`; ``param`` alone, or with the moments)
         into this rank's shard; Adam's ``step`` becomes ``steps`` where the state exists.  The model weight
         itself is written by the caller."""
+        self.parking.wait()
         part = self._owner(param)
         if param not in part.model_param_gbuf_map:
             return
@@ -195,10 +201,17 @@ class DistributedAdam:
         """Free the gradient buffers (megatron-core's ``offload_grad_buffers``) and park the optimizer state (fp32
         main weights, moments) in pinned host memory (:class:`slime.backends.host_offload.HostParking`, not
         megatron-core's ``offload_to_cpu``: why in its module docstring), or restore both (the gradient buffers
-        zeroed)."""
+        zeroed).
+
+        The optimizer state comes back in the background, on a side stream (:meth:`HostParking.restore`): nothing reads
+        it before :meth:`grad_norm` (which waits for the copies), so its 12 bytes a parameter cross PCIe while the
+        forward and backward passes run; the gradient buffers, which the backward pass writes, are restored first and
+        synchronously."""
         if onto_device:
-            self.parking.restore()
             self.ddp.restore_grad_buffers(synchronize=True)
+            if self._onload_stream is None:
+                self._onload_stream = torch.cuda.Stream()
+            self.parking.restore(stream=self._onload_stream)
         else:
             self.ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
             self.parking.park(self._optimizer_tensors())
