@@ -73,18 +73,23 @@ def test_parked_tensors_read_from_their_host_bytes_with_their_dtype_shape_stride
     assert parking.readable(view) is view and torch.equal(view, want_view)
 
 
-def test_a_checkpoint_read_of_the_optimizer_state_while_it_is_parked_gives_its_values():
+@pytest.mark.parametrize("param_device", ["cpu", "meta"])
+def test_a_checkpoint_read_of_the_optimizer_state_while_it_is_parked_gives_its_values(param_device):
     """The GPU run of issue 30 (H100, 2026-12-06): every launcher run failed at its save, after the step's offload,
     with "CUDA error: invalid argument" in ``DistributedAdam.param_state`` (it read the parked, size-0 main weights).
     Here on CPU storages, with megatron-core's optimizer replaced by the attributes ``param_state`` reads: one bf16
-    parameter of 8 elements whose fp32 shard is all of it."""
+    parameter of 8 elements whose fp32 shard is all of it.
+
+    ``meta``: the parameter lives on another device than the parked state (a GPU that the colocated engines hold):
+    with one data-parallel rank the whole-parameter tensors are built in host memory, beside the parked bytes (the
+    launcher's MTP run of 2026-12-07 ran out of GPU memory at its save building them on the parameter's device)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from slime.backends.megatron.optimizer import DistributedAdam
 
-    param = torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.bfloat16))
+    param = torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.bfloat16, device=param_device))
     main = torch.linspace(-1.0, 1.0, 8)
     state = {"exp_avg": torch.full((8,), 0.25), "exp_avg_sq": torch.arange(8.0) / 100, "step": torch.tensor(3.0)}
     part = SimpleNamespace(
@@ -105,6 +110,7 @@ def test_a_checkpoint_read_of_the_optimizer_state_while_it_is_parked_gives_its_v
         assert main.untyped_storage().nbytes() == 0  # as on the GPU after the offload
         got = adam.param_state(param)
         for key, value in want.items():
+            assert got[key].device.type == "cpu", key  # never the (stand-in) GPU
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
     finally:
         if started:

@@ -215,9 +215,12 @@ def _job_offload(rank_info, ckpt_dir, samples, out):
     for step in (0, 1):
         train_step(twin, step, samples, num_steps=1)
     stayed = dict(twin.model.named_parameters())
-    same_update = all(torch.equal(moved[n], stayed[n].detach()) for n in moved)
+    # the largest difference from the twin: GPU kernels are not bit-reproducible across two models in one process
+    # (the H100 run of 2026-12-07: 2.4e-4 with the state restored in the background, 2.4e-4 and 4.9e-4 in the
+    # foreground, one or two bf16 steps of these weights)
+    update_diff = max((moved[n].float() - stayed[n].detach().float()).abs().max().item() for n in moved)
     torch.save({"allocated": allocated, "same": same, "names": (names_before, names_kept, names_resync),
-                "metrics": metrics, "numel": sum(p.numel() for p in params.values()), "same_update": same_update},
+                "metrics": metrics, "numel": sum(p.numel() for p in params.values()), "update_diff": update_diff},
                out / "offload.pt")
 
 
@@ -233,14 +236,19 @@ def test_offload_frees_gpu_memory_and_onload_restores_the_same_state(realgeo, fi
     assert back >= trained - numel  # everything came back (gradient buffers zeroed, not freed)
     assert r["same"], "optimizer state differs after offload / onload"
     # the step after an onload (optimizer state restored on a side stream, overlapping forward and backward) updates
-    # the weights exactly as a twin's step that never offloaded: the optimizer waited for the copies
-    assert r["same_update"], "the step after offload / onload differs from the same step without them"
+    # the weights as a twin's step that never offloaded, within a few bf16 steps: had the optimizer read the fp32 main
+    # weights or moments before their copies landed, it would have written freed or stale memory into every weight
+    record("megatron_gpu/offload_update_max_abs_diff", r["update_diff"])
+    assert r["update_diff"] <= 4e-3, "the step after offload / onload differs from the same step without them"
     assert weights_only - off >= 2 * numel and weights_only < kept + numel  # the bf16 weights, no optimizer state
     assert r["names"][0] == r["names"][1] == r["names"][2]
     metrics = r["metrics"]
     assert metrics["perf/train_free_gib_after_offload"] > metrics["perf/train_free_gib_before_offload"]
-    # the re-sync's figures are its own; the training phase's offload figures above are not replaced by them
-    assert metrics["perf/resync_free_gib_after_onload_weights"] < metrics["perf/resync_free_gib_before_onload_weights"]
+    # the re-sync's figures are its own; the training phase's offload figures above are not replaced by them.  The
+    # free memory may stay the same over the weights' onload: the tiny model's weights fit in a segment the caching
+    # allocator already holds (76.6158 GiB before and after on an H100, 2026-12-07); the bytes are checked above
+    assert metrics["perf/resync_free_gib_after_onload_weights"] <= metrics["perf/resync_free_gib_before_onload_weights"]
+    assert "perf/resync_free_gib_before_onload_weights" in metrics and "perf/train_free_gib_after_onload" in metrics
     assert metrics["perf/resync_free_gib_after_offload"] > metrics["perf/resync_free_gib_before_offload"]
 
 

@@ -133,19 +133,27 @@ class DistributedAdam:
     def param_state(self, param: Tensor) -> dict[str, Tensor]:
         """``{param, exp_avg, exp_avg_sq}`` of one model parameter as whole fp32 tensors of its local shape; collective
         over its optimizer's DP group (the same parameters in the same order on every rank).  Reads the parked host
-        copy while the state is off the device (a save after the colocated step's offload)."""
+        copy while the state is off the device (a save after the colocated step's offload); then, with one rank in
+        the DP group (nothing to all-reduce), the tensors are built in host memory too: the colocated engines hold
+        the GPU, and a save after the MTP server's resume ran out of device memory building them there (1.9 GiB for
+        one fused expert weight of the scaled model, 0.97 GiB free; H100, 2026-12-07)."""
         self.parking.wait()
         part = self._owner(param)
-        full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATE_KEYS}
+        shard = {}
         if param in part.model_param_gbuf_map:
             sl = part._get_model_param_range_map(param)["param"]
-            shard = self._shard_state(part, param)
-            for k in STATE_KEYS:
-                if k in shard:
-                    full[k][sl.start: sl.end] = self._readable(shard[k]).detach().float()
-        flat = torch.cat([full[k] for k in STATE_KEYS])
-        dist.all_reduce(flat, group=part.data_parallel_group)
-        return {k: t.view(param.shape) for k, t in zip(STATE_KEYS, flat.chunk(len(STATE_KEYS)))}
+            shard = {k: self._readable(t) for k, t in self._shard_state(part, param).items() if k in STATE_KEYS}
+        alone = dist.get_world_size(part.data_parallel_group) == 1
+        on_host = alone and any(t.device.type == "cpu" for t in shard.values())
+        device = torch.device("cpu") if on_host else param.device
+        full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=device) for k in STATE_KEYS}
+        for k, t in shard.items():
+            full[k][sl.start: sl.end] = t.detach().to(device, torch.float32)
+        if not alone:
+            flat = torch.cat([full[k] for k in STATE_KEYS])
+            dist.all_reduce(flat, group=part.data_parallel_group)
+            full = dict(zip(STATE_KEYS, flat.chunk(len(STATE_KEYS))))
+        return {k: full[k].view(param.shape) for k in STATE_KEYS}
 
     def _readable(self, t: Tensor) -> Tensor:
         """``t`` to read while the colocated step's state is off the device (no copy): the parked host bytes of
