@@ -164,16 +164,12 @@ def test_the_fp32_main_weight_of_an_fp32_parameter_reads_from_its_offloaded_buff
             dist.destroy_process_group()
 
 
-def test_the_optimizer_waits_for_a_background_onload_before_it_reads_its_state():
-    """The colocated Megatron step restores its optimizer state on a side stream (``HostParking.restore(stream=)``)
-    that overlaps the forward and backward passes: every method of :class:`DistributedAdam` that reads or writes the
-    state first makes the current stream wait for those copies (``HostParking.wait``), before megatron-core's
-    optimizer is called.  The parking and megatron-core's optimizer are recorders here (no GPU)."""
+def _adam_with_recorders(calls):
+    """A :class:`DistributedAdam` without megatron-core: its parking and megatron-core's optimizer record their calls
+    in ``calls``; one optimizer part whose state is empty and that owns no parameter."""
     from types import SimpleNamespace
 
     from slime.backends.megatron.optimizer import DistributedAdam
-
-    calls = []
 
     class Parking:
         def wait(self):
@@ -182,30 +178,81 @@ def test_the_optimizer_waits_for_a_background_onload_before_it_reads_its_state()
     mcore = SimpleNamespace(
         prepare_grads=lambda: calls.append("prepare_grads"), get_grad_norm=lambda: calls.append("norm") or 2.0,
         step_with_ready_grads=lambda: calls.append("step") or True, zero_grad=lambda: None)
+    part = SimpleNamespace(optimizer=SimpleNamespace(state={}, param_groups=[]), buffers=[],
+                           _init_optimizer_states_with_dummy_values=lambda: calls.append("create_state"))
     adam = DistributedAdam.__new__(DistributedAdam)
-    adam.parking, adam.optimizer, adam.parts = Parking(), mcore, []
+    adam.parking, adam.optimizer, adam.parts = Parking(), mcore, [part]
     adam.cfg = SimpleNamespace(weight_decay=0.0)
     adam.ddp = SimpleNamespace(zero_grad_buffer=lambda: None)
+    return adam
+
+
+def test_the_optimizer_waits_for_a_background_onload_before_it_reads_its_state():
+    """The colocated Megatron step restores its optimizer state on a side stream (``HostParking.restore(stream=)``)
+    that overlaps the forward and backward passes: the gradient norm and the step first make the current stream wait
+    for those copies (``HostParking.wait``), before megatron-core's optimizer is called.  The parking and
+    megatron-core's optimizer are recorders here (no GPU)."""
+    calls = []
+    adam = _adam_with_recorders(calls)
     assert adam.grad_norm() == 2.0
     adam.step(lr=1e-3, grad_scale=1.0)
     assert calls == ["wait", "prepare_grads", "norm", "wait", "step"]
 
 
+@pytest.mark.parametrize("method", ["ensure_state", "param_state", "set_param_state"])
+def test_the_optimizer_states_readers_and_writers_wait_for_a_background_onload_first(method):
+    """A checkpoint's load (``ensure_state``, ``set_param_state``) or save (``param_state``) may come right after an
+    onload, before any step: each waits for the copies before it touches the state.  The recorder part owns no
+    parameter, so the two per-parameter methods stop with KeyError at their first look at the state."""
+    calls = []
+    adam = _adam_with_recorders(calls)
+    param = torch.zeros(2)
+    if method == "ensure_state":
+        adam.ensure_state()
+    else:
+        with pytest.raises(KeyError, match="no optimizer buffer"):
+            getattr(adam, method)(param) if method == "param_state" else adam.set_param_state(param, {}, 1)
+    assert calls[0] == "wait"
+    assert calls == (["wait", "create_state"] if method == "ensure_state" else ["wait"])
+
+
+def test_a_park_first_makes_the_current_stream_wait_for_a_background_restore(monkeypatch):
+    """The next park copies the state back out into the same pinned host buffers: it first orders the current stream
+    after a background restore's copies (the event recorded on the side stream), or it could read half-restored
+    bytes.  The CUDA stream and event are recorders here (no GPU)."""
+    waited = []
+
+    class Stream:
+        def wait_event(self, event):
+            waited.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    parking = _parking()
+    parking.park([torch.ones(3)])
+    parking.restore()
+    event = object()
+    parking._pending = event  # as a background restore leaves it
+    parking.park([])
+    assert waited == [event] and not parking.pending
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_background_restore_gives_the_same_bytes_once_the_current_stream_waits():
-    """256 MiB of fp32 state parked, then restored on a side stream while the current stream multiplies matrices:
-    after :meth:`HostParking.wait`, reads on the current stream see exactly the parked bytes."""
+    """256 MiB of fp32 state parked, the freed device memory overwritten with NaN, then restored on a side stream held
+    back ~1 s (so the copies are provably still in flight when the reads are queued): after :meth:`HostParking.wait`,
+    reads on the current stream see exactly the parked bytes; without the wait they would see the NaN."""
     state = [torch.randn(16 << 20, device="cuda") for _ in range(4)]
     want = [t.clone() for t in state]
     parking = HostParking(pin=True)
     parking.park(state)
     assert all(t.untyped_storage().nbytes() == 0 for t in state)
-    a = torch.randn(4096, 4096, device="cuda")
-    parking.restore(stream=torch.cuda.Stream())
+    poison = [torch.full((16 << 20,), float("nan"), device="cuda") for _ in range(4)]  # the blocks the park freed
+    del poison  # cached, taken again by the restore's allocations
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 31)
+    parking.restore(stream=side)
     assert parking.pending and not parking.parked
-    for _ in range(8):  # work on the current stream while the copies run
-        a = torch.nn.functional.normalize(a @ a, dim=1)
+    assert not parking._pending.query()  # the copies have not landed yet
     parking.wait()
     got = [t.clone() for t in state]  # queued after the wait
     torch.cuda.synchronize()

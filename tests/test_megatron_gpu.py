@@ -13,7 +13,8 @@ appended to ``$SLIME_GPU_FIGURES`` as JSON lines when set):
 - ``offload`` frees the gradient buffers, the optimizer state and (without ``keep_weights``) the
   weights, ``onload(weights_only=True)`` (a mid-rollout re-sync) the weights alone, and ``onload`` the same
   bytes; the re-sync's free-memory figures are its own (``perf/resync_free_gib_*``); the step after the onload
-  (its optimizer state copied back on a side stream) gives bit for bit the weights of a twin that never offloaded;
+  (its optimizer state copied back on a side stream, still in flight as the step starts, into memory filled with
+  NaN) gives the weights and moments of a twin that never offloaded, within a few bf16 steps;
 - ``--recompute-granularity full`` (megatron-core's layer checkpointing) and ``selective`` (the attention
   and delta-rule kernels) train the same step as no recompute;
 - the weight export on GPU is the checkpoint, by name, on the GPU;
@@ -208,19 +209,43 @@ def _job_offload(rank_info, ckpt_dir, samples, out):
     allocated.append(torch.cuda.memory_allocated())
     after = {n: backend.optimizer.param_state(p) for n, p in params.items()}
     same = all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
-    metrics = train_step(backend, 1, samples, num_steps=1)  # its optimizer state came back in the background
+    # Once more, with the step starting while the optimizer state's copies are still in flight: the memory they land
+    # in is first filled with NaN (kept in the allocator's cache, where the restore takes its blocks from), and the
+    # side stream is held back ~2 s, so that a read before HostParking.wait would find NaN, not the parked bytes.
+    backend.memory.offload()
+    parking = backend.optimizer.parking
+    poison = [torch.full((n,), 255, dtype=torch.uint8, device="cuda")  # all-ones bytes: fp32 NaN
+              for _ in range(2) for _, _, n in parking._slots.values()]
+    del poison  # the blocks stay in the allocator's cache, sized as the restore will ask
+    restore = parking.restore
+
+    def held_back(stream=None):  # the side stream sleeps ~2 s before the copies that restore queues on it
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1 << 32)
+        return restore(stream=stream)
+
+    parking.restore = held_back
+    backend.memory.onload()
+    parking.restore = restore
+    in_flight = parking.pending and not parking._pending.query()
+    metrics = train_step(backend, 1, samples, num_steps=1)
     moved = {n: p.detach().clone() for n, p in params.items()}
+    moments = {n: backend.optimizer.param_state(p)["exp_avg"] for n, p in params.items()}
     twin = make_megatron(rank_info, ckpt_dir)  # the same two steps, never offloaded
     twin.init()
     for step in (0, 1):
         train_step(twin, step, samples, num_steps=1)
     stayed = dict(twin.model.named_parameters())
-    # the largest difference from the twin: GPU kernels are not bit-reproducible across two models in one process
-    # (the H100 run of 2026-12-07: 2.4e-4 with the state restored in the background, 2.4e-4 and 4.9e-4 in the
-    # foreground, one or two bf16 steps of these weights)
-    update_diff = max((moved[n].float() - stayed[n].detach().float()).abs().max().item() for n in moved)
+    # the largest difference from the twin (NaN propagates): GPU kernels are not bit-reproducible across two models
+    # in one process (the H100 run of 2026-12-07: 2.4e-4 and 4.9e-4 with the state restored in the foreground, one
+    # or two bf16 steps of these weights)
+    update_diff = torch.stack([(moved[n].float() - stayed[n].detach().float()).abs().max() for n in moved]).max().item()
+    moment_diff = torch.stack([(moments[n] - twin.optimizer.param_state(p)["exp_avg"]).abs().max()
+                               / twin.optimizer.param_state(p)["exp_avg"].abs().max().clamp_min(1e-12)
+                               for n, p in stayed.items()]).max().item()
     torch.save({"allocated": allocated, "same": same, "names": (names_before, names_kept, names_resync),
-                "metrics": metrics, "numel": sum(p.numel() for p in params.values()), "update_diff": update_diff},
+                "metrics": metrics, "numel": sum(p.numel() for p in params.values()), "update_diff": update_diff,
+                "moment_diff": moment_diff, "in_flight": bool(in_flight)},
                out / "offload.pt")
 
 
@@ -235,11 +260,14 @@ def test_offload_frees_gpu_memory_and_onload_restores_the_same_state(realgeo, fi
     assert kept - off >= 2 * numel  # then the bf16 weights
     assert back >= trained - numel  # everything came back (gradient buffers zeroed, not freed)
     assert r["same"], "optimizer state differs after offload / onload"
-    # the step after an onload (optimizer state restored on a side stream, overlapping forward and backward) updates
-    # the weights as a twin's step that never offloaded, within a few bf16 steps: had the optimizer read the fp32 main
-    # weights or moments before their copies landed, it would have written freed or stale memory into every weight
+    # the step after an onload (optimizer state restored on a side stream, still in flight as the step started, over
+    # memory filled with NaN) updates the weights and Adam's first moment as a twin's step that never offloaded,
+    # within a few bf16 steps: a read before the copies landed would have taken NaN into both
     record("megatron_gpu/offload_update_max_abs_diff", r["update_diff"])
+    record("megatron_gpu/offload_exp_avg_max_rel_diff", r["moment_diff"])
+    assert r["in_flight"], "the copies had landed before the step: the test proves nothing"
     assert r["update_diff"] <= 4e-3, "the step after offload / onload differs from the same step without them"
+    assert r["moment_diff"] <= 5e-2, "Adam's moments after offload / onload differ from the twin's"
     assert weights_only - off >= 2 * numel and weights_only < kept + numel  # the bf16 weights, no optimizer state
     assert r["names"][0] == r["names"][1] == r["names"][2]
     metrics = r["metrics"]
@@ -248,7 +276,6 @@ def test_offload_frees_gpu_memory_and_onload_restores_the_same_state(realgeo, fi
     # free memory may stay the same over the weights' onload: the tiny model's weights fit in a segment the caching
     # allocator already holds (76.6158 GiB before and after on an H100, 2026-12-07); the bytes are checked above
     assert metrics["perf/resync_free_gib_after_onload_weights"] <= metrics["perf/resync_free_gib_before_onload_weights"]
-    assert "perf/resync_free_gib_before_onload_weights" in metrics and "perf/train_free_gib_after_onload" in metrics
     assert metrics["perf/resync_free_gib_after_offload"] > metrics["perf/resync_free_gib_before_offload"]
 
 

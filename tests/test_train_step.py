@@ -379,7 +379,8 @@ def test_the_step_reports_its_own_peak_memory_on_cuda_and_the_group_the_largest_
 
     class Actor:  # a rank's Ray handle: .train.remote(...) answers that rank's metrics
         def __init__(self, peak, retries):
-            answer = {PEAK_MEMORY_KEY: peak, RESERVED_PEAK_KEY: peak + 1, ALLOC_RETRIES_KEY: retries, "x": peak}
+            answer = {PEAK_MEMORY_KEY: peak, RESERVED_PEAK_KEY: peak + 1, ALLOC_RETRIES_KEY: retries,
+                      DEVICE_ALLOCS_KEY: 10 * peak, "x": peak}
             self.train = type("Remote", (), {"remote": staticmethod(lambda *a: answer)})
 
     group = object.__new__(trainer_group.TrainerGroup)
@@ -387,5 +388,5 @@ def test_the_step_reports_its_own_peak_memory_on_cuda_and_the_group_the_largest_
     monkeypatch.setattr(group, "split_by_rank", lambda samples: ([[], []], 1), raising=False)
     monkeypatch.setattr(trainer_group.ray, "get", lambda refs: list(refs))
     merged = group.train(0, [])
-    assert (merged[RESERVED_PEAK_KEY], merged[ALLOC_RETRIES_KEY]) == (8.0, 3.0)  # each the largest over ranks
+    assert (merged[RESERVED_PEAK_KEY], merged[ALLOC_RETRIES_KEY], merged[DEVICE_ALLOCS_KEY]) == (8.0, 3.0, 70.0)
     assert merged[PEAK_MEMORY_KEY] == 7.0 and merged["x"] == 2.5  # the peak: the largest; the rest: rank 0's

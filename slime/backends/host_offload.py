@@ -90,7 +90,9 @@ class HostParking:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
             with torch.cuda.stream(stream):
                 for storage, host, nbytes in slots:
-                    _bytes_view(storage, nbytes).copy_(host, non_blocking=True)
+                    view = _bytes_view(storage, nbytes)
+                    view.copy_(host, non_blocking=True)
+                    view.record_stream(stream)  # a free before wait() must not hand the block out mid-copy
                 self._pending = torch.cuda.Event()
                 self._pending.record(stream)
         else:

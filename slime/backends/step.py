@@ -53,8 +53,9 @@ synchronises the device).  Nonzero: the step ran at the card's memory limit and 
 ``--max-tokens-per-gpu``).  Absent on CPU."""
 
 DEVICE_ALLOCS_KEY = "perf/train_device_allocs"
-"""How many segments the CUDA caching allocator took from the device during the step (``cudaMalloc`` calls: the
-increase of ``torch.cuda.memory_stats()["num_device_alloc"]``).  After the colocated offload's ``empty_cache`` the
+"""How many times the CUDA caching allocator took memory from the device during the step (the increase of
+``torch.cuda.memory_stats()["num_device_alloc"]``: ``cudaMalloc`` calls, or with ``expandable_segments`` the
+``cuMemMap`` calls that grow a segment).  After the colocated offload's ``empty_cache`` the
 step's first activations come from fresh segments; where the old-log-prob pass is skipped, those calls land in the
 forward.  Absent on CPU."""
 

@@ -148,7 +148,7 @@ class DistributedAdam:
         device = torch.device("cpu") if on_host else param.device
         full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=device) for k in STATE_KEYS}
         for k, t in shard.items():
-            full[k][sl.start: sl.end] = t.detach().to(device, torch.float32)
+            full[k][sl.start: sl.end].copy_(t.detach())  # a host shard into a device tensor: no device temporary
         if not alone:
             flat = torch.cat([full[k] for k in STATE_KEYS])
             dist.all_reduce(flat, group=part.data_parallel_group)

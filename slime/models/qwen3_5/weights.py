@@ -203,8 +203,6 @@ def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     size = dist.get_world_size(group)
     if size == 1:
         return [tensor]
-    if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":  # optimizer state built in host memory
-        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))  # (a save while engines hold the GPU)
     out = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(out, tensor.contiguous(), group=group)
     return out
