@@ -236,3 +236,41 @@ def test_the_native_moe_layer_under_forced_routes_is_the_block_by_hand(models):
         layer.router.forced_experts = None
     expected = moe_block_f64(hf.model.language_model.layers[2].mlp, x[:, 0], routes)
     torch.testing.assert_close(out[:, 0].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_bound_for_a_gpu_go_through_pinned_memory_without_a_host_sync(monkeypatch):
+    """A micro-batch's host tensors bound for CUDA are copied into page-locked memory and sent with
+    ``non_blocking=True`` (a pageable copy first waits for the stream's queued kernels: one host synchronisation per
+    micro-batch); to the CPU they move as before, and None stays None.  No GPU here: ``pin_memory`` and the copy to
+    "cuda" are recorders, and the packed batch's every tensor is checked to take that path."""
+    from slime.models.qwen3_5.model import Qwen35Inputs, to_device
+
+    calls = []
+    real_to = torch.Tensor.to
+
+    def pin_memory(self):
+        calls.append(("pin", tuple(self.shape)))
+        return self.clone()
+
+    def to(self, *args, **kwargs):
+        device = torch.device(args[0]) if args and isinstance(args[0], (str, torch.device)) else None
+        if device is not None and device.type == "cuda":
+            calls.append(("to", tuple(self.shape), kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    t = torch.arange(6)
+    assert to_device(None, "cuda") is None
+    assert to_device(t, "cpu") is t and calls == []
+    to_device(t, torch.device("cuda", 0))
+    assert calls == [("pin", (6,)), ("to", (6,), True)]
+
+    calls.clear()
+    inputs = Qwen35Inputs(input_ids=torch.zeros(5, dtype=torch.int64), position_ids=torch.zeros(3, 5, dtype=torch.int64),
+                          cu_seqlens=torch.tensor([0, 5]), max_seqlen=5)
+    inputs.to("cuda")
+    moved = [c for c in calls if c[0] == "to"]
+    assert {c[1] for c in moved} == {(5,), (3, 5), (2,)} and all(c[2] for c in moved)
+    assert len([c for c in calls if c[0] == "pin"]) == len(moved)

@@ -57,7 +57,7 @@ from slime.grpo.log_probs import vocab_parallel_log_probs
 from slime.grpo.loss import grpo_micro_batch_loss
 from slime.grpo.token_advantages import Whitening
 from slime.models.qwen3_5.config import Qwen35Arch
-from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs
+from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs, to_device
 from slime.routing_replay import RouteError, RouteShape, packed_routes
 
 logger = logging.getLogger(__name__)
@@ -352,8 +352,9 @@ class PackedBatch:
         return self.inputs.input_ids.numel()
 
     def to(self, device: torch.device) -> "PackedBatch":
-        """The same micro-batch with every tensor on ``device`` (micro-batches wait on the CPU until run)."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        """The same micro-batch with every tensor on ``device`` (micro-batches wait on the CPU until run; to a CUDA
+        device through pinned memory, without a host synchronisation: :func:`slime.models.qwen3_5.model.to_device`)."""
+        move = lambda t: to_device(t, device)  # noqa: E731
         return dataclasses.replace(
             self, inputs=self.inputs.to(device), targets=move(self.targets), loss_mask=move(self.loss_mask),
             cu_seqlens=move(self.cu_seqlens), advantages=move(self.advantages),

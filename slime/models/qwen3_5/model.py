@@ -19,6 +19,20 @@ from slime.models.qwen3_5.router import replayed_routes
 from slime.models.qwen3_5.vision import build_vision_tower, image_features, scatter_image_features
 
 
+def to_device(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    """``t`` on ``device`` (None stays None).  A host tensor bound for a CUDA device is first copied into page-locked
+    memory, then sent with ``non_blocking=True``: a copy from pageable memory first waits for every kernel already
+    queued on the stream (CUDA's rule for pageable copies), so each micro-batch's inputs cost a host synchronisation
+    and the GPU idles while the host queues the next forward; a pinned copy is queued like a kernel.  Torch's pinned
+    host allocator keeps the page-locked source until the copy has run."""
+    if t is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclasses.dataclass
 class Qwen35Document:
     """One sequence (prompt + response) before packing.
@@ -91,7 +105,7 @@ class Qwen35Inputs:
 
     def to(self, device) -> "Qwen35Inputs":
         """The same micro-batch with its tensors on ``device``."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        move = lambda t: to_device(t, device)  # noqa: E731
         return dataclasses.replace(self, input_ids=move(self.input_ids), position_ids=move(self.position_ids),
                                    cu_seqlens=move(self.cu_seqlens), pixel_values=move(self.pixel_values),
                                    image_grid_thw=move(self.image_grid_thw), logit_index=move(self.logit_index),
