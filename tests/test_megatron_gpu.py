@@ -240,9 +240,12 @@ def _job_offload(rank_info, ckpt_dir, samples, out):
     # in one process (the H100 run of 2026-12-07: 2.4e-4 and 4.9e-4 with the state restored in the foreground, one
     # or two bf16 steps of these weights)
     update_diff = torch.stack([(moved[n].float() - stayed[n].detach().float()).abs().max() for n in moved]).max().item()
-    moment_diff = torch.stack([(moments[n] - twin.optimizer.param_state(p)["exp_avg"]).abs().max()
-                               / twin.optimizer.param_state(p)["exp_avg"].abs().max().clamp_min(1e-12)
-                               for n, p in stayed.items()]).max().item()
+    # Adam's first moments against the twin's, as one relative L2 norm over every parameter (a per-parameter max
+    # is dominated by near-zero moments: 0.12 on the H100 run of 2026-12-07 with weights 2.4e-4 apart); moments
+    # read before the copies landed would be NaN, or zero (relative difference 1), never near 0
+    twin_moments = {n: twin.optimizer.param_state(p)["exp_avg"].float() for n, p in stayed.items()}
+    moment_diff = (torch.stack([(moments[n].float() - twin_moments[n]).pow(2).sum() for n in twin_moments]).sum().sqrt()
+                   / torch.stack([m.pow(2).sum() for m in twin_moments.values()]).sum().sqrt()).item()
     torch.save({"allocated": allocated, "same": same, "names": (names_before, names_kept, names_resync),
                 "metrics": metrics, "numel": sum(p.numel() for p in params.values()), "update_diff": update_diff,
                 "moment_diff": moment_diff, "in_flight": bool(in_flight)},
@@ -264,10 +267,10 @@ def test_offload_frees_gpu_memory_and_onload_restores_the_same_state(realgeo, fi
     # memory filled with NaN) updates the weights and Adam's first moment as a twin's step that never offloaded,
     # within a few bf16 steps: a read before the copies landed would have taken NaN into both
     record("megatron_gpu/offload_update_max_abs_diff", r["update_diff"])
-    record("megatron_gpu/offload_exp_avg_max_rel_diff", r["moment_diff"])
+    record("megatron_gpu/offload_exp_avg_rel_l2_diff", r["moment_diff"])
     assert r["in_flight"], "the copies had landed before the step: the test proves nothing"
     assert r["update_diff"] <= 4e-3, "the step after offload / onload differs from the same step without them"
-    assert r["moment_diff"] <= 5e-2, "Adam's moments after offload / onload differ from the twin's"
+    assert r["moment_diff"] <= 2e-2, "Adam's moments after offload / onload differ from the twin's"
     assert weights_only - off >= 2 * numel and weights_only < kept + numel  # the bf16 weights, no optimizer state
     assert r["names"][0] == r["names"][1] == r["names"][2]
     metrics = r["metrics"]
