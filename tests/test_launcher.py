@@ -281,7 +281,7 @@ def test_gpu_default_packs_micro_batches_on_one_gpu_and_keeps_upstreams_batching
     one sample per micro-batch, and asking for packing there is refused by the parser (EP > 1); a value that is not a
     count stops the launcher.  The parser takes the GPU branch's whole command (it refused upstream's
     ``--attention-softmax-in-fp32`` there once, unseen by any CPU test), with R3 too (selective recompute)."""
-    # The launcher's dry runs of this test, all started first (each is mostly its GPU probe's torch import).
+    # The launcher's dry runs of this test, all started first.
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         def start(gpus: int, *args: str, **extra: str) -> concurrent.futures.Future:
             return pool.submit(_gpu_dry_run, tmp_path, gpus, tiny_ckpt, args, **extra)

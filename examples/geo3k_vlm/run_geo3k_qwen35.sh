@@ -244,9 +244,9 @@ has_flag() {  # whether switch $1 is among the remaining arguments
    return 1
 }
 
-GPUS_SEEN=0; GPU_GIB=0  # not asked when SLIME_SCRIPT_FORCE_CPU=1 (importing torch takes seconds)
-[ "$FORCE_CPU" = "1" ] || read -r GPUS_SEEN GPU_GIB < <(python -c 'import torch; n = torch.cuda.device_count()
-print(n, torch.cuda.get_device_properties(0).total_memory >> 30 if n else 0)' 2>/dev/null || echo 0 0)
+GPUS_SEEN=0; GPU_GIB=0  # not asked when SLIME_SCRIPT_FORCE_CPU=1; the CUDA driver's answer, without importing torch
+[ "$FORCE_CPU" = "1" ] || read -r GPUS_SEEN GPU_GIB < <(cd "$SLIME_DIR" && python -c \
+   'from slime.utils.cuda_probe import main; main()' 2>/dev/null || echo 0 0)
 GPUS_SEEN=${GPUS_SEEN:-0}; GPU_GIB=${GPU_GIB:-0}
 NEED_DOWNLOAD=0
 if [ "$GPUS_SEEN" = "0" ] || [ "$FORCE_CPU" = "1" ]; then
