@@ -74,3 +74,13 @@ def driver_joins_local_ray(local_ray):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(driver, "init_ray", lambda cluster, **kwargs: False)
         yield
+
+
+def pytest_configure(config):
+    """The CPU ranks' fork-server preload (:data:`scripts.harness.spawn_ranks.PRELOAD`), set before anything in the
+    session starts the process's one fork server: the reward scorer's workers fork from the same server
+    (:mod:`slime.utils.forkserver`), and whichever starts it first decides what it has imported."""
+    from scripts.harness.spawn_ranks import PRELOAD
+    from slime.utils.forkserver import forkserver_context
+
+    forkserver_context(PRELOAD)

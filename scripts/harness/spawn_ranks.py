@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing
 import os
 import shutil
 import sys
@@ -42,6 +41,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from slime.utils.forkserver import forkserver_context
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """How long a collective may wait for a peer before the group raises (generous: loaded CI machines)."""
@@ -64,7 +65,7 @@ def spawn_ranks(fn, *args, world_size: int = 2, device: str = "cpu") -> None:
     """
     store_dir = tempfile.mkdtemp(prefix="slime-test-rendezvous-")
     if device == "cpu":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # before the server starts
+        forkserver_context(PRELOAD)  # counts only before the server starts: tests/conftest.py adds it at start-up
     try:
         mp.start_processes(
             _rank_main,

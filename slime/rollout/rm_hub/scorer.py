@@ -28,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING
 
 from slime.rollout.rm_hub.config import resolve_reward_function
+from slime.utils.forkserver import forkserver_context
 
 if TYPE_CHECKING:
     from slime.rollout.rm_hub.config import RewardConfig, RewardFunction
@@ -151,11 +152,9 @@ def worker_context() -> multiprocessing.context.BaseContext:
     0.02 s to stop, measured on a 2-core machine (``docs/CONTRIBUTING.md``).  The server is started by the first
     worker of this process (a clean, single-threaded interpreter: forking it is safe where forking a threaded Ray
     actor is not) and exits with this process.  The preload applies to the process's one fork server; if something
-    else started it first, workers import the modules themselves.
+    else started it first, workers import the modules themselves (:mod:`slime.utils.forkserver`).
     """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOADED_MODULES))
-    return context
+    return forkserver_context(PRELOADED_MODULES)
 
 
 
