@@ -77,10 +77,12 @@ def driver_joins_local_ray(local_ray):
 
 
 def pytest_configure(config):
-    """The CPU ranks' fork-server preload (:data:`scripts.harness.spawn_ranks.PRELOAD`), set before anything in the
-    session starts the process's one fork server: the reward scorer's workers fork from the same server
-    (:mod:`slime.utils.forkserver`), and whichever starts it first decides what it has imported."""
+    """The preloads of the process's one fork server, for the CPU ranks
+    (:data:`scripts.harness.spawn_ranks.PRELOAD`) and the reward scorer's workers
+    (:data:`slime.rollout.rm_hub.scorer.PRELOADED_MODULES`), set before anything in the session starts it: whichever
+    starts it first decides what it has imported (:mod:`slime.utils.forkserver`)."""
     from scripts.harness.spawn_ranks import PRELOAD
+    from slime.rollout.rm_hub.scorer import PRELOADED_MODULES
     from slime.utils.forkserver import forkserver_context
 
-    forkserver_context(PRELOAD)
+    forkserver_context((*PRELOAD, *PRELOADED_MODULES))

@@ -32,3 +32,11 @@ def alternating_reward(response: str, label: str, cfg) -> float:
     random tiny model never earns a real reward), and a weight sync that missed a tensor would show in the
     engine / trainer log-prob gap (``tests/test_megatron_loop.py``)."""
     return float(next(_calls) % 2)
+
+
+def environment_reward(response: str, label: str, cfg) -> float:
+    """``float(os.environ['SLIME_TEST_REWARD'])``: a reward read from the environment, as a judge's URL or an API key
+    would be (``tests/test_rm_hub.py``: workers see the driver's environment of when they start)."""
+    import os
+
+    return float(os.environ.get("SLIME_TEST_REWARD", "-1"))

@@ -45,10 +45,47 @@ class StandInDriver:
         return self._result("cuDeviceTotalMem_v2")
 
 
-def test_count_and_gib_of_device_0_rounded_down():
+@pytest.fixture
+def cuda_build(tmp_path) -> Path:
+    """A ``torch/version.py`` as a CUDA build of torch writes it."""
+    path = tmp_path / "version.py"
+    path.write_text("from typing import Optional\n__version__ = '2.11.0+cu130'\ndebug = False\n"
+                    "cuda: Optional[str] = '13.0'\ngit_version = 'abc'\nhip: Optional[str] = None\n")
+    return path
+
+
+def test_count_and_gib_of_device_0_rounded_down(cuda_build):
     h100 = 81559 * 2**20  # an H100 80GB HBM3's 81,559 MiB: 79.6 GiB
-    assert cuda_probe.visible_devices(StandInDriver(8, h100)) == (8, 79)
-    assert cuda_probe.visible_devices(StandInDriver(1, 150 * 2**30 - 1)) == (1, 149)
+    assert cuda_probe.visible_devices(StandInDriver(8, h100), cuda_build) == (8, 79)
+    assert cuda_probe.visible_devices(StandInDriver(1, 150 * 2**30 - 1), cuda_build) == (1, 149)
+
+
+def test_a_cpu_build_of_torch_sees_no_gpu_whatever_the_driver_sees(tmp_path, cuda_build):
+    cpu_build = tmp_path / "cpu_version.py"
+    cpu_build.write_text("from typing import Optional\n__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
+    driver = StandInDriver(8, 2**40)
+    assert cuda_probe.torch_cuda_version(cpu_build) is None
+    assert cuda_probe.visible_devices(driver, cpu_build) == (0, 0)
+    assert driver.calls == []  # the driver is not even asked
+    assert cuda_probe.torch_cuda_version(cuda_build) == "13.0"
+    assert cuda_probe.visible_devices(StandInDriver(8, 2**40), tmp_path / "missing.py") == (0, 0)
+
+
+def test_the_installed_torchs_build_is_read_without_importing_it():
+    code = ("import sys; from slime.utils.cuda_probe import torch_cuda_version; v = torch_cuda_version(); "
+            "import torch; print(v == torch.version.cuda, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]
+
+
+def test_a_driver_without_an_entry_point_reads_as_no_gpu(cuda_build):
+    class OldDriver(StandInDriver):
+        def __getattribute__(self, name):
+            if name == "cuDeviceTotalMem_v2":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    assert cuda_probe.visible_devices(OldDriver(2, 2**40), cuda_build) == (0, 0)
 
 
 @pytest.mark.parametrize("driver", [
@@ -58,16 +95,16 @@ def test_count_and_gib_of_device_0_rounded_down():
     StandInDriver(2, 2**40, fail="cuDeviceGet"),
     StandInDriver(2, 2**40, fail="cuDeviceTotalMem_v2"),
 ], ids=["no-device", "zero", "count-fails", "get-fails", "memory-fails"])
-def test_any_failure_reads_as_no_gpu(driver):
-    assert cuda_probe.visible_devices(driver) == (0, 0)
+def test_any_failure_reads_as_no_gpu(driver, cuda_build):
+    assert cuda_probe.visible_devices(driver, cuda_build) == (0, 0)
 
 
-def test_no_driver_library_reads_as_no_gpu(monkeypatch):
+def test_no_driver_library_reads_as_no_gpu(monkeypatch, cuda_build):
     def missing(name, *args, **kwargs):
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(ctypes, "CDLL", missing)
-    assert cuda_probe.visible_devices() == (0, 0)
+    assert cuda_probe.visible_devices(None, cuda_build) == (0, 0)
 
 
 def test_the_launchers_command_prints_count_and_gib_without_importing_torch():
@@ -77,11 +114,7 @@ def test_the_launchers_command_prints_count_and_gib_without_importing_torch():
     assert torch_imported == "False"
     launcher = (REPO / "examples" / "geo3k_vlm" / "run_geo3k_qwen35.sh").read_text()
     assert "'from slime.utils.cuda_probe import main; main()'" in launcher
-    try:
-        import torch
-    except ImportError:
-        return
-    if not torch.cuda.is_available():
+    if cuda_probe.torch_cuda_version() is None:  # a CPU build of torch, as on CPU machines and CI
         assert (count, gib) == ("0", "0")
 
 

@@ -857,6 +857,55 @@ def test_workers_start_on_first_score_and_stop_on_close():
     assert not any(worker.is_alive() for worker in workers)
 
 
+def test_workers_see_the_environment_of_when_they_start_not_the_fork_servers(monkeypatch):
+    """The fork server keeps the environment of its start; a worker takes the scorer's of when it starts."""
+    from tests.rewards import environment_reward
+
+    cfg = RewardConfig(custom_rm_path=_path(environment_reward), rm_num_workers=1)
+    monkeypatch.setenv("SLIME_TEST_REWARD", "0.5")
+    with RewardScorer(cfg) as first:
+        assert first.score(["x"], ["1"]) == [0.5]
+    monkeypatch.setenv("SLIME_TEST_REWARD", "0.25")
+    with RewardScorer(cfg) as second:
+        assert second.score(["x"], ["1"]) == [0.25]
+
+
+def test_a_worker_exits_when_the_process_that_started_it_is_killed(tmp_path):
+    """Workers fork from the fork server, so they are not the driver's children: when the driver is SIGKILLed, an
+    idle worker must still leave (Ray stops an actor's direct children only)."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, time\n"
+        "from slime.rollout.rm_hub.config import RewardConfig\n"
+        "from slime.rollout.rm_hub.scorer import RewardScorer\n"
+        "if __name__ == '__main__':\n"
+        "    scorer = RewardScorer(RewardConfig(rm_num_workers=1))\n"
+        "    scorer.score([r'\\boxed{1}'], ['1'])\n"
+        "    print(scorer._workers[0]._pid.result(), flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        worker = int(driver.stdout.readline())
+        os.kill(worker, 0)  # alive while the driver is
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            if open(f"/proc/{worker}/stat").read().split(") ")[1][0] == "Z":
+                break  # exited, not yet reaped by the fork server
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"worker {worker} outlived the killed driver by 30 s")
+    finally:
+        driver.kill()
+
+
 def test_closed_scorer_refuses_to_score():
     with RewardScorer(MATH) as closed:  # no worker starts before the first score()
         pass

@@ -20,9 +20,11 @@ import enum
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import numbers
 import os
 import signal
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING
@@ -38,8 +40,11 @@ logger = logging.getLogger(__name__)
 WORKER_START_TIMEOUT_S = 120.0
 """Seconds a new worker may take to start (the first one starts the fork server, which imports SymPy; on a loaded
 machine that takes seconds)."""
-PRELOADED_MODULES = ("slime.rollout.rm_hub.scorer", "slime.rollout.rm_hub.math_reward")
-"""Imported once by the fork server (:func:`worker_context`), so that a worker forked from it starts with them."""
+PRELOADED_MODULES = ("math_verify",)
+"""Imported once by the fork server (:func:`worker_context`), so that a worker forked from it starts with them:
+math-verify and what it imports (SymPy, latex2sympy2), most of a worker's start-up.  Third-party modules only: the
+server imports with its own ``sys.path`` (the standard library does not pass the driver's), so a slime module
+preloaded there could be another checkout's copy than the driver's."""
 _LOGGED_FAILURES = 5
 """Failed responses described in a ``score`` call's warning."""
 _LOGGED_CHARS = 200
@@ -96,17 +101,42 @@ def _raise_timeout(signum, frame):
     raise RewardTimeout
 
 
+def _exit_with_parent() -> None:
+    """Exit this worker as soon as the process that started it dies.
+
+    A worker forked from the fork server is not the driver's child: when the driver is killed (SIGKILL, or a Ray
+    actor that Ray stops, which kills only its direct children), an idle worker would wait on its call queue for
+    ever.  A daemon thread (SIGALRM blocked there, so that the ``--rm-timeout`` timer is handled by the main thread)
+    waits on the parent's sentinel (:func:`multiprocessing.parent_process`) and leaves with ``os._exit``.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 _reward_function: RewardFunction | None = None
 """This worker process's reward function, resolved once by :func:`_init_worker`."""
 
 
-def _init_worker(cfg: RewardConfig) -> None:
-    """Resolve ``cfg``'s reward function once for this worker, ignore SIGINT, raise :class:`RewardTimeout` on SIGALRM,
-    quiet math-verify, warm its parsers."""
+def _init_worker(cfg: RewardConfig, environ: dict[str, str]) -> None:
+    """Take the driver's environment (a worker forked from the fork server has the server's, from its start), exit
+    when the driver does, resolve ``cfg``'s reward function once for this worker, ignore SIGINT, raise
+    :class:`RewardTimeout` on SIGALRM, quiet math-verify, warm its parsers."""
     global _reward_function
+    os.environ.clear()
+    os.environ.update(environ)
+    _exit_with_parent()
     _reward_function = resolve_reward_function(cfg)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})  # in case the server's starter had it blocked
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     # Warm math-verify's lazily built parsers (a fraction of a second, several on a busy
     # machine) before the worker counts as started, so that a fresh worker's first response
@@ -148,10 +178,12 @@ def worker_context() -> multiprocessing.context.BaseContext:
     """The ``forkserver`` start method, its server preloaded with :data:`PRELOADED_MODULES`.
 
     A ``spawn`` worker starts a fresh interpreter that imports SymPy and math-verify (about 1 s of CPU) and tears
-    them down on exit (about 0.6 s); a worker forked from the fork server has them already: 0.25 s to start and
+    them down on exit (about 0.6 s); a worker forked from the fork server has them already: 0.2-0.5 s to start and
     0.02 s to stop, measured on a 2-core machine (``docs/CONTRIBUTING.md``).  The server is started by the first
     worker of this process (a clean, single-threaded interpreter: forking it is safe where forking a threaded Ray
-    actor is not) and exits with this process.  The preload applies to the process's one fork server; if something
+    actor is not); it lives while this process or one of its workers does, and each worker exits when this process
+    does (:func:`_exit_with_parent`).  Workers get this process's environment at start (:func:`_init_worker`).
+    The preload applies to the process's one fork server; if something
     else started it first, workers import the modules themselves (:mod:`slime.utils.forkserver`).
     """
     return forkserver_context(PRELOADED_MODULES)
@@ -163,7 +195,7 @@ class _Worker:
 
     def __init__(self, context: multiprocessing.context.BaseContext, cfg: RewardConfig):
         self.executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=context, initializer=_init_worker, initargs=(cfg,)
+            max_workers=1, mp_context=context, initializer=_init_worker, initargs=(cfg, dict(os.environ))
         )
         self._pid = self.executor.submit(os.getpid)
 
