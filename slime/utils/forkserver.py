@@ -1,7 +1,7 @@
 """The process's one ``forkserver`` (the standard library's start method) and the modules its server imports.
 
 Several parts of a process may start workers from the fork server, each wanting some modules imported once there
-(the reward scorer: itself and math-verify; the test harness's CPU ranks: torch and the backends).  The standard
+(the reward scorer: math-verify; the test harness's CPU ranks: torch and the backends).  The standard
 library keeps one server per process and one preload list, and offers only a setter, so a second caller would
 replace the first one's list; :func:`forkserver_context` adds to it instead.  The list counts only until the server
 starts (the first worker of the process starts it); after that, a worker imports what its server lacks itself.

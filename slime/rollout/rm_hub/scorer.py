@@ -1,8 +1,8 @@
 """Batched reward scoring in worker processes, with a time limit per response.
 
 Every reward call runs in the main thread of a worker process (``--rm-num-workers`` single-process
-executors, one response each at a time, forked from a ``forkserver`` that has this module and math-verify
-imported: :func:`worker_context`), under a soft limit, ``--rm-timeout`` (a
+executors, one response each at a time, forked from a ``forkserver`` that has math-verify imported:
+:func:`worker_context`), under a soft limit, ``--rm-timeout`` (a
 ``SIGALRM`` timer raising :class:`RewardTimeout`), and a hard one, :func:`hard_deadline_s`, after
 which the worker is killed and restarted.  A response that times out, errors, is killed or loses its
 worker scores 0.0 and is counted in :class:`RewardStats`; a NaN or infinite reward is returned as it is (and
@@ -183,11 +183,10 @@ def worker_context() -> multiprocessing.context.BaseContext:
     worker of this process (a clean, single-threaded interpreter: forking it is safe where forking a threaded Ray
     actor is not); it lives while this process or one of its workers does, and each worker exits when this process
     does (:func:`_exit_with_parent`).  Workers get this process's environment at start (:func:`_init_worker`).
-    The preload applies to the process's one fork server; if something
-    else started it first, workers import the modules themselves (:mod:`slime.utils.forkserver`).
+    The preload applies to the process's one fork server; if something else started it first, workers import the
+    modules themselves (:mod:`slime.utils.forkserver`).
     """
     return forkserver_context(PRELOADED_MODULES)
-
 
 
 class _Worker:
