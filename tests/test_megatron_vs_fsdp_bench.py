@@ -24,7 +24,7 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
          "--prompt-text", "16", "--image-grid", "1", "4", "4", "--response-min", "8", "--response-max", "32",
          "--max-tokens-per-gpu", "256", "--json", str(out), "--profile", str(tmp_path / "profile"),
          "--workdir", str(tmp_path / "work"), "--recompute", "selective", "--old-log-probs",
-         "--fresh-lengths", "--moe-token-dispatcher-type", "allgather"],
+         "--fresh-lengths", "--moe-token-dispatcher-type", "allgather", "--vision-attention", "sdpa"],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -44,6 +44,8 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
     # the launcher's compute: the old-log-prob forward first (timed in its own sub-phase), Megatron recomputing
     assert megatron["old_log_probs"] and megatron["recompute"] == "selective" and megatron["max_tokens_per_gpu"] == 256
     assert 0 < megatron["old_log_probs_s"] < megatron["step_s"] and 0 < fsdp["old_log_probs_s"] < fsdp["step_s"]
+    # --vision-attention sdpa found the Megatron model's one vision tower (the FSDP model's HF tower is SDPA anyway)
+    assert "megatron: vision attention sdpa in 1 tower(s)" in done.stdout and megatron["vision_attention"] == "sdpa"
     assert megatron["micro_batches"] == 1  # packed: every sample in one micro-batch of <= 256 tokens
     # the same checkpoint, samples and GRPO loss: both backends' first step has the same loss (fp32 on CPU)
     assert megatron["loss"] == pytest.approx(fsdp["loss"], rel=1e-5)

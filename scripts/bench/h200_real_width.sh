@@ -43,6 +43,8 @@
 #   mtp-recipe  ours alone at the recipe's rollout size (128 prompts x 512 tokens), without and with MTP
 #               (SLIME_MTP_RECIPE_SPECS: which of the two, default "none mtp")
 #   mtp-e2e     the e2e launcher run with SLIME_SCRIPT_SPECULATIVE=mtp, 3 rollouts (not in the default list)
+#   vision      scripts/bench/vision_tower.py: the vision tower's forward + backward at the launcher's shapes, SDPA per
+#               image against the varlen path, side by side (vision.jsonl; not in the default list)
 #   gpu-tests   pytest on this card of the GPU tests that prove the background onload of the optimizer state
 #               (SLIME_GPU_TESTS: the test ids; not in the default list)
 # Results in OUT_DIR: summary.txt, figures.jsonl, bench.jsonl (throughput), mtp.jsonl (mtp_sync), metrics.jsonl (the
@@ -53,7 +55,8 @@ MODE=${1:?usage: h200_real_width.sh start|wait|run OUT_DIR ...}; OUT=${2:?OUT_DI
 LOGS=/tmp/h200-real-width
 mkdir -p "$OUT" "$LOGS"; OUT=$(cd "$OUT" && pwd)
 pack() {
-  cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$LOGS/bench.jsonl" "$LOGS/mtp.jsonl" "$LOGS/bench-compute.jsonl" "$OUT/" 2>/dev/null
+  cp "$LOGS/summary.txt" "$LOGS/figures.jsonl" "$LOGS/bench.jsonl" "$LOGS/mtp.jsonl" "$LOGS/bench-compute.jsonl" \
+    "$LOGS/vision.jsonl" "$OUT/" 2>/dev/null
   cp "$LOGS/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
   cp "$LOGS/learn_reward_curve.png" "$OUT/" 2>/dev/null
   cp "$LOGS/profile/megatron.txt" "$OUT/bench-profile.txt" 2>/dev/null
@@ -317,12 +320,17 @@ PY
     RUN_DIR=$LOGS/run-mtp SPECULATIVE=mtp timed mtp_e2e launcher 1200 --num-rollout 3 --no-save-optim --overwrite-output-dir
     summarize_run "$LOGS/run-mtp"
     rm -rf "$LOGS/run-mtp/checkpoints" ;;
+  vision)
+    # The vision tower alone at the launcher's shapes (128 images of 36x36 patches, 6 a call), forward + backward:
+    # transformers' SDPA per image against the varlen path (and each block compiled: what fusing would give).
+    timed vision timeout 600 python3 scripts/bench/vision_tower.py --json "$LOGS/vision.jsonl"
+    cat "$LOGS/vision.jsonl" >>"$LOGS/summary.txt" 2>/dev/null ;;
   gpu-tests)
     # shellcheck disable=SC2086
     timed gpu_tests timeout 900 python3 -m pytest -x -s -rA -p no:cacheprovider -m gpu ${SLIME_GPU_TESTS:-tests/test_host_offload.py \
       tests/test_megatron_gpu.py::test_offload_frees_gpu_memory_and_onload_restores_the_same_state}
     tail -n 5 "$LOGS/gpu_tests.log" >>"$LOGS/summary.txt" ;;
-  *) echo "unknown phase $phase (build check before after after-none after-skip after-skip-none bench learn r3 freeze refuse throughput floor e2e resume mtp mtp-sync mtp-recipe mtp-e2e gpu-tests)" | tee -a "$LOGS/summary.txt" ;;
+  *) echo "unknown phase $phase (build check before after after-none after-skip after-skip-none bench learn r3 freeze refuse throughput floor e2e resume mtp mtp-sync mtp-recipe mtp-e2e vision gpu-tests)" | tee -a "$LOGS/summary.txt" ;;
   esac
 done
 echo "all phases done" | tee -a "$LOGS/summary.txt"

@@ -33,7 +33,8 @@ extra forward is not counted: it is not model work), peak GPU memory allocated a
 (``perf/train_alloc_retries``), the last timed step's old-log-prob and forward-backward seconds, and the Megatron /
 FSDP ratio (``dispatcher`` is Megatron's; an FSDP row repeats the flag).  ``--fresh-lengths`` gives every step new
 samples of the same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type``
-picks megatron-core's MoE token dispatcher.
+picks megatron-core's MoE token dispatcher; ``--vision-attention sdpa`` puts the Megatron model's vision tower back
+on transformers' one SDPA call per image and block (the alternative to its varlen path).
 ``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``).
 Each step's time is printed as it ends, so a run cut off by a time limit still shows how far it got.
 
@@ -159,6 +160,13 @@ def run_backend(rank: int, name: str, ckpt: str, args, out: str) -> None:
     backend = build_backend(name, RankInfo(0, 1, "127.0.0.1", 0, args.device), Path(ckpt), args)
     start = time.perf_counter()
     backend.init()
+    if args.vision_attention == "sdpa":  # the alternative: transformers' one SDPA call per image and block
+        from slime.models.qwen3_5.vision import use_vision_attention
+
+        towers = [m for m in backend.model.modules() if type(m).__name__.endswith("VisionModel")]
+        for tower in towers:
+            use_vision_attention(tower, "sdpa")
+        print(f"{name}: vision attention sdpa in {len(towers)} tower(s)", flush=True)
     init_s = time.perf_counter() - start
     print(f"{name}: built in {init_s:.1f} s", flush=True)
     cuda = args.device == "cuda"
@@ -257,6 +265,9 @@ def main() -> None:
                         "--recompute-num-layers 1; CUDA only). The FSDP backend keeps its own.")
     parser.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default=None,
                         help="Megatron's MoE token dispatcher (default: the backend's, allgather at EP = 1).")
+    parser.add_argument("--vision-attention", choices=["model", "sdpa"], default="model",
+                        help="The vision tower's attention: the model's (varlen on CUDA bf16: all images of a "
+                        "micro-batch in one call a block) or sdpa (transformers' one call per image, the old path).")
     parser.add_argument("--fresh-lengths", action="store_true",
                         help="Every step after the first trains new samples (response lengths and values drawn with "
                         "the step's index as seed), as the launcher's steps do; default: the same samples each step.")
@@ -313,7 +324,7 @@ def main() -> None:
             tokens=round(timed_tokens / len(result["work"])), fresh_lengths=args.fresh_lengths,
             step_tokens=[t for t, _ in result["work"]],
             max_tokens_per_gpu=args.max_tokens_per_gpu, recompute=args.recompute, old_log_probs=args.old_log_probs,
-            dispatcher=args.moe_token_dispatcher_type or "default",
+            dispatcher=args.moe_token_dispatcher_type or "default", vision_attention=args.vision_attention,
             step_s=round(statistics.median(result["times"]), 3), step_s_all=[round(t, 3) for t in result["times"]],
             tokens_per_s=round(timed_tokens / seconds),
             tflops=round(timed_flops / seconds / 1e12, 1), mfu=round(timed_flops / seconds / 1e12 / args.peak_tflops, 4),

@@ -105,7 +105,8 @@ class MegatronConfig(BackendConfig):
         "auto", choices=["flash", "fused", "unfused", "local", "auto"],
         help="Megatron attention implementation: auto = fla + torch's varlen FlashAttention for bf16 on CUDA, the "
         "torch paths otherwise; flash = varlen FlashAttention (CUDA, bf16); local / unfused = SDPA; fused "
-        "(TransformerEngine) is refused (not installed).",
+        "(TransformerEngine) is refused (not installed). The vision tower follows: varlen = all images of a "
+        "micro-batch in one call a block, SDPA = one call per image.",
     )
     qkv_format: str = flag(
         "thd", choices=["thd", "bshd"],

@@ -87,7 +87,9 @@ class Qwen35Kernels:
     Attributes:
         gdn: ``"fla"`` (flash-linear-attention's ``chunk_gated_delta_rule``; CUDA, fp32 via TF32) or ``"torch"``
             (:func:`slime.models.qwen3_5.gdn.chunk_gated_delta_rule_torch`; any device and dtype, exact fp32, slow).
-        attention: ``"varlen"`` (torch's ``varlen_attn``; CUDA, bf16/fp16) or ``"sdpa"`` (one call per document).
+        attention: ``"varlen"`` (torch's ``varlen_attn``; CUDA, bf16/fp16) or ``"sdpa"`` (one call per document);
+            the vision tower follows it (:func:`slime.models.qwen3_5.vision.vision_attention_for`: all images of a
+            micro-batch in one call a block, or one SDPA call per image).
         gdn_conv: ``"fla"`` (``causal_conv1d``) or ``"torch"`` (:func:`slime.models.qwen3_5.gdn.causal_conv1d_packed`);
             default: as ``gdn``.
 

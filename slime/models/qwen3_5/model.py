@@ -16,7 +16,12 @@ import torch
 from slime.models.qwen3_5.config import Qwen35Config
 from slime.models.qwen3_5.rope import inv_frequencies, mrope_frequencies
 from slime.models.qwen3_5.router import replayed_routes
-from slime.models.qwen3_5.vision import build_vision_tower, image_features, scatter_image_features
+from slime.models.qwen3_5.vision import (
+    build_vision_tower,
+    image_features,
+    scatter_image_features,
+    vision_attention_for,
+)
 
 
 def to_device(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
@@ -173,7 +178,8 @@ class Qwen35Model(_megatron_module()):
             self.embedding = VocabParallelEmbedding(self.padded_vocab_size, arch.hidden_size,
                                                     init_method=tc.init_method, config=tc, tp_group=tp_group)
             if vision and arch.vision_config is not None:
-                self.visual = build_vision_tower(arch.vision_config, dtype=tc.params_dtype, device=_build_device(tc))
+                self.visual = build_vision_tower(arch.vision_config, dtype=tc.params_dtype, device=_build_device(tc),
+                                                 attn_implementation=vision_attention_for(config.kernels.attention))
         self.decoder = TransformerBlock(
             tc, qwen35_block_spec(config, pp_rank=pp_group.rank(), vp_stage=vp_stage), pre_process=pre_process,
             post_process=post_process, pg_collection=pg_collection, vp_stage=vp_stage,

@@ -187,7 +187,8 @@ def materialize(model, device) -> None:
     visual = getattr(model, "visual", None)
     if visual is not None and any(p.is_meta for p in visual.parameters()):
         arch, dtype = model.qwen_config.arch, next(visual.parameters()).dtype
-        model.visual = build_vision_tower(arch.vision_config, dtype=dtype, device=device)
+        model.visual = build_vision_tower(arch.vision_config, dtype=dtype, device=device,
+                                          attn_implementation=visual.config._attn_implementation)
     for name, p in model.named_parameters():
         if not name.startswith("visual."):
             p.__dict__.update(attributes.get(name, {}))
