@@ -40,3 +40,34 @@ def test_a_worker_forked_from_the_server_has_the_preloaded_modules_before_it_imp
     # fractions imports decimal: both are in the worker, though neither the worker nor pickling asked for them; a
     # module nobody imported is not
     assert out.split() == ["True", "True", "False"]
+
+
+def test_a_tmpdir_too_deep_for_the_socket_is_named_and_one_that_fits_starts(tmp_path):
+    """The server's socket is TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: TMPDIR may have 107 - 32 = 75 bytes.  At 76 the
+    standard library's own start fails with a bare OSError; ours names TMPDIR first.  At 75 a pool starts."""
+    def tmpdir_of(length: int) -> str:
+        path = str(tmp_path) + "/" + "d" * (length - len(str(tmp_path)) - 1)
+        os.makedirs(path, exist_ok=True)
+        assert len(path) == length
+        return path
+
+    start = ("import multiprocessing\n"
+             "from slime.utils.forkserver import forkserver_context\n"
+             "if __name__ == '__main__':\n"
+             "    with {ctx}.Pool(1) as pool:\n"
+             "        print(pool.apply(abs, (-3,)))\n")
+    script = tmp_path / "start.py"
+
+    def run(length: int, ctx: str):
+        script.write_text(start.format(ctx=ctx))
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmpdir_of(length)}
+        return subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    fits = run(75, "forkserver_context()")
+    assert fits.returncode == 0 and fits.stdout.split() == ["3"], fits.stderr[-2000:]
+    bare = run(76, "multiprocessing.get_context('forkserver')")
+    assert bare.returncode != 0 and "AF_UNIX path too long" in bare.stderr
+    ours = run(76, "forkserver_context()")
+    assert ours.returncode != 0 and "ForkServerUnavailable" in ours.stderr
+    assert f"TMPDIR={tmpdir_of(76)} is too deep" in ours.stderr and "(108 bytes)" in ours.stderr

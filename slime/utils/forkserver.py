@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
+import os
 import multiprocessing.forkserver
 from typing import Iterable
 
@@ -22,13 +23,43 @@ def preloaded() -> list[str]:
     return [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
 
 
+UNIX_SOCKET_PATH_MAX = 107
+"""The longest Unix-socket path Linux takes (``sun_path`` is 108 bytes with its NUL)."""
+
+
+class ForkServerUnavailable(RuntimeError):
+    """The fork server cannot start here (its Unix socket's path under ``TMPDIR`` is too long)."""
+
+
+def check_socket_path() -> None:
+    """Refuse a temporary directory too deep for the server's socket before the standard library fails on it.
+
+    The server listens on ``<multiprocessing's temp dir>/listener-XXXXXXXX`` (``multiprocessing.util.get_temp_dir``:
+    ``pymp-XXXXXXXX`` under ``tempfile.gettempdir()``, so under ``TMPDIR``); past :data:`UNIX_SOCKET_PATH_MAX` bytes
+    the start raises a bare ``OSError: AF_UNIX path too long`` from inside ``multiprocessing``.
+
+    Raises:
+        ForkServerUnavailable: naming the path, its length and ``TMPDIR``.
+    """
+    import multiprocessing.util
+
+    socket = os.path.join(multiprocessing.util.get_temp_dir(), "listener-XXXXXXXX")
+    if len(os.fsencode(socket)) > UNIX_SOCKET_PATH_MAX:
+        raise ForkServerUnavailable(
+            f"the fork server's socket would be {socket} ({len(os.fsencode(socket))} bytes), over the "
+            f"{UNIX_SOCKET_PATH_MAX} bytes a Unix socket path may have; TMPDIR={os.environ.get('TMPDIR', '(unset)')} "
+            "is too deep: point TMPDIR at a shorter directory (e.g. /tmp)")
+
+
 def forkserver_context(modules: Iterable[str] = ()) -> multiprocessing.context.BaseContext:
     """The ``forkserver`` context, ``modules`` added to its server's preload (those already there kept, in order).
 
     Raises:
         ValueError: the platform has no ``forkserver`` start method (not POSIX).
+        ForkServerUnavailable: ``TMPDIR`` too deep for the server's socket (:func:`check_socket_path`).
     """
     context = multiprocessing.get_context("forkserver")
+    check_socket_path()
     current = preloaded()
     context.set_forkserver_preload(current + [m for m in modules if m not in current])
     return context
