@@ -171,6 +171,11 @@ def test_packed_micro_batches_equal_one_sample_each(against_fsdp):
     _, ranks = against_fsdp
     r0 = ranks[0]
     assert r0["packed_metrics"]["train/micro_batches"] < r0["metrics"]["train/micro_batches"]  # it did pack
+    # each step's micro-batches timed inside the forward-backward sub-phase (the figures are step means)
+    m = r0["metrics"]
+    assert 0 < m["perf/micro_batch_first_s"] <= m["perf/micro_batch_max_s"]
+    assert 0 < m["perf/micro_batch_median_s"] <= m["perf/micro_batch_max_s"] < m["perf/train_forward_backward_s"]
+    assert m["perf/micro_batch_first_quarter_tokens_per_s"] > 0 and m["perf/micro_batch_rest_tokens_per_s"] > 0
     for name in ("train/loss", "train/pg_loss", "train/ppo_kl", "train/grad_norm", "train/entropy"):
         assert r0["packed_metrics"][name] == pytest.approx(r0["metrics"][name], rel=1e-5, abs=1e-6), name
     packed = {**ranks[0]["packed_weights"], **ranks[1]["packed_weights"]}

@@ -108,6 +108,69 @@ class _SubPhase:
         self.clock.add(self.sub, time.perf_counter() - self._start)
 
 
+class MicroBatchClock:
+    """Seconds of each micro-batch of a training schedule (its forward and backward), with no host sync per
+    micro-batch: ``mark()`` as each micro-batch starts, ``stop()`` after the last.
+
+    On a CUDA ``device`` a mark is an event recorded on the current stream, read in :meth:`seconds` (which waits
+    for the last one); elsewhere it is :func:`time.perf_counter`.  The figures locate time inside the
+    ``forward_backward`` sub-phase (e.g. whether the first micro-batches, which overlap the optimizer state's
+    background onload, run slower); they are not sub-phases and do not add to the train phase.
+    """
+
+    def __init__(self, device: Any = None):
+        self._cuda = device is not None and getattr(device, "type", device) == "cuda"
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        """A micro-batch starts now (in stream order on CUDA)."""
+        if self._cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    stop = mark
+    """The last micro-batch has ended."""
+
+    def seconds(self) -> list[float]:
+        """Each micro-batch's seconds, from its mark to the next (the last: to :meth:`stop`)."""
+        if len(self._marks) < 2:
+            return []
+        if self._cuda:
+            self._marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in zip(self._marks, self._marks[1:])]
+        return [b - a for a, b in zip(self._marks, self._marks[1:])]
+
+
+def micro_batch_metrics(seconds: list[float], tokens: list[int]) -> dict[str, float]:
+    """Where the forward-backward time of one optimizer step goes, micro-batch by micro-batch:
+    ``perf/micro_batch_{first,median,max}_s`` (seconds) and the tokens/s of the first quarter of the micro-batches
+    (at least one) against the rest's, ``perf/micro_batch_{first_quarter,rest}_tokens_per_s`` (the rest's only with
+    two or more micro-batches).  Empty without figures.
+
+    Raises:
+        ValueError: ``seconds`` and ``tokens`` differ in length.
+    """
+    if len(seconds) != len(tokens):
+        raise ValueError(f"{len(seconds)} micro-batch times for {len(tokens)} micro-batches")
+    if not seconds:
+        return {}
+    ordered = sorted(seconds)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    out = {"perf/micro_batch_first_s": seconds[0], "perf/micro_batch_median_s": median,
+           "perf/micro_batch_max_s": ordered[-1]}
+    quarter = max(1, len(seconds) // 4)
+    out["perf/micro_batch_first_quarter_tokens_per_s"] = sum(tokens[:quarter]) / max(sum(seconds[:quarter]), 1e-12)
+    if len(seconds) > quarter:
+        out["perf/micro_batch_rest_tokens_per_s"] = sum(tokens[quarter:]) / max(sum(seconds[quarter:]), 1e-12)
+    return out
+
+
 def synchronize_current_stream(device: Any) -> None:
     """Block the host until the CUDA ``device``'s current stream has run the work queued on it (and whatever it was
     made to wait for); unlike ``torch.cuda.synchronize``, work queued on other streams may still run."""

@@ -59,6 +59,7 @@ from slime.grpo.token_advantages import Whitening
 from slime.models.qwen3_5.config import Qwen35Arch
 from slime.models.qwen3_5.model import Qwen35Document, Qwen35Inputs, to_device
 from slime.routing_replay import RouteError, RouteShape, packed_routes
+from slime.utils.timer import MicroBatchClock, micro_batch_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class MegatronBackend:
         self.device = torch.device("cpu")
         self.model = self.ref_model = self.optimizer = None  # the rest of the step's attributes: init()
         self._micro_batches = 0  # of the last forward_backward, for apply_update's metrics
+        self._micro_batch_figures: dict[str, float] = {}  # its micro-batch times (micro_batch_metrics)
         self.memory = HandOver(self)
         self.frozen = self.frozen_hf_names = frozenset()
 
@@ -220,9 +222,12 @@ class MegatronBackend:
                             whitening=next((b.advantage_whitening for b in batches), None))
         self._micro_batches = len(batches)
         model = self.optimizer.model
+        clock = MicroBatchClock(self.device)
         with packed_routes(batches, self._replay_shape(batches, True, False), replay=True) as packed:
-            store = run_micro_batches(model, packed, make_forward_step(ctx, grpo_loss_func), forward_only=False,
-                                      device=self.device)
+            store = run_micro_batches(model, packed, make_forward_step(ctx, grpo_loss_func, on_start=clock.mark),
+                                      forward_only=False, device=self.device)
+            clock.stop()
+            self._micro_batch_figures = micro_batch_metrics(clock.seconds(), [p.num_tokens for p in packed])
         for batch, out in zip(batches, store):  # --skip-actor-forward-only: per sample, one copy to the host
             if FORWARD_LOG_PROBS in out:
                 out[FORWARD_LOG_PROBS] = batch.packed.split(out[FORWARD_LOG_PROBS].float().cpu())
@@ -234,9 +239,10 @@ class MegatronBackend:
 
     def apply_update(self, lr: float, grad_scale: float) -> dict[str, float]:
         """The optimizer's step at ``lr`` with the gradients scaled by ``grad_scale`` (the gradients zeroed after it);
-        ``train/micro_batches``: this rank's micro-batches of the step."""
+        ``train/micro_batches``: this rank's micro-batches of the step, and the step's micro-batch times
+        (:func:`slime.utils.timer.micro_batch_metrics`, this rank's)."""
         self.optimizer.step(lr, grad_scale)
-        return {"train/micro_batches": float(self._micro_batches)}
+        return {"train/micro_batches": float(self._micro_batches), **self._micro_batch_figures}
 
     def input_embedding(self) -> torch.nn.Module | None:
         """The first pipeline stage's ``VocabParallelEmbedding`` (None on later stages)."""
@@ -465,12 +471,14 @@ def log_prob_func(ctx: LossContext, batch: PackedBatch, logits: Tensor):
     return zero, torch.ones((), dtype=torch.int, device=zero.device), {"log_probs": log_probs.detach()}
 
 
-def make_forward_step(ctx: LossContext, loss_func):
+def make_forward_step(ctx: LossContext, loss_func, on_start: Callable[[], None] | None = None):
     """megatron-core's ``forward_step_func`` over an iterator of :class:`PackedBatch` es (moved to
     ``ctx.device`` one at a time), with ``loss_func`` (:func:`grpo_loss_func` or :func:`log_prob_func`)
-    bound to ``ctx`` and the micro-batch."""
+    bound to ``ctx`` and the micro-batch; ``on_start`` is called as each micro-batch starts."""
 
     def forward_step(data_iterator, model):
+        if on_start is not None:
+            on_start()
         batch = next(data_iterator).to(ctx.device)
         return model(batch.inputs), partial(loss_func, ctx, batch)
 
