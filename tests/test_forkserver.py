@@ -43,12 +43,15 @@ def test_a_worker_forked_from_the_server_has_the_preloaded_modules_before_it_imp
 
 
 def test_a_tmpdir_too_deep_for_the_socket_is_named_and_one_that_fits_starts(tmp_path):
-    """The server's socket is TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: TMPDIR may have 107 - 32 = 75 bytes.  At 76 the
-    standard library's own start fails with a bare OSError; ours names TMPDIR first.  At 75 a pool starts."""
-    def tmpdir_of(length: int) -> str:
-        path = str(tmp_path) + "/" + "d" * (length - len(str(tmp_path)) - 1)
+    """The server's socket sits under TMPDIR (this Python's ``arbitrary_address``: ``pymp-X/listener-X`` up to 3.13,
+    ``pymp-X/sock-X`` later).  With the socket path at 107 bytes a pool starts; at 108 the standard library's own
+    start fails with a bare OSError, and ours names the directory first."""
+    suffix = int(_run("import multiprocessing.connection as c, tempfile\n"
+                      "print(len(c.arbitrary_address('AF_UNIX')) - len(tempfile.gettempdir()))"))
+
+    def tmpdir_for(socket_bytes: int) -> str:
+        path = str(tmp_path) + "/" + "d" * (socket_bytes - suffix - len(str(tmp_path)) - 1)
         os.makedirs(path, exist_ok=True)
-        assert len(path) == length
         return path
 
     start = ("import multiprocessing\n"
@@ -58,16 +61,16 @@ def test_a_tmpdir_too_deep_for_the_socket_is_named_and_one_that_fits_starts(tmp_
              "        print(pool.apply(abs, (-3,)))\n")
     script = tmp_path / "start.py"
 
-    def run(length: int, ctx: str):
+    def run(socket_bytes: int, ctx: str):
         script.write_text(start.format(ctx=ctx))
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmpdir_of(length)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmpdir_for(socket_bytes)}
         return subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=120)
 
-    fits = run(75, "forkserver_context()")
+    fits = run(107, "forkserver_context()")
     assert fits.returncode == 0 and fits.stdout.split() == ["3"], fits.stderr[-2000:]
-    bare = run(76, "multiprocessing.get_context('forkserver')")
+    bare = run(108, "multiprocessing.get_context('forkserver')")
     assert bare.returncode != 0 and "AF_UNIX path too long" in bare.stderr
-    ours = run(76, "forkserver_context()")
-    assert ours.returncode != 0 and "ForkServerUnavailable" in ours.stderr
-    assert f"TMPDIR={tmpdir_of(76)} is too deep" in ours.stderr and "(108 bytes)" in ours.stderr
+    ours = run(108, "forkserver_context()")
+    assert ours.returncode != 0 and "ForkServerUnavailable" in ours.stderr and "(108 bytes)" in ours.stderr
+    assert f"the temporary directory {tmpdir_for(108)} (TMPDIR) is too deep" in ours.stderr

@@ -2,8 +2,8 @@
 
 CPU: torch's ``varlen_attn`` is CUDA-only, so the plumbing is checked with it replaced by a float64 block-diagonal
 attention written here; the reference is transformers' own SDPA path of the same tower (one call per image).
-GPU (marked gpu): the real kernel in bf16 against the SDPA path in fp32, with its error no larger than SDPA's own bf16
-run's, for the features and every parameter's gradient.
+GPU (marked gpu): the real kernel in bf16 against the SDPA path in fp32, its error within max(2e-2, 1.5 x) SDPA's own
+bf16 run's, for the features and every parameter's gradient.
 """
 
 from __future__ import annotations
@@ -119,6 +119,36 @@ def test_a_device_tensor_max_length_is_read_once_per_call(monkeypatch):
     assert seen[-1] == (5, 5) and len(reads) == 2
 
 
+def test_a_scale_this_torch_cannot_take_is_refused(monkeypatch):
+    def no_scale(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):  # an older varlen_attn
+        return q
+
+    monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", no_scale)
+    q = torch.zeros(1, 2, 4, 16)
+    cu = torch.tensor([0, 4])
+    out, _ = V.varlen_vision_attention(None, q, q, q, scaling=0.25, cu_seq_lens_q=cu, max_length_q=4)  # 1/sqrt(16)
+    assert out.shape == (1, 4, 2, 16)
+    with pytest.raises(ValueError, match="no scale argument; scaling 0.5 is not 1/sqrt"):
+        V.varlen_vision_attention(None, q, q, q, scaling=0.5, cu_seq_lens_q=cu, max_length_q=4)
+
+
+def test_the_native_model_gives_its_tower_the_attention_of_its_kernels(tiny_ckpt):
+    """``Qwen35Model`` builds the tower with :func:`vision_attention_for` of its ``kernels.attention``."""
+    pytest.importorskip("megatron.core")
+    from qwen35_helpers import megatron_on_cpu
+
+    from slime.models.qwen3_5.config import Qwen35Kernels, qwen35_config_from_hf
+    from slime.models.qwen3_5.model import Qwen35Model
+
+    with megatron_on_cpu():
+        for attention, want in (("varlen", V.VARLEN_VISION_ATTENTION), ("sdpa", "sdpa")):
+            config = qwen35_config_from_hf(tiny_ckpt, params_dtype=torch.float32,
+                                           kernels=Qwen35Kernels(gdn="torch", attention=attention),
+                                           moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
+                                           perform_initialization=False)
+            assert Qwen35Model(config).visual.config._attn_implementation == want, attention
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(dropout=0.1), "dropout=0.1"),
     (dict(is_causal=True), "causal=True"),
@@ -161,22 +191,15 @@ def test_gpu_varlen_tower_matches_fp32_sdpa_at_real_width():
     assert varlen_grad <= max(2e-2, 1.5 * sdpa_grad)
 
 
-def test_the_tower_bench_runs_and_counts_flops_by_hand(tmp_path):
-    """``scripts/bench/vision_tower.py`` (the GPU's ``vision`` phase) gets to its figures on CPU; the FLOP count by hand."""
+def test_the_tower_bench_runs_on_cpu(tmp_path):
+    """``scripts/bench/vision_tower.py`` (the GPU's ``vision`` phase) gets to its figures on CPU; the varlen variant,
+    CUDA-only, is reported as an error row instead of stopping the script."""
     import json
     import subprocess
     import sys
-    from importlib.util import module_from_spec, spec_from_file_location
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "vision_tower.py"
-    spec = spec_from_file_location("vision_tower_bench", script)
-    bench = module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    # width 2, MLP 3, one block, one image of 4 patches: 4 x 2 (4 * 4 + 2 * 2 * 3) + 4 * 16 * 2 = 224 + 128
-    assert bench.vision_flops(dict(hidden_size=2, intermediate_size=3, depth=1), [4]) == 352
-    assert bench.vision_flops(dict(hidden_size=2, intermediate_size=3, depth=3), [4, 4]) == 6 * 352
-
     out = tmp_path / "vision.jsonl"
     done = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--depth", "1", "--images", "3", "--images-per-call", "2",
@@ -186,4 +209,4 @@ def test_the_tower_bench_runs_and_counts_flops_by_hand(tmp_path):
     sdpa, varlen = (json.loads(line) for line in out.read_text().splitlines())
     assert (sdpa["variant"], sdpa["patches"], sdpa["max_rel_diff_vs_sdpa"]) == ("sdpa", 48, 0.0)
     assert sdpa["step_s"] > 0 and sdpa["patches_per_s"] == round(48 / sdpa["step_s"])
-    assert varlen["variant"] == "varlen" and "flash" in varlen["error"].lower()  # CUDA-only kernel: reported
+    assert varlen["variant"] == "varlen" and "flash" in varlen["error"].lower()

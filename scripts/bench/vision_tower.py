@@ -11,12 +11,14 @@ Variants, side by side in one process on the same inputs and weights:
   host each block);
 - ``varlen``: :data:`slime.models.qwen3_5.vision.VARLEN_VISION_ATTENTION`, all images of a call in one torch
   ``varlen_attn`` a block (the native model's default on CUDA);
-- ``varlen-compiled``: ``varlen`` with each block under ``torch.compile`` (fuses the fp32 rotary, LayerNorms, GELU
-  and residual adds; not used by the trainer: a measurement of what fusing would give).
+- ``varlen-compiled``: ``varlen`` with each block under ``torch.compile`` (not used by the trainer).  The compiled
+  regions are split wherever the block reads a value on the host (with transformers 5.12, the attention's
+  ``max_length_q`` once per call), so this is partial fusion, not the whole block in one graph.
 
 Reported per variant (one JSON line each, ``--json``): the median step seconds over ``--steps`` timed steps after
-``--warmup``, patches/s, the tower's model TFLOP/s (``qwen35_shapes.vision_flops`` x 3 for forward + backward) and
-the largest |difference| of its features from the ``sdpa`` variant's relative to their largest |value|.
+``--warmup`` (each variant warmed up, then the timed steps in rounds of one step per variant), patches/s, the tower's model TFLOP/s
+(``qwen35_shapes.vision_flops``, the count the Megatron bench uses, x 3 for forward + backward) and the largest
+|difference| of its features from the ``sdpa`` variant's relative to their largest |value|.
 
 Usage: ``python scripts/bench/vision_tower.py --json OUT/vision.jsonl`` (``--device cpu --depth 2`` is a smoke run).
 """
@@ -34,20 +36,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen35_shapes import vision_flops  # noqa: E402
 
 from slime.checkpoints.scaled_qwen35 import scaled_config  # noqa: E402
 from slime.models.qwen3_5 import vision as V  # noqa: E402
 
 VARIANTS = ("sdpa", "varlen", "varlen-compiled")
-
-
-def vision_flops(config: dict, patches_per_image: list[int]) -> float:
-    """Forward FLOPs of the tower's blocks over these images: per patch and block 2 x (qkv 3 w^2 + proj w^2 + MLP
-    2 w m), plus per image and block the attention's 4 p^2 w (scores and values); the patch embedding and merger
-    are left out (under 1 %)."""
-    width, mlp, depth = config["hidden_size"], config["intermediate_size"], config["depth"]
-    per_patch = 2 * (4 * width * width + 2 * width * mlp)
-    return depth * sum(p * per_patch + 4 * p * p * width for p in patches_per_image)
 
 
 def main() -> None:
@@ -99,40 +95,50 @@ def main() -> None:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    blocks = list(tower.blocks)
-    reference = None
-    for variant in args.variants:
+    blocks = torch.nn.ModuleList(tower.blocks)
+    compiled = None
+
+    def use(variant: str) -> None:
+        nonlocal compiled
         V.use_vision_attention(tower, "sdpa" if variant == "sdpa" else V.VARLEN_VISION_ATTENTION)
-        tower.blocks = torch.nn.ModuleList(
-            [torch.compile(b) for b in blocks] if variant == "varlen-compiled" else blocks)
-        row = {"variant": variant, "images": args.images, "images_per_call": args.images_per_call,
-               "patches": sum(patches), "depth": config["depth"], "device": torch.cuda.get_device_name()
-               if device.type == "cuda" else "cpu"}
+        if variant == "varlen-compiled" and compiled is None:
+            compiled = torch.nn.ModuleList([torch.compile(b) for b in blocks])
+        tower.blocks = compiled if variant == "varlen-compiled" else blocks
+
+    rows, features, times = {}, {}, {}
+    for variant in args.variants:  # warm-up (compilation) per variant; a variant that cannot run here is reported
+        rows[variant] = {"variant": variant, "images": args.images, "images_per_call": args.images_per_call,
+                         "patches": sum(patches), "depth": config["depth"],
+                         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
         try:
+            use(variant)
             start = time.perf_counter()
             for _ in range(args.warmup):
-                features = step()
+                features[variant] = step()
             sync()
-            row["warmup_s"] = round(time.perf_counter() - start, 2)
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                features = step()
-                sync()
-                times.append(time.perf_counter() - start)
-        except Exception as error:  # a variant that cannot run here (e.g. the compiler) is reported, not fatal
-            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            emit(row)
-            continue
-        seconds = statistics.median(times)
-        features = features.float()
-        if variant == "sdpa":
-            reference = features
-        row.update(step_s=round(seconds, 4), steps_s=[round(t, 4) for t in times],
-                   patches_per_s=round(sum(patches) / seconds), tflops=round(flops / seconds / 1e12, 1),
-                   mfu=round(flops / seconds / 1e12 / args.peak_tflops, 3))
-        if reference is not None:
-            row["max_rel_diff_vs_sdpa"] = float((features - reference).abs().max() / reference.abs().max())
+            rows[variant]["warmup_s"] = round(time.perf_counter() - start, 2)
+            times[variant] = []
+        except Exception as error:
+            rows[variant]["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    running = [v for v in args.variants if v in times]
+    for _ in range(args.steps):  # timed steps interleaved: each round runs every variant once
+        for variant in running:
+            use(variant)
+            start = time.perf_counter()
+            features[variant] = step()
+            sync()
+            times[variant].append(time.perf_counter() - start)
+    reference = features.get("sdpa")
+    for variant in args.variants:
+        row = rows[variant]
+        if variant in times:
+            seconds = statistics.median(times[variant])
+            row.update(step_s=round(seconds, 4), steps_s=[round(t, 4) for t in times[variant]],
+                       patches_per_s=round(sum(patches) / seconds), tflops=round(flops / seconds / 1e12, 1),
+                       mfu=round(flops / seconds / 1e12 / args.peak_tflops, 3))
+            if reference is not None:
+                diff = (features[variant].float() - reference.float()).abs().max() / reference.float().abs().max()
+                row["max_rel_diff_vs_sdpa"] = float(diff)
         emit(row)
 
 

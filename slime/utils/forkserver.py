@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
-import os
 import multiprocessing.forkserver
+import os
 from typing import Iterable
 
 
@@ -34,20 +34,23 @@ class ForkServerUnavailable(RuntimeError):
 def check_socket_path() -> None:
     """Refuse a temporary directory too deep for the server's socket before the standard library fails on it.
 
-    The server listens on ``<multiprocessing's temp dir>/listener-XXXXXXXX`` (``multiprocessing.util.get_temp_dir``:
-    ``pymp-XXXXXXXX`` under ``tempfile.gettempdir()``, so under ``TMPDIR``); past :data:`UNIX_SOCKET_PATH_MAX` bytes
-    the start raises a bare ``OSError: AF_UNIX path too long`` from inside ``multiprocessing``.
+    The server listens on a path that ``multiprocessing.connection.arbitrary_address("AF_UNIX")`` draws (a name in
+    ``multiprocessing.util.get_temp_dir()``, itself ``pymp-XXXXXXXX`` under ``tempfile.gettempdir()``, so under
+    ``TMPDIR``; drawing one creates nothing).  Past :data:`UNIX_SOCKET_PATH_MAX` bytes the start raises a bare
+    ``OSError: AF_UNIX path too long`` from inside ``multiprocessing``.
 
     Raises:
-        ForkServerUnavailable: naming the path, its length and ``TMPDIR``.
+        ForkServerUnavailable: naming the path, its length and the directory it sits under.
     """
+    import multiprocessing.connection
     import multiprocessing.util
 
-    socket = os.path.join(multiprocessing.util.get_temp_dir(), "listener-XXXXXXXX")
+    socket = multiprocessing.connection.arbitrary_address("AF_UNIX")
     if len(os.fsencode(socket)) > UNIX_SOCKET_PATH_MAX:
+        base = os.path.dirname(multiprocessing.util.get_temp_dir())
         raise ForkServerUnavailable(
             f"the fork server's socket would be {socket} ({len(os.fsencode(socket))} bytes), over the "
-            f"{UNIX_SOCKET_PATH_MAX} bytes a Unix socket path may have; TMPDIR={os.environ.get('TMPDIR', '(unset)')} "
+            f"{UNIX_SOCKET_PATH_MAX} bytes a Unix socket path may have; the temporary directory {base} (TMPDIR) "
             "is too deep: point TMPDIR at a shorter directory (e.g. /tmp)")
 
 

@@ -14,6 +14,7 @@ it the images' ``cu_seqlens`` instead: one call a block, no per-image split.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Sequence
 
@@ -47,7 +48,8 @@ def varlen_vision_attention(module, query: torch.Tensor, key: torch.Tensor, valu
         ``([1, P, H, d], None)``, the layout transformers' flash path reshapes to ``[P, H * d]``.
 
     Raises:
-        ValueError: dropout, an attention mask or a causal call (the vision tower uses none of them).
+        ValueError: dropout, an attention mask or a causal call (the vision tower uses none of them), or a
+            ``scaling`` other than ``1/sqrt(d)`` where this torch's ``varlen_attn`` takes no scale.
     """
     from torch.nn.attention.varlen import varlen_attn
 
@@ -60,7 +62,7 @@ def varlen_vision_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     max_q = _host_int(max_length_q, cu_seq_lens_q)
     max_k = max_q if max_length_k is None else _host_int(max_length_k, cu_seq_lens_k)
     options = {}
-    if scaling is not None and "scale" in inspect.signature(varlen_attn).parameters:
+    if scaling is not None and _takes_scale(varlen_attn):
         options["scale"] = scaling
     elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
         raise ValueError(f"this torch's varlen_attn has no scale argument; scaling {scaling} is not 1/sqrt(d)")
@@ -68,12 +70,20 @@ def varlen_vision_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     return out.unsqueeze(0), None
 
 
-def _host_int(max_length, cu_seqlens: torch.Tensor) -> int:
+@functools.cache
+def _takes_scale(varlen_attn) -> bool:
+    return "scale" in inspect.signature(varlen_attn).parameters
+
+
+def _host_int(max_length, cu_seqlens: torch.Tensor | None) -> int:
     """``max_length`` as a Python int.  transformers 5.12 passes it as a device tensor, recomputed in every block from
     the one ``cu_seqlens`` tensor of the tower call: read it on the host once per call (one sync, not one a block),
-    kept on that tensor object (it lives as long as the call)."""
+    kept on that tensor object.  This assumes a ``cu_seqlens`` tensor is not changed in place once attended over
+    (transformers builds a new one for every tower call from ``grid_thw``)."""
     if not isinstance(max_length, torch.Tensor):
         return int(max_length)
+    if cu_seqlens is None:
+        return int(max_length.item())
     cached = getattr(cu_seqlens, "_slime_max_length", None)
     if cached is None:
         cached = int(max_length.item())
