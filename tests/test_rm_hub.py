@@ -906,6 +906,25 @@ def test_a_worker_exits_when_the_process_that_started_it_is_killed(tmp_path):
         driver.kill()
 
 
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux-only")
+def test_killing_a_worker_that_already_exited_goes_through_its_pidfd_not_its_number(monkeypatch):
+    """A worker's number may go to a new process once the worker has exited and been reaped: the kill uses the pidfd
+    opened while the worker was alive, which can only ever name that worker."""
+    import select
+
+    from slime.rollout.rm_hub.scorer import _Worker, worker_context
+
+    worker = _Worker(worker_context(), MATH)
+    worker.wait_started()
+    pid, pidfd = worker._pid.result(), worker._pidfd
+    assert pidfd is not None
+    os.kill(pid, signal.SIGKILL)  # it dies on its own account
+    assert select.select([pidfd], [], [], 30)[0] == [pidfd]  # a pidfd turns readable when its process exits
+    monkeypatch.setattr(os, "kill", lambda *args: pytest.fail(f"os.kill{args}: a signal by number"))
+    worker.kill()  # ESRCH through the pidfd, swallowed
+    assert worker._pidfd is None  # closed
+
+
 def test_closed_scorer_refuses_to_score():
     with RewardScorer(MATH) as closed:  # no worker starts before the first score()
         pass

@@ -197,6 +197,16 @@ class _Worker:
             max_workers=1, mp_context=context, initializer=_init_worker, initargs=(cfg, dict(os.environ))
         )
         self._pid = self.executor.submit(os.getpid)
+        self._pidfd: int | None = None  # the process itself, not its number: a later process may reuse the number
+        self._pid.add_done_callback(self._open_pidfd)
+
+    def _open_pidfd(self, pid: concurrent.futures.Future) -> None:
+        """Hold a pidfd of the worker from the moment it reports its pid (alive then), where Linux has them."""
+        if pid.exception() is None and hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(pid.result())
+            except OSError:  # already gone, or no pidfd support (kernel before 5.3): kill by number
+                self._pidfd = None
 
     def wait_started(self) -> None:
         """Block until the process has started and run its initializer.
@@ -219,17 +229,29 @@ class _Worker:
             ) from error
 
     def kill(self) -> None:
+        """SIGKILL the worker (through its pidfd where held: a worker that already exited is never confused with a
+        later process given its number), then shut its executor down."""
         if not (self._pid.done() and self._pid.exception() is None):
             self.executor.shutdown(wait=False, cancel_futures=True)
             return
         try:
-            os.kill(self._pid.result(), signal.SIGKILL)
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            else:
+                os.kill(self._pid.result(), signal.SIGKILL)
         except ProcessLookupError:
             pass  # it had already exited
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self._close_pidfd()
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self._close_pidfd()
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 class RewardScorer:
