@@ -322,7 +322,7 @@ PY
     rm -rf "$LOGS/run-mtp/checkpoints" ;;
   vision)
     # The vision tower alone at the launcher's shapes (128 images of 36x36 patches, 6 a call), forward + backward:
-    # transformers' SDPA per image against the varlen path (and each block compiled: what fusing would give).
+    # transformers' SDPA per image against the varlen path (and each block compiled, partial fusion).
     : >"$LOGS/vision.jsonl"  # this run's rows only
     timed vision timeout 600 python3 scripts/bench/vision_tower.py --json "$LOGS/vision.jsonl"
     cat "$LOGS/vision.jsonl" >>"$LOGS/summary.txt" 2>/dev/null ;;

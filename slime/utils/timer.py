@@ -6,6 +6,7 @@ other metrics.  The clock is :func:`time.perf_counter` (monotonic); GPU work cou
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -159,11 +160,8 @@ def micro_batch_metrics(seconds: list[float], tokens: list[int]) -> dict[str, fl
         raise ValueError(f"{len(seconds)} micro-batch times for {len(tokens)} micro-batches")
     if not seconds:
         return {}
-    ordered = sorted(seconds)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    out = {"perf/micro_batch_first_s": seconds[0], "perf/micro_batch_median_s": median,
-           "perf/micro_batch_max_s": ordered[-1]}
+    out = {"perf/micro_batch_first_s": seconds[0], "perf/micro_batch_median_s": statistics.median(seconds),
+           "perf/micro_batch_max_s": max(seconds)}
     quarter = max(1, len(seconds) // 4)
     out["perf/micro_batch_first_quarter_tokens_per_s"] = sum(tokens[:quarter]) / max(sum(seconds[:quarter]), 1e-12)
     if len(seconds) > quarter:
