@@ -53,6 +53,9 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
     assert ratio["megatron_over_fsdp"]["speedup"] == round(fsdp["step_s"] / megatron["step_s"], 2)
     assert ratio["megatron_over_fsdp"]["tokens_per_s"] == round(megatron["tokens_per_s"] / fsdp["tokens_per_s"], 2)
     assert {p.name for p in (tmp_path / "profile").iterdir()} == {"megatron.txt", "fsdp.txt"}
+    # the profiled step's operators by the line that called them: megatron-core's or the project's frames
+    sites = (tmp_path / "profile" / "megatron.txt").read_text().partition("by call site")[2]
+    assert re.search(r"^\s+(slime|megatron)/\S+\.py\(\d+\): \w+", sites, flags=re.M), sites[:2000]
 
 
 def test_the_cuda_profile_splits_the_kernels_device_time_by_kind_without_the_launch_queue_wait():
@@ -92,3 +95,37 @@ def test_the_cuda_profile_splits_the_kernels_device_time_by_kind_without_the_lau
                       "copies": "8.3", "elementwise": "8.3", "reductions and norms": "8.3"}
     assert bench.profile_text(Averages(averages[:2]), cuda=True).count("kernels alone: 0.0 ms") == 1  # no kernel recorded
     assert bench.profile_text(averages, cuda=False).splitlines()[0] == "sorted by self_cpu_time_total"
+
+
+def test_the_call_site_table_names_the_python_line_that_launched_the_device_time():
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("megatron_vs_fsdp_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def event(name, device_us=0, parent=None):
+        return types.SimpleNamespace(name=name, self_device_time_total=device_us, self_cpu_time_total=10,
+                                     cpu_parent=parent)
+
+    step = event("/x/slime/backends/step.py(40): train_step")
+    hook = event("/x/megatron/core/distributed/param_and_grad_buffer.py(120): hook",
+                 parent=event("/usr/lib/torch/profiler/profiler.py(700): __enter__", parent=step))  # not printed
+    fwd = event("/x/slime/models/qwen3_5/gdn.py(206): forward", device_us=5, parent=step)  # a Python event: skipped
+    events = [step, hook, fwd,
+              *(event("aten::add_", 100_000, parent=hook) for _ in range(3)),  # one group: 300 ms, 3 calls
+              event("aten::add_", 50_000, parent=fwd),  # the same operator from another line: its own group
+              event("aten::mul", 200_000),  # autograd's thread: no Python frame
+              event("Command Buffer Full", 5_000_000), event("aten::zero_", 0, parent=step)]
+    text = bench.call_site_text(events, cuda=True, limit=3)
+    rows = text.strip().splitlines()
+    assert rows[0].startswith("by call site")
+    assert "Command Buffer Full" not in text and "aten::zero_" not in text  # the wait and an operator with no time
+    assert rows[1].split()[:4] == ["300.0", "ms", "3x", "aten::add_"]  # most time first, calls summed
+    assert [r.strip() for r in rows[2:4]] == ["/x/megatron/core/distributed/param_and_grad_buffer.py(120): hook",
+                                              "/x/slime/backends/step.py(40): train_step"]
+    assert rows[4].split()[:4] == ["200.0", "ms", "1x", "aten::mul"] and rows[5].strip() == "(no Python frame)"
+    assert rows[6].split()[:4] == ["50.0", "ms", "1x", "aten::add_"]
+    assert [r.strip() for r in rows[7:]] == ["/x/slime/models/qwen3_5/gdn.py(206): forward",
+                                             "/x/slime/backends/step.py(40): train_step"]

@@ -35,7 +35,8 @@ FSDP ratio (``dispatcher`` is Megatron's; an FSDP row repeats the flag).  ``--fr
 samples of the same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type``
 picks megatron-core's MoE token dispatcher; ``--vision-attention sdpa`` puts the Megatron model's vision tower back
 on transformers' one SDPA call per image and block (the alternative to its varlen path).
-``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``).
+``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``),
+then the operators with the most device time by the Python line that called them.
 Each step's time is printed as it ends, so a run cut off by a time limit still shows how far it got.
 
 Usage (megatron-core, fla and their dependencies on PYTHONPATH, CUDA_HOME set for fla's tilelang backward):
@@ -197,11 +198,11 @@ def run_backend(rank: int, name: str, ckpt: str, args, out: str) -> None:
         from torch.profiler import profile as torch_profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with torch_profile(activities=activities) as prof:
+        with torch_profile(activities=activities, with_stack=True) as prof:
             train_step(backend, args.warmup + args.steps, same, num_steps=1)
             if cuda:
                 torch.cuda.synchronize()
-        profile = profile_text(prof.key_averages(), cuda)
+        profile = profile_text(prof.key_averages(), cuda) + call_site_text(prof.events(), cuda)
     torch.save({"times": times, "work": work, "alloc_retries": retries, "peak_gib": peak, "reserved_gib": reserved,
                 "init_s": init_s, "metrics": metrics, "profile": profile}, Path(out) / f"{name}.pt")
 
@@ -246,6 +247,41 @@ def profile_text(averages, cuda: bool) -> str:
     top = sorted(kernels, key=lambda x: -x[1])[:15]
     return "\n".join([table, "", f"kernels alone: {total:.1f} ms of device time", *lines, "", "top kernels:",
                       *(f"{ms:10.1f} ms  {key[:110]}" for key, ms in top), ""])
+
+
+PYTHON_FRAME = re.compile(r"\.py\(\d+\): ")
+"""The name of a Python-function event of ``torch.profiler(with_stack=True)``: ``path/file.py(line): function``."""
+CALL_SITE_FRAMES = re.compile(r"(slime|megatron|transformers|torch/(optim|autograd|nn/parallel))/")
+"""Frames that :func:`call_site_text` prints: the project's, megatron-core's, transformers' and the optimizer /
+autograd entry points (not the profiler's or the bench's own)."""
+
+
+def call_site_text(events, cuda: bool, limit: int = 20, frames: int = 4) -> str:
+    """Where the device time is spent, by call site: the profiled operators (``prof.events()`` of a
+    ``with_stack=True`` profile) grouped by name and their innermost ``frames`` Python frames that match
+    :data:`CALL_SITE_FRAMES` (read from the Python-function events above each operator, its ``cpu_parent`` chain),
+    the ``limit`` groups with the most self device time (self CPU time without CUDA) first, each with its calls and
+    milliseconds.  Kernels count as the self device time of the operator that launched them, so an element-wise kernel
+    of the kernel table is found here under the operator and line that launched it.  Operators with no such frame
+    above them (autograd's backward runs on a C++ thread) are listed as ``(no Python frame)``."""
+    groups: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for e in events:
+        own = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3
+        if own <= 0 or e.name == LAUNCH_QUEUE_WAIT or PYTHON_FRAME.search(e.name):
+            continue
+        stack, parent = [], e.cpu_parent
+        while parent is not None and len(stack) < frames:
+            if PYTHON_FRAME.search(parent.name) and CALL_SITE_FRAMES.search(parent.name):
+                stack.append(parent.name)
+            parent = parent.cpu_parent
+        total = groups.setdefault((e.name, tuple(stack)), [0.0, 0])
+        total[0] += own
+        total[1] += 1
+    lines = ["", f"by call site (self {'device' if cuda else 'CPU'} ms, calls, operator, innermost frames):"]
+    for (name, stack), (ms, calls) in sorted(groups.items(), key=lambda item: -item[1][0])[:limit]:
+        lines.append(f"{ms:10.1f} ms {calls:7d}x  {name}")
+        lines.extend(f"{'':22s}{frame}" for frame in stack or ["(no Python frame)"])
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
