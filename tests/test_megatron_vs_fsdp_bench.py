@@ -47,6 +47,9 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
     # --vision-attention sdpa found the Megatron model's one vision tower (the FSDP model's HF tower is SDPA anyway)
     assert "megatron: vision attention sdpa in 1 tower(s)" in done.stdout and megatron["vision_attention"] == "sdpa"
     assert megatron["micro_batches"] == 1  # packed: every sample in one micro-batch of <= 256 tokens
+    # the Megatron backend's per-micro-batch clock; one micro-batch: the first is the median and the max
+    clock = megatron["micro_batch"]
+    assert clock["first_s"] == clock["median_s"] == clock["max_s"] > 0 and fsdp["micro_batch"] == {}, (clock, fsdp)
     # the same checkpoint, samples and GRPO loss: both backends' first step has the same loss (fp32 on CPU)
     assert megatron["loss"] == pytest.approx(fsdp["loss"], rel=1e-5)
     # the ratios are those of the two rows

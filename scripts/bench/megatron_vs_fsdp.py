@@ -30,7 +30,8 @@ at 769-798 TFLOP/s; the datasheet's dense bf16 is 989, also printed as ``mfu_dat
 at the response positions only, the vision tower per patch; with ``--old-log-probs`` 4 x forward; a recompute's
 extra forward is not counted: it is not model work), peak GPU memory allocated and reserved
 (``max_memory_allocated`` / ``max_memory_reserved``), the caching allocator's retries over the timed steps
-(``perf/train_alloc_retries``), the last timed step's old-log-prob and forward-backward seconds, and the Megatron /
+(``perf/train_alloc_retries``), the last timed step's old-log-prob and forward-backward seconds and (Megatron) its micro-batch clock
+(``micro_batch``: ``perf/micro_batch_*`` without the prefix), and the Megatron /
 FSDP ratio (``dispatcher`` is Megatron's; an FSDP row repeats the flag).  ``--fresh-lengths`` gives every step new
 samples of the same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type``
 picks megatron-core's MoE token dispatcher; ``--vision-attention sdpa`` puts the Megatron model's vision tower back
@@ -370,6 +371,8 @@ def main() -> None:
             micro_batches=result["metrics"].get("train/micro_batches"), loss=result["metrics"].get("train/loss"),
             old_log_probs_s=round(result["metrics"].get("perf/train_old_log_probs_s", 0.0), 3),
             forward_backward_s=round(result["metrics"].get("perf/train_forward_backward_s", 0.0), 3),
+            micro_batch={k.removeprefix("perf/micro_batch_"): round(v, 4) for k, v in result["metrics"].items()
+                         if k.startswith("perf/micro_batch_")},  # the last timed step's (Megatron's clock)
         )
         if result["profile"] and args.profile:
             (args.profile / f"{name}.txt").write_text(result["profile"])
