@@ -30,10 +30,10 @@ at 769-798 TFLOP/s; the datasheet's dense bf16 is 989, also printed as ``mfu_dat
 at the response positions only, the vision tower per patch; with ``--old-log-probs`` 4 x forward; a recompute's
 extra forward is not counted: it is not model work), peak GPU memory allocated and reserved
 (``max_memory_allocated`` / ``max_memory_reserved``), the caching allocator's retries over the timed steps
-(``perf/train_alloc_retries``), the last timed step's old-log-prob and forward-backward seconds and (Megatron) its micro-batch clock
-(``micro_batch``: ``perf/micro_batch_*`` without the prefix), and the Megatron /
-FSDP ratio (``dispatcher`` is Megatron's; an FSDP row repeats the flag).  ``--fresh-lengths`` gives every step new
-samples of the same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type``
+(``perf/train_alloc_retries``), the last timed step's old-log-prob and forward-backward seconds and (Megatron) its
+micro-batch clock (``micro_batch``: ``perf/micro_batch_*`` without the prefix), and the Megatron / FSDP ratio
+(``dispatcher`` is Megatron's; an FSDP row repeats the flag).  ``--fresh-lengths`` gives every step new samples of the
+same distribution (the launcher's steps never repeat their lengths); ``--moe-token-dispatcher-type``
 picks megatron-core's MoE token dispatcher; ``--vision-attention sdpa`` puts the Megatron model's vision tower back
 on transformers' one SDPA call per image and block (the alternative to its varlen path).
 ``--profile DIR`` writes the top CUDA kernels of one more step of each of ``--profile-backends`` (``torch.profiler``),
