@@ -10,7 +10,8 @@ batches here always do: no shuffle, rows in the order red, green, blue, and
 ``--rollout-batch-size`` a multiple of 3).
 
 Every run is the real driver, ``python -m slime.train`` in a subprocess: a local Ray, one
-transformers engine, two FSDP2 trainer ranks over gloo (on a GPU machine also: one GPU, engine and
+transformers engine, two trainer ranks over gloo (FSDP2; Megatron, packed, for the Megatron main run and the
+engine ablations; on a GPU machine also: one GPU, engine and
 trainer colocated, for each of ``--train-backend megatron`` and ``fsdp``); the per-step reward is read back
 from ``<output-dir>/metrics.jsonl`` (``rollout/reward_mean`` at ``step`` = rollout id).
 Ablations plug in through the same import-path flags that users use for their own engines
@@ -123,11 +124,15 @@ sequence at a time).  The same seed gives both runs the same rewards up to round
 takes a third of the unpacked one's on 2 cores."""
 
 ABLATIONS = {
-    "blind_rollout": ["--rollout-backend", "tests.learning_ablations:BlindEngine"],
+    "blind_rollout": ["--rollout-backend", "tests.learning_ablations:BlindEngine",
+                      "--train-backend", "megatron", *MEGATRON_PACKING],
     "blind_training": ["--train-backend", "tests.learning_ablations:BlindTrainer"],
-    "no_weight_sync": ["--rollout-backend", "tests.learning_ablations:FrozenEngine"],
+    "no_weight_sync": ["--rollout-backend", "tests.learning_ablations:FrozenEngine",
+                       "--train-backend", "megatron", *MEGATRON_PACKING],
 }
-"""Each replaces one link of the loop; later flags override :data:`TRAIN_FLAGS`."""
+"""Each replaces one link of the loop of a main run; later flags override :data:`TRAIN_FLAGS`.  The two engine
+ablations train as the Megatron main run does (packed: a third of the FSDP run's train phase), the trainer ablation
+is the FSDP main run's trainer with grey pixels."""
 
 
 def first_window_reaching(rewards: list[float], target: float = TARGET, window: int = WINDOW) -> int | None:
