@@ -226,7 +226,7 @@ def ray_address() -> str:
 
 def _selected_cpu_runs(request) -> list[str]:
     """Names of the independent CPU runs (``main-<backend>``, ``ablation-<name>``) that this session's selected
-    tests of this module read, in test order (the dynamic-sampling test reads the FSDP main run)."""
+    tests of this module read, in test order (the dynamic-sampling test reads the Megatron main run)."""
     names = []
     for item in request.session.items:
         if getattr(item, "module", None) is not request.module:
@@ -235,7 +235,7 @@ def _selected_cpu_runs(request) -> list[str]:
         if item.originalname == "test_grpo_learns_colour_from_pixels":
             names.append(f"main-{params['backend']}")
         elif item.originalname == "test_dynamic_sampling_learns_in_no_more_rollouts":
-            names.append("main-fsdp")
+            names.append("main-megatron")
         elif item.originalname == "test_ablation_does_not_learn":
             names.append(f"ablation-{params['ablation']}")
     return list(dict.fromkeys(names))
@@ -343,18 +343,20 @@ def test_grpo_learns_colour_from_pixels(backend, cpu_runs):
 
 
 def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, ray_address, cpu_runs, tmp_path):
-    """The FSDP main run with DAPO dynamic sampling reaches the criterion in no more rollout steps than without.
+    """The Megatron main run (packed) with DAPO dynamic sampling reaches the criterion in no more rollout steps than
+    without.
 
-    The baseline is the FSDP main run of this session (:func:`cpu_runs`: one run for both tests); the
+    The baseline is the Megatron main run of this session (:func:`cpu_runs`: one run for both tests); the
     dynamic-sampling run stops at the rollout where the baseline met the criterion (it has to meet it by then).
     Dynamic sampling trains only on groups whose rewards vary, so its ``rollout/reward_mean`` (of the kept
     groups) is not the policy's accuracy; the criterion reads ``rollout/dynamic_sampling/generated_reward_mean``,
     the reward of every group generated in the step (the rounds hold every colour equally often).
     """
-    rewards, records = cpu_runs["main-fsdp"].result()
+    rewards, records = cpu_runs["main-megatron"].result()
     base_end = first_window_reaching(rewards)
     assert base_end is not None, f"the baseline did not learn: {_curve(rewards)}"
-    _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling", DYNAMIC_SAMPLING_FLAGS,
+    _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling",
+                                 ["--train-backend", "megatron", *MEGATRON_PACKING, *DYNAMIC_SAMPLING_FLAGS],
                                  num_rollout=base_end + 1, ray_address=ray_address)
     generated = {r["step"]: r["rollout/dynamic_sampling/generated_reward_mean"] for r in ds_records
                  if "rollout/dynamic_sampling/generated_reward_mean" in r}
