@@ -117,18 +117,16 @@ TRAIN_FLAGS = [
     "--skip-eval-before-train", "--no-progress-bar",
 ]  # fmt: skip
 
-MEGATRON_PACKING = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"]
+MEGATRON_PACKED = ["--train-backend", "megatron", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"]
 """The Megatron main run packs each optimizer step's samples of a rank (12 of about 22 tokens) into one micro-batch, as
 the launcher packs on a GPU; the FSDP run keeps one sample per micro-batch (its Gated DeltaNet layers train one
 sequence at a time).  The same seed gives both runs the same rewards up to rounding, and the packed run's train phase
 takes a third of the unpacked one's on 2 cores."""
 
 ABLATIONS = {
-    "blind_rollout": ["--rollout-backend", "tests.learning_ablations:BlindEngine",
-                      "--train-backend", "megatron", *MEGATRON_PACKING],
+    "blind_rollout": ["--rollout-backend", "tests.learning_ablations:BlindEngine", *MEGATRON_PACKED],
     "blind_training": ["--train-backend", "tests.learning_ablations:BlindTrainer"],
-    "no_weight_sync": ["--rollout-backend", "tests.learning_ablations:FrozenEngine",
-                       "--train-backend", "megatron", *MEGATRON_PACKING],
+    "no_weight_sync": ["--rollout-backend", "tests.learning_ablations:FrozenEngine", *MEGATRON_PACKED],
 }
 """Each replaces one link of the loop of a main run; later flags override :data:`TRAIN_FLAGS`.  The two engine
 ablations train as the Megatron main run does (packed: a third of the FSDP run's train phase), the trainer ablation
@@ -260,7 +258,7 @@ def cpu_runs(request, colour_prior_checkpoint, ray_address, tmp_path_factory) ->
         kind, _, which = name.partition("-")
         if kind != "main":
             return ABLATIONS[which]
-        return ["--train-backend", which, *(MEGATRON_PACKING if which == "megatron" else [])]
+        return MEGATRON_PACKED if which == "megatron" else ["--train-backend", which]
 
     pool = ThreadPoolExecutor(max_workers=RUNS_AT_ONCE, thread_name_prefix="colour-run")
     try:
@@ -318,7 +316,7 @@ def _generation_s(records: list[dict]) -> float:
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_grpo_learns_colour_from_pixels(backend, cpu_runs):
-    """Two trainer ranks on CPU per trainer (``--train-backend``; Megatron packs, :data:`MEGATRON_PACKING`);
+    """Two trainer ranks on CPU per trainer (``--train-backend``; Megatron packs, :data:`MEGATRON_PACKED`);
     ``SLIME_TEST_ARTIFACTS=DIR`` keeps each run in ``DIR/colour-cpu-<backend>`` (for ``python -m
     slime.utils.plot_runs``)."""
     rewards, records = cpu_runs[f"main-{backend}"].result()
@@ -334,7 +332,7 @@ def test_grpo_learns_colour_from_pixels(backend, cpu_runs):
         f"rollout and trainer log-probs differ (mean |diff| per rollout: {gaps}): the engine and the trainer "
         "do not see the same weights or the same pixels"
     )
-    if backend == "megatron":  # MEGATRON_PACKING: one micro-batch per optimizer step and rank
+    if backend == "megatron":  # MEGATRON_PACKED: one micro-batch per optimizer step and rank
         assert {r["train/micro_batches"] for r in records if "train/micro_batches" in r} == {1}, records[-1]
     for r in records:  # the real trainer group over Ray: its sub-phases account for the train phase
         if "perf/train_time_s" in r:
@@ -356,7 +354,7 @@ def test_dynamic_sampling_learns_in_no_more_rollouts(colour_prior_checkpoint, ra
     base_end = first_window_reaching(rewards)
     assert base_end is not None, f"the baseline did not learn: {_curve(rewards)}"
     _, ds_records = run_training(colour_prior_checkpoint, tmp_path / "dynamic_sampling",
-                                 ["--train-backend", "megatron", *MEGATRON_PACKING, *DYNAMIC_SAMPLING_FLAGS],
+                                 [*MEGATRON_PACKED, *DYNAMIC_SAMPLING_FLAGS],
                                  num_rollout=base_end + 1, ray_address=ray_address)
     generated = {r["step"]: r["rollout/dynamic_sampling/generated_reward_mean"] for r in ds_records
                  if "rollout/dynamic_sampling/generated_reward_mean" in r}

@@ -9,11 +9,22 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "megatron_vs_fsdp.py"
+
+
+def _bench_module():
+    """The bench script imported as a module (it is a script, not a package member), for its text functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megatron_vs_fsdp_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 @pytest.mark.timeout(300)
@@ -62,12 +73,7 @@ def test_bench_runs_both_backends_on_the_same_step(tiny_ckpt, tmp_path):
 
 
 def test_the_cuda_profile_splits_the_kernels_device_time_by_kind_without_the_launch_queue_wait():
-    import importlib.util
-    import types
-
-    spec = importlib.util.spec_from_file_location("megatron_vs_fsdp_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
 
     def event(key, cpu_us, device_us):
         return types.SimpleNamespace(key=key, cpu_time_total=cpu_us, self_device_time_total=device_us)
@@ -101,12 +107,7 @@ def test_the_cuda_profile_splits_the_kernels_device_time_by_kind_without_the_lau
 
 
 def test_the_call_site_table_names_the_python_line_that_launched_the_device_time():
-    import importlib.util
-    import types
-
-    spec = importlib.util.spec_from_file_location("megatron_vs_fsdp_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
 
     def event(name, device_us=0, parent=None):
         return types.SimpleNamespace(name=name, self_device_time_total=device_us, self_cpu_time_total=10,
